@@ -1,0 +1,1 @@
+"""The serving engine: paged KV cache, scheduler, model runner. Imports no Ray."""
