@@ -1,0 +1,1 @@
+"""Ray actors: the LLMReplica deployment and the PrefixDirectory."""

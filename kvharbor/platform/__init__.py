@@ -1,0 +1,1 @@
+"""Ray Serve platform: gateway, KV-aware router, app builder."""

@@ -1,0 +1,46 @@
+"""Messages between the gateway, the router and the replicas (plain dataclasses, picklable)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvharbor.engine.hashing import BlockHash
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    """One generation request, as the gateway hands it to ``LLMReplica.generate``.
+
+    ``block_hashes`` are the prompt's full-block hashes, salted by the tenant's cache scope;
+    the router matches them against the prefix directory and the engine recomputes the same
+    hashes (one implementation: :mod:`kvharbor.engine.hashing`).
+    """
+
+    request_id: str
+    tenant: str
+    qos: str
+    prompt_token_ids: list[int]
+    block_hashes: list[BlockHash]
+    sampling: dict                      # SamplingParams fields
+    cache_salt: str | None = None
+    priority: int = 0                   # higher is more important
+    pinned: bool = False                # QoS class reserves pinned KV blocks
+    deadline_s: float | None = None     # absolute time.time() after which to give up
+    metadata: dict = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class RoutingStats:
+    """What a replica reports through ``record_routing_stats`` (as a dict, see ``as_dict``)."""
+
+    replica_id: str
+    block_size: int
+    free_shared_blocks: int
+    free_pinned_blocks: int
+    total_blocks: int
+    num_running: int
+    num_waiting: int
+    queue_by_qos: dict[str, int]
+
+    def as_dict(self) -> dict:
+        return {name: getattr(self, name) for name in self.__slots__}
