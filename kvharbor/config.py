@@ -1,0 +1,42 @@
+"""Configuration models at the edges (pydantic): engine, router and platform."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class QoSSpec(BaseModel):
+    """What the engine needs to know about a QoS class."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    priority: int = Field(0, description="Scheduling priority; higher is served first and preempted last.")
+    pinned: bool = Field(False, description="Requests of this class may use the pinned KV region.")
+    preemptible: bool = Field(True, description="Higher classes may preempt running requests of this class.")
+
+
+DEFAULT_QOS = {
+    "premium": QoSSpec(priority=100, pinned=True, preemptible=False),
+    "standard": QoSSpec(priority=50),
+    "batch": QoSSpec(priority=10),
+}
+
+
+class EngineConfig(BaseModel):
+    """Engine settings; the ``LLM`` keyword arguments of the same names."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str = Field("kvharbor/tiny-llama", description="Builtin id, local checkpoint directory or hub id.")
+    num_kv_blocks: int | None = Field(None, ge=2, description="KV blocks in the cache (None: 4096 on CPU, sized from free memory on CUDA).")
+    block_size: int = Field(16, ge=1, le=256, description="Tokens per KV block.")
+    pinned_kv_blocks: int = Field(0, ge=0, description="Blocks reserved for pinned QoS classes.")
+    device: str = Field("auto", description="'cpu', 'cuda', 'cuda:N' or 'auto' (CUDA when available).")
+    dtype: str = Field("auto", description="'float32', 'float16', 'bfloat16' or 'auto' (bf16 on CUDA, fp32 on CPU).")
+    attention_backend: str = Field("auto", description="'auto' (Triton on CUDA, reference on CPU), 'reference' or 'triton'.")
+    kv_cache_dtype: str = Field("auto", description="'auto' (model dtype), 'int8' or 'fp8_e4m3'.")
+    max_num_batched_tokens: int = Field(2048, ge=1, description="Token budget per step (chunked prefill above it).")
+    max_num_seqs: int = Field(128, ge=1, description="Most requests in one step.")
+    max_model_len: int | None = Field(None, ge=1, description="Longest prompt + output (None: the model's limit).")
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="Share of free GPU memory for the KV cache when num_kv_blocks is None.")
+    seed: int = Field(0, description="Seed of the builtin models' random weights.")
+    qos_classes: dict[str, QoSSpec] = Field(default_factory=lambda: dict(DEFAULT_QOS),
+                                            description="QoS classes by name.")

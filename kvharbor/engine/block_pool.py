@@ -1,0 +1,218 @@
+"""KV blocks, the LRU free queues, the cached-block map and the pinned region.
+
+Every block is in exactly one of three states::
+
+    used    ref_cnt > 0               (held by running requests or by a pinned prefix)
+    cached  ref_cnt == 0, has a hash  (in a free queue AND in the cached map: reusable on a hit)
+    free    ref_cnt == 0, no hash     (in a free queue only)
+
+and in one of two regions, ``pinned`` (reserved for pinned QoS classes) or ``shared``. Each
+region has its own free queue. A free queue is an intrusive doubly-linked list threaded
+through the blocks with sentinel head and tail, so pop, append and remove-from-middle are O(1)
+and allocate nothing. It is also the eviction order (LRU)::
+
+    head <-> b7 <-> b2 <-> b9 <-> tail
+             ^ evicted first       ^ freed last
+
+A cached block keeps its hash while it sits in the queue; the hash (and the cached-map entry)
+is dropped only when the block is popped for reuse. That drop is an *eviction*; it is
+reported as a "removed" KV event.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import NewType
+
+from .hashing import BlockHash
+
+BlockId = NewType("BlockId", int)
+PINNED, SHARED = "pinned", "shared"
+
+
+@dataclass(slots=True, eq=False)
+class KVCacheBlock:
+    """One block of ``block_size`` token slots in every layer's cache."""
+
+    block_id: BlockId
+    region: str = SHARED
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None
+    prev: KVCacheBlock | None = field(default=None, repr=False)
+    next: KVCacheBlock | None = field(default=None, repr=False)
+
+
+class FreeBlockQueue:
+    """Intrusive doubly-linked list of free blocks; head is the next to be reused."""
+
+    def __init__(self) -> None:
+        self.head = KVCacheBlock(BlockId(-1))
+        self.tail = KVCacheBlock(BlockId(-2))
+        self.head.next, self.tail.prev = self.tail, self.head
+        self.num_free = 0
+
+    def append(self, block: KVCacheBlock) -> None:
+        last = self.tail.prev
+        last.next, block.prev, block.next, self.tail.prev = block, last, self.tail, block
+        self.num_free += 1
+
+    def remove(self, block: KVCacheBlock) -> None:
+        block.prev.next, block.next.prev = block.next, block.prev
+        block.prev = block.next = None
+        self.num_free -= 1
+
+    def popleft(self) -> KVCacheBlock:
+        block = self.head.next
+        if block is self.tail:
+            raise IndexError("free queue is empty")
+        self.remove(block)
+        return block
+
+    def __iter__(self):
+        node = self.head.next
+        while node is not self.tail:
+            yield node
+            node = node.next
+
+
+class BlockPool:
+    """All KV blocks of one engine, split into a pinned and a shared region.
+
+    Args:
+        num_blocks: total blocks.
+        num_pinned: blocks reserved for pinned QoS classes (ids ``0 .. num_pinned-1`` at start).
+    """
+
+    def __init__(self, num_blocks: int, num_pinned: int = 0) -> None:
+        if not 0 <= num_pinned <= num_blocks:
+            raise ValueError(f"pinned_kv_blocks must be in [0, num_kv_blocks={num_blocks}], got {num_pinned}")
+        self.blocks = [KVCacheBlock(BlockId(i), PINNED if i < num_pinned else SHARED)
+                       for i in range(num_blocks)]
+        self.free = {PINNED: FreeBlockQueue(), SHARED: FreeBlockQueue()}
+        for block in self.blocks:
+            self.free[block.region].append(block)
+        self.cached: dict[BlockHash, KVCacheBlock] = {}
+        self.num_pinned = num_pinned
+        self.stored_events: list[BlockHash] = []
+        self.removed_events: list[BlockHash] = []
+        self.num_evictions = 0
+
+    # ---- allocation -------------------------------------------------------------------
+    def num_free(self, pinned: bool) -> int:
+        """Blocks a request may allocate: shared ones, plus pinned ones for pinned classes."""
+        return self.free[SHARED].num_free + (self.free[PINNED].num_free if pinned else 0)
+
+    def allocate(self, n: int, pinned: bool) -> list[KVCacheBlock]:
+        """Take ``n`` blocks (pinned region first for pinned classes), each with ref_cnt 1.
+
+        The caller checks ``num_free`` first; running out here is a bug.
+        """
+        out = []
+        for _ in range(n):
+            queue = self.free[PINNED] if pinned and self.free[PINNED].num_free else self.free[SHARED]
+            block = queue.popleft()
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on prefix-hit blocks, unlinking free ones from their queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free[block.region].remove(block)
+            block.ref_cnt += 1
+
+    def release(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference each; blocks reaching 0 go to their queue's tail (in the given order)."""
+        for block in blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free[block.region].append(block)
+
+    # ---- prefix cache -----------------------------------------------------------------
+    def lookup(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        return self.cached.get(block_hash)
+
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
+        """Register a full block under its hash (no-op if another block already holds it)."""
+        if block.block_hash is not None or block_hash in self.cached:
+            return
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+        self.stored_events.append(block_hash)
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is None:
+            return
+        if self.cached.get(block.block_hash) is block:
+            del self.cached[block.block_hash]
+            self.removed_events.append(block.block_hash)
+            self.num_evictions += 1
+        block.block_hash = None
+
+    def evict_all_cached(self) -> int:
+        """Drop every free cached block's hash (a cache reset). Returns how many."""
+        n = 0
+        for queue in self.free.values():
+            for block in queue:
+                if block.block_hash is not None:
+                    self._evict(block)
+                    n += 1
+        return n
+
+    # ---- pinned region ----------------------------------------------------------------
+    def resize_pinned(self, target: int) -> int:
+        """Grow the pinned region from free shared blocks or shrink it by idle pinned ones.
+
+        Moves only free blocks, so it may stop short of ``target``. Returns the new size.
+        """
+        while self.num_pinned < target and self.free[SHARED].num_free:
+            self._move(self.free[SHARED].popleft(), PINNED)
+        while self.num_pinned > target and self.free[PINNED].num_free:
+            self._move(self.free[PINNED].popleft(), SHARED)
+        return self.num_pinned
+
+    def _move(self, block: KVCacheBlock, region: str) -> None:
+        self._evict(block)
+        block.region = region
+        self.free[region].append(block)
+        self.num_pinned += 1 if region == PINNED else -1
+
+    def drain_events(self) -> tuple[list[BlockHash], list[BlockHash]]:
+        """Return and clear (stored, removed) hashes since the last call."""
+        stored, removed = self.stored_events, self.removed_events
+        self.stored_events, self.removed_events = [], []
+        return stored, removed
+
+    # ---- accounting -------------------------------------------------------------------
+    def region_counts(self, region: str) -> dict[str, int]:
+        """Blocks of ``region`` by state: used, cached (free with hash), free (no hash)."""
+        queue = self.free[region]
+        cached_free = sum(1 for b in queue if b.block_hash is not None)
+        total = sum(1 for b in self.blocks if b.region == region)
+        return {"total": total, "used": total - queue.num_free, "cached": cached_free,
+                "free": queue.num_free - cached_free}
+
+    def check_integrity(self) -> None:
+        """Assert: free + used == total per region; queue links, refs and the cached map agree."""
+        seen = set()
+        for region, queue in self.free.items():
+            count = 0
+            node = queue.head
+            while node.next is not queue.tail:
+                assert node.next.prev is node, "broken free-queue link"
+                node = node.next
+                assert node.ref_cnt == 0, f"block {node.block_id} in free queue with refs"
+                assert node.region == region, f"block {node.block_id} in wrong region queue"
+                assert node.block_id not in seen, f"block {node.block_id} queued twice"
+                seen.add(node.block_id)
+                count += 1
+            assert count == queue.num_free, f"{region} free count {queue.num_free} != {count}"
+        for block in self.blocks:
+            assert block.ref_cnt >= 0, f"block {block.block_id} has negative refs"
+            assert (block.ref_cnt == 0) == (block.block_id in seen), f"block {block.block_id} lost"
+        for h, block in self.cached.items():
+            assert block.block_hash == h, "cached map entry does not match block hash"
+        assert sum(b.region == PINNED for b in self.blocks) == self.num_pinned

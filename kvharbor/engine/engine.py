@@ -1,0 +1,242 @@
+"""The engine: add requests, step, stream outputs. Driven by ``LLM`` or the replica actor."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvharbor.config import EngineConfig
+
+from .block_pool import PINNED, SHARED, BlockPool
+from .detokenizer import Detokenizer
+from .kv_cache_manager import KVCacheManager
+from .model_runner import ModelRunner, ScheduledRequest
+from .models import load_model
+from .request import Request, RequestOutput, SamplingParams, Status
+from .scheduler import Scheduler
+
+
+@dataclass(slots=True)
+class KVEvents:
+    """Block hashes stored in / removed from the prefix cache since the previous batch."""
+
+    seq_no: int
+    stored: list
+    removed: list
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
+    except KeyError:
+        raise ValueError(f"dtype must be float32, float16, bfloat16 or auto, got {name!r}") from None
+
+
+class Engine:
+    """One model, one paged KV cache, one scheduler. Not thread-safe; no Ray."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = _resolve_device(config.device)
+        self.dtype = _resolve_dtype(config.dtype, self.device)
+        loaded = load_model(config.model, self.dtype, self.device, config.seed)
+        self.model_name, self.model, self.tokenizer = loaded.name, loaded.model, loaded.tokenizer
+        self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
+        self.block_size = config.block_size
+        num_blocks = config.num_kv_blocks or self._default_num_blocks()
+        self.pool = BlockPool(num_blocks, config.pinned_kv_blocks)
+        self.kv = KVCacheManager(self.pool, self.block_size)
+        self.runner = ModelRunner(self.model, num_blocks, self.block_size, self.device, self.dtype,
+                                  config.attention_backend, config.kv_cache_dtype)
+        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
+        self.scheduler.preemptible = {k: q.preemptible for k, q in config.qos_classes.items()}
+        self.detok = Detokenizer(self.tokenizer)
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self._event_seq = 0
+        self.pinned_prefixes: list[list] = []
+        self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "finished": 0, "aborted": 0}
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        self.eos_ids = {e for e in ([eos] + (gen_eos if isinstance(gen_eos, list) else [gen_eos]))
+                        if e is not None}
+
+    def _default_num_blocks(self) -> int:
+        if self.device.type != "cuda":
+            return 4096
+        cfg = self.model.config
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        per_block = 2 * cfg.num_hidden_layers * kv_heads * head_dim * self.block_size * \
+            torch.empty((), dtype=self.dtype).element_size()
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return max(16, int(free * self.config.gpu_memory_utilization) // per_block)
+
+    # ---- requests -----------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                    tenant: str = "default", qos: str = "standard", cache_salt: str | None = None) -> Request:
+        """Queue a request. Raises ValueError for arguments a caller must fix."""
+        sampling.validate()
+        if qos not in self.config.qos_classes:
+            raise ValueError(f"unknown QoS class {qos!r}; known: {sorted(self.config.qos_classes)}")
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
+        total = len(prompt_token_ids) + sampling.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({sampling.max_tokens}) = "
+                             f"{total} exceeds the model's context of {self.max_model_len} tokens; "
+                             f"shorten the prompt or lower max_tokens")
+        spec = self.config.qos_classes[qos]
+        capacity = self.pool.num_free(True) + sum(b.ref_cnt > 0 for b in self.pool.blocks)
+        if not spec.pinned:
+            capacity -= self.pool.num_pinned
+        if -(-total // self.block_size) > capacity:
+            raise ValueError(f"request needs {-(-total // self.block_size)} KV blocks but only {capacity} "
+                             f"exist for QoS class {qos!r}; raise num_kv_blocks or lower max_tokens")
+        req = Request(request_id, list(prompt_token_ids), sampling, tenant=tenant, qos=qos,
+                      priority=spec.priority, pinned=spec.pinned, cache_salt=cache_salt,
+                      arrival=time.monotonic(), arrival_seq=next(self._arrivals))
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        self.counters["prompt_tokens"] += len(prompt_token_ids)
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its blocks. Returns False if it is unknown or finished."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.remove(req)
+        self.detok.forget(request_id)
+        req.status, req.finish_reason = Status.FINISHED, "abort"
+        self.counters["aborted"] += 1
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- stepping -----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample; return outputs of requests that advanced."""
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
+            return []
+        tokens = self.runner.execute(plan.scheduled)
+        outputs = []
+        sampled = iter(tokens)
+        for item in plan.scheduled:
+            req = item.request
+            samples = item.samples
+            req.num_computed_tokens += item.num_new_tokens
+            self.kv.cache_full_blocks(req)
+            if samples:
+                outputs.append(self._append_token(req, next(sampled)))
+        return outputs
+
+    def _append_token(self, req: Request, token: int) -> RequestOutput:
+        req.all_token_ids.append(token)
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        self.counters["generated_tokens"] += 1
+        self.detok.update(req)
+        reason = self._finish_reason(req, token)
+        new_text = self.detok.delta(req, final=reason is not None)
+        if reason is not None:
+            req.finish_reason, req.status = reason, Status.FINISHED
+            self.scheduler.remove(req)
+            self.requests.pop(req.request_id, None)
+            self.counters["finished"] += 1
+        return RequestOutput(req.request_id, req.prompt_token_ids, req.output_token_ids,
+                             req.output_text, req.finish_reason, max(req.num_cached_tokens, 0),
+                             [token], new_text)
+
+    def _finish_reason(self, req: Request, token: int) -> str | None:
+        sp = req.sampling
+        n_out = len(req.output_token_ids)
+        if n_out >= sp.min_tokens:
+            if not sp.ignore_eos and token in self.eos_ids:
+                return "stop"
+            if token in sp.stop_token_ids:
+                return "stop"
+            if sp.stop and self.detok.truncate_at_stop(req, sp.stop):
+                return "stop"
+        if n_out >= sp.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    # ---- pinned prefixes, events, stats --------------------------------------------------
+    def pin_prefix(self, token_ids: list[int], qos: str, cache_salt: str | None = None) -> int:
+        """Prefill ``token_ids`` now and keep its full blocks cached forever (a pinned prompt).
+
+        Blocks come from the pinned region when ``qos`` is a pinned class. Returns the number
+        of blocks pinned. Raises RuntimeError when the cache cannot hold the prefix.
+        """
+        spec = self.config.qos_classes[qos]
+        req = Request(f"pin-{next(self._arrivals)}", list(token_ids), SamplingParams(max_tokens=1),
+                      qos=qos, pinned=spec.pinned, cache_salt=cache_salt)
+        hit = self.kv.get_computed_blocks(req)
+        if not self.kv.can_allocate(req, req.num_tokens - hit.num_tokens, hit):
+            raise RuntimeError(f"no room to pin a {req.num_tokens}-token prefix; raise pinned_kv_blocks")
+        self.kv.allocate(req, req.num_tokens - hit.num_tokens, hit)
+        while req.num_computed_tokens < req.num_tokens:
+            n = min(self.config.max_num_batched_tokens, req.num_tokens - req.num_computed_tokens)
+            self.runner.forward_logits([ScheduledRequest(req, n)])
+            req.num_computed_tokens += n
+        kept = self.kv.pin_prefix(req)
+        self.kv.free(req)
+        self.pinned_prefixes.append(kept)
+        return len(kept)
+
+    def drain_kv_events(self) -> KVEvents:
+        stored, removed = self.pool.drain_events()
+        self._event_seq += 1
+        return KVEvents(self._event_seq, stored, removed)
+
+    def cached_block_hashes(self) -> set:
+        return set(self.pool.cached)
+
+    def stats(self) -> dict:
+        pinned, shared = self.pool.region_counts(PINNED), self.pool.region_counts(SHARED)
+        running = self.scheduler.running
+        return {
+            "blocks_total": len(self.pool.blocks),
+            "blocks_free": pinned["free"] + pinned["cached"] + shared["free"] + shared["cached"],
+            "blocks_cached": len(self.pool.cached),
+            "blocks_used": pinned["used"] + shared["used"],
+            "shared_blocks_total": shared["total"],
+            "shared_blocks_used": shared["used"],
+            "shared_blocks_free": shared["free"] + shared["cached"],
+            "pinned_blocks_total": pinned["total"],
+            "pinned_blocks_used": pinned["used"],
+            "pinned_blocks_reserved_idle": pinned["free"] + pinned["cached"],
+            "prompt_tokens": self.counters["prompt_tokens"],
+            "generated_tokens": self.counters["generated_tokens"],
+            "prefix_query_tokens": self.kv.prefix_queries,
+            "prefix_hit_tokens": self.kv.prefix_hits,
+            "preemptions": self.scheduler.num_preemptions,
+            "evictions": self.pool.num_evictions,
+            "num_running": len(running),
+            "num_waiting": len(self.scheduler.waiting),
+            "block_size": self.block_size,
+            "kv_bytes_per_token": self.runner.kv_bytes_per_token,
+            "kv_cache_dtype": str(self.runner.kv_cache_dtype).removeprefix("torch."),
+        }
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()
+        held = sum(len(r.blocks) for r in self.scheduler.running)
+        assert all(not r.blocks for r in self.scheduler.waiting), "waiting request holds blocks"
+        assert held <= sum(b.ref_cnt for b in self.pool.blocks), "request holds a block without a ref"

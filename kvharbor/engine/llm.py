@@ -1,0 +1,85 @@
+"""``LLM``: the offline API over the engine."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from kvharbor.config import EngineConfig
+
+from .engine import Engine
+from .request import RequestOutput, SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    """Generate with a paged-KV engine in this process.
+
+    >>> llm = LLM(model="kvharbor/tiny-llama", device="cpu")
+    >>> out = llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))[0]
+
+    Keyword arguments are :class:`kvharbor.config.EngineConfig` fields.
+    """
+
+    def __init__(self, model: str = "kvharbor/tiny-llama", **kwargs) -> None:
+        self.engine = Engine(EngineConfig(model=model, **kwargs))
+        self._ids = itertools.count()
+
+    @property
+    def hf_model(self):
+        """The transformers model the engine runs (an oracle for tests)."""
+        return self.engine.model
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt)["input_ids"])
+        return [int(t) for t in prompt]
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 tenant: str = "default", qos: str = "standard",
+                 cache_salt: str | None = None) -> list[RequestOutput]:
+        """Run all prompts together (continuous batching); outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        ids = []
+        for prompt, sp in zip(prompts, params):
+            rid = f"offline-{next(self._ids)}"
+            self.engine.add_request(rid, self.encode(prompt), _copy(sp), tenant=tenant, qos=qos,
+                                    cache_salt=cache_salt)
+            ids.append(rid)
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
+
+    def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
+             **kwargs) -> RequestOutput:
+        """One chat turn through the tokenizer's chat template."""
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return self.generate([list(ids)], sampling_params, **kwargs)[0]
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def check_integrity(self) -> None:
+        self.engine.check_integrity()
+
+
+def _copy(sp: SamplingParams) -> SamplingParams:
+    """Each request gets its own params (the engine may normalise them)."""
+    return SamplingParams(**{f: getattr(sp, f) for f in sp.__slots__})

@@ -1,0 +1,115 @@
+"""Runs one engine step through a transformers model over the paged KV cache.
+
+Batch building for a step with a prefill chunk (A, 3 tokens) and a decode (B)::
+
+    input_ids   [a5 a6 a7 | b9]          positions [5 6 7 | 9]
+    slot_map    [s(A,5) s(A,6) s(A,7) | s(B,9)]
+    query_start [0, 3, 4]                 seq_lens  [8, 10]
+    logits rows [2, 3]   (only requests whose prompt is fully computed sample)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvharbor.kernels import KV_CACHE_DTYPES, LayerKVCache, get_attention_backend
+
+from . import attention
+from .request import Request
+from .sampling import sample
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step: ``num_new_tokens`` starting at ``num_computed_tokens``."""
+
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+
+
+class ModelRunner:
+    """Owns the model, the KV cache tensors and the attention backend."""
+
+    def __init__(self, model, num_blocks: int, block_size: int, device: torch.device,
+                 dtype: torch.dtype, attention_backend: str = "auto", kv_cache_dtype: str = "auto"):
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.backend = get_attention_backend(attention_backend, device)
+        cfg = model.config
+        self._hf_attention = cfg._attn_implementation
+        self.num_layers = cfg.num_hidden_layers
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+        self.kv_cache_dtype = KV_CACHE_DTYPES[kv_cache_dtype] or dtype
+        shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        self.caches = [LayerKVCache(torch.zeros(shape, dtype=self.kv_cache_dtype, device=device),
+                                    torch.zeros(shape, dtype=self.kv_cache_dtype, device=device))
+                       for _ in range(self.num_layers)]
+        if KV_CACHE_DTYPES[kv_cache_dtype] is not None:
+            from .kv_calibration import calibrate_kv_scales  # noqa: PLC0415
+
+            calibrate_kv_scales(self, self.kv_cache_dtype)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of KV cache one token occupies across all layers (scales are per head, ~0)."""
+        elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+    def _build(self, batch: list[ScheduledRequest]):
+        ids, pos, slots, qsl, lens, tables, logit_rows = [], [], [], [0], [], [], []
+        bs = self.block_size
+        for item in batch:
+            r, start = item.request, item.request.num_computed_tokens
+            end = start + item.num_new_tokens
+            ids += r.all_token_ids[start:end]
+            pos += range(start, end)
+            block_ids = [b.block_id for b in r.blocks]
+            slots += [block_ids[p // bs] * bs + p % bs for p in range(start, end)]
+            qsl.append(qsl[-1] + item.num_new_tokens)
+            lens.append(end)
+            tables.append(block_ids)
+            if item.samples:
+                logit_rows.append(qsl[-1] - 1)
+        width = max(len(t) for t in tables)
+        dev = self.device
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev)
+        ctx = attention.AttentionContext(
+            self.caches, self.backend,
+            torch.tensor(slots, dtype=torch.int64, device=dev), table,
+            torch.tensor(lens, dtype=torch.int32, device=dev),
+            torch.tensor(qsl, dtype=torch.int32, device=dev), max(lens))
+        return (torch.tensor([ids], device=dev), torch.tensor([pos], device=dev), ctx,
+                torch.tensor(logit_rows, dtype=torch.int64, device=dev))
+
+    @torch.inference_mode()
+    def forward_logits(self, batch: list[ScheduledRequest]) -> torch.Tensor:
+        """Run the step; return logits ``[num_sampling_requests, vocab]``."""
+        input_ids, positions, ctx, rows = self._build(batch)
+        keep = rows if rows.numel() else 1           # a pure prefill chunk samples nothing
+        # The paged attention is switched on only for the engine's own forward, so
+        # ``llm.hf_model`` stays a stock transformers model (the tests' oracle).
+        self.model.config._attn_implementation = attention.ATTN_IMPLEMENTATION
+        try:
+            out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False,
+                             logits_to_keep=keep, kvh_ctx=ctx)
+        finally:
+            self.model.config._attn_implementation = self._hf_attention
+        return out.logits[0] if rows.numel() else out.logits[0, :0]
+
+    def execute(self, batch: list[ScheduledRequest]) -> list[int]:
+        """Run the step and sample one token per request whose tokens are all computed."""
+        logits = self.forward_logits(batch)
+        sampling = [item.request for item in batch if item.samples]
+        return sample(logits, sampling) if sampling else []

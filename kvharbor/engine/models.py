@@ -1,0 +1,70 @@
+"""Model loading: builtin tiny models, local checkpoint directories, hub ids.
+
+The builtin models are built from a config with seeded random weights and the byte-level
+tokenizer, so everything runs offline. Their output is gibberish by design.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MistralConfig,
+                          PretrainedConfig, Qwen2Config)
+
+from .tokenizer import VOCAB_SIZE, byte_tokenizer
+
+_COMMON = dict(vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=512,
+               num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=32,
+               max_position_embeddings=4096, pad_token_id=256, bos_token_id=257,
+               eos_token_id=258, tie_word_embeddings=False, initializer_range=0.08)
+
+BUILTIN_MODELS: dict[str, PretrainedConfig] = {
+    "kvharbor/tiny-llama": LlamaConfig(**_COMMON),
+    "kvharbor/tiny-qwen2": Qwen2Config(**{**_COMMON, "num_key_value_heads": 4}),
+    "kvharbor/tiny-mistral": MistralConfig(**{**_COMMON, "sliding_window": 64}),
+}
+DEFAULT_MODEL = "kvharbor/tiny-llama"
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    name: str
+    model: torch.nn.Module
+    tokenizer: object
+    max_model_len: int
+
+
+def load_model(name: str, dtype: torch.dtype, device: torch.device, seed: int = 0) -> LoadedModel:
+    """Load ``name``: a builtin id, a local checkpoint directory or a hub id.
+
+    Raises:
+        ValueError: the model cannot be found; the message lists the builtin ids.
+    """
+    if name in BUILTIN_MODELS:
+        config = BUILTIN_MODELS[name]
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        tokenizer = byte_tokenizer()
+    elif name.startswith("kvharbor/"):
+        raise ValueError(f"unknown builtin model {name!r}; choose one of {sorted(BUILTIN_MODELS)}")
+    else:
+        model, tokenizer = _load_pretrained(name)
+    model = model.to(device=device, dtype=dtype).eval()
+    max_len = getattr(model.config, "max_position_embeddings", None) or 2048
+    return LoadedModel(name, model, tokenizer, int(max_len))
+
+
+def _load_pretrained(name: str):
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as e:
+        where = "local directory" if os.path.isdir(name) else "hub id"
+        raise ValueError(
+            f"cannot load model {name!r} as a {where}: {e}. Use a builtin model "
+            f"({', '.join(sorted(BUILTIN_MODELS))}), a local checkpoint directory with "
+            f"config.json, weights and tokenizer files, or a hub id reachable from here") from e
+    return model, tokenizer

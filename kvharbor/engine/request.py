@@ -1,0 +1,112 @@
+"""Sampling parameters, per-request engine state and outputs."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from .block_pool import KVCacheBlock
+from .hashing import BlockHash, hash_prompt_blocks
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    ``temperature == 0`` is greedy. ``top_k <= 0`` and ``top_p == 1`` disable those filters.
+    ``seed`` makes sampling reproducible per request.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field to fix."""
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """Engine-side state of one request. ``all_token_ids`` = prompt + generated so far."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    tenant: str = "default"
+    qos: str = "standard"
+    priority: int = 0
+    pinned: bool = False
+    cache_salt: str | None = None
+    arrival: float = 0.0
+    arrival_seq: int = 0
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1          # prefix-hit tokens at first schedule (-1: not yet)
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    blocks: list[KVCacheBlock] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    output_text: str = ""
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    generator: object = None             # torch.Generator when seeded
+
+    def __post_init__(self) -> None:
+        if not self.all_token_ids:
+            self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids):]
+
+    def update_block_hashes(self, block_size: int) -> None:
+        """Extend ``block_hashes`` to cover every full block of ``all_token_ids``."""
+        start = len(self.block_hashes)
+        parent = self.block_hashes[-1] if start else None
+        self.block_hashes += hash_prompt_blocks(self.all_token_ids, block_size, self.cache_salt,
+                                                start=start, parent=parent)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What ``generate`` returns, and what ``Engine.step`` streams (``new_token_ids`` is the delta)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    num_cached_tokens: int
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,156 @@
+"""Continuous batching with QoS priorities, per-tenant fairness, chunked prefill, preemption.
+
+Each step walks requests in one order and gives each as many tokens as the step's budget
+allows (a prompt longer than the budget is prefilled in chunks over several steps)::
+
+    order = (higher priority first,
+             running before waiting,
+             waiting: lower tenant virtual-token counter first (fairness inside a class),
+             earlier arrival first)
+
+When blocks run out, the victim is the *running* request latest in that order (lowest
+priority, latest arrival) that has not been scheduled yet in this step, so a step never undoes
+work. A waiting request may only preempt strictly lower classes; a running one may preempt
+equal or lower ones, and otherwise is preempted itself. Preemption frees the victim's blocks
+(its full blocks stay in the prefix cache, so recompute is mostly prefix hits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .kv_cache_manager import KVCacheManager, PrefixHit
+from .model_runner import ScheduledRequest
+from .request import Request, Status
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class FairShare:
+    """Virtual token counters per (QoS class, tenant): who has been served least goes first.
+
+    A tenant that becomes active starts at the smallest counter among active tenants of its
+    class, so idling earns no credit.
+    """
+
+    def __init__(self) -> None:
+        self.vtokens: dict[tuple[str, str], float] = {}
+
+    def key(self, req: Request) -> float:
+        k = (req.qos, req.tenant)
+        if k not in self.vtokens:
+            same = [v for (q, _), v in self.vtokens.items() if q == req.qos]
+            self.vtokens[k] = min(same) if same else 0.0
+        return self.vtokens[k]
+
+    def charge(self, req: Request, tokens: int) -> None:
+        self.vtokens[(req.qos, req.tenant)] = self.key(req) + tokens
+
+
+class Scheduler:
+    """Decides, each step, which requests run and how many tokens each computes."""
+
+    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int):
+        self.kv = kv
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.fair = FairShare()
+        self.num_preemptions = 0
+        self.preemptible: dict[str, bool] = {}
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def remove(self, req: Request) -> None:
+        """Drop a finished or aborted request and free its blocks."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+
+    def _order(self) -> list[Request]:
+        running = sorted(self.running, key=lambda r: (-r.priority, r.arrival_seq))
+        waiting = sorted(self.waiting, key=lambda r: (-r.priority, self.fair.key(r), r.arrival_seq))
+        merged = [(r.priority, 0, i, r) for i, r in enumerate(running)]
+        merged += [(r.priority, 1, i, r) for i, r in enumerate(waiting)]
+        merged.sort(key=lambda t: (-t[0], t[1], t[2]))
+        return [t[3] for t in merged]
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        pending = self._order()
+        num_seqs = 0
+        admitting = True
+        i = 0
+        while i < len(pending) and budget > 0:
+            req = pending[i]
+            waiting = req.status != Status.RUNNING
+            if waiting and (not admitting or num_seqs >= self.max_num_seqs):
+                i += 1
+                continue
+            hit = self.kv.get_computed_blocks(req) if waiting else None
+            computed = req.num_computed_tokens + (hit.num_tokens if hit else 0)
+            num_new = min(req.num_tokens - computed, budget)
+            if self._make_room(req, num_new, hit, pending, i, out):
+                self._admit(req, num_new, hit, waiting)
+                out.scheduled.append(ScheduledRequest(req, num_new))
+                budget -= num_new
+                num_seqs += 1
+                i += 1
+            elif waiting:
+                admitting = False      # head-of-line: do not let later arrivals overtake
+                i += 1
+            else:
+                self._preempt(req, out)
+                pending.pop(i)
+        return out
+
+    def _make_room(self, req, num_new, hit: PrefixHit | None, pending, i, out) -> bool:
+        """Preempt victims after position ``i`` until ``req`` fits. False if it cannot."""
+        if self.kv.can_allocate(req, num_new, hit):
+            return True
+        waiting = req.status != Status.RUNNING
+        victims = [v for v in pending[i + 1:] if v.status == Status.RUNNING and
+                   (v.priority < req.priority if waiting else v.priority <= req.priority) and
+                   (not waiting or self.preemptible.get(v.qos, True))]
+        reclaimable = sum(len(v.blocks) for v in victims)
+        if self.kv.blocks_needed(req, num_new, hit) > self.kv.pool.num_free(req.pinned) + reclaimable:
+            return False
+        while victims and not self.kv.can_allocate(req, num_new, hit):
+            victim = victims.pop()
+            pending.remove(victim)
+            self._preempt(victim, out)
+        return self.kv.can_allocate(req, num_new, hit)
+
+    def _admit(self, req: Request, num_new: int, hit: PrefixHit | None, waiting: bool) -> None:
+        self.kv.allocate(req, num_new, hit)
+        if waiting:
+            self.waiting.remove(req)
+            self.running.append(req)
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = hit.num_tokens
+                self.kv.record_hit(req, hit)
+            req.status = Status.RUNNING
+        self.fair.charge(req, num_new)
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = Status.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.append(req)
+        out.preempted.append(req)

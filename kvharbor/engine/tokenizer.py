@@ -1,0 +1,52 @@
+"""A byte-level tokenizer for the builtin models: 256 byte tokens + <pad>, <s>, </s>.
+
+It is a real ``PreTrainedTokenizerFast`` (so chat templates, ``save_pretrained`` and the
+whole transformers API work) built offline: ids 0-255 are the bytes, no merges.
+"""
+
+from __future__ import annotations
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+PAD, BOS, EOS = "<pad>", "<s>", "</s>"
+VOCAB_SIZE = 259
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """Build the byte-level tokenizer (deterministic, no files needed)."""
+    byte_to_char = pre_tokenizers.ByteLevel.alphabet()
+    # ByteLevel maps every byte to a printable char; order the vocab by byte value.
+    mapping = _bytes_to_unicode()
+    vocab = {mapping[b]: b for b in range(256)}
+    assert set(vocab) == set(byte_to_char)
+    vocab.update({PAD: 256, BOS: 257, EOS: 258})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([PAD, BOS, EOS])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS,
+                                   pad_token=PAD, clean_up_tokenization_spaces=False)
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """The GPT-2 byte -> printable character table that ByteLevel uses."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
