@@ -1,0 +1,57 @@
+"""Property test: random allocate / append / free / hit / evict sequences keep the pool sound."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvharbor.engine.block_pool import PINNED, BlockPool
+from kvharbor.engine.kv_cache_manager import KVCacheManager
+from kvharbor.engine.request import Request, SamplingParams
+
+BS = 4
+OPS = st.lists(st.tuples(st.sampled_from(["new", "append", "free", "resize", "reset"]),
+                         st.integers(0, 7), st.integers(1, 30), st.booleans()),
+               min_size=1, max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(OPS)
+def test_pool_integrity_under_random_operations(ops):
+    pool = BlockPool(num_blocks=32, num_pinned=6)
+    kv = KVCacheManager(pool, BS)
+    live: dict[int, Request] = {}
+    for op, key, n, pinned in ops:
+        if op == "new" and key not in live:
+            # A few shared prompt families so that prefix hits happen.
+            prompt = [key % 3] * n
+            req = Request(f"r{key}", prompt, SamplingParams(), pinned=pinned)
+            hit = kv.get_computed_blocks(req)
+            if kv.can_allocate(req, req.num_tokens - hit.num_tokens, hit):
+                kv.allocate(req, req.num_tokens - hit.num_tokens, hit)
+                req.num_computed_tokens = req.num_tokens
+                kv.cache_full_blocks(req)
+                live[key] = req
+        elif op == "append" and key in live:
+            req = live[key]
+            req.all_token_ids.extend([7] * min(n, 5))
+            new = req.num_tokens - req.num_computed_tokens
+            if kv.can_allocate(req, new):
+                kv.allocate(req, new)
+                req.num_computed_tokens = req.num_tokens
+                kv.cache_full_blocks(req)
+        elif op == "free" and key in live:
+            kv.free(live.pop(key))
+        elif op == "resize":
+            pool.resize_pinned(n % 12)
+        elif op == "reset":
+            pool.evict_all_cached()
+        pool.check_integrity()
+        for req in live.values():
+            assert len(req.blocks) * BS >= req.num_computed_tokens
+            if not req.pinned:
+                assert all(b.region != PINNED for b in req.blocks)
+    for req in live.values():
+        kv.free(req)
+    pool.check_integrity()
+    assert all(b.ref_cnt == 0 for b in pool.blocks), "blocks leaked after freeing every request"

@@ -1,0 +1,79 @@
+"""The pinned region: reserved for pinned QoS classes, never taken by others."""
+
+from __future__ import annotations
+
+import random
+
+from kvharbor import LLM, SamplingParams
+from kvharbor.engine.block_pool import PINNED
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(n)]
+
+
+def _assert_no_standard_holds_pinned(llm: LLM) -> None:
+    for req in llm.engine.scheduler.running:
+        if req.qos != "premium":
+            assert all(b.region != PINNED for b in req.blocks), f"{req.qos} request holds a pinned block"
+
+
+def test_standard_flood_never_takes_pinned_blocks_and_premium_still_runs():
+    llm = LLM(device="cpu", num_kv_blocks=64, pinned_kv_blocks=16, max_num_batched_tokens=512)
+    engine = llm.engine
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    for i in range(12):                      # 12 x 6 blocks > 48 shared blocks
+        engine.add_request(f"std-{i}", _prompt(95, i), sp, tenant="flood", qos="standard")
+    for _ in range(3):
+        engine.step()
+        _assert_no_standard_holds_pinned(llm)
+    stats = llm.stats()
+    assert stats["shared_blocks_free"] <= 2, "the flood should hold (almost) every shared block"
+    assert stats["pinned_blocks_used"] == 0
+    engine.add_request("premium-0", _prompt(100, 99), sp, tenant="vip", qos="premium")
+    done = {}
+    steps = 0
+    while "premium-0" not in done:
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        _assert_no_standard_holds_pinned(llm)
+        engine.check_integrity()
+        steps += 1
+    # The premium request was admitted at once and ran alongside the flood.
+    assert steps <= sp.max_tokens + 2
+    assert len(done["premium-0"].token_ids) == sp.max_tokens
+    while engine.has_unfinished():
+        engine.step()
+        _assert_no_standard_holds_pinned(llm)
+    engine.check_integrity()
+    assert llm.stats()["pinned_blocks_used"] == 0
+
+
+def test_premium_borrows_shared_when_pinned_region_is_full():
+    llm = LLM(device="cpu", num_kv_blocks=64, pinned_kv_blocks=4)
+    out = llm.generate([_prompt(200, 1)], SamplingParams(max_tokens=4, temperature=0), qos="premium")[0]
+    assert len(out.token_ids) == 4
+    llm.check_integrity()
+
+
+def test_pinned_prefix_survives_a_flood_that_evicts_everything_else():
+    llm = LLM(device="cpu", num_kv_blocks=48, pinned_kv_blocks=16)
+    system = _prompt(128, 7)
+    assert llm.engine.pin_prefix(system, qos="premium") == 8
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    llm.generate([_prompt(300, s) for s in range(10, 20)], sp, qos="standard")   # churn
+    out = llm.generate([system + _prompt(10, 3)], sp, qos="premium")[0]
+    assert out.num_cached_tokens == 128
+    assert llm.stats()["pinned_blocks_used"] >= 8
+    llm.check_integrity()
+
+
+def test_region_resizes_from_free_blocks():
+    llm = LLM(device="cpu", num_kv_blocks=64, pinned_kv_blocks=8)
+    pool = llm.engine.pool
+    assert pool.resize_pinned(20) == 20
+    assert llm.stats()["pinned_blocks_total"] == 20
+    assert pool.resize_pinned(4) == 4
+    pool.check_integrity()

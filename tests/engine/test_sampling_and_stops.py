@@ -1,0 +1,87 @@
+"""Sampling controls, stop conditions and the streaming step API."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvharbor import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(device="cpu", num_kv_blocks=256)
+
+
+def test_seeded_sampling_is_reproducible_and_seeds_differ(llm):
+    prompts = ["once upon a time"] * 3
+    params = [SamplingParams(max_tokens=16, temperature=1.0, seed=s, ignore_eos=True) for s in (1, 1, 2)]
+    a, b, c = llm.generate(prompts, params)
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+
+
+def test_top_k_one_is_greedy(llm):
+    greedy = llm.generate(["abc"], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    topk = llm.generate(["abc"], SamplingParams(max_tokens=12, temperature=0.7, top_k=1, seed=3,
+                                                ignore_eos=True))[0]
+    assert greedy.token_ids == topk.token_ids
+
+
+def test_tiny_top_p_is_greedy(llm):
+    greedy = llm.generate(["xyz"], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    nucleus = llm.generate(["xyz"], SamplingParams(max_tokens=12, temperature=1.0, top_p=1e-6,
+                                                   seed=5, ignore_eos=True))[0]
+    assert greedy.token_ids == nucleus.token_ids
+
+
+def test_max_tokens_and_stop_token_ids(llm):
+    base = llm.generate(["hello"], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0]
+    assert len(base.token_ids) == 10 and base.finish_reason == "length"
+    stop_at = base.token_ids[4]
+    first = base.token_ids.index(stop_at)
+    stopped = llm.generate(["hello"], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True,
+                                                     stop_token_ids=[stop_at]))[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == base.token_ids[:first + 1]
+
+
+def test_stop_string_truncates_text(llm):
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    base = llm.generate(["The harbor"], sp)[0]
+    text = base.text
+    stop = next(text[i:i + 2] for i in range(3, len(text) - 2) if "\ufffd" not in text[i:i + 2])
+    out = llm.generate(["The harbor"], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                                                      stop=[stop]))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == text[:text.find(stop)]
+    assert stop not in out.text
+
+
+def test_streamed_deltas_add_up_and_abort_frees_blocks(llm):
+    engine = llm.engine
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    engine.add_request("s1", llm.encode("streaming test"), sp)
+    engine.add_request("s2", list(range(1, 100)), sp)
+    deltas, text = [], ""
+    final = None
+    while final is None:
+        for out in engine.step():
+            if out.request_id == "s1":
+                deltas += out.new_token_ids
+                text += out.new_text
+                final = out if out.finished else None
+        if engine.requests.get("s2") is not None and engine.requests["s2"].num_computed_tokens:
+            assert engine.abort("s2")
+    assert deltas == final.token_ids
+    assert text == final.text
+    assert not engine.has_unfinished()
+    assert llm.stats()["blocks_used"] == 0
+    engine.check_integrity()
+
+
+def test_chat_uses_the_chat_template(llm):
+    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=4, temperature=0))
+    templated = llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}],
+                                                  add_generation_prompt=True, tokenize=False)
+    assert templated.endswith("<|assistant|>\n")
+    assert len(out.prompt_token_ids) == len(templated.encode())
