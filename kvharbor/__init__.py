@@ -1,20 +1,25 @@
 """kvharbor: multi-tenant LLM serving on Ray Serve with a paged, QoS-aware KV cache.
 
 ``from kvharbor import LLM, SamplingParams`` for offline use; ``serve run kvharbor.app`` to serve.
+Names are resolved lazily (PEP 562), so ``import kvharbor.tenants`` does not load torch and
+``import kvharbor`` does not start Ray.
 """
 
 from __future__ import annotations
 
-from kvharbor.engine.llm import LLM
-from kvharbor.engine.request import RequestOutput, SamplingParams
-
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "app", "build_app"]
+
+_LAZY = {"LLM": ("kvharbor.engine.llm", "LLM"),
+         "SamplingParams": ("kvharbor.engine.request", "SamplingParams"),
+         "RequestOutput": ("kvharbor.engine.request", "RequestOutput"),
+         "build_app": ("kvharbor.platform.app", "build_app"),
+         "app": ("kvharbor.platform.app", "app")}
 
 
 def __getattr__(name: str):
-    """Lazy ``app`` / ``build_app`` so importing kvharbor does not import Ray Serve."""
-    if name in ("app", "build_app"):
-        from kvharbor.platform import app as app_module  # noqa: PLC0415
+    if name not in _LAZY:
+        raise AttributeError(f"module 'kvharbor' has no attribute {name!r}")
+    import importlib  # noqa: PLC0415
 
-        return app_module.app if name == "app" else app_module.build_app
-    raise AttributeError(f"module 'kvharbor' has no attribute {name!r}")
+    module, attr = _LAZY[name]
+    return getattr(importlib.import_module(module), attr)

@@ -40,3 +40,26 @@ class EngineConfig(BaseModel):
     seed: int = Field(0, description="Seed of the builtin models' random weights.")
     qos_classes: dict[str, QoSSpec] = Field(default_factory=lambda: dict(DEFAULT_QOS),
                                             description="QoS classes by name.")
+
+
+class PlatformConfig(BaseModel):
+    """Arguments of ``build_app`` (``serve run kvharbor:build_app key=value ...``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str = Field("kvharbor/tiny-llama", description="Model served by every replica.")
+    tenants: str | None = Field(None, description="tenants.yaml path (None: ./tenants.yaml or the packaged example).")
+    replicas: int | None = Field(None, ge=1, description="LLM replicas (None: one per GPU, or 2 on CPU).")
+    gateway_replicas: int = Field(1, ge=1, description="Gateway (HTTP ingress) replicas.")
+    num_kv_blocks: int | None = Field(None, ge=2, description="KV blocks per replica (None: engine default).")
+    block_size: int = Field(16, ge=1, description="Tokens per KV block.")
+    pinned_kv_blocks: int = Field(0, ge=0, description="Minimum pinned region per replica (tenants.yaml may ask for more).")
+    device: str = Field("auto", description="Replica device: 'auto', 'cpu' or 'cuda'.")
+    dtype: str = Field("auto", description="Model dtype (see EngineConfig).")
+    attention_backend: str = Field("auto", description="'auto', 'reference' or 'triton'.")
+    kv_cache_dtype: str = Field("auto", description="'auto', 'int8' or 'fp8_e4m3'.")
+    max_num_batched_tokens: int = Field(2048, ge=1, description="Token budget per engine step.")
+    router: str = Field("kv", description="Request router: 'kv' (KV-aware), 'pow2' (Serve default) or 'round_robin'.")
+    replica_cpus: float = Field(0.5, gt=0, description="num_cpus per LLM replica when on CPU.")
+    cpu_threads: int | None = Field(1, ge=1, description="torch threads per CPU replica (None: torch default).")
+    directory_name: str = Field("kvharbor-prefix-directory", description="Named PrefixDirectory actor.")
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Largest accepted HTTP request body.")

@@ -200,10 +200,20 @@ class Engine:
         self.pinned_prefixes.append(kept)
         return len(kept)
 
-    def drain_kv_events(self) -> KVEvents:
+    def drain_kv_events(self) -> KVEvents | None:
+        """Events since the last call, or None if there are none.
+
+        Batches are numbered 0, 1, 2, ...; ``last_event_seq`` is the latest number handed out.
+        """
         stored, removed = self.pool.drain_events()
+        if not stored and not removed:
+            return None
         self._event_seq += 1
-        return KVEvents(self._event_seq, stored, removed)
+        return KVEvents(self._event_seq - 1, stored, removed)
+
+    @property
+    def last_event_seq(self) -> int:
+        return self._event_seq - 1
 
     def cached_block_hashes(self) -> set:
         return set(self.pool.cached)

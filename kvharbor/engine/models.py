@@ -68,3 +68,22 @@ def _load_pretrained(name: str):
             f"({', '.join(sorted(BUILTIN_MODELS))}), a local checkpoint directory with "
             f"config.json, weights and tokenizer files, or a hub id reachable from here") from e
     return model, tokenizer
+
+
+def load_tokenizer(name: str):
+    """The tokenizer of ``name`` without loading weights (for the gateway)."""
+    if name in BUILTIN_MODELS:
+        return byte_tokenizer()
+    if name.startswith("kvharbor/"):
+        raise ValueError(f"unknown builtin model {name!r}; choose one of {sorted(BUILTIN_MODELS)}")
+    return AutoTokenizer.from_pretrained(name)
+
+
+def model_context_length(name: str) -> int:
+    """The model's maximum context (``max_position_embeddings``) without loading weights."""
+    if name in BUILTIN_MODELS:
+        return BUILTIN_MODELS[name].max_position_embeddings
+    from transformers import AutoConfig  # noqa: PLC0415
+
+    config = AutoConfig.from_pretrained(name)
+    return int(getattr(config, "max_position_embeddings", None) or 2048)

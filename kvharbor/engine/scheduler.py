@@ -66,6 +66,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.fair = FairShare()
         self.num_preemptions = 0
+        self.preemptions_by_qos: dict[str, int] = {}
         self.preemptible: dict[str, bool] = {}
 
     def add(self, req: Request) -> None:
@@ -152,5 +153,6 @@ class Scheduler:
         req.status = Status.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
+        self.preemptions_by_qos[req.qos] = self.preemptions_by_qos.get(req.qos, 0) + 1
         self.waiting.append(req)
         out.preempted.append(req)

@@ -129,6 +129,11 @@ def _decode_batch(query, key_cache, value_cache, block_tables, lens, qsl, rows, 
     blocks = block_tables[idx, :nblk].long()                         # [B, nblk]
     k = dequantize_kv(key_cache[blocks].flatten(1, 2)[:, :max_len], k_scale, query.dtype)
     v = dequantize_kv(value_cache[blocks].flatten(1, 2)[:, :max_len], v_scale, query.dtype)
+    # Slots past a sequence's own length are padding (other blocks, unwritten memory): zero
+    # them, or a NaN/inf there leaks through the masked softmax (0 * NaN = NaN).
+    past_end = (torch.arange(max_len, device=query.device)[None, :] >= kv_lens[:, None])
+    k = k.masked_fill(past_end[:, :, None, None], 0)                 # [B, L, Hkv, D]
+    v = v.masked_fill(past_end[:, :, None, None], 0)
     q_rows = torch.tensor([qsl[b] for b in rows], device=query.device)
     q = query[q_rows].unsqueeze(2)                                   # [B, H, 1, D]
     k_pos = torch.arange(max_len, device=query.device)[None, :]

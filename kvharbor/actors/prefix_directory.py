@@ -1,0 +1,358 @@
+"""The prefix directory: which replica holds which full KV block.
+
+``PrefixIndex`` is a plain, thread-safe class (tested without Ray); ``PrefixDirectory`` is
+its thin ``@ray.remote`` wrapper, one named actor per app. Each replica's engine sends its
+KV events (full-block hashes stored / removed, with a per-replica sequence number); the
+router asks ``match(block_hashes)`` to learn how many *leading* blocks of a prompt each
+replica already holds.
+
+After replica ``a`` stored ``[h0 h1 h2]``, replica ``b`` stored ``[h0 h1]`` and offloaded
+``h1`` to host memory (stored with ``tier="host"``, removed from ``"device"``)::
+
+    LRU order (oldest ... newest)     replicas holding it (tier bits)
+    h0 ──────────────────────────▶   {a: D, b: D}
+    h1 ──────────────────────────▶   {a: D, b: H}
+    h2 ──────────────────────────▶   {a: D}
+
+    match([h0, h1, h2, h9]) → {a: MatchInfo(3 blocks: 3 device, 0 host),
+                                b: MatchInfo(2 blocks: 1 device, 1 host)}
+
+Invariants (``check_integrity`` verifies them):
+  * an entry (hash, replica) exists in ``_holders`` iff the hash is in that replica's set,
+    and its tier mask is never 0;
+  * ``num_entries`` == total (hash, replica) pairs <= ``max_blocks``; the least recently
+    stored-or-matched hashes are forgotten first (all their replicas at once);
+  * a replica's batches apply only in sequence order: ``seq_no`` must be the replica's next
+    expected number (0 for a replica never seen). A gap marks the replica as needing a
+    resync; until ``resync`` its batches are ignored (its last known view stays matchable).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import NewType
+
+import ray
+
+from kvharbor.engine.hashing import BlockHash
+
+ReplicaId = NewType("ReplicaId", str)
+
+TIERS: dict[str, int] = {"device": 1, "host": 2}
+"""Tier name -> bit in an entry's tier mask. A block may sit in both tiers at once."""
+_HOST_ONLY = TIERS["host"]
+
+DEFAULT_MAX_BLOCKS = 4_000_000
+DEFAULT_DIRECTORY_NAME = "kvharbor-prefix-directory"
+
+
+@dataclass(slots=True, frozen=True)
+class MatchInfo:
+    """Leading blocks of one prompt that one replica holds.
+
+    ``blocks == device_blocks + host_blocks``; a block held in both tiers counts as device.
+    """
+
+    blocks: int
+    device_blocks: int
+    host_blocks: int
+
+
+def _tier_bit(tier: str) -> int:
+    try:
+        return TIERS[tier]
+    except KeyError:
+        raise ValueError(f"unknown KV tier {tier!r}; use one of {sorted(TIERS)}") from None
+
+
+class PrefixIndex:
+    """Block hash -> replicas holding it, bounded, with in-order per-replica event batches.
+
+    Every public method takes one lock, so one instance may be shared across threads.
+    Costs: ``apply_events`` O(hashes in batch); ``match`` O(sum over leading blocks of the
+    replicas still matching); eviction O(replicas holding the evicted hash).
+    """
+
+    def __init__(self, max_blocks: int = DEFAULT_MAX_BLOCKS) -> None:
+        """Args:
+            max_blocks: bound on (hash, replica) entries, i.e. on blocks tracked over all
+                replicas together. Must be positive.
+        """
+        if max_blocks <= 0:
+            raise ValueError(f"max_blocks must be positive, got {max_blocks}")
+        self._max_blocks = max_blocks
+        self._lock = threading.Lock()
+        # hash -> {replica: tier mask}; order = LRU (first = least recently stored/matched)
+        self._holders: OrderedDict[BlockHash, dict[ReplicaId, int]] = OrderedDict()
+        self._by_replica: dict[ReplicaId, set[BlockHash]] = {}
+        self._next_seq: dict[ReplicaId, int] = {}
+        self._resync_needed: set[ReplicaId] = set()
+        self._num_entries = 0
+        self._host_only = 0              # entries whose mask is exactly _HOST_ONLY
+        self._counters = {"batches_applied": 0, "batches_ignored": 0, "gaps": 0,
+                          "resyncs": 0, "matches": 0, "evicted_entries": 0}
+
+    # ---- events ------------------------------------------------------------------------
+    def apply_events(self, replica_id: ReplicaId, seq_no: int, stored: Sequence[BlockHash] = (),
+                     removed: Sequence[BlockHash] = (), tier: str = "device") -> bool:
+        """Apply one event batch of ``replica_id``: first ``stored``, then ``removed``.
+
+        Args:
+            replica_id: the replica that emitted the batch.
+            seq_no: the batch's sequence number; 0 for a replica's first batch, then +1 each.
+            stored: hashes that became cached in ``tier`` (in prompt order).
+            removed: hashes that left ``tier``.
+            tier: "device" or "host".
+        Returns:
+            True when the batch was applied (or is an already-applied duplicate, ignored).
+            False on a gap, or while the replica awaits a resync: the caller should send
+            ``resync`` with a full snapshot.
+        """
+        bit = _tier_bit(tier)
+        with self._lock:
+            if replica_id in self._resync_needed:
+                self._counters["batches_ignored"] += 1
+                return False
+            expected = self._next_seq.get(replica_id, 0)
+            if seq_no < expected:
+                self._counters["batches_ignored"] += 1
+                return True
+            if seq_no > expected:
+                self._counters["gaps"] += 1
+                self._resync_needed.add(replica_id)
+                return False
+            self._next_seq[replica_id] = seq_no + 1
+            self._store(replica_id, stored, bit)
+            for h in removed:
+                self._unset(replica_id, h, bit)
+            self._evict_overflow()
+            self._counters["batches_applied"] += 1
+            return True
+
+    def resync(self, replica_id: ReplicaId, seq_no: int,
+               hashes_by_tier: Mapping[str, Iterable[BlockHash]]) -> None:
+        """Replace ``replica_id``'s view with a snapshot taken after its batch ``seq_no``.
+
+        The next batch accepted from it is ``seq_no + 1`` (use -1 for "before any batch").
+        """
+        bits = {tier: _tier_bit(tier) for tier in hashes_by_tier}
+        with self._lock:
+            self._drop_replica(replica_id)
+            self._by_replica[replica_id] = set()
+            for tier, hashes in hashes_by_tier.items():
+                self._store(replica_id, hashes, bits[tier])
+            self._next_seq[replica_id] = seq_no + 1
+            self._resync_needed.discard(replica_id)
+            self._evict_overflow()
+            self._counters["resyncs"] += 1
+
+    def clear(self) -> None:
+        """Forget every replica and reset the counters (e.g. after the whole app restarted)."""
+        with self._lock:
+            self._holders.clear()
+            self._by_replica.clear()
+            self._next_seq.clear()
+            self._resync_needed.clear()
+            self._num_entries = self._host_only = 0
+            self._counters = dict.fromkeys(self._counters, 0)
+
+    def remove_replica(self, replica_id: ReplicaId) -> None:
+        """Forget a replica (it died or scaled down); its sequence restarts at 0."""
+        with self._lock:
+            self._drop_replica(replica_id)
+
+    # ---- queries -----------------------------------------------------------------------
+    def match(self, block_hashes: Sequence[BlockHash]) -> dict[ReplicaId, MatchInfo]:
+        """Leading blocks of ``block_hashes`` held by each replica (stop at its first miss).
+
+        Only replicas holding at least the first block appear. Matched hashes become the
+        most recently used. Cost: one C-level set difference per leading block, plus a
+        Python loop over the still-matching replicas only while host-only entries exist.
+        """
+        with self._lock:
+            self._counters["matches"] += 1
+            ends: dict[ReplicaId, int] = {}          # replica -> leading blocks held
+            host: dict[ReplicaId, int] = {}          # replica -> host-only blocks among them
+            alive: set[ReplicaId] = set()
+            n = 0
+            for n, h in enumerate(block_hashes):
+                holders = self._holders.get(h)
+                if holders is None:
+                    break
+                if n == 0:
+                    alive = set(holders)
+                else:
+                    gone = alive.difference(holders)
+                    if gone:
+                        ends.update(dict.fromkeys(gone, n))
+                        alive -= gone
+                        if not alive:
+                            break
+                self._holders.move_to_end(h)
+                if self._host_only:
+                    for r in alive:
+                        if holders[r] == _HOST_ONLY:
+                            host[r] = host.get(r, 0) + 1
+            else:
+                n = len(block_hashes)
+            ends.update(dict.fromkeys(alive, n))
+            return {r: MatchInfo(k, k - host.get(r, 0), host.get(r, 0))
+                    for r, k in ends.items()}
+
+    def replica_hashes(self, replica_id: ReplicaId) -> set[BlockHash]:
+        """A copy of the hashes the directory believes ``replica_id`` holds (any tier)."""
+        with self._lock:
+            return set(self._by_replica.get(replica_id, ()))
+
+    def needs_resync(self, replica_id: ReplicaId) -> bool:
+        """Whether ``replica_id`` had a sequence gap and has not resynced since."""
+        with self._lock:
+            return replica_id in self._resync_needed
+
+    def next_seq_no(self, replica_id: ReplicaId) -> int:
+        """The sequence number the next batch of ``replica_id`` must carry."""
+        with self._lock:
+            return self._next_seq.get(replica_id, 0)
+
+    def replicas(self) -> list[ReplicaId]:
+        """Replicas the directory currently tracks."""
+        with self._lock:
+            return sorted(self._by_replica)
+
+    def stats(self) -> dict[str, int]:
+        """Sizes and counters: num_hashes, num_entries, max_blocks, num_replicas,
+        replicas_needing_resync, and batches_applied / batches_ignored / gaps / resyncs /
+        matches / evicted_entries since start."""
+        with self._lock:
+            return {"num_hashes": len(self._holders), "num_entries": self._num_entries,
+                    "max_blocks": self._max_blocks, "num_replicas": len(self._by_replica),
+                    "replicas_needing_resync": len(self._resync_needed), **self._counters}
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the two maps disagree or the bound is broken."""
+        with self._lock:
+            pairs = {(h, r) for h, holders in self._holders.items() for r in holders}
+            assert all(m for holders in self._holders.values() for m in holders.values()), \
+                "entry with an empty tier mask"
+            mirror = {(h, r) for r, hashes in self._by_replica.items() for h in hashes}
+            assert pairs == mirror, "holders and per-replica sets disagree"
+            assert len(pairs) == self._num_entries, "entry count drifted"
+            assert self._num_entries <= self._max_blocks, "bound exceeded"
+            host_only = sum(m == _HOST_ONLY for hs in self._holders.values() for m in hs.values())
+            assert host_only == self._host_only, "host-only count drifted"
+            assert all(self._holders.values()), "hash kept with no holder"
+
+    # ---- internals (lock held) ---------------------------------------------------------
+    def _store(self, replica_id: ReplicaId, hashes: Iterable[BlockHash], bit: int) -> None:
+        mine = self._by_replica.setdefault(replica_id, set())
+        for h in hashes:
+            holders = self._holders.get(h)
+            if holders is None:
+                holders = self._holders[h] = {}
+            else:
+                self._holders.move_to_end(h)
+            mask = holders.get(replica_id, 0)
+            if mask == 0:
+                mine.add(h)
+                self._num_entries += 1
+            holders[replica_id] = new = mask | bit
+            self._host_only += (new == _HOST_ONLY) - (mask == _HOST_ONLY)
+
+    def _unset(self, replica_id: ReplicaId, h: BlockHash, bit: int) -> None:
+        holders = self._holders.get(h)
+        mask = holders.get(replica_id, 0) if holders else 0
+        if not mask:
+            return                       # already forgotten (evicted here) or never stored
+        new = mask & ~bit
+        self._host_only += (new == _HOST_ONLY) - (mask == _HOST_ONLY)
+        if new:
+            holders[replica_id] = new
+            return
+        del holders[replica_id]
+        self._by_replica[replica_id].discard(h)
+        self._num_entries -= 1
+        if not holders:
+            del self._holders[h]
+
+    def _drop_replica(self, replica_id: ReplicaId) -> None:
+        for h in self._by_replica.pop(replica_id, ()):
+            holders = self._holders[h]
+            self._host_only -= holders.pop(replica_id) == _HOST_ONLY
+            self._num_entries -= 1
+            if not holders:
+                del self._holders[h]
+        self._next_seq.pop(replica_id, None)
+        self._resync_needed.discard(replica_id)
+
+    def _evict_overflow(self) -> None:
+        while self._num_entries > self._max_blocks:
+            h, holders = self._holders.popitem(last=False)
+            for r, mask in holders.items():
+                self._by_replica[r].discard(h)
+                self._host_only -= mask == _HOST_ONLY
+            self._num_entries -= len(holders)
+            self._counters["evicted_entries"] += len(holders)
+
+
+@ray.remote(num_cpus=0)
+class PrefixDirectory:
+    """The cluster-wide prefix directory: a ``PrefixIndex`` behind a Ray actor.
+
+    Methods are synchronous on purpose: the actor runs them one at a time in the order each
+    caller submitted them, so one replica's batches arrive in sequence order. Every method
+    has the signature and meaning of the ``PrefixIndex`` method of the same name.
+    """
+
+    def __init__(self, max_blocks: int = DEFAULT_MAX_BLOCKS) -> None:
+        self._index = PrefixIndex(max_blocks)
+
+    def apply_events(self, replica_id, seq_no, stored=(), removed=(), tier="device") -> bool:
+        return self._index.apply_events(replica_id, seq_no, stored, removed, tier)
+
+    def resync(self, replica_id, seq_no, hashes_by_tier) -> None:
+        self._index.resync(replica_id, seq_no, hashes_by_tier)
+
+    def remove_replica(self, replica_id) -> None:
+        self._index.remove_replica(replica_id)
+
+    def clear(self) -> None:
+        self._index.clear()
+
+    def match(self, block_hashes) -> dict:
+        return self._index.match(block_hashes)
+
+    def replica_hashes(self, replica_id) -> set:
+        return self._index.replica_hashes(replica_id)
+
+    def needs_resync(self, replica_id) -> bool:
+        return self._index.needs_resync(replica_id)
+
+    def next_seq_no(self, replica_id) -> int:
+        return self._index.next_seq_no(replica_id)
+
+    def replicas(self) -> list:
+        return self._index.replicas()
+
+    def stats(self) -> dict:
+        return self._index.stats()
+
+    def check_integrity(self) -> None:
+        self._index.check_integrity()
+
+
+def get_or_create_directory(name: str = DEFAULT_DIRECTORY_NAME, namespace: str | None = None,
+                            max_blocks: int = DEFAULT_MAX_BLOCKS, detached: bool = False):
+    """The named ``PrefixDirectory`` actor, created on first call (race-free: get_if_exists).
+
+    Call from synchronous code (it talks to the GCS); async code should wrap it in
+    ``asyncio.to_thread``. ``detached=True`` lets the directory outlive the job that made it.
+    """
+    options = {"name": name, "get_if_exists": True, "num_cpus": 0}
+    if namespace is not None:
+        options["namespace"] = namespace
+    if detached:
+        options["lifetime"] = "detached"
+    return PrefixDirectory.options(**options).remote(max_blocks)

@@ -1,0 +1,220 @@
+"""LLMReplica: one engine per Serve replica, stepped by an asyncio task.
+
+Concurrency: the engine is not thread-safe. Every engine call happens either in the event
+loop or inside ``engine.step`` run in a worker thread while ``_engine_lock`` is held, so the
+two never overlap. Aborts from disconnecting clients are queued and applied between steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+
+from ray import serve
+
+from kvharbor.actors.replica_sync import DirectorySync, TenantSync
+from kvharbor.config import EngineConfig
+from kvharbor.engine.engine import Engine
+from kvharbor.engine.request import SamplingParams
+from kvharbor.observability.metrics import get_metrics
+from kvharbor.platform.protocol import GenerateRequest, RoutingStats
+
+logger = logging.getLogger("kvharbor.replica")
+
+STATS_PERIOD_S = 1.0
+
+
+class LLMReplica:
+    """Serve deployment class (decorated in ``kvharbor.platform.app``).
+
+    Args:
+        engine_config: ``EngineConfig`` fields.
+        tenants_path: tenants.yaml to read QoS classes, pinned prefixes and reservations from.
+        directory_name: named PrefixDirectory actor to send KV events to (None: no directory).
+    """
+
+    def __init__(self, engine_config: dict, tenants_path: str | None = None,
+                 directory_name: str | None = None, cpu_threads: int | None = None) -> None:
+        if cpu_threads:
+            import torch  # noqa: PLC0415
+
+            torch.set_num_threads(cpu_threads)
+        self.tenants = TenantSync(tenants_path) if tenants_path else None
+        config = EngineConfig(**engine_config)
+        if self.tenants:
+            config = self.tenants.apply_to_config(config)
+        self.engine = Engine(config)
+        try:
+            self.replica_id = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # noqa: BLE001 - outside Serve (unit tests)
+            self.replica_id = f"local-{os.getpid()}"
+        self.directory = DirectorySync(directory_name, self.replica_id, namespace="kvharbor") \
+            if directory_name else None
+        if self.tenants:
+            self.tenants.pin_prefixes(self.engine)
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._meta: dict[str, GenerateRequest] = {}
+        self._aborts: set[str] = set()
+        self._engine_lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+        self._bg_task: asyncio.Task | None = None
+        self._failed: BaseException | None = None
+        self.metrics = get_metrics()
+
+    # ---- public methods (called through the DeploymentHandle) ----------------------------
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[dict]:
+        """Stream events for one request: ``{"token_ids", "text", "finish_reason", ...}``.
+
+        A bad request yields one ``{"error": ..., "status": 400}`` event. If the caller goes
+        away (the stream is cancelled), the request is aborted and its blocks freed.
+        """
+        self._ensure_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        rid = request.request_id
+        try:
+            async with self._engine_lock:
+                self.engine.add_request(rid, request.prompt_token_ids, SamplingParams(**request.sampling),
+                                        tenant=request.tenant, qos=request.qos,
+                                        cache_salt=request.cache_salt)
+        except ValueError as e:
+            yield {"error": str(e), "status": 400}
+            return
+        self._streams[rid], self._meta[rid] = queue, request
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                event = await queue.get()
+                finished = event.get("finish_reason") is not None or "error" in event
+                yield event
+        finally:
+            self._streams.pop(rid, None)
+            self._meta.pop(rid, None)
+            if not finished:
+                self._aborts.add(rid)
+                self._wake.set()
+
+    async def abort(self, request_id: str) -> bool:
+        self._aborts.add(request_id)
+        self._wake.set()
+        return True
+
+    async def record_routing_stats(self) -> dict:
+        """Queue by QoS and free blocks per region, for the KV-aware router."""
+        self._ensure_loop()
+        sched = self.engine.scheduler
+        queue: dict[str, int] = {}
+        for req in sched.waiting + sched.running:
+            queue[req.qos] = queue.get(req.qos, 0) + 1
+        stats = self.engine.stats()
+        return RoutingStats(self.replica_id, self.engine.block_size, stats["shared_blocks_free"],
+                            stats["pinned_blocks_total"] - stats["pinned_blocks_used"],
+                            stats["blocks_total"], len(sched.running), len(sched.waiting),
+                            queue).as_dict()
+
+    async def check_health(self) -> None:
+        if self._failed is not None:
+            raise RuntimeError(f"engine loop died: {self._failed!r}")
+
+    async def stats(self) -> dict:
+        """Engine stats plus this replica's id (for tests and /admin)."""
+        return {**self.engine.stats(), "replica_id": self.replica_id}
+
+    async def check_integrity(self) -> dict:
+        async with self._engine_lock:
+            self.engine.check_integrity()
+            return {"replica_id": self.replica_id, "cached": sorted(self.engine.cached_block_hashes()),
+                    "blocks_used": self.engine.stats()["blocks_used"], "running": len(self._streams)}
+
+    # ---- engine loop ---------------------------------------------------------------------
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None:
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+            self._bg_task = asyncio.get_running_loop().create_task(self._background())
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                if not self.engine.has_unfinished() and not self._aborts:
+                    self._wake.clear()
+                    await self._wake.wait()
+                async with self._engine_lock:
+                    self._apply_aborts()
+                    outputs = await asyncio.to_thread(self.engine.step) if self.engine.has_unfinished() else []
+                    self._publish_events()
+                now = time.time()
+                for out in outputs:
+                    self._dispatch(out, now)
+                await asyncio.sleep(0)
+        except BaseException as e:  # noqa: BLE001 - reported through check_health
+            self._failed = e
+            logger.exception("engine loop failed")
+            for queue in self._streams.values():
+                queue.put_nowait({"error": f"replica engine failed: {e!r}", "status": 500})
+            raise
+
+    def _apply_aborts(self) -> None:
+        for rid in self._aborts:
+            self.engine.abort(rid)
+        self._aborts.clear()
+
+    def _dispatch(self, out, now: float) -> None:
+        queue = self._streams.get(out.request_id)
+        if queue is None:
+            return
+        meta = self._meta.get(out.request_id)
+        if meta is not None and len(out.token_ids) == 1:
+            predicted = meta.metadata.get("router_predicted_cached_tokens")
+            if predicted is not None:
+                self.metrics.router_prefix_tokens(self.replica_id, int(predicted), out.num_cached_tokens)
+        queue.put_nowait({"token_ids": out.new_token_ids, "text": out.new_text,
+                          "finish_reason": out.finish_reason, "num_cached_tokens": out.num_cached_tokens,
+                          "num_prompt_tokens": len(out.prompt_token_ids),
+                          "num_output_tokens": len(out.token_ids), "replica_id": self.replica_id})
+
+    def _publish_events(self) -> None:
+        if self.directory is not None:
+            self.directory.publish(self.engine)
+
+    async def _background(self) -> None:
+        """Every second: tenants.yaml reload (pinned region, prefixes), directory resync, metrics."""
+        while True:
+            await asyncio.sleep(STATS_PERIOD_S)
+            try:
+                async with self._engine_lock:
+                    if self.tenants:
+                        self.tenants.maybe_reload(self.engine)
+                    if self.directory is not None:
+                        await self.directory.maybe_resync(self.engine)
+                    self._record_metrics()
+            except Exception:  # noqa: BLE001 - keep serving; the error is logged
+                logger.exception("replica background task failed")
+
+    def _record_metrics(self) -> None:
+        m, e = self.metrics, self.engine
+        for region in ("pinned", "shared"):
+            counts = e.pool.region_counts(region)
+            for state in ("used", "cached", "free"):
+                m.kv_blocks(self.replica_id, region, state, counts[state])
+        per_tenant: dict[str, int] = {}
+        per_qos_wait: dict[str, int] = {q: 0 for q in e.config.qos_classes}
+        per_qos_run = dict(per_qos_wait)
+        for req in e.scheduler.running:
+            per_tenant[req.tenant] = per_tenant.get(req.tenant, 0) + len(req.blocks)
+            per_qos_run[req.qos] = per_qos_run.get(req.qos, 0) + 1
+        for req in e.scheduler.waiting:
+            per_qos_wait[req.qos] = per_qos_wait.get(req.qos, 0) + 1
+        for tenant, blocks in per_tenant.items():
+            m.kv_occupancy(self.replica_id, tenant, blocks)
+        for qos in per_qos_wait:
+            m.queue_length(self.replica_id, qos, per_qos_wait[qos])
+            m.running(self.replica_id, qos, per_qos_run[qos])
+        m.replica_up(self.replica_id, True)
+        m.evictions(self.replica_id, e.pool.num_evictions - getattr(self, "_last_evictions", 0))
+        self._last_evictions = e.pool.num_evictions
+        m.preemptions(self.replica_id, "all", e.scheduler.num_preemptions - getattr(self, "_last_preempt", 0))
+        self._last_preempt = e.scheduler.num_preemptions

@@ -1,0 +1,70 @@
+"""The Triton attention backend: :func:`store_kv` and :func:`paged_attention` kernels behind
+the interface of :class:`kvharbor.kernels.ReferenceBackend`.
+
+Split-K (flash decoding) is chosen by :func:`choose_num_splits`: only for decode-only batches
+whose (sequence, KV head) programs would leave most SMs idle and whose context is long.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from .paged_attention import paged_attention
+from .store_kv import store_kv
+
+MIN_KEYS_PER_SPLIT = 512
+"""A split shorter than this costs more in the reduce than it gains in parallelism."""
+MAX_SPLITS = 32
+DEFAULT_NUM_SMS = 132
+"""H100 SXM; used when the device reports no SM count (CPU under the interpreter)."""
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return DEFAULT_NUM_SMS
+
+
+def choose_num_splits(num_tokens: int, num_seqs: int, num_kv_heads: int, max_seq_len: int,
+                      num_sms: int = DEFAULT_NUM_SMS) -> int:
+    """Number of key splits per (sequence, KV head) for this batch; 1 means no split-K.
+
+    Split only a decode-only batch (``num_tokens == num_seqs``) with fewer programs than two
+    waves of SMs, and never below :data:`MIN_KEYS_PER_SPLIT` keys per split. A power of 2.
+    """
+    programs = num_seqs * num_kv_heads
+    if num_tokens != num_seqs or programs >= 2 * num_sms:
+        return 1
+    by_parallelism = triton.cdiv(2 * num_sms, programs)
+    by_length = max_seq_len // MIN_KEYS_PER_SPLIT
+    splits = min(by_parallelism, by_length, MAX_SPLITS)
+    if splits < 2:
+        return 1
+    return 1 << (splits.bit_length() - 1)
+
+
+class TritonBackend:
+    """Triton kernels (CUDA, or the CPU interpreter under ``TRITON_INTERPRET=1``)."""
+
+    name = "triton"
+
+    @staticmethod
+    def store_kv(key, value, cache, slot_mapping) -> None:
+        """Write ``key``/``value`` ``[T, Hkv, D]`` into ``cache`` at ``slot_mapping`` (int64)."""
+        store_kv(key, value, cache.key, cache.value, slot_mapping, cache.k_scale, cache.v_scale)
+
+    @staticmethod
+    def paged_attention(query, cache, block_tables, seq_lens, query_start_loc,
+                        scale, sliding_window=None, max_seq_len=None):
+        """Paged attention of the flattened batch; ``max_seq_len`` avoids a host sync."""
+        num_tokens, num_seqs = query.shape[0], block_tables.shape[0]
+        splits = 1
+        if num_tokens == num_seqs and num_seqs > 0:
+            if max_seq_len is None:
+                max_seq_len = int(seq_lens.max())
+            splits = choose_num_splits(num_tokens, num_seqs, cache.key.shape[2], max_seq_len,
+                                       _num_sms(query.device))
+        return paged_attention(query, cache.key, cache.value, block_tables, seq_lens,
+                               query_start_loc, scale, sliding_window, cache.k_scale,
+                               cache.v_scale, num_splits=splits)

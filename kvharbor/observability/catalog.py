@@ -1,0 +1,144 @@
+"""The four kvharbor dashboards, as data (see :mod:`kvharbor.observability.panels`).
+
+Overview (traffic, latency, tokens, SLO), KV cache (blocks, hit rate, evictions,
+preemptions, occupancy), Routing (decision time, predicted vs observed prefix hits, queues)
+and Tenants (one tenant's view: requests, tokens, hit rate, rate limits, TTFT).
+"""
+
+from __future__ import annotations
+
+from kvharbor.observability.panels import (
+    FALLBACK, RATE, RQ, TQ, DashboardSpec, PanelSpec, Query, R, T, hit_rate_panel,
+    latency_panel, quantile, rate_sum, ratio, series)
+
+
+def _overview() -> DashboardSpec:
+    req = "kvharbor_requests"
+    ok = TQ[:-1] + ',status="ok"}'
+    errors = TQ[:-1] + ',status!="ok"}'
+    slo_met = TQ[:-1] + ',outcome="met"}'
+    traffic = (
+        PanelSpec("Requests by status", "Finished requests per second.", "reqps",
+                  (Query(rate_sum(req, "status", TQ), "{{status}}"),), stacked=True),
+        PanelSpec("Requests by tenant", "Finished requests per second.", "reqps",
+                  (Query(rate_sum(req, "tenant", TQ), "{{tenant}}"),), stacked=True),
+        PanelSpec("Error ratio", "Share of requests not finished ok.", "percentunit",
+                  (Query(f"1 - {ratio(rate_sum(req, 'qos', ok), rate_sum(req, 'qos', TQ))}",
+                         "{{qos}}"),)),
+        PanelSpec("Errors by status", "Requests per second that did not finish ok.", "reqps",
+                  (Query(rate_sum(req, "status", errors) + FALLBACK, "{{status}}"),)),
+    )
+    latency = (
+        latency_panel("Time to first token by QoS", "kvharbor_ttft_seconds", "qos", TQ,
+                      "Arrival at the gateway to first streamed token."),
+        latency_panel("Inter-token latency by QoS", "kvharbor_inter_token_latency_seconds",
+                      "qos", TQ, "Gap between consecutive streamed tokens."),
+        latency_panel("End-to-end latency by QoS", "kvharbor_request_latency_seconds", "qos",
+                      TQ, "Arrival to last token."),
+        PanelSpec("SLO attainment by QoS", "Share of requests that met their class's SLO.",
+                  "percentunit", (Query(ratio(rate_sum("kvharbor_slo_requests", "qos", slo_met),
+                                              rate_sum("kvharbor_slo_requests", "qos", TQ)),
+                                        "{{qos}}"),)),
+    )
+    tokens = (
+        PanelSpec("Tokens per second", "Prompt, cached prompt and generated tokens.", "short", (
+            Query(f"sum(rate({series('kvharbor_prompt_tokens')}{TQ}[{RATE}]))", "prompt"),
+            Query(f"sum(rate({series('kvharbor_cached_prompt_tokens')}{TQ}[{RATE}]))",
+                  "cached prompt"),
+            Query(f"sum(rate({series('kvharbor_generated_tokens')}{TQ}[{RATE}]))",
+                  "generated"))),
+        PanelSpec("Replicas up", "Replicas whose engine loop runs.", "short",
+                  (Query(f"sum({series('kvharbor_replica_up')})", "replicas"),), kind="stat"),
+    )
+    return DashboardSpec("kvharbor-overview", "kvharbor / Overview",
+                         "Traffic, latency, tokens and SLOs across tenants.",
+                         (("Traffic", traffic), ("Latency and SLO", latency),
+                          ("Tokens", tokens)))
+
+
+def _kv_cache() -> DashboardSpec:
+    blocks = series("kvharbor_kv_blocks")
+    pinned = R[:-1] + ',region="pinned"}'
+    panels = (
+        PanelSpec("KV blocks by region and state", "Blocks per replica (gauge).", "short",
+                  (Query(f"sum by (replica, region, state) ({blocks}{R})",
+                         "{{replica}} {{region}}/{{state}}"),), stacked=True),
+        PanelSpec("Pinned region", "Pinned blocks by state; reserved = idle but held for "
+                  "pinned QoS classes.", "short",
+                  (Query(f"sum by (state) ({blocks}{pinned})", "{{state}}"),), stacked=True),
+        PanelSpec("KV utilisation", "Used blocks / all blocks, per replica.", "percentunit", (
+            Query(f'sum by (replica) ({blocks}{R[:-1]},state="used"}}) / '
+                  f"sum by (replica) ({blocks}{R})", "{{replica}}"),)),
+        hit_rate_panel("Prefix hit rate by tenant", "tenant", TQ),
+        PanelSpec("Evictions", "Cached blocks evicted per second.", "short",
+                  (Query(rate_sum("kvharbor_kv_evictions", "replica", R) + FALLBACK,
+                         "{{replica}}"),)),
+        PanelSpec("Preemptions by QoS", "Requests preempted per second (recomputed later).",
+                  "short", (Query(rate_sum("kvharbor_preemptions", "qos", RQ) + FALLBACK,
+                                  "{{qos}}"),)),
+        PanelSpec("KV occupancy by tenant", "Blocks held by each tenant's requests.", "short",
+                  (Query(f"sum by (tenant) ({series('kvharbor_kv_tenant_blocks')}{T})",
+                         "{{tenant}}"),), stacked=True, width=24),
+    )
+    return DashboardSpec("kvharbor-kv-cache", "kvharbor / KV cache",
+                         "Paged KV cache: pinned and shared regions, prefix hits, pressure.",
+                         (("KV cache", panels),))
+
+
+def _routing() -> DashboardSpec:
+    predicted = "kvharbor_router_predicted_prefix_tokens"
+    observed = "kvharbor_router_observed_prefix_tokens"
+    panels = (
+        PanelSpec("Router decision time", "Time in choose_replicas per request.", "s", (
+            Query(quantile(0.5, "kvharbor_router_decision_seconds", ""), "p50"),
+            Query(quantile(0.99, "kvharbor_router_decision_seconds", ""), "p99"))),
+        PanelSpec("Routing decisions", "choose_replicas calls per second.", "ops", (
+            Query(f"sum(rate({series('kvharbor_router_decision_seconds', '_count')}[{RATE}]))",
+                  "decisions"),)),
+        PanelSpec("Predicted vs observed prefix-hit tokens", "Router's prediction for the "
+                  "chosen replica vs what the engine found cached.", "short", (
+                      Query(f"sum(rate({series(predicted)}{R}[{RATE}]))", "predicted"),
+                      Query(f"sum(rate({series(observed)}{R}[{RATE}]))", "observed"))),
+        PanelSpec("Prediction accuracy by replica", "Observed / predicted prefix-hit tokens.",
+                  "percentunit", (Query(ratio(rate_sum(observed, "replica", R),
+                                              rate_sum(predicted, "replica", R)),
+                                        "{{replica}}"),)),
+        PanelSpec("Queue length by QoS", "Waiting requests per replica and class.", "short",
+                  (Query(f"sum by (replica, qos) ({series('kvharbor_queue_length')}{RQ})",
+                         "{{replica}} {{qos}}"),), stacked=True),
+        PanelSpec("Running requests by QoS", "Scheduled requests per replica and class.",
+                  "short", (Query(f"sum by (replica, qos) "
+                                  f"({series('kvharbor_running_requests')}{RQ})",
+                                  "{{replica}} {{qos}}"),), stacked=True),
+    )
+    return DashboardSpec("kvharbor-routing", "kvharbor / Routing",
+                         "KV-aware routing: decision cost, prefix-hit prediction, queues.",
+                         (("Routing", panels),))
+
+
+def _tenants() -> DashboardSpec:
+    panels = (
+        PanelSpec("Requests by tenant and status", "Finished requests per second.", "reqps",
+                  (Query(rate_sum("kvharbor_requests", "tenant, status", TQ),
+                         "{{tenant}} {{status}}"),)),
+        PanelSpec("Tokens by tenant", "Prompt and generated tokens per second.", "short", (
+            Query(rate_sum("kvharbor_prompt_tokens", "tenant", TQ), "{{tenant}} prompt"),
+            Query(rate_sum("kvharbor_generated_tokens", "tenant", TQ),
+                  "{{tenant}} generated"))),
+        hit_rate_panel("Prefix hit rate", "tenant", TQ),
+        PanelSpec("Rate-limited requests", "Requests refused by admission, by limit.", "reqps",
+                  (Query(rate_sum("kvharbor_rate_limited", "tenant, reason", T) + FALLBACK,
+                         "{{tenant}} {{reason}}"),)),
+        latency_panel("Time to first token by tenant", "kvharbor_ttft_seconds", "tenant", TQ,
+                      "Arrival at the gateway to first streamed token."),
+        PanelSpec("KV blocks held", "Blocks held by the tenant's requests, all replicas.",
+                  "short", (Query(f"sum by (tenant) "
+                                  f"({series('kvharbor_kv_tenant_blocks')}{T})",
+                                  "{{tenant}}"),)),
+    )
+    return DashboardSpec("kvharbor-tenants", "kvharbor / Tenants",
+                         "Per-tenant usage and experience; pick tenants above.",
+                         (("Tenants", panels),))
+
+
+DASHBOARDS: tuple[DashboardSpec, ...] = (_overview(), _kv_cache(), _routing(), _tenants())

@@ -1,0 +1,269 @@
+"""Every kvharbor metric, defined once, recorded through ``ray.util.metrics``.
+
+The table :data:`METRICS` is the single source of truth: :class:`KvharborMetrics` creates
+one Ray metric object per entry, and the Grafana dashboards and the docs are generated from
+the same table, so a panel can only query a metric that exists.
+
+Names. A metric named ``kvharbor_requests`` here is scraped from Ray's metrics endpoint as
+``ray_kvharbor_requests_total`` (Ray prefixes ``ray_``; counters get ``_total``; histograms
+give ``_bucket``/``_sum``/``_count``). :func:`scraped_names` returns the scraped names of an
+entry; dashboards must use those.
+
+Processes. Ray metric objects belong to the process that created them. :func:`get_metrics`
+creates the recorder lazily, once per process, on first use inside the actor (gateway,
+replica or router process), never at import time. In a process where Ray is not initialised
+(unit tests of plain classes, the offline ``LLM``) it returns a no-op recorder that is not
+cached, so a later call after ``ray.init`` gets the real one.
+
+Cardinality (bounded by construction). Every label value comes from a small set:
+
+===========  ==================================================================
+label        values
+===========  ==================================================================
+``tenant``   tenants in ``tenants.yaml`` (tens); unauthenticated calls: ``anonymous``
+``qos``      QoS classes in ``tenants.yaml`` (a handful)
+``replica``  live Serve replica ids (one per GPU)
+``region``   :data:`REGIONS` (``pinned``, ``shared``)
+``state``    :data:`BLOCK_STATES` (``used``, ``cached``, ``free``, ``reserved``)
+``status``   :data:`STATUSES`; anything else is recorded as ``other``
+``reason``   :data:`RATE_LIMIT_REASONS`; anything else is recorded as ``other``
+``outcome``  ``met`` | ``missed``
+===========  ==================================================================
+
+Worst case per histogram: tenants x QoS classes x buckets series. Request ids, prompts and
+model names never become label values.
+
+Histogram sums (measured, Ray 2.60): ``_sum`` adds each observation's *bucket midpoint*, not
+the value (0.012 s observed in the 0.01-0.025 bucket adds 0.0175), so ``_sum / _count`` is
+only as exact as the buckets; dashboards use ``histogram_quantile`` over ``_bucket``.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Literal
+
+MetricKind = Literal["counter", "gauge", "histogram"]
+
+STATUSES = ("ok", "error", "rejected", "rate_limited", "aborted", "timeout")
+# The ``limit`` names of kvharbor.tenants.limits.Admission, plus the QoS class queue cap.
+RATE_LIMIT_REASONS = ("requests_per_minute", "tokens_per_minute", "max_concurrent_requests",
+                      "daily_token_budget", "max_tokens_per_request", "max_queue")
+REGIONS = ("pinned", "shared")
+BLOCK_STATES = ("used", "cached", "free", "reserved")
+OTHER = "other"
+
+# Seconds. From 0.5 ms (a tiny CPU model's decode step) to a minute (a long GPU prefill
+# behind a queue); roughly x2-x2.5 per bucket.
+LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                     1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64,
+                 1.25, 2.5, 5.0)
+ROUTER_BUCKETS_S = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
+                    0.05, 0.1, 0.25, 1.0)
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSpec:
+    """One metric: its registered name (without Ray's ``ray_`` prefix) and schema."""
+
+    name: str
+    kind: MetricKind
+    labels: tuple[str, ...]
+    description: str
+    buckets: tuple[float, ...] = ()
+
+
+METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec("kvharbor_requests", "counter", ("tenant", "qos", "status"),
+               "Finished requests by final status."),
+    MetricSpec("kvharbor_ttft_seconds", "histogram", ("tenant", "qos"),
+               "Time from arrival at the gateway to the first streamed token.", LATENCY_BUCKETS_S),
+    MetricSpec("kvharbor_inter_token_latency_seconds", "histogram", ("tenant", "qos"),
+               "Time between consecutive streamed tokens of one request.", ITL_BUCKETS_S),
+    MetricSpec("kvharbor_request_latency_seconds", "histogram", ("tenant", "qos"),
+               "Time from arrival to the last token (end to end).", LATENCY_BUCKETS_S),
+    MetricSpec("kvharbor_prompt_tokens", "counter", ("tenant", "qos"),
+               "Prompt tokens of finished requests."),
+    MetricSpec("kvharbor_cached_prompt_tokens", "counter", ("tenant", "qos"),
+               "Prompt tokens served from the KV cache (prefix hits) instead of recomputed."),
+    MetricSpec("kvharbor_generated_tokens", "counter", ("tenant", "qos"),
+               "Generated (completion) tokens."),
+    MetricSpec("kvharbor_slo_requests", "counter", ("tenant", "qos", "outcome"),
+               "Requests judged against their QoS class latency SLO (outcome met|missed)."),
+    MetricSpec("kvharbor_rate_limited", "counter", ("tenant", "reason"),
+               "Requests refused by admission control, by limit that refused them."),
+    MetricSpec("kvharbor_kv_blocks", "gauge", ("replica", "region", "state"),
+               "KV blocks per replica by region (pinned|shared) and state "
+               "(used|cached|free|reserved)."),
+    MetricSpec("kvharbor_kv_tenant_blocks", "gauge", ("replica", "tenant"),
+               "KV blocks held (ref count > 0) by a tenant's requests on a replica."),
+    MetricSpec("kvharbor_kv_evictions", "counter", ("replica",),
+               "Cached KV blocks whose contents were evicted to make room."),
+    MetricSpec("kvharbor_preemptions", "counter", ("replica", "qos"),
+               "Running requests preempted (to be recomputed), by the preempted request's QoS."),
+    MetricSpec("kvharbor_queue_length", "gauge", ("replica", "qos"),
+               "Requests waiting to be scheduled on a replica, by QoS class."),
+    MetricSpec("kvharbor_running_requests", "gauge", ("replica", "qos"),
+               "Requests currently running (scheduled) on a replica, by QoS class."),
+    MetricSpec("kvharbor_replica_up", "gauge", ("replica",),
+               "1 while a replica's engine loop runs, 0 once it stops."),
+    MetricSpec("kvharbor_router_decision_seconds", "histogram", (),
+               "Time the KV-aware router spends choosing replicas for one request.",
+               ROUTER_BUCKETS_S),
+    MetricSpec("kvharbor_router_predicted_prefix_tokens", "counter", ("replica",),
+               "Prompt tokens the router predicted would be prefix hits on the chosen replica."),
+    MetricSpec("kvharbor_router_observed_prefix_tokens", "counter", ("replica",),
+               "Prompt tokens the engine actually found cached for routed requests."),
+)
+
+METRICS_BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in METRICS}
+_SUFFIXES: dict[str, tuple[str, ...]] = {
+    "counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
+
+
+def scraped_names(spec: MetricSpec) -> tuple[str, ...]:
+    """The series names Prometheus sees for ``spec`` on Ray's metrics endpoint."""
+    return tuple(f"ray_{spec.name}{suffix}" for suffix in _SUFFIXES[spec.kind])
+
+
+def _bounded(value: str, allowed: tuple[str, ...]) -> str:
+    """``value`` if it is one of ``allowed``, else ``"other"`` (keeps cardinality fixed)."""
+    return value if value in allowed else OTHER
+
+
+class KvharborMetrics:
+    """Typed recording methods over the Ray metric objects of one process.
+
+    Units: seconds for latencies, tokens and blocks as plain counts. Negative counts are
+    ignored for counters (Ray rejects them); zero increments are skipped.
+    """
+
+    def __init__(self) -> None:
+        from ray.util import metrics as ray_metrics
+
+        self._m: dict[str, object] = {}
+        for spec in METRICS:
+            if spec.kind == "counter":
+                obj = ray_metrics.Counter(spec.name, spec.description, tag_keys=spec.labels)
+            elif spec.kind == "gauge":
+                obj = ray_metrics.Gauge(spec.name, spec.description, tag_keys=spec.labels)
+            else:
+                obj = ray_metrics.Histogram(spec.name, spec.description,
+                                            boundaries=list(spec.buckets), tag_keys=spec.labels)
+            self._m[spec.name] = obj
+
+    def _inc(self, name: str, value: float, tags: dict[str, str]) -> None:
+        if value > 0:
+            self._m[name].inc(value, tags=tags)
+
+    # --- gateway -------------------------------------------------------------------------
+    def request_finished(self, tenant: str, qos: str, status: str) -> None:
+        """Count one finished request; ``status`` in :data:`STATUSES` (else ``other``)."""
+        self._inc("kvharbor_requests", 1,
+                  {"tenant": tenant, "qos": qos, "status": _bounded(status, STATUSES)})
+
+    def ttft(self, tenant: str, qos: str, seconds: float) -> None:
+        """Time to first token of one request, in seconds."""
+        self._m["kvharbor_ttft_seconds"].observe(seconds, tags={"tenant": tenant, "qos": qos})
+
+    def inter_token_latency(self, tenant: str, qos: str, seconds: float) -> None:
+        """Gap between two consecutive streamed tokens, in seconds."""
+        self._m["kvharbor_inter_token_latency_seconds"].observe(
+            seconds, tags={"tenant": tenant, "qos": qos})
+
+    def request_latency(self, tenant: str, qos: str, seconds: float) -> None:
+        """End-to-end latency of one finished request, in seconds."""
+        self._m["kvharbor_request_latency_seconds"].observe(
+            seconds, tags={"tenant": tenant, "qos": qos})
+
+    def tokens(self, tenant: str, qos: str, prompt: int, cached: int, generated: int) -> None:
+        """Token counts of one request: prompt, of which ``cached`` were prefix hits, output."""
+        tags = {"tenant": tenant, "qos": qos}
+        self._inc("kvharbor_prompt_tokens", prompt, tags)
+        self._inc("kvharbor_cached_prompt_tokens", cached, tags)
+        self._inc("kvharbor_generated_tokens", generated, tags)
+
+    def slo(self, tenant: str, qos: str, met: bool) -> None:
+        """Whether one request met its QoS class's latency SLO."""
+        self._inc("kvharbor_slo_requests", 1,
+                  {"tenant": tenant, "qos": qos, "outcome": "met" if met else "missed"})
+
+    def rate_limited(self, tenant: str, reason: str) -> None:
+        """One request refused by admission; ``reason`` in :data:`RATE_LIMIT_REASONS`."""
+        self._inc("kvharbor_rate_limited", 1,
+                  {"tenant": tenant, "reason": _bounded(reason, RATE_LIMIT_REASONS)})
+
+    # --- replica -------------------------------------------------------------------------
+    def kv_blocks(self, replica: str, region: str, state: str, n: int) -> None:
+        """Set the number of blocks of ``region`` in ``state`` on ``replica`` (a gauge)."""
+        self._m["kvharbor_kv_blocks"].set(n, tags={
+            "replica": replica, "region": _bounded(region, REGIONS),
+            "state": _bounded(state, BLOCK_STATES)})
+
+    def kv_occupancy(self, replica: str, tenant: str, blocks: int) -> None:
+        """Set the number of KV blocks ``tenant``'s requests hold on ``replica``."""
+        self._m["kvharbor_kv_tenant_blocks"].set(blocks, tags={"replica": replica,
+                                                                "tenant": tenant})
+
+    def evictions(self, replica: str, n: int) -> None:
+        """Add ``n`` evicted cached blocks."""
+        self._inc("kvharbor_kv_evictions", n, {"replica": replica})
+
+    def preemptions(self, replica: str, qos: str, n: int = 1) -> None:
+        """Add ``n`` preemptions of requests of class ``qos``."""
+        self._inc("kvharbor_preemptions", n, {"replica": replica, "qos": qos})
+
+    def queue_length(self, replica: str, qos: str, n: int) -> None:
+        """Set the number of waiting requests of class ``qos`` on ``replica``."""
+        self._m["kvharbor_queue_length"].set(n, tags={"replica": replica, "qos": qos})
+
+    def running(self, replica: str, qos: str, n: int) -> None:
+        """Set the number of running requests of class ``qos`` on ``replica``."""
+        self._m["kvharbor_running_requests"].set(n, tags={"replica": replica, "qos": qos})
+
+    def replica_up(self, replica: str, up: bool = True) -> None:
+        """Mark ``replica``'s engine loop as running (1) or stopped (0)."""
+        self._m["kvharbor_replica_up"].set(1 if up else 0, tags={"replica": replica})
+
+    # --- router --------------------------------------------------------------------------
+    def router_decision(self, seconds: float) -> None:
+        """Time one ``choose_replicas`` call took, in seconds."""
+        self._m["kvharbor_router_decision_seconds"].observe(seconds)
+
+    def router_prefix_tokens(self, replica: str, predicted: int, observed: int) -> None:
+        """Predicted (router) vs observed (engine) prefix-hit tokens of one routed request."""
+        self._inc("kvharbor_router_predicted_prefix_tokens", predicted, {"replica": replica})
+        self._inc("kvharbor_router_observed_prefix_tokens", observed, {"replica": replica})
+
+
+class NullMetrics(KvharborMetrics):
+    """Same methods, records nothing: for processes without Ray."""
+
+    def __init__(self) -> None:  # noqa: D107 - no Ray objects on purpose
+        self._m = {}
+
+    def __getattribute__(self, name: str):
+        if not name.startswith("_") and callable(getattr(KvharborMetrics, name, None)):
+            return lambda *args, **kwargs: None
+        return object.__getattribute__(self, name)
+
+
+_lock = threading.Lock()
+_instance: KvharborMetrics | None = None
+
+
+def get_metrics() -> KvharborMetrics:
+    """This process's recorder, created on first use (a no-op one while Ray is not up)."""
+    global _instance
+    if _instance is not None:
+        return _instance
+    import ray
+
+    if not ray.is_initialized():
+        return NullMetrics()
+    with _lock:
+        if _instance is None:
+            _instance = KvharborMetrics()
+        return _instance

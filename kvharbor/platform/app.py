@@ -1,0 +1,87 @@
+"""The Serve application: ``serve run kvharbor.app`` or ``serve run kvharbor:build_app k=v ...``.
+
+    Gateway (FastAPI ingress) ──handle──▶ LLMReplica x N  (KVAwareRouter picks one)
+                                            └─ KV events ─▶ PrefixDirectory actor
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import ray
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from kvharbor.actors.prefix_directory import get_or_create_directory
+from kvharbor.actors.replica import LLMReplica
+from kvharbor.config import PlatformConfig
+from kvharbor.platform.gateway import Gateway
+from kvharbor.tenants import default_tenants_path, load_tenants_file
+
+logger = logging.getLogger("kvharbor")
+
+METRICS_PORT = int(os.environ.get("KVHARBOR_METRICS_PORT", "8080"))
+ROUTERS = {"kv": "kvharbor.platform.router:KVAwareRouter",
+           "round_robin": "kvharbor.platform.router:RoundRobinRouter", "pow2": None}
+
+
+def _init_ray_on_loopback() -> None:
+    """Start a local Ray bound to 127.0.0.1 when nothing started one (``serve run``)."""
+    if ray.is_initialized():
+        return
+    ray.init(namespace="serve", include_dashboard=False, _node_ip_address="127.0.0.1",
+             _metrics_export_port=METRICS_PORT, log_to_driver=True)
+
+
+def _gpus() -> int:
+    try:
+        import torch  # noqa: PLC0415
+
+        return torch.cuda.device_count()
+    except Exception:  # noqa: BLE001
+        return 0
+
+
+def build_app(args: dict | None = None):
+    """Build the kvharbor application from ``PlatformConfig`` fields (strings are parsed)."""
+    cfg = PlatformConfig(**(args or {}))
+    _init_ray_on_loopback()
+    tenants = Path(cfg.tenants) if cfg.tenants else default_tenants_path()
+    load_tenants_file(tenants)                          # fail fast, with file/line/field
+    tenants = str(tenants.resolve())
+    gpus = _gpus() if cfg.device in ("auto", "cuda") else 0
+    on_gpu = gpus > 0 and cfg.device != "cpu"
+    replicas = cfg.replicas or (gpus if on_gpu else 2)
+    engine = {"model": cfg.model, "block_size": cfg.block_size, "num_kv_blocks": cfg.num_kv_blocks,
+              "pinned_kv_blocks": cfg.pinned_kv_blocks, "device": "cuda" if on_gpu else "cpu",
+              "dtype": cfg.dtype, "attention_backend": cfg.attention_backend,
+              "kv_cache_dtype": cfg.kv_cache_dtype, "max_num_batched_tokens": cfg.max_num_batched_tokens}
+    get_or_create_directory(cfg.directory_name, namespace="kvharbor", detached=True)
+    router_class = ROUTERS.get(cfg.router, "missing")
+    if router_class == "missing":
+        raise ValueError(f"router must be one of {sorted(ROUTERS)}, got {cfg.router!r}")
+    options = {"name": "LLMReplica", "num_replicas": replicas, "max_ongoing_requests": 512,
+               "health_check_period_s": 2.0, "health_check_timeout_s": 30.0,
+               "ray_actor_options": {"num_gpus": 1} if on_gpu else {"num_cpus": cfg.replica_cpus}}
+    if router_class is not None:
+        kwargs = {"directory_name": cfg.directory_name, "directory_namespace": "kvharbor"} \
+            if cfg.router == "kv" else {}
+        options["request_router_config"] = RequestRouterConfig(
+            request_router_class=router_class, request_router_kwargs=kwargs,
+            request_routing_stats_period_s=0.5)
+    replica = serve.deployment(LLMReplica).options(**options).bind(
+        engine, tenants, cfg.directory_name, None if on_gpu else cfg.cpu_threads)
+    gateway = serve.deployment(Gateway).options(
+        name="Gateway", num_replicas=cfg.gateway_replicas, max_ongoing_requests=1024,
+        ray_actor_options={"num_cpus": 0.25})
+    return gateway.bind(replica, {"model": cfg.model, "tenants": tenants, "block_size": cfg.block_size,
+                                  "max_body_bytes": cfg.max_body_bytes})
+
+
+def __getattr__(name: str):
+    """``kvharbor.app``: the default application, built on first access."""
+    if name == "app":
+        return build_app({})
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

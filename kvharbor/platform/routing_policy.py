@@ -1,0 +1,172 @@
+"""Routing policies: pure strategy objects that rank candidate replicas for one request.
+
+No Ray and no I/O here: the router (``kvharbor.platform.router``) gathers the inputs (prefix
+matches from the directory, each replica's routing stats and in-flight count) and a policy
+returns the candidates best first. The simulator in ``benchmarks/routing_sim.py`` runs the
+same objects.
+
+``KVAwarePolicy`` scores, in prompt tokens::
+
+    score = cached tokens (device hits + host_hit_weight * host hits)
+          - load_cost_tokens * requests ahead (running + waiting of equal or higher priority)
+          - block_size * blocks the request needs but the replica has no free block for
+          - pinned_miss_cost * block_size * blocks a pinned request can't get from the region
+
+and ranks replicas that are *overloaded* (in-flight above ``(1 + imbalance_tolerance)``
+times the mean and more than ``balance_slack`` above the least loaded) after all others,
+least loaded first: a hot prefix spills to other replicas instead of piling onto one.
+Equal scores go to the less loaded replica, then at random.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from kvharbor.actors.prefix_directory import MatchInfo
+
+
+@dataclass(slots=True, frozen=True)
+class RouteRequest:
+    """What a policy knows about the request being routed."""
+
+    prompt_tokens: int
+    block_size: int
+    pinned: bool = False
+    priority: int = 0           # higher is more important
+    qos: str | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class Candidate:
+    """One replica as the policy sees it.
+
+    ``stats`` is the dict the replica last returned from ``record_routing_stats`` (keys of
+    ``kvharbor.platform.protocol.RoutingStats``; may be empty before its first report).
+    ``in_flight`` is the router's fresher count of requests at the replica, if it has one.
+    """
+
+    replica_id: str
+    match: MatchInfo | None = None
+    stats: Mapping = field(default_factory=dict)
+    in_flight: int | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class Ranked:
+    """A candidate with its score; ``predicted_cached_tokens`` counts device and host hits."""
+
+    replica_id: str
+    score: float
+    predicted_cached_tokens: int
+    load: int
+    overloaded: bool = False
+
+
+class RoutingPolicy(Protocol):
+    """Ranks candidates best first; every candidate appears exactly once."""
+
+    def rank(self, request: RouteRequest, candidates: Sequence[Candidate]) -> list[Ranked]: ...
+
+
+def replica_load(c: Candidate) -> int:
+    """Requests at the replica: the router's in-flight count, else running + waiting."""
+    if c.in_flight is not None:
+        return c.in_flight
+    return int(c.stats.get("num_running", 0)) + int(c.stats.get("num_waiting", 0))
+
+
+def cached_tokens(request: RouteRequest, match: MatchInfo | None) -> int:
+    """Prompt tokens the replica holds (device + host), never more than the prompt."""
+    if match is None:
+        return 0
+    return min(match.blocks * request.block_size, request.prompt_tokens)
+
+
+@dataclass(slots=True)
+class KVAwarePolicy:
+    """Prefix-hit score minus load penalty, with a hard balance guard (see module doc)."""
+
+    host_hit_weight: float = 0.5        # a host hit saves compute but costs a copy
+    load_cost_tokens: float = 512.0     # tokens-equivalent per request ahead in the queue
+    imbalance_tolerance: float = 0.1    # overloaded above (1 + this) * mean load ...
+    balance_slack: int = 2              # ... and more than this many above the least loaded
+    pinned_miss_cost: float = 0.25      # per block (x block_size) a pinned request can't pin
+    qos_priority: Mapping[str, int] = field(default_factory=dict)   # QoS class -> priority
+    rng: random.Random = field(default_factory=random.Random)
+
+    def rank(self, request: RouteRequest, candidates: Sequence[Candidate]) -> list[Ranked]:
+        """Candidates best first: balanced ones by score, then overloaded ones by load."""
+        if not candidates:
+            return []
+        loads = [replica_load(c) for c in candidates]
+        mean, low = sum(loads) / len(loads), min(loads)
+        ranked = []
+        for c, load in zip(candidates, loads):
+            over = load > mean * (1 + self.imbalance_tolerance) and load - low > self.balance_slack
+            ranked.append(Ranked(c.replica_id, self.score(request, c, load),
+                                 cached_tokens(request, c.match), load, over))
+        jitter = {r.replica_id: self.rng.random() for r in ranked}
+        ranked.sort(key=lambda r: (r.overloaded, r.load if r.overloaded else -r.score,
+                                   r.load, jitter[r.replica_id]))
+        return ranked
+
+    def score(self, request: RouteRequest, c: Candidate, load: int) -> float:
+        """Tokens not recomputed minus load and memory penalties (higher is better)."""
+        bs = request.block_size
+        m = c.match
+        saved = 0.0
+        if m is not None:
+            saved = bs * (m.device_blocks + self.host_hit_weight * m.host_blocks)
+            saved = min(saved, float(request.prompt_tokens))
+        penalty = self.load_cost_tokens * self._requests_ahead(request, c, load)
+        needed = -(-request.prompt_tokens // bs) - (m.blocks if m else 0)
+        free_shared = c.stats.get("free_shared_blocks")
+        free_pinned = int(c.stats.get("free_pinned_blocks", 0)) if request.pinned else 0
+        if free_shared is not None:
+            penalty += bs * max(0, needed - int(free_shared) - free_pinned)
+        if request.pinned:
+            penalty += self.pinned_miss_cost * bs * max(0, needed - free_pinned)
+        return saved - penalty
+
+    def _requests_ahead(self, request: RouteRequest, c: Candidate, load: int) -> int:
+        """``load`` minus waiting requests of lower-priority QoS classes (they go after)."""
+        queue = c.stats.get("queue_by_qos") if self.qos_priority else None
+        if not queue:
+            return load
+        lower = sum(n for qos, n in queue.items()
+                    if qos in self.qos_priority and self.qos_priority[qos] < request.priority)
+        return max(0, load - int(lower))
+
+
+@dataclass(slots=True)
+class PowerOfTwoPolicy:
+    """Two random candidates, the less loaded first; the rest follow in random order."""
+
+    rng: random.Random = field(default_factory=random.Random)
+
+    def rank(self, request: RouteRequest, candidates: Sequence[Candidate]) -> list[Ranked]:
+        order = list(candidates)
+        self.rng.shuffle(order)
+        order[:2] = sorted(order[:2], key=replica_load)
+        return [Ranked(c.replica_id, 0.0, cached_tokens(request, c.match), replica_load(c))
+                for c in order]
+
+
+@dataclass(slots=True)
+class RoundRobinPolicy:
+    """Candidates in turn, ignoring cache and load (a baseline)."""
+
+    next_index: int = 0
+
+    def rank(self, request: RouteRequest, candidates: Sequence[Candidate]) -> list[Ranked]:
+        if not candidates:
+            return []
+        start = self.next_index % len(candidates)
+        self.next_index += 1
+        order = list(candidates[start:]) + list(candidates[:start])
+        return [Ranked(c.replica_id, 0.0, cached_tokens(request, c.match), replica_load(c))
+                for c in order]

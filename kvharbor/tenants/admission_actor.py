@@ -1,0 +1,79 @@
+"""AdmissionActor: one shared :class:`AdmissionController` for all gateway replicas.
+
+Run it as a single named, detached actor (:func:`get_or_create_admission_actor`); every gateway
+replica calls it, and because an actor runs its (synchronous) methods one at a time, the
+limits hold exactly across replicas. See :mod:`kvharbor.tenants.limits` for the semantics.
+
+From async code use :class:`ActorAdmission`, which awaits the actor's object refs (never
+``ray.get`` inside a coroutine)::
+
+    admission = ActorAdmission(get_or_create_admission_actor())
+    result = await admission.try_admit(p.tenant, p.limits, prompt_tokens, max_tokens)
+    if not result.ok:
+        raise HTTPException(result.status, result.reason,
+                            headers={"Retry-After": str(math.ceil(result.retry_after_s or 1))})
+    try:
+        ...generate...
+    finally:
+        await admission.release(result.ticket, tokens_used)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+
+from kvharbor.tenants.limits import Admission, AdmissionController, Ticket
+
+DEFAULT_ACTOR_NAME = "kvharbor-admission"
+
+
+@ray.remote(num_cpus=0, max_restarts=-1)
+class AdmissionActor:
+    """Thin Ray wrapper: each method forwards to one AdmissionController."""
+
+    def __init__(self) -> None:
+        self._ctl = AdmissionController()
+
+    def try_admit(self, tenant: str, limits: Any, prompt_tokens: int, max_tokens: int | None,
+                  now: float | None = None) -> Admission:
+        return self._ctl.try_admit(tenant, limits, prompt_tokens, max_tokens, now)
+
+    def release(self, ticket: Ticket, tokens_used: int | None = None,
+                now: float | None = None) -> bool:
+        return self._ctl.release(ticket, tokens_used, now)
+
+    def usage(self, tenant: str, now: float | None = None) -> dict:
+        return self._ctl.usage(tenant, now)
+
+    def usage_all(self, now: float | None = None) -> dict[str, dict]:
+        return self._ctl.usage_all(now)
+
+
+def get_or_create_admission_actor(name: str = DEFAULT_ACTOR_NAME,
+                                  namespace: str | None = "kvharbor") -> ray.actor.ActorHandle:
+    """The cluster's one admission actor, created on first use (detached: outlives callers)."""
+    return AdmissionActor.options(name=name, namespace=namespace, lifetime="detached",
+                                  get_if_exists=True).remote()
+
+
+class ActorAdmission:
+    """Async facade over an AdmissionActor handle; same methods as ``LocalAdmission``."""
+
+    def __init__(self, handle: ray.actor.ActorHandle):
+        self.handle = handle
+
+    async def try_admit(self, tenant: str, limits: Any, prompt_tokens: int,
+                        max_tokens: int | None, now: float | None = None) -> Admission:
+        return await self.handle.try_admit.remote(tenant, limits, prompt_tokens, max_tokens, now)
+
+    async def release(self, ticket: Ticket, tokens_used: int | None = None,
+                      now: float | None = None) -> bool:
+        return await self.handle.release.remote(ticket, tokens_used, now)
+
+    async def usage(self, tenant: str, now: float | None = None) -> dict:
+        return await self.handle.usage.remote(tenant, now)
+
+    async def usage_all(self, now: float | None = None) -> dict[str, dict]:
+        return await self.handle.usage_all.remote(now)

@@ -1,0 +1,291 @@
+"""Per-tenant admission control: rate limits, token budgets and concurrency (no Ray here).
+
+``AdmissionController.try_admit`` decides, atomically under one lock, whether a request may
+start, and reserves what it may consume; ``release`` returns the unused part when it ends::
+
+    try_admit(prompt=P, max_tokens=M)       release(ticket, tokens_used=U)
+      requests bucket  -= 1                   (nothing: a request was made)
+      tokens bucket    -= P + M               += (P + M) - U   (refund, capped at capacity)
+      tokens today     += P + M               -= (P + M) - U   (same UTC day only)
+      in flight        += 1                   -= 1
+
+Limits (``None`` = unlimited), checked every call against the limits passed in, so a reload of
+``tenants.yaml`` takes effect on the next request:
+
+* ``max_tokens_per_request``: ``max_tokens`` above it -> 400 (the message names the limit).
+* ``max_concurrent_requests``: in-flight count -> 429, ``retry_after_s`` = 1 (a hint).
+* ``requests_per_minute`` / ``tokens_per_minute``: token buckets holding up to one minute's
+  worth, refilled continuously (rate = limit / 60 per second), so a tenant may burst a full
+  minute's allowance and then runs at the steady rate -> 429 with the exact wait.
+* ``daily_token_budget``: tokens per UTC day -> 429 until the next UTC midnight.
+* A request that could never fit (cost above a bucket's capacity or the whole daily budget)
+  -> 400 instead of a 429 that would never clear.
+
+When several limits refuse at once, the answer carries the longest wait.
+
+Several gateway replicas
+------------------------
+A controller is exact only for the callers that share it. Gateways therefore share one
+controller through :class:`kvharbor.tenants.admission_actor.AdmissionActor`, one named,
+detached Ray actor: its methods run one at a time, so every replica sees the same buckets,
+budgets and in-flight counts, and the limits hold exactly however many replicas there are.
+The cost is one actor call per admission and one per release (sub-millisecond on one node).
+If that actor restarts, its counters start from zero (limits loosen for at most a minute; the
+daily budget restarts). A gateway that must not depend on the actor can use
+:class:`LocalAdmission` with each limit divided by the replica count (approximate).
+
+Times are Unix seconds (``time.time()``), injectable through ``now=`` or ``clock=``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvharbor.tenants.schema import TenantLimits
+
+SECONDS_PER_DAY = 86_400
+CONCURRENCY_RETRY_S = 1.0
+
+
+@dataclass(slots=True, frozen=True)
+class Ticket:
+    """Proof of admission; pass it to ``release`` exactly once when the request ends."""
+
+    ticket_id: str
+    tenant: str
+    reserved_tokens: int
+    day: int                    # UTC day number the tokens were charged to
+
+
+@dataclass(slots=True, frozen=True)
+class Admission:
+    """Outcome of ``try_admit``. ``status``: 200 admitted, 400 never admissible, 429 later."""
+
+    ok: bool
+    status: int
+    reason: str = ""
+    retry_after_s: float | None = None
+    ticket: Ticket | None = None
+    limit: str | None = None     # which limit refused, e.g. "requests_per_minute"
+
+
+@dataclass(slots=True)
+class _Bucket:
+    """Token bucket: ``level`` units now, at most ``capacity``, refilled at capacity/60 per s."""
+
+    level: float
+    updated_s: float
+
+    def refill(self, capacity: int, now: float) -> None:
+        if now > self.updated_s:
+            self.level = min(float(capacity), self.level + (now - self.updated_s) * capacity / 60)
+            self.updated_s = now
+        self.level = min(self.level, float(capacity))
+
+    def wait_s(self, cost: float, capacity: int) -> float:
+        """Seconds until ``cost`` units are available (0 if they are now)."""
+        return max(0.0, (cost - self.level) * 60 / capacity)
+
+
+@dataclass(slots=True)
+class _TenantState:
+    limits: TenantLimits
+    requests: _Bucket | None = None
+    tokens: _Bucket | None = None
+    in_flight: int = 0
+    day: int = 0
+    tokens_today: int = 0
+    admitted_total: int = 0
+    rejected: dict[str, int] = field(default_factory=dict)
+
+
+def _sync_bucket(bucket: _Bucket | None, capacity: int | None, now: float) -> _Bucket | None:
+    """Bring a bucket up to ``now``; create it full when a limit appears, drop it when removed."""
+    if capacity is None:
+        return None
+    if bucket is None:
+        return _Bucket(float(capacity), now)
+    bucket.refill(capacity, now)
+    return bucket
+
+
+class AdmissionController:
+    """Thread-safe per-tenant limits. Every method is O(1) and non-blocking (async-safe)."""
+
+    def __init__(self, clock: Callable[[], float] = time.time):
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._tenants: dict[str, _TenantState] = {}
+        self._active: dict[str, Ticket] = {}
+        self._nonce = secrets.token_hex(4)
+        self._ids = itertools.count(1)
+
+    def try_admit(self, tenant: str, limits: Any, prompt_tokens: int, max_tokens: int | None,
+                  now: float | None = None) -> Admission:
+        """Admit one request or say why not.
+
+        Args:
+            tenant: tenant name.
+            limits: a :class:`TenantLimits`, a ``TenantConfig`` or a dict of the five limits.
+            prompt_tokens: tokens in the prompt.
+            max_tokens: completion tokens requested; None = ``max_tokens_per_request`` (or 0).
+            now: Unix seconds; defaults to the controller's clock.
+        """
+        lim = TenantLimits.coerce(limits)
+        now = self._clock() if now is None else now
+        if max_tokens is None:
+            max_tokens = lim.max_tokens_per_request or 0
+        cost = prompt_tokens + max_tokens
+        with self._lock:
+            st = self._sync(tenant, lim, now)
+            denial = _too_big(lim, prompt_tokens, max_tokens) or _denial(st, lim, cost, now)
+            if denial is not None:
+                st.rejected[denial.limit] = st.rejected.get(denial.limit, 0) + 1
+                return denial
+            st.in_flight += 1
+            st.admitted_total += 1
+            st.tokens_today += cost
+            if st.requests is not None:
+                st.requests.level -= 1
+            if st.tokens is not None:
+                st.tokens.level -= cost
+            ticket = Ticket(f"{self._nonce}-{next(self._ids)}", tenant, cost, st.day)
+            self._active[ticket.ticket_id] = ticket
+        return Admission(ok=True, status=200, reason="admitted", ticket=ticket)
+
+    def release(self, ticket: Ticket, tokens_used: int | None = None,
+                now: float | None = None) -> bool:
+        """End an admitted request; refund reserved tokens it did not use.
+
+        Args:
+            ticket: from the admission; a second release of it is ignored.
+            tokens_used: prompt + generated tokens actually consumed; None = all reserved.
+        Returns:
+            True if the ticket was active.
+        """
+        now = self._clock() if now is None else now
+        with self._lock:
+            if self._active.pop(ticket.ticket_id, None) is None:
+                return False
+            st = self._tenants[ticket.tenant]
+            st.in_flight -= 1
+            unused = ticket.reserved_tokens - (ticket.reserved_tokens if tokens_used is None
+                                               else tokens_used)
+            if st.day == ticket.day:
+                st.tokens_today = max(0, st.tokens_today - unused)
+            cap = st.limits.tokens_per_minute
+            if st.tokens is not None and cap is not None:
+                st.tokens.refill(cap, now)
+                st.tokens.level = min(float(cap), st.tokens.level + unused)
+        return True
+
+    def usage(self, tenant: str, now: float | None = None) -> dict:
+        """Current counters of one tenant (zeros for a tenant never seen)."""
+        now = self._clock() if now is None else now
+        with self._lock:
+            st = self._tenants.get(tenant)
+            if st is None:
+                blank = _TenantState(TenantLimits(), day=int(now // SECONDS_PER_DAY))
+                return _usage_dict(tenant, blank, now)
+            self._sync(tenant, st.limits, now)
+            return _usage_dict(tenant, st, now)
+
+    def usage_all(self, now: float | None = None) -> dict[str, dict]:
+        """``usage`` of every tenant seen so far, by tenant name."""
+        with self._lock:
+            names = list(self._tenants)
+        return {name: self.usage(name, now) for name in names}
+
+    def _sync(self, tenant: str, lim: TenantLimits, now: float) -> _TenantState:
+        st = self._tenants.get(tenant)
+        if st is None:
+            st = self._tenants[tenant] = _TenantState(lim, day=int(now // SECONDS_PER_DAY))
+        st.limits = lim
+        st.requests = _sync_bucket(st.requests, lim.requests_per_minute, now)
+        st.tokens = _sync_bucket(st.tokens, lim.tokens_per_minute, now)
+        day = int(now // SECONDS_PER_DAY)
+        if day > st.day:
+            st.day, st.tokens_today = day, 0
+        return st
+
+
+def _too_big(lim: TenantLimits, prompt_tokens: int, max_tokens: int) -> Admission | None:
+    """400 for a request that no amount of waiting would admit."""
+    cost = prompt_tokens + max_tokens
+    if lim.max_tokens_per_request is not None and max_tokens > lim.max_tokens_per_request:
+        return _reject(400, "max_tokens_per_request",
+                       f"max_tokens={max_tokens} exceeds this tenant's max_tokens_per_request="
+                       f"{lim.max_tokens_per_request}; lower max_tokens")
+    for name, cap in (("tokens_per_minute", lim.tokens_per_minute),
+                      ("daily_token_budget", lim.daily_token_budget)):
+        if cap is not None and cost > cap:
+            return _reject(400, name, f"request needs {cost} tokens (prompt {prompt_tokens} + "
+                           f"max_tokens {max_tokens}) but this tenant's {name} is {cap}; "
+                           "shorten the prompt or lower max_tokens")
+    return None
+
+
+def _denial(st: _TenantState, lim: TenantLimits, cost: int, now: float) -> Admission | None:
+    """The 429 with the longest wait among the limits that refuse now, or None."""
+    waits: list[tuple[float, str, str]] = []
+    if lim.max_concurrent_requests is not None and st.in_flight >= lim.max_concurrent_requests:
+        waits.append((CONCURRENCY_RETRY_S, "max_concurrent_requests",
+                      f"{st.in_flight} requests in flight; max_concurrent_requests is "
+                      f"{lim.max_concurrent_requests}"))
+    if st.requests is not None and st.requests.level < 1:
+        waits.append((st.requests.wait_s(1, lim.requests_per_minute), "requests_per_minute",
+                      f"requests_per_minute={lim.requests_per_minute} reached"))
+    if st.tokens is not None and st.tokens.level < cost:
+        waits.append((st.tokens.wait_s(cost, lim.tokens_per_minute), "tokens_per_minute",
+                      f"tokens_per_minute={lim.tokens_per_minute} reached"))
+    budget = lim.daily_token_budget
+    if budget is not None and st.tokens_today + cost > budget:
+        midnight = (st.day + 1) * SECONDS_PER_DAY
+        waits.append((max(0.0, midnight - now), "daily_token_budget",
+                      f"daily_token_budget={budget} would be exceeded "
+                      f"({st.tokens_today} used today); resets at 00:00 UTC"))
+    if not waits:
+        return None
+    wait, name, reason = max(waits, key=lambda w: w[0])
+    return _reject(429, name, f"{reason}; retry in {wait:.1f} s", retry_after_s=wait)
+
+
+def _reject(status: int, limit: str, reason: str, retry_after_s: float | None = None) -> Admission:
+    return Admission(ok=False, status=status, reason=reason, retry_after_s=retry_after_s,
+                     limit=limit)
+
+
+def _usage_dict(tenant: str, st: _TenantState, now: float) -> dict:
+    level = (lambda b: None if b is None else max(0.0, b.level))
+    return {"tenant": tenant, "in_flight": st.in_flight, "admitted_total": st.admitted_total,
+            "rejected": dict(st.rejected), "utc_day": time.strftime(
+                "%Y-%m-%d", time.gmtime(st.day * SECONDS_PER_DAY)),
+            "tokens_today": st.tokens_today, "requests_available": level(st.requests),
+            "tokens_available": level(st.tokens), "limits": st.limits.as_dict(), "at": now}
+
+
+class LocalAdmission:
+    """Async facade over an in-process controller (same methods as ``ActorAdmission``)."""
+
+    def __init__(self, controller: AdmissionController | None = None):
+        self.controller = controller or AdmissionController()
+
+    async def try_admit(self, tenant: str, limits: Any, prompt_tokens: int,
+                        max_tokens: int | None, now: float | None = None) -> Admission:
+        return self.controller.try_admit(tenant, limits, prompt_tokens, max_tokens, now)
+
+    async def release(self, ticket: Ticket, tokens_used: int | None = None,
+                      now: float | None = None) -> bool:
+        return self.controller.release(ticket, tokens_used, now)
+
+    async def usage(self, tenant: str, now: float | None = None) -> dict:
+        return self.controller.usage(tenant, now)
+
+    async def usage_all(self, now: float | None = None) -> dict[str, dict]:
+        return self.controller.usage_all(now)

@@ -1,0 +1,73 @@
+"""A Ray actor that records every kvharbor metric, as gateway, replica and router would."""
+
+from __future__ import annotations
+
+import re
+import time
+import urllib.request
+
+import ray
+
+from tests.conftest import RAY_METRICS_PORT
+
+
+
+def metrics_port() -> int:
+    """The running Ray node's metrics export port (the fixture asks for RAY_METRICS_PORT)."""
+    try:
+        return int(ray._private.worker.global_worker.node.metrics_export_port)
+    except (AttributeError, TypeError, ValueError):  # private API moved: use the fixture's
+        return RAY_METRICS_PORT
+
+
+@ray.remote(num_cpus=0)
+class Recorder:
+    """Records through ``get_metrics()`` inside the actor's own process."""
+
+    def recorder_type(self) -> str:
+        from kvharbor.observability.metrics import get_metrics
+
+        return type(get_metrics()).__name__
+
+    def record_all(self, tenant: str, replica: str, scale: int = 1) -> None:
+        """Touch every metric once (``scale`` multiplies counts so rates move)."""
+        from kvharbor.observability.metrics import get_metrics
+
+        m = get_metrics()
+        for qos, status in (("premium", "ok"), ("batch", "rate_limited"), ("batch", "error")):
+            m.request_finished(tenant, qos, status)
+            m.ttft(tenant, qos, 0.004 * scale)
+            m.inter_token_latency(tenant, qos, 0.002)
+            m.request_latency(tenant, qos, 0.3)
+            m.tokens(tenant, qos, prompt=64 * scale, cached=32 * scale, generated=8 * scale)
+            m.slo(tenant, qos, met=qos == "premium")
+            m.preemptions(replica, qos, scale)
+            m.queue_length(replica, qos, 2 * scale)
+            m.running(replica, qos, scale)
+        m.rate_limited(tenant, "tokens_per_minute")
+        for region in ("pinned", "shared"):
+            for state in ("used", "cached", "free", "reserved"):
+                m.kv_blocks(replica, region, state, 10 * scale)
+        m.kv_occupancy(replica, tenant, 12 * scale)
+        m.evictions(replica, 3 * scale)
+        m.replica_up(replica)
+        m.router_decision(0.0002 * scale)
+        m.router_prefix_tokens(replica, predicted=48 * scale, observed=32 * scale)
+
+
+def scrape_until(patterns: list[str], timeout_s: float = 40.0) -> str:
+    """Ray's metrics text once every regex in ``patterns`` matches a line; raises on timeout."""
+    url = f"http://127.0.0.1:{metrics_port()}/metrics"
+    deadline = time.monotonic() + timeout_s
+    text = ""
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                text = resp.read().decode()
+        except OSError:
+            text = ""
+        missing = [p for p in patterns if not re.search(p, text, re.MULTILINE)]
+        if not missing:
+            return text
+        time.sleep(1.0)
+    raise TimeoutError(f"no lines matching {missing} at {url} in {timeout_s}s")

@@ -1,0 +1,51 @@
+"""Recording methods work inside a Ray actor and show up on Ray's metrics endpoint."""
+
+from __future__ import annotations
+
+import re
+
+from kvharbor.observability.metrics import METRICS, scraped_names
+from tests.observability.recorder_actor import Recorder, scrape_until
+
+TENANT = "obs-ray-tenant"
+REPLICA = "obs-ray-replica"
+
+
+def _line(text: str, name: str, **labels: str) -> str:
+    """The first sample line of ``name`` carrying all ``labels``."""
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return line
+    raise AssertionError(f"no {name} sample with {labels}")
+
+
+def test_actor_records_every_metric_with_expected_names_and_labels(ray_cluster):
+    actor = Recorder.remote()
+    try:
+        assert ray_cluster.get(actor.recorder_type.remote()) == "KvharborMetrics"
+        ray_cluster.get(actor.record_all.remote(TENANT, REPLICA))
+        text = scrape_until([rf"^{name}\{{.*" for spec in METRICS for name in scraped_names(spec)]
+                            + [rf'^ray_kvharbor_requests_total\{{.*tenant="{TENANT}"',
+                               rf'^ray_kvharbor_kv_blocks\{{.*replica="{REPLICA}"'])
+    finally:
+        ray_cluster.kill(actor)
+
+    for spec in METRICS:
+        for name in scraped_names(spec):
+            assert re.search(rf"^{name}\{{", text, re.MULTILINE), f"{name} not exported"
+
+    ok = _line(text, "ray_kvharbor_requests_total", tenant=TENANT, qos="premium", status="ok")
+    assert ok.endswith(" 1.0")
+    limited = _line(text, "ray_kvharbor_rate_limited_total", tenant=TENANT,
+                    reason="tokens_per_minute")
+    assert limited.endswith(" 1.0")
+    assert _line(text, "ray_kvharbor_cached_prompt_tokens_total", tenant=TENANT,
+                 qos="premium").endswith(" 32.0")
+    assert _line(text, "ray_kvharbor_kv_blocks", replica=REPLICA, region="pinned",
+                 state="reserved").endswith(" 10.0")
+    assert _line(text, "ray_kvharbor_ttft_seconds_bucket", tenant=TENANT, qos="premium",
+                 le="0.005").endswith(" 1.0")
+    assert _line(text, "ray_kvharbor_ttft_seconds_bucket", tenant=TENANT, qos="premium",
+                 le="0.0025").endswith(" 0.0")
+    assert _line(text, "ray_kvharbor_slo_requests_total", tenant=TENANT, qos="batch",
+                 outcome="missed").endswith(" 2.0")

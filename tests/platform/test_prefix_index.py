@@ -1,0 +1,253 @@
+"""PrefixIndex behaviour; the same suite runs against the plain class and the Ray actor."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+
+from kvharbor.actors.prefix_directory import MatchInfo, PrefixIndex
+from kvharbor.engine.hashing import BlockHash, hash_prompt_blocks
+
+
+def chain(n: int, salt: str = "t") -> list[BlockHash]:
+    """``n`` chained block hashes of a distinct prompt per ``salt``."""
+    return hash_prompt_blocks(list(range(n * 4)), 4, salt=salt)
+
+
+class _ActorProxy:
+    """Calls a PrefixDirectory actor synchronously, so tests read like the plain class."""
+
+    def __init__(self, ray, handle) -> None:
+        self._ray, self._handle = ray, handle
+
+    def __getattr__(self, name):
+        method = getattr(self._handle, name)
+        return lambda *args, **kwargs: self._ray.get(method.remote(*args, **kwargs))
+
+
+@pytest.fixture(scope="module")
+def directory_actors():
+    """One actor per ``max_blocks`` for the whole module (actor start-up is slow on 2 cores)."""
+    actors = {}
+    yield actors
+    for ray, handle in actors.values():
+        ray.kill(handle)
+
+
+@pytest.fixture(params=["plain", "actor"])
+def make_index(request, directory_actors):
+    """Factory: ``make_index(max_blocks=...)`` -> empty PrefixIndex or a proxy to the actor."""
+
+    def make(max_blocks: int = 1_000_000):
+        if request.param == "plain":
+            return PrefixIndex(max_blocks)
+        if max_blocks not in directory_actors:
+            ray = request.getfixturevalue("ray_cluster")
+            from kvharbor.actors.prefix_directory import PrefixDirectory
+
+            directory_actors[max_blocks] = (ray, PrefixDirectory.remote(max_blocks))
+        proxy = _ActorProxy(*directory_actors[max_blocks])
+        proxy.clear()
+        return proxy
+
+    return make
+
+
+def test_match_counts_leading_blocks_and_stops_at_first_miss(make_index):
+    idx = make_index()
+    h = chain(6)
+    assert idx.apply_events("a", 0, stored=h[:5])
+    assert idx.apply_events("b", 0, stored=h[:2] + h[3:6])   # hole at block 2
+    assert idx.apply_events("c", 0, stored=h[1:6])            # lacks the first block
+    got = idx.match(h)
+    assert got == {"a": MatchInfo(5, 5, 0), "b": MatchInfo(2, 2, 0)}
+    assert idx.match(chain(3, salt="other")) == {}
+    assert idx.match([]) == {}
+    idx.check_integrity()
+
+
+def test_host_tier_counts_separately_and_device_wins(make_index):
+    idx = make_index()
+    h = chain(4)
+    assert idx.apply_events("a", 0, stored=h)
+    assert idx.apply_events("a", 1, stored=h[2:], tier="host")     # offloaded copies
+    assert idx.match(h)["a"] == MatchInfo(4, 4, 0)                  # device copy wins
+    assert idx.apply_events("a", 2, removed=h[2:], tier="device")  # device copies evicted
+    assert idx.match(h)["a"] == MatchInfo(4, 2, 2)
+    assert idx.apply_events("a", 3, removed=h[3:], tier="host")
+    assert idx.match(h)["a"] == MatchInfo(3, 2, 1)
+    idx.check_integrity()
+
+
+def test_removed_blocks_no_longer_match_and_unknown_removals_are_harmless(make_index):
+    idx = make_index()
+    h = chain(4)
+    assert idx.apply_events("a", 0, stored=h)
+    assert idx.apply_events("a", 1, removed=[h[1], chain(1, "never")[0]])
+    assert idx.match(h) == {"a": MatchInfo(1, 1, 0)}
+    assert idx.replica_hashes("a") == {h[0], h[2], h[3]}
+    idx.check_integrity()
+
+
+def test_gap_marks_resync_and_ignores_batches_until_resync(make_index):
+    idx = make_index()
+    h = chain(5)
+    assert idx.apply_events("a", 0, stored=h[:2])
+    assert not idx.apply_events("a", 2, stored=h[2:3])          # batch 1 lost
+    assert idx.needs_resync("a")
+    assert not idx.apply_events("a", 3, stored=h[3:4])          # ignored while waiting
+    assert idx.match(h)["a"].blocks == 2                        # last known view stays
+    idx.resync("a", 7, {"device": h[:4], "host": h[4:]})
+    assert not idx.needs_resync("a")
+    assert idx.match(h)["a"] == MatchInfo(5, 4, 1)
+    assert not idx.apply_events("a", 9, stored=[])              # expects 8 after resync
+    idx.resync("a", 8, {"device": h[:1]})
+    assert idx.replica_hashes("a") == {h[0]}                    # view replaced, not merged
+    assert idx.apply_events("a", 9, removed=h[:1])
+    assert idx.match(h) == {}
+    assert idx.stats()["gaps"] == 2
+    idx.check_integrity()
+
+
+def test_first_batch_must_be_zero_and_duplicates_are_ignored(make_index):
+    idx = make_index()
+    h = chain(3)
+    assert not idx.apply_events("late", 4, stored=h)            # directory missed 0..3
+    assert idx.needs_resync("late")
+    assert idx.apply_events("a", 0, stored=h[:1])
+    assert idx.apply_events("a", 1, stored=h[1:2])
+    assert idx.apply_events("a", 1, stored=h[2:3])              # duplicate: not applied
+    assert idx.next_seq_no("a") == 2
+    assert idx.match(h)["a"].blocks == 2
+    assert not idx.needs_resync("a")
+
+
+def test_remove_replica_forgets_it_and_restarts_its_sequence(make_index):
+    idx = make_index()
+    h = chain(3)
+    assert idx.apply_events("a", 0, stored=h)
+    assert idx.apply_events("b", 0, stored=h[:1])
+    idx.remove_replica("a")
+    assert idx.match(h) == {"b": MatchInfo(1, 1, 0)}
+    assert idx.replica_hashes("a") == set()
+    assert idx.replicas() == ["b"]
+    assert idx.apply_events("a", 0, stored=h[:2])               # a fresh start at 0
+    assert idx.match(h)["a"].blocks == 2
+    assert idx.stats()["num_entries"] == 3
+    idx.check_integrity()
+
+
+def test_memory_bound_evicts_least_recently_stored_or_matched(make_index):
+    idx = make_index(max_blocks=6)
+    old, hot, new = chain(2, "old"), chain(2, "hot"), chain(2, "new")
+    assert idx.apply_events("a", 0, stored=old)
+    assert idx.apply_events("a", 1, stored=hot)
+    assert idx.apply_events("b", 0, stored=hot)    # 6 entries: old x1, hot x2
+    assert idx.match(old)["a"].blocks == 2         # old becomes most recent
+    assert idx.apply_events("a", 2, stored=new)    # 8 > 6: LRU hash hot[0] (2 entries) goes
+    assert idx.match(hot) == {}                    # its first block is gone for a and b
+    assert idx.replica_hashes("b") == {hot[1]}
+    assert idx.match(old)["a"].blocks == 2
+    assert idx.match(new)["a"].blocks == 2
+    stats = idx.stats()
+    assert stats["num_entries"] <= 6 and stats["evicted_entries"] == 2
+    assert idx.apply_events("b", 1, removed=hot)   # removal of forgotten blocks is a no-op
+    idx.check_integrity()
+
+
+def test_clear_forgets_everything(make_index):
+    idx = make_index()
+    assert idx.apply_events("a", 0, stored=chain(2))
+    idx.clear()
+    assert idx.match(chain(2)) == {} and idx.replicas() == []
+    assert idx.stats()["batches_applied"] == 0 and idx.next_seq_no("a") == 0
+
+
+def test_unknown_tier_is_rejected_with_a_clear_message():
+    with pytest.raises(ValueError, match="unknown KV tier 'disk'"):
+        PrefixIndex().apply_events("a", 0, stored=chain(1), tier="disk")
+    with pytest.raises(ValueError, match="max_blocks"):
+        PrefixIndex(0)
+
+
+def test_random_operations_agree_with_a_brute_force_model():
+    """No bound: the index must answer exactly like a dict of sets per tier."""
+    rng = random.Random(7)
+    idx, model = PrefixIndex(), {}        # model: (replica, tier) -> set of hashes
+    pool = chain(12, "x") + chain(12, "y")
+    seq = {}
+    for _ in range(600):
+        r, tier = rng.choice("abc"), rng.choice(["device", "host"])
+        if rng.random() < 0.05:
+            idx.remove_replica(r)
+            seq.pop(r, None)
+            model = {k: v for k, v in model.items() if k[0] != r}
+            continue
+        stored, removed = rng.sample(pool, 3), rng.sample(pool, 2)
+        assert idx.apply_events(r, seq.get(r, 0), stored, removed, tier)
+        seq[r] = seq.get(r, 0) + 1
+        model.setdefault((r, tier), set()).update(stored)
+        model[(r, tier)].difference_update(removed)
+        for prompt in (pool[:12], pool[12:]):
+            assert idx.match(prompt) == _model_match(model, prompt)
+    idx.check_integrity()
+
+
+def _model_match(model, prompt):
+    out = {}
+    for r in "abc":
+        dev, host = model.get((r, "device"), set()), model.get((r, "host"), set())
+        d = hst = 0
+        for h in prompt:
+            if h in dev:
+                d += 1
+            elif h in host:
+                hst += 1
+            else:
+                break
+        if d + hst:
+            out[r] = MatchInfo(d + hst, d, hst)
+    return out
+
+
+def test_concurrent_writers_and_readers_keep_the_index_consistent():
+    idx = PrefixIndex(max_blocks=500)
+    prompts = [chain(40, f"p{i}") for i in range(8)]
+    errors = []
+
+    def writer(rid: str) -> None:
+        try:
+            for seq, p in enumerate(prompts * 5):
+                assert idx.apply_events(rid, seq, stored=p, removed=p[30:])
+        except Exception as exc:  # noqa: BLE001 - surfaced below
+            errors.append(exc)
+
+    def reader() -> None:
+        for p in prompts * 20:
+            for info in idx.match(p).values():
+                assert info.blocks == info.device_blocks <= 30
+
+    threads = [threading.Thread(target=writer, args=(f"r{i}",)) for i in range(4)]
+    threads += [threading.Thread(target=reader) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    idx.check_integrity()
+    assert idx.stats()["num_entries"] <= 500
+
+
+def test_named_directory_is_shared_between_callers(ray_cluster):
+    from kvharbor.actors.prefix_directory import get_or_create_directory
+
+    first = get_or_create_directory(name="kvh-test-directory", namespace="kvh-tests")
+    second = get_or_create_directory(name="kvh-test-directory", namespace="kvh-tests")
+    try:
+        assert ray_cluster.get(first.apply_events.remote("a", 0, chain(2)))
+        got = ray_cluster.get(second.match.remote(chain(2)))
+        assert got == {"a": MatchInfo(2, 2, 0)}
+    finally:
+        ray_cluster.kill(first)

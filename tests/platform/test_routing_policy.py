@@ -1,0 +1,145 @@
+"""Routing policies: cache affinity, load penalty, balance guard, pinned and QoS handling."""
+
+from __future__ import annotations
+
+import random
+
+from kvharbor.actors.prefix_directory import MatchInfo
+from kvharbor.platform.routing_policy import (Candidate, KVAwarePolicy, PowerOfTwoPolicy,
+                                              RoundRobinPolicy, RouteRequest)
+
+BS = 16
+REQ = RouteRequest(prompt_tokens=6016, block_size=BS)       # 376 blocks
+
+
+def dev(n: int) -> MatchInfo:
+    return MatchInfo(n, n, 0)
+
+
+def cand(rid: str, match: MatchInfo | None = None, load: int = 0, **stats) -> Candidate:
+    return Candidate(rid, match, stats, in_flight=load)
+
+
+def first(policy, request, candidates) -> str:
+    return policy.rank(request, candidates)[0].replica_id
+
+
+def test_longest_cached_prefix_wins_at_equal_load():
+    ranked = KVAwarePolicy().rank(REQ, [cand("a", dev(10)), cand("b", dev(300)), cand("c")])
+    assert [r.replica_id for r in ranked] == ["b", "a", "c"]
+    assert ranked[0].predicted_cached_tokens == 300 * BS
+    assert ranked[2].predicted_cached_tokens == 0
+
+
+def test_host_hits_count_below_device_hits():
+    policy = KVAwarePolicy(host_hit_weight=0.5)
+    assert first(policy, REQ, [cand("host", MatchInfo(10, 0, 10)), cand("dev", dev(10))]) == "dev"
+    # 20 host blocks (worth 10 device blocks) beat 8 device blocks
+    assert first(policy, REQ, [cand("host", MatchInfo(20, 0, 20)), cand("dev", dev(8))]) == "host"
+
+
+def test_predicted_tokens_never_exceed_the_prompt():
+    small = RouteRequest(prompt_tokens=40, block_size=BS)
+    ranked = KVAwarePolicy().rank(small, [cand("a", dev(2))])
+    assert ranked[0].predicted_cached_tokens == 32
+    ranked = KVAwarePolicy().rank(RouteRequest(prompt_tokens=20, block_size=BS),
+                                  [cand("a", dev(9))])        # stale/oversized match info
+    assert ranked[0].predicted_cached_tokens == 20
+
+
+def test_load_penalty_outweighs_a_small_hit():
+    policy = KVAwarePolicy(load_cost_tokens=512)
+    # 4 cached blocks (64 tokens) are not worth waiting behind 1 more request
+    assert first(policy, REQ, [cand("hit", dev(4), load=1), cand("idle", load=0)]) == "idle"
+    # a whole cached system prompt is
+    assert first(policy, REQ, [cand("hit", dev(375), load=1), cand("idle", load=0)]) == "hit"
+
+
+def test_no_matches_go_to_the_least_loaded_and_ties_are_random():
+    policy = KVAwarePolicy(rng=random.Random(0))
+    assert first(policy, REQ, [cand("a", load=3), cand("b", load=1), cand("c", load=2)]) == "b"
+    winners = {first(policy, REQ, [cand("a"), cand("b"), cand("c")]) for _ in range(60)}
+    assert winners == {"a", "b", "c"}
+
+
+def test_much_more_loaded_hot_replica_is_ranked_after_the_others():
+    policy = KVAwarePolicy(imbalance_tolerance=0.1, balance_slack=2)
+    cands = [cand("hot", dev(375), load=20), cand("x", load=5), cand("y", dev(100), load=6)]
+    ranked = policy.rank(REQ, cands)
+    assert [r.replica_id for r in ranked] == ["y", "x", "hot"]
+    assert ranked[-1].overloaded and not ranked[0].overloaded
+    # slightly above the mean (within the slack) keeps its affinity
+    cands = [cand("hot", dev(375), load=6), cand("x", load=5), cand("y", load=5)]
+    assert first(policy, REQ, cands) == "hot"
+
+
+def test_hot_prefix_spreads_instead_of_taking_all_traffic():
+    """All requests share one prefix that only replica r0 holds; loads never drain."""
+    policy = KVAwarePolicy(rng=random.Random(1))
+    loads = dict.fromkeys(["r0", "r1", "r2", "r3"], 0)
+    for _ in range(400):
+        cands = [cand(r, dev(375) if r == "r0" else None, load=n) for r, n in loads.items()]
+        loads[first(policy, REQ, cands)] += 1
+    mean = sum(loads.values()) / len(loads)
+    assert max(loads.values()) / mean <= 1.15
+    assert loads["r0"] == max(loads.values())            # affinity kept up to the bound
+
+
+def test_replica_without_room_for_the_request_is_penalized():
+    policy = KVAwarePolicy()
+    full = cand("full", free_shared_blocks=10, total_blocks=4096)
+    roomy = cand("roomy", free_shared_blocks=2000, total_blocks=4096)
+    assert first(policy, REQ, [full, roomy]) == "roomy"
+    # stats not reported yet: no penalty, fall back to load
+    assert first(policy, REQ, [cand("new", load=0), cand("busy", load=1)]) == "new"
+
+
+def test_pinned_requests_prefer_free_pinned_blocks():
+    policy = KVAwarePolicy(rng=random.Random(3))
+    no_pin = cand("no_pin", free_shared_blocks=2000, free_pinned_blocks=0)
+    pin = cand("pin", free_shared_blocks=2000, free_pinned_blocks=500)
+    pinned = RouteRequest(prompt_tokens=6016, block_size=BS, pinned=True, priority=2)
+    assert all(first(policy, pinned, [no_pin, pin]) == "pin" for _ in range(20))
+    plain = {first(policy, REQ, [no_pin, pin]) for _ in range(40)}
+    assert plain == {"no_pin", "pin"}                    # unpinned requests don't care
+
+
+def test_lower_priority_queues_do_not_count_against_higher_priority_requests():
+    policy = KVAwarePolicy(qos_priority={"premium": 2, "batch": 0})
+    batchy = cand("batchy", load=3, num_running=0, num_waiting=3, queue_by_qos={"batch": 3})
+    premy = cand("premy", load=2, num_running=0, num_waiting=2, queue_by_qos={"premium": 2})
+    premium = RouteRequest(prompt_tokens=6016, block_size=BS, priority=2, qos="premium")
+    batch = RouteRequest(prompt_tokens=6016, block_size=BS, priority=0, qos="batch")
+    assert first(policy, premium, [batchy, premy]) == "batchy"
+    assert first(policy, batch, [batchy, premy]) == "premy"
+
+
+def test_stats_are_the_load_when_the_router_has_no_in_flight_count():
+    a = Candidate("a", None, {"num_running": 4, "num_waiting": 3})
+    b = Candidate("b", None, {"num_running": 2, "num_waiting": 0})
+    assert first(KVAwarePolicy(), REQ, [a, b]) == "b"
+
+
+def test_power_of_two_never_puts_the_most_loaded_first():
+    policy = PowerOfTwoPolicy(random.Random(5))
+    cands = [cand("a", load=0), cand("b", load=5), cand("c", load=9)]
+    firsts = set()
+    for _ in range(100):
+        ranked = policy.rank(REQ, cands)
+        assert sorted(r.replica_id for r in ranked) == ["a", "b", "c"]
+        firsts.add(ranked[0].replica_id)
+    assert firsts == {"a", "b"}
+
+
+def test_round_robin_rotates_through_all_replicas():
+    policy = RoundRobinPolicy()
+    cands = [cand("a", dev(100)), cand("b"), cand("c")]
+    assert [first(policy, REQ, cands) for _ in range(6)] == ["a", "b", "c", "a", "b", "c"]
+
+
+def test_every_policy_ranks_each_candidate_once_and_handles_empty_input():
+    cands = [cand(f"r{i}", dev(i), load=i % 3) for i in range(7)]
+    for policy in (KVAwarePolicy(), PowerOfTwoPolicy(), RoundRobinPolicy()):
+        assert sorted(r.replica_id for r in policy.rank(REQ, cands)) == sorted(
+            c.replica_id for c in cands)
+        assert policy.rank(REQ, []) == []

@@ -1,0 +1,157 @@
+"""`kvharbor tenants ...`: edits keep comments, keys are printed once and stored hashed."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
+
+from kvharbor.tenants import AuthError, TenantRegistry
+from kvharbor.tenants.cli import main
+from kvharbor.tenants.keys import hash_key
+
+KEY_RE = re.compile(r"API key \(shown once; store it now\): (kvh-\S+)")
+
+
+def comments(text: str) -> list[str]:
+    return [line.strip() for line in text.splitlines() if line.strip().startswith("#")]
+
+
+def new_key(out: str) -> str:
+    keys = KEY_RE.findall(out)
+    assert len(keys) == 1, out
+    return keys[0]
+
+
+def test_validate_ok_prints_summary(tenants_file, capsys):
+    assert main(["validate", str(tenants_file)]) == 0
+    out = capsys.readouterr().out
+    assert "OK" in out and "tenants: 3" in out and "demo keys" in out
+
+
+def test_validate_reports_file_line_and_field(tenants_file, capsys):
+    text = tenants_file.read_text().replace("qos: batch", "qos: bulk")
+    tenants_file.write_text(text)
+    line = text.splitlines().index("    qos: bulk") + 1
+    assert main(["validate", str(tenants_file)]) == 1
+    err = capsys.readouterr().err
+    assert f"{tenants_file}:{line}: tenants.initech.qos: unknown QoS class 'bulk'" in err
+
+
+def test_add_rotate_revoke_round_trip_keeps_comments(tenants_file, capsys):
+    original = tenants_file.read_text()
+    f = ["--file", str(tenants_file)]
+    assert main(["add", "hooli", "--qos", "standard", "--cache-scope", "shared:partners",
+                 "--requests-per-minute", "7", *f]) == 0
+    first = new_key(capsys.readouterr().out)
+    assert first not in tenants_file.read_text() and hash_key(first) in tenants_file.read_text()
+    reg = TenantRegistry(tenants_file)
+    p = reg.authenticate(first)
+    assert (p.tenant, p.qos_name, p.cache_salt, p.limits.requests_per_minute) == \
+        ("hooli", "standard", "group:partners", 7)
+
+    assert main(["rotate-key", "hooli", *f]) == 0
+    out = capsys.readouterr().out
+    second = new_key(out)
+    assert f"old key {hash_key(first)[:8]}: expires" in out
+    reg = TenantRegistry(tenants_file)
+    assert reg.authenticate(second).tenant == "hooli"
+    assert reg.authenticate(first).tenant == "hooli"          # still inside its grace period
+    assert reg.config.tenants["hooli"].keys[0].expires is not None
+
+    assert main(["revoke-key", "hooli", "--hash-prefix", hash_key(first)[:8], *f]) == 0
+    assert main(["rotate-key", "hooli", "--revoke-old", *f]) == 0
+    third = new_key(capsys.readouterr().out)
+    reg = TenantRegistry(tenants_file)
+    for old in (first, second):
+        with pytest.raises(AuthError, match="revoked"):
+            reg.authenticate(old)
+    assert reg.authenticate(third).tenant == "hooli"
+    assert reg.authenticate("kvh-demo-premium").tenant == "acme"
+    assert comments(tenants_file.read_text()) == comments(original)
+    assert main(["validate", str(tenants_file)]) == 0
+    assert not [p for p in tenants_file.parent.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_untouched_parts_of_the_file_are_byte_identical(tenants_file, capsys):
+    original = tenants_file.read_text()
+    assert main(["add", "zeta", "--qos", "batch", "--file", str(tenants_file)]) == 0
+    edited = tenants_file.read_text()
+    assert edited.startswith(original.rstrip("\n"))
+    assert "  zeta:\n    keys:\n      - hash: \"" in edited
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["add", "acme", "--qos", "premium"], "already exists"),
+    (["add", "newco", "--qos", "gold"], "unknown QoS class 'gold'"),
+    (["add", "newco", "--qos", "batch", "--cache-scope", "team"], "cache_scope 'team'"),
+    (["rotate-key", "nobody"], "no tenant 'nobody'"),
+    (["revoke-key", "acme", "--hash-prefix", "ffffffff"], "no key of tenant 'acme'"),
+])
+def test_bad_edits_change_nothing(tenants_file, capsys, argv, words):
+    before = tenants_file.read_text()
+    assert main([*argv, "--file", str(tenants_file)]) == 1
+    assert words in capsys.readouterr().err
+    assert tenants_file.read_text() == before
+
+
+def test_revoke_admin_key(tenants_file, capsys):
+    prefix = hash_key("kvh-demo-admin")[:6]
+    assert main(["revoke-key", "--admin", "--hash-prefix", prefix, "--reason", "go live",
+                 "--file", str(tenants_file)]) == 0
+    reg = TenantRegistry(tenants_file)
+    assert not reg.is_admin("kvh-demo-admin")
+    assert reg.config.admin_keys[0].revoked == "go live"
+
+
+def test_keys_are_never_logged(tenants_file, capsys, caplog):
+    with caplog.at_level(logging.DEBUG):
+        assert main(["add", "hooli", "--qos", "batch", "--file", str(tenants_file)]) == 0
+        k1 = new_key(capsys.readouterr().out)
+        assert main(["rotate-key", "hooli", "--file", str(tenants_file)]) == 0
+        k2 = new_key(capsys.readouterr().out)
+        assert main(["add-admin-key", "--file", str(tenants_file)]) == 0
+        k3 = new_key(capsys.readouterr().out)
+        reg = TenantRegistry(tenants_file)
+        reg.authenticate(k2)
+        assert reg.is_admin(k3)
+    for key in (k1, k2, k3):
+        assert key not in caplog.text and key not in tenants_file.read_text()
+
+
+class _UsageHandler(BaseHTTPRequestHandler):
+    seen_auth: list[str] = []
+
+    def do_GET(self):  # noqa: N802 - http.server API
+        self.seen_auth.append(self.headers.get("Authorization", ""))
+        ok = self.path == "/admin/tenants" and self.headers.get("Authorization") == \
+            "Bearer kvh-demo-admin"
+        body = json.dumps({"tenants": {"acme": {"in_flight": 3, "tokens_today": 1234}}})
+        self.send_response(200 if ok else 401)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(body.encode())
+
+    def log_message(self, *args):
+        pass
+
+
+def test_show_fetches_usage_with_admin_key(tenants_file, capsys):
+    server = HTTPServer(("127.0.0.1", 0), _UsageHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}"
+    try:
+        assert main(["show", "acme", "--file", str(tenants_file), "--json", "--usage-url", url,
+                     "--admin-key", "kvh-demo-admin"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["acme"]["usage"] == {"in_flight": 3, "tokens_today": 1234}
+        assert report["acme"]["qos"] == "premium" and report["acme"]["keys"][0]["id"]
+        assert main(["show", "--file", str(tenants_file), "--usage-url", url,
+                     "--admin-key", "wrong"]) == 1
+        assert "401" in capsys.readouterr().err
+    finally:
+        server.shutdown()

@@ -1,0 +1,158 @@
+"""Admission limits, run against the in-process controller and the shared Ray actor alike.
+
+Every call passes ``now`` explicitly (no sleeping). Each test uses its own tenant name, so the
+actor variant can share one actor across the module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+
+from kvharbor.tenants import LocalAdmission, TenantLimits
+
+from .conftest import T0
+
+_names = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def actor_admission(request):
+    request.getfixturevalue("ray_cluster")
+    import ray
+
+    from kvharbor.tenants.admission_actor import ActorAdmission, get_or_create_admission_actor
+
+    handle = get_or_create_admission_actor(name="kvharbor-admission-test-limits",
+                                           namespace="kvharbor-tests")
+    yield ActorAdmission(handle)
+    ray.kill(handle)
+
+
+@pytest.fixture(params=["local", "actor"])
+def adm(request):
+    """An async admission client plus a fresh tenant name: ``(client, tenant)``."""
+    client = LocalAdmission() if request.param == "local" else \
+        request.getfixturevalue("actor_admission")
+    return client, f"t{next(_names)}-{request.param}"
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_requests_per_minute_bucket(adm):
+    client, tenant = adm
+    lim = TenantLimits(requests_per_minute=3)
+    results = [run(client.try_admit(tenant, lim, 1, 1, now=T0)) for _ in range(4)]
+    assert [r.ok for r in results] == [True, True, True, False]
+    assert results[-1].status == 429 and results[-1].limit == "requests_per_minute"
+    assert results[-1].retry_after_s == pytest.approx(20.0)        # 60 s / 3 requests
+    assert not run(client.try_admit(tenant, lim, 1, 1, now=T0 + 19.9)).ok
+    assert run(client.try_admit(tenant, lim, 1, 1, now=T0 + 20.0)).ok
+
+
+def test_tokens_per_minute_reserves_and_refunds(adm):
+    client, tenant = adm
+    lim = TenantLimits(tokens_per_minute=1000)
+    first = run(client.try_admit(tenant, lim, 100, 500, now=T0))       # reserves 600
+    assert first.ok
+    second = run(client.try_admit(tenant, lim, 100, 400, now=T0))      # needs 500, has 400
+    assert second.status == 429 and second.limit == "tokens_per_minute"
+    assert second.retry_after_s == pytest.approx(6.0)                  # 100 tokens at 1000/min
+    run(client.release(first.ticket, tokens_used=200, now=T0))        # refund 400
+    assert run(client.try_admit(tenant, lim, 100, 400, now=T0)).ok
+    usage = run(client.usage(tenant, now=T0))
+    assert usage["tokens_available"] == pytest.approx(300)
+
+
+def test_request_larger_than_a_bucket_is_400_not_429(adm):
+    client, tenant = adm
+    result = run(client.try_admit(tenant, TenantLimits(tokens_per_minute=100), 90, 20, now=T0))
+    assert result.status == 400 and "tokens_per_minute is 100" in result.reason
+
+
+def test_max_tokens_per_request_is_400_naming_the_limit(adm):
+    client, tenant = adm
+    lim = TenantLimits(max_tokens_per_request=256)
+    bad = run(client.try_admit(tenant, lim, 10, 257, now=T0))
+    assert (bad.ok, bad.status, bad.limit) == (False, 400, "max_tokens_per_request")
+    assert "max_tokens_per_request=256" in bad.reason and bad.retry_after_s is None
+    assert run(client.try_admit(tenant, lim, 10, 256, now=T0)).ok
+
+
+def test_max_concurrent_requests(adm):
+    client, tenant = adm
+    lim = TenantLimits(max_concurrent_requests=2)
+    a, b = (run(client.try_admit(tenant, lim, 1, 1, now=T0)) for _ in range(2))
+    third = run(client.try_admit(tenant, lim, 1, 1, now=T0))
+    assert third.status == 429 and third.limit == "max_concurrent_requests"
+    assert third.retry_after_s > 0
+    assert run(client.release(a.ticket, 2, now=T0)) is True
+    assert run(client.release(a.ticket, 2, now=T0)) is False          # second release ignored
+    assert run(client.try_admit(tenant, lim, 1, 1, now=T0)).ok
+    assert run(client.usage(tenant, now=T0))["in_flight"] == 2
+
+
+def test_daily_budget_resets_at_utc_midnight(adm):
+    client, tenant = adm
+    lim = TenantLimits(daily_token_budget=1000)
+    first = run(client.try_admit(tenant, lim, 400, 400, now=T0))
+    assert first.ok
+    late = run(client.try_admit(tenant, lim, 100, 200, now=T0 + 60))
+    assert late.status == 429 and late.limit == "daily_token_budget"
+    assert late.retry_after_s == pytest.approx(57_600 - 60)
+    run(client.release(first.ticket, tokens_used=500, now=T0 + 60))     # 300 refunded
+    assert run(client.try_admit(tenant, lim, 100, 200, now=T0 + 60)).ok  # 500 + 300 <= 1000
+    assert not run(client.try_admit(tenant, lim, 100, 200, now=T0 + 61)).ok
+    assert run(client.try_admit(tenant, lim, 100, 200, now=T0 + 57_600)).ok
+    assert run(client.usage(tenant, now=T0 + 57_600))["tokens_today"] == 300
+
+
+def test_longest_wait_wins_when_several_limits_refuse(adm):
+    client, tenant = adm
+    lim = TenantLimits(requests_per_minute=1, daily_token_budget=10)
+    assert run(client.try_admit(tenant, lim, 5, 5, now=T0)).ok
+    both = run(client.try_admit(tenant, lim, 1, 1, now=T0))
+    assert both.limit == "daily_token_budget" and both.retry_after_s == pytest.approx(57_600)
+
+
+def test_limits_change_takes_effect_on_next_call(adm):
+    client, tenant = adm
+    assert run(client.try_admit(tenant, TenantLimits(requests_per_minute=1), 1, 1, now=T0)).ok
+    assert not run(client.try_admit(tenant, TenantLimits(requests_per_minute=1), 1, 1, now=T0)).ok
+    assert run(client.try_admit(tenant, TenantLimits(), 1, 1, now=T0)).ok      # limit removed
+    assert run(client.try_admit(tenant, {"requests_per_minute": 5}, 1, 1, now=T0)).ok
+
+
+def test_tenants_are_independent(adm):
+    client, tenant = adm
+    lim = TenantLimits(requests_per_minute=1)
+    assert run(client.try_admit(tenant, lim, 1, 1, now=T0)).ok
+    assert run(client.try_admit(tenant + "-other", lim, 1, 1, now=T0)).ok
+    assert set(run(client.usage_all(now=T0))) >= {tenant, tenant + "-other"}
+
+
+def test_actor_shares_limits_between_gateway_replicas(actor_admission):
+    """Two caller actors (stand-ins for gateway replicas) admit against one named actor."""
+    import ray
+
+    from kvharbor.tenants.admission_actor import ActorAdmission
+
+    @ray.remote(num_cpus=0)
+    class FakeGateway:
+        def __init__(self, handle):
+            self.admission = ActorAdmission(handle)
+
+        async def burst(self, n: int) -> int:
+            lim = TenantLimits(requests_per_minute=25)
+            results = await asyncio.gather(*(self.admission.try_admit(
+                "shared-tenant", lim, 1, 1, now=T0) for _ in range(n)))
+            return sum(r.ok for r in results)
+
+    gateways = [FakeGateway.remote(actor_admission.handle) for _ in range(2)]
+    admitted = ray.get([g.burst.remote(20) for g in gateways], timeout=60)
+    assert sum(admitted) == 25 and all(a > 0 for a in admitted)
+    assert run(actor_admission.usage("shared-tenant", now=T0))["admitted_total"] == 25

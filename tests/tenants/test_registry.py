@@ -1,0 +1,221 @@
+"""TenantRegistry: demo keys work, bad keys get 401, models 403, hot reload keeps a valid config."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+from kvharbor.tenants import AuthError, ForbiddenError, TenantRegistry, TenantsFileError
+from kvharbor.tenants.keys import DEMO_KEYS, hash_key
+
+from .conftest import T0
+
+FILE = """\
+qos_classes:
+  gold: {{priority: 10, pinned: true}}
+  tin: {{priority: 1}}
+admin_keys: ["{admin}"]
+tenants:
+  alice:
+    qos: gold
+    keys:
+      - hash: "{live}"
+      - hash: "{old}"
+        expires: 2027-01-15T07:00:00Z
+      - hash: "{future}"
+        expires: 2027-01-15T09:00:00Z
+      - hash: "{gone}"
+        revoked: leaked in a screenshot
+    allowed_models: [small-model]
+    pinned_kv_blocks: 12
+  bob:
+    qos: tin
+    keys: ["{bob}"]
+    cache_scope: shared:team
+    requests_per_minute: {bob_rpm}
+  carol:
+    qos: tin
+    keys: ["{carol}"]
+    cache_scope: public
+"""
+KEYS = {name: f"kvh-test-{name}" for name in ("admin", "live", "old", "future", "gone", "bob",
+                                              "carol")}
+
+
+def write(path: Path, bob_rpm: int = 30, extra: str = "") -> None:
+    text = FILE.format(bob_rpm=bob_rpm, **{n: hash_key(k) for n, k in KEYS.items()}) + extra
+    path.write_text(text)
+    st = path.stat()            # make the change visible even within one mtime tick
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+
+
+@pytest.fixture
+def registry(tmp_path, clock):
+    path = tmp_path / "t.yaml"
+    write(path)
+    return TenantRegistry(path, clock=clock)
+
+
+def test_demo_keys_authenticate_to_their_tenants(tenants_file):
+    reg = TenantRegistry(tenants_file)
+    classes = {reg.authenticate(k).qos_name for k in DEMO_KEYS if k != "kvh-demo-admin"}
+    assert classes == {"premium", "standard", "batch"}
+    assert reg.is_admin("kvh-demo-admin")
+    assert not reg.is_admin("kvh-demo-premium")
+    assert reg.active_demo_keys() == ["acme", "admin", "globex", "initech"]
+    assert reg.pinned_kv_blocks_total() == 64
+
+
+def test_principal_carries_class_limits_and_salt(registry):
+    p = registry.authenticate(KEYS["live"])
+    assert (p.tenant, p.qos_name, p.qos.priority, p.cache_salt) == ("alice", "gold", 10,
+                                                                    "tenant:alice")
+    assert registry.authenticate(KEYS["bob"]).limits.requests_per_minute == 30
+    assert p.key_id == hash_key(KEYS["live"])[:8]
+
+
+@pytest.mark.parametrize("key,code,words", [
+    (None, "invalid_api_key", "missing API key"),
+    ("", "invalid_api_key", "missing API key"),
+    ("kvh-nobody", "invalid_api_key", "invalid API key"),
+    (KEYS["old"], "expired_api_key", "expired"),
+    (KEYS["gone"], "revoked_api_key", "revoked"),
+])
+def test_unusable_keys_are_401(registry, key, code, words):
+    with pytest.raises(AuthError) as info:
+        registry.authenticate(key)
+    assert info.value.status == 401 and info.value.code == code
+    assert words in info.value.message
+
+
+def test_key_expires_when_the_clock_passes_its_expiry(registry, clock):
+    assert registry.authenticate(KEYS["future"]).tenant == "alice"
+    clock.now = T0 + 3600
+    with pytest.raises(AuthError, match="expired"):
+        registry.authenticate(KEYS["future"])
+
+
+def test_admin_keys_are_separate_from_tenant_keys(registry):
+    assert registry.is_admin(KEYS["admin"])
+    assert not registry.is_admin(KEYS["live"]) and not registry.is_admin(None)
+    with pytest.raises(AuthError):
+        registry.authenticate(KEYS["admin"])
+
+
+def test_disallowed_model_is_403(registry):
+    alice = registry.authenticate(KEYS["live"])
+    registry.check_model(alice, "small-model")
+    with pytest.raises(ForbiddenError) as info:
+        registry.check_model(alice, "big-model")
+    assert info.value.status == 403 and "small-model" in info.value.message
+    registry.check_model(registry.authenticate(KEYS["bob"]), "big-model")  # no list: all
+
+
+def test_cache_salts_follow_scope(registry):
+    assert registry.cache_salt("alice") == "tenant:alice"
+    assert registry.cache_salt("bob") == "group:team"
+    assert registry.cache_salt("carol") is None
+    assert registry.pinned_kv_blocks_total() == 12
+
+
+def test_unchanged_file_does_not_reload(registry):
+    assert registry.reload_if_changed() is False
+    assert registry.version == 1
+
+
+def test_valid_change_is_picked_up(registry, clock):
+    seen = []
+    registry.add_listener(lambda config, version: seen.append(version))
+    write(registry.path, bob_rpm=99)
+    clock.now = T0 + 5
+    assert registry.reload_if_changed() is True
+    assert registry.authenticate(KEYS["bob"]).limits.requests_per_minute == 99
+    assert registry.version == 2 and seen == [2]
+    assert registry.status()["loaded_at"] == T0 + 5
+    assert registry.reload_if_changed() is False
+
+
+def test_invalid_change_is_rejected_and_old_config_stays(registry, clock, caplog):
+    write(registry.path, bob_rpm=99, extra="  dave:\n    qos: platinum\n")
+    clock.now = T0 + 7
+    with caplog.at_level(logging.ERROR):
+        assert registry.reload_if_changed() is False
+    assert registry.authenticate(KEYS["bob"]).limits.requests_per_minute == 30
+    status = registry.status()
+    assert status["version"] == 1 and status["last_error_at"] == T0 + 7
+    assert "tenants.dave.qos" in status["last_error"] and "platinum" in status["last_error"]
+    assert status["path"] == str(registry.path)
+    assert "platinum" in caplog.text
+    caplog.clear()
+    assert registry.reload_if_changed() is False       # same bad content: not logged again
+    assert caplog.text == ""
+    write(registry.path, bob_rpm=45)                  # fixed: picked up, error cleared
+    assert registry.reload_if_changed() is True
+    assert registry.status()["last_error"] is None and registry.version == 2
+
+
+def test_deleted_file_keeps_config(registry):
+    registry.path.unlink()
+    assert registry.reload_if_changed() is False
+    assert registry.authenticate(KEYS["live"]).tenant == "alice"
+    assert "cannot read" in registry.status()["last_error"]
+
+
+def test_invalid_or_missing_file_at_startup_raises(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("qos_classes: {}\n")
+    with pytest.raises(TenantsFileError, match="bad.yaml:1: qos_classes"):
+        TenantRegistry(path)
+    with pytest.raises(TenantsFileError, match="cannot read"):
+        TenantRegistry(tmp_path / "missing.yaml")
+
+
+def test_describe_is_json_safe_and_shows_key_ids_only(registry):
+    import json
+
+    text = json.dumps(registry.describe())
+    view = json.loads(text)
+    assert view["bob"]["limits"]["requests_per_minute"] == 30
+    assert view["carol"]["cache_salt"] is None
+    assert [k["id"] for k in view["alice"]["keys"]] == [hash_key(KEYS[n])[:8] for n in
+                                                         ("live", "old", "future", "gone")]
+    assert view["alice"]["keys"][3]["revoked"] == "leaked in a screenshot"
+    assert not any(hash_key(k) in text or k in text for k in KEYS.values())
+
+
+def test_keys_never_appear_in_logs(registry, caplog):
+    with caplog.at_level(logging.DEBUG):
+        for key in KEYS.values():
+            try:
+                registry.authenticate(key)
+            except AuthError as exc:
+                assert key not in exc.message
+        registry.is_admin(KEYS["admin"])
+        write(registry.path, extra="  eve:\n    qos: tin\n    keys: [\"kvh-plaintext-oops\"]\n")
+        registry.reload_if_changed()
+        assert "keys.0" in registry.status()["last_error"]
+        assert "kvh-plaintext-oops" not in str(registry.status())
+        write(registry.path, bob_rpm=31)
+        registry.reload_if_changed()
+    assert len(caplog.records) >= 2, "expected the reject and reload messages"
+    for key in [*KEYS.values(), "kvh-plaintext-oops"]:
+        assert key not in caplog.text
+
+
+def test_watch_task_reloads_in_the_background(registry):
+    import asyncio
+
+    async def scenario() -> int:
+        task = asyncio.create_task(registry.watch(interval_s=0.01))
+        write(registry.path, bob_rpm=77)
+        for _ in range(500):
+            if registry.version == 2:
+                break
+            await asyncio.sleep(0.01)
+        task.cancel()
+        return registry.authenticate(KEYS["bob"]).limits.requests_per_minute
+
+    assert asyncio.run(scenario()) == 77
