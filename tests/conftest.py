@@ -41,3 +41,78 @@ def pytest_configure(config):
             os.environ.setdefault("TRITON_INTERPRET", "1")
     except ImportError:
         pass
+
+
+APP_PORT = 18000
+DEMO = {"premium": "kvh-demo-premium", "standard": "kvh-demo-standard",
+        "batch": "kvh-demo-batch", "admin": "kvh-demo-admin"}
+
+
+class RunningApp:
+    """The kvharbor app deployed once per test session on 127.0.0.1:APP_PORT."""
+
+    def __init__(self, tenants_path, base_url: str, model: str) -> None:
+        self.tenants_path = tenants_path
+        self.base_url = base_url
+        self.model = model
+
+    def client(self, key: str = DEMO["premium"], timeout: float = 120.0):
+        import httpx
+
+        return httpx.Client(base_url=self.base_url, timeout=timeout,
+                            headers={"Authorization": f"Bearer {key}"})
+
+    def replica_handle(self):
+        from ray import serve
+
+        return serve.get_deployment_handle("LLMReplica", app_name="kvharbor")
+
+    def replica_actors(self) -> list:
+        """(replica unique id, actor handle) of every running LLMReplica."""
+        import ray
+        from ray.util.state import list_actors
+
+        out = []
+        for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000):
+            name = a.get("name") or ""
+            if "LLMReplica" in name and name.startswith("SERVE_REPLICA::kvharbor"):
+                out.append((name.split("#")[-1], ray.get_actor(name, namespace="serve")))
+        return out
+
+    def directory(self):
+        import ray
+
+        return ray.get_actor("kvharbor-prefix-directory", namespace="kvharbor")
+
+
+@pytest.fixture(scope="session")
+def kvharbor_app(ray_cluster, tmp_path_factory):
+    """Gateway + 2 LLM replicas (tiny-llama, CPU) + directory, with a writable tenants.yaml."""
+    import shutil
+    import time
+    from pathlib import Path
+
+    import httpx
+    from ray import serve
+
+    from kvharbor.platform.app import build_app
+
+    tenants = tmp_path_factory.mktemp("tenants") / "tenants.yaml"
+    shutil.copy(Path(__file__).resolve().parent.parent / "tenants.yaml", tenants)
+    serve.start(http_options={"host": "127.0.0.1", "port": APP_PORT})
+    app = build_app({"replicas": 2, "tenants": str(tenants), "num_kv_blocks": 768,
+                     "gateway_replicas": 1})
+    serve.run(app, name="kvharbor", route_prefix="/", blocking=False)
+    base = f"http://127.0.0.1:{APP_PORT}"
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        try:
+            if httpx.get(base + "/healthz", timeout=5).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    else:
+        raise RuntimeError("kvharbor app did not become healthy in 240 s")
+    yield RunningApp(tenants, base, "kvharbor/tiny-llama")
+    serve.delete("kvharbor")

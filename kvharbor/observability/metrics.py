@@ -41,6 +41,7 @@ only as exact as the buckets; dashboards use ``histogram_quantile`` over ``_buck
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from typing import Literal
 
@@ -60,6 +61,9 @@ LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                      1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64,
                  1.25, 2.5, 5.0)
+# Ray 2.60 drops a gauge series ~20 s (two export intervals) after its last set(); the
+# recorder re-sends every gauge's last value this often, so gauges behave like Prometheus'.
+GAUGE_REFRESH_S = 5.0
 ROUTER_BUCKETS_S = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
                     0.05, 0.1, 0.25, 1.0)
 
@@ -138,12 +142,18 @@ class KvharborMetrics:
 
     Units: seconds for latencies, tokens and blocks as plain counts. Negative counts are
     ignored for counters (Ray rejects them); zero increments are skipped.
+
+    Gauges are sticky: a value set once is re-sent every ``gauge_refresh_s`` by a daemon
+    thread until it is set again (set 0 for a tenant or class that went away), because Ray
+    forgets a gauge that is not set for about 20 s.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, gauge_refresh_s: float = GAUGE_REFRESH_S) -> None:
         from ray.util import metrics as ray_metrics
 
         self._m: dict[str, object] = {}
+        self._gauges: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        self._gauge_lock = threading.Lock()
         for spec in METRICS:
             if spec.kind == "counter":
                 obj = ray_metrics.Counter(spec.name, spec.description, tag_keys=spec.labels)
@@ -153,6 +163,27 @@ class KvharborMetrics:
                 obj = ray_metrics.Histogram(spec.name, spec.description,
                                             boundaries=list(spec.buckets), tag_keys=spec.labels)
             self._m[spec.name] = obj
+        threading.Thread(target=self._refresh_gauges_forever, args=(gauge_refresh_s,),
+                         name="kvharbor-gauge-refresh", daemon=True).start()
+
+    def _set(self, name: str, value: float, tags: dict[str, str]) -> None:
+        """Set a gauge and remember it, so the refresher keeps re-sending it."""
+        with self._gauge_lock:
+            self._gauges[(name, tuple(sorted(tags.items())))] = value
+        self._m[name].set(value, tags=tags)
+
+    def refresh_gauges(self) -> int:
+        """Re-send every gauge's last value (Ray drops one not set for ~20 s); returns count."""
+        with self._gauge_lock:
+            items = list(self._gauges.items())
+        for (name, tags), value in items:
+            self._m[name].set(value, tags=dict(tags))
+        return len(items)
+
+    def _refresh_gauges_forever(self, period_s: float) -> None:
+        while True:
+            time.sleep(period_s)
+            self.refresh_gauges()
 
     def _inc(self, name: str, value: float, tags: dict[str, str]) -> None:
         if value > 0:
@@ -198,14 +229,13 @@ class KvharborMetrics:
     # --- replica -------------------------------------------------------------------------
     def kv_blocks(self, replica: str, region: str, state: str, n: int) -> None:
         """Set the number of blocks of ``region`` in ``state`` on ``replica`` (a gauge)."""
-        self._m["kvharbor_kv_blocks"].set(n, tags={
+        self._set("kvharbor_kv_blocks", n, {
             "replica": replica, "region": _bounded(region, REGIONS),
             "state": _bounded(state, BLOCK_STATES)})
 
     def kv_occupancy(self, replica: str, tenant: str, blocks: int) -> None:
         """Set the number of KV blocks ``tenant``'s requests hold on ``replica``."""
-        self._m["kvharbor_kv_tenant_blocks"].set(blocks, tags={"replica": replica,
-                                                                "tenant": tenant})
+        self._set("kvharbor_kv_tenant_blocks", blocks, {"replica": replica, "tenant": tenant})
 
     def evictions(self, replica: str, n: int) -> None:
         """Add ``n`` evicted cached blocks."""
@@ -217,15 +247,15 @@ class KvharborMetrics:
 
     def queue_length(self, replica: str, qos: str, n: int) -> None:
         """Set the number of waiting requests of class ``qos`` on ``replica``."""
-        self._m["kvharbor_queue_length"].set(n, tags={"replica": replica, "qos": qos})
+        self._set("kvharbor_queue_length", n, {"replica": replica, "qos": qos})
 
     def running(self, replica: str, qos: str, n: int) -> None:
         """Set the number of running requests of class ``qos`` on ``replica``."""
-        self._m["kvharbor_running_requests"].set(n, tags={"replica": replica, "qos": qos})
+        self._set("kvharbor_running_requests", n, {"replica": replica, "qos": qos})
 
     def replica_up(self, replica: str, up: bool = True) -> None:
         """Mark ``replica``'s engine loop as running (1) or stopped (0)."""
-        self._m["kvharbor_replica_up"].set(1 if up else 0, tags={"replica": replica})
+        self._set("kvharbor_replica_up", 1 if up else 0, {"replica": replica})
 
     # --- router --------------------------------------------------------------------------
     def router_decision(self, seconds: float) -> None:
@@ -241,8 +271,9 @@ class KvharborMetrics:
 class NullMetrics(KvharborMetrics):
     """Same methods, records nothing: for processes without Ray."""
 
-    def __init__(self) -> None:  # noqa: D107 - no Ray objects on purpose
+    def __init__(self) -> None:  # noqa: D107 - no Ray objects, no refresher thread
         self._m = {}
+        self._gauges = {}
 
     def __getattribute__(self, name: str):
         if not name.startswith("_") and callable(getattr(KvharborMetrics, name, None)):

@@ -92,7 +92,7 @@ class KVAwarePolicy:
 
     host_hit_weight: float = 0.5        # a host hit saves compute but costs a copy
     load_cost_tokens: float = 512.0     # tokens-equivalent per request ahead in the queue
-    imbalance_tolerance: float = 0.1    # overloaded above (1 + this) * mean load ...
+    imbalance_tolerance: float = 0.15   # overloaded above (1 + this) * mean load ...
     balance_slack: int = 2              # ... and more than this many above the least loaded
     pinned_miss_cost: float = 0.25      # per block (x block_size) a pinned request can't pin
     qos_priority: Mapping[str, int] = field(default_factory=dict)   # QoS class -> priority

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import re
+import time
 
 from kvharbor.observability.metrics import METRICS, scraped_names
 from tests.observability.recorder_actor import Recorder, scrape_until
 
+GAUGE_TTL_S = 20.0
 TENANT = "obs-ray-tenant"
 REPLICA = "obs-ray-replica"
 
@@ -24,9 +26,13 @@ def test_actor_records_every_metric_with_expected_names_and_labels(ray_cluster):
     try:
         assert ray_cluster.get(actor.recorder_type.remote()) == "KvharborMetrics"
         ray_cluster.get(actor.record_all.remote(TENANT, REPLICA))
+        recorded_at = time.monotonic()
         text = scrape_until([rf"^{name}\{{.*" for spec in METRICS for name in scraped_names(spec)]
                             + [rf'^ray_kvharbor_requests_total\{{.*tenant="{TENANT}"',
                                rf'^ray_kvharbor_kv_blocks\{{.*replica="{REPLICA}"'])
+        # Ray forgets a gauge ~20 s after its last set(); ours are re-sent, so they stay.
+        time.sleep(max(0.0, recorded_at + GAUGE_TTL_S + 10 - time.monotonic()))
+        later = scrape_until([rf'^ray_kvharbor_kv_blocks\{{.*replica="{REPLICA}"'], timeout_s=5)
     finally:
         ray_cluster.kill(actor)
 
@@ -49,3 +55,5 @@ def test_actor_records_every_metric_with_expected_names_and_labels(ray_cluster):
                  le="0.0025").endswith(" 0.0")
     assert _line(text, "ray_kvharbor_slo_requests_total", tenant=TENANT, qos="batch",
                  outcome="missed").endswith(" 2.0")
+    assert _line(later, "ray_kvharbor_queue_length", replica=REPLICA, qos="batch").endswith(
+        " 2.0"), "gauge vanished although it was set and the actor is alive"

@@ -1,0 +1,48 @@
+"""`serve run kvharbor.app` as a new user runs it: from a clean directory, default options."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def test_serve_run_from_a_clean_directory(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+    env["KVHARBOR_METRICS_PORT"] = "18185"
+    serve_bin = Path(sys.executable).parent / "serve"
+    proc = subprocess.Popen([str(serve_bin), "run", "kvharbor.app"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        body = None
+        deadline = time.time() + 300
+        while time.time() < deadline and proc.poll() is None:
+            try:
+                r = httpx.post("http://127.0.0.1:8000/v1/completions",
+                               headers={"Authorization": "Bearer kvh-demo-premium"},
+                               json={"model": "kvharbor/tiny-llama", "prompt": "Hello", "max_tokens": 5},
+                               timeout=30)
+                if r.status_code == 200:
+                    body = r.json()
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(2)
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        assert body is not None, "no completion within 300 s"
+        assert body["usage"]["completion_tokens"] >= 1
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)          # Ctrl-C
+        try:
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+    assert proc.returncode is not None
+    assert "demo API keys are active" in out
