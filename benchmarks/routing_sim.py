@@ -155,7 +155,7 @@ class Sim:
         self.index = PrefixIndex(max_blocks=cfg.capacity_blocks * cfg.replicas)
         self.seq = [0] * cfg.replicas
         rng = random.Random(cfg.seed + 1)
-        self.policy = {"kv_aware": KVAwarePolicy(rng=rng), "pow2": PowerOfTwoPolicy(rng),
+        self.policy = {"kv_aware": KVAwarePolicy(), "pow2": PowerOfTwoPolicy(rng),
                        "round_robin": RoundRobinPolicy(), "oracle": None}[policy]
         self.assignment = oracle_assignment(cfg, probs) if policy == "oracle" else None
         self.decision_ns: list[int] = []

@@ -38,6 +38,8 @@ class EngineConfig(BaseModel):
     max_model_len: int | None = Field(None, ge=1, description="Longest prompt + output (None: the model's limit).")
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="Share of free GPU memory for the KV cache when num_kv_blocks is None.")
     seed: int = Field(0, description="Seed of the builtin models' random weights.")
+    scheduling: str = Field("priority", pattern="^(priority|fcfs)$",
+                            description="'priority' (QoS classes, then tenant fairness) or 'fcfs' (arrival order only).")
     qos_classes: dict[str, QoSSpec] = Field(default_factory=lambda: dict(DEFAULT_QOS),
                                             description="QoS classes by name.")
 
@@ -58,6 +60,7 @@ class PlatformConfig(BaseModel):
     attention_backend: str = Field("auto", description="'auto', 'reference' or 'triton'.")
     kv_cache_dtype: str = Field("auto", description="'auto', 'int8' or 'fp8_e4m3'.")
     max_num_batched_tokens: int = Field(2048, ge=1, description="Token budget per engine step.")
+    scheduling: str = Field("priority", pattern="^(priority|fcfs)$", description="Engine scheduling: 'priority' or 'fcfs'.")
     router: str = Field("kv", description="Request router: 'kv' (KV-aware), 'pow2' (Serve default) or 'round_robin'.")
     replica_cpus: float = Field(0.5, gt=0, description="num_cpus per LLM replica when on CPU.")
     cpu_threads: int | None = Field(1, ge=1, description="torch threads per CPU replica (None: torch default).")

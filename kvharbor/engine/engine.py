@@ -61,6 +61,7 @@ class Engine:
                                   config.attention_backend, config.kv_cache_dtype)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
         self.scheduler.preemptible = {k: q.preemptible for k, q in config.qos_classes.items()}
+        self.scheduler.fcfs = config.scheduling == "fcfs"
         self.detok = Detokenizer(self.tokenizer)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
@@ -106,8 +107,9 @@ class Engine:
         if -(-total // self.block_size) > capacity:
             raise ValueError(f"request needs {-(-total // self.block_size)} KV blocks but only {capacity} "
                              f"exist for QoS class {qos!r}; raise num_kv_blocks or lower max_tokens")
+        priority = spec.priority if self.config.scheduling == "priority" else 0
         req = Request(request_id, list(prompt_token_ids), sampling, tenant=tenant, qos=qos,
-                      priority=spec.priority, pinned=spec.pinned, cache_salt=cache_salt,
+                      priority=priority, pinned=spec.pinned, cache_salt=cache_salt,
                       arrival=time.monotonic(), arrival_seq=next(self._arrivals))
         self.requests[request_id] = req
         self.scheduler.add(req)

@@ -68,6 +68,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.preemptions_by_qos: dict[str, int] = {}
         self.preemptible: dict[str, bool] = {}
+        self.fcfs = False               # arrival order only (no classes, no fairness)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -82,7 +83,8 @@ class Scheduler:
 
     def _order(self) -> list[Request]:
         running = sorted(self.running, key=lambda r: (-r.priority, r.arrival_seq))
-        waiting = sorted(self.waiting, key=lambda r: (-r.priority, self.fair.key(r), r.arrival_seq))
+        fair = (lambda r: 0.0) if self.fcfs else self.fair.key
+        waiting = sorted(self.waiting, key=lambda r: (-r.priority, fair(r), r.arrival_seq))
         merged = [(r.priority, 0, i, r) for i, r in enumerate(running)]
         merged += [(r.priority, 1, i, r) for i, r in enumerate(waiting)]
         merged.sort(key=lambda t: (-t[0], t[1], t[2]))

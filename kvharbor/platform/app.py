@@ -57,7 +57,8 @@ def build_app(args: dict | None = None):
     engine = {"model": cfg.model, "block_size": cfg.block_size, "num_kv_blocks": cfg.num_kv_blocks,
               "pinned_kv_blocks": cfg.pinned_kv_blocks, "device": "cuda" if on_gpu else "cpu",
               "dtype": cfg.dtype, "attention_backend": cfg.attention_backend,
-              "kv_cache_dtype": cfg.kv_cache_dtype, "max_num_batched_tokens": cfg.max_num_batched_tokens}
+              "kv_cache_dtype": cfg.kv_cache_dtype, "max_num_batched_tokens": cfg.max_num_batched_tokens,
+              "scheduling": cfg.scheduling}
     get_or_create_directory(cfg.directory_name, namespace="kvharbor", detached=True)
     router_class = ROUTERS.get(cfg.router, "missing")
     if router_class == "missing":

@@ -15,7 +15,8 @@ same objects.
 and ranks replicas that are *overloaded* (in-flight above ``(1 + imbalance_tolerance)``
 times the mean and more than ``balance_slack`` above the least loaded) after all others,
 least loaded first: a hot prefix spills to other replicas instead of piling onto one.
-Equal scores go to the less loaded replica, then at random.
+Equal scores go to the less loaded replica, then to the one this policy ranked first least
+recently (so identical idle replicas take turns).
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ class KVAwarePolicy:
     balance_slack: int = 2              # ... and more than this many above the least loaded
     pinned_miss_cost: float = 0.25      # per block (x block_size) a pinned request can't pin
     qos_priority: Mapping[str, int] = field(default_factory=dict)   # QoS class -> priority
-    rng: random.Random = field(default_factory=random.Random)
+    _turn: int = field(default=0, init=False, repr=False)
+    _first_at: dict[str, int] = field(default_factory=dict, init=False, repr=False)
 
     def rank(self, request: RouteRequest, candidates: Sequence[Candidate]) -> list[Ranked]:
         """Candidates best first: balanced ones by score, then overloaded ones by load."""
@@ -109,9 +111,13 @@ class KVAwarePolicy:
             over = load > mean * (1 + self.imbalance_tolerance) and load - low > self.balance_slack
             ranked.append(Ranked(c.replica_id, self.score(request, c, load),
                                  cached_tokens(request, c.match), load, over))
-        jitter = {r.replica_id: self.rng.random() for r in ranked}
         ranked.sort(key=lambda r: (r.overloaded, r.load if r.overloaded else -r.score,
-                                   r.load, jitter[r.replica_id]))
+                                   r.load, self._first_at.get(r.replica_id, -1)))
+        self._turn += 1
+        self._first_at[ranked[0].replica_id] = self._turn
+        if len(self._first_at) > 4 * len(candidates) + 64:     # forget departed replicas
+            live = {c.replica_id for c in candidates}
+            self._first_at = {k: v for k, v in self._first_at.items() if k in live}
         return ranked
 
     def score(self, request: RouteRequest, c: Candidate, load: int) -> float:
