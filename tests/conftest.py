@@ -48,6 +48,29 @@ DEMO = {"premium": "kvh-demo-premium", "standard": "kvh-demo-standard",
         "batch": "kvh-demo-batch", "admin": "kvh-demo-admin"}
 
 
+TEST_KEYS = {"limited": "kvh-test-limited", "restricted": "kvh-test-restricted",
+             "expired": "kvh-test-expired", "private2": "kvh-test-private2"}
+
+
+def add_test_tenants(path) -> None:
+    """Tenants the platform tests need besides the three demo ones."""
+    import yaml
+
+    from kvharbor.tenants import hash_key
+
+    data = yaml.safe_load(path.read_text())
+    tenants = data["tenants"]
+    tenants["limited"] = {"qos": "standard", "keys": [{"hash": hash_key(TEST_KEYS["limited"])}],
+                          "requests_per_minute": 6}
+    tenants["restricted"] = {"qos": "standard", "keys": [{"hash": hash_key(TEST_KEYS["restricted"])}],
+                             "allowed_models": ["some/other-model"]}
+    tenants["expired"] = {"qos": "batch", "keys": [{"hash": hash_key(TEST_KEYS["expired"]),
+                                                    "expires": "2020-01-01T00:00:00Z"}]}
+    tenants["private2"] = {"qos": "standard", "keys": [{"hash": hash_key(TEST_KEYS["private2"])}],
+                           "cache_scope": "private"}
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+
+
 class RunningApp:
     """The kvharbor app deployed once per test session on 127.0.0.1:APP_PORT."""
 
@@ -99,9 +122,10 @@ def kvharbor_app(ray_cluster, tmp_path_factory):
 
     tenants = tmp_path_factory.mktemp("tenants") / "tenants.yaml"
     shutil.copy(Path(__file__).resolve().parent.parent / "tenants.yaml", tenants)
+    add_test_tenants(tenants)
     serve.start(http_options={"host": "127.0.0.1", "port": APP_PORT})
     app = build_app({"replicas": 2, "tenants": str(tenants), "num_kv_blocks": 768,
-                     "gateway_replicas": 1})
+                     "gateway_replicas": 2})
     serve.run(app, name="kvharbor", route_prefix="/", blocking=False)
     base = f"http://127.0.0.1:{APP_PORT}"
     deadline = time.time() + 240

@@ -130,6 +130,15 @@ class LLMReplica:
             return {"replica_id": self.replica_id, "cached": sorted(self.engine.cached_block_hashes()),
                     "blocks_used": self.engine.stats()["blocks_used"], "running": len(self._streams)}
 
+    def __del__(self) -> None:
+        """Graceful shutdown (scale-down): the directory forgets this replica's blocks."""
+        directory = getattr(self, "directory", None)
+        if directory is not None:
+            try:
+                directory._actor().remove_replica.remote(self.replica_id)
+            except Exception:  # noqa: BLE001 - best effort; the router also forgets dead replicas
+                pass
+
     # ---- engine loop ---------------------------------------------------------------------
     def _ensure_loop(self) -> None:
         if self._loop_task is None:
@@ -167,10 +176,10 @@ class LLMReplica:
         if queue is None:
             return
         meta = self._meta.get(out.request_id)
-        if meta is not None and len(out.token_ids) == 1:
-            predicted = meta.metadata.get("router_predicted_cached_tokens")
-            if predicted is not None:
-                self.metrics.router_prefix_tokens(self.replica_id, int(predicted), out.num_cached_tokens)
+        if meta is not None and len(out.token_ids) == 1 and meta.metadata.get("router_policy") == "kv_aware":
+            # The router's prediction for *this* replica (Serve may have used a lower rank).
+            predicted = meta.metadata.get("router_predicted_by_replica", {}).get(self.replica_id, 0)
+            self.metrics.router_prefix_tokens(self.replica_id, int(predicted), out.num_cached_tokens)
         queue.put_nowait({"token_ids": out.new_token_ids, "text": out.new_text,
                           "finish_reason": out.finish_reason, "num_cached_tokens": out.num_cached_tokens,
                           "num_prompt_tokens": len(out.prompt_token_ids),

@@ -48,7 +48,8 @@ def _overview() -> DashboardSpec:
             Query(f"sum(rate({series('kvharbor_generated_tokens')}{TQ}[{RATE}]))",
                   "generated"))),
         PanelSpec("Replicas up", "Replicas whose engine loop runs.", "short",
-                  (Query(f"sum({series('kvharbor_replica_up')})", "replicas"),), kind="stat"),
+                  (Query(f"sum({series('kvharbor_replica_up')}{R})", "replicas"),),
+                  kind="stat"),
     )
     return DashboardSpec("kvharbor-overview", "kvharbor / Overview",
                          "Traffic, latency, tokens and SLOs across tenants.",

@@ -47,10 +47,10 @@ from typing import Literal
 
 MetricKind = Literal["counter", "gauge", "histogram"]
 
-STATUSES = ("ok", "error", "rejected", "rate_limited", "aborted", "timeout")
+STATUSES = ("ok", "error", "rejected", "rate_limited", "aborted", "timeout", "replica_failed")
 # The ``limit`` names of kvharbor.tenants.limits.Admission, plus the QoS class queue cap.
 RATE_LIMIT_REASONS = ("requests_per_minute", "tokens_per_minute", "max_concurrent_requests",
-                      "daily_token_budget", "max_tokens_per_request", "max_queue")
+                      "daily_token_budget", "max_tokens_per_request", "queue_full")
 REGIONS = ("pinned", "shared")
 BLOCK_STATES = ("used", "cached", "free", "reserved")
 OTHER = "other"
@@ -236,6 +236,15 @@ class KvharborMetrics:
     def kv_occupancy(self, replica: str, tenant: str, blocks: int) -> None:
         """Set the number of KV blocks ``tenant``'s requests hold on ``replica``."""
         self._set("kvharbor_kv_tenant_blocks", blocks, {"replica": replica, "tenant": tenant})
+
+    def kv_occupancy_by_tenant(self, replica: str, blocks_by_tenant: dict[str, int]) -> None:
+        """Publish every tenant's blocks on ``replica`` at once; tenants seen before but
+        missing from ``blocks_by_tenant`` are set to 0 (gauges are sticky, see the class)."""
+        with self._gauge_lock:
+            known = {dict(tags)["tenant"] for (name, tags) in self._gauges
+                     if name == "kvharbor_kv_tenant_blocks" and dict(tags)["replica"] == replica}
+        for tenant in sorted(known | set(blocks_by_tenant)):
+            self.kv_occupancy(replica, tenant, blocks_by_tenant.get(tenant, 0))
 
     def evictions(self, replica: str, n: int) -> None:
         """Add ``n`` evicted cached blocks."""

@@ -49,7 +49,7 @@ def build_app(args: dict | None = None):
     cfg = PlatformConfig(**(args or {}))
     _init_ray_on_loopback()
     tenants = Path(cfg.tenants) if cfg.tenants else default_tenants_path()
-    load_tenants_file(tenants)                          # fail fast, with file/line/field
+    tenants_file = load_tenants_file(tenants)           # fail fast, with file/line/field
     tenants = str(tenants.resolve())
     gpus = _gpus() if cfg.device in ("auto", "cuda") else 0
     on_gpu = gpus > 0 and cfg.device != "cpu"
@@ -67,8 +67,9 @@ def build_app(args: dict | None = None):
                "health_check_period_s": 2.0, "health_check_timeout_s": 30.0,
                "ray_actor_options": {"num_gpus": 1} if on_gpu else {"num_cpus": cfg.replica_cpus}}
     if router_class is not None:
-        kwargs = {"directory_name": cfg.directory_name, "directory_namespace": "kvharbor"} \
-            if cfg.router == "kv" else {}
+        qos_priority = {name: q.priority for name, q in tenants_file.qos_classes.items()}
+        kwargs = {"directory_name": cfg.directory_name, "directory_namespace": "kvharbor",
+                  "policy": {"qos_priority": qos_priority}} if cfg.router == "kv" else {}
         options["request_router_config"] = RequestRouterConfig(
             request_router_class=router_class, request_router_kwargs=kwargs,
             request_routing_stats_period_s=0.5)

@@ -90,6 +90,14 @@ class DirectoryClient:
                 self._handle, self._retry_at = None, time.monotonic() + self.retry_s
             raise DirectoryUnavailable("directory_error") from None
 
+    def forget(self, replica_id: str) -> None:
+        """Fire-and-forget ``remove_replica`` (no-op while the handle is unknown)."""
+        if self._handle is not None:
+            try:
+                self._handle.remove_replica.remote(replica_id)
+            except Exception as exc:  # noqa: BLE001 - best effort; a resync fixes it later
+                logger.info("could not tell the directory that %s died: %s", replica_id, exc)
+
     async def _look_up(self, deadline: float):
         if self._lookup is None:
             if time.monotonic() < self._retry_at:
@@ -201,6 +209,11 @@ class KVAwareRouter(RequestRouter):
             self._record(request, ranked, reason, start)
         return ranks
 
+    def on_replica_actor_died(self, replica_id) -> None:
+        """Serve saw the replica die: drop it here and from the directory."""
+        super().on_replica_actor_died(replica_id)
+        self.directory.forget(replica_id.unique_id)
+
     # ---- helpers -------------------------------------------------------------------------
     def _candidate(self, replica: RunningReplica, matches: dict) -> Candidate:
         uid = replica.replica_id.unique_id
@@ -243,3 +256,20 @@ class KVAwareRouter(RequestRouter):
         md["router_predicted_by_replica"] = {x.replica_id: x.predicted_cached_tokens
                                              for x in ranked if x.predicted_cached_tokens}
         md["router_decision_ms"] = (time.perf_counter() - start) * 1000.0
+
+
+class RoundRobinRouter(RequestRouter):
+    """Round robin over the candidates (a comparison baseline for ``benchmarks/routing.py``)."""
+
+    def initialize_state(self, **unused: Any) -> None:
+        self._next = 0
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None
+                              ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
+        i = getattr(self, "_next", 0) % len(ordered)
+        self._next = i + 1
+        return [[ordered[i]], ordered[i + 1:] + ordered[:i]]

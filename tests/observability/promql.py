@@ -117,16 +117,15 @@ class Prometheus:
         self.log.close()
 
 
-def wait_all_return_series(prom: Prometheus, exprs: list[str],
-                           timeout_s: float) -> dict[str, int]:
-    """Poll until every expression (variables substituted) returns >= 1 series.
-
-    Returns expr -> number of series at the last poll (0s remain on timeout).
+def wait_all_return_series(prom: Prometheus, exprs: list[str], timeout_s: float,
+                           **values: str) -> dict[str, int]:
+    """Poll until every expression (variables substituted, see ``substitute``) returns
+    >= 1 series. Returns expr -> number of series at the last poll (0s stay on timeout).
     """
     deadline = time.monotonic() + timeout_s
     counts: dict[str, int] = {}
     while True:
-        counts = {expr: len(prom.query(substitute(expr))) for expr in exprs}
+        counts = {expr: len(prom.query(substitute(expr, **values))) for expr in exprs}
         if all(counts.values()) or time.monotonic() > deadline:
             return counts
         time.sleep(1.0)

@@ -1,42 +1,35 @@
 """End to end: the running app's metrics answer every dashboard query in real Prometheus.
 
-Starts the kvharbor Serve app (2 replicas, builtin tiny model) on http://127.0.0.1:8000,
-sends a short multi-tenant load with the three demo keys (shared prefixes, some streamed),
-and asserts that every PromQL expression of every checked-in dashboard returns at least one
-series. Panels of rare events keep their `` or vector(0)`` fallback here (a short load need
-not rate-limit or preempt anything); every other query must be backed by real series.
-Skipped until ``kvharbor.platform.app.build_app`` exists.
+Uses the session's ``kvharbor_app`` (tests/conftest.py: 2 replicas, builtin tiny model),
+sends a short multi-tenant load with the three demo keys (shared prefixes, some streamed)
+plus a burst from the rate-limited test tenant, and asserts that every PromQL expression of
+every checked-in dashboard returns at least one series. Panels of rare events keep their
+`` or vector(0)`` fallback here (a short load need not preempt or evict anything); every
+other query must be backed by real series.
+
+Other tests in the session record synthetic series (tenants and replicas named ``obs-*``)
+on the same Ray metrics endpoint, so ``$tenant`` and ``$replica`` are set to the app's own
+values, and the one unlabelled metric (router decision time) must grow during the load.
 """
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from kvharbor.observability.dashboards import load_dashboards, panel_exprs
+from tests.conftest import DEMO, TEST_KEYS
 from tests.observability.promql import wait_all_return_series
 
 pytestmark = pytest.mark.slow
 
-BASE = "http://127.0.0.1:8000"
-DEMO_KEYS = ("kvh-demo-premium", "kvh-demo-standard", "kvh-demo-batch")
 CHECKED_IN = Path(__file__).resolve().parents[2] / "dashboards"
 PREFIX = "You are a helpful assistant for the kvharbor observability test. " * 3
-
-
-@pytest.fixture(scope="module")
-def app(ray_cluster):
-    app_module = pytest.importorskip("kvharbor.platform.app",
-                                     reason="waiting on kvharbor.platform.app")
-    from ray import serve
-
-    serve.start(http_options={"host": "127.0.0.1", "port": 8000})
-    serve.run(app_module.build_app({"replicas": 2}), name="kvharbor-obs-e2e",
-              route_prefix="/")
-    yield BASE
-    serve.delete("kvharbor-obs-e2e")
+DECISIONS = "sum(ray_kvharbor_router_decision_seconds_count)"
+LIMITED = 'sum(ray_kvharbor_rate_limited_total{tenant="limited"})'
 
 
 def _one_request(client, model: str, key: str, index: int) -> int:
@@ -44,33 +37,60 @@ def _one_request(client, model: str, key: str, index: int) -> int:
             "max_tokens": 8, "temperature": 0.0, "stream": index % 2 == 0}
     headers = {"Authorization": f"Bearer {key}"}
     if body["stream"]:
-        with client.stream("POST", f"{BASE}/v1/completions", json=body,
-                           headers=headers) as resp:
+        with client.stream("POST", "/v1/completions", json=body, headers=headers) as resp:
             for _ in resp.iter_lines():
                 pass
             return resp.status_code
-    return client.post(f"{BASE}/v1/completions", json=body, headers=headers).status_code
+    return client.post("/v1/completions", json=body, headers=headers).status_code
 
 
-def _load(requests_per_tenant: int = 12) -> list[int]:
-    import httpx
-
-    with httpx.Client(timeout=120) as client:
-        models = client.get(f"{BASE}/v1/models",
-                            headers={"Authorization": f"Bearer {DEMO_KEYS[0]}"}).json()
-        model = models["data"][0]["id"]
-        jobs = [(key, i) for i in range(requests_per_tenant) for key in DEMO_KEYS]
+def _load(app, keys: tuple[str, ...], requests_per_key: int) -> list[int]:
+    with app.client() as client:
+        jobs = [(key, i) for i in range(requests_per_key) for key in keys]
         with ThreadPoolExecutor(max_workers=6) as pool:
-            return list(pool.map(lambda job: _one_request(client, model, *job), jobs))
+            return list(pool.map(lambda job: _one_request(client, app.model, *job), jobs))
 
 
-def test_every_dashboard_query_returns_series_under_load(app, prometheus):
-    statuses = _load()
-    assert statuses.count(200) >= len(statuses) // 2, statuses
+def _app_values(prometheus, metric: str, label: str) -> str:
+    """Regex alternation of ``label``'s values on ``metric``, synthetic ``obs-*`` excluded."""
+    values = prometheus.api(f"label/{label}/values", **{"match[]": metric})["data"]
+    ours = sorted(v for v in values if not v.startswith("obs-"))
+    assert ours, f"the app exported no {metric} series with a {label} label"
+    return "|".join(ours)
+
+
+def _scalar(prometheus, expr: str) -> float:
+    result = prometheus.query(expr)
+    return float(result[0]["value"][1]) if result else 0.0
+
+
+def _grows(prometheus, expr: str, before: float, timeout_s: float = 30) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if _scalar(prometheus, expr) > before:
+            return True
+        time.sleep(1)
+    return False
+
+
+def test_every_dashboard_query_returns_series_under_load(kvharbor_app, prometheus):
+    wait_all_return_series(prometheus, ["up == 1"], 30)     # scraped at least once
+    decisions_before = _scalar(prometheus, DECISIONS)
+    limited_before = _scalar(prometheus, LIMITED)
+    statuses = _load(kvharbor_app, (DEMO["premium"], DEMO["standard"], DEMO["batch"]), 12)
+    assert statuses.count(200) >= 2 * len(statuses) // 3, statuses
+    assert 429 in _load(kvharbor_app, (TEST_KEYS["limited"],), 10)
+    wait_all_return_series(prometheus, ['ray_kvharbor_requests_total{tenant!~"obs-.*"}',
+                                        'ray_kvharbor_kv_blocks{replica!~"obs-.*"}'], 60)
+    tenants = _app_values(prometheus, "ray_kvharbor_requests_total", "tenant")
+    replicas = _app_values(prometheus, "ray_kvharbor_kv_blocks", "replica")
+    assert len(tenants.split("|")) >= 3 and len(replicas.split("|")) >= 2, (tenants, replicas)
+
     models = load_dashboards(CHECKED_IN)
     exprs = sorted({e for m in models.values() for e in panel_exprs(m)})
-    counts = wait_all_return_series(prometheus, exprs, timeout_s=90)
+    counts = wait_all_return_series(prometheus, exprs, timeout_s=60,
+                                    tenant=tenants, replica=replicas)
     empty = [expr for expr, n in counts.items() if n == 0]
     assert not empty, f"{len(empty)} of {len(exprs)} queries returned nothing: {empty}"
-    tenants = prometheus.query('count by (tenant) (ray_kvharbor_requests_total{status="ok"})')
-    assert len(tenants) >= 3, tenants
+    assert _grows(prometheus, DECISIONS, decisions_before), "router decisions not recorded"
+    assert _grows(prometheus, LIMITED, limited_before), "429s not counted as rate-limited"

@@ -181,6 +181,16 @@ def test_missing_directory_lookup_does_not_block_the_event_loop(monkeypatch):
     assert len(lookups) == 1                  # not retried before lookup_retry_s
 
 
+def test_dead_replica_is_removed_from_the_directory():
+    index = PrefixIndex()
+    index.apply_events("b", 0, stored=HASHES)
+    directory = FakeDirectory(index)
+    directory.remove_replica = type("M", (), {"remote": staticmethod(index.remove_replica)})
+    router = make_router(directory)
+    router.on_replica_actor_died(FakeReplica("b").replica_id)
+    assert index.match(HASHES) == {}
+
+
 def test_unknown_router_kwargs_are_rejected():
     with pytest.raises(ValueError, match="unknown KVAwareRouter kwargs"):
         make_router(match_timout_s=1)

@@ -1,0 +1,53 @@
+"""Shared helpers for the benchmarks: percentiles, tables, JSON/PNG output, machine info."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def pct(values, q: float) -> float:
+    """q-th percentile (0-100) by linear interpolation; nan for no values."""
+    xs = sorted(values)
+    if not xs:
+        return float("nan")
+    k = (len(xs) - 1) * q / 100.0
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def table(rows: list[dict], columns: list[str]) -> str:
+    """A plain-text table of ``rows`` (dicts) over ``columns``."""
+    def fmt(v):
+        return f"{v:.3f}" if isinstance(v, float) else str(v)
+    cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    line = " | ".join(c.ljust(w) for c, w in zip(columns, widths))
+    sep = "-+-".join("-" * w for w in widths)
+    return "\n".join([line, sep] + [" | ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells])
+
+
+def machine() -> dict:
+    import torch
+
+    return {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "load_avg_at_start": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def write_json(name: str, payload: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str))
+    return path
+
+
+def median(values) -> float:
+    return statistics.median(values) if values else float("nan")

@@ -1,0 +1,1 @@
+"""Locust load tests for kvharbor: workload, canaries, shapes, runner and summary (docs/loadtests.md)."""

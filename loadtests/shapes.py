@@ -1,0 +1,53 @@
+"""Load shapes as pure functions of time: how many simulated users run at ``t`` seconds.
+
+No Locust import here (Locust monkey-patches the process when imported); the locustfile wraps
+:func:`users_at` in a ``LoadTestShape``. ``users`` is the capacity-level user count ``N``::
+
+    steady    N ─────────────────────────────          constant
+    ramp      1 ╱╱╱╱╱╱╱╱╱╱╱╱╱╱╱╱╱╱╱╱╱╱╱╱─────── N     linear over 80 %, then hold
+    overload  N ──────┐2N───────────────┐N──────      step to 2x capacity for the middle half,
+                      └─────────────────┘             then back (recovery)
+
+With the user weights of the locustfile (premium 1 : standard 2 : batch 2), N = 5 gives one
+premium user in five: 20 % of users, at 1x and at 2x.
+Every function returns None once ``t >= duration_s``: the test stops.
+"""
+
+from __future__ import annotations
+
+import math
+
+SHAPES = ("steady", "ramp", "overload")
+
+
+def users_at(shape: str, t: float, duration_s: float, users: int) -> int | None:
+    """Target user count at ``t`` seconds into a test of ``duration_s`` (None: stop)."""
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; choose one of {', '.join(SHAPES)}")
+    if users < 1:
+        raise ValueError(f"users must be >= 1, got {users}")
+    if t >= duration_s:
+        return None
+    frac = t / duration_s
+    if shape == "steady":
+        return users
+    if shape == "ramp":
+        return max(1, min(users, 1 + math.floor((users - 1) * frac / 0.8 + 1e-9)))
+    return 2 * users if 0.25 <= frac < 0.75 else users
+
+
+def parse_duration(text: str | float | int) -> float:
+    """'90', '90s', '2m', '1h30m' -> seconds."""
+    if isinstance(text, (int, float)):
+        return float(text)
+    total, number = 0.0, ""
+    units = {"h": 3600, "m": 60, "s": 1}
+    for ch in text.strip().lower():
+        if ch.isdigit() or ch == ".":
+            number += ch
+        elif ch in units and number:
+            total += float(number) * units[ch]
+            number = ""
+        else:
+            raise ValueError(f"bad duration {text!r}: use e.g. 60, 60s, 2m or 1h30m")
+    return total + (float(number) if number else 0.0)

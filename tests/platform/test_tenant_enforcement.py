@@ -1,0 +1,160 @@
+"""tenants.yaml rules as HTTP clients see them: 401/403/429, limits across 2 gateways,
+hot reload under traffic, invalid reloads, pinned prefixes, /admin visibility."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+
+import yaml
+
+from tests.conftest import DEMO, TEST_KEYS
+
+
+def _post(app, key: str, prompt: str = "hi", max_tokens: int = 2, **extra) -> httpx.Response:
+    with app.client(key) as c:
+        return c.post("/v1/completions", json={"model": app.model, "prompt": prompt,
+                                                "max_tokens": max_tokens, **extra})
+
+
+def _wait_until(predicate, timeout: float = 20.0, interval: float = 0.3):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError("condition not met in time")
+
+
+def _both_gateways_at(app, version: int) -> bool:
+    """Both gateway replicas answer with this tenants version (8 probes in a row)."""
+    return all(httpx.get(app.base_url + "/healthz").json()["tenants_version"] >= version
+               for _ in range(8))
+
+
+def test_expired_and_unknown_keys_are_401(kvharbor_app):
+    r = _post(kvharbor_app, TEST_KEYS["expired"])
+    assert r.status_code == 401 and r.json()["error"]["code"] == "expired_api_key"
+    assert "expired" in r.json()["error"]["message"]
+    assert TEST_KEYS["expired"] not in r.text
+
+
+def test_model_not_allowed_is_403(kvharbor_app):
+    r = _post(kvharbor_app, TEST_KEYS["restricted"])
+    assert r.status_code == 403
+    assert "may not use model" in r.json()["error"]["message"]
+
+
+def test_rate_limit_holds_across_two_gateway_replicas(kvharbor_app):
+    statuses, retry_after = [], []
+    for _ in range(10):                       # requests_per_minute: 6, shared by both gateways
+        r = _post(kvharbor_app, TEST_KEYS["limited"], max_tokens=1)
+        statuses.append(r.status_code)
+        if r.status_code == 429:
+            retry_after.append(int(r.headers["retry-after"]))
+    assert statuses.count(200) == 6, statuses
+    assert statuses.count(429) == 4
+    assert all(s >= 1 for s in retry_after)
+
+
+def test_max_tokens_per_request_is_400(kvharbor_app):
+    r = _post(kvharbor_app, DEMO["standard"], max_tokens=4090)   # default cap is 4096... context 4096
+    assert r.status_code == 400
+
+
+def test_hot_reload_under_traffic_fails_nothing(kvharbor_app):
+    path = kvharbor_app.tenants_path
+    original = path.read_text()
+    results: list[int] = []
+    stop = threading.Event()
+
+    def traffic():
+        with kvharbor_app.client(DEMO["standard"]) as c:
+            while not stop.is_set():
+                r = c.post("/v1/completions", json={"model": kvharbor_app.model, "prompt": "steady",
+                                                    "max_tokens": 6, "ignore_eos": True})
+                results.append(r.status_code)
+
+    workers = [threading.Thread(target=traffic) for _ in range(3)]
+    for w in workers:
+        w.start()
+    try:
+        time.sleep(2)
+        version = httpx.get(kvharbor_app.base_url + "/healthz").json()["tenants_version"]
+        data = yaml.safe_load(original)
+        data["tenants"]["newcomer"] = {"qos": "batch", "keys": [{"hash": _hash("kvh-test-newcomer")}]}
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
+        _wait_until(lambda: _both_gateways_at(kvharbor_app, version + 1))
+        assert _post(kvharbor_app, "kvh-test-newcomer").status_code == 200
+        time.sleep(2)
+    finally:
+        stop.set()
+        for w in workers:
+            w.join()
+        path.write_text(original)
+    assert len(results) >= 6
+    assert set(results) == {200}, results
+
+
+def test_invalid_reload_is_rejected_and_old_config_keeps_serving(kvharbor_app):
+    path = kvharbor_app.tenants_path
+    original = path.read_text()
+    admin = {"Authorization": f"Bearer {DEMO['admin']}"}
+    try:
+        path.write_text(original.replace("priority: 100", "priority: high", 1))
+        status = _wait_until(lambda: (s := httpx.get(kvharbor_app.base_url + "/admin/tenants/status",
+                                                     headers=admin).json()).get("last_error") and s)
+        assert "priority" in status["last_error"]
+        assert _post(kvharbor_app, DEMO["premium"]).status_code == 200
+    finally:
+        path.write_text(original)
+    _wait_until(lambda: httpx.get(kvharbor_app.base_url + "/admin/tenants/status",
+                                  headers=admin).json()["last_error"] is None)
+
+
+def test_admin_sees_all_tenants_and_a_tenant_only_itself(kvharbor_app):
+    _post(kvharbor_app, DEMO["batch"])
+    admin = httpx.get(kvharbor_app.base_url + "/admin/tenants",
+                      headers={"Authorization": f"Bearer {DEMO['admin']}"}).json()
+    assert {"acme", "globex", "initech"} <= set(admin["tenants"])
+    mine = httpx.get(kvharbor_app.base_url + "/admin/tenants",
+                     headers={"Authorization": f"Bearer {DEMO['batch']}"}).json()
+    assert list(mine["tenants"]) == ["initech"]
+    assert "usage" in mine["tenants"]["initech"]
+    r = httpx.get(kvharbor_app.base_url + "/admin/tenants/status",
+                  headers={"Authorization": f"Bearer {DEMO['batch']}"})
+    assert r.status_code == 403
+    assert httpx.get(kvharbor_app.base_url + "/admin/tenants").status_code == 401
+
+
+def test_pinned_system_prompt_survives_a_flood(kvharbor_app):
+    import random
+
+    config = yaml.safe_load(kvharbor_app.tenants_path.read_text())
+    system = config["tenants"]["acme"]["pinned_prefixes"][0]
+    rng = random.Random(7)
+    with kvharbor_app.client(DEMO["standard"]) as c:          # ~2,500 blocks of other traffic
+        for i in range(40):
+            text = "".join(chr(rng.randrange(97, 123)) for _ in range(1000))
+            assert c.post("/v1/completions", json={"model": kvharbor_app.model, "prompt": text,
+                                                   "max_tokens": 1}).status_code == 200
+    with kvharbor_app.client(DEMO["premium"]) as c:
+        for question in ("Where is my order?", "Cancel my plan"):
+            r = c.post("/v1/chat/completions", json={
+                "model": kvharbor_app.model, "max_tokens": 2,
+                "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]})
+            assert r.status_code == 200
+            cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            pinned_tokens = (len(system.encode()) + len("<|system|>\n\n")) // 16 * 16
+            assert cached >= pinned_tokens, (cached, pinned_tokens)
+
+
+def _hash(key: str) -> str:
+    from kvharbor.tenants import hash_key
+
+    return hash_key(key)
+
+
