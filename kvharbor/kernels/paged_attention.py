@@ -28,7 +28,6 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from .store_kv import QUANT_NONE, check_cache
 
-LOG2E = 1.4426950408889634
 QUERY_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -83,7 +82,7 @@ def _paged_attn_kernel(
             lo = lo + split * chunk
             hi = tl.minimum(hi, lo + chunk)
 
-        qk_scale = sm_scale * 1.4426950408889634
+        qk_scale = sm_scale * 1.4426950408889634               # log2(e): softmax via exp2
         if QUANT != 0:
             qk_scale = qk_scale * tl.load(k_scale_ptr + kvh)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -117,11 +116,12 @@ def _paged_attn_kernel(
             v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :],
                         mask=k_ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)  # [N, D]
             if DOT_UPCAST:
-                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype).to(tl.float32), v.to(tl.float32))
+                pv = tl.dot(p.to(q.dtype).to(tl.float32), v.to(tl.float32))
             elif FP32_DOT:
-                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+                pv = tl.dot(p, v, input_precision="ieee")
             else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
+                pv = tl.dot(p.to(q.dtype), v)
+            acc = acc * alpha[:, None] + pv
             m_i = m_new
 
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -240,7 +240,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         lse_strides = (lse.stride(0), lse.stride(1))
     _paged_attn_kernel[grid](
         query, key_cache, value_cache,
-        k_scale if quant != QUANT_NONE else key_cache, v_scale if quant != QUANT_NONE else key_cache,
+        k_scale if quant != QUANT_NONE else key_cache,           # dummies when unquantized
+        v_scale if quant != QUANT_NONE else key_cache,
         block_tables, seq_lens, query_start_loc, part, lse,
         float(scale), nseq, int(sliding_window or 0),
         query.stride(0), query.stride(1), *part_strides, *lse_strides,

@@ -92,7 +92,8 @@ def quant_mode(cache_dtype: torch.dtype, k_scale: torch.Tensor | None) -> int:
     if cache_dtype == torch.float8_e4m3fn:
         return QUANT_FP8
     if k_scale is not None:
-        raise ValueError(f"k_scale/v_scale are only meaningful for int8/fp8 caches, got {cache_dtype}")
+        raise ValueError(f"k_scale/v_scale are only meaningful for int8/fp8 caches, "
+                         f"got {cache_dtype}")
     return QUANT_NONE
 
 

@@ -41,7 +41,8 @@ def check(batch, sliding_window=None, num_splits=1, tol=None):
         (4, torch.float32, 100, 1, 32),
         (1, torch.bfloat16, 64, 16, 128),
     ],
-    ids=["mha-fp32", "gqa4-fp16-window", "gqa8-bf16", "gqa4-fp32-bs1-window", "mha-bf16-d128-window"],
+    ids=["mha-fp32", "gqa4-fp16-window", "gqa8-bf16", "gqa4-fp32-bs1-window",
+         "mha-bf16-d128-window"],
 )
 def test_mixed_prefill_decode_batch(group, dtype, window, block_size, head_dim):
     """Decodes, a prefill over a cached prefix and a fresh prefill in one flattened batch."""
@@ -81,7 +82,7 @@ def test_split_k_matches_single_pass(window):
 
 
 def test_split_k_on_a_mixed_batch():
-    """Split-K is also correct when prefills share the batch (the backend only uses it for decodes)."""
+    """Split-K is correct with prefills in the batch too (the backend splits only decodes)."""
     batch = make_batch([1, 5, 20], [500, 5, 120], heads=4, kv_heads=1, head_dim=32,
                        block_size=32, dtype=torch.float16, seed=5)
     check(batch, num_splits=3)
