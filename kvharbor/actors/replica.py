@@ -64,6 +64,7 @@ class LLMReplica:
         self._bg_task: asyncio.Task | None = None
         self._failed: BaseException | None = None
         self.metrics = get_metrics()
+        self._reported: dict = {"evictions": 0}      # counters already exported
 
     # ---- public methods (called through the DeploymentHandle) ----------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[dict]:
@@ -120,11 +121,15 @@ class LLMReplica:
         if self._failed is not None:
             raise RuntimeError(f"engine loop died: {self._failed!r}")
 
-    async def stats(self) -> dict:
-        """Engine stats plus this replica's id (for tests and /admin)."""
+    async def stats(self, replica_id: str | None = None) -> dict:
+        """Engine stats plus this replica's id (for tests and /admin).
+
+        ``replica_id`` is read by the router, which then sends the call to that replica.
+        """
         return {**self.engine.stats(), "replica_id": self.replica_id}
 
-    async def check_integrity(self) -> dict:
+    async def check_integrity(self, replica_id: str | None = None) -> dict:
+        """Assert the engine's invariants; return its cached hashes and usage (router-targetable)."""
         async with self._engine_lock:
             self.engine.check_integrity()
             return {"replica_id": self.replica_id, "cached": sorted(self.engine.cached_block_hashes()),
@@ -204,26 +209,28 @@ class LLMReplica:
                 logger.exception("replica background task failed")
 
     def _record_metrics(self) -> None:
-        m, e = self.metrics, self.engine
+        m, e, rid = self.metrics, self.engine, self.replica_id
         for region in ("pinned", "shared"):
             counts = e.pool.region_counts(region)
-            for state in ("used", "cached", "free"):
-                m.kv_blocks(self.replica_id, region, state, counts[state])
+            if region == "pinned":      # idle pinned blocks are reserved, not wasted
+                counts = {**counts, "reserved": counts["free"] + counts["cached"], "free": 0, "cached": 0}
+            for state in ("used", "cached", "free", "reserved"):
+                m.kv_blocks(rid, region, state, counts.get(state, 0))
         per_tenant: dict[str, int] = {}
-        per_qos_wait: dict[str, int] = {q: 0 for q in e.config.qos_classes}
-        per_qos_run = dict(per_qos_wait)
+        waiting = dict.fromkeys(e.config.qos_classes, 0)
+        running = dict(waiting)
         for req in e.scheduler.running:
             per_tenant[req.tenant] = per_tenant.get(req.tenant, 0) + len(req.blocks)
-            per_qos_run[req.qos] = per_qos_run.get(req.qos, 0) + 1
+            running[req.qos] = running.get(req.qos, 0) + 1
         for req in e.scheduler.waiting:
-            per_qos_wait[req.qos] = per_qos_wait.get(req.qos, 0) + 1
-        for tenant, blocks in per_tenant.items():
-            m.kv_occupancy(self.replica_id, tenant, blocks)
-        for qos in per_qos_wait:
-            m.queue_length(self.replica_id, qos, per_qos_wait[qos])
-            m.running(self.replica_id, qos, per_qos_run[qos])
-        m.replica_up(self.replica_id, True)
-        m.evictions(self.replica_id, e.pool.num_evictions - getattr(self, "_last_evictions", 0))
-        self._last_evictions = e.pool.num_evictions
-        m.preemptions(self.replica_id, "all", e.scheduler.num_preemptions - getattr(self, "_last_preempt", 0))
-        self._last_preempt = e.scheduler.num_preemptions
+            waiting[req.qos] = waiting.get(req.qos, 0) + 1
+        m.kv_occupancy_by_tenant(rid, per_tenant)
+        for qos in waiting:
+            m.queue_length(rid, qos, waiting[qos])
+            m.running(rid, qos, running[qos])
+        m.replica_up(rid, True)
+        m.evictions(rid, e.pool.num_evictions - self._reported["evictions"])
+        self._reported["evictions"] = e.pool.num_evictions
+        for qos, n in e.scheduler.preemptions_by_qos.items():
+            m.preemptions(rid, qos, n - self._reported.get(("preempt", qos), 0))
+            self._reported[("preempt", qos)] = n

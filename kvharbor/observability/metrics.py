@@ -40,10 +40,13 @@ only as exact as the buckets; dashboards use ``histogram_quantile`` over ``_buck
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
 from typing import Literal
+
+logger = logging.getLogger(__name__)
 
 MetricKind = Literal["counter", "gauge", "histogram"]
 
@@ -183,7 +186,10 @@ class KvharborMetrics:
     def _refresh_gauges_forever(self, period_s: float) -> None:
         while True:
             time.sleep(period_s)
-            self.refresh_gauges()
+            try:
+                self.refresh_gauges()
+            except Exception:  # noqa: BLE001 - e.g. Ray shutting down; never kill the process
+                logger.debug("gauge refresh failed", exc_info=True)
 
     def _inc(self, name: str, value: float, tags: dict[str, str]) -> None:
         if value > 0:

@@ -69,3 +69,51 @@ def test_null_recorder_accepts_every_method_and_records_nothing():
     assert null.tokens("t", "q", prompt=5, cached=2, generated=1) is None
     assert null.router_prefix_tokens("r", predicted=3, observed=2) is None
     assert null._m == {}
+
+
+class _FakeMetric:
+    """Stands in for a Ray metric object: remembers every set/inc/observe call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[float, dict]] = []
+
+    def set(self, value, tags=None):
+        self.calls.append((value, dict(tags or {})))
+
+    inc = observe = set
+
+
+def _recorder_with_fakes() -> m.KvharborMetrics:
+    import threading
+
+    rec = object.__new__(m.KvharborMetrics)
+    rec._m = {spec.name: _FakeMetric() for spec in m.METRICS}
+    rec._gauges, rec._gauge_lock = {}, threading.Lock()
+    return rec
+
+
+def test_tenant_occupancy_snapshot_zeroes_tenants_that_left_and_gauges_are_resent():
+    rec = _recorder_with_fakes()
+    rec.kv_occupancy_by_tenant("r1", {"acme": 5, "globex": 2})
+    rec.kv_occupancy_by_tenant("r1", {"acme": 7})
+    rec.kv_occupancy_by_tenant("r2", {"initech": 1})
+    calls = rec._m["kvharbor_kv_tenant_blocks"].calls
+    assert calls[2:4] == [(7, {"replica": "r1", "tenant": "acme"}),
+                          (0, {"replica": "r1", "tenant": "globex"})]
+    assert calls[4:] == [(1, {"replica": "r2", "tenant": "initech"})]
+
+    rec.queue_length("r1", "premium", 3)
+    assert rec.refresh_gauges() == 4       # acme, globex on r1, initech on r2, one queue
+    assert rec._m["kvharbor_queue_length"].calls[-1] == (3, {"replica": "r1", "qos": "premium"})
+    assert rec._m["kvharbor_kv_tenant_blocks"].calls[-3:].count(
+        (0, {"replica": "r1", "tenant": "globex"})) == 1
+
+
+def test_counters_skip_zero_and_negative_increments():
+    rec = _recorder_with_fakes()
+    rec.tokens("acme", "premium", prompt=10, cached=0, generated=-1)
+    rec.evictions("r1", 0)
+    assert rec._m["kvharbor_prompt_tokens"].calls == [(10, {"tenant": "acme", "qos": "premium"})]
+    assert rec._m["kvharbor_cached_prompt_tokens"].calls == []
+    assert rec._m["kvharbor_generated_tokens"].calls == []
+    assert rec._m["kvharbor_kv_evictions"].calls == []

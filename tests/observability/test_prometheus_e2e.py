@@ -32,19 +32,20 @@ DECISIONS = "sum(ray_kvharbor_router_decision_seconds_count)"
 LIMITED = 'sum(ray_kvharbor_rate_limited_total{tenant="limited"})'
 
 
-def _one_request(client, model: str, key: str, index: int) -> int:
+def _one_request(client, model: str, key: str, index: int) -> tuple[int, str]:
+    """(HTTP status, start of the body) of one completion; even indices stream."""
     body = {"model": model, "prompt": f"{PREFIX} Question {index % 4}: what is {index}?",
             "max_tokens": 8, "temperature": 0.0, "stream": index % 2 == 0}
     headers = {"Authorization": f"Bearer {key}"}
     if body["stream"]:
         with client.stream("POST", "/v1/completions", json=body, headers=headers) as resp:
-            for _ in resp.iter_lines():
-                pass
-            return resp.status_code
-    return client.post("/v1/completions", json=body, headers=headers).status_code
+            text = "".join(resp.iter_lines())
+            return resp.status_code, text[:200]
+    resp = client.post("/v1/completions", json=body, headers=headers)
+    return resp.status_code, resp.text[:200]
 
 
-def _load(app, keys: tuple[str, ...], requests_per_key: int) -> list[int]:
+def _load(app, keys: tuple[str, ...], requests_per_key: int) -> list[tuple[int, str]]:
     with app.client() as client:
         jobs = [(key, i) for i in range(requests_per_key) for key in keys]
         with ThreadPoolExecutor(max_workers=6) as pool:
@@ -77,9 +78,10 @@ def test_every_dashboard_query_returns_series_under_load(kvharbor_app, prometheu
     wait_all_return_series(prometheus, ["up == 1"], 30)     # scraped at least once
     decisions_before = _scalar(prometheus, DECISIONS)
     limited_before = _scalar(prometheus, LIMITED)
-    statuses = _load(kvharbor_app, (DEMO["premium"], DEMO["standard"], DEMO["batch"]), 12)
-    assert statuses.count(200) >= 2 * len(statuses) // 3, statuses
-    assert 429 in _load(kvharbor_app, (TEST_KEYS["limited"],), 10)
+    results = _load(kvharbor_app, (DEMO["premium"], DEMO["standard"], DEMO["batch"]), 12)
+    failed = [r for r in results if r[0] != 200]
+    assert len(failed) <= len(results) // 3, failed
+    assert 429 in [status for status, _ in _load(kvharbor_app, (TEST_KEYS["limited"],), 10)]
     wait_all_return_series(prometheus, ['ray_kvharbor_requests_total{tenant!~"obs-.*"}',
                                         'ray_kvharbor_kv_blocks{replica!~"obs-.*"}'], 60)
     tenants = _app_values(prometheus, "ray_kvharbor_requests_total", "tenant")
