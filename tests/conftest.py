@@ -9,8 +9,20 @@ import pytest
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")
 
-RAY_METRICS_PORT = 18085
+
+
+def _free_port() -> int:
+    """A loopback TCP port free right now (so concurrent test sessions never collide)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+RAY_METRICS_PORT = int(os.environ.get("KVHARBOR_TEST_METRICS_PORT") or _free_port())
 
 
 @pytest.fixture(scope="session")
@@ -43,7 +55,7 @@ def pytest_configure(config):
         pass
 
 
-APP_PORT = 18000
+APP_PORT = int(os.environ.get("KVHARBOR_TEST_APP_PORT") or _free_port())
 DEMO = {"premium": "kvh-demo-premium", "standard": "kvh-demo-standard",
         "batch": "kvh-demo-batch", "admin": "kvh-demo-admin"}
 
@@ -90,17 +102,42 @@ class RunningApp:
 
         return serve.get_deployment_handle("LLMReplica", app_name="kvharbor")
 
-    def replica_actors(self) -> list:
-        """(replica unique id, actor handle) of every running LLMReplica."""
-        import ray
+    def replica_ids(self) -> list[str]:
+        """Unique ids of the running LLMReplica replicas (as the router and directory use them)."""
         from ray.util.state import list_actors
 
-        out = []
-        for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000):
-            name = a.get("name") or ""
-            if "LLMReplica" in name and name.startswith("SERVE_REPLICA::kvharbor"):
-                out.append((name.split("#")[-1], ray.get_actor(name, namespace="serve")))
-        return out
+        prefix = "SERVE_REPLICA::kvharbor#LLMReplica#"
+        return sorted(a["name"][len(prefix):] for a in
+                      list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+                      if (a.get("name") or "").startswith(prefix))
+
+    def replica_call(self, method: str, timeout: float = 60.0) -> dict:
+        """``{replica_id: result}`` of ``LLMReplica.<method>()`` on every replica.
+
+        The KV-aware router sends a call with ``replica_id=`` to that replica.
+        """
+        handle = self.replica_handle()
+        return {rid: getattr(handle, method).remote(replica_id=rid).result(timeout_s=timeout)
+                for rid in self.replica_ids()}
+
+    def replica_actors(self) -> list:
+        """(replica id, proxy) pairs; ``proxy.stats.remote()`` etc. return ObjectRefs."""
+        handle = self.replica_handle()
+
+        class _Proxy:
+            def __init__(self, rid):
+                self.rid = rid
+
+            def __getattr__(self, method):
+                class _Method:
+                    @staticmethod
+                    def remote(*args, **kwargs):
+                        return getattr(handle, method).remote(
+                            *args, replica_id=self_rid, **kwargs)._to_object_ref_sync()
+                self_rid = self.rid
+                return _Method
+
+        return [(rid, _Proxy(rid)) for rid in self.replica_ids()]
 
     def directory(self):
         import ray

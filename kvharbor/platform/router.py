@@ -121,6 +121,15 @@ class DirectoryClient:
                 self._lookup = None
         return self._handle
 
+    async def remove_replicas(self, replica_ids: set[str]) -> None:
+        """Tell the directory these replicas are gone (idempotent; failures are logged)."""
+        try:
+            handle = self._handle or await self._look_up(time.monotonic() + 10.0)
+            await asyncio.gather(*(handle.remove_replica.remote(r) for r in replica_ids))
+        except Exception as exc:  # noqa: BLE001 - stale entries only cost memory
+            logger.warning("could not remove replicas %s from the prefix directory: %r",
+                           sorted(replica_ids), exc)
+
     def _get_actor(self):
         import ray
 
@@ -131,6 +140,15 @@ def _retrieve_exception(fut: asyncio.Future) -> None:
     """Mark a background lookup's exception as seen (it is handled by the next caller)."""
     if not fut.cancelled():
         fut.exception()
+
+
+def pinned_replica(pending_request: PendingRequest | None,
+                   candidates: list[RunningReplica]) -> RunningReplica | None:
+    """The replica named by a ``replica_id=`` keyword (admin and test calls), if any."""
+    wanted = pending_request.kwargs.get("replica_id") if pending_request is not None else None
+    if wanted is None:
+        return None
+    return next((r for r in candidates if r.replica_id.unique_id == wanted), None)
 
 
 def generate_request_of(pending_request: PendingRequest | None) -> GenerateRequest | None:
@@ -179,12 +197,33 @@ class KVAwareRouter(RequestRouter):
         self.num_single_ranks = num_single_ranks
         self.default_block_size = default_block_size
 
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        """Serve's new replica set; replicas that left it are removed from the directory.
+
+        Serve's controller is the authority on which replicas are alive (it restarts a dead
+        one under a new id), and every router gets its updates, so a dead replica's blocks
+        stop being matched even if no request ever reaches it again.
+        """
+        gone = ({r.unique_id for r in self.curr_replicas}
+                - {r.replica_id.unique_id for r in replicas})
+        super().update_replicas(replicas)
+        if gone:
+            self._event_loop.create_task(self.directory.remove_replicas(gone))
+
+    def on_replica_actor_died(self, replica_id) -> None:
+        """A request found the replica dead before Serve's next update: forget it now."""
+        super().on_replica_actor_died(replica_id)
+        self._event_loop.create_task(self.directory.remove_replicas({replica_id.unique_id}))
+
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
                               ) -> list[list[RunningReplica]]:
         """Rank ``candidate_replicas`` for ``pending_request`` (one routing attempt)."""
         if not candidate_replicas:
             return []
+        target = pinned_replica(pending_request, candidate_replicas)
+        if target is not None:
+            return [[target]]
         start = time.perf_counter()
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True  # sleep between attempts
