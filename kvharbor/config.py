@@ -42,6 +42,9 @@ class EngineConfig(BaseModel):
                             description="'priority' (QoS classes, then tenant fairness) or 'fcfs' (arrival order only).")
     qos_classes: dict[str, QoSSpec] = Field(default_factory=lambda: dict(DEFAULT_QOS),
                                             description="QoS classes by name.")
+    host_kv_blocks: int = Field(0, ge=0, description="KV blocks of host memory (pinned on CUDA) that keep blocks evicted from the device, by hash, LRU; prefix hits there are copied back instead of recomputed. 0 disables the host tier.")
+    preemption_mode: str = Field("recompute", pattern="^(recompute|swap|auto)$",
+                                 description="'recompute' (drop a preempted request's KV), 'swap' (copy it to the host tier and back; needs host_kv_blocks) or 'auto' (swap when it saves more than half its work).")
 
 
 class PlatformConfig(BaseModel):
@@ -61,6 +64,8 @@ class PlatformConfig(BaseModel):
     kv_cache_dtype: str = Field("auto", description="'auto', 'int8' or 'fp8_e4m3'.")
     max_num_batched_tokens: int = Field(2048, ge=1, description="Token budget per engine step.")
     scheduling: str = Field("priority", pattern="^(priority|fcfs)$", description="Engine scheduling: 'priority' or 'fcfs'.")
+    host_kv_blocks: int = Field(0, ge=0, description="Host-memory KV blocks per replica for evicted prefixes (0: off).")
+    preemption_mode: str = Field("recompute", pattern="^(recompute|swap|auto)$", description="Engine preemption: 'recompute', 'swap' or 'auto'.")
     router: str = Field("kv", description="Request router: 'kv' (KV-aware), 'pow2' (Serve default) or 'round_robin'.")
     replica_cpus: float = Field(0.5, gt=0, description="num_cpus per LLM replica when on CPU.")
     cpu_threads: int | None = Field(1, ge=1, description="torch threads per CPU replica (None: torch default).")

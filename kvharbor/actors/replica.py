@@ -132,7 +132,7 @@ class LLMReplica:
         """Assert the engine's invariants; return its cached hashes and usage (router-targetable)."""
         async with self._engine_lock:
             self.engine.check_integrity()
-            return {"replica_id": self.replica_id, "cached": sorted(self.engine.cached_block_hashes()),
+            return {"replica_id": self.replica_id, "cached": sorted(self.engine.cached_block_hashes() | self.engine.host_block_hashes()),
                     "blocks_used": self.engine.stats()["blocks_used"], "running": len(self._streams)}
 
     def __del__(self) -> None:

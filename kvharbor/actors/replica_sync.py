@@ -78,7 +78,11 @@ class TenantSync:
 
 
 class DirectorySync:
-    """Sends the engine's KV events to the PrefixDirectory, in order, and resyncs on a gap."""
+    """Sends the engine's KV events to the PrefixDirectory, in order, and resyncs on a gap.
+
+    Batches of both tiers ("device", "host") share the replica's one sequence counter, so the
+    directory sees a gap in either; a resync sends a snapshot of both tiers.
+    """
 
     def __init__(self, name: str, replica_id: str, namespace: str | None = None) -> None:
         self.name, self.namespace = name, namespace
@@ -93,16 +97,16 @@ class DirectorySync:
         return self._handle
 
     def publish(self, engine) -> None:
-        events = engine.drain_kv_events()
-        if events is None or self._resync_due:
+        batches = engine.drain_kv_events()
+        if not batches or self._resync_due:
             return
         try:
-            ref = self._actor().apply_events.remote(self.replica_id, events.seq_no,
-                                                    events.stored, events.removed)
+            actor = self._actor()
+            for events in batches:
+                self._pending.append(actor.apply_events.remote(
+                    self.replica_id, events.seq_no, events.stored, events.removed, events.tier))
         except ValueError:                # directory not found: resync once it is back
             self._resync_due = True
-            return
-        self._pending.append(ref)
 
     async def maybe_resync(self, engine) -> None:
         """Check applied batches; after a gap (or at start) send a full snapshot."""
@@ -116,7 +120,8 @@ class DirectorySync:
         try:
             engine.drain_kv_events()      # the snapshot covers everything drained so far
             await self._actor().resync.remote(self.replica_id, engine.last_event_seq,
-                                              {"device": list(engine.cached_block_hashes())})
+                                              {"device": list(engine.cached_block_hashes()),
+                                               "host": list(engine.host_block_hashes())})
             self._resync_due = False
         except Exception as e:  # noqa: BLE001
             self._handle = None

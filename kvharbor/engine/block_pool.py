@@ -16,19 +16,24 @@ and allocate nothing. It is also the eviction order (LRU)::
 
 A cached block keeps its hash while it sits in the queue; the hash (and the cached-map entry)
 is dropped only when the block is popped for reuse. That drop is an *eviction*; it is
-reported as a "removed" KV event.
+reported as a "removed" KV event, and ``on_evict(block_id, hash)`` (the host tier's offload
+hook, when set) is told before the block's old contents are overwritten.
+
+``null_block`` (id ``num_blocks``: one extra row of the cache tensors, outside both regions)
+stands in block tables for blocks a sliding-window request has released: attention masks
+those positions, so it is never read, and it is never written, referenced or freed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import NewType
 
 from .hashing import BlockHash
 
 BlockId = NewType("BlockId", int)
-PINNED, SHARED = "pinned", "shared"
+PINNED, SHARED, NULL = "pinned", "shared", "null"
 
 
 @dataclass(slots=True, eq=False)
@@ -97,6 +102,8 @@ class BlockPool:
         self.stored_events: list[BlockHash] = []
         self.removed_events: list[BlockHash] = []
         self.num_evictions = 0
+        self.null_block = KVCacheBlock(BlockId(num_blocks), NULL)
+        self.on_evict: Callable[[BlockId, BlockHash], None] | None = None
 
     # ---- allocation -------------------------------------------------------------------
     def num_free(self, pinned: bool) -> int:
@@ -112,7 +119,7 @@ class BlockPool:
         for _ in range(n):
             queue = self.free[PINNED] if pinned and self.free[PINNED].num_free else self.free[SHARED]
             block = queue.popleft()
-            self._evict(block)
+            self._evict(block, offload=True)
             block.ref_cnt = 1
             out.append(block)
         return out
@@ -127,6 +134,8 @@ class BlockPool:
     def release(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference each; blocks reaching 0 go to their queue's tail (in the given order)."""
         for block in blocks:
+            if block is self.null_block:
+                continue
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free[block.region].append(block)
@@ -143,13 +152,15 @@ class BlockPool:
         self.cached[block_hash] = block
         self.stored_events.append(block_hash)
 
-    def _evict(self, block: KVCacheBlock) -> None:
+    def _evict(self, block: KVCacheBlock, offload: bool = False) -> None:
         if block.block_hash is None:
             return
         if self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
             self.removed_events.append(block.block_hash)
             self.num_evictions += 1
+            if offload and self.on_evict is not None:
+                self.on_evict(block.block_id, block.block_hash)
         block.block_hash = None
 
     def evict_all_cached(self) -> int:
@@ -175,7 +186,7 @@ class BlockPool:
         return self.num_pinned
 
     def _move(self, block: KVCacheBlock, region: str) -> None:
-        self._evict(block)
+        self._evict(block, offload=True)
         block.region = region
         self.free[region].append(block)
         self.num_pinned += 1 if region == PINNED else -1
@@ -216,3 +227,5 @@ class BlockPool:
         for h, block in self.cached.items():
             assert block.block_hash == h, "cached map entry does not match block hash"
         assert sum(b.region == PINNED for b in self.blocks) == self.num_pinned
+        null = self.null_block
+        assert null.ref_cnt == 0 and null.block_hash is None and null.prev is None, "null block used"

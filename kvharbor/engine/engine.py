@@ -10,22 +10,28 @@ import torch
 
 from kvharbor.config import EngineConfig
 
-from .block_pool import PINNED, SHARED, BlockPool
+from .block_pool import BlockPool
 from .detokenizer import Detokenizer
+from .engine_stats import engine_stats
+from .host_pool import HostKVPool
 from .kv_cache_manager import KVCacheManager
+from .kv_transfer import KVTransfer
 from .model_runner import ModelRunner, ScheduledRequest
-from .models import load_model
+from .models import load_model, uniform_sliding_window
+from .preemption import PreemptionPolicy
 from .request import Request, RequestOutput, SamplingParams, Status
 from .scheduler import Scheduler
 
 
 @dataclass(slots=True)
 class KVEvents:
-    """Block hashes stored in / removed from the prefix cache since the previous batch."""
+    """Block hashes stored in / removed from one KV tier ("device" or "host") since the
+    previous batch of that tier; ``seq_no`` counts batches of all tiers together."""
 
     seq_no: int
     stored: list
     removed: list
+    tier: str = "device"
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -56,10 +62,14 @@ class Engine:
         self.block_size = config.block_size
         num_blocks = config.num_kv_blocks or self._default_num_blocks()
         self.pool = BlockPool(num_blocks, config.pinned_kv_blocks)
-        self.kv = KVCacheManager(self.pool, self.block_size)
         self.runner = ModelRunner(self.model, num_blocks, self.block_size, self.device, self.dtype,
                                   config.attention_backend, config.kv_cache_dtype)
-        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
+        self.host, self.transfer = self._make_host_tier()
+        self.sliding_window = uniform_sliding_window(self.model.config)
+        self.kv = KVCacheManager(self.pool, self.block_size, self.host, self.transfer,
+                                 self.sliding_window)
+        policy = PreemptionPolicy(config.preemption_mode, self.block_size)
+        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs, policy)
         self.scheduler.preemptible = {k: q.preemptible for k, q in config.qos_classes.items()}
         self.scheduler.fcfs = config.scheduling == "fcfs"
         self.detok = Detokenizer(self.tokenizer)
@@ -72,6 +82,21 @@ class Engine:
         gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
         self.eos_ids = {e for e in ([eos] + (gen_eos if isinstance(gen_eos, list) else [gen_eos]))
                         if e is not None}
+
+    def _make_host_tier(self) -> tuple[HostKVPool | None, KVTransfer | None]:
+        """The host KV tier (pinned memory on CUDA) and its copier, or (None, None) when off."""
+        n = self.config.host_kv_blocks
+        if n == 0:
+            if self.config.preemption_mode != "recompute":
+                raise ValueError(f"preemption_mode={self.config.preemption_mode!r} swaps KV to host "
+                                 f"memory: set host_kv_blocks > 0, or use preemption_mode='recompute'")
+            return None, None
+        r = self.runner
+        host = HostKVPool(n, (r.num_layers, 2, self.block_size, r.num_kv_heads, r.head_dim),
+                          r.kv_cache_dtype, pin_memory=self.device.type == "cuda")
+        transfer = KVTransfer(host, r.caches)
+        self.pool.on_evict = transfer.on_evict
+        return host, transfer
 
     def _default_num_blocks(self) -> int:
         if self.device.type != "cuda":
@@ -134,6 +159,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample; return outputs of requests that advanced."""
         plan = self.scheduler.schedule()
+        self._flush_transfers()
         if not plan.scheduled:
             return []
         tokens = self.runner.execute(plan.scheduled)
@@ -144,9 +170,15 @@ class Engine:
             samples = item.samples
             req.num_computed_tokens += item.num_new_tokens
             self.kv.cache_full_blocks(req)
+            self.kv.free_outside_window(req)
             if samples:
                 outputs.append(self._append_token(req, next(sampled)))
         return outputs
+
+    def _flush_transfers(self) -> None:
+        """Run the host <-> device copies planned since the last flush (before any forward)."""
+        if self.transfer is not None and self.transfer.pending:
+            self.transfer.flush()
 
     def _append_token(self, req: Request, token: int) -> RequestOutput:
         req.all_token_ids.append(token)
@@ -193,6 +225,7 @@ class Engine:
         if not self.kv.can_allocate(req, req.num_tokens - hit.num_tokens, hit):
             raise RuntimeError(f"no room to pin a {req.num_tokens}-token prefix; raise pinned_kv_blocks")
         self.kv.allocate(req, req.num_tokens - hit.num_tokens, hit)
+        self._flush_transfers()
         while req.num_computed_tokens < req.num_tokens:
             n = min(self.config.max_num_batched_tokens, req.num_tokens - req.num_computed_tokens)
             self.runner.forward_logits([ScheduledRequest(req, n)])
@@ -202,16 +235,21 @@ class Engine:
         self.pinned_prefixes.append(kept)
         return len(kept)
 
-    def drain_kv_events(self) -> KVEvents | None:
-        """Events since the last call, or None if there are none.
+    def drain_kv_events(self) -> list[KVEvents]:
+        """Event batches since the last call: at most one per tier, host first, none if empty.
 
-        Batches are numbered 0, 1, 2, ...; ``last_event_seq`` is the latest number handed out.
+        Batches of all tiers share one numbering 0, 1, 2, ...; ``last_event_seq`` is the latest
+        number handed out. Host comes first so that a block moving device -> host is stored in
+        the host tier before it is removed from the device tier.
         """
-        stored, removed = self.pool.drain_events()
-        if not stored and not removed:
-            return None
-        self._event_seq += 1
-        return KVEvents(self._event_seq - 1, stored, removed)
+        batches = []
+        tiers = [("host", self.host)] if self.host is not None else []
+        for tier, source in tiers + [("device", self.pool)]:
+            stored, removed = source.drain_events()
+            if stored or removed:
+                batches.append(KVEvents(self._event_seq, stored, removed, tier))
+                self._event_seq += 1
+        return batches
 
     @property
     def last_event_seq(self) -> int:
@@ -220,35 +258,19 @@ class Engine:
     def cached_block_hashes(self) -> set:
         return set(self.pool.cached)
 
+    def host_block_hashes(self) -> set:
+        """Hashes whose K/V the host tier holds (empty when it is off)."""
+        return set(self.host.cached) if self.host is not None else set()
+
     def stats(self) -> dict:
-        pinned, shared = self.pool.region_counts(PINNED), self.pool.region_counts(SHARED)
-        running = self.scheduler.running
-        return {
-            "blocks_total": len(self.pool.blocks),
-            "blocks_free": pinned["free"] + pinned["cached"] + shared["free"] + shared["cached"],
-            "blocks_cached": len(self.pool.cached),
-            "blocks_used": pinned["used"] + shared["used"],
-            "shared_blocks_total": shared["total"],
-            "shared_blocks_used": shared["used"],
-            "shared_blocks_free": shared["free"] + shared["cached"],
-            "pinned_blocks_total": pinned["total"],
-            "pinned_blocks_used": pinned["used"],
-            "pinned_blocks_reserved_idle": pinned["free"] + pinned["cached"],
-            "prompt_tokens": self.counters["prompt_tokens"],
-            "generated_tokens": self.counters["generated_tokens"],
-            "prefix_query_tokens": self.kv.prefix_queries,
-            "prefix_hit_tokens": self.kv.prefix_hits,
-            "preemptions": self.scheduler.num_preemptions,
-            "evictions": self.pool.num_evictions,
-            "num_running": len(running),
-            "num_waiting": len(self.scheduler.waiting),
-            "block_size": self.block_size,
-            "kv_bytes_per_token": self.runner.kv_bytes_per_token,
-            "kv_cache_dtype": str(self.runner.kv_cache_dtype).removeprefix("torch."),
-        }
+        """Block, token, tier and memory counters (see :func:`engine_stats`)."""
+        return engine_stats(self)
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()
-        held = sum(len(r.blocks) for r in self.scheduler.running)
+        if self.host is not None:
+            self.host.check_integrity()
+        null = self.pool.null_block
+        held = sum(b is not null for r in self.scheduler.running for b in r.blocks)
         assert all(not r.blocks for r in self.scheduler.waiting), "waiting request holds blocks"
         assert held <= sum(b.ref_cnt for b in self.pool.blocks), "request holds a block without a ref"

@@ -52,7 +52,9 @@ class ModelRunner:
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
         self.kv_cache_dtype = KV_CACHE_DTYPES[kv_cache_dtype] or dtype
-        shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        # One row past the pool's blocks: the null block (id ``num_blocks``) that stands in for
+        # blocks a sliding window released; attention masks it, nothing writes it.
+        shape = (num_blocks + 1, block_size, self.num_kv_heads, self.head_dim)
         self.caches = [LayerKVCache(torch.zeros(shape, dtype=self.kv_cache_dtype, device=device),
                                     torch.zeros(shape, dtype=self.kv_cache_dtype, device=device))
                        for _ in range(self.num_layers)]
@@ -66,6 +68,17 @@ class ModelRunner:
         """Bytes of KV cache one token occupies across all layers (scales are per head, ~0)."""
         elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the device KV cache tensors (all layers, K and V, null block included)."""
+        return sum(c.key.nbytes + c.value.nbytes for c in self.caches)
+
+    @property
+    def weights_bytes(self) -> int:
+        """Bytes of the model's parameters and buffers."""
+        return sum(t.nbytes for t in self.model.parameters()) + \
+            sum(t.nbytes for t in self.model.buffers())
 
     def _build(self, batch: list[ScheduledRequest]):
         ids, pos, slots, qsl, lens, tables, logit_rows = [], [], [], [0], [], [], []

@@ -70,6 +70,21 @@ def _load_pretrained(name: str):
     return model, tokenizer
 
 
+def uniform_sliding_window(config) -> int | None:
+    """The sliding window ``W`` if *every* layer attends only to its last ``W`` keys, else None.
+
+    Reads ``sliding_window``, ``use_sliding_window`` (Qwen2-style switch) and ``layer_types``
+    (models that mix full and sliding layers keep every block: a full layer reads them all).
+    """
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and any(t != "sliding_attention" for t in layer_types):
+        return None
+    return int(window)
+
+
 def load_tokenizer(name: str):
     """The tokenizer of ``name`` without loading weights (for the gateway)."""
     if name in BUILTIN_MODELS:

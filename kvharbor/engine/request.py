@@ -48,6 +48,18 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass(slots=True)
+class SwapState:
+    """A swapped-out request's KV in host memory.
+
+    ``slots[i]`` holds block ``i`` of the request (None: the block was the null block, released
+    by the sliding window); together they cover the first ``num_tokens`` tokens.
+    """
+
+    slots: list
+    num_tokens: int
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     """Engine-side state of one request. ``all_token_ids`` = prompt + generated so far."""
@@ -67,6 +79,8 @@ class Request:
     num_cached_tokens: int = -1          # prefix-hit tokens at first schedule (-1: not yet)
     block_hashes: list[BlockHash] = field(default_factory=list)
     blocks: list[KVCacheBlock] = field(default_factory=list)
+    window_start: int = 0                # blocks before this index were released (sliding window)
+    swap: SwapState | None = None        # set while swapped out to host memory
     status: Status = Status.WAITING
     finish_reason: str | None = None
     output_text: str = ""

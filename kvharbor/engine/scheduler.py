@@ -8,11 +8,13 @@ allows (a prompt longer than the budget is prefilled in chunks over several step
              waiting: lower tenant virtual-token counter first (fairness inside a class),
              earlier arrival first)
 
-When blocks run out, the victim is the *running* request latest in that order (lowest
-priority, latest arrival) that has not been scheduled yet in this step, so a step never undoes
-work. A waiting request may only preempt strictly lower classes; a running one may preempt
-equal or lower ones, and otherwise is preempted itself. Preemption frees the victim's blocks
-(its full blocks stay in the prefix cache, so recompute is mostly prefix hits).
+When blocks run out, victims are *running* requests later in that order that have not been
+scheduled yet in this step, so a step never undoes work; ``PreemptionPolicy`` picks among them
+(lowest priority, then least lost work, then latest arrival). A waiting request may only
+preempt strictly lower classes; a running one may preempt equal or lower ones, and otherwise
+is preempted itself. Preemption frees the victim's blocks, after recording a copy of them to
+host memory when the policy swaps (its full blocks also stay in the prefix cache, so
+recompute is mostly prefix hits).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 
 from .kv_cache_manager import KVCacheManager, PrefixHit
 from .model_runner import ScheduledRequest
+from .preemption import PreemptionPolicy
 from .request import Request, Status
 
 
@@ -58,8 +61,10 @@ class FairShare:
 class Scheduler:
     """Decides, each step, which requests run and how many tokens each computes."""
 
-    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int):
+    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
+                 policy: PreemptionPolicy | None = None):
         self.kv = kv
+        self.policy = policy or PreemptionPolicy(block_size=kv.block_size)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.waiting: list[Request] = []
@@ -80,6 +85,7 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(req)
+        self.kv.drop_swap(req)
 
     def _order(self) -> list[Request]:
         running = sorted(self.running, key=lambda r: (-r.priority, r.arrival_seq))
@@ -128,11 +134,13 @@ class Scheduler:
         victims = [v for v in pending[i + 1:] if v.status == Status.RUNNING and
                    (v.priority < req.priority if waiting else v.priority <= req.priority) and
                    (not waiting or self.preemptible.get(v.qos, True))]
-        reclaimable = sum(len(v.blocks) for v in victims)
+        null = self.kv.pool.null_block
+        reclaimable = sum(b is not null for v in victims for b in v.blocks)
         if self.kv.blocks_needed(req, num_new, hit) > self.kv.pool.num_free(req.pinned) + reclaimable:
             return False
         while victims and not self.kv.can_allocate(req, num_new, hit):
-            victim = victims.pop()
+            victim = self.policy.choose_victim(victims)
+            victims.remove(victim)
             pending.remove(victim)
             self._preempt(victim, out)
         return self.kv.can_allocate(req, num_new, hit)
@@ -150,6 +158,8 @@ class Scheduler:
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
+        if self.policy.should_swap(req):
+            self.kv.swap_out(req)          # False (no host room): plain recompute
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.status = Status.PREEMPTED

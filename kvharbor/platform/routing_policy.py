@@ -129,7 +129,7 @@ class KVAwarePolicy:
             saved = bs * (m.device_blocks + self.host_hit_weight * m.host_blocks)
             saved = min(saved, float(request.prompt_tokens))
         penalty = self.load_cost_tokens * self._requests_ahead(request, c, load)
-        needed = -(-request.prompt_tokens // bs) - (m.blocks if m else 0)
+        needed = -(-request.prompt_tokens // bs) - (m.device_blocks if m else 0)  # host hits need device blocks too
         free_shared = c.stats.get("free_shared_blocks")
         free_pinned = int(c.stats.get("free_pinned_blocks", 0)) if request.pinned else 0
         if free_shared is not None:

@@ -1,0 +1,86 @@
+"""Host tier bookkeeping and the preemption policy, without a model."""
+
+from __future__ import annotations
+
+import torch
+
+from kvharbor.engine.block_pool import BlockPool
+from kvharbor.engine.hashing import BlockHash
+from kvharbor.engine.host_pool import HostKVPool
+from kvharbor.engine.kv_transfer import KVTransfer
+from kvharbor.engine.preemption import PreemptionPolicy
+from kvharbor.engine.request import Request, SamplingParams
+from kvharbor.kernels import LayerKVCache
+
+
+def _h(i: int) -> BlockHash:
+    return BlockHash(i.to_bytes(16, "little"))
+
+
+def _pool(n: int) -> HostKVPool:
+    return HostKVPool(n, (1, 2, 2, 1, 1), torch.float32)
+
+
+def test_host_pool_is_lru_bounded_and_reports_events():
+    host = _pool(3)
+    for i in range(3):
+        assert host.reserve(_h(i)) is not None
+    assert host.reserve(_h(0)) is None            # already held: becomes most recent
+    assert host.reserve(_h(3)) is not None        # drops the least recent: h1
+    assert host.lookup(_h(1)) is None and host.lookup(_h(0)) is not None
+    assert host.drain_events() == ([_h(0), _h(1), _h(2), _h(3)], [_h(1)])
+    assert host.num_used == 3
+    host.check_integrity()
+
+
+def test_locked_and_owned_slots_are_never_reused():
+    host = _pool(3)
+    slots = [host.reserve(_h(i)) for i in range(3)]
+    host.lock(slots[0])
+    owned = host.take_owned(2)                    # drops h1, h2; h0 is locked
+    assert owned is not None and host.lookup(_h(0)) == slots[0]
+    assert host.take_owned(1) is None and host.reserve(_h(9)) is None
+    host.unlock(slots[0])
+    host.release_owned(owned)
+    assert host.num_available() == 3
+    host.check_integrity()
+
+
+def test_transfer_saves_before_it_loads():
+    """A block reused in the same step is saved before a load overwrites it."""
+    caches = [LayerKVCache(torch.arange(8.0).view(4, 2, 1, 1), torch.arange(8.0).view(4, 2, 1, 1) + 100)]
+    host = HostKVPool(4, (1, 2, 2, 1, 1), torch.float32)
+    t = KVTransfer(host, caches)
+    src = host.reserve(_h(7))
+    host.data[src] = -1.0
+    t.on_evict(2, _h(5))                          # block 2 (values 4, 5) is evicted ...
+    t.load(src, 2, owned=False)                   # ... and reused for a host hit
+    t.flush()
+    saved = host.lookup(_h(5))
+    assert host.data[saved, 0, 0].flatten().tolist() == [4.0, 5.0]
+    assert host.data[saved, 0, 1].flatten().tolist() == [104.0, 105.0]
+    assert caches[0].key[2].flatten().tolist() == [-1.0, -1.0]
+    assert not host.locks
+    host.check_integrity()
+
+
+def _running(rid: str, blocks, computed: int, priority: int = 0, seq: int = 0) -> Request:
+    req = Request(rid, [1] * (computed + 1), SamplingParams(), priority=priority, arrival_seq=seq)
+    req.blocks, req.num_computed_tokens = blocks, computed
+    return req
+
+
+def test_victim_loses_least_work_within_its_class():
+    pool = BlockPool(16)
+    shared = pool.allocate(4, False)
+    pool.touch(shared)                            # held by another request too
+    a = _running("a", shared + pool.allocate(1, False), 70, seq=1)      # loses 6 tokens
+    b = _running("b", pool.allocate(5, False), 70, seq=2)              # loses 70
+    c = _running("c", pool.allocate(5, False), 70, priority=-1, seq=0)  # lower class
+    policy = PreemptionPolicy("auto", 16)
+    assert policy.lost_tokens(a) == 6 and policy.lost_tokens(b) == 70
+    assert policy.choose_victim([a, b, c]) is c
+    assert policy.choose_victim([a, b]) is a
+    assert policy.should_swap(b) and not policy.should_swap(a)
+    assert not PreemptionPolicy("recompute", 16).should_swap(b)
+    assert PreemptionPolicy("swap", 16).should_swap(a)
