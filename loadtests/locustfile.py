@@ -9,7 +9,8 @@ Users (weights 1 : 2 : 2, so 20 % of users are premium):
   StandardUser  globex / standard long-document questions (4 shared documents) and short chats;
                                   streamed
   BatchUser     initech / batch   document summaries as raw completions, mostly not streamed
-Each profile also sends its integrity canaries now and then (see ``loadtests.canaries``).
+Each user sends one of its profile's integrity canaries as it starts and then now and then
+(see ``loadtests.canaries``).
 
 Locust entries: ``<kind> <qos>`` (whole request), ``TTFT <qos>`` and ``ITL <qos>`` (streamed
 requests only; ITL is the mean gap per token of one request), ``canary <name>``. A 429 is
@@ -59,6 +60,7 @@ class KvhUser(User):
         self.tenant = workload.TENANT_OF[self.qos]
         self.rng = random.Random()
         self.canaries = [c for c in CANARIES if c.qos == self.qos]
+        self.canary(stream=True)           # every user checks one canary (streamed) as it starts
 
     def on_stop(self) -> None:
         self.session.close()
@@ -93,12 +95,13 @@ class KvhUser(User):
                  context=ctx)
 
     @task(1)
-    def canary(self) -> None:
+    def canary(self, stream: bool | None = None) -> None:
         """One canary of this profile, streamed or not at random (both paths must agree)."""
         if not self.canaries:
             return
         c = self.rng.choice(self.canaries)
-        self.send("canary", "/v1/completions", canary_mod.body(c, MODEL, self.rng.random() < 0.5), c)
+        stream = self.rng.random() < 0.5 if stream is None else stream
+        self.send("canary", "/v1/completions", canary_mod.body(c, MODEL, stream), c)
 
 
 def _stream(messages: list[dict], max_tokens: int) -> dict:

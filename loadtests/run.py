@@ -41,6 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="served model id (default: asked from /v1/models)")
     p.add_argument("--canaries", default="compute",
                    help="'compute' (offline engine, default), a canaries.json path, or 'off'")
+    p.add_argument("--stop-timeout", type=int, default=30,
+                   help="seconds users may take to finish their request when the test ends")
     p.add_argument("--canary-device", default="cpu", help="device for computing canaries (match the server)")
     p.add_argument("--canary-dtype", default="auto", help="dtype for computing canaries (match the server)")
     return p.parse_args(argv)
@@ -61,7 +63,8 @@ def prepare_canaries(args, model: str, info, out: Path) -> Path | None:
         path.write_text(Path(args.canaries).read_text())
         return path
     t = time.perf_counter()
-    canaries.save(canaries.compute_canaries(model, info, device=args.canary_device, dtype=args.canary_dtype), path)
+    computed = canaries.compute_canaries(model, info, device=args.canary_device, dtype=args.canary_dtype)
+    canaries.save(computed, path)
     print(f"computed {len(canaries.load(path))} canaries on {model} in {time.perf_counter() - t:.1f} s")
     return path
 
@@ -75,10 +78,10 @@ def run_locust(args, model: str, canary_path: Path | None, out: Path) -> int:
            "KVH_CANARIES": str(canary_path) if canary_path else "",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     cmd = [sys.executable, "-m", "locust", "-f", str(ROOT / "loadtests" / "locustfile.py"), "--headless",
-           "--host", args.host, "--csv", str(out / "locust"), "--only-summary", "--stop-timeout", "30",
-           "--loglevel", "WARNING"]
+           "--host", args.host, "--csv", str(out / "locust"), "--only-summary",
+           "--stop-timeout", str(args.stop_timeout), "--loglevel", "WARNING"]
     try:
-        return subprocess.run(cmd, env=env, cwd=ROOT, timeout=duration + 120).returncode
+        return subprocess.run(cmd, env=env, cwd=ROOT, timeout=duration + args.stop_timeout + 90).returncode
     except subprocess.TimeoutExpired:
         print("locust did not stop in time; killed", file=sys.stderr)
         return 2
@@ -95,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     rc = run_locust(args, model, canary_path, out)
     records = read_records(out / "records.jsonl")
-    meta = {"host": args.host, "model": model, "shape": args.shape, "duration_s": shapes.parse_duration(args.duration),
-            "users": args.users, "started": started, "locust_exit_code": rc,
+    meta = {"host": args.host, "model": model, "shape": args.shape,
+            "duration_s": shapes.parse_duration(args.duration), "users": args.users, "started": started, "locust_exit_code": rc,
             "canaries_enabled": canary_path is not None}
     result = summary.summarize(records, info.ttft_slo_ms, meta)
     if canary_path is not None and result["canaries"]["checks"] == 0:

@@ -1,0 +1,463 @@
+"""QoS benchmark: premium TTFT at 2x capacity, priority scheduling vs FCFS, side by side.
+
+One run starts its own Ray (loopback) and Serve on 127.0.0.1:18500, deploys the kvharbor app
+once per scheduling mode, side by side (``/priority`` and ``/fcfs``; 2 CPU replicas each,
+tiny-llama, platform defaults otherwise), and measures with its own asyncio + httpx client:
+
+  idle       premium requests alone: the premium arrival stream of the overload phase
+             (Poisson, 20 % of 2x capacity) with no other traffic
+  overload   open-loop Poisson arrivals at ``load`` x capacity, 20 % premium (acme: pinned
+             system prompt + question, 16 tokens), 40 % standard (globex: ~750-token
+             document question, 24 tokens), 40 % batch (initech: document summary, 32 tokens)
+
+Phases run in ABBA order (priority, fcfs, fcfs, priority; idle phases first, then overload)
+with identical arrivals and prompts per pass in both modes, so a drift of the shared
+machine's load hits both modes alike. Only one mode receives traffic at a time.
+
+Capacity (requests/s) is measured once, on the first mode's deployment after a warm-up: a
+burst of ``--burst`` requests of the same mix sent at once, divided by the time until the last
+one completes; ``--rate`` skips that and uses a given rate. ``overload.offered_tokens_per_s``
+versus ``throughput_tokens_per_s`` shows whether the system really was saturated.
+
+Every request is streamed with ``temperature 0, ignore_eos``; TTFT is from sending the
+request to the first token chunk, measured at the client. Throughput is generated tokens
+(one SSE chunk = one token) delivered inside the overload window, per second. A premium
+request that has no first token ``grace_s`` after the window ends is cancelled and counted
+with TTFT = time waited so far (a lower bound; "censored" in the output).
+
+Goals: premium p99 TTFT (overload, priority) <= 1.5x premium p99 TTFT (idle, same mode), and
+throughput (priority) >= 0.95x throughput (fcfs). They are only evaluated (true/false, else
+null with a note) when both modes' overload phases were saturated: delivered tokens/s below
+90 % of offered tokens/s. Tenants' rate limits are lifted in a
+temporary copy of tenants.yaml so admission control does not shape the offered load.
+
+Run:  python benchmarks/qos.py            (about 7 minutes on 2 shared cores)
+      python benchmarks/qos.py --quick    (shorter phases; numbers are noisier)
+Writes benchmarks/results/qos.json and qos.png (qos_step<N>.* with --step-tokens N).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from loadtests import workload  # noqa: E402
+from loadtests.summary import percentile  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PORT = 18500
+BASE = f"http://127.0.0.1:{PORT}"
+MIX = (("premium", 0.2), ("standard", 0.4), ("batch", 0.4))
+MAX_TOKENS = {"premium": 16, "standard": 24, "batch": 32}
+MODEL = "kvharbor/tiny-llama"
+DOCS, DOC_SENTENCES = 8, 12          # 8 shared documents of ~750 tokens
+
+
+@dataclass(slots=True)
+class Job:
+    """One request to send ``at_s`` seconds after the phase starts."""
+
+    at_s: float
+    qos: str
+    path: str
+    body: dict
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What happened to one job; times are seconds since the phase started."""
+
+    qos: str
+    sent: float
+    first: float | None = None
+    end: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    error: str | None = None
+
+    def ttft(self, cutoff: float) -> tuple[float, bool]:
+        """(TTFT seconds, censored): censored means no token by ``cutoff`` (a lower bound)."""
+        return (self.first - self.sent, False) if self.first is not None else (cutoff - self.sent, True)
+
+
+# ---- workload ------------------------------------------------------------------------------
+def make_job(qos: str, at_s: float, rng: random.Random, info: workload.TenantsInfo) -> Job:
+    base = {"model": MODEL, "max_tokens": MAX_TOKENS[qos], "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    if qos == "premium":
+        return Job(at_s, qos, "/v1/chat/completions", {**base, "messages": workload.premium_messages(info, rng)})
+    if qos == "standard":
+        return Job(at_s, qos, "/v1/chat/completions",
+                   {**base, "messages": workload.document_question(rng, DOCS, DOC_SENTENCES)})
+    return Job(at_s, qos, "/v1/completions", {**base, "prompt": workload.batch_prompt(rng, DOCS, DOC_SENTENCES)})
+
+
+def poisson_jobs(rate: float, duration_s: float, seed: int, info, only: str | None = None) -> list[Job]:
+    """Open-loop arrivals at ``rate``/s with the MIX; ``only`` keeps one class (same times)."""
+    rng, jobs, t = random.Random(seed), [], 0.0
+    while True:
+        t += rng.expovariate(rate)
+        if t >= duration_s:
+            return jobs
+        qos = rng.choices([q for q, _ in MIX], [w for _, w in MIX])[0]
+        job = make_job(qos, t, rng, info)
+        if only is None or qos == only:
+            jobs.append(job)
+
+
+# ---- client --------------------------------------------------------------------------------
+async def send(client: httpx.AsyncClient, job: Job, t0: float, out: Outcome) -> None:
+    """Send ``job`` at its time, streaming into ``out`` (so a cancelled job keeps what it got)."""
+    await asyncio.sleep(max(0.0, t0 + job.at_s - time.perf_counter()))
+    out.sent = time.perf_counter() - t0
+    headers = {"Authorization": f"Bearer {workload.api_key(job.qos)}"}
+    chat, seen = "messages" in job.body, 0
+    try:
+        async with client.stream("POST", job.path, json=job.body, headers=headers) as resp:
+            if resp.status_code != 200:
+                out.error = f"HTTP {resp.status_code}"
+                return
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                if "error" in data:
+                    out.error = data["error"].get("message", "stream error")
+                    return
+                seen += 1
+                if data.get("choices") and not (chat and seen == 1):   # chat chunk 1: role only
+                    now = time.perf_counter() - t0
+                    out.token_times.append(now)
+                    out.first = now if out.first is None else out.first
+            out.end = time.perf_counter() - t0
+    except httpx.HTTPError as e:
+        out.error = f"{type(e).__name__}: {e}"
+
+
+def _client(base: str) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=2000, max_keepalive_connections=2000)
+    return httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(300.0), limits=limits)
+
+
+async def open_loop(base: str, jobs: list[Job], window_s: float, grace_s: float) -> tuple[list[Outcome], float]:
+    """Send ``jobs`` on schedule; cancel what is left ``grace_s`` after the window.
+
+    Returns (outcomes in job order, cutoff seconds since start).
+    """
+    outcomes = [Outcome(job.qos, job.at_s) for job in jobs]
+    async with _client(base) as client:
+        t0 = time.perf_counter()
+        tasks = [asyncio.create_task(send(client, job, t0, out)) for job, out in zip(jobs, outcomes)]
+        _, pending = await asyncio.wait(tasks, timeout=window_s + grace_s) if tasks else (set(), set())
+        cutoff = time.perf_counter() - t0
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    return outcomes, cutoff
+
+
+async def burst_capacity(base: str, size: int, info, timeout_s: float = 240.0) -> float:
+    """Requests per second to complete a burst of ``size`` MIX requests sent at once.
+
+    All requests run together (continuous batching), so this is the saturated completion
+    rate of this deployment on this machine, tail included (a slight underestimate).
+    """
+    rng = random.Random(99)
+    qos = rng.choices([q for q, _ in MIX], [w for _, w in MIX], k=size)
+    jobs = [make_job(q, 0.0, rng, info) for q in qos]
+    outcomes, _ = await open_loop(base, jobs, timeout_s, 0.0)
+    ends = [o.end for o in outcomes if o.end is not None and o.error is None]
+    if not ends:
+        raise RuntimeError(f"no request of the capacity burst completed in {timeout_s:.0f} s")
+    return len(ends) / max(ends)
+
+
+# ---- statistics ----------------------------------------------------------------------------
+def phase_stats(chunks: list[tuple[list[Outcome], float, float]]) -> dict:
+    """Premium TTFT percentiles (ms), throughput, errors, per-class counts over phase chunks.
+
+    Each chunk is (outcomes, window_s, cutoff_s) of one ``open_loop``; throughput counts the
+    tokens delivered inside each chunk's window over the sum of the windows.
+    """
+    outcomes = [o for chunk, _, _ in chunks for o in chunk]
+    premium = [o.ttft(cut) for chunk, _, cut in chunks for o in chunk if o.qos == "premium" and o.error is None]
+    ttfts = [t * 1000.0 for t, _ in premium]
+    censored = sorted(t * 1000.0 for t, c in premium if c)
+    p99 = percentile(ttfts, 99)
+    total_window = sum(w for _, w, _ in chunks)
+    tokens = sum(1 for chunk, w, _ in chunks for o in chunk for t in o.token_times if t <= w)
+    offered = sum(MAX_TOKENS[o.qos] for chunk, w, _ in chunks for o in chunk)
+    completed = sum(1 for chunk, w, _ in chunks for o in chunk if o.end is not None and o.end <= w)
+    per_class = {}
+    for qos, _ in MIX:
+        mine = [o for o in outcomes if o.qos == qos]
+        first = [(o.first - o.sent) * 1000.0 for o in mine if o.first is not None]
+        per_class[qos] = {"sent": len(mine), "completed": sum(o.end is not None for o in mine),
+                          "ttft_p50_ms": _r(percentile(first, 50)), "ttft_p99_ms": _r(percentile(first, 99))}
+    return {"premium_ttft_ms": {"p50": _r(percentile(ttfts, 50)), "p90": _r(percentile(ttfts, 90)),
+                                "p99": _r(p99), "n": len(ttfts), "censored": len(censored),
+                                "p99_is_lower_bound": bool(censored and p99 is not None and p99 >= censored[0])},
+            "throughput_tokens_per_s": round(tokens / total_window, 2),
+            "offered_tokens_per_s": round(offered / total_window, 2),
+            "completed_in_window_per_s": round(completed / total_window, 3),
+            "errors": sum(o.error is not None for o in outcomes),
+            "error_examples": sorted({o.error for o in outcomes if o.error})[:5],
+            "per_class": per_class, "windows_s": [w for _, w, _ in chunks]}
+
+
+def _r(v: float | None) -> float | None:
+    return None if v is None else round(v, 1)
+
+
+# ---- deployment ----------------------------------------------------------------------------
+def lifted_tenants(folder: Path) -> Path:
+    """A copy of tenants.yaml without rate, token, concurrency or queue limits."""
+    data = yaml.safe_load((ROOT / "tenants.yaml").read_text())
+    limits = ("requests_per_minute", "tokens_per_minute", "max_concurrent_requests", "daily_token_budget")
+    data["defaults"].update({k: 10**9 for k in limits})
+    for tenant in data["tenants"].values():
+        for k in limits:
+            tenant.pop(k, None)
+    for spec in data["qos_classes"].values():
+        spec["max_queue"] = 100_000
+    path = folder / "tenants.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def deploy(mode: str, tenants: Path, replicas: int, step_tokens: int | None) -> None:
+    from ray import serve  # noqa: PLC0415
+
+    from kvharbor.platform.app import build_app  # noqa: PLC0415
+
+    config = {"replicas": replicas, "tenants": str(tenants), "scheduling": mode,
+              "directory_name": f"qos-bench-directory-{mode}"}
+    if step_tokens:
+        config["max_num_batched_tokens"] = step_tokens
+    app = build_app(config)
+    serve.run(app, name=f"qos-{mode}", route_prefix=f"/{mode}", blocking=False)
+
+
+async def warm_up(base: str, info, timeout_s: float = 300.0) -> float:
+    """Wait until the app answers, then send 8 document requests (fills caches). -> seconds."""
+    t0 = time.perf_counter()
+    probe = make_job("premium", 0.0, random.Random(0), info)
+    while True:
+        out = Outcome("premium", 0.0)
+        async with _client(base) as client:
+            await send(client, probe, time.perf_counter(), out)
+        if out.end is not None and out.error is None:
+            break
+        if time.perf_counter() - t0 > timeout_s:
+            raise RuntimeError(f"the app did not answer in {timeout_s:.0f} s: {out.error}")
+        await asyncio.sleep(2.0)
+    rng = random.Random(5)
+    jobs = [make_job(q, 0.0, rng, info) for q in ("standard", "batch") for _ in range(4)]
+    await open_loop(base, jobs, 120.0, 0.0)
+    return time.perf_counter() - t0
+
+
+def replica_stats(mode: str, calls: int = 8) -> dict:
+    """Preemptions and prefix hits per replica (best effort: ``stats`` through the router)."""
+    from ray import serve  # noqa: PLC0415
+
+    handle = serve.get_deployment_handle("LLMReplica", app_name=f"qos-{mode}")
+    seen: dict[str, dict] = {}
+    for _ in range(calls):
+        try:
+            s = handle.stats.remote().result(timeout_s=30)
+        except Exception as e:  # noqa: BLE001 - diagnostics only
+            return {"error": repr(e)}
+        seen[s["replica_id"]] = {k: s.get(k) for k in ("preemptions", "prompt_tokens", "prefix_hit_tokens")}
+    return seen
+
+
+# ---- orchestration -------------------------------------------------------------------------
+def base_url(mode: str) -> str:
+    return f"{BASE}/{mode}"
+
+
+def run_all(args, info, tenants: Path) -> tuple[dict, float, dict]:
+    """Deploy every mode side by side, warm up, (measure capacity), then run the phases ABBA.
+
+    Phase order per phase kind: modes, then modes reversed (priority, fcfs, fcfs, priority),
+    so a slow drift of the shared machine's load hits both modes alike. Pass ``k`` of a mode
+    uses arrival seed ``seed + k``: both modes see the same arrivals.
+    -> (stats by mode, offered rate, premium overload points by mode)
+    """
+    from ray import serve  # noqa: PLC0415
+
+    t0 = time.perf_counter()
+    for mode in args.modes:
+        deploy(mode, tenants, args.replicas, args.step_tokens)
+    stats = {m: {"ready_s": round(asyncio.run(warm_up(base_url(m), info)), 1)} for m in args.modes}
+    print(f"deployed and warmed up {args.modes} in {time.perf_counter() - t0:.0f} s", flush=True)
+    rate = args.rate
+    if rate is None:
+        capacity = asyncio.run(burst_capacity(base_url(args.modes[0]), args.burst, info))
+        stats[args.modes[0]]["capacity_req_per_s"] = round(capacity, 3)
+        rate = args.load * capacity
+        print(f"capacity {capacity:.2f} req/s -> offered rate {rate:.2f} req/s", flush=True)
+        time.sleep(3.0)                    # let the burst's stragglers drain
+    order = args.modes + args.modes[::-1]
+    chunks: dict = {m: {"idle": [], "overload": []} for m in args.modes}
+    for phase, window, only in (("idle", args.idle_s, "premium"), ("overload", args.window_s, None)):
+        for i, mode in enumerate(order):
+            jobs = poisson_jobs(rate, window, args.seed + i // len(args.modes), info, only)
+            outcomes, cutoff = asyncio.run(open_loop(base_url(mode), jobs, window, args.grace_s))
+            chunks[mode][phase].append((outcomes, window, cutoff))
+            print(f"  {phase:8} {mode:8} pass {i // len(args.modes)}: {len(jobs)} requests", flush=True)
+            time.sleep(2.0)
+    series = {}
+    for mode in args.modes:
+        stats[mode].update({p: phase_stats(chunks[mode][p]) for p in ("idle", "overload")})
+        stats[mode]["engine"] = replica_stats(mode)
+        series[mode] = [(round(o.sent, 3), round(o.ttft(cut)[0] * 1000.0, 1), o.first is None)
+                        for outcomes, _, cut in chunks[mode]["overload"]
+                        for o in outcomes if o.qos == "premium" and o.error is None]
+        serve.delete(f"qos-{mode}")
+    return stats, rate, series
+
+
+def verdict(modes: dict) -> dict:
+    """Ratios and goals (see the module docstring); None where a mode is missing."""
+    def p99(mode: str, phase: str) -> float | None:
+        return modes.get(mode, {}).get(phase, {}).get("premium_ttft_ms", {}).get("p99")
+
+    out = {}
+    for mode in modes:
+        idle, over = p99(mode, "idle"), p99(mode, "overload")
+        out[f"{mode}_premium_p99_vs_idle"] = round(over / idle, 2) if idle and over else None
+    pr, fc = modes.get("priority"), modes.get("fcfs")
+    if pr and fc and fc["overload"]["throughput_tokens_per_s"]:
+        out["throughput_priority_vs_fcfs"] = round(pr["overload"]["throughput_tokens_per_s"]
+                                                   / fc["overload"]["throughput_tokens_per_s"], 3)
+    for mode, res in modes.items():
+        over = res["overload"]
+        out[f"{mode}_saturated"] = over["throughput_tokens_per_s"] < 0.9 * over["offered_tokens_per_s"]
+    ratio = out.get("priority_premium_p99_vs_idle")
+    tp = out.get("throughput_priority_vs_fcfs")
+    valid = all(out.get(f"{m}_saturated") for m in modes)
+    out["goal_premium_p99_le_1_5x_idle"] = None if ratio is None or not valid else ratio <= 1.5
+    out["goal_throughput_ge_0_95x_fcfs"] = None if tp is None or not valid else tp >= 0.95
+    if not valid:
+        out["note"] = ("overload phase not saturated (delivered >= 90 % of offered tokens): capacity was "
+                       "underestimated, e.g. the shared machine was busier during the capacity burst; "
+                       "goals not evaluated, run again or pass --rate")
+    return out
+
+
+def table(modes: dict, ver: dict, rate: float) -> str:
+    rows = [f"offered load {rate:.2f} req/s (20 % premium)",
+            f"{'mode':9} {'phase':9} {'prem p50':>9} {'prem p90':>9} {'prem p99':>9} {'n':>4} {'cens':>5} "
+            f"{'tok/s':>8} {'offered':>8} {'req/s':>6} {'errors':>6}"]
+    for mode, res in modes.items():
+        for phase in ("idle", "overload"):
+            s = res[phase]
+            t = s["premium_ttft_ms"]
+            bound = ">=" if t["p99_is_lower_bound"] else ""
+            rows.append(f"{mode:9} {phase:9} {t['p50']!s:>9} {t['p90']!s:>9} {bound + str(t['p99']):>9} "
+                        f"{t['n']:>4} {t['censored']:>5} {s['throughput_tokens_per_s']:>8} "
+                        f"{s['offered_tokens_per_s']:>8} {s['completed_in_window_per_s']:>6} {s['errors']:>6}")
+    rows += [f"{k}: {v}" for k, v in ver.items()]
+    return "\n".join(rows)
+
+
+def plot(modes: dict, series: dict, path: Path) -> None:
+    """Premium TTFT by arrival time (overload) per mode, and p99 bars; series: (sent_s, ttft_ms, censored)."""
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [2, 1]})
+    colors = {"priority": "tab:red", "fcfs": "tab:blue"}
+    for mode, pts in series.items():
+        c = colors.get(mode)
+        ax.scatter([p[0] for p in pts if not p[2]], [p[1] for p in pts if not p[2]], s=12, color=c,
+                   label=f"{mode}: premium TTFT at 2x load")
+        ax.scatter([p[0] for p in pts if p[2]], [p[1] for p in pts if p[2]], s=20, marker="^", color=c,
+                   label=f"{mode}: no token by cutoff (lower bound)")
+        idle = modes[mode]["idle"]["premium_ttft_ms"]["p99"]
+        if idle:
+            ax.axhline(idle * 1.5, color=c, linestyle=":", label=f"{mode}: 1.5x idle p99")
+    ax.set_yscale("log")
+    ax.set_xlabel("arrival time in overload window (s)")
+    ax.set_ylabel("premium TTFT (ms)")
+    ax.legend(fontsize=7)
+    names = [f"{m}\n{p}" for m in modes for p in ("idle", "overload")]
+    vals = [modes[m][p]["premium_ttft_ms"]["p99"] or 0 for m in modes for p in ("idle", "overload")]
+    ax2.bar(names, vals, color=[colors.get(m) for m in modes for _ in (0, 1)])
+    ax2.set_yscale("log")
+    ax2.set_ylabel("premium p99 TTFT (ms)")
+    ax2.set_title("p99 TTFT: idle vs 2x capacity", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="premium TTFT at 2x capacity: priority vs FCFS")
+    p.add_argument("--quick", action="store_true", help="shorter phases (noisier)")
+    p.add_argument("--rate", type=float, default=None, help="offered req/s (skips the capacity measurement)")
+    p.add_argument("--load", type=float, default=2.0, help="offered load as a multiple of capacity")
+    p.add_argument("--modes", default="priority,fcfs", help="comma-separated scheduling modes")
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--step-tokens", type=int, default=None,
+                   help="max_num_batched_tokens per engine step (default: the platform default)")
+    p.add_argument("--burst", type=int, default=24, help="requests in the capacity burst")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    args.idle_s, args.window_s, args.grace_s = (10, 20, 6) if args.quick else (30, 35, 10)
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.environ.pop("RAY_ADDRESS", None)
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray  # noqa: PLC0415
+    from ray import serve  # noqa: PLC0415
+
+    started = time.time()
+    info = workload.read_tenants(ROOT / "tenants.yaml")
+    ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", namespace="serve", num_cpus=8,
+             log_to_driver=False)
+    modes, series, rate = {}, {}, args.rate
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+        with tempfile.TemporaryDirectory() as tmp:
+            modes, rate, series = run_all(args, info, lifted_tenants(Path(tmp)))
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    ver = verdict(modes)
+    print(table(modes, ver, rate))
+    RESULTS.mkdir(exist_ok=True)
+    report = {"benchmark": "qos", "args": {k: v for k, v in vars(args).items()}, "offered_req_per_s": round(rate, 3),
+              "modes": modes, "verdict": ver, "premium_overload_series": series, "runtime_s": round(time.time() - started, 1),
+              "machine": f"{os.cpu_count()} CPUs, shared with other workloads; load average at end "
+                         f"{os.getloadavg()[0]:.1f}"}
+    stem = "qos" if args.step_tokens is None else f"qos_step{args.step_tokens}"
+    (RESULTS / f"{stem}.json").write_text(json.dumps(report, indent=1))
+    plot(modes, series, RESULTS / f"{stem}.png")
+    print(f"wrote {RESULTS / stem}.json and .png in {report['runtime_s']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
