@@ -61,7 +61,8 @@ DEMO = {"premium": "kvh-demo-premium", "standard": "kvh-demo-standard",
 
 
 TEST_KEYS = {"limited": "kvh-test-limited", "restricted": "kvh-test-restricted",
-             "expired": "kvh-test-expired", "private2": "kvh-test-private2"}
+             "expired": "kvh-test-expired", "private2": "kvh-test-private2",
+             "capped": "kvh-test-capped"}
 
 
 def add_test_tenants(path) -> None:
@@ -78,6 +79,8 @@ def add_test_tenants(path) -> None:
                              "allowed_models": ["some/other-model"]}
     tenants["expired"] = {"qos": "batch", "keys": [{"hash": hash_key(TEST_KEYS["expired"]),
                                                     "expires": "2020-01-01T00:00:00Z"}]}
+    tenants["capped"] = {"qos": "standard", "keys": [{"hash": hash_key(TEST_KEYS["capped"])}],
+                         "max_tokens_per_request": 32}
     tenants["private2"] = {"qos": "standard", "keys": [{"hash": hash_key(TEST_KEYS["private2"])}],
                            "cache_scope": "private"}
     path.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -104,12 +107,11 @@ class RunningApp:
 
     def replica_ids(self) -> list[str]:
         """Unique ids of the running LLMReplica replicas (as the router and directory use them)."""
-        from ray.util.state import list_actors
+        import ray
 
         prefix = "SERVE_REPLICA::kvharbor#LLMReplica#"
-        return sorted(a["name"][len(prefix):] for a in
-                      list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
-                      if (a.get("name") or "").startswith(prefix))
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+        return sorted(n[len(prefix):] for n in names if n.startswith(prefix))
 
     def replica_call(self, method: str, timeout: float = 60.0) -> dict:
         """``{replica_id: result}`` of ``LLMReplica.<method>()`` on every replica.
@@ -119,25 +121,6 @@ class RunningApp:
         handle = self.replica_handle()
         return {rid: getattr(handle, method).remote(replica_id=rid).result(timeout_s=timeout)
                 for rid in self.replica_ids()}
-
-    def replica_actors(self) -> list:
-        """(replica id, proxy) pairs; ``proxy.stats.remote()`` etc. return ObjectRefs."""
-        handle = self.replica_handle()
-
-        class _Proxy:
-            def __init__(self, rid):
-                self.rid = rid
-
-            def __getattr__(self, method):
-                class _Method:
-                    @staticmethod
-                    def remote(*args, **kwargs):
-                        return getattr(handle, method).remote(
-                            *args, replica_id=self_rid, **kwargs)._to_object_ref_sync()
-                self_rid = self.rid
-                return _Method
-
-        return [(rid, _Proxy(rid)) for rid in self.replica_ids()]
 
     def directory(self):
         import ray

@@ -1,9 +1,18 @@
 """Gateway: the OpenAI-compatible HTTP ingress. Everything that depends on the tenant.
 
-Per request: API key -> tenant (401) -> model check (404/403) -> tokenize and length checks
-(400) -> admission: rate limits, budgets, concurrency, class queue (429) -> block hashes
-salted by the tenant's cache scope -> ``LLMReplica.generate`` through the KV-aware router ->
-JSON or SSE back, with ``usage.prompt_tokens_details.cached_tokens``.
+Per request: body size (413, before parsing) -> API key -> tenant (401) -> model check
+(404/403) -> tokenize and length checks (400) -> class queue (429) -> admission: rate limits,
+budgets, concurrency (429) -> block hashes salted by the tenant's cache scope ->
+``LLMReplica.generate`` through the KV-aware router -> JSON or SSE back, with
+``usage.prompt_tokens_details.cached_tokens``.
+
+Every error, including malformed JSON, invalid UTF-8, unknown routes and internal failures,
+is an OpenAI-shaped JSON body (``openai_protocol.ErrorResponse``), never a stack trace; the
+OpenAPI schema (``/openapi.json``) declares each route's error statuses with that body.
+
+Class queue (load shedding, ``platform.class_queue``): a request of class C is refused
+(429, ``queue_full``, Retry-After) when ``max_queue`` requests of C or higher-priority classes
+are in flight across all gateway replicas, so lower classes shed first under overload.
 """
 
 
@@ -13,15 +22,20 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvharbor.engine.hashing import hash_prompt_blocks
 from kvharbor.engine.models import load_tokenizer, model_context_length
 from kvharbor.observability.metrics import get_metrics
+from kvharbor.platform.body_limit import BodyLimitMiddleware
+from kvharbor.platform.class_queue import get_or_create_class_queue
 from kvharbor.platform.generation import GenerationRun, sse
-from kvharbor.platform.openai_protocol import (APIError, ChatRequest, CompletionRequest,
-                                               error_response)
+from kvharbor.platform.openai_protocol import (APIError, ChatRequest, ChatResponse,
+                                               CompletionRequest, CompletionResponse, ModelList,
+                                               error_response, error_responses)
 from kvharbor.platform.protocol import GenerateRequest
 from kvharbor.tenants import ActorAdmission, TenantError, TenantRegistry, get_or_create_admission_actor
 
@@ -29,19 +43,53 @@ logger = logging.getLogger("kvharbor.gateway")
 
 api = FastAPI(title="kvharbor", version="0.1.0",
               description="OpenAI-compatible, tenant-aware LLM serving on Ray Serve.")
+api.add_middleware(BodyLimitMiddleware)
+
+SSE = {"text/event-stream": {"schema": {
+    "type": "object", "required": ["data"], "description": "with `stream: true`: one event per chunk",
+    "properties": {"data": {"type": "string", "description": "a JSON chunk, or `[DONE]` last"}}}}}
+GENERATE_ERRORS = error_responses(400, 401, 403, 404, 413, 429, 500, 503)
 
 
 @api.exception_handler(RequestValidationError)
 async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
     first = errors[0] if errors else {}
-    where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-    message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid request")
     if first.get("type") == "json_invalid":
-        message = "request body is not valid JSON (UTF-8 encoded)"
-    elif tuple(first.get("loc", ())) == ("body",):
-        message = "request body must be a JSON object (UTF-8 encoded) with the fields of this route"
-    return error_response(400, message, param=where or None)
+        return error_response(400, "request body is not valid JSON: send a JSON object encoded as UTF-8")
+    where = _field_path(first.get("loc", ()))
+    if not where:
+        return error_response(400, "request body must be a JSON object (UTF-8 encoded) with the "
+                                   "fields of this route")
+    # a union field (``prompt: str | list[int]``) fails once per alternative: name them all
+    field = where.split(".")[0]
+    reasons = [f"{path}: {e.get('msg', 'invalid').removeprefix('Value error, ')}" for e in errors
+               if (path := _field_path(e.get("loc", ()))).split(".")[0] == field]
+    return error_response(400, " or ".join(dict.fromkeys(reasons)), param=where)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "json-or-python"}
+
+
+def _field_path(loc) -> str:
+    """``("body", "prompt", "function-after[...]", 0)`` -> ``"prompt.0"`` (no union member tags)."""
+    parts = [str(p) for p in loc[1:] if isinstance(p, int) or
+             (p not in _TYPE_TAGS and "[" not in str(p) and "-" not in str(p))]
+    return ".".join(parts)
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Errors raised by the framework itself: unknown route, wrong method, unparsable body."""
+    message = str(exc.detail)
+    if exc.status_code == 400 and message == "There was an error parsing the body":
+        message = "request body could not be parsed: send a JSON object encoded as UTF-8"
+    elif exc.status_code == 404:
+        message = f"no route {request.url.path!r}; see /openapi.json for the API"
+    elif exc.status_code == 405:
+        message = f"method {request.method} is not allowed on {request.url.path!r}"
+    code = "request_too_large" if exc.status_code == 413 else None
+    return error_response(exc.status_code, message, code, headers=exc.headers)
 
 
 @api.exception_handler(APIError)
@@ -58,6 +106,43 @@ async def _tenant_error(request: Request, exc: TenantError) -> JSONResponse:
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     logger.exception("unexpected error on %s", request.url.path)
     return error_response(500, "internal error; the request was not completed", "server_error")
+
+
+def _openapi() -> dict:
+    """The schema without FastAPI's 422 entries: validation errors are answered with 400."""
+    if api.openapi_schema is None:
+        schema = get_openapi(title=api.title, version=api.version, description=api.description,
+                             routes=api.routes)
+        for path in schema.get("paths", {}).values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        api.openapi_schema = schema
+    return api.openapi_schema
+
+
+api.openapi = _openapi
+
+
+class RunStream(StreamingResponse):
+    """SSE response that always settles its ``GenerationRun``.
+
+    If the client goes away, even before the first chunk was produced, the replica call is
+    cancelled (the engine aborts the request and frees its blocks) and the run's accounting
+    (metrics, admission ticket, class queue) is released exactly once.
+    """
+
+    def __init__(self, run: GenerationRun, chunks) -> None:
+        super().__init__(chunks, media_type="text/event-stream")
+        self.run = run
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.run.cancel()
+            await self.run.finish()
 
 
 def _bearer(request: Request) -> str | None:
@@ -78,9 +163,10 @@ class Gateway:
         self.context = min(config.get("max_model_len") or 10**9, model_context_length(self.model))
         self.block_size = config["block_size"]
         self.max_body_bytes = config["max_body_bytes"]
+        api.state.max_body_bytes = self.max_body_bytes          # read by BodyLimitMiddleware
         self.admission = ActorAdmission(get_or_create_admission_actor())
         self.metrics = get_metrics()
-        self.in_flight: dict[str, int] = {}
+        self.class_queue = get_or_create_class_queue()
         self._watcher: asyncio.Task | None = None
         demo = self.registry.active_demo_keys()
         if demo:
@@ -94,10 +180,6 @@ class Gateway:
 
     def _authenticate(self, request: Request):
         self._start_watcher()
-        length = int(request.headers.get("content-length") or 0)
-        if length > self.max_body_bytes:
-            raise APIError(413, f"request body is {length} bytes; the limit is {self.max_body_bytes}",
-                           "request_too_large")
         return self.registry.authenticate(_bearer(request))
 
     def _check_model(self, principal, model: str) -> None:
@@ -109,15 +191,17 @@ class Gateway:
     # ---- routes --------------------------------------------------------------------------
     @api.get("/healthz")
     async def healthz(self) -> dict:
+        self._start_watcher()                # tenants.yaml reloads even before the first call
         return {"status": "ok", "model": self.model, "tenants_version": self.registry.version}
 
-    @api.get("/v1/models")
+    @api.get("/v1/models", response_model=ModelList, responses=error_responses(401))
     async def models(self, request: Request) -> dict:
         self._authenticate(request)
         return {"object": "list", "data": [{"id": self.model, "object": "model", "created": 0,
                                             "owned_by": "kvharbor", "max_model_len": self.context}]}
 
-    @api.post("/v1/completions")
+    @api.post("/v1/completions", response_model=CompletionResponse,
+              responses={200: {"content": SSE}, **GENERATE_ERRORS})
     async def completions(self, body: CompletionRequest, request: Request):
         principal = self._authenticate(request)
         self._check_model(principal, body.model)
@@ -130,7 +214,8 @@ class Gateway:
                 raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
         return await self._serve(principal, body, ids, chat=False, request=request)
 
-    @api.post("/v1/chat/completions")
+    @api.post("/v1/chat/completions", response_model=ChatResponse,
+              responses={200: {"content": SSE}, **GENERATE_ERRORS})
     async def chat_completions(self, body: ChatRequest, request: Request):
         principal = self._authenticate(request)
         self._check_model(principal, body.model)
@@ -139,7 +224,7 @@ class Gateway:
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         return await self._serve(principal, body, ids, chat=True, request=request)
 
-    @api.get("/admin/tenants")
+    @api.get("/admin/tenants", responses=error_responses(401))
     async def admin_tenants(self, request: Request) -> dict:
         self._start_watcher()
         key = _bearer(request)
@@ -152,26 +237,28 @@ class Gateway:
         own = self.registry.describe(principal.tenant)[principal.tenant]
         return {"tenants": {principal.tenant: {**own, "usage": await self.admission.usage(principal.tenant)}}}
 
-    @api.get("/admin/tenants/status")
+    @api.get("/admin/tenants/status", responses=error_responses(401, 403))
     async def admin_status(self, request: Request) -> dict:
         self._start_watcher()
         key = _bearer(request)
         if not self.registry.is_admin(key):
             self.registry.authenticate(key)          # 401 for bad keys first
             raise APIError(403, "this route needs an admin key", "permission_denied")
-        return {**self.registry.status(), "demo_keys_active": self.registry.active_demo_keys()}
+        return {**self.registry.status(), "demo_keys_active": self.registry.active_demo_keys(),
+                "in_flight_by_qos": await self.class_queue.snapshot.remote()}
 
     # ---- generation ----------------------------------------------------------------------
     async def _serve(self, principal, body, ids: list[int], chat: bool, request: Request):
         tenant, qos = principal.tenant, principal.qos_name
         max_tokens = self._max_tokens(body, ids, chat, principal)
-        queue_limit = principal.qos.max_queue
-        if self.in_flight.get(qos, 0) >= queue_limit:
-            self.metrics.rate_limited(tenant, "queue_full")
-            raise APIError(429, f"QoS class {qos!r} has {queue_limit} requests queued (max_queue); "
-                           "retry later", "queue_full", headers={"Retry-After": "1"})
-        admission = await self.admission.try_admit(tenant, principal.limits, len(ids), max_tokens)
+        await self._enter_queue(principal)
+        try:
+            admission = await self.admission.try_admit(tenant, principal.limits, len(ids), max_tokens)
+        except BaseException:
+            self.request_done(qos)
+            raise
         if not admission.ok:
+            self.request_done(qos)
             if admission.status == 429:
                 self.metrics.rate_limited(tenant, admission.limit or "other")
             headers = {"Retry-After": str(max(1, round(admission.retry_after_s or 1)))} \
@@ -186,11 +273,22 @@ class Gateway:
                       "ignore_eos": body.ignore_eos},
             cache_salt=principal.cache_salt, priority=principal.qos.priority, pinned=principal.qos.pinned)
         run = GenerationRun(self, gen_request, principal, admission.ticket, chat, body.model)
-        self.in_flight[qos] = self.in_flight.get(qos, 0) + 1
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(sse(run.stream_chunks(include_usage)), media_type="text/event-stream")
+            return RunStream(run, sse(run.stream_chunks(include_usage)))
         return JSONResponse(await run.complete())
+
+    async def _enter_queue(self, principal) -> None:
+        """429 when ``max_queue`` requests of this class or higher ones are in flight."""
+        classes = self.registry.config.qos_classes
+        priorities = {name: q.priority for name, q in classes.items()}
+        limit = principal.qos.max_queue
+        ahead = await self.class_queue.enter.remote(principal.qos_name, priorities, limit)
+        if ahead is not None:
+            self.metrics.rate_limited(principal.tenant, "queue_full")
+            raise APIError(429, f"the queue of QoS class {principal.qos_name!r} is full: {ahead} "
+                           f"requests of this or higher classes are in flight (max_queue {limit}); "
+                           "retry later", "queue_full", headers={"Retry-After": "1"})
 
     def _max_tokens(self, body, ids: list[int], chat: bool, principal) -> int:
         room = self.context - len(ids)
@@ -211,7 +309,8 @@ class Gateway:
         return body.max_tokens
 
     def request_done(self, qos: str) -> None:
-        self.in_flight[qos] = max(0, self.in_flight.get(qos, 0) - 1)
+        """The request left the class queue (called exactly once per admitted request)."""
+        self.class_queue.leave.remote(qos)
 
 
 __all__ = ["Gateway", "api"]

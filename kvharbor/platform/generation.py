@@ -1,7 +1,10 @@
 """One generation as the gateway runs it: replica call with retry, metrics, OpenAI shapes.
 
-Retry rule: a request whose replica fails *before the first token* is sent again (to another
-replica, when there is one); once tokens have streamed, the stream ends with an error event.
+Retry rule: a request whose replica fails *before the first token* (the actor died, or its
+engine answered with a 5xx error event) is sent again, to another replica when there is one;
+once tokens have streamed, the stream ends with an OpenAI-shaped error event and ``[DONE]``
+(a non-streaming request gets 503 with Retry-After). When the client goes away the replica
+call is cancelled, which aborts the request in the engine and frees its blocks.
 Every request ends in exactly one status: ok, error, aborted (client went away) or
 replica_failed, counted in ``kvharbor_requests``.
 """
@@ -16,12 +19,18 @@ from collections.abc import AsyncIterator
 
 from ray.exceptions import RayActorError, RayTaskError
 
-from kvharbor.platform.openai_protocol import APIError
+from kvharbor.platform.openai_protocol import APIError, error_type
 
 logger = logging.getLogger("kvharbor.gateway")
 
 MAX_ATTEMPTS = 3
-REPLICA_ERRORS = (RayActorError, RayTaskError, ConnectionError)
+
+
+class ReplicaFailed(Exception):
+    """The replica answered with an internal error event (its engine failed)."""
+
+
+REPLICA_ERRORS = (RayActorError, RayTaskError, ConnectionError, ReplicaFailed)
 
 
 async def sse(chunks: AsyncIterator[dict | str]) -> AsyncIterator[str]:
@@ -44,24 +53,29 @@ class GenerationRun:
         self.cached_tokens = 0
         self.replica_id: str | None = None
         self.status = "aborted"
+        self._stream = None               # the replica call in progress (None: none running)
+        self._finished = False
 
     # ---- replica events --------------------------------------------------------------------
     async def events(self) -> AsyncIterator[dict]:
         """Token events from a replica, retried on replica failure before the first token."""
+        started = False
         for attempt in range(1, MAX_ATTEMPTS + 1):
-            started = done = False
-            stream = self.gw.llm.options(stream=True).generate.remote(self.req)
+            self._stream = self.gw.llm.options(stream=True).generate.remote(self.req)
             try:
-                async for event in stream:
+                async for event in self._stream:
                     if "error" in event:
-                        raise APIError(event.get("status", 500), event["error"])
+                        status = int(event.get("status", 500))
+                        if status >= 500:
+                            raise ReplicaFailed(event["error"])
+                        raise APIError(status, event["error"])
                     started = True
                     self._observe(event)
                     yield event
-                done = True
+                self._stream = None
                 return
             except REPLICA_ERRORS as e:
-                done = True
+                self._stream = None
                 if started or attempt == MAX_ATTEMPTS:
                     self.status = "replica_failed"
                     raise APIError(503, f"the replica serving this request failed ({type(e).__name__}); "
@@ -69,8 +83,13 @@ class GenerationRun:
                 logger.warning("replica failed before the first token (attempt %d): %r", attempt, e)
                 await asyncio.sleep(0.2 * attempt)
             finally:
-                if not done:              # the client went away: abort on the replica
-                    stream.cancel()
+                self.cancel()             # the client went away (or an error event): abort
+
+    def cancel(self) -> None:
+        """Abort the request on its replica if it is still running there (idempotent)."""
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.cancel()
 
     def _observe(self, event: dict) -> None:
         now = time.perf_counter()
@@ -89,7 +108,10 @@ class GenerationRun:
         self.replica_id = event.get("replica_id", self.replica_id)
 
     async def finish(self) -> None:
-        """Record metrics and release the admission ticket (exactly once)."""
+        """Record metrics and release the admission ticket; later calls do nothing."""
+        if self._finished:
+            return
+        self._finished = True
         m, tenant, qos = self.gw.metrics, self.req.tenant, self.req.qos
         prompt = len(self.req.prompt_token_ids)
         m.request_finished(tenant, qos, self.status)
@@ -160,7 +182,8 @@ class GenerationRun:
                 yield {**self._envelope([], chunk=True), "usage": self.usage()}
         except APIError as e:
             self.status = "error" if self.status == "aborted" else self.status
-            yield {"error": {"message": e.message, "type": "server_error", "code": e.code}}
+            yield {"error": {"message": e.message, "type": error_type(e.status), "param": e.param,
+                             "code": e.code}}
         finally:
             await self.finish()
         yield "[DONE]"

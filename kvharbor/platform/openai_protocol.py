@@ -8,15 +8,29 @@ content parts) so that no client input can reach the engine loop and fail it the
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 MAX_STOP_STRINGS = 8
 MAX_STOP_CHARS = 256
 GREEDY_BELOW = 1e-5
 """Temperatures below this are treated as 0 (greedy): dividing logits by them overflows."""
+
+
+def _encodable(text: str) -> str:
+    """Reject lone surrogates (JSON may carry ``"\\ud800"``): they cannot be tokenized."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"text must be valid Unicode; there is a lone surrogate at character "
+                         f"{e.start}") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_encodable)]
+"""A string that encodes to UTF-8 (every string the gateway tokenizes or echoes)."""
 
 
 class StreamOptions(BaseModel):
@@ -25,7 +39,7 @@ class StreamOptions(BaseModel):
 
 class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    model: str = Field(description="Model id, as listed by /v1/models.")
+    model: Text = Field(description="Model id, as listed by /v1/models.")
     max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate (>= 1). Default 16 (completions) or the rest of the context (chat), capped by the tenant's max_tokens_per_request.")
     temperature: float = Field(1.0, ge=0.0, le=2.0, description=f"Sampling temperature in [0, 2]; 0 (or below {GREEDY_BELOW}) is greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass in (0, 1].")
@@ -33,7 +47,7 @@ class _Common(BaseModel):
     n: int = Field(1, ge=1, le=1, description="Only 1 is supported.")
     stream: bool = Field(False, description="Stream Server-Sent Events ending in `data: [DONE]`.")
     stream_options: StreamOptions | None = Field(None, description="Streaming options.")
-    stop: str | list[str] | None = Field(None, description=f"Stop strings (up to {MAX_STOP_STRINGS}, each up to {MAX_STOP_CHARS} characters).")
+    stop: Text | list[Text] | None = Field(None, description=f"Stop strings (up to {MAX_STOP_STRINGS}, each up to {MAX_STOP_CHARS} characters).")
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1, description="Seed for reproducible sampling (a signed 64-bit integer).")
     ignore_eos: bool = Field(False, description="Keep generating after the end-of-sequence token.")
     user: str | None = Field(None, description="End-user id (ignored).")
@@ -60,19 +74,19 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] = Field(description="Text, or a list of token ids (each in [0, vocabulary size)).")
+    prompt: Text | list[int] = Field(description="Text, or a list of token ids (each in [0, vocabulary size)).")
 
 
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: Literal["text"] = Field(description="Only text parts are supported.")
-    text: str = Field(description="The text of this part.")
+    text: Text = Field(description="The text of this part.")
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "tool", "developer"] = Field(description="Author role.")
-    content: str | list[TextPart] = Field(description="Text, or a list of {type: text, text} parts.")
+    content: Text | list[TextPart] = Field(description="Text, or a list of {type: text, text} parts.")
 
     def text(self) -> str:
         if isinstance(self.content, str):

@@ -61,8 +61,10 @@ def test_rate_limit_holds_across_two_gateway_replicas(kvharbor_app):
 
 
 def test_max_tokens_per_request_is_400(kvharbor_app):
-    r = _post(kvharbor_app, DEMO["standard"], max_tokens=4090)   # default cap is 4096... context 4096
+    r = _post(kvharbor_app, TEST_KEYS["capped"], max_tokens=100)     # its cap is 32
     assert r.status_code == 400
+    assert "32" in r.json()["error"]["message"]
+    assert _post(kvharbor_app, TEST_KEYS["capped"], max_tokens=32).status_code == 200
 
 
 def test_hot_reload_under_traffic_fails_nothing(kvharbor_app):

@@ -1,0 +1,134 @@
+"""Helpers for the reliability tests (all run against the session's ``kvharbor_app``)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import random
+import time
+
+import httpx
+
+from tests.conftest import DEMO
+
+
+def rand_text(n: int, seed: int) -> str:
+    """``n`` lowercase letters (the builtin byte-level tokenizer: 1 letter = 1 token)."""
+    rng = random.Random(seed)
+    return "".join(chr(rng.randrange(97, 123)) for _ in range(n))
+
+
+def assert_openai_error(r: httpx.Response, status: int, code: str | None = None,
+                        mentions: tuple[str, ...] = ()) -> dict:
+    """``r`` is an OpenAI-shaped JSON error with this status; its message names ``mentions``."""
+    assert r.status_code == status, (r.status_code, r.text[:500] if r.is_closed else "(a stream)")
+    assert r.headers["content-type"].startswith("application/json"), r.headers
+    body = r.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert {"message", "type", "code", "param"} <= set(err), err
+    assert isinstance(err["message"], str) and err["message"], err
+    assert "Traceback" not in r.text and 'File "' not in r.text
+    if code is not None:
+        assert err["code"] == code, err
+    for word in mentions:
+        assert word in err["message"], (word, err["message"])
+    return err
+
+
+def tenants_version(app) -> int:
+    return httpx.get(app.base_url + "/healthz", timeout=10).json()["tenants_version"]
+
+
+def _wait_version(app, above: int, timeout_s: float = 15.0) -> int:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        version = tenants_version(app)
+        if version > above:
+            return version
+        time.sleep(0.2)
+    raise AssertionError(f"the gateway did not reload the tenants file within {timeout_s} s")
+
+
+@contextlib.contextmanager
+def edited_tenants(app, mutate):
+    """Apply ``mutate(doc)`` to the session's tenants file; restore the original at exit.
+
+    Waits until the gateway has reloaded it (``/healthz`` tenants_version), both ways.
+    Replicas reload the same file within about a second.
+    """
+    from ruamel.yaml import YAML
+
+    path = app.tenants_path
+    original = path.read_text(encoding="utf-8")
+    yaml = YAML()
+    doc = yaml.load(original)
+    mutate(doc)
+    out = io.StringIO()
+    yaml.dump(doc, out)
+    before = tenants_version(app)
+    try:
+        path.write_text(out.getvalue(), encoding="utf-8")
+        _wait_version(app, before)
+        time.sleep(1.2)                      # replicas poll the file every second
+        yield
+    finally:
+        now = tenants_version(app)
+        path.write_text(original, encoding="utf-8")
+        _wait_version(app, now)
+        time.sleep(1.2)
+
+
+REPLICA_PREFIX = "SERVE_REPLICA::kvharbor#LLMReplica#"
+
+
+def replica_ids() -> list[str]:
+    """Unique ids of the live LLMReplica replicas, from Ray's named actors.
+
+    (Not ``ray.util.state.list_actors``: it finds the cluster by scanning the host and fails
+    when other Ray clusters run beside this one.)
+    """
+    import ray
+
+    return sorted(a["name"][len(REPLICA_PREFIX):] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["namespace"] == "serve" and a["name"].startswith(REPLICA_PREFIX))
+
+
+def replica_call(app, method: str, timeout_s: float = 60.0) -> dict[str, dict]:
+    """``{replica id: LLMReplica.<method>(replica_id=id)}`` for every live replica.
+
+    The KV-aware router sends a call that names ``replica_id`` to that replica; a result
+    from another replica (the named one just died) is an error.
+    """
+    handle = app.replica_handle()
+    out = {}
+    for rid in replica_ids():
+        result = getattr(handle, method).remote(replica_id=rid).result(timeout_s=timeout_s)
+        assert result["replica_id"] == rid, (rid, result["replica_id"])
+        out[rid] = result
+    return out
+
+
+def replica_stats(app) -> list[dict]:
+    return list(replica_call(app, "stats").values())
+
+
+def wait_idle(app, timeout_s: float = 30.0) -> list[dict]:
+    """Poll until no replica runs or queues a request; returns each replica's stats."""
+    deadline = time.time() + timeout_s
+    stats = []
+    while time.time() < deadline:
+        stats = replica_stats(app)
+        if stats and all(s["num_running"] == 0 and s["num_waiting"] == 0 for s in stats):
+            return stats
+        time.sleep(0.2)
+    raise AssertionError(f"replicas still busy after {timeout_s} s: "
+                         f"{[(s['num_running'], s['num_waiting']) for s in stats]}")
+
+
+def complete(client: httpx.Client, model: str, prompt: str, **kw) -> httpx.Response:
+    return client.post("/v1/completions", json={"model": model, "prompt": prompt, **kw})
+
+
+__all__ = ["DEMO", "assert_openai_error", "complete", "edited_tenants", "rand_text", "replica_call",
+           "replica_ids", "replica_stats", "tenants_version", "wait_idle"]

@@ -1,0 +1,176 @@
+"""Bad input gets an OpenAI-shaped JSON error that says what to fix, never a stack trace."""
+
+from __future__ import annotations
+
+import socket
+
+import httpx
+import pytest
+
+from tests.reliability.helpers import DEMO, assert_openai_error, complete
+
+
+@pytest.fixture(scope="module")
+def client(kvharbor_app):
+    with kvharbor_app.client(DEMO["standard"]) as c:
+        yield c
+
+
+def test_prompt_longer_than_the_context_is_400_with_the_numbers(client, kvharbor_app):
+    r = complete(client, kvharbor_app.model, "a" * 5000, max_tokens=1)
+    assert_openai_error(r, 400, "context_length_exceeded", ("5000", "4096", "shorten the prompt"))
+
+
+@pytest.mark.parametrize("max_tokens", [0, -3])
+def test_max_tokens_below_one_is_400(client, kvharbor_app, max_tokens):
+    r = complete(client, kvharbor_app.model, "hi", max_tokens=max_tokens)
+    err = assert_openai_error(r, 400, mentions=("max_tokens",))
+    assert err["param"] == "max_tokens"
+
+
+def test_max_tokens_beyond_the_context_names_the_largest_allowed(client, kvharbor_app):
+    r = complete(client, kvharbor_app.model, "abcd", max_tokens=4095)
+    assert_openai_error(r, 400, "context_length_exceeded", ("4095", "4096", "at most 4092"))
+
+
+@pytest.mark.parametrize("field,value", [
+    ("max_tokens", "ten"), ("temperature", "hot"), ("stream", "sometimes"), ("prompt", 42),
+    ("prompt", [1, "two"]), ("stop", 7), ("seed", 2**70), ("n", 2),
+])
+def test_wrong_types_and_values_are_400_naming_the_field(client, kvharbor_app, field, value):
+    body = {"model": kvharbor_app.model, "prompt": "hi", field: value}
+    err = assert_openai_error(client.post("/v1/completions", json=body), 400, mentions=(field,))
+    assert err["param"].split(".")[0] == field
+
+
+@pytest.mark.parametrize("field,value", [("temperature", -0.1), ("temperature", 2.5),
+                                         ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1)])
+def test_sampling_parameters_out_of_range_are_400(client, kvharbor_app, field, value):
+    r = complete(client, kvharbor_app.model, "hi", **{field: value})
+    assert_openai_error(r, 400, mentions=(field,))
+
+
+def test_tiny_temperature_is_greedy_not_a_crash(client, kvharbor_app):
+    """1e-300 would overflow the logits (NaN probabilities) if the engine divided by it."""
+    kw = dict(max_tokens=4, ignore_eos=True)
+    tiny = complete(client, kvharbor_app.model, "greedy?", temperature=1e-300, **kw)
+    greedy = complete(client, kvharbor_app.model, "greedy?", temperature=0, **kw)
+    assert tiny.status_code == greedy.status_code == 200, tiny.text
+    assert tiny.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
+
+
+def test_too_many_stop_strings_is_400(client, kvharbor_app):
+    r = complete(client, kvharbor_app.model, "hi", stop=[str(i) for i in range(9)])
+    assert_openai_error(r, 400, mentions=("stop", "at most 8"))
+
+
+def test_token_ids_outside_the_vocabulary_are_400(client, kvharbor_app):
+    r = complete(client, kvharbor_app.model, [1, 2, 10**6])
+    assert_openai_error(r, 400, mentions=("prompt", "[0, "))
+
+
+def test_empty_prompt_is_400(client, kvharbor_app):
+    r = complete(client, kvharbor_app.model, [])
+    assert_openai_error(r, 400, mentions=("prompt",))
+
+
+@pytest.mark.parametrize("messages,mentions", [
+    ([], ("messages", "at least 1")),
+    ([{"role": "wizard", "content": "hi"}], ("role",)),
+    ([{"role": "user"}], ("content",)),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], ("content",)),
+    ([{"role": "user", "content": [{"type": "text", "text": 5}]}], ("content",)),
+])
+def test_bad_chat_messages_are_400(client, kvharbor_app, messages, mentions):
+    r = client.post("/v1/chat/completions", json={"model": kvharbor_app.model, "messages": messages})
+    assert_openai_error(r, 400, mentions=mentions)
+
+
+@pytest.mark.parametrize("body", [b'{"model": "x", "prompt": ', b"not json at all", b"[1, 2, 3]",
+                                  b'{"model": "\xff\xfe", "prompt": "\xc3\x28"}'])
+def test_malformed_json_and_invalid_utf8_are_400(client, body):
+    r = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    err = assert_openai_error(r, 400)
+    assert "JSON" in err["message"] or "body" in err["message"], err
+
+
+@pytest.mark.parametrize("route,body", [
+    ("/v1/completions", b'{"model": "%s", "prompt": "a\\ud800b"}'),
+    ("/v1/completions", b'{"model": "\\udfff", "prompt": "hi"}'),
+    ("/v1/chat/completions", b'{"model": "%s", "messages": [{"role": "user", "content": "\\ud83d"}]}'),
+])
+def test_lone_surrogates_in_json_strings_are_400(client, kvharbor_app, route, body):
+    body = body.replace(b"%s", kvharbor_app.model.encode())
+    r = client.post(route, content=body, headers={"content-type": "application/json"})
+    assert_openai_error(r, 400, mentions=("surrogate",))
+
+
+def test_missing_required_fields_are_400(client):
+    r = client.post("/v1/completions", json={"prompt": "hi"})
+    assert_openai_error(r, 400, mentions=("model",))
+
+
+def test_unknown_model_is_404_and_names_the_served_one(client, kvharbor_app):
+    r = complete(client, "gpt-17", "hi")
+    err = assert_openai_error(r, 404, "model_not_found", ("gpt-17", kvharbor_app.model, "/v1/models"))
+    assert err["param"] == "model"
+
+
+def test_unknown_route_and_wrong_method_are_openai_errors(client):
+    assert_openai_error(client.get("/v1/nothing-here"), 404, mentions=("/v1/nothing-here",))
+    assert_openai_error(client.get("/v1/completions"), 405, mentions=("GET",))
+
+
+def test_oversized_body_with_content_length_is_413(client, kvharbor_app):
+    prompt = "a" * (4 * 1024 * 1024 + 10)
+    r = complete(client, kvharbor_app.model, prompt)
+    assert_openai_error(r, 413, "request_too_large", ("limit",))
+
+
+def _raw_chunked_post(base_url: str, path: str, key: str, chunks) -> tuple[int, bytes]:
+    """POST with ``Transfer-Encoding: chunked`` (no Content-Length); returns (status, body)."""
+    host, port = base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as s:
+        s.sendall((f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {key}\r\n"
+                   "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n"
+                   "Connection: close\r\n\r\n").encode())
+        try:
+            for chunk in chunks:
+                s.sendall(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
+            s.sendall(b"0\r\n\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass                           # the server answered early and closed: fine
+        data = b""
+        while b"\r\n\r\n" not in data or len(data) < _expected_len(data):
+            try:
+                part = s.recv(65536)
+            except ConnectionResetError:
+                break
+            if not part:
+                break
+            data += part
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split(b" ")[1]), body
+
+
+def _expected_len(data: bytes) -> int:
+    head, _, _ = data.partition(b"\r\n\r\n")
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            return len(head) + 4 + int(line.split(b":")[1])
+    return len(data) + 1
+
+
+def test_oversized_chunked_body_without_content_length_is_413(kvharbor_app):
+    piece = b"a" * 65536
+    chunks = [b'{"model": "%s", "prompt": "' % kvharbor_app.model.encode()] + [piece] * 80 + [b'"}']
+    status, body = _raw_chunked_post(kvharbor_app.base_url, "/v1/completions", DEMO["standard"], chunks)
+    assert status == 413, body[:300]
+    err = httpx.Response(413, content=body).json()["error"]
+    assert err["code"] == "request_too_large" and "limit" in err["message"]
+
+
+def test_small_chunked_body_is_accepted(kvharbor_app):
+    chunks = [b'{"model": "%s", ' % kvharbor_app.model.encode(), b'"prompt": "hi", "max_tokens": 2}']
+    status, body = _raw_chunked_post(kvharbor_app.base_url, "/v1/completions", DEMO["standard"], chunks)
+    assert status == 200, body[:300]

@@ -1,0 +1,107 @@
+"""Schemathesis fuzzes the gateway from its own OpenAPI schema: no 5xx, responses as declared.
+
+Requests carry the key of a temporary ``fuzz`` tenant (standard class, no rate limits,
+``max_tokens_per_request: 4``), so generated requests stay cheap: a larger ``max_tokens``
+is a 400 and an absent one is capped at 4 tokens. Examples per route are bounded
+(``MAX_EXAMPLES``) to keep the run around a minute on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis import GenerationMode
+from schemathesis.checks import (content_type_conformance, negative_data_rejection,
+                                 not_a_server_error, response_headers_conformance,
+                                 response_schema_conformance, status_code_conformance)
+
+from kvharbor.tenants.keys import hash_key
+from tests.reliability.helpers import edited_tenants
+
+MAX_EXAMPLES = 40
+FUZZ_KEY = "kvh-fuzz-tenant-key-for-tests-only"
+CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
+          response_headers_conformance, response_schema_conformance]
+POSITIVE, NEGATIVE = GenerationMode.POSITIVE, GenerationMode.NEGATIVE
+CASES = [("POST", "/v1/completions", POSITIVE), ("POST", "/v1/completions", NEGATIVE),
+         ("POST", "/v1/chat/completions", POSITIVE), ("POST", "/v1/chat/completions", NEGATIVE),
+         ("GET", "/v1/models", POSITIVE), ("GET", "/healthz", POSITIVE),
+         ("GET", "/admin/tenants", POSITIVE), ("GET", "/admin/tenants/status", POSITIVE)]
+"""(method, path, mode); the GET routes take no input, so they have no invalid variant."""
+
+
+def _add_fuzz_tenant(doc) -> None:
+    doc["tenants"]["fuzz"] = {
+        "keys": [{"hash": hash_key(FUZZ_KEY), "label": "reliability tests"}],
+        "qos": "standard", "cache_scope": "private", "requests_per_minute": None,
+        "tokens_per_minute": None, "daily_token_budget": None, "max_concurrent_requests": 64,
+        "max_tokens_per_request": 4}
+
+
+class LiveSchema:
+    """The gateway's OpenAPI schema (loaded with httpx) and the base URL to send cases to."""
+
+    def __init__(self, base_url: str, model: str) -> None:
+        self.base_url, self.model = base_url, model
+        self.schema = schemathesis.openapi.from_dict(httpx.get(base_url + "/openapi.json", timeout=30).json())
+
+    def __getitem__(self, path: str):
+        return self.schema[path]
+
+
+@pytest.fixture(scope="module")
+def gateway_schema(kvharbor_app):
+    """The live schema, with the ``fuzz`` tenant active while the module runs."""
+    with edited_tenants(kvharbor_app, _add_fuzz_tenant):
+        yield LiveSchema(kvharbor_app.base_url, kvharbor_app.model)
+
+
+@pytest.mark.parametrize("method,path,mode", CASES, ids=lambda v: getattr(v, "value", v))
+def test_route_conforms_to_its_schema(gateway_schema, method, path, mode):
+    """Generated requests (valid, or invalid for ``NEGATIVE``) get no 5xx and a declared answer."""
+    operation = gateway_schema[path][method]
+    checks = CHECKS + ([negative_data_rejection] if mode is NEGATIVE else [])
+    headers = {"Authorization": f"Bearer {FUZZ_KEY}"}
+    statuses: dict[int, int] = {}
+
+    @given(case=operation.as_strategy(generation_mode=mode))
+    @settings(max_examples=MAX_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck),
+              derandomize=True, database=None)
+    def run(case) -> None:
+        if mode is POSITIVE and isinstance(case.body, dict) and "model" in case.body:
+            case.body["model"] = gateway_schema.model      # else nearly every case is a 404
+        response = _send(case, gateway_schema.base_url, headers)
+        statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+        case.validate_response(response, checks=checks)
+
+    run()
+    print(f"{method} {path} {mode.value}: statuses {statuses}")
+    if mode is POSITIVE and method == "POST":
+        assert statuses.get(200, 0) > 0, statuses       # the generation path was reached
+
+
+def _send(case, base_url: str, headers: dict) -> httpx.Response:
+    """Send a generated case with httpx (schemathesis' own ``requests`` transport trips over
+    the ``urllib3-future`` package installed here). JSON goes out ASCII-escaped, so lone
+    surrogates reach the server as ``\\udXXX`` escapes, as a real client would send them."""
+    kw = case.as_transport_kwargs(base_url=base_url, headers=headers)
+    content = kw.get("data")
+    if "json" in kw:
+        content = json.dumps(kw["json"]).encode()
+        kw["headers"].setdefault("Content-Type", "application/json")
+    return httpx.request(kw["method"], kw["url"], headers=kw["headers"], params=kw.get("params"),
+                         content=content, timeout=60)
+
+
+def test_schema_declares_the_openai_error_body(kvharbor_app):
+    spec = httpx.get(kvharbor_app.base_url + "/openapi.json").json()
+    post = spec["paths"]["/v1/completions"]["post"]
+    assert {"400", "401", "404", "413", "429", "503"} <= set(post["responses"])
+    assert "422" not in post["responses"]
+    ref = post["responses"]["400"]["content"]["application/json"]["schema"]["$ref"]
+    assert ref.endswith("/ErrorResponse")
+    assert "text/event-stream" in post["responses"]["200"]["content"]
