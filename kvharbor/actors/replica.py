@@ -158,7 +158,7 @@ class LLMReplica:
                     await self._wake.wait()
                 async with self._engine_lock:
                     self._apply_aborts()
-                    outputs = await asyncio.to_thread(self.engine.step) if self.engine.has_unfinished() else []
+                    outputs = await self._step()
                     self._publish_events()
                 now = time.time()
                 for out in outputs:
@@ -170,6 +170,21 @@ class LLMReplica:
             for queue in self._streams.values():
                 queue.put_nowait({"error": f"replica engine failed: {e!r}", "status": 500})
             raise
+
+    async def _step(self) -> list:
+        """One engine step. A step that raises fails the requests in it, not the replica."""
+        if not self.engine.has_unfinished():
+            return []
+        try:
+            return await asyncio.to_thread(self.engine.step)
+        except Exception as e:  # noqa: BLE001 - isolate the failure, keep serving
+            logger.exception("engine step failed; failing its %d requests", len(self.engine.requests))
+            for rid in list(self.engine.requests):
+                self.engine.abort(rid)
+                queue = self._streams.get(rid)
+                if queue is not None:
+                    queue.put_nowait({"error": f"engine step failed: {type(e).__name__}", "status": 500})
+            return []
 
     def _apply_aborts(self) -> None:
         for rid in self._aborts:

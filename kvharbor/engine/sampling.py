@@ -31,6 +31,7 @@ def _sample_one(row: torch.Tensor, req: Request) -> int:
         probs = torch.softmax(sorted_logits, dim=-1)
         # Drop tokens once the mass before them already reaches top_p (keep at least one).
         drop = probs.cumsum(-1) - probs >= sp.top_p
+        drop[0] = False                  # a top_p below float32's resolution still keeps one
         sorted_logits[drop] = float("-inf")
         row = torch.empty_like(row).scatter_(0, order, sorted_logits)
     probs = torch.softmax(row, dim=-1)

@@ -85,3 +85,10 @@ def test_chat_uses_the_chat_template(llm):
                                                   add_generation_prompt=True, tokenize=False)
     assert templated.endswith("<|assistant|>\n")
     assert len(out.prompt_token_ids) == len(templated.encode())
+
+
+def test_denormal_top_p_keeps_the_most_likely_token(llm):
+    greedy = llm.generate(["edge"], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+    out = llm.generate(["edge"], SamplingParams(max_tokens=6, temperature=1.0, top_p=5e-324, seed=1,
+                                                ignore_eos=True))[0]
+    assert out.token_ids == greedy.token_ids
