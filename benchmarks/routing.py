@@ -46,6 +46,7 @@ def conversations(tenants: int, convs: int, turns: int, seed: int = 0) -> list[l
                 turns_msgs.append(list(history))
                 history = history + [{"role": "assistant", "content": "ok " * 4}]
             out.append(turns_msgs)
+    rng.shuffle(out)                       # tenants' conversations interleave, as in real traffic
     return out
 
 
