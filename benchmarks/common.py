@@ -51,3 +51,21 @@ def write_json(name: str, payload: dict) -> Path:
 
 def median(values) -> float:
     return statistics.median(values) if values else float("nan")
+
+
+def bar_panels(names: list[str], panels: list[tuple[list[float], str]], path: Path,
+               width: float = 11.0) -> None:
+    """One bar chart per ``(values, title)`` panel, side by side, saved as a PNG at ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(width, 3.9))
+    colors = ["#2a9d8f", "#e9c46a", "#e76f51", "#264653"][:len(names)]
+    for ax, (values, title) in zip(axes, panels):
+        ax.bar(names, values, color=colors)
+        ax.set_title(title)
+        ax.tick_params(axis="x", labelsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

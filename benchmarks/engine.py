@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS, machine, median, pct, table, write_json  # noqa: E402
+from benchmarks.common import RESULTS, bar_panels, machine, median, pct, table, write_json  # noqa: E402
 from kvharbor import LLM, SamplingParams  # noqa: E402
 
 
@@ -136,23 +136,9 @@ def contiguous_waste(prompts, out_tokens: int) -> float:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     names = [r["system"].replace(" (sequential)", "\n(sequential)") for r in rows]
-    a.bar(names, [r["output_tokens_per_s"] for r in rows], color=["#2a9d8f", "#e9c46a", "#e76f51"])
-    a.set_ylabel("output tokens/s")
-    a.set_title("Throughput, 64 requests")
-    b.bar(names, [r["ttft_p99_s"] for r in rows], color=["#2a9d8f", "#e9c46a", "#e76f51"])
-    b.set_ylabel("TTFT p99 (s)")
-    b.set_title("TTFT p99")
-    for ax in (a, b):
-        ax.tick_params(axis="x", labelsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    bar_panels(names, [([r["output_tokens_per_s"] for r in rows], "output tokens/s, 64 requests"),
+                       ([r["ttft_p99_s"] for r in rows], "TTFT p99 (s)")], path)
 
 
 def main(argv=None) -> int:

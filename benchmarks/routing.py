@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS, machine, pct, table, write_json  # noqa: E402
+from benchmarks.common import RESULTS, bar_panels, machine, pct, table, write_json  # noqa: E402
 
 PORT = 18600
 MODES = [("kv", "KV-aware"), ("pow2", "power of two (Serve default)"), ("round_robin", "round robin")]
@@ -150,20 +150,10 @@ async def decision_time(calls: int) -> dict:
 
 
 def plot(rows, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     names = [r["router"].replace(" (", "\n(") for r in rows]
-    for ax, key, title in zip(axes, ["hit_rate", "ttft_p90_s", "output_tokens_per_s"],
-                              ["prefix hit rate (tokens)", "TTFT p90 (s)", "output tokens/s"]):
-        ax.bar(names, [r[key] for r in rows], color=["#2a9d8f", "#e9c46a", "#e76f51"])
-        ax.set_title(title)
-        ax.tick_params(axis="x", labelsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    bar_panels(names, [([r[key] for r in rows], title) for key, title in
+                       [("hit_rate", "prefix hit rate (tokens)"), ("ttft_p90_s", "TTFT p90 (s)"),
+                        ("output_tokens_per_s", "output tokens/s")]], path, width=13.0)
 
 
 def main(argv=None) -> int:

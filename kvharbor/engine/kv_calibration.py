@@ -12,6 +12,8 @@ import torch
 
 from kvharbor.kernels import LayerKVCache, ReferenceBackend
 
+from .block_pool import BlockId, KVCacheBlock
+
 QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 CALIBRATION_TOKENS = 512
 MARGIN = 1.25
@@ -48,7 +50,7 @@ def calibrate_kv_scales(runner, cache_dtype: torch.dtype) -> None:
                for _ in range(runner.num_layers)]
     recorder = _RecordingBackend(scratch)
     req = Request("calibration", tokens, SamplingParams(max_tokens=1))
-    req.blocks = [_FakeBlock(i) for i in range(nblocks)]
+    req.blocks = [KVCacheBlock(BlockId(i)) for i in range(nblocks)]   # scratch ids, not the pool's
     real_caches, real_backend = runner.caches, runner.backend
     runner.caches, runner.backend = scratch, recorder
     try:
@@ -59,10 +61,3 @@ def calibrate_kv_scales(runner, cache_dtype: torch.dtype) -> None:
         kmax, vmax = recorder.amax[id(s)]
         cache.k_scale = (kmax.clamp_min(1e-6) * MARGIN / QMAX[cache_dtype]).to(runner.device)
         cache.v_scale = (vmax.clamp_min(1e-6) * MARGIN / QMAX[cache_dtype]).to(runner.device)
-
-
-class _FakeBlock:
-    __slots__ = ("block_id",)
-
-    def __init__(self, block_id: int):
-        self.block_id = block_id
