@@ -35,9 +35,14 @@ class EngineConfig(BaseModel):
     kv_cache_dtype: str = Field("auto", description="'auto' (model dtype), 'int8' or 'fp8_e4m3'.")
     max_num_batched_tokens: int = Field(2048, ge=1, description="Token budget per step (chunked prefill above it).")
     max_num_seqs: int = Field(128, ge=1, description="Most requests in one step.")
+    low_priority_prefill_cap: int | None = Field(
+        None, ge=0, description="While a request of the highest class present still has prompt "
+        "to prefill, lower classes get at most this many prefill tokens per step (decodes still "
+        "run), so the step carrying a premium prefill stays short. None: no cap.")
     max_model_len: int | None = Field(None, ge=1, description="Longest prompt + output (None: the model's limit).")
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="Share of free GPU memory for the KV cache when num_kv_blocks is None.")
-    seed: int = Field(0, description="Seed of the builtin models' random weights.")
+    seed: int = Field(0, description="Seed of the builtin models' random weights (tiny-llama's "
+                                     "are trained and do not depend on it).")
     scheduling: str = Field("priority", pattern="^(priority|fcfs)$",
                             description="'priority' (QoS classes, then tenant fairness) or 'fcfs' (arrival order only).")
     qos_classes: dict[str, QoSSpec] = Field(default_factory=lambda: dict(DEFAULT_QOS),

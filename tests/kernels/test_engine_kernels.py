@@ -35,14 +35,19 @@ def test_triton_backend_generates_the_reference_tokens():
 
 @pytest.fixture(scope="module")
 def quantized_runs():
-    """``{kv_cache_dtype: (greedy tokens over PROMPTS_16, llm.stats())}`` (reference backend)."""
+    """``{kv_cache_dtype: (greedy tokens over PROMPTS_16, llm.stats(), llm)}`` (reference)."""
     runs = {}
     for kv in ("auto", "int8", "fp8_e4m3"):
         llm = LLM(model=MODEL, attention_backend="reference", device="cpu", kv_cache_dtype=kv,
-                  num_kv_blocks=256)
-        runs[kv] = (_greedy(llm, PROMPTS_16, 16), llm.stats())
+                  num_kv_blocks=512)
+        runs[kv] = (_greedy(llm, PROMPTS_16, 16), llm.stats(), llm)
     runs["config"] = llm.hf_model.config
     return runs
+
+
+def _agreement(full: list[list[int]], quant: list[list[int]]) -> float:
+    total = sum(len(x) for x in full)
+    return sum(a == b for x, y in zip(full, quant) for a, b in zip(x, y)) / total
 
 
 @pytest.mark.parametrize("kv", ["int8", "fp8_e4m3"])
@@ -56,19 +61,39 @@ def test_quantized_cache_uses_at_most_half_the_fp16_bytes(quantized_runs, kv):
     assert quantized_runs["auto"][1]["kv_bytes_per_token"] > stats["kv_bytes_per_token"]
 
 
+@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3"])
+def test_quantized_cache_picks_the_full_precision_token_at_each_position(quantized_runs, kv):
+    """Teacher-forced: given full precision's own greedy prefix, a quantized cache picks the
+    same next token at >= 95% of the 16 x 16 positions (measured: int8 98.4%, fp8 97.7%)."""
+    full = quantized_runs["auto"][0]
+    llm = quantized_runs[kv][2]
+    ids = [llm.tokenizer(p)["input_ids"] for p in PROMPTS_16]
+    prefixes = [x + g[:i] for x, g in zip(ids, full) for i in range(len(g))]
+    outs = llm.generate(prefixes, SamplingParams(max_tokens=1, temperature=0.0))
+    picked = [o.token_ids[0] for o in outs]
+    targets = [t for g in full for t in g]
+    agreement = sum(a == b for a, b in zip(picked, targets)) / len(targets)
+    assert agreement >= MIN_AGREEMENT, f"{kv}: {agreement:.1%} of {len(targets)} positions agree"
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3"])
+def test_quantized_cache_free_running_greedy_stays_close(quantized_runs, kv):
+    """Free-running greedy decoding (a flip derails the rest of that prompt) keeps >= 75%
+    of positions (measured: int8 84%, fp8 80%; a regression guard, the goal is below)."""
+    agreement = _agreement(quantized_runs["auto"][0], quantized_runs[kv][0])
+    assert agreement >= 0.75, f"{kv}: {agreement:.1%} of positions agree"
+
+
 @pytest.mark.xfail(strict=True, reason=(
-    "random-weight tiny-llama has near-tied logits (median top-2 margin 0.29 logits, 5% under "
-    "0.025), so one flipped token derails the rest: measured here int8 45%, fp8 24% of "
-    "positions (other prompt sets: 67% / 34%; teacher-forced next-token agreement 95% / 84%). "
-    "The 95% target needs a better-conditioned model or calibration: the lead decides"))
+    "goal missed: free-running greedy agreement is int8 84%, fp8 80%. 5 of the 16 prompts "
+    "end where trained tiny-llama's top-2 logit margin is < 0.1, while int8 KV moves logits "
+    "by 0.08 on average (bf16 KV by 0.017): a flip at a prompt's first position costs 16 of "
+    "256 positions. Teacher-forced agreement (previous test) is 98.4% / 97.7%"))
 @pytest.mark.parametrize("kv", ["int8", "fp8_e4m3"])
 def test_quantized_cache_greedy_tokens_agree_with_full_precision(quantized_runs, kv):
     """Greedy tokens with an int8/fp8 KV cache match full precision on >= 95% of positions."""
-    full, quant = quantized_runs["auto"][0], quantized_runs[kv][0]
-    pairs = [(a, b) for x, y in zip(full, quant) for a, b in zip(x, y)]
-    total = sum(len(x) for x in full)
-    agreement = sum(a == b for a, b in pairs) / total
-    assert agreement >= MIN_AGREEMENT, f"{kv}: {agreement:.1%} of {total} positions agree"
+    agreement = _agreement(quantized_runs["auto"][0], quantized_runs[kv][0])
+    assert agreement >= MIN_AGREEMENT, f"{kv}: {agreement:.1%} of positions agree"
 
 
 def test_quantized_cache_dtype_is_reported(quantized_runs):
