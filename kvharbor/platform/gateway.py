@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvharbor.actors.calls import await_or_undo
 from kvharbor.engine.hashing import hash_prompt_blocks
 from kvharbor.engine.models import load_tokenizer, model_context_length
 from kvharbor.observability.metrics import get_metrics
@@ -283,7 +284,9 @@ class Gateway:
         classes = self.registry.config.qos_classes
         priorities = {name: q.priority for name, q in classes.items()}
         limit = principal.qos.max_queue
-        ahead = await self.class_queue.enter.remote(principal.qos_name, priorities, limit)
+        call = self.class_queue.enter.remote(principal.qos_name, priorities, limit)
+        ahead = await await_or_undo(
+            call, lambda ahead: ahead is None and self.request_done(principal.qos_name))
         if ahead is not None:
             self.metrics.rate_limited(principal.tenant, "queue_full")
             raise APIError(429, f"the queue of QoS class {principal.qos_name!r} is full: {ahead} "

@@ -24,6 +24,7 @@ from typing import Any
 
 import ray
 
+from kvharbor.actors.calls import await_or_undo
 from kvharbor.tenants.limits import Admission, AdmissionController, Ticket
 
 DEFAULT_ACTOR_NAME = "kvharbor-admission"
@@ -66,7 +67,13 @@ class ActorAdmission:
 
     async def try_admit(self, tenant: str, limits: Any, prompt_tokens: int,
                         max_tokens: int | None, now: float | None = None) -> Admission:
-        return await self.handle.try_admit.remote(tenant, limits, prompt_tokens, max_tokens, now)
+        call = self.handle.try_admit.remote(tenant, limits, prompt_tokens, max_tokens, now)
+        return await await_or_undo(call, self._release_orphan)
+
+    def _release_orphan(self, admission: Admission) -> None:
+        """An admission whose caller was cancelled: give its slot back, nothing was used."""
+        if admission.ok:
+            self.handle.release.remote(admission.ticket, 0)
 
     async def release(self, ticket: Ticket, tokens_used: int | None = None,
                       now: float | None = None) -> bool:

@@ -156,3 +156,48 @@ def test_actor_shares_limits_between_gateway_replicas(actor_admission):
     admitted = ray.get([g.burst.remote(20) for g in gateways], timeout=60)
     assert sum(admitted) == 25 and all(a > 0 for a in admitted)
     assert run(actor_admission.usage("shared-tenant", now=T0))["admitted_total"] == 25
+
+
+def test_a_caller_cancelled_while_being_admitted_does_not_leak_its_slot(actor_admission):
+    """A client that disconnects during ``try_admit`` must not hold a concurrency slot."""
+    tenant = f"t{next(_names)}-cancel"
+    limits = TenantLimits(max_concurrent_requests=1)
+
+    async def cancel_mid_admission():
+        task = asyncio.ensure_future(actor_admission.try_admit(tenant, limits, 10, 10, now=T0))
+        await asyncio.sleep(0)            # the actor call is sent, its answer not yet back
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(100):              # the orphaned admission is released in the background
+            usage = await actor_admission.usage(tenant, now=T0)
+            if usage["admitted_total"] == 1 and usage["in_flight"] == 0:
+                break
+            await asyncio.sleep(0.05)
+        return usage, await actor_admission.try_admit(tenant, limits, 10, 10, now=T0)
+
+    usage, again = asyncio.run(cancel_mid_admission())
+    assert usage["admitted_total"] == 1 and usage["in_flight"] == 0, usage
+    assert again.ok, again.reason
+
+
+def test_await_or_undo_undoes_only_when_the_caller_was_cancelled():
+    from kvharbor.actors.calls import await_or_undo
+
+    undone = []
+
+    async def slow(value):
+        await asyncio.sleep(0.05)
+        return value
+
+    async def main():
+        assert await await_or_undo(slow("kept"), undone.append) == "kept"
+        task = asyncio.ensure_future(await_or_undo(slow("orphan"), undone.append))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.1)
+
+    asyncio.run(main())
+    assert undone == ["orphan"]
