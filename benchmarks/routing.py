@@ -87,11 +87,10 @@ async def drive(base: str, convs, concurrency: int, model: str) -> dict:
 
 
 def run_real(args) -> list[dict]:
-    import httpx
     import ray
     from ray import serve
 
-    from kvharbor.platform.app import build_app
+    from kvharbor.platform.app import build_app, wait_until_healthy
 
     ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", namespace="serve",
              log_to_driver=False)
@@ -103,13 +102,7 @@ def run_real(args) -> list[dict]:
         app = build_app({"replicas": 2, "router": mode, "num_kv_blocks": args.kv_blocks,
                          "directory_name": f"bench-dir-{mode}", "gateway_replicas": 1})
         serve.run(app, name="kvharbor", route_prefix="/", blocking=False)
-        while True:
-            try:
-                if httpx.get(base + "/healthz", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
+        wait_until_healthy(base, timeout_s=300)
         time.sleep(3)                                    # replicas report routing stats
         s = asyncio.run(drive(base, convs, args.concurrency, "kvharbor/tiny-llama"))
         rows.append({"router": label, "hit_rate": s["cached"] / max(1, s["prompt"]),

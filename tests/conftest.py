@@ -10,6 +10,8 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")
+# Serve kills a proxy that is not ready in 5 s; on 2 busy cores starting one can take longer.
+os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
 
 
 
@@ -132,13 +134,11 @@ class RunningApp:
 def kvharbor_app(ray_cluster, tmp_path_factory):
     """Gateway + 2 LLM replicas (tiny-llama, CPU) + directory, with a writable tenants.yaml."""
     import shutil
-    import time
     from pathlib import Path
 
-    import httpx
     from ray import serve
 
-    from kvharbor.platform.app import build_app
+    from kvharbor.platform.app import build_app, wait_until_healthy
 
     tenants = tmp_path_factory.mktemp("tenants") / "tenants.yaml"
     shutil.copy(Path(__file__).resolve().parent.parent / "tenants.yaml", tenants)
@@ -148,15 +148,6 @@ def kvharbor_app(ray_cluster, tmp_path_factory):
                      "gateway_replicas": 2})
     serve.run(app, name="kvharbor", route_prefix="/", blocking=False)
     base = f"http://127.0.0.1:{APP_PORT}"
-    deadline = time.time() + 240
-    while time.time() < deadline:
-        try:
-            if httpx.get(base + "/healthz", timeout=5).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    else:
-        raise RuntimeError("kvharbor app did not become healthy in 240 s")
+    wait_until_healthy(base, timeout_s=240)
     yield RunningApp(tenants, base, "kvharbor/tiny-llama")
     serve.delete("kvharbor")

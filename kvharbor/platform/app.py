@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
+
+import httpx
 
 import ray
 from ray import serve
@@ -49,7 +52,7 @@ def build_app(args: dict | None = None):
     cfg = PlatformConfig(**(args or {}))
     _init_ray_on_loopback()
     tenants = Path(cfg.tenants) if cfg.tenants else default_tenants_path()
-    tenants_file = load_tenants_file(tenants)           # fail fast, with file/line/field
+    load_tenants_file(tenants)                          # fail fast, with file/line/field
     tenants = str(tenants.resolve())
     gpus = _gpus() if cfg.device in ("auto", "cuda") else 0
     on_gpu = gpus > 0 and cfg.device != "cpu"
@@ -68,9 +71,8 @@ def build_app(args: dict | None = None):
                "health_check_period_s": 2.0, "health_check_timeout_s": 30.0,
                "ray_actor_options": {"num_gpus": 1} if on_gpu else {"num_cpus": cfg.replica_cpus}}
     if router_class is not None:
-        qos_priority = {name: q.priority for name, q in tenants_file.qos_classes.items()}
-        kwargs = {"directory_name": cfg.directory_name, "directory_namespace": "kvharbor",
-                  "policy": {"qos_priority": qos_priority}} if cfg.router == "kv" else {}
+        kwargs = {"directory_name": cfg.directory_name, "directory_namespace": "kvharbor"} \
+            if cfg.router == "kv" else {}
         options["request_router_config"] = RequestRouterConfig(
             request_router_class=router_class, request_router_kwargs=kwargs,
             request_routing_stats_period_s=0.5)
@@ -88,3 +90,20 @@ def __getattr__(name: str):
     if name == "app":
         return build_app({})
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def wait_until_healthy(base_url: str, timeout_s: float = 240.0) -> None:
+    """Block until ``base_url``/healthz answers 200 (the gateway and its replicas are up).
+
+    Raises:
+        TimeoutError: no healthy answer within ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(base_url + "/healthz", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"kvharbor at {base_url} did not become healthy in {timeout_s:.0f} s")
