@@ -18,6 +18,7 @@ from ray import serve
 from kvharbor.actors.replica_sync import DirectorySync, TenantSync
 from kvharbor.config import EngineConfig
 from kvharbor.engine.engine import Engine
+from kvharbor.engine.engine_stats import memory_breakdown
 from kvharbor.engine.request import SamplingParams
 from kvharbor.observability.metrics import get_metrics
 from kvharbor.platform.protocol import GenerateRequest, RoutingStats
@@ -105,12 +106,12 @@ class LLMReplica:
         return True
 
     async def record_routing_stats(self) -> dict:
-        """Queue by QoS and free blocks per region, for the KV-aware router."""
+        """Queue by priority and free blocks per region, for the KV-aware router."""
         self._ensure_loop()
         sched = self.engine.scheduler
-        queue: dict[str, int] = {}
+        queue: dict[int, int] = {}
         for req in sched.waiting + sched.running:
-            queue[req.qos] = queue.get(req.qos, 0) + 1
+            queue[req.priority] = queue.get(req.priority, 0) + 1
         stats = self.engine.stats()
         return RoutingStats(self.replica_id, self.engine.block_size, stats["shared_blocks_free"],
                             stats["pinned_blocks_total"] - stats["pinned_blocks_used"],
@@ -240,6 +241,7 @@ class LLMReplica:
         for req in e.scheduler.waiting:
             waiting[req.qos] = waiting.get(req.qos, 0) + 1
         m.kv_occupancy_by_tenant(rid, per_tenant)
+        m.memory_bytes(rid, memory_breakdown(e))
         for qos in waiting:
             m.queue_length(rid, qos, waiting[qos])
             m.running(rid, qos, running[qos])

@@ -40,7 +40,7 @@ class RoutingStats:
     total_blocks: int
     num_running: int
     num_waiting: int
-    queue_by_qos: dict[str, int]
+    queue_by_priority: dict[int, int]   # running + waiting requests by priority
 
     def as_dict(self) -> dict:
         return {name: getattr(self, name) for name in self.__slots__}

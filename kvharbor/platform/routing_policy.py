@@ -96,7 +96,6 @@ class KVAwarePolicy:
     imbalance_tolerance: float = 0.15   # overloaded above (1 + this) * mean load ...
     balance_slack: int = 2              # ... and more than this many above the least loaded
     pinned_miss_cost: float = 0.25      # per block (x block_size) a pinned request can't pin
-    qos_priority: Mapping[str, int] = field(default_factory=dict)   # QoS class -> priority
     _turn: int = field(default=0, init=False, repr=False)
     _first_at: dict[str, int] = field(default_factory=dict, init=False, repr=False)
 
@@ -139,12 +138,15 @@ class KVAwarePolicy:
         return saved - penalty
 
     def _requests_ahead(self, request: RouteRequest, c: Candidate, load: int) -> int:
-        """``load`` minus waiting requests of lower-priority QoS classes (they go after)."""
-        queue = c.stats.get("queue_by_qos") if self.qos_priority else None
+        """``load`` minus requests of lower priority (the replica schedules them after).
+
+        Replicas report ``queue_by_priority`` with the priority each request carries, so a
+        tenants.yaml reload that changes a class's priority needs nothing from the router.
+        """
+        queue = c.stats.get("queue_by_priority")
         if not queue:
             return load
-        lower = sum(n for qos, n in queue.items()
-                    if qos in self.qos_priority and self.qos_priority[qos] < request.priority)
+        lower = sum(n for priority, n in queue.items() if int(priority) < request.priority)
         return max(0, load - int(lower))
 
 

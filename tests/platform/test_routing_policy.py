@@ -105,9 +105,9 @@ def test_pinned_requests_prefer_free_pinned_blocks():
 
 
 def test_lower_priority_queues_do_not_count_against_higher_priority_requests():
-    policy = KVAwarePolicy(qos_priority={"premium": 2, "batch": 0})
-    batchy = cand("batchy", load=3, num_running=0, num_waiting=3, queue_by_qos={"batch": 3})
-    premy = cand("premy", load=2, num_running=0, num_waiting=2, queue_by_qos={"premium": 2})
+    policy = KVAwarePolicy()
+    batchy = cand("batchy", load=3, num_running=0, num_waiting=3, queue_by_priority={0: 3})
+    premy = cand("premy", load=2, num_running=0, num_waiting=2, queue_by_priority={2: 2})
     premium = RouteRequest(prompt_tokens=6016, block_size=BS, priority=2, qos="premium")
     batch = RouteRequest(prompt_tokens=6016, block_size=BS, priority=0, qos="batch")
     assert first(policy, premium, [batchy, premy]) == "batchy"
