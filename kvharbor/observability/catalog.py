@@ -79,7 +79,11 @@ def _kv_cache() -> DashboardSpec:
                                   "{{qos}}"),)),
         PanelSpec("KV occupancy by tenant", "Blocks held by each tenant's requests.", "short",
                   (Query(f"sum by (tenant) ({series('kvharbor_kv_tenant_blocks')}{T})",
-                         "{{tenant}}"),), stacked=True, width=24),
+                         "{{tenant}}"),), stacked=True),
+        PanelSpec("Memory by location and kind", "Bytes per replica: KV cache and weights on "
+                  "the device, the host KV tier in host memory.", "bytes",
+                  (Query(f"sum by (replica, location, kind) ({series('kvharbor_memory_bytes')}{R})",
+                         "{{replica}} {{location}}/{{kind}}"),), stacked=True),
     )
     return DashboardSpec("kvharbor-kv-cache", "kvharbor / KV cache",
                          "Paged KV cache: pinned and shared regions, prefix hits, pressure.",

@@ -28,6 +28,8 @@ label        values
 ``status``   :data:`STATUSES`; anything else is recorded as ``other``
 ``reason``   :data:`RATE_LIMIT_REASONS`; anything else is recorded as ``other``
 ``outcome``  ``met`` | ``missed``
+``location`` :data:`MEMORY_LOCATIONS` (``device``, ``host``)
+``kind``     :data:`MEMORY_KINDS` (``kv_cache``, ``model_weights``)
 ===========  ==================================================================
 
 Worst case per histogram: tenants x QoS classes x buckets series. Request ids, prompts and
@@ -55,6 +57,8 @@ STATUSES = ("ok", "error", "rejected", "rate_limited", "aborted", "timeout", "re
 RATE_LIMIT_REASONS = ("requests_per_minute", "tokens_per_minute", "max_concurrent_requests",
                       "daily_token_budget", "max_tokens_per_request", "queue_full")
 REGIONS = ("pinned", "shared")
+MEMORY_LOCATIONS = ("device", "host")
+MEMORY_KINDS = ("kv_cache", "model_weights")
 BLOCK_STATES = ("used", "cached", "free", "reserved")
 OTHER = "other"
 
@@ -104,6 +108,9 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kvharbor_kv_blocks", "gauge", ("replica", "region", "state"),
                "KV blocks per replica by region (pinned|shared) and state "
                "(used|cached|free|reserved)."),
+    MetricSpec("kvharbor_memory_bytes", "gauge", ("replica", "location", "kind"),
+               "Bytes a replica holds by location (device|host) and kind "
+               "(kv_cache|model_weights); host kv_cache is the host KV tier."),
     MetricSpec("kvharbor_kv_tenant_blocks", "gauge", ("replica", "tenant"),
                "KV blocks held (ref count > 0) by a tenant's requests on a replica."),
     MetricSpec("kvharbor_kv_evictions", "counter", ("replica",),
@@ -238,6 +245,14 @@ class KvharborMetrics:
         self._set("kvharbor_kv_blocks", n, {
             "replica": replica, "region": _bounded(region, REGIONS),
             "state": _bounded(state, BLOCK_STATES)})
+
+    def memory_bytes(self, replica: str, breakdown: dict[str, dict[str, int]]) -> None:
+        """Set ``{location: {kind: bytes}}`` (``Engine.stats()["memory_bytes"]``) as gauges."""
+        for location, kinds in breakdown.items():
+            for kind, n in kinds.items():
+                self._set("kvharbor_memory_bytes", n, {
+                    "replica": replica, "location": _bounded(location, MEMORY_LOCATIONS),
+                    "kind": _bounded(kind, MEMORY_KINDS)})
 
     def kv_occupancy(self, replica: str, tenant: str, blocks: int) -> None:
         """Set the number of KV blocks ``tenant``'s requests hold on ``replica``."""

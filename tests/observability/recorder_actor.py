@@ -49,6 +49,8 @@ class Recorder:
             for state in ("used", "cached", "free", "reserved"):
                 m.kv_blocks(replica, region, state, 10 * scale)
         m.kv_occupancy(replica, tenant, 12 * scale)
+        m.memory_bytes(replica, {"device": {"kv_cache": 4096 * scale, "model_weights": 8192},
+                                 "host": {"kv_cache": 2048 * scale, "model_weights": 0}})
         m.evictions(replica, 3 * scale)
         m.replica_up(replica)
         m.router_decision(0.0002 * scale)

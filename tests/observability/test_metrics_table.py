@@ -6,7 +6,8 @@ import pytest
 
 from kvharbor.observability import metrics as m
 
-ALLOWED_LABELS = {"tenant", "qos", "status", "outcome", "reason", "replica", "region", "state"}
+ALLOWED_LABELS = {"tenant", "qos", "status", "outcome", "reason", "replica", "region", "state",
+                  "location", "kind"}
 
 
 def test_names_are_unique_prefixed_and_ray_valid():
