@@ -36,9 +36,9 @@ class EngineConfig(BaseModel):
     max_num_batched_tokens: int = Field(2048, ge=1, description="Token budget per step (chunked prefill above it).")
     max_num_seqs: int = Field(128, ge=1, description="Most requests in one step.")
     low_priority_prefill_cap: int | None = Field(
-        None, ge=0, description="While a request of the highest class present still has prompt "
-        "to prefill, lower classes get at most this many prefill tokens per step (decodes still "
-        "run), so the step carrying a premium prefill stays short. None: no cap.")
+        256, ge=0, description="While requests of a higher class are unfinished (or were in the "
+        "last 2 s), lower classes get at most this many prefill tokens per step (their decodes "
+        "still run), so steps stay short for premium arrivals. None: no cap (plain priority order).")
     max_model_len: int | None = Field(None, ge=1, description="Longest prompt + output (None: the model's limit).")
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="Share of free GPU memory for the KV cache when num_kv_blocks is None.")
     seed: int = Field(0, description="Seed of the builtin models' random weights (tiny-llama's "
@@ -68,6 +68,7 @@ class PlatformConfig(BaseModel):
     attention_backend: str = Field("auto", description="'auto', 'reference' or 'triton'.")
     kv_cache_dtype: str = Field("auto", description="'auto', 'int8' or 'fp8_e4m3'.")
     max_num_batched_tokens: int = Field(2048, ge=1, description="Token budget per engine step.")
+    low_priority_prefill_cap: int | None = Field(256, ge=0, description="Prefill tokens per step for lower classes while higher-class requests are unfinished (None: no cap).")
     scheduling: str = Field("priority", pattern="^(priority|fcfs)$", description="Engine scheduling: 'priority' or 'fcfs'.")
     host_kv_blocks: int = Field(0, ge=0, description="Host-memory KV blocks per replica for evicted prefixes (0: off).")
     preemption_mode: str = Field("recompute", pattern="^(recompute|swap|auto)$", description="Engine preemption: 'recompute', 'swap' or 'auto'.")

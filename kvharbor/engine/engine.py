@@ -72,6 +72,7 @@ class Engine:
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs, policy)
         self.scheduler.preemptible = {k: q.preemptible for k, q in config.qos_classes.items()}
         self.scheduler.fcfs = config.scheduling == "fcfs"
+        self.scheduler.low_priority_prefill_cap = config.low_priority_prefill_cap
         self.detok = Detokenizer(self.tokenizer)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()

@@ -8,6 +8,12 @@ allows (a prompt longer than the budget is prefilled in chunks over several step
              waiting: lower tenant virtual-token counter first (fairness inside a class),
              earlier arrival first)
 
+While requests of a higher class are unfinished (or were, within ``prefill_cap_hold_s``),
+requests of lower classes get at most ``low_priority_prefill_cap`` prefill tokens per step
+in total (their decodes still run). Steps stay short while premium traffic is about, so a
+premium arrival waits for a short step, not for another class's 2048-token prefill chunk,
+and premium decodes keep their pace. The higher class's own prefill is never capped.
+
 When blocks run out, victims are *running* requests later in that order that have not been
 scheduled yet in this step, so a step never undoes work; ``PreemptionPolicy`` picks among them
 (lowest priority, then least lost work, then latest arrival). A waiting request may only
@@ -19,6 +25,7 @@ recompute is mostly prefix hits).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from .kv_cache_manager import KVCacheManager, PrefixHit
@@ -74,6 +81,10 @@ class Scheduler:
         self.preemptions_by_qos: dict[str, int] = {}
         self.preemptible: dict[str, bool] = {}
         self.fcfs = False               # arrival order only (no classes, no fairness)
+        self.low_priority_prefill_cap: int | None = None
+        self.prefill_cap_hold_s = 2.0
+        self.clock = time.monotonic
+        self._priority_seen: dict[int, float] = {}      # priority -> last time unfinished
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -100,6 +111,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         pending = self._order()
+        capped_below, low_prefill = self._prefill_cap(pending)
         num_seqs = 0
         admitting = True
         i = 0
@@ -112,10 +124,18 @@ class Scheduler:
             hit = self.kv.get_computed_blocks(req) if waiting else None
             computed = req.num_computed_tokens + (hit.num_tokens if hit else 0)
             num_new = min(req.num_tokens - computed, budget)
+            prefill = _in_prefill(req, computed)
+            if prefill and req.priority < capped_below:
+                num_new = min(num_new, low_prefill)
+                if num_new <= 0:
+                    i += 1
+                    continue
             if self._make_room(req, num_new, hit, pending, i, out):
                 self._admit(req, num_new, hit, waiting)
                 out.scheduled.append(ScheduledRequest(req, num_new))
                 budget -= num_new
+                if prefill and req.priority < capped_below:
+                    low_prefill -= num_new
                 num_seqs += 1
                 i += 1
             elif waiting:
@@ -125,6 +145,27 @@ class Scheduler:
                 self._preempt(req, out)
                 pending.pop(i)
         return out
+
+    def _prefill_cap(self, pending: list[Request]) -> tuple[float, int]:
+        """(priority below which prefill is capped, the cap) for this step.
+
+        The top priority is the highest with an unfinished request now or within the last
+        ``prefill_cap_hold_s`` seconds: premium traffic arrives in gaps, and a step planned
+        in a gap would otherwise be a long one that the next premium arrival waits behind.
+        No cap when off or in FCFS mode.
+        """
+        cap = self.low_priority_prefill_cap
+        if cap is None or self.fcfs:
+            return float("-inf"), 0
+        now = self.clock()
+        for r in pending:
+            self._priority_seen[r.priority] = now
+        horizon = now - self.prefill_cap_hold_s
+        self._priority_seen = {p: t for p, t in self._priority_seen.items() if t >= horizon}
+        top = max(self._priority_seen, default=None)
+        if top is None or all(r.priority == top for r in pending):
+            return float("-inf"), 0
+        return top, cap
 
     def _make_room(self, req, num_new, hit: PrefixHit | None, pending, i, out) -> bool:
         """Preempt victims after position ``i`` until ``req`` fits. False if it cannot."""
@@ -168,3 +209,8 @@ class Scheduler:
         self.preemptions_by_qos[req.qos] = self.preemptions_by_qos.get(req.qos, 0) + 1
         self.waiting.append(req)
         out.preempted.append(req)
+
+
+def _in_prefill(req: Request, computed: int) -> bool:
+    """True while part of the prompt (or, after preemption, of the output) is not computed."""
+    return req.num_tokens - computed > 1

@@ -130,18 +130,20 @@ def _decode_batch(query, key_cache, value_cache, block_tables, lens, qsl, rows, 
     k = dequantize_kv(key_cache[blocks].flatten(1, 2)[:, :max_len], k_scale, query.dtype)
     v = dequantize_kv(value_cache[blocks].flatten(1, 2)[:, :max_len], v_scale, query.dtype)
     # Slots past a sequence's own length are padding (other blocks, unwritten memory): zero
-    # them, or a NaN/inf there leaks through the masked softmax (0 * NaN = NaN).
+    # them, or a NaN/inf there leaks through the masked softmax (0 * NaN = NaN). k and v are
+    # fresh gathers, so this writes only the padding, in place.
     past_end = (torch.arange(max_len, device=query.device)[None, :] >= kv_lens[:, None])
-    k = k.masked_fill(past_end[:, :, None, None], 0)                 # [B, L, Hkv, D]
-    v = v.masked_fill(past_end[:, :, None, None], 0)
+    k[past_end] = 0                                                  # [B, L, Hkv, D]
+    v[past_end] = 0
     q_rows = torch.tensor([qsl[b] for b in rows], device=query.device)
-    q = query[q_rows].unsqueeze(2)                                   # [B, H, 1, D]
+    hkv = key_cache.shape[2]
+    # GQA without repeating K/V: the G query heads of one KV head are G query rows over it.
+    q = query[q_rows].view(len(rows), hkv, -1, query.shape[-1])     # [B, Hkv, G, D]
     k_pos = torch.arange(max_len, device=query.device)[None, :]
     q_pos = (kv_lens - 1)[:, None]
     mask = k_pos <= q_pos
     if sliding_window:
         mask &= k_pos > q_pos - sliding_window
     o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2),
-                                       attn_mask=mask[:, None, None, :], scale=scale,
-                                       enable_gqa=query.shape[1] != key_cache.shape[2])
-    out[q_rows] = o.squeeze(2)
+                                       attn_mask=mask[:, None, None, :], scale=scale)
+    out[q_rows] = o.reshape(len(rows), query.shape[1], query.shape[-1])

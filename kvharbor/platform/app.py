@@ -61,6 +61,7 @@ def build_app(args: dict | None = None):
               "pinned_kv_blocks": cfg.pinned_kv_blocks, "device": "cuda" if on_gpu else "cpu",
               "dtype": cfg.dtype, "attention_backend": cfg.attention_backend,
               "kv_cache_dtype": cfg.kv_cache_dtype, "max_num_batched_tokens": cfg.max_num_batched_tokens,
+              "low_priority_prefill_cap": cfg.low_priority_prefill_cap,
               "scheduling": cfg.scheduling, "host_kv_blocks": cfg.host_kv_blocks,
               "preemption_mode": cfg.preemption_mode}
     get_or_create_directory(cfg.directory_name, namespace="kvharbor", detached=True)

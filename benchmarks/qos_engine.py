@@ -1,0 +1,178 @@
+"""QoS inside one engine: premium TTFT under a flood, per scheduling policy, side by side.
+
+No Ray, no HTTP: one ``Engine`` (tiny-llama, CPU) driven in real time by an open-loop Poisson
+arrival stream, so what is measured is the scheduler alone (the platform benchmark
+``benchmarks/qos.py`` adds gateway, router and process contention on top). Workload as in
+``benchmarks/qos.py``: 20 % premium (pinned system prompt + question, 16 tokens), 40 % standard
+(~750-token document question, 24 tokens), 40 % batch (document summary, 32 tokens).
+
+Policies, each run on the same arrivals:
+
+  fcfs        arrival order, no classes
+  priority    QoS priority, then tenant fairness, no prefill cap
+  priority+cap  as priority, and while higher-class requests are unfinished, lower classes
+              get at most ``prefill_cap`` prefill tokens per step (their decodes still run):
+              kvharbor's default (``low_priority_prefill_cap=256``)
+
+Phases: ``idle`` (the premium arrivals alone) and ``overload`` (all arrivals at ``load`` x the
+engine's measured capacity). TTFT is from arrival to the step that returns the first token.
+
+Run:  python benchmarks/qos_engine.py          (about 4 minutes on 2 cores)
+Writes benchmarks/results/qos_engine.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import RESULTS, machine, pct, table, write_json  # noqa: E402
+from loadtests import workload  # noqa: E402
+
+MIX = (("premium", 0.2), ("standard", 0.4), ("batch", 0.4))
+MAX_TOKENS = {"premium": 16, "standard": 24, "batch": 32}
+POLICIES = ("fcfs", "priority", "priority+cap")
+
+
+def make_engine(policy: str, prefill_cap: int, blocks: int, max_num_seqs: int):
+    from kvharbor.config import EngineConfig  # noqa: PLC0415
+    from kvharbor.engine.engine import Engine  # noqa: PLC0415
+
+    cfg = EngineConfig(model="kvharbor/tiny-llama", device="cpu", num_kv_blocks=blocks,
+                       scheduling="fcfs" if policy == "fcfs" else "priority",
+                       low_priority_prefill_cap=prefill_cap if policy == "priority+cap" else None,
+                       max_num_seqs=max_num_seqs)
+    return Engine(cfg)
+
+
+def prompts(engine, rng: random.Random, qos: str, info) -> list[int]:
+    tok = engine.tokenizer
+    if qos == "premium":
+        msgs = workload.premium_messages(info, rng)
+    elif qos == "standard":
+        msgs = workload.document_question(rng, 8, 12)
+    else:
+        return tok(workload.batch_prompt(rng, 8, 12))["input_ids"]
+    return tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
+                                   return_dict=False)
+
+
+def arrivals(rate: float, duration_s: float, seed: int) -> list[tuple[float, str, int]]:
+    """(time, qos, prompt seed) tuples; the prompt seed makes prompts identical across runs."""
+    rng, t, out = random.Random(seed), 0.0, []
+    while True:
+        t += rng.expovariate(rate)
+        if t >= duration_s:
+            return out
+        out.append((t, rng.choices([q for q, _ in MIX], [w for _, w in MIX])[0], rng.randrange(10**9)))
+
+
+def drive(engine, jobs, info, grace_s: float) -> dict:
+    """Feed ``jobs`` in real time, step until done; returns TTFT lists per class and tokens."""
+    from kvharbor.engine.request import SamplingParams  # noqa: PLC0415
+
+    pending = [(at, qos, prompts(engine, random.Random(seed), qos, info)) for at, qos, seed in jobs]
+    sent, first, qos_of, tokens = {}, {}, {}, 0
+    t0, i = time.perf_counter(), 0
+    end = (pending[-1][0] if pending else 0.0) + grace_s
+    while i < len(pending) or engine.has_unfinished():
+        now = time.perf_counter() - t0
+        if now > end:
+            break
+        while i < len(pending) and pending[i][0] <= now:
+            at, qos, ids = pending[i]
+            rid = f"r{i}"
+            engine.add_request(rid, ids, SamplingParams(max_tokens=MAX_TOKENS[qos], temperature=0.0,
+                                                        ignore_eos=True), tenant=qos, qos=qos)
+            sent[rid], qos_of[rid] = at, qos
+            i += 1
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, min(pending[i][0] - now, 0.05)))
+            continue
+        outs = engine.step()
+        done = time.perf_counter() - t0
+        for o in outs:
+            tokens += len(o.new_token_ids)
+            if o.request_id not in first and o.token_ids:
+                first[o.request_id] = done
+    elapsed = time.perf_counter() - t0
+    for rid in list(engine.requests):
+        engine.abort(rid)
+    ttft: dict[str, list[float]] = {q: [] for q, _ in MIX}
+    for rid, at in sent.items():
+        ttft[qos_of[rid]].append((first.get(rid, elapsed)) - at)
+    return {"ttft": ttft, "tokens": tokens, "elapsed": elapsed,
+            "unfinished": sum(rid not in first for rid in sent)}
+
+
+def capacity(engine, info, burst: int, seed: int) -> float:
+    """Requests per second: a burst of the mix sent at once, until the last one finishes."""
+    jobs = [(0.0, q, s) for _, q, s in arrivals(1000.0, burst / 1000.0, seed)][:burst]
+    r = drive(engine, jobs, info, grace_s=600)
+    return len(jobs) / r["elapsed"]
+
+
+def summary(r: dict) -> dict:
+    out = {"tokens_per_s": round(r["tokens"] / r["elapsed"], 1), "unfinished": r["unfinished"]}
+    for q, xs in r["ttft"].items():
+        if xs:
+            out[q] = {"p50_ms": round(1000 * pct(xs, 50), 1), "p90_ms": round(1000 * pct(xs, 90), 1),
+                      "p99_ms": round(1000 * pct(xs, 99), 1), "n": len(xs)}
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--load", type=float, default=2.0)
+    p.add_argument("--duration", type=float, default=40.0)
+    p.add_argument("--prefill-cap", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--blocks", type=int, default=1024)
+    p.add_argument("--burst", type=int, default=24)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    info = workload.read_tenants(ROOT / "tenants.yaml")
+    engines = {pol: make_engine(pol, args.prefill_cap, args.blocks, args.max_num_seqs)
+               for pol in POLICIES}
+    for e in engines.values():                                 # acme's pinned system prompt
+        ids = e.tokenizer.apply_chat_template([{"role": "system", "content": info.premium_prompt}],
+                                              tokenize=True, return_dict=False)
+        e.pin_prefix(ids, "premium")
+    cap = capacity(engines["priority"], info, args.burst, args.seed + 1)
+    rate = args.load * cap
+    print(f"capacity {cap:.2f} req/s -> offered {rate:.2f} req/s", flush=True)
+    jobs = arrivals(rate, args.duration, args.seed)
+    premium_only = [j for j in jobs if j[1] == "premium"]
+    results, rows = {}, []
+    for pol in POLICIES:
+        e = engines[pol]
+        idle = summary(drive(e, premium_only, info, grace_s=30))
+        over = summary(drive(e, jobs, info, grace_s=30))
+        results[pol] = {"idle": idle, "overload": over}
+        ratio = over["premium"]["p99_ms"] / idle["premium"]["p99_ms"]
+        rows.append({"policy": pol, "idle_p99_ms": idle["premium"]["p99_ms"],
+                     "overload_p50_ms": over["premium"]["p50_ms"],
+                     "overload_p99_ms": over["premium"]["p99_ms"], "p99_ratio": round(ratio, 2),
+                     "standard_p99_ms": over.get("standard", {}).get("p99_ms"),
+                     "batch_p99_ms": over.get("batch", {}).get("p99_ms"),
+                     "tokens_per_s": over["tokens_per_s"]})
+        print(table(rows[-1:], list(rows[-1])), flush=True)
+    base = next(r for r in rows if r["policy"] == "fcfs")["tokens_per_s"]
+    for r in rows:
+        r["throughput_vs_fcfs"] = round(r["tokens_per_s"] / base, 3)
+    print(table(rows, list(rows[0])))
+    write_json(RESULTS / "qos_engine.json", {"benchmark": "qos_engine", "args": vars(args),
+                                              "capacity_req_per_s": round(cap, 3),
+                                              "offered_req_per_s": round(rate, 3),
+                                              "rows": rows, "results": results,
+                                              "machine": machine()})
+
+
+if __name__ == "__main__":
+    main()
