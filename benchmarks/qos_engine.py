@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import RESULTS, machine, pct, table, write_json  # noqa: E402
+from benchmarks.common import RESULTS, bar_panels, machine, pct, table, write_json  # noqa: E402
 from loadtests import workload  # noqa: E402
 
 MIX = (("premium", 0.2), ("standard", 0.4), ("batch", 0.4))
@@ -167,7 +167,12 @@ def main() -> None:
     for r in rows:
         r["throughput_vs_fcfs"] = round(r["tokens_per_s"] / base, 3)
     print(table(rows, list(rows[0])))
-    write_json(RESULTS / "qos_engine.json", {"benchmark": "qos_engine", "args": vars(args),
+    names = [r["policy"] for r in rows]
+    bar_panels(names, [([r["overload_p99_ms"] for r in rows], "premium TTFT p99 at 2x load (ms)"),
+                       ([r["standard_p99_ms"] or 0 for r in rows], "standard TTFT p99 (ms)"),
+                       ([r["throughput_vs_fcfs"] for r in rows], "throughput vs FCFS")],
+               RESULTS / "qos_engine.png")
+    write_json("qos_engine", {"benchmark": "qos_engine", "args": vars(args),
                                               "capacity_req_per_s": round(cap, 3),
                                               "offered_req_per_s": round(rate, 3),
                                               "rows": rows, "results": results,
