@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from kvharbor.config import EngineConfig
+from kvharbor.kernels import KV_CACHE_DTYPES
 
 from .block_pool import BlockPool
 from .detokenizer import Detokenizer
@@ -16,7 +17,7 @@ from .engine_stats import engine_stats
 from .host_pool import HostKVPool
 from .kv_cache_manager import KVCacheManager
 from .kv_transfer import KVTransfer
-from .model_runner import ModelRunner, ScheduledRequest
+from .model_runner import ModelRunner, ScheduledRequest, kv_bytes_per_token
 from .models import load_model, uniform_sliding_window
 from .preemption import PreemptionPolicy
 from .request import Request, RequestOutput, SamplingParams, Status
@@ -102,11 +103,8 @@ class Engine:
     def _default_num_blocks(self) -> int:
         if self.device.type != "cuda":
             return 4096
-        cfg = self.model.config
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        per_block = 2 * cfg.num_hidden_layers * kv_heads * head_dim * self.block_size * \
-            torch.empty((), dtype=self.dtype).element_size()
+        cache_dtype = KV_CACHE_DTYPES.get(self.config.kv_cache_dtype) or self.dtype
+        per_block = kv_bytes_per_token(self.model.config, cache_dtype) * self.block_size
         free, _ = torch.cuda.mem_get_info(self.device)
         return max(16, int(free * self.config.gpu_memory_utilization) // per_block)
 

@@ -34,6 +34,15 @@ class ScheduledRequest:
         return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
 
 
+def kv_bytes_per_token(config, cache_dtype: torch.dtype) -> int:
+    """Bytes of KV cache one token occupies across all layers of a model with HF ``config``
+    (scales of quantized caches are per layer and head: no bytes per token)."""
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    elem = torch.empty((), dtype=cache_dtype).element_size()
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * elem
+
+
 class ModelRunner:
     """Owns the model, the KV cache tensors and the attention backend."""
 
@@ -66,8 +75,7 @@ class ModelRunner:
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of KV cache one token occupies across all layers (scales are per head, ~0)."""
-        elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+        return kv_bytes_per_token(self.model.config, self.kv_cache_dtype)
 
     @property
     def kv_cache_bytes(self) -> int:

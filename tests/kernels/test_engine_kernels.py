@@ -99,3 +99,16 @@ def test_quantized_cache_greedy_tokens_agree_with_full_precision(quantized_runs,
 def test_quantized_cache_dtype_is_reported(quantized_runs):
     assert quantized_runs["int8"][1]["kv_cache_dtype"] == "int8"
     assert quantized_runs["fp8_e4m3"][1]["kv_cache_dtype"] == "float8_e4m3fn"
+
+
+def test_a_one_byte_cache_gets_more_blocks_from_the_same_gpu_memory(monkeypatch):
+    """Sizing the cache from free GPU memory counts the cache dtype, not the model dtype."""
+    import torch
+
+    sizes = {}
+    for kv in ("auto", "int8"):
+        engine = LLM(model=MODEL, device="cpu", kv_cache_dtype=kv, num_kv_blocks=16).engine
+        monkeypatch.setattr(engine, "device", torch.device("cuda"))
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 30, 1 << 32))
+        sizes[kv] = engine._default_num_blocks()
+    assert sizes["int8"] // 4 == sizes["auto"]          # fp32 model on CPU: 4 bytes vs 1
