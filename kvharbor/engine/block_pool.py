@@ -81,6 +81,31 @@ class FreeBlockQueue:
             node = node.next
 
 
+class KVEventLog:
+    """Hashes cached and dropped since the last drain, netted so a hash's last event wins.
+
+    A block can be evicted and its hash cached again within one engine step. Sent as two
+    lists, the directory (which applies stored, then removed) would then forget a block the
+    replica holds; netting keeps only the final state of each hash, in order of last change.
+    """
+
+    def __init__(self) -> None:
+        self._last: dict[BlockHash, bool] = {}      # hash -> cached after its last event
+
+    def stored(self, block_hash: BlockHash) -> None:
+        self._last.pop(block_hash, None)
+        self._last[block_hash] = True
+
+    def removed(self, block_hash: BlockHash) -> None:
+        self._last.pop(block_hash, None)
+        self._last[block_hash] = False
+
+    def drain(self) -> tuple[list[BlockHash], list[BlockHash]]:
+        """Return and clear ``(stored, removed)``: disjoint, each in order of last change."""
+        last, self._last = self._last, {}
+        return [h for h, cached in last.items() if cached], [h for h, cached in last.items() if not cached]
+
+
 class BlockPool:
     """All KV blocks of one engine, split into a pinned and a shared region.
 
@@ -99,8 +124,7 @@ class BlockPool:
             self.free[block.region].append(block)
         self.cached: dict[BlockHash, KVCacheBlock] = {}
         self.num_pinned = num_pinned
-        self.stored_events: list[BlockHash] = []
-        self.removed_events: list[BlockHash] = []
+        self.events = KVEventLog()
         self.num_evictions = 0
         self.null_block = KVCacheBlock(BlockId(num_blocks), NULL)
         self.on_evict: Callable[[BlockId, BlockHash], None] | None = None
@@ -150,14 +174,14 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self.cached[block_hash] = block
-        self.stored_events.append(block_hash)
+        self.events.stored(block_hash)
 
     def _evict(self, block: KVCacheBlock, offload: bool = False) -> None:
         if block.block_hash is None:
             return
         if self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
-            self.removed_events.append(block.block_hash)
+            self.events.removed(block.block_hash)
             self.num_evictions += 1
             if offload and self.on_evict is not None:
                 self.on_evict(block.block_id, block.block_hash)
@@ -192,10 +216,8 @@ class BlockPool:
         self.num_pinned += 1 if region == PINNED else -1
 
     def drain_events(self) -> tuple[list[BlockHash], list[BlockHash]]:
-        """Return and clear (stored, removed) hashes since the last call."""
-        stored, removed = self.stored_events, self.removed_events
-        self.stored_events, self.removed_events = [], []
-        return stored, removed
+        """Return and clear (stored, removed) hashes since the last call (netted)."""
+        return self.events.drain()
 
     # ---- accounting -------------------------------------------------------------------
     def region_counts(self, region: str) -> dict[str, int]:

@@ -22,6 +22,7 @@ from typing import NewType
 
 import torch
 
+from .block_pool import KVEventLog
 from .hashing import BlockHash
 
 HostSlot = NewType("HostSlot", int)
@@ -48,8 +49,7 @@ class HostKVPool:
         self.slot_hash: dict[HostSlot, BlockHash] = {}
         self.locks: dict[HostSlot, int] = {}
         self.num_owned = 0
-        self.stored_events: list[BlockHash] = []
-        self.removed_events: list[BlockHash] = []
+        self.events = KVEventLog()
         self.num_dropped = 0
 
     # ---- cached (hash-keyed) slots ------------------------------------------------------
@@ -68,7 +68,7 @@ class HostKVPool:
             return None
         self.cached[block_hash] = slot
         self.slot_hash[slot] = block_hash
-        self.stored_events.append(block_hash)
+        self.events.stored(block_hash)
         return slot
 
     def lock(self, slot: HostSlot) -> None:
@@ -109,9 +109,7 @@ class HostKVPool:
 
     def drain_events(self) -> tuple[list[BlockHash], list[BlockHash]]:
         """Return and clear the (stored, removed) hashes of this tier since the last call."""
-        stored, removed = self.stored_events, self.removed_events
-        self.stored_events, self.removed_events = [], []
-        return stored, removed
+        return self.events.drain()
 
     def check_integrity(self) -> None:
         """Assert: free + cached + owned == slots, and the two hash maps mirror each other."""
@@ -128,7 +126,7 @@ class HostKVPool:
             if slot not in self.locks:
                 del self.cached[block_hash]
                 del self.slot_hash[slot]
-                self.removed_events.append(block_hash)
+                self.events.removed(block_hash)
                 self.num_dropped += 1
                 return slot
         return None
