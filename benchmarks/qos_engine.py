@@ -70,7 +70,12 @@ def arrivals(rate: float, duration_s: float, seed: int) -> list[tuple[float, str
         t += rng.expovariate(rate)
         if t >= duration_s:
             return out
-        out.append((t, rng.choices([q for q, _ in MIX], [w for _, w in MIX])[0], rng.randrange(10**9)))
+        out.append((t, *_draw(rng)))
+
+
+def _draw(rng: random.Random) -> tuple[str, int]:
+    """One request of the mix: (qos, prompt seed)."""
+    return rng.choices([q for q, _ in MIX], [w for _, w in MIX])[0], rng.randrange(10**9)
 
 
 def drive(engine, jobs, info, grace_s: float) -> dict:
@@ -113,7 +118,8 @@ def drive(engine, jobs, info, grace_s: float) -> dict:
 
 def capacity(engine, info, burst: int, seed: int) -> float:
     """Requests per second: a burst of the mix sent at once, until the last one finishes."""
-    jobs = [(0.0, q, s) for _, q, s in arrivals(1000.0, burst / 1000.0, seed)][:burst]
+    rng = random.Random(seed)
+    jobs = [(0.0, *_draw(rng)) for _ in range(burst)]
     r = drive(engine, jobs, info, grace_s=600)
     return len(jobs) / r["elapsed"]
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from importlib.resources import files
 from pathlib import Path
 
 import torch
@@ -31,8 +32,8 @@ BUILTIN_MODELS: dict[str, PretrainedConfig] = {
     "kvharbor/tiny-mistral": MistralConfig(**{**_COMMON, "sliding_window": 64}),
 }
 DEFAULT_MODEL = "kvharbor/tiny-llama"
-TRAINED_WEIGHTS: dict[str, Path] = {
-    "kvharbor/tiny-llama": Path(__file__).resolve().parent.parent / "data" / "tiny-llama.safetensors",
+TRAINED_WEIGHTS: dict[str, Path] = {   # packaged data, found as tenants.yaml's example is
+    "kvharbor/tiny-llama": Path(str(files("kvharbor") / "data" / "tiny-llama.safetensors")),
 }
 
 

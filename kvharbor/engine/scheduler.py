@@ -124,8 +124,8 @@ class Scheduler:
             hit = self.kv.get_computed_blocks(req) if waiting else None
             computed = req.num_computed_tokens + (hit.num_tokens if hit else 0)
             num_new = min(req.num_tokens - computed, budget)
-            prefill = _in_prefill(req, computed)
-            if prefill and req.priority < capped_below:
+            capped = req.priority < capped_below and _in_prefill(req, computed)
+            if capped:
                 num_new = min(num_new, low_prefill)
                 if num_new <= 0:
                     i += 1
@@ -134,7 +134,7 @@ class Scheduler:
                 self._admit(req, num_new, hit, waiting)
                 out.scheduled.append(ScheduledRequest(req, num_new))
                 budget -= num_new
-                if prefill and req.priority < capped_below:
+                if capped:
                     low_prefill -= num_new
                 num_seqs += 1
                 i += 1
