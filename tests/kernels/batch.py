@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kvharbor.engine.kv_calibration import QMAX
 from kvharbor.kernels import LayerKVCache
 from kvharbor.kernels.reference import store_kv_ref
 
-QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 # atol = rtol. Observed max errors on these shapes (outputs up to ~3): fp32 2e-6, fp16 and bf16
 # one ulp of the output (2e-3 / 1.6e-2), so these allow a few ulps and no more.
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
