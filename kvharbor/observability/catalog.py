@@ -8,7 +8,7 @@ and Tenants (one tenant's view: requests, tokens, hit rate, rate limits, TTFT).
 from __future__ import annotations
 
 from kvharbor.observability.panels import (
-    FALLBACK, RATE, RQ, TQ, DashboardSpec, PanelSpec, Query, R, T, hit_rate_panel,
+    RATE, RQ, TQ, DashboardSpec, PanelSpec, Query, R, T, hit_rate_panel,
     latency_panel, quantile, rate_sum, ratio, series)
 
 
@@ -26,7 +26,7 @@ def _overview() -> DashboardSpec:
                   (Query(f"1 - {ratio(rate_sum(req, 'qos', ok), rate_sum(req, 'qos', TQ))}",
                          "{{qos}}"),)),
         PanelSpec("Errors by status", "Requests per second that did not finish ok.", "reqps",
-                  (Query(rate_sum(req, "status", errors) + FALLBACK, "{{status}}"),)),
+                  (Query(rate_sum(req, "status", errors), "{{status}}"),), no_value="0"),
     )
     latency = (
         latency_panel("Time to first token by QoS", "kvharbor_ttft_seconds", "qos", TQ,
@@ -72,11 +72,11 @@ def _kv_cache() -> DashboardSpec:
                   f"sum by (replica) ({blocks}{R})", "{{replica}}"),)),
         hit_rate_panel("Prefix hit rate by tenant", "tenant", TQ),
         PanelSpec("Evictions", "Cached blocks evicted per second.", "short",
-                  (Query(rate_sum("kvharbor_kv_evictions", "replica", R) + FALLBACK,
-                         "{{replica}}"),)),
+                  (Query(rate_sum("kvharbor_kv_evictions", "replica", R),
+                         "{{replica}}"),), no_value="0"),
         PanelSpec("Preemptions by QoS", "Requests preempted per second (recomputed later).",
-                  "short", (Query(rate_sum("kvharbor_preemptions", "qos", RQ) + FALLBACK,
-                                  "{{qos}}"),)),
+                  "short", (Query(rate_sum("kvharbor_preemptions", "qos", RQ),
+                                  "{{qos}}"),), no_value="0"),
         PanelSpec("KV occupancy by tenant", "Blocks held by each tenant's requests.", "short",
                   (Query(f"sum by (tenant) ({series('kvharbor_kv_tenant_blocks')}{T})",
                          "{{tenant}}"),), stacked=True),
@@ -132,8 +132,8 @@ def _tenants() -> DashboardSpec:
                   "{{tenant}} generated"))),
         hit_rate_panel("Prefix hit rate", "tenant", TQ),
         PanelSpec("Rate-limited requests", "Requests refused by admission, by limit.", "reqps",
-                  (Query(rate_sum("kvharbor_rate_limited", "tenant, reason", T) + FALLBACK,
-                         "{{tenant}} {{reason}}"),)),
+                  (Query(rate_sum("kvharbor_rate_limited", "tenant, reason", T),
+                         "{{tenant}} {{reason}}"),), no_value="0"),
         latency_panel("Time to first token by tenant", "kvharbor_ttft_seconds", "tenant", TQ,
                       "Arrival at the gateway to first streamed token."),
         PanelSpec("KV blocks held", "Blocks held by the tenant's requests, all replicas.",

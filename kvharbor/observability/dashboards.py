@@ -55,6 +55,8 @@ def _panel(spec: PanelSpec, panel_id: int):
     builder = stat.Panel() if spec.kind == "stat" else timeseries.Panel()
     builder = (builder.id(panel_id).title(spec.title).description(spec.description)
                .unit(spec.unit).datasource(DATASOURCE).height(PANEL_HEIGHT).span(spec.width))
+    if spec.no_value is not None:
+        builder = builder.no_value(spec.no_value)
     for index, query in enumerate(spec.queries):
         builder = builder.with_target(pb.Dataquery().expr(query.expr)
                                       .legend_format(query.legend).ref_id(chr(65 + index)))
@@ -108,12 +110,18 @@ def load_dashboards(directory: Path) -> dict[str, dict]:
             for p in sorted(directory.glob("*.json"))}
 
 
-def panel_exprs(model: dict) -> list[str]:
-    """Every PromQL ``expr`` of every panel of a dashboard model (rows flattened)."""
+def panel_exprs(model: dict, rare: bool | None = None) -> list[str]:
+    """Every PromQL ``expr`` of every panel of a dashboard model (rows flattened).
+
+    ``rare=True`` keeps only panels of rare events (those with a ``noValue`` text: no series
+    is a normal answer), ``rare=False`` only the others; ``None`` keeps all.
+    """
     exprs: list[str] = []
     for panel in model.get("panels", []):
         for inner in [panel, *panel.get("panels", [])]:
-            exprs.extend(t["expr"] for t in inner.get("targets", []) if t.get("expr"))
+            has_no_value = inner.get("fieldConfig", {}).get("defaults", {}).get("noValue") is not None
+            if rare is None or rare == has_no_value:
+                exprs.extend(t["expr"] for t in inner.get("targets", []) if t.get("expr"))
     return exprs
 
 

@@ -11,10 +11,12 @@ Conventions:
   All), used as ``label=~"$var"``.
 * Ray adds per-process labels (``WorkerId``, ``SessionName`` ...), so every query aggregates
   with ``sum by (...)`` over the labels it plots.
-* Panels of rare events (errors, rate limits, preemptions, evictions) end in
-  ``or vector(0)``: a Ray counter has no series until its first increment, and "0" reads
-  better than "No data". Ratios use ``(a or 0 * b) / b`` so a group whose numerator never
-  moved shows 0 rather than vanishing.
+* Panels of rare events (errors, rate limits, preemptions, evictions) set Grafana's
+  ``noValue`` to "0": a Ray counter has no series until its first increment, and "0" reads
+  better than "No data". Their queries stay honest: no ``or vector(0)``, which would also
+  turn a metric that is missing altogether (renamed, never exported) into a flat 0. Ratios
+  use ``(a or 0 * b) / b`` so a group whose numerator never moved shows 0 while the
+  denominator exists.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from dataclasses import dataclass
 from kvharbor.observability.metrics import METRICS_BY_NAME, scraped_names
 
 RATE = "$__rate_interval"
-FALLBACK = " or vector(0)"
 
 
 def series(name: str, suffix: str = "") -> str:
@@ -62,6 +63,7 @@ class PanelSpec:
     kind: str = "timeseries"
     width: int = 12
     stacked: bool = False
+    no_value: str | None = None    # Grafana's text when the queries return no series
 
 
 @dataclass(frozen=True, slots=True)

@@ -92,3 +92,18 @@ def test_promtool_parses_every_expression(tmp_path):
     result = subprocess.run(["promtool", "check", "rules", str(path)],
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_no_query_hides_a_missing_metric_and_rare_panels_show_0():
+    """``or vector(0)`` turns a metric that does not exist into a flat 0; Grafana's noValue
+    shows "0" for an empty answer without lying in the query."""
+    rare = {}
+    for file, model in load_dashboards(CHECKED_IN).items():
+        for expr in panel_exprs(model):
+            assert "vector(" not in expr, (file, expr)
+        for panel in model["panels"]:
+            no_value = panel.get("fieldConfig", {}).get("defaults", {}).get("noValue")
+            if no_value is not None:
+                rare[panel["title"]] = no_value
+    assert rare == {"Errors by status": "0", "Evictions": "0", "Preemptions by QoS": "0",
+                    "Rate-limited requests": "0"}, rare

@@ -1,8 +1,8 @@
 """Every dashboard query returns data from a real Prometheus scraping real Ray metrics.
 
 The metrics are recorded by :class:`Recorder` (every recording method, inside a Ray actor),
-so this checks the dashboards against what Ray actually exports, without the app. Rare-event
-fallbacks (`` or vector(0)``) are stripped so the metric part itself must return series.
+so this checks the dashboards against what Ray actually exports, without the app. The
+rare-event panels carry no ``or vector(0)`` fallback, so every query must return series.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 from kvharbor.observability.dashboards import load_dashboards, panel_exprs, variable_queries
-from kvharbor.observability.panels import FALLBACK
 from tests.observability.promql import substitute, wait_all_return_series
 from tests.observability.recorder_actor import Recorder
 
@@ -46,7 +45,7 @@ def _dashboard_value(prometheus, models: dict, title: str, **values: str) -> flo
 def test_every_dashboard_query_returns_series_and_ratios_are_right(ray_cluster, prometheus):
     """Two recording rounds, the second after Prometheus saw the first, so rates move."""
     models = load_dashboards(CHECKED_IN)
-    exprs = sorted({e.removesuffix(FALLBACK) for m in models.values() for e in panel_exprs(m)})
+    exprs = sorted({e for m in models.values() for e in panel_exprs(m)})
     actor = Recorder.remote()
     try:
         ray_cluster.get(actor.record_all.remote(TENANT, REPLICA))
