@@ -7,8 +7,13 @@ overload, and premium traffic is never refused because of standard or batch traf
 
 One named actor serves all gateway replicas (a per-replica count would let N gateway
 replicas admit N x ``max_queue``). ``ClassQueue`` is the plain class; ``ClassQueueActor``
-its ``@ray.remote`` wrapper. Invariant: ``counts[c]`` = entered - left for class c, >= 0.
-A gateway replica that dies mid-request leaves its requests counted (a known limitation).
+its ``@ray.remote`` wrapper. Invariant: ``counts[c]`` = places held for class c, >= 0.
+
+Each place is held under a lease (``kvharbor.tenants.leases``): the gateway renews the places
+of its live requests; a gateway replica that dies mid-request stops renewing, and its places
+are given back within ``lease_s``. The actor restarts when it dies (``max_restarts=-1``) with
+empty counts: requests in flight then are not counted until they end (the limit loosens
+briefly), and their ``leave`` and renewals are no-ops, so counts never go below what is held.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import ray
+
+from kvharbor.tenants.leases import DEFAULT_LEASE_S, LeaseTable
 
 DEFAULT_NAME = "kvharbor-class-queue"
 
@@ -25,45 +32,73 @@ class ClassQueue:
     """In-flight requests per QoS class name."""
 
     counts: dict[str, int] = field(default_factory=dict)
+    leases: LeaseTable = field(default_factory=LeaseTable)
 
-    def enter(self, qos: str, priorities: dict[str, int], limit: int) -> int | None:
+    def enter(self, qos: str, priorities: dict[str, int], limit: int,
+              lease_id: str | None = None, now: float | None = None) -> int | None:
         """Count one request of ``qos`` in; None when admitted, else how many are ahead.
 
         Args:
             qos: the request's class.
             priorities: class name -> priority (higher = scheduled first), current config.
             limit: the class's ``max_queue``.
+            lease_id: hold the place under this lease (None: no lease, held until ``leave``).
         """
+        self.expire(now)
         mine = priorities[qos]
         ahead = sum(n for name, n in self.counts.items()
                     if name in priorities and priorities[name] >= mine)
         if ahead >= limit:
             return ahead
         self.counts[qos] = self.counts.get(qos, 0) + 1
+        if lease_id is not None:
+            self.leases.add(lease_id, qos, now)
         return None
 
-    def leave(self, qos: str) -> None:
-        """Count one request of ``qos`` out (it finished, failed or was refused later)."""
+    def leave(self, qos: str, lease_id: str | None = None) -> None:
+        """Count one request of ``qos`` out (it finished, failed or was refused later).
+
+        With ``lease_id``: only if that lease is still held (not expired, not forgotten).
+        """
+        if lease_id is not None and self.leases.pop(lease_id) is None:
+            return
         self.counts[qos] = max(0, self.counts.get(qos, 0) - 1)
+
+    def renew(self, lease_ids: list[str], now: float | None = None) -> list[str]:
+        """Extend these leases; returns the ids no longer held."""
+        self.expire(now)
+        return self.leases.renew(lease_ids, now)
+
+    def expire(self, now: float | None = None) -> int:
+        """Give back the places whose lease ran out; returns how many."""
+        gone = self.leases.expire(now)
+        for qos in gone:
+            self.counts[qos] = max(0, self.counts.get(qos, 0) - 1)
+        return len(gone)
 
     def snapshot(self) -> dict[str, int]:
         return dict(self.counts)
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(num_cpus=0, max_restarts=-1)
 class ClassQueueActor:
     """The cluster's one ``ClassQueue`` (methods run one at a time, so no lock)."""
 
-    def __init__(self) -> None:
-        self._queue = ClassQueue()
+    def __init__(self, lease_s: float = DEFAULT_LEASE_S) -> None:
+        self._queue = ClassQueue(leases=LeaseTable(lease_s))
 
-    def enter(self, qos: str, priorities: dict[str, int], limit: int) -> int | None:
-        return self._queue.enter(qos, priorities, limit)
+    def enter(self, qos: str, priorities: dict[str, int], limit: int,
+              lease_id: str | None = None) -> int | None:
+        return self._queue.enter(qos, priorities, limit, lease_id)
 
-    def leave(self, qos: str) -> None:
-        self._queue.leave(qos)
+    def leave(self, qos: str, lease_id: str | None = None) -> None:
+        self._queue.leave(qos, lease_id)
+
+    def renew(self, lease_ids: list[str]) -> list[str]:
+        return self._queue.renew(lease_ids)
 
     def snapshot(self) -> dict[str, int]:
+        self._queue.expire()
         return self._queue.snapshot()
 
 

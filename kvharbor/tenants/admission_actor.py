@@ -20,22 +20,32 @@ From async code use :class:`ActorAdmission`, which awaits the actor's object ref
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import ray
 
 from kvharbor.actors.calls import await_or_undo
+from kvharbor.tenants.leases import DEFAULT_LEASE_S
 from kvharbor.tenants.limits import Admission, AdmissionController, Ticket
+
+CALL_TIMEOUT_S = 5.0
+"""Longest wait for an admission call; then the request gets 503 (the actor is down)."""
 
 DEFAULT_ACTOR_NAME = "kvharbor-admission"
 
 
 @ray.remote(num_cpus=0, max_restarts=-1)
 class AdmissionActor:
-    """Thin Ray wrapper: each method forwards to one AdmissionController."""
+    """Thin Ray wrapper: each method forwards to one AdmissionController.
 
-    def __init__(self) -> None:
-        self._ctl = AdmissionController()
+    Restarted by Ray when it dies (``max_restarts=-1``), with counters from zero: limits
+    loosen for at most a minute; releases and renewals of tickets it no longer knows are
+    no-ops. Tickets are leased (``lease_s``): one whose gateway stops renewing it is released.
+    """
+
+    def __init__(self, lease_s: float = DEFAULT_LEASE_S) -> None:
+        self._ctl = AdmissionController(lease_s=lease_s)
 
     def try_admit(self, tenant: str, limits: Any, prompt_tokens: int, max_tokens: int | None,
                   now: float | None = None) -> Admission:
@@ -44,6 +54,9 @@ class AdmissionActor:
     def release(self, ticket: Ticket, tokens_used: int | None = None,
                 now: float | None = None) -> bool:
         return self._ctl.release(ticket, tokens_used, now)
+
+    def renew(self, ticket_ids: list[str], now: float | None = None) -> list[str]:
+        return self._ctl.renew(ticket_ids, now)
 
     def usage(self, tenant: str, now: float | None = None) -> dict:
         return self._ctl.usage(tenant, now)
@@ -67,8 +80,9 @@ class ActorAdmission:
 
     async def try_admit(self, tenant: str, limits: Any, prompt_tokens: int,
                         max_tokens: int | None, now: float | None = None) -> Admission:
+        """Raises ``TimeoutError`` after ``CALL_TIMEOUT_S`` (the slot, if taken, is given back)."""
         call = self.handle.try_admit.remote(tenant, limits, prompt_tokens, max_tokens, now)
-        return await await_or_undo(call, self._release_orphan)
+        return await await_or_undo(call, self._release_orphan, CALL_TIMEOUT_S)
 
     def _release_orphan(self, admission: Admission) -> None:
         """An admission whose caller was cancelled: give its slot back, nothing was used."""
@@ -77,10 +91,13 @@ class ActorAdmission:
 
     async def release(self, ticket: Ticket, tokens_used: int | None = None,
                       now: float | None = None) -> bool:
-        return await self.handle.release.remote(ticket, tokens_used, now)
+        return await asyncio.wait_for(self.handle.release.remote(ticket, tokens_used, now), CALL_TIMEOUT_S)
+
+    async def renew(self, ticket_ids: list[str]) -> list[str]:
+        return await asyncio.wait_for(self.handle.renew.remote(ticket_ids), CALL_TIMEOUT_S)
 
     async def usage(self, tenant: str, now: float | None = None) -> dict:
-        return await self.handle.usage.remote(tenant, now)
+        return await asyncio.wait_for(self.handle.usage.remote(tenant, now), CALL_TIMEOUT_S)
 
     async def usage_all(self, now: float | None = None) -> dict[str, dict]:
-        return await self.handle.usage_all.remote(now)
+        return await asyncio.wait_for(self.handle.usage_all.remote(now), CALL_TIMEOUT_S)

@@ -47,6 +47,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvharbor.tenants.leases import LeaseTable
 from kvharbor.tenants.schema import TenantLimits
 
 SECONDS_PER_DAY = 86_400
@@ -118,11 +119,18 @@ def _sync_bucket(bucket: _Bucket | None, capacity: int | None, now: float) -> _B
 class AdmissionController:
     """Thread-safe per-tenant limits. Every method is O(1) and non-blocking (async-safe)."""
 
-    def __init__(self, clock: Callable[[], float] = time.time):
+    def __init__(self, clock: Callable[[], float] = time.time, lease_s: float | None = None,
+                 lease_clock: Callable[[], float] = time.monotonic):
+        """``lease_s``: a ticket not renewed (:meth:`renew`) for this long is released as if
+        its request had used every reserved token (None: tickets never expire). Leases run
+        on ``lease_clock`` (real time), not on the ``now`` passed for the limits' arithmetic."""
         self._clock = clock
+        self._lease_clock = lease_clock
         self._lock = threading.Lock()
         self._tenants: dict[str, _TenantState] = {}
         self._active: dict[str, Ticket] = {}
+        self._leases = LeaseTable(lease_s) if lease_s else None
+        self.expired_total = 0
         self._nonce = secrets.token_hex(4)
         self._ids = itertools.count(1)
 
@@ -143,6 +151,7 @@ class AdmissionController:
             max_tokens = lim.max_tokens_per_request or 0
         cost = prompt_tokens + max_tokens
         with self._lock:
+            self._expire(now)
             st = self._sync(tenant, lim, now)
             denial = _too_big(lim, prompt_tokens, max_tokens) or _denial(st, lim, cost, now)
             if denial is not None:
@@ -157,6 +166,8 @@ class AdmissionController:
                 st.tokens.level -= cost
             ticket = Ticket(f"{self._nonce}-{next(self._ids)}", tenant, cost, st.day)
             self._active[ticket.ticket_id] = ticket
+            if self._leases is not None:
+                self._leases.add(ticket.ticket_id, ticket, self._lease_clock())
         return Admission(ok=True, status=200, reason="admitted", ticket=ticket)
 
     def release(self, ticket: Ticket, tokens_used: int | None = None,
@@ -171,24 +182,48 @@ class AdmissionController:
         """
         now = self._clock() if now is None else now
         with self._lock:
-            if self._active.pop(ticket.ticket_id, None) is None:
-                return False
-            st = self._tenants[ticket.tenant]
-            st.in_flight -= 1
-            unused = ticket.reserved_tokens - (ticket.reserved_tokens if tokens_used is None
-                                               else tokens_used)
-            if st.day == ticket.day:
-                st.tokens_today = max(0, st.tokens_today - unused)
-            cap = st.limits.tokens_per_minute
-            if st.tokens is not None and cap is not None:
-                st.tokens.refill(cap, now)
-                st.tokens.level = min(float(cap), st.tokens.level + unused)
+            return self._release(ticket, tokens_used, now)
+
+    def renew(self, ticket_ids: list[str], now: float | None = None) -> list[str]:
+        """Extend the leases of these tickets; returns the ids no longer active (expired or
+        released: their slots are back). Without leases every active id is kept."""
+        now = self._clock() if now is None else now
+        with self._lock:
+            self._expire(now)
+            if self._leases is None:
+                return [t for t in ticket_ids if t not in self._active]
+            return self._leases.renew(ticket_ids, self._lease_clock())
+
+    def _expire(self, now: float) -> None:
+        """Release the tickets whose lease ran out (their holder died); lock held."""
+        if self._leases is None:
+            return
+        for ticket in self._leases.expire(self._lease_clock()):
+            if self._release(ticket, None, now):
+                self.expired_total += 1
+
+    def _release(self, ticket: Ticket, tokens_used: int | None, now: float) -> bool:
+        if self._leases is not None:
+            self._leases.pop(ticket.ticket_id)
+        if self._active.pop(ticket.ticket_id, None) is None:
+            return False
+        st = self._tenants[ticket.tenant]
+        st.in_flight -= 1
+        unused = ticket.reserved_tokens - (ticket.reserved_tokens if tokens_used is None
+                                           else tokens_used)
+        if st.day == ticket.day:
+            st.tokens_today = max(0, st.tokens_today - unused)
+        cap = st.limits.tokens_per_minute
+        if st.tokens is not None and cap is not None:
+            st.tokens.refill(cap, now)
+            st.tokens.level = min(float(cap), st.tokens.level + unused)
         return True
 
     def usage(self, tenant: str, now: float | None = None) -> dict:
         """Current counters of one tenant (zeros for a tenant never seen)."""
         now = self._clock() if now is None else now
         with self._lock:
+            self._expire(now)
             st = self._tenants.get(tenant)
             if st is None:
                 blank = _TenantState(TenantLimits(), day=int(now // SECONDS_PER_DAY))
@@ -283,6 +318,9 @@ class LocalAdmission:
     async def release(self, ticket: Ticket, tokens_used: int | None = None,
                       now: float | None = None) -> bool:
         return self.controller.release(ticket, tokens_used, now)
+
+    async def renew(self, ticket_ids: list[str]) -> list[str]:
+        return self.controller.renew(ticket_ids)
 
     async def usage(self, tenant: str, now: float | None = None) -> dict:
         return self.controller.usage(tenant, now)

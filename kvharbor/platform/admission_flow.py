@@ -1,0 +1,115 @@
+"""The gateway's side of admission: class queue, tenant limits, leases, timeouts.
+
+Order per request (``Admitter``)::
+
+    early(principal, rid)            before the prompt is tokenized
+      1. a tenant this gateway saw refused for a limit that cannot have cleared yet
+         (requests_per_minute, daily_token_budget) -> 429 at once, no actor call
+      2. class queue place (max_queue)                  -> 429 queue_full
+    ...tokenize, length checks (400; the place is given back)...
+    admit(principal, rid, prompt, max_tokens)
+      3. tenant limits: rate, tokens, budget, concurrency -> 429 / 400
+
+Step 1 is exact in one direction: refills only happen with time, and other gateways only
+consume more, so a tenant refused until ``t`` stays refused until ``t``; a reload of
+tenants.yaml (a raised limit) clears the memory. A rate-limited tenant therefore costs a
+dict lookup per request, not a tokenization.
+
+Every actor call has a timeout (``CALL_TIMEOUT_S``); an actor that does not answer (down,
+restarting) gives 503 with Retry-After, never a hang or a 500. Tickets and queue places are
+leased (``kvharbor.tenants.leases``) and renewed here every ``lease_s / 3``, so those of a
+gateway replica that dies come back within ``lease_s``.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ray.exceptions import RayActorError
+
+from kvharbor.actors.calls import await_or_undo
+from kvharbor.platform.openai_protocol import APIError
+from kvharbor.tenants.admission_actor import CALL_TIMEOUT_S
+from kvharbor.tenants.leases import DEFAULT_LEASE_S, LeaseKeeper
+
+STICKY_LIMITS = ("requests_per_minute", "daily_token_budget")
+"""Refusals that nothing but time clears (remembered per tenant until ``retry_after``)."""
+
+
+def unavailable(what: str) -> APIError:
+    return APIError(503, f"the {what} did not answer within {CALL_TIMEOUT_S:g} s; retry the request",
+                    "admission_unavailable", headers={"Retry-After": "1"})
+
+
+class Admitter:
+    """One per gateway replica. ``admission``: ``ActorAdmission``; ``class_queue``: actor handle."""
+
+    def __init__(self, admission, class_queue, registry, metrics, lease_s: float = DEFAULT_LEASE_S) -> None:
+        self.admission, self.class_queue, self.registry, self.metrics = admission, class_queue, registry, metrics
+        self.tickets = LeaseKeeper(admission.renew, lease_s / 3)
+        self.places = LeaseKeeper(lambda ids: class_queue.renew.remote(ids), lease_s / 3)
+        self._refused: dict[str, tuple[float, int, APIError]] = {}   # tenant -> (until, version, 429)
+
+    # ---- before tokenization -----------------------------------------------------------------
+    async def early(self, principal, rid: str) -> None:
+        """Steps 1 and 2; on success the caller owns a queue place (``leave`` gives it back)."""
+        refused = self._refused.get(principal.tenant)
+        if refused is not None:
+            until, version, error = refused
+            if time.time() < until and version == self.registry.version:
+                self.metrics.rate_limited(principal.tenant, error.code)
+                raise APIError(429, error.message, error.code,
+                               headers={"Retry-After": str(max(1, round(until - time.time())))})
+            self._refused.pop(principal.tenant, None)
+        await self._enter_queue(principal, rid)
+
+    async def _enter_queue(self, principal, rid: str) -> None:
+        classes = self.registry.config.qos_classes
+        priorities = {name: q.priority for name, q in classes.items()}
+        limit = principal.qos.max_queue
+        call = self.class_queue.enter.remote(principal.qos_name, priorities, limit, rid)
+        try:
+            ahead = await await_or_undo(
+                call, lambda ahead: ahead is None and self.leave(principal.qos_name, rid), CALL_TIMEOUT_S)
+        except (TimeoutError, RayActorError):
+            raise unavailable("class queue") from None
+        if ahead is not None:
+            self.metrics.rate_limited(principal.tenant, "queue_full")
+            raise APIError(429, f"the queue of QoS class {principal.qos_name!r} is full: {ahead} "
+                           f"requests of this or higher classes are in flight (max_queue {limit}); "
+                           "retry later", "queue_full", headers={"Retry-After": "1"})
+        self.places.hold(rid)
+
+    def leave(self, qos: str, rid: str) -> None:
+        """Give the queue place back (exactly once per place taken)."""
+        self.places.drop(rid)
+        self.class_queue.leave.remote(qos, rid)
+
+    # ---- after tokenization ------------------------------------------------------------------
+    async def admit(self, principal, rid: str, prompt_tokens: int, max_tokens: int):
+        """Step 3: the ticket (leased), or the 429/400; the queue place is given back on refusal."""
+        tenant, qos = principal.tenant, principal.qos_name
+        try:
+            admission = await self.admission.try_admit(tenant, principal.limits, prompt_tokens, max_tokens)
+        except (TimeoutError, RayActorError):
+            self.leave(qos, rid)
+            raise unavailable("admission service") from None
+        except BaseException:
+            self.leave(qos, rid)
+            raise
+        if admission.ok:
+            self.tickets.hold(admission.ticket.ticket_id)
+            return admission.ticket
+        self.leave(qos, rid)
+        headers = {}
+        if admission.status == 429:
+            self.metrics.rate_limited(tenant, admission.limit or "other")
+            headers = {"Retry-After": str(max(1, round(admission.retry_after_s or 1)))}
+        error = APIError(admission.status, admission.reason, admission.limit or "rate_limited", headers=headers)
+        if admission.status == 429 and admission.limit in STICKY_LIMITS and admission.retry_after_s:
+            self._refused[tenant] = (time.time() + admission.retry_after_s, self.registry.version, error)
+        raise error
+
+    async def release(self, ticket, tokens_used: int) -> None:
+        self.tickets.drop(ticket.ticket_id)
+        await self.admission.release(ticket, tokens_used)

@@ -1,0 +1,95 @@
+"""Leases expire unless renewed; a release after expiry undoes nothing twice."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvharbor.tenants.leases import LeaseKeeper, LeaseTable
+
+
+def test_a_lease_expires_only_without_renewal():
+    table = LeaseTable(lease_s=10)
+    table.add("a", "slot-a", now=0)
+    table.add("b", "slot-b", now=0)
+    assert table.renew(["a", "zzz"], now=6) == ["zzz"]
+    assert table.expire(now=9.9) == []
+    assert table.expire(now=10.0) == ["slot-b"]          # b was never renewed
+    assert table.expire(now=15.9) == [] and len(table) == 1
+    assert table.expire(now=16.0) == ["slot-a"]          # a: 10 s after its renewal at 6
+    assert table.pop("a") is None and table.renew(["a"], now=17) == ["a"]
+
+
+def test_pop_gives_the_payload_back_once():
+    table = LeaseTable(lease_s=10)
+    table.add("a", 42, now=0)
+    assert table.pop("a") == 42 and table.pop("a") is None and table.expire(now=100) == []
+
+
+def test_keeper_renews_what_it_holds_and_forgets_what_the_actor_lost():
+    table = LeaseTable(lease_s=0.3)
+    calls = []
+
+    async def renew(ids):
+        calls.append(list(ids))
+        return table.renew(ids)
+
+    async def scenario():
+        keeper = LeaseKeeper(renew, period_s=0.1)
+        for lease_id in ("a", "b"):
+            table.add(lease_id, lease_id)
+            keeper.hold(lease_id)
+        await asyncio.sleep(0.8)                  # > 2 lease times: alive only through renewals
+        alive = sorted(p for p in ("a", "b") if p not in table.expire())
+        table.pop("b")                            # the actor forgot b (say it restarted)
+        await asyncio.sleep(0.25)
+        keeper.drop("a")
+        return alive, set(keeper.held)
+
+    alive, held = asyncio.run(scenario())
+    assert alive == ["a", "b"] and len(calls) >= 5
+    assert held == set()                          # b forgotten after the actor said so; a dropped
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_an_unrenewed_admission_ticket_gives_its_slot_back():
+    from kvharbor.tenants.limits import AdmissionController
+    from kvharbor.tenants.schema import TenantLimits
+
+    clock = FakeClock()
+    ctl = AdmissionController(lease_s=10, lease_clock=clock)
+    lim = TenantLimits(max_concurrent_requests=2)
+    alive, dead = ctl.try_admit("t", lim, 5, 5).ticket, ctl.try_admit("t", lim, 5, 5).ticket
+    assert not ctl.try_admit("t", lim, 5, 5).ok                       # both slots taken
+    clock.t += 6
+    assert ctl.renew([alive.ticket_id]) == []                          # only its holder renews
+    clock.t += 5                                                       # dead: 11 s without renewal
+    assert ctl.usage("t")["in_flight"] == 1 and ctl.expired_total == 1
+    assert ctl.renew([dead.ticket_id]) == [dead.ticket_id]
+    assert ctl.release(dead, 0) is False and ctl.usage("t")["in_flight"] == 1   # not twice
+    assert ctl.try_admit("t", lim, 5, 5).ok
+    assert ctl.release(alive, 10) is True and ctl.usage("t")["in_flight"] == 1
+
+
+def test_an_unrenewed_class_queue_place_is_given_back():
+    from kvharbor.platform.class_queue import ClassQueue
+    from kvharbor.tenants.leases import LeaseTable
+
+    queue = ClassQueue(leases=LeaseTable(lease_s=10))
+    prio = {"standard": 1}
+    assert queue.enter("standard", prio, 2, "a", now=0) is None
+    assert queue.enter("standard", prio, 2, "b", now=0) is None
+    assert queue.enter("standard", prio, 2, "c", now=1) == 2            # full
+    assert queue.renew(["a"], now=8) == []
+    assert queue.enter("standard", prio, 2, "c", now=10.5) is None       # b expired at 10
+    queue.leave("standard", "b")                                         # late leave: a no-op
+    assert queue.snapshot() == {"standard": 2}
+    queue.leave("standard", "a")
+    queue.leave("standard", "a")                                         # twice: once
+    assert queue.snapshot() == {"standard": 1}
