@@ -2,7 +2,14 @@
 
 Concurrency: the engine is not thread-safe. Every engine call happens either in the event
 loop or inside ``engine.step`` run in a worker thread while ``_engine_lock`` is held, so the
-two never overlap. Aborts from disconnecting clients are queued and applied between steps.
+two never overlap. Aborts from disconnecting clients are queued and applied between steps;
+a request aborted by ``abort()`` (not by its client) ends its stream with finish_reason "abort".
+
+A failed step is isolated to its suspects (``_suspects``): the requests that have not produced
+a token yet, when there are some and others besides them (each of the others has come through a
+step that succeeded with its whole prompt). Only the suspects are failed, with a non-retryable error event (the gateway must not
+send a request that breaks steps to another replica); the others keep running. A step that
+fails with no newcomer, or with only newcomers, fails every request in it.
 """
 
 from __future__ import annotations
@@ -68,8 +75,11 @@ class LLMReplica:
         self._reported: dict = {"evictions": 0}      # counters already exported
 
     # ---- public methods (called through the DeploymentHandle) ----------------------------
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[dict]:
+    async def generate(self, request: GenerateRequest, replica_id: str | None = None) -> AsyncIterator[dict]:
         """Stream events for one request: ``{"token_ids", "text", "finish_reason", ...}``.
+
+        ``replica_id`` (read by the router) pins the call to that replica, e.g. the sibling of
+        an ``n > 1`` request to the replica that holds the prompt's KV.
 
         A bad request yields one ``{"error": ..., "status": 400}`` event. If the caller goes
         away (the stream is cancelled), the request is aborted and its blocks freed.
@@ -82,8 +92,8 @@ class LLMReplica:
                 self.engine.add_request(rid, request.prompt_token_ids, SamplingParams(**request.sampling),
                                         tenant=request.tenant, qos=request.qos,
                                         cache_salt=request.cache_salt)
-        except ValueError as e:
-            yield {"error": str(e), "status": 400}
+        except (ValueError, TypeError) as e:
+            yield {"error": str(e), "status": 400, "retryable": False}
             return
         self._streams[rid], self._meta[rid] = queue, request
         self._wake.set()
@@ -100,8 +110,18 @@ class LLMReplica:
                 self._aborts.add(rid)
                 self._wake.set()
 
-    async def abort(self, request_id: str) -> bool:
+    async def abort(self, request_id: str, replica_id: str | None = None) -> bool:
+        """Stop a request server-side; its stream ends with finish_reason "abort".
+
+        ``replica_id`` is read by the router, which then sends the call to that replica.
+        Returns False when this replica does not run ``request_id``.
+        """
+        queue = self._streams.get(request_id)
+        if queue is None:
+            return False
         self._aborts.add(request_id)
+        queue.put_nowait({"token_ids": [], "text": "", "finish_reason": "abort",
+                          "replica_id": self.replica_id})
         self._wake.set()
         return True
 
@@ -177,15 +197,27 @@ class LLMReplica:
         if not self.engine.has_unfinished():
             return []
         try:
-            return await asyncio.to_thread(self.engine.step)
+            outputs = await asyncio.to_thread(self.engine.step)
         except Exception as e:  # noqa: BLE001 - isolate the failure, keep serving
-            logger.exception("engine step failed; failing its %d requests", len(self.engine.requests))
-            for rid in list(self.engine.requests):
+            suspects = self._suspects()
+            logger.exception("engine step failed; failing %d of its %d requests", len(suspects),
+                             len(self.engine.requests))
+            isolated = len(suspects) < len(self.engine.requests)
+            for rid in suspects:
                 self.engine.abort(rid)
                 queue = self._streams.get(rid)
                 if queue is not None:
-                    queue.put_nowait({"error": f"engine step failed: {type(e).__name__}", "status": 500})
+                    queue.put_nowait({"error": f"the engine step failed on this request ({type(e).__name__}); "
+                                      "it was not retried", "status": 500, "code": "engine_step_failed",
+                                      "retryable": not isolated})
             return []
+        return outputs
+
+    def _suspects(self) -> list[str]:
+        """The requests to fail for a failed step (see the module docstring)."""
+        running = list(self.engine.requests)
+        newcomers = [rid for rid, req in self.engine.requests.items() if not req.output_token_ids]
+        return newcomers if newcomers and len(newcomers) < len(running) else running
 
     def _apply_aborts(self) -> None:
         for rid in self._aborts:
@@ -204,7 +236,9 @@ class LLMReplica:
         queue.put_nowait({"token_ids": out.new_token_ids, "text": out.new_text,
                           "finish_reason": out.finish_reason, "num_cached_tokens": out.num_cached_tokens,
                           "num_prompt_tokens": len(out.prompt_token_ids),
-                          "num_output_tokens": len(out.token_ids), "replica_id": self.replica_id})
+                          "num_output_tokens": len(out.token_ids), "replica_id": self.replica_id,
+                          **({"logprobs": [(lp.logprob, lp.top) for lp in out.new_logprobs]}
+                             if out.new_logprobs else {})})
 
     def _publish_events(self) -> None:
         if self.directory is not None:

@@ -119,6 +119,9 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
+        vocab = self.model.config.vocab_size
+        if not 0 <= min(prompt_token_ids) <= max(prompt_token_ids) < vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
         total = len(prompt_token_ids) + sampling.max_tokens
         if total > self.max_model_len:
             raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({sampling.max_tokens}) = "
@@ -163,7 +166,7 @@ class Engine:
             return []
         tokens = self.runner.execute(plan.scheduled)
         outputs = []
-        sampled = iter(tokens)
+        sampled, logprobs = iter(tokens), iter(self.runner.last_logprobs)
         for item in plan.scheduled:
             req = item.request
             samples = item.samples
@@ -171,7 +174,7 @@ class Engine:
             self.kv.cache_full_blocks(req)
             self.kv.free_outside_window(req)
             if samples:
-                outputs.append(self._append_token(req, next(sampled)))
+                outputs.append(self._append_token(req, next(sampled), next(logprobs)))
         return outputs
 
     def _flush_transfers(self) -> None:
@@ -179,7 +182,7 @@ class Engine:
         if self.transfer is not None and self.transfer.pending:
             self.transfer.flush()
 
-    def _append_token(self, req: Request, token: int) -> RequestOutput:
+    def _append_token(self, req: Request, token: int, logprobs=None) -> RequestOutput:
         req.all_token_ids.append(token)
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
@@ -194,7 +197,7 @@ class Engine:
             self.counters["finished"] += 1
         return RequestOutput(req.request_id, req.prompt_token_ids, req.output_token_ids,
                              req.output_text, req.finish_reason, max(req.num_cached_tokens, 0),
-                             [token], new_text)
+                             [token], new_text, None if logprobs is None else [logprobs])
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
         sp = req.sampling

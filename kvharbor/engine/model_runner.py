@@ -18,6 +18,7 @@ from kvharbor.kernels import KV_CACHE_DTYPES, LayerKVCache, get_attention_backen
 
 from . import attention
 from .request import Request
+from .logprobs import token_logprobs
 from .sampling import sample
 
 
@@ -52,6 +53,7 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
+        self.last_logprobs: list = []     # TokenLogprobs | None per sampled row of the last step
         self.backend = get_attention_backend(attention_backend, device)
         cfg = model.config
         self._hf_attention = cfg._attn_implementation
@@ -133,4 +135,6 @@ class ModelRunner:
         """Run the step and sample one token per request whose tokens are all computed."""
         logits = self.forward_logits(batch)
         sampling = [item.request for item in batch if item.samples]
-        return sample(logits, sampling) if sampling else []
+        tokens = sample(logits, sampling) if sampling else []
+        self.last_logprobs = token_logprobs(logits, sampling, tokens)   # None where not asked
+        return tokens

@@ -26,6 +26,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     min_tokens: int = 0
+    logprobs: int | None = None         # None: none; k: the sampled token's and the k best
 
     def validate(self) -> None:
         """Raise ValueError naming the field to fix."""
@@ -43,6 +44,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
 
 
 class Status(enum.Enum):
@@ -124,6 +127,7 @@ class RequestOutput:
     num_cached_tokens: int
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
+    new_logprobs: list | None = None    # TokenLogprobs per new token, when asked for
 
     @property
     def finished(self) -> bool:

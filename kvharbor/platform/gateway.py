@@ -1,7 +1,10 @@
 """Gateway: the OpenAI-compatible HTTP ingress. Everything that depends on the tenant.
 
-Per request: body size (413, before parsing) -> API key -> tenant (401) -> model check
-(404/403) -> tokenize and length checks (400) -> class queue (429) -> admission: rate limits,
+Per request: API key -> tenant (401, before any byte of the body is read; ``auth_gate``) ->
+body size (413, before parsing) -> JSON schema (400: unknown fields and OpenAI fields kvharbor
+does not implement are refused by name, ``openai_protocol``) -> model check (404/403) ->
+tenant refused earlier for a limit not yet cleared, class queue (429; both before tokenizing,
+``admission_flow``) -> tokenize and length checks (400) -> tenant limits: rate limits,
 budgets, concurrency (429) -> block hashes salted by the tenant's cache scope ->
 ``LLMReplica.generate`` through the KV-aware router -> JSON or SSE back, with
 ``usage.prompt_tokens_details.cached_tokens``.
@@ -13,6 +16,8 @@ OpenAPI schema (``/openapi.json``) declares each route's error statuses with tha
 Class queue (load shedding, ``platform.class_queue``): a request of class C is refused
 (429, ``queue_full``, Retry-After) when ``max_queue`` requests of C or higher-priority classes
 are in flight across all gateway replicas, so lower classes shed first under overload.
+Queue places and admission tickets are leased and renewed by this replica, so a replica that
+dies gives them back within the lease time; every control-plane call has a timeout (503).
 """
 
 
@@ -25,26 +30,30 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
+from ray.exceptions import RayActorError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvharbor.actors.calls import await_or_undo
 from kvharbor.engine.hashing import hash_prompt_blocks
 from kvharbor.engine.models import load_tokenizer, model_context_length
 from kvharbor.observability.metrics import get_metrics
+from kvharbor.platform.admission_flow import Admitter, unavailable
+from kvharbor.platform.auth_gate import AuthGateMiddleware, bearer_key
 from kvharbor.platform.body_limit import BodyLimitMiddleware
 from kvharbor.platform.class_queue import get_or_create_class_queue
 from kvharbor.platform.generation import GenerationRun, sse
 from kvharbor.platform.openai_protocol import (APIError, ChatRequest, ChatResponse,
-                                               CompletionRequest, CompletionResponse, ModelList,
-                                               error_response, error_responses)
+                                               CompletionRequest, CompletionResponse, ModelCard,
+                                               ModelList, error_response, error_responses)
 from kvharbor.platform.protocol import GenerateRequest
 from kvharbor.tenants import ActorAdmission, TenantError, TenantRegistry, get_or_create_admission_actor
+from kvharbor.tenants.admission_actor import CALL_TIMEOUT_S
 
 logger = logging.getLogger("kvharbor.gateway")
 
 api = FastAPI(title="kvharbor", version="0.1.0",
               description="OpenAI-compatible, tenant-aware LLM serving on Ray Serve.")
 api.add_middleware(BodyLimitMiddleware)
+api.add_middleware(AuthGateMiddleware)     # added last: runs first, before the body limit
 
 SSE = {"text/event-stream": {"schema": {
     "type": "object", "required": ["data"], "description": "with `stream: true`: one event per chunk",
@@ -59,6 +68,11 @@ async def _invalid(request: Request, exc: RequestValidationError) -> JSONRespons
     if first.get("type") == "json_invalid":
         return error_response(400, "request body is not valid JSON: send a JSON object encoded as UTF-8")
     where = _field_path(first.get("loc", ()))
+    if first.get("type") == "extra_forbidden":
+        return error_response(400, f"unknown field {where!r}: this route does not take it; remove it "
+                              "(see /openapi.json for the fields)", "unknown_field", where)
+    if not where and first.get("type") == "value_error":
+        return error_response(400, str(first.get("msg", "invalid request")).removeprefix("Value error, "))
     if not where:
         return error_response(400, "request body must be a JSON object (UTF-8 encoded) with the "
                                    "fields of this route")
@@ -147,10 +161,28 @@ class RunStream(StreamingResponse):
 
 
 def _bearer(request: Request) -> str | None:
-    header = request.headers.get("authorization", "")
-    return header[7:].strip() if header.lower().startswith("bearer ") else None
+    return bearer_key(request.headers)
 
 
+ADMIN = "admin"
+"""The principal ``AuthGateMiddleware`` leaves for an admin key on an /admin route."""
+
+
+def _logprobs(body, chat: bool) -> int | None:
+    """Alternatives per token the engine reports (None: no logprobs at all)."""
+    if chat:
+        return (body.top_logprobs or 0) if body.logprobs else None
+    return body.logprobs
+
+
+def _sibling_seed(seed: int | None, index: int) -> int | None:
+    """Choice ``index``'s seed: distinct per choice, reproducible, still a signed 64-bit int."""
+    if seed is None or index == 0:
+        return seed
+    return (seed + index + 2**63) % 2**64 - 2**63
+
+
+# Defined above the class: serve.ingress copies the methods with the globals of this moment.
 @serve.ingress(api)
 class Gateway:
     """Serve ingress deployment (options are set in ``kvharbor.platform.app``)."""
@@ -165,9 +197,11 @@ class Gateway:
         self.block_size = config["block_size"]
         self.max_body_bytes = config["max_body_bytes"]
         api.state.max_body_bytes = self.max_body_bytes          # read by BodyLimitMiddleware
+        api.state.authenticate = self._gate                     # read by AuthGateMiddleware
         self.admission = ActorAdmission(get_or_create_admission_actor())
         self.metrics = get_metrics()
         self.class_queue = get_or_create_class_queue()
+        self.admitter = Admitter(self.admission, self.class_queue, self.registry, self.metrics)
         self._watcher: asyncio.Task | None = None
         demo = self.registry.active_demo_keys()
         if demo:
@@ -179,9 +213,20 @@ class Gateway:
         if self._watcher is None:
             self._watcher = asyncio.get_running_loop().create_task(self.registry.watch(1.0))
 
-    def _authenticate(self, request: Request):
+    def _gate(self, key: str | None, path: str):
+        """The key check ``AuthGateMiddleware`` runs before the body is read (raises 401)."""
         self._start_watcher()
-        return self.registry.authenticate(_bearer(request))
+        if path.startswith("/admin/") and self.registry.is_admin(key):
+            return ADMIN
+        return self.registry.authenticate(key)
+
+    def _authenticate(self, request: Request):
+        """The principal the middleware found (or, outside it, the key checked now)."""
+        principal = getattr(request.state, "principal", None)
+        if principal is None or principal == ADMIN:
+            self._start_watcher()
+            return self.registry.authenticate(_bearer(request))
+        return principal
 
     def _check_model(self, principal, model: str) -> None:
         if model != self.model:
@@ -198,32 +243,46 @@ class Gateway:
     @api.get("/v1/models", response_model=ModelList, responses=error_responses(401))
     async def models(self, request: Request) -> dict:
         self._authenticate(request)
-        return {"object": "list", "data": [{"id": self.model, "object": "model", "created": 0,
-                                            "owned_by": "kvharbor", "max_model_len": self.context}]}
+        return {"object": "list", "data": [self._card()]}
+
+    @api.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=error_responses(401, 404))
+    async def model(self, model_id: str, request: Request) -> dict:
+        self._authenticate(request)
+        if model_id != self.model:
+            raise APIError(404, f"model {model_id!r} does not exist; this server serves {self.model!r} "
+                           "(see GET /v1/models)", "model_not_found", "model")
+        return self._card()
+
+    def _card(self) -> dict:
+        return {"id": self.model, "object": "model", "created": 0, "owned_by": "kvharbor",
+                "max_model_len": self.context}
 
     @api.post("/v1/completions", response_model=CompletionResponse,
               responses={200: {"content": SSE}, **GENERATE_ERRORS})
     async def completions(self, body: CompletionRequest, request: Request):
         principal = self._authenticate(request)
         self._check_model(principal, body.model)
-        if isinstance(body.prompt, str):
-            ids = list(self.tokenizer(body.prompt)["input_ids"])
-        else:
-            ids = list(body.prompt)
-            vocab = len(self.tokenizer)
-            if any(not 0 <= t < vocab for t in ids):
-                raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
-        return await self._serve(principal, body, ids, chat=False, request=request)
+        return await self._serve(principal, body, lambda: self._prompt_ids(body), chat=False)
 
     @api.post("/v1/chat/completions", response_model=ChatResponse,
               responses={200: {"content": SSE}, **GENERATE_ERRORS})
     async def chat_completions(self, body: ChatRequest, request: Request):
         principal = self._authenticate(request)
         self._check_model(principal, body.model)
+        return await self._serve(principal, body, lambda: self._chat_ids(body), chat=True)
+
+    def _prompt_ids(self, body: CompletionRequest) -> list[int]:
+        if isinstance(body.prompt, str):
+            return list(self.tokenizer(body.prompt)["input_ids"])
+        vocab = len(self.tokenizer)
+        if not 0 <= min(body.prompt, default=0) <= max(body.prompt, default=0) < vocab:
+            raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+        return list(body.prompt)
+
+    def _chat_ids(self, body: ChatRequest) -> list[int]:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        return await self._serve(principal, body, ids, chat=True, request=request)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     @api.get("/admin/tenants", responses=error_responses(401))
     async def admin_tenants(self, request: Request) -> dict:
@@ -245,53 +304,40 @@ class Gateway:
         if not self.registry.is_admin(key):
             self.registry.authenticate(key)          # 401 for bad keys first
             raise APIError(403, "this route needs an admin key", "permission_denied")
+        try:
+            in_flight = await asyncio.wait_for(self.class_queue.snapshot.remote(), CALL_TIMEOUT_S)
+        except (TimeoutError, RayActorError):
+            raise unavailable("class queue") from None
         return {**self.registry.status(), "demo_keys_active": self.registry.active_demo_keys(),
-                "in_flight_by_qos": await self.class_queue.snapshot.remote()}
+                "in_flight_by_qos": in_flight}
 
     # ---- generation ----------------------------------------------------------------------
-    async def _serve(self, principal, body, ids: list[int], chat: bool, request: Request):
+    async def _serve(self, principal, body, tokenize, chat: bool):
+        """Queue place (before tokenizing), prompt ids, tenant limits, then the generation."""
         tenant, qos = principal.tenant, principal.qos_name
-        max_tokens = self._max_tokens(body, ids, chat, principal)
-        await self._enter_queue(principal)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        await self.admitter.early(principal, rid)
         try:
-            admission = await self.admission.try_admit(tenant, principal.limits, len(ids), max_tokens)
+            ids = tokenize()
+            max_tokens = self._max_tokens(body, ids, chat, principal)
         except BaseException:
-            self.request_done(qos)
+            self.admitter.leave(qos, rid)
             raise
-        if not admission.ok:
-            self.request_done(qos)
-            if admission.status == 429:
-                self.metrics.rate_limited(tenant, admission.limit or "other")
-            headers = {"Retry-After": str(max(1, round(admission.retry_after_s or 1)))} \
-                if admission.status == 429 else {}
-            raise APIError(admission.status, admission.reason, admission.limit or "rate_limited",
-                           headers=headers)
-        gen_request = GenerateRequest(
-            request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", tenant=tenant, qos=qos,
-            prompt_token_ids=ids, block_hashes=hash_prompt_blocks(ids, self.block_size, principal.cache_salt),
-            sampling={"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
-                      "top_k": body.top_k, "seed": body.seed, "stop": body.stop_list(),
-                      "ignore_eos": body.ignore_eos},
+        ticket = await self.admitter.admit(principal, rid, len(ids), max_tokens)
+        logprobs = _logprobs(body, chat)
+        sampling = {"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
+                    "top_k": body.top_k, "seed": body.seed, "stop": body.stop_list(),
+                    "ignore_eos": body.ignore_eos, "logprobs": logprobs}
+        hashes = hash_prompt_blocks(ids, self.block_size, principal.cache_salt)
+        siblings = [GenerateRequest(
+            request_id=rid if i == 0 else f"{rid}-{i}", tenant=tenant, qos=qos, prompt_token_ids=ids,
+            block_hashes=hashes, sampling={**sampling, "seed": _sibling_seed(body.seed, i)},
             cache_salt=principal.cache_salt, priority=principal.qos.priority, pinned=principal.qos.pinned)
-        run = GenerationRun(self, gen_request, principal, admission.ticket, chat, body.model)
+            for i in range(body.n)]
+        run = GenerationRun(self, siblings, principal, ticket, chat, body.model, logprobs)
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return RunStream(run, sse(run.stream_chunks(include_usage)))
+            return RunStream(run, sse(run.stream_chunks(body.include_usage())))
         return JSONResponse(await run.complete())
-
-    async def _enter_queue(self, principal) -> None:
-        """429 when ``max_queue`` requests of this class or higher ones are in flight."""
-        classes = self.registry.config.qos_classes
-        priorities = {name: q.priority for name, q in classes.items()}
-        limit = principal.qos.max_queue
-        call = self.class_queue.enter.remote(principal.qos_name, priorities, limit)
-        ahead = await await_or_undo(
-            call, lambda ahead: ahead is None and self.request_done(principal.qos_name))
-        if ahead is not None:
-            self.metrics.rate_limited(principal.tenant, "queue_full")
-            raise APIError(429, f"the queue of QoS class {principal.qos_name!r} is full: {ahead} "
-                           f"requests of this or higher classes are in flight (max_queue {limit}); "
-                           "retry later", "queue_full", headers={"Retry-After": "1"})
 
     def _max_tokens(self, body, ids: list[int], chat: bool, principal) -> int:
         room = self.context - len(ids)
@@ -311,9 +357,9 @@ class Gateway:
                            "context_length_exceeded", "max_tokens")
         return body.max_tokens
 
-    def request_done(self, qos: str) -> None:
+    def request_done(self, qos: str, rid: str) -> None:
         """The request left the class queue (called exactly once per admitted request)."""
-        self.class_queue.leave.remote(qos)
+        self.admitter.leave(qos, rid)
 
 
 __all__ = ["Gateway", "api"]

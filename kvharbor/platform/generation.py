@@ -1,10 +1,19 @@
-"""One generation as the gateway runs it: replica call with retry, metrics, OpenAI shapes.
+"""One generation as the gateway runs it: replica calls with retry, metrics, OpenAI shapes.
 
 Retry rule: a request whose replica fails *before the first token* (the actor died, or its
-engine answered with a 5xx error event) is sent again, to another replica when there is one;
-once tokens have streamed, the stream ends with an OpenAI-shaped error event and ``[DONE]``
-(a non-streaming request gets 503 with Retry-After). When the client goes away the replica
-call is cancelled, which aborts the request in the engine and frees its blocks.
+engine answered with a retryable 5xx error event) is sent again, to another replica when there
+is one. A request the replica refused (a 4xx event) or whose own input made the engine step fail
+(an event with ``"retryable": false``: the replica found this request to be the step's suspect)
+is never sent again: it would fail the next replica's batch too. Once tokens have streamed,
+the stream ends with an OpenAI-shaped error event and ``[DONE]`` (a non-streaming request gets
+503 with Retry-After). When the client goes away the replica calls are cancelled, which aborts
+the request in the engine and frees its blocks.
+
+``n > 1``: the siblings are separate engine requests. The first is sent alone; the others are
+sent once it has produced its first token (its prompt's full blocks are then in that
+replica's prefix cache) and pinned to its replica, so they prefill only the last partial block.
+Usage counts the prompt once and the completion tokens of every choice.
+
 Every request ends in exactly one status: ok, error, aborted (client went away) or
 replica_failed, counted in ``kvharbor_requests``.
 """
@@ -16,9 +25,11 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 from ray.exceptions import RayActorError, RayTaskError
 
+from kvharbor.platform import openai_shapes as shapes
 from kvharbor.platform.openai_protocol import APIError, error_type
 
 logger = logging.getLogger("kvharbor.gateway")
@@ -27,7 +38,7 @@ MAX_ATTEMPTS = 3
 
 
 class ReplicaFailed(Exception):
-    """The replica answered with an internal error event (its engine failed)."""
+    """The replica answered with a retryable internal error event (its engine failed)."""
 
 
 REPLICA_ERRORS = (RayActorError, RayTaskError, ConnectionError, ReplicaFailed)
@@ -39,43 +50,73 @@ async def sse(chunks: AsyncIterator[dict | str]) -> AsyncIterator[str]:
         yield f"data: {chunk if isinstance(chunk, str) else json.dumps(chunk)}\n\n"
 
 
-class GenerationRun:
-    """Drives one request through ``LLMReplica.generate`` and records its metrics."""
+@dataclass(slots=True)
+class Choice:
+    """What one sibling (choice) has produced so far."""
 
-    def __init__(self, gateway, request, principal, ticket, chat: bool, model: str) -> None:
-        self.gw, self.req, self.principal, self.ticket = gateway, request, principal, ticket
-        self.chat, self.model = chat, model
+    text: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs: list[dict] = field(default_factory=list)
+    tokens: int = 0
+    chars: int = 0
+    cached_tokens: int = 0
+    last_token_at: float | None = None
+
+
+class GenerationRun:
+    """Drives one HTTP request (``n`` engine requests) through ``LLMReplica.generate``.
+
+    Args:
+        requests: the siblings (``n`` of them), the same prompt, distinct request ids.
+        logprobs: None, or how many alternatives per token (the OpenAI object is built).
+    """
+
+    def __init__(self, gateway, requests, principal, ticket, chat: bool, model: str,
+                 logprobs: int | None = None) -> None:
+        self.gw, self.reqs, self.principal, self.ticket = gateway, requests, principal, ticket
+        self.req = requests[0]
+        self.chat, self.model, self.want_logprobs = chat, model, logprobs is not None
         self.created = int(time.time())
         self.start = time.perf_counter()
         self.first_token_at: float | None = None
-        self.last_token_at: float | None = None
-        self.completion_tokens = 0
-        self.cached_tokens = 0
+        self.choices = [Choice() for _ in requests]
         self.replica_id: str | None = None
         self.status = "aborted"
-        self._stream = None               # the replica call in progress (None: none running)
+        self._streams: dict[int, object] = {}     # replica calls in progress, by choice index
+        self._prefilled = asyncio.Event()          # the first sibling has its first token
         self._finished = False
+        self._text_of = shapes.TokenText(gateway.tokenizer) if self.want_logprobs else None
 
     # ---- replica events --------------------------------------------------------------------
-    async def events(self) -> AsyncIterator[dict]:
-        """Token events from a replica, retried on replica failure before the first token."""
-        started = False
+    def _call(self, index: int):
+        generate = self.gw.llm.options(stream=True).generate
+        if index and self.replica_id is not None:
+            return generate.remote(self.reqs[index], replica_id=self.replica_id)
+        return generate.remote(self.reqs[index])
+
+    async def events(self, index: int = 0) -> AsyncIterator[dict]:
+        """Token events of choice ``index``, retried on replica failure before its first token."""
+        if index:
+            await self._prefilled.wait()
+        started = finished = False
         for attempt in range(1, MAX_ATTEMPTS + 1):
-            self._stream = self.gw.llm.options(stream=True).generate.remote(self.req)
+            self._streams[index] = self._call(index)
             try:
-                async for event in self._stream:
+                async for event in self._streams[index]:
                     if "error" in event:
-                        status = int(event.get("status", 500))
-                        if status >= 500:
-                            raise ReplicaFailed(event["error"])
-                        raise APIError(status, event["error"])
+                        _raise_error_event(event)
                     started = True
-                    self._observe(event)
+                    self._observe(index, event)
+                    if index == 0:
+                        self._prefilled.set()      # its prompt is cached now: siblings go
+                    finished = finished or event.get("finish_reason") is not None
                     yield event
-                self._stream = None
+                self._streams.pop(index, None)
+                if not finished:      # the replica ended the stream early: the request was aborted
+                    yield {"token_ids": [], "text": "", "finish_reason": "abort"}
                 return
             except REPLICA_ERRORS as e:
-                self._stream = None
+                self._streams.pop(index, None)
                 if started or attempt == MAX_ATTEMPTS:
                     self.status = "replica_failed"
                     raise APIError(503, f"the replica serving this request failed ({type(e).__name__}); "
@@ -83,29 +124,72 @@ class GenerationRun:
                 logger.warning("replica failed before the first token (attempt %d): %r", attempt, e)
                 await asyncio.sleep(0.2 * attempt)
             finally:
-                self.cancel()             # the client went away (or an error event): abort
+                if index == 0:
+                    self._prefilled.set()      # failed or done: siblings go on their own
+                self._cancel(index)            # the client went away (or an error event): abort
+
+    async def all_events(self) -> AsyncIterator[tuple[int, dict]]:
+        """``(choice index, event)`` of every sibling, in arrival order; the first error wins."""
+        if len(self.reqs) == 1:
+            async for event in self.events(0):
+                yield 0, event
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int) -> None:
+            try:
+                async for event in self.events(index):
+                    await queue.put((index, event, None))
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer
+                await queue.put((index, None, e))
+            await queue.put((index, None, None))
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(len(self.reqs))]
+        try:
+            open_ = len(tasks)
+            while open_:
+                index, event, error = await queue.get()
+                if error is not None:
+                    raise error
+                if event is None:
+                    open_ -= 1
+                    continue
+                yield index, event
+        finally:
+            for task in tasks:
+                task.cancel()
 
     def cancel(self) -> None:
-        """Abort the request on its replica if it is still running there (idempotent)."""
-        stream, self._stream = self._stream, None
+        """Abort every sibling still running on its replica (idempotent)."""
+        for index in list(self._streams):
+            self._cancel(index)
+
+    def _cancel(self, index: int) -> None:
+        stream = self._streams.pop(index, None)
         if stream is not None:
             stream.cancel()
 
-    def _observe(self, event: dict) -> None:
-        now = time.perf_counter()
+    def _observe(self, index: int, event: dict) -> None:
+        now, choice = time.perf_counter(), self.choices[index]
         n = len(event.get("token_ids", ()))
         if n and self.first_token_at is None:
             self.first_token_at = now
             decision_ms = self.req.metadata.get("router_decision_ms")
             if decision_ms is not None:
                 self.gw.metrics.router_decision(decision_ms / 1000.0)
-        elif n and self.last_token_at is not None:
-            self.gw.metrics.inter_token_latency(self.req.tenant, self.req.qos, (now - self.last_token_at) / n)
+        elif n and choice.last_token_at is not None:
+            self.gw.metrics.inter_token_latency(self.req.tenant, self.req.qos, (now - choice.last_token_at) / n)
         if n:
-            self.last_token_at = now
-        self.completion_tokens += n
-        self.cached_tokens = event.get("num_cached_tokens", self.cached_tokens)
-        self.replica_id = event.get("replica_id", self.replica_id)
+            choice.last_token_at = now
+        choice.tokens += n
+        choice.cached_tokens = event.get("num_cached_tokens", choice.cached_tokens)
+        if index == 0:
+            self.replica_id = event.get("replica_id", self.replica_id)
+
+    # ---- accounting ------------------------------------------------------------------------
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.tokens for c in self.choices)
 
     async def finish(self) -> None:
         """Record metrics and release the admission ticket; later calls do nothing."""
@@ -116,16 +200,16 @@ class GenerationRun:
         prompt = len(self.req.prompt_token_ids)
         m.request_finished(tenant, qos, self.status)
         m.request_latency(tenant, qos, time.perf_counter() - self.start)
-        m.tokens(tenant, qos, prompt, self.cached_tokens, self.completion_tokens)
+        m.tokens(tenant, qos, prompt, self.choices[0].cached_tokens, self.completion_tokens)
         if self.first_token_at is not None:
             ttft = self.first_token_at - self.start
             m.ttft(tenant, qos, ttft)
             slo_ms = self.principal.qos.ttft_slo_ms
             if slo_ms:
                 m.slo(tenant, qos, ttft * 1000.0 <= slo_ms)
-        self.gw.request_done(qos)
+        self.gw.request_done(qos, self.req.request_id)
         try:
-            await self.gw.admission.release(self.ticket, prompt + self.completion_tokens)
+            await self.gw.admitter.release(self.ticket, prompt + self.completion_tokens)
         except Exception:  # noqa: BLE001 - never fail a finished request on accounting
             logger.exception("admission release failed")
 
@@ -133,19 +217,19 @@ class GenerationRun:
         prompt = len(self.req.prompt_token_ids)
         return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
                 "total_tokens": prompt + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+                "prompt_tokens_details": {"cached_tokens": self.choices[0].cached_tokens}}
 
     # ---- OpenAI shapes ---------------------------------------------------------------------
-    def _choice(self, text: str, finish_reason: str | None, final: bool) -> dict:
-        if finish_reason == "abort":
-            finish_reason = "stop"
-        if not self.chat:
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        if final:
-            return {"index": 0, "message": {"role": "assistant", "content": text},
-                    "finish_reason": finish_reason}
-        return {"index": 0, "delta": {"content": text} if text or finish_reason else {"role": "assistant", "content": ""},
-                "finish_reason": finish_reason}
+    def _event_logprobs(self, index: int, event: dict) -> dict | None:
+        lps = event.get("logprobs")
+        if not self.want_logprobs or lps is None:
+            return None
+        ids = event.get("token_ids", [])
+        if self.chat:
+            return shapes.chat_logprobs(lps, ids, self._text_of)
+        part = shapes.completion_logprobs(lps, ids, self._text_of, self.choices[index].chars)
+        self.choices[index].chars += sum(len(t) for t in part["tokens"])
+        return part
 
     def _envelope(self, choices: list, chunk: bool) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
@@ -154,29 +238,36 @@ class GenerationRun:
 
     async def complete(self) -> dict:
         """Non-streaming: the whole answer as one OpenAI response."""
-        parts, reason = [], None
         try:
-            async for event in self.events():
-                parts.append(event.get("text", ""))
-                reason = event.get("finish_reason") or reason
+            async for index, event in self.all_events():
+                choice = self.choices[index]
+                choice.text.append(event.get("text", ""))
+                choice.finish_reason = event.get("finish_reason") or choice.finish_reason
+                part = self._event_logprobs(index, event)
+                if part is not None:
+                    choice.logprobs.append(part)
             self.status = "ok"
         except APIError:
             self.status = "error" if self.status == "aborted" else self.status
             raise
         finally:
+            self.cancel()
             await self.finish()
-        body = self._envelope([self._choice("".join(parts), reason, final=True)], chunk=False)
-        body["usage"] = self.usage()
-        return body
+        choices = [shapes.choice(i, "".join(c.text), c.finish_reason, self.chat, final=True,
+                                 logprobs=shapes.merge_logprobs(c.logprobs, self.chat))
+                   for i, c in enumerate(self.choices)]
+        return {**self._envelope(choices, chunk=False), "usage": self.usage()}
 
     async def stream_chunks(self, include_usage: bool) -> AsyncIterator[dict | str]:
         """Streaming: one chunk per event, an error event on failure, then ``[DONE]``."""
         try:
             if self.chat:
-                yield self._envelope([self._choice("", None, final=False)], chunk=True)
-            async for event in self.events():
-                yield self._envelope([self._choice(event.get("text", ""), event.get("finish_reason"),
-                                                   final=False)], chunk=True)
+                yield self._envelope([shapes.choice(i, "", None, True, final=False, first=True)
+                                      for i in range(len(self.reqs))], chunk=True)
+            async for index, event in self.all_events():
+                yield self._envelope([shapes.choice(index, event.get("text", ""), event.get("finish_reason"),
+                                                    self.chat, final=False,
+                                                    logprobs=self._event_logprobs(index, event))], chunk=True)
             self.status = "ok"
             if include_usage:
                 yield {**self._envelope([], chunk=True), "usage": self.usage()}
@@ -185,5 +276,15 @@ class GenerationRun:
             yield {"error": {"message": e.message, "type": error_type(e.status), "param": e.param,
                              "code": e.code}}
         finally:
+            self.cancel()
             await self.finish()
         yield "[DONE]"
+
+
+def _raise_error_event(event: dict) -> None:
+    """A replica's error event: retryable 5xx -> ReplicaFailed, anything else -> APIError."""
+    status = int(event.get("status", 500))
+    if status >= 500 and event.get("retryable", True):
+        raise ReplicaFailed(event["error"])
+    code = event.get("code") or ("engine_step_failed" if status >= 500 else "invalid_request_error")
+    raise APIError(status, event["error"], code)

@@ -8,10 +8,12 @@ content parts) so that no client input can reach the engine loop and fail it the
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, field_validator,
+                      model_validator)
 
 MAX_STOP_STRINGS = 8
 MAX_STOP_CHARS = 256
@@ -33,29 +35,94 @@ Text = Annotated[str, AfterValidator(_encodable)]
 """A string that encodes to UTF-8 (every string the gateway tokenizes or echoes)."""
 
 
+MAX_MESSAGES = 512
+"""Most messages in one chat request (each is templated and tokenized by the gateway)."""
+MAX_PROMPT_TOKEN_IDS = 131_072
+"""Most token ids in one completions prompt (the context check then applies)."""
+MAX_N = 8
+"""Most choices (``n``) per request."""
+MAX_TOP_LOGPROBS = 20
+
+
+def unsupported(tp, *neutral):
+    """The type of a field of OpenAI's API that kvharbor does not implement.
+
+    ``None`` and the ``neutral`` values (those that ask for the default behaviour, e.g.
+    ``frequency_penalty: 0``) pass; any other value is refused with a message naming the
+    field, so an SDK user gets an error rather than an answer that ignored the option. The
+    OpenAPI schema lists exactly the accepted values.
+    """
+    def check(value):
+        if value is None or any(type(value) is type(n) and value == n for n in neutral):
+            return value
+        allowed = " or ".join(["null"] + [json.dumps(n) for n in neutral])
+        raise ValueError(f"is not supported by kvharbor; omit it (or send {allowed})")
+
+    def schema_of(n) -> dict:
+        if n == {} or n == []:
+            return {"type": "object", "maxProperties": 0} if n == {} else {"type": "array", "maxItems": 0}
+        return {"const": n}
+    schema = {"anyOf": [{"type": "null"}] + [schema_of(n) for n in neutral],
+              "description": "Not supported: only " + " or ".join(["null"] + [json.dumps(n) for n in neutral])}
+    return Annotated[tp, AfterValidator(check), WithJsonSchema(schema)]
+
+
+NullOnlyStr = unsupported(str | None)
+NullOnlyDict = unsupported(dict | None)
+ZeroFloat = unsupported(float | None, 0.0)
+EmptyBias = unsupported(dict[str, float] | None, {})
+EmptyList = unsupported(list[dict] | None, [])
+
+
+def _ignored(what: str) -> str:
+    return f"Accepted and ignored: {what}."
+
+
 class StreamOptions(BaseModel):
-    include_usage: bool = Field(False, description="Send a final chunk with token usage.")
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool | None = Field(False, description="Send a final chunk with token usage.")
+    include_obfuscation: bool | None = Field(None, description=_ignored("no obfuscation padding is sent"))
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """Fields both generation routes share. Unknown fields are a 400 (``extra="forbid"``)."""
+
+    model_config = ConfigDict(extra="forbid")
     model: Text = Field(description="Model id, as listed by /v1/models.")
     max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate (>= 1). Default 16 (completions) or the rest of the context (chat), capped by the tenant's max_tokens_per_request.")
-    temperature: float = Field(1.0, ge=0.0, le=2.0, description=f"Sampling temperature in [0, 2]; 0 (or below {GREEDY_BELOW}) is greedy.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass in (0, 1].")
+    temperature: float | None = Field(1.0, ge=0.0, le=2.0, description=f"Sampling temperature in [0, 2]; 0 (or below {GREEDY_BELOW}) is greedy.")
+    top_p: float | None = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass in (0, 1].")
     top_k: int = Field(0, ge=0, description="Keep only the k most likely tokens (0: off). Not in OpenAI's API.")
-    n: int = Field(1, ge=1, le=1, description="Only 1 is supported.")
-    stream: bool = Field(False, description="Stream Server-Sent Events ending in `data: [DONE]`.")
+    n: int | None = Field(1, ge=1, le=MAX_N, description=f"Number of choices (1 to {MAX_N}); they share the prompt's KV cache.")
+    stream: bool | None = Field(False, description="Stream Server-Sent Events ending in `data: [DONE]`.")
     stream_options: StreamOptions | None = Field(None, description="Streaming options.")
     stop: Text | list[Text] | None = Field(None, description=f"Stop strings (up to {MAX_STOP_STRINGS}, each up to {MAX_STOP_CHARS} characters).")
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1, description="Seed for reproducible sampling (a signed 64-bit integer).")
-    ignore_eos: bool = Field(False, description="Keep generating after the end-of-sequence token.")
-    user: str | None = Field(None, description="End-user id (ignored).")
+    ignore_eos: bool = Field(False, description="Keep generating after the end-of-sequence token. Not in OpenAI's API.")
+    user: str | None = Field(None, description=_ignored("end-user id"))
+    frequency_penalty: ZeroFloat = Field(None, description="Not supported: only 0 or null.")
+    presence_penalty: ZeroFloat = Field(None, description="Not supported: only 0 or null.")
+    logit_bias: EmptyBias = Field(None, description="Not supported: only {} or null.")
 
-    @field_validator("temperature")
+    @field_validator("temperature", mode="after")
     @classmethod
-    def _tiny_is_greedy(cls, value: float) -> float:
-        return 0.0 if value < GREEDY_BELOW else value
+    def _tiny_is_greedy(cls, value: float | None) -> float:
+        return 1.0 if value is None else 0.0 if value < GREEDY_BELOW else value
+
+    @field_validator("top_p", mode="after")
+    @classmethod
+    def _top_p_default(cls, value: float | None) -> float:
+        return 1.0 if value is None else value
+
+    @field_validator("n", mode="after")
+    @classmethod
+    def _n_default(cls, value: int | None) -> int:
+        return 1 if value is None else value
+
+    @field_validator("stream", mode="after")
+    @classmethod
+    def _stream_default(cls, value: bool | None) -> bool:
+        return bool(value)
 
     @field_validator("stop")
     @classmethod
@@ -72,21 +139,45 @@ class _Common(BaseModel):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def _few_token_ids(value):
+    if isinstance(value, list) and len(value) > MAX_PROMPT_TOKEN_IDS:
+        raise ValueError(f"a token-id prompt may have at most {MAX_PROMPT_TOKEN_IDS} ids, got {len(value)}")
+    return value
+
 
 class CompletionRequest(_Common):
-    prompt: Text | list[int] = Field(description="Text, or a list of token ids (each in [0, vocabulary size)).")
+    prompt: Annotated[Text | list[int], AfterValidator(_few_token_ids)] = Field(
+        description=f"Text, or a list of token ids (each in [0, vocabulary size), at most {MAX_PROMPT_TOKEN_IDS}).")
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=f"Return the log-probability of each generated token and of the this many most likely tokens (0 to {MAX_TOP_LOGPROBS}).")
+    best_of: unsupported(int | None, 1) = Field(None, description="Not supported: only 1 or null.")
+    echo: unsupported(bool | None, False) = Field(None, description="Not supported: only false or null.")
+    suffix: unsupported(str | None, "") = Field(None, description="Not supported: only \"\" or null.")
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     type: Literal["text"] = Field(description="Only text parts are supported.")
     text: Text = Field(description="The text of this part.")
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """One message. The fields OpenAI's SDK echoes back on an assistant message (``refusal``,
+    ``tool_calls``, ...) are accepted when null, so a reply can be appended to the history."""
+
+    model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "tool", "developer"] = Field(description="Author role.")
     content: Text | list[TextPart] = Field(description="Text, or a list of {type: text, text} parts.")
+    name: NullOnlyStr = Field(None, description="Not supported: only null.")
+    tool_calls: EmptyList = Field(None, description="Not supported: only [] or null.")
+    tool_call_id: NullOnlyStr = Field(None, description="Not supported: only null.")
+    function_call: NullOnlyDict = Field(None, description="Not supported: only null.")
+    refusal: NullOnlyStr = Field(None, description="Only null.")
+    audio: NullOnlyDict = Field(None, description="Not supported: only null.")
+    annotations: EmptyList = Field(None, description="Only [] or null.")
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -95,7 +186,37 @@ class ChatMessage(BaseModel):
 
 
 class ChatRequest(_Common):
-    messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far (at least one message).")
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES, description=f"The conversation so far (1 to {MAX_MESSAGES} messages).")
+    max_completion_tokens: int | None = Field(None, ge=1, description="Most tokens to generate (>= 1); the same as max_tokens (send one of them).")
+    logprobs: bool | None = Field(False, description="Return the log-probability of each generated token.")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=f"With logprobs: also the this many most likely tokens at each position (0 to {MAX_TOP_LOGPROBS}).")
+    parallel_tool_calls: bool | None = Field(None, description=_ignored("tools are not supported"))
+    prompt_cache_key: str | None = Field(None, description=_ignored("prefix caching is automatic"))
+    safety_identifier: str | None = Field(None, description=_ignored("end-user id"))
+    service_tier: unsupported(str | None, "auto", "default") = Field(None, description="Only auto, default or null: the QoS class comes from the API key.")
+    store: unsupported(bool | None, False) = Field(None, description="Not supported: only false or null.")
+    metadata: unsupported(dict[str, str] | None, {}) = Field(None, description="Not supported: only {} or null.")
+    response_format: unsupported(dict | None, {"type": "text"}) = Field(None, description='Not supported: only {"type": "text"} or null.')
+    tools: EmptyList = Field(None, description="Not supported: only [] or null.")
+    tool_choice: unsupported(str | dict | None, "none") = Field(None, description='Not supported: only "none" or null.')
+    functions: EmptyList = Field(None, description="Not supported: only [] or null.")
+    function_call: unsupported(str | dict | None, "none") = Field(None, description='Not supported: only "none" or null.')
+    audio: NullOnlyDict = Field(None, description="Not supported: only null.")
+    modalities: unsupported(list[str] | None, ["text"]) = Field(None, description='Only ["text"] or null.')
+    prediction: NullOnlyDict = Field(None, description="Not supported: only null.")
+    reasoning_effort: NullOnlyStr = Field(None, description="Not supported: only null.")
+    verbosity: NullOnlyStr = Field(None, description="Not supported: only null.")
+    web_search_options: NullOnlyDict = Field(None, description="Not supported: only null.")
+
+    @model_validator(mode="after")
+    def _one_length_limit(self):
+        if self.max_completion_tokens is not None:
+            if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
+                raise ValueError("max_tokens and max_completion_tokens differ: send only max_completion_tokens")
+            self.max_tokens = self.max_completion_tokens
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
 
 
 # ---- responses (documented in the OpenAPI schema; the handlers build plain dicts) --------
@@ -114,11 +235,18 @@ class KvharborInfo(BaseModel):
     replica_id: str | None = Field(description="The LLM replica that served the request.")
 
 
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(description="Each generated token's text.")
+    token_logprobs: list[float] = Field(description="Natural-log probability of each token (the model's raw distribution).")
+    top_logprobs: list[dict[str, float]] = Field(description="The `logprobs` most likely tokens at each position.")
+    text_offset: list[int] = Field(description="Character offset of each token in the choice's text.")
+
+
 class CompletionChoice(BaseModel):
-    index: int = Field(description="Always 0 (n = 1).")
+    index: int = Field(description="Choice number, 0 to n - 1.")
     text: str = Field(description="Generated text.")
-    logprobs: None = Field(None, description="Not supported (always null).")
-    finish_reason: str | None = Field(description="'stop' or 'length'.")
+    logprobs: CompletionLogprobs | None = Field(None, description="With `logprobs` set: per-token log-probabilities.")
+    finish_reason: str | None = Field(description="'stop', 'length', or 'abort' (stopped by the server).")
 
 
 class CompletionResponse(BaseModel):
@@ -126,7 +254,7 @@ class CompletionResponse(BaseModel):
     object: Literal["text_completion"] = Field(description="Object type.")
     created: int = Field(description="Unix seconds.")
     model: str = Field(description="Model id.")
-    choices: list[CompletionChoice] = Field(description="One choice.")
+    choices: list[CompletionChoice] = Field(description="n choices.")
     usage: Usage = Field(description="Token counts.")
     kvharbor: KvharborInfo = Field(description="Serving details.")
 
@@ -136,10 +264,26 @@ class AssistantMessage(BaseModel):
     content: str = Field(description="Generated text.")
 
 
+class TopLogprob(BaseModel):
+    token: str = Field(description="Token text.")
+    logprob: float = Field(description="Natural-log probability.")
+    bytes: list[int] = Field(description="UTF-8 bytes of the token text.")
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(description="The `top_logprobs` most likely tokens here.")
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] = Field(description="One entry per generated token.")
+    refusal: None = Field(None, description="Always null.")
+
+
 class ChatChoice(BaseModel):
-    index: int = Field(description="Always 0 (n = 1).")
+    index: int = Field(description="Choice number, 0 to n - 1.")
     message: AssistantMessage = Field(description="The answer.")
-    finish_reason: str | None = Field(description="'stop' or 'length'.")
+    logprobs: ChatLogprobs | None = Field(None, description="With `logprobs: true`: per-token log-probabilities.")
+    finish_reason: str | None = Field(description="'stop', 'length', or 'abort' (stopped by the server).")
 
 
 class ChatResponse(BaseModel):
@@ -147,7 +291,7 @@ class ChatResponse(BaseModel):
     object: Literal["chat.completion"] = Field(description="Object type.")
     created: int = Field(description="Unix seconds.")
     model: str = Field(description="Model id.")
-    choices: list[ChatChoice] = Field(description="One choice.")
+    choices: list[ChatChoice] = Field(description="n choices.")
     usage: Usage = Field(description="Token counts.")
     kvharbor: KvharborInfo = Field(description="Serving details.")
 

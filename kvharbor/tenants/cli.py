@@ -15,6 +15,7 @@ import json
 import os
 import sys
 from datetime import timedelta
+from pathlib import Path
 
 from kvharbor.tenants.edit import EditError, NewKey, TenantsDocument
 from kvharbor.tenants.keys import hash_key
@@ -98,8 +99,11 @@ def _add_read_commands(sub: argparse._SubParsersAction, file_opt: dict) -> None:
     p.add_argument("name", nargs="?")
     p.add_argument("--file", **file_opt)
     p.add_argument("--usage-url", help="server base URL; fetches GET URL/admin/tenants")
+    p.add_argument("--admin-key-file", type=Path,
+                   help="file holding the admin key for --usage-url (preferred: not visible in `ps`)")
     p.add_argument("--admin-key", default=os.environ.get("KVHARBOR_ADMIN_KEY"),
-                   help="admin key for --usage-url (default: $KVHARBOR_ADMIN_KEY)")
+                   help="admin key for --usage-url (default: $KVHARBOR_ADMIN_KEY; visible in `ps`, "
+                        "prefer --admin-key-file or the variable)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_show)
 
@@ -217,7 +221,8 @@ def cmd_show(args: argparse.Namespace) -> int:
         return 1
     report = {n: describe_tenant(config, n) for n in names}
     if args.usage_url:
-        usage = _fetch_usage(args.usage_url, args.admin_key)
+        key = args.admin_key_file.read_text().strip() if args.admin_key_file else args.admin_key
+        usage = _fetch_usage(args.usage_url, key)
         if usage is None:
             return 1
         for n in names:

@@ -79,3 +79,200 @@ def test_unknown_model_is_404_and_context_overflow_is_400(client, kvharbor_app):
         client.completions.create(model="gpt-4", prompt="x")
     with pytest.raises(openai.BadRequestError, match="context of 4096 tokens"):
         client.completions.create(model=kvharbor_app.model, prompt="x", max_tokens=5000)
+
+
+# ---- fields of the OpenAI spec that kvharbor does not implement are refused by name ------------
+@pytest.mark.parametrize("field,value", [
+    ("frequency_penalty", 0.5), ("presence_penalty", -1.0), ("logit_bias", {"42": 5}),
+    ("echo", True), ("best_of", 3), ("suffix", " the end"),
+])
+def test_unsupported_completion_fields_are_400_naming_the_field(client, kvharbor_app, field, value):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=kvharbor_app.model, prompt="hi", max_tokens=2, **{field: value})
+    err = info.value.body
+    assert err["param"] == field and field in err["message"] and "not supported" in err["message"], err
+
+
+@pytest.mark.parametrize("field,value", [
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
+    ("tool_choice", "required"), ("response_format", {"type": "json_object"}), ("store", True),
+    ("metadata", {"k": "v"}), ("audio", {"voice": "alloy", "format": "wav"}),
+    ("modalities", ["text", "audio"]), ("prediction", {"type": "content", "content": "x"}),
+    ("reasoning_effort", "high"), ("verbosity", "low"), ("web_search_options", {}),
+    ("service_tier", "flex"), ("frequency_penalty", 1.0), ("logit_bias", {"1": -100}),
+])
+def test_unsupported_chat_fields_are_400_naming_the_field(client, kvharbor_app, field, value):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=kvharbor_app.model, max_tokens=2,
+                                       messages=[{"role": "user", "content": "hi"}], **{field: value})
+    err = info.value.body
+    assert err["param"] == field and field in err["message"], err
+
+
+def test_default_valued_fields_an_sdk_may_send_are_accepted(client, kvharbor_app):
+    """Neutral values (0 penalties, empty bias, text format, n=1, user ids) ask for nothing."""
+    out = client.chat.completions.create(
+        model=kvharbor_app.model, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+        frequency_penalty=0, presence_penalty=0, logit_bias={}, response_format={"type": "text"},
+        n=1, user="u1", store=False, tools=[], tool_choice="none", service_tier="auto",
+        stream=False, stream_options=None, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 2
+    out = client.completions.create(model=kvharbor_app.model, prompt="hi", max_tokens=2, echo=False,
+                                    best_of=1, frequency_penalty=0.0, user="u1", suffix=None,
+                                    extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 2
+
+
+def test_unknown_fields_are_400_naming_the_field(client, kvharbor_app):
+    with pytest.raises(openai.BadRequestError, match="unknown field 'temprature'") as info:
+        client.completions.create(model=kvharbor_app.model, prompt="hi", extra_body={"temprature": 0})
+    assert info.value.body["param"] == "temprature"
+    with pytest.raises(openai.BadRequestError, match="messages.0.nmae"):
+        client.chat.completions.create(model=kvharbor_app.model,
+                                       messages=[{"role": "user", "content": "hi", "nmae": "x"}])
+
+
+def test_an_sdk_reply_can_be_appended_to_the_history(client, kvharbor_app):
+    """The SDK's assistant message carries null refusal/tool_calls/audio: those are accepted."""
+    messages = [{"role": "user", "content": "Hello!"}]
+    first = client.chat.completions.create(model=kvharbor_app.model, messages=messages, max_tokens=4)
+    messages += [first.choices[0].message.model_dump(), {"role": "user", "content": "And?"}]
+    assert messages[1]["refusal"] is None and "tool_calls" in messages[1]
+    again = client.chat.completions.create(model=kvharbor_app.model, messages=messages, max_tokens=4)
+    assert again.usage.prompt_tokens > first.usage.prompt_tokens
+
+
+def test_max_completion_tokens_limits_the_answer(client, kvharbor_app):
+    out = client.chat.completions.create(model=kvharbor_app.model, max_completion_tokens=5,
+                                         messages=[{"role": "user", "content": "Count"}],
+                                         extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 5 and out.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError, match="max_completion_tokens"):
+        client.chat.completions.create(model=kvharbor_app.model, max_completion_tokens=5, max_tokens=6,
+                                       messages=[{"role": "user", "content": "Count"}])
+
+
+def test_models_retrieve(client, kvharbor_app):
+    card = client.models.retrieve(kvharbor_app.model)
+    assert card.id == kvharbor_app.model and card.object == "model"
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("gpt-4o")
+    assert info.value.body["code"] == "model_not_found" and "gpt-4o" in info.value.body["message"]
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=kvharbor_app.base_url + "/v1", api_key="nope",
+                      max_retries=0).models.retrieve(kvharbor_app.model)
+
+
+def test_server_side_abort_is_finish_reason_abort_not_stop(client, kvharbor_app):
+    """A request stopped by the server (LLMReplica.abort) ends with "abort", as vLLM reports it."""
+    from tests.reliability.helpers import replica_ids
+
+    stream = client.completions.create(model=kvharbor_app.model, prompt="Long story", max_tokens=3000,
+                                       stream=True, extra_body={"ignore_eos": True})
+    chunks = [next(stream)]
+    handle = kvharbor_app.replica_handle()
+    stopped = [handle.abort.remote(chunks[0].id, replica_id=rid).result(timeout_s=30) for rid in replica_ids()]
+    assert sum(stopped) == 1, stopped
+    chunks += list(stream)
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert reasons == ["abort"], reasons
+    assert sum(1 for c in chunks if c.choices and c.choices[0].text) < 3000
+
+
+# ---- logprobs / top_logprobs, checked against the model's own log-softmax ----------------------
+@pytest.fixture(scope="module")
+def reference():
+    """The model's raw next-token log-softmax over a token sequence (tiny-llama, float32, CPU)."""
+    import torch
+
+    from kvharbor.engine.models import load_model, load_tokenizer
+
+    loaded = load_model("kvharbor/tiny-llama", torch.float32, torch.device("cpu"))
+    tokenizer = load_tokenizer("kvharbor/tiny-llama")
+
+    def log_softmax(ids: list[int]):
+        with torch.no_grad():
+            logits = loaded.model(input_ids=torch.tensor([ids])).logits[0].float()
+        return torch.log_softmax(logits, dim=-1)                  # [len(ids), V]
+
+    def token_id(text: str) -> int:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert len(ids) == 1, (text, ids)
+        return ids[0]
+
+    log_softmax.token_id = token_id
+    log_softmax.tokenizer = tokenizer
+    return log_softmax
+
+
+def _check_against_reference(reference, prompt_ids, tokens, token_lps, tops, k):
+    ids = [reference.token_id(t) for t in tokens]
+    ref = reference(prompt_ids + ids)[len(prompt_ids) - 1:-1]      # row i predicts output token i
+    for i, tid in enumerate(ids):
+        assert abs(token_lps[i] - float(ref[i, tid])) < 2e-4, (i, token_lps[i], float(ref[i, tid]))
+        best = ref[i].topk(k).values.tolist()
+        assert len(tops[i]) == k and all(abs(a - b) < 2e-4 for a, b in zip(sorted(tops[i], reverse=True), best)), (tops[i], best)
+
+
+def test_completion_logprobs_are_the_models_own(client, kvharbor_app, reference):
+    prompt = [40, 41, 72, 101, 108, 108, 111, 32]
+    out = client.completions.create(model=kvharbor_app.model, prompt=prompt, max_tokens=8, temperature=0.8,
+                                    seed=11, logprobs=3, extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8
+    assert "".join(lp.tokens) == out.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(8)]
+    _check_against_reference(reference, prompt, lp.tokens, lp.token_logprobs,
+                             [list(d.values()) for d in lp.top_logprobs], 3)
+    plain = client.completions.create(model=kvharbor_app.model, prompt=prompt, max_tokens=2)
+    assert plain.choices[0].logprobs is None
+
+
+def test_chat_logprobs_streamed_equal_non_streamed_and_the_model(client, kvharbor_app, reference):
+    messages = [{"role": "user", "content": "Name a harbor."}]
+    kw = dict(model=kvharbor_app.model, messages=messages, max_tokens=6, temperature=0, logprobs=True,
+              top_logprobs=2, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kw)
+    content = whole.choices[0].logprobs.content
+    streamed = [c for chunk in client.chat.completions.create(stream=True, **kw) if chunk.choices
+                and chunk.choices[0].logprobs for c in chunk.choices[0].logprobs.content]
+    assert [c.token for c in streamed] == [c.token for c in content] and len(content) == 6
+    assert all(abs(a.logprob - b.logprob) < 1e-5 for a, b in zip(streamed, content))
+    assert all(c.bytes == list(c.token.encode()) for c in content)
+    assert all(abs(c.logprob - c.top_logprobs[0].logprob) < 1e-6 for c in content)    # greedy: the best
+    ids = reference.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    _check_against_reference(reference, ids, [c.token for c in content], [c.logprob for c in content],
+                             [[t.logprob for t in c.top_logprobs] for c in content], 2)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
+        client.chat.completions.create(model=kvharbor_app.model, messages=messages, top_logprobs=2)
+
+
+# ---- n > 1 ------------------------------------------------------------------------------------
+def test_n_choices_share_the_prompts_kv(client, kvharbor_app):
+    from tests.reliability.helpers import rand_text, replica_stats
+
+    prompt = rand_text(100, 4242)                    # 6 full blocks of 16 tokens, never seen before
+    hits_before = {s["replica_id"]: s["prefix_hit_tokens"] for s in replica_stats(kvharbor_app)}
+    out = client.completions.create(model=kvharbor_app.model, prompt=prompt, n=3, max_tokens=8,
+                                    temperature=1.0, seed=5, extra_body={"ignore_eos": True})
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert out.usage.prompt_tokens == 100 and out.usage.completion_tokens == 24
+    assert len({c.text for c in out.choices}) > 1, "seeded siblings must not repeat each other"
+    hits = {s["replica_id"]: s["prefix_hit_tokens"] - hits_before[s["replica_id"]]
+            for s in replica_stats(kvharbor_app)}
+    assert hits[out.kvharbor["replica_id"]] >= 2 * 96, hits        # both siblings reused 6 blocks
+    again = client.completions.create(model=kvharbor_app.model, prompt=prompt, n=3, max_tokens=8,
+                                      temperature=1.0, seed=5, extra_body={"ignore_eos": True})
+    assert [c.text for c in again.choices] == [c.text for c in out.choices]     # seeds per choice
+
+
+def test_n_choices_streamed(client, kvharbor_app):
+    chunks = list(client.chat.completions.create(
+        model=kvharbor_app.model, messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=5,
+        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    finished = sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason)
+    assert finished == [0, 1]
+    assert chunks[-1].usage.completion_tokens == 10
+    with pytest.raises(openai.BadRequestError, match="n"):
+        client.completions.create(model=kvharbor_app.model, prompt="x", n=9)

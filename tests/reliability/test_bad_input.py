@@ -174,3 +174,91 @@ def test_small_chunked_body_is_accepted(kvharbor_app):
     chunks = [b'{"model": "%s", ' % kvharbor_app.model.encode(), b'"prompt": "hi", "max_tokens": 2}']
     status, body = _raw_chunked_post(kvharbor_app.base_url, "/v1/completions", DEMO["standard"], chunks)
     assert status == 200, body[:300]
+
+
+def test_too_many_messages_is_400_with_the_limit(client, kvharbor_app):
+    from kvharbor.platform.openai_protocol import MAX_MESSAGES
+
+    messages = [{"role": "user", "content": "hi"}] * (MAX_MESSAGES + 1)
+    r = client.post("/v1/chat/completions", json={"model": kvharbor_app.model, "messages": messages})
+    err = assert_openai_error(r, 400, mentions=("messages", str(MAX_MESSAGES)))
+    assert err["param"] == "messages"
+
+
+def test_too_many_prompt_token_ids_is_400_with_the_limit(client, kvharbor_app):
+    from kvharbor.platform.openai_protocol import MAX_PROMPT_TOKEN_IDS
+
+    r = complete(client, kvharbor_app.model, [1] * (MAX_PROMPT_TOKEN_IDS + 1))
+    err = assert_openai_error(r, 400, mentions=("prompt", str(MAX_PROMPT_TOKEN_IDS)))
+    assert err["param"] == "prompt"
+
+
+@pytest.mark.parametrize("route,body", [
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 10}}),
+    ("/v1/completions", {"prompt": "hi", "temprature": 0.2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "name": "ann"}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream_options": {"x": 1}}),
+])
+def test_fields_kvharbor_does_not_implement_are_400_by_name(client, kvharbor_app, route, body):
+    r = client.post(route, json={"model": kvharbor_app.model, **body})
+    err = assert_openai_error(r, 400)
+    named = err["param"].split(".")[-1]
+    assert named in err["message"] and named in str(body), err
+
+
+def _raw_headers_only(base_url: str, path: str, key: str | None, declared: int) -> tuple[int, bytes, float]:
+    """Send only the request head, announcing ``declared`` body bytes that never come."""
+    import time
+
+    host, port = base_url.removeprefix("http://").split(":")
+    auth = f"Authorization: Bearer {key}\r\n" if key else ""
+    with socket.create_connection((host, int(port)), timeout=20) as s:
+        t0 = time.perf_counter()
+        s.sendall((f"POST {path} HTTP/1.1\r\nHost: {host}\r\n{auth}Content-Type: application/json\r\n"
+                   f"Content-Length: {declared}\r\n\r\n").encode())
+        data = b""
+        while b"\r\n\r\n" not in data or len(data) < _expected_len(data):
+            part = s.recv(65536)
+            if not part:
+                break
+            data += part
+        elapsed = time.perf_counter() - t0
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split(b" ")[1]), body, elapsed
+
+
+@pytest.mark.parametrize("key", [None, "kvh-wrong-key"])
+@pytest.mark.parametrize("declared", [1000, 4 * 1024 * 1024, 64 * 1024 * 1024])
+def test_401_comes_before_any_byte_of_the_body_is_read(kvharbor_app, key, declared):
+    """The body never arrives: a 401 within the socket timeout proves it was not waited for,
+    whatever its announced size (under or over the 413 limit)."""
+    status, body, elapsed = _raw_headers_only(kvharbor_app.base_url, "/v1/chat/completions", key, declared)
+    assert status == 401, body[:300]
+    assert httpx.Response(401, content=body).json()["error"]["code"] == "invalid_api_key"
+    assert elapsed < 15
+
+
+def test_unauthenticated_4mib_body_is_401_not_400(kvharbor_app):
+    """4 MiB of invalid JSON under a wrong key: the answer is about the key, not the body."""
+    junk = b"{" + b"x" * (4 * 1024 * 1024 - 1)
+    host, port = kvharbor_app.base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as s:
+        s.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer wrong\r\n"
+                   f"Content-Type: application/json\r\nContent-Length: {len(junk)}\r\n\r\n").encode())
+        try:
+            s.sendall(junk)
+        except (BrokenPipeError, ConnectionResetError):
+            pass                           # the server answered early and closed: fine
+        data = b""
+        while b"\r\n\r\n" not in data or len(data) < _expected_len(data):
+            try:
+                part = s.recv(65536)
+            except ConnectionResetError:
+                break
+            if not part:
+                break
+            data += part
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert int(head.split(b" ")[1]) == 401, data[:300]
+    assert httpx.Response(401, content=body).json()["error"]["code"] == "invalid_api_key"

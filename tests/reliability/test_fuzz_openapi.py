@@ -24,12 +24,32 @@ from tests.reliability.helpers import edited_tenants
 
 MAX_EXAMPLES = 40
 FUZZ_KEY = "kvh-fuzz-tenant-key-for-tests-only"
+
+
+@schemathesis.check
+def error_names_the_problem(ctx, response, case) -> bool | None:
+    """Every 4xx is the OpenAI error body with a message; a 400 for a field names that field
+    (``param`` set and in the message), else the message says what about the body is wrong."""
+    if response.status_code < 400:
+        return None
+    body = json.loads(response.content)
+    err = body["error"]
+    assert set(body) == {"error"} and isinstance(err["message"], str) and err["message"], body
+    assert err["type"] and err["code"], body
+    if response.status_code == 400 and err["param"] is not None:
+        assert err["param"].split(".")[-1] in err["message"], err
+    elif response.status_code == 400:
+        assert any(w in err["message"] for w in ("JSON", "body", "max_tokens", "logprobs", "prompt")), err
+    return None
+
+
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
-          response_headers_conformance, response_schema_conformance]
+          response_headers_conformance, response_schema_conformance, error_names_the_problem]
 POSITIVE, NEGATIVE = GenerationMode.POSITIVE, GenerationMode.NEGATIVE
 CASES = [("POST", "/v1/completions", POSITIVE), ("POST", "/v1/completions", NEGATIVE),
          ("POST", "/v1/chat/completions", POSITIVE), ("POST", "/v1/chat/completions", NEGATIVE),
-         ("GET", "/v1/models", POSITIVE), ("GET", "/healthz", POSITIVE),
+         ("GET", "/v1/models", POSITIVE), ("GET", "/v1/models/{model_id}", POSITIVE),
+         ("GET", "/healthz", POSITIVE),
          ("GET", "/admin/tenants", POSITIVE), ("GET", "/admin/tenants/status", POSITIVE)]
 """(method, path, mode); the GET routes take no input, so they have no invalid variant."""
 

@@ -1,0 +1,45 @@
+"""Log-probabilities of sampled tokens (OpenAI's ``logprobs`` / ``top_logprobs``).
+
+The numbers are the model's own: ``log_softmax`` of the raw logits of the step, before
+temperature, top-k or top-p (as vLLM reports them by default), in natural log units. For a
+request whose ``SamplingParams.logprobs`` is ``k`` (not None), each sampled token gets
+``TokenLogprobs(logprob, top)`` with ``top`` the ``k`` most likely ids, most likely first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .request import Request
+
+
+@dataclass(slots=True, frozen=True)
+class TokenLogprobs:
+    """The sampled token's log-probability and the ``k`` best ``(token id, logprob)``."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def token_logprobs(logits: torch.Tensor, requests: list[Request],
+                   chosen: list[int]) -> list[TokenLogprobs | None]:
+    """One entry per row of ``logits`` ``[B, V]``: None where the request asked for none.
+
+    One ``log_softmax`` over the rows that asked, one copy to the host.
+    """
+    rows = [i for i, r in enumerate(requests) if r.sampling.logprobs is not None]
+    out: list[TokenLogprobs | None] = [None] * len(requests)
+    if not rows:
+        return out
+    index = torch.tensor(rows, device=logits.device)
+    lp = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)      # [R, V]
+    picked = lp.gather(1, torch.tensor([chosen[i] for i in rows], device=lp.device)[:, None])
+    k = max(requests[i].sampling.logprobs for i in rows)
+    top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    picked, top_v, top_i = picked.cpu().tolist(), top_v.cpu().tolist(), top_i.cpu().tolist()
+    for j, i in enumerate(rows):
+        want = requests[i].sampling.logprobs
+        out[i] = TokenLogprobs(picked[j][0], tuple(zip(top_i[j][:want], top_v[j][:want])))
+    return out

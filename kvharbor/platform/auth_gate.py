@@ -1,0 +1,56 @@
+"""ASGI middleware: check the API key before any byte of the request body is read.
+
+An unauthenticated client must not make the gateway read, parse or validate its body (a
+4 MiB body with a wrong key costs one header lookup and a 401). For every path under a
+protected prefix the ``Authorization: Bearer`` key is checked with
+``scope["app"].state.authenticate(key, path)`` (set by the Gateway), which returns the
+principal or raises an error with ``status``, ``message`` and ``code`` (``TenantError``). The
+principal is left in ``scope["state"]["principal"]`` for the route handler, which therefore
+does not check the key again. Paths outside the prefixes (``/healthz``, ``/openapi.json``)
+pass untouched, as does everything when no ``authenticate`` is set (the app outside Serve).
+
+This middleware sits outside ``BodyLimitMiddleware``: a wrong key gets 401 even for a body
+over the size limit.
+"""
+
+from __future__ import annotations
+
+from kvharbor.platform.openai_protocol import error_response
+
+PROTECTED_PREFIXES = ("/v1/", "/admin/")
+
+
+def bearer_key(headers) -> str | None:
+    """The key of an ``Authorization: Bearer <key>`` header (raw ASGI or Starlette headers)."""
+    if isinstance(headers, list | tuple):
+        header = next((v.decode("latin-1") for k, v in headers if k == b"authorization"), "")
+    else:
+        header = headers.get("authorization", "")
+    return header[7:].strip() if header.lower().startswith("bearer ") else None
+
+
+class AuthGateMiddleware:
+    """Pure ASGI middleware; one call to ``authenticate`` per protected request."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        authenticate = getattr(getattr(scope.get("app"), "state", None), "authenticate", None)
+        if (scope["type"] != "http" or authenticate is None
+                or not scope.get("path", "").startswith(PROTECTED_PREFIXES)):
+            await self.app(scope, receive, send)
+            return
+        try:
+            principal = authenticate(bearer_key(scope.get("headers", ())), scope["path"])
+        except Exception as exc:  # noqa: BLE001 - only errors that carry a status are answers
+            status = getattr(exc, "status", None)
+            if not isinstance(status, int):
+                raise
+            response = error_response(status, getattr(exc, "message", str(exc)), getattr(exc, "code", None))
+            if scope.get("method") in ("POST", "PUT", "PATCH"):
+                response.headers["connection"] = "close"       # the unread body is not drained
+            await response(scope, receive, send)
+            return
+        scope.setdefault("state", {})["principal"] = principal
+        await self.app(scope, receive, send)

@@ -1,0 +1,72 @@
+"""OpenAI response shapes for one generation: choices, chunks and ``logprobs`` objects.
+
+Plain functions over plain dicts (the replica's token events); no I/O. ``finish_reason`` is
+"stop", "length", or "abort" when the server stopped the request before it finished (the
+value vLLM reports; it is never passed off as "stop").
+
+``logprobs`` in a replica event: one ``(logprob, ((token id, logprob), ...))`` pair per new
+token (natural log, the model's raw distribution, most likely alternative first).
+"""
+
+from __future__ import annotations
+
+
+class TokenText:
+    """Token id -> the text of that token alone (cached; the tokenizer is the gateway's)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._cache[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+
+def completion_logprobs(event_lps, token_ids, text_of: TokenText, offset: int) -> dict:
+    """The legacy completions ``logprobs`` object for the tokens of one event.
+
+    ``offset`` is the character offset of the first token in the choice's text.
+    """
+    tokens = [text_of(t) for t in token_ids]
+    offsets = []
+    for tok in tokens:
+        offsets.append(offset)
+        offset += len(tok)
+    return {"tokens": tokens, "token_logprobs": [lp for lp, _ in event_lps],
+            "top_logprobs": [{text_of(i): v for i, v in top} for _, top in event_lps],
+            "text_offset": offsets}
+
+
+def chat_logprobs(event_lps, token_ids, text_of: TokenText) -> dict:
+    """The chat ``logprobs`` object (``{"content": [...], "refusal": None}``) of one event."""
+    def entry(token_id: int, logprob: float) -> dict:
+        text = text_of(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+    content = [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top]}
+               for t, (lp, top) in zip(token_ids, event_lps)]
+    return {"content": content, "refusal": None}
+
+
+def merge_logprobs(parts: list[dict], chat: bool) -> dict | None:
+    """One ``logprobs`` object from the per-event ones of a choice (None if there are none)."""
+    if not parts:
+        return None
+    if chat:
+        return {"content": [c for p in parts for c in p["content"]], "refusal": None}
+    return {key: [v for p in parts for v in p[key]]
+            for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+
+
+def choice(index: int, text: str, finish_reason: str | None, chat: bool, final: bool,
+           logprobs: dict | None = None, first: bool = False) -> dict:
+    """One choice of a response (``final``) or of a streamed chunk (``first``: the role chunk)."""
+    if not chat:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    if final:
+        return {"index": index, "message": {"role": "assistant", "content": text},
+                "logprobs": logprobs, "finish_reason": finish_reason}
+    delta = {"role": "assistant", "content": ""} if first else {"content": text}
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}

@@ -1,0 +1,140 @@
+"""A failed engine step fails the request that caused it, not the batch; and is not retried.
+
+``LLMReplica`` runs outside Serve here (tiny-llama on the CPU). The model runner is made to
+fail any step that contains a "poison" prompt (token id 7 first), as a kernel failure on one
+request's input would. Requests already decoding keep running and finish whole; the poison
+request gets a non-retryable error event. The gateway's half: an event marked
+``retryable: false`` or a 4xx event reaches the client once, with no second replica call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvharbor.actors.replica import LLMReplica
+from kvharbor.platform.protocol import GenerateRequest
+
+POISON = 7
+
+
+def _request(rid: str, prompt: list[int], max_tokens: int) -> GenerateRequest:
+    return GenerateRequest(request_id=rid, tenant="t", qos="standard", prompt_token_ids=prompt,
+                           block_hashes=[], sampling={"max_tokens": max_tokens, "temperature": 0,
+                                                      "ignore_eos": True})
+
+
+async def _collect(replica: LLMReplica, request: GenerateRequest, started: asyncio.Event | None = None) -> list[dict]:
+    events = []
+    async for event in replica.generate(request):
+        events.append(event)
+        if started is not None and event.get("token_ids"):
+            started.set()
+    return events
+
+
+def _poison_runner(replica: LLMReplica) -> list[int]:
+    """Make every step that holds a poison prompt raise; returns the count of failed steps."""
+    failed = []
+    execute = replica.engine.runner.execute
+
+    def guarded(batch):
+        if any(item.request.prompt_token_ids[0] == POISON for item in batch):
+            failed.append(len(batch))
+            raise RuntimeError("kernel failed on this input")
+        return execute(batch)
+
+    replica.engine.runner.execute = guarded
+    return failed
+
+
+@pytest.fixture(scope="module")
+def replica():
+    return LLMReplica({"model": "kvharbor/tiny-llama", "device": "cpu", "num_kv_blocks": 128})
+
+
+def test_a_poison_request_fails_alone_and_the_batch_finishes(replica):
+    failed_steps = _poison_runner(replica)
+
+    async def scenario():
+        started = asyncio.Event()
+        good = [asyncio.create_task(_collect(replica, _request(f"good-{i}", [20 + i] * 30, 24),
+                                             started if i == 0 else None)) for i in range(3)]
+        await started.wait()                     # the good ones are decoding
+        bad = await _collect(replica, _request("bad", [POISON] + [30] * 40, 8))
+        return [await g for g in good], bad
+
+    good, bad = asyncio.run(scenario())
+    assert failed_steps, "the poison request never reached a step"
+    assert len(bad) == 1 and bad[0]["status"] == 500 and bad[0]["retryable"] is False, bad
+    assert bad[0]["code"] == "engine_step_failed"
+    for events in good:
+        assert "error" not in events[-1], events[-1]
+        assert sum(len(e["token_ids"]) for e in events) == 24 and events[-1]["finish_reason"] == "length"
+    replica.engine.check_integrity()
+    assert not replica.engine.requests
+
+
+def test_out_of_vocabulary_ids_are_refused_before_any_step(replica):
+    vocab = replica.engine.model.config.vocab_size
+    events = asyncio.run(_collect(replica, _request("oov", [1, vocab], 4)))
+    assert events == [{"error": f"prompt token ids must be in [0, {vocab})", "status": 400, "retryable": False}]
+
+
+class _FakeStream:
+    def __init__(self, events):
+        self.events = events
+
+    def __aiter__(self):
+        return self._gen()
+
+    async def _gen(self):
+        for e in self.events:
+            yield e
+
+    def cancel(self):
+        pass
+
+
+class _FakeLLM:
+    """Counts ``generate`` calls; every call answers with ``event``."""
+
+    def __init__(self, event):
+        self.event, self.calls = event, 0
+
+    def options(self, **_):
+        return self
+
+    @property
+    def generate(self):
+        return self
+
+    def remote(self, request):
+        self.calls += 1
+        return _FakeStream([self.event])
+
+
+@pytest.mark.parametrize("event,status,calls", [
+    ({"error": "bad", "status": 400, "retryable": False}, 400, 1),
+    ({"error": "step failed on it", "status": 500, "retryable": False, "code": "engine_step_failed"}, 500, 1),
+    ({"error": "replica engine failed", "status": 500}, 503, 3),
+])
+def test_gateway_retries_only_replica_failures(event, status, calls, monkeypatch):
+    from types import SimpleNamespace
+
+    from kvharbor.platform import generation
+    from kvharbor.platform.openai_protocol import APIError
+
+    monkeypatch.setattr(generation, "MAX_ATTEMPTS", 3)
+    llm = _FakeLLM(event)
+    gw = SimpleNamespace(llm=llm, metrics=None)
+    run = generation.GenerationRun(gw, [_request("r", [1, 2], 2)], None, None, chat=False, model="m")
+
+    async def drain():
+        async for _ in run.events():
+            pass
+
+    with pytest.raises(APIError) as info:
+        asyncio.run(drain())
+    assert info.value.status == status and llm.calls == calls
