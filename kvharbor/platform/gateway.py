@@ -117,6 +117,13 @@ async def _tenant_error(request: Request, exc: TenantError) -> JSONResponse:
     return error_response(exc.status, exc.message, exc.code)
 
 
+@api.exception_handler(TimeoutError)
+@api.exception_handler(RayActorError)
+async def _control_plane_down(request: Request, exc: Exception) -> JSONResponse:
+    """A control-plane actor (admission, class queue) did not answer: retryable, not a 500."""
+    return unavailable("admission service").response()
+
+
 @api.exception_handler(Exception)
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     logger.exception("unexpected error on %s", request.url.path)

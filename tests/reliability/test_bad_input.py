@@ -35,7 +35,7 @@ def test_max_tokens_beyond_the_context_names_the_largest_allowed(client, kvharbo
 
 @pytest.mark.parametrize("field,value", [
     ("max_tokens", "ten"), ("temperature", "hot"), ("stream", "sometimes"), ("prompt", 42),
-    ("prompt", [1, "two"]), ("stop", 7), ("seed", 2**70), ("n", 2),
+    ("prompt", [1, "two"]), ("stop", 7), ("seed", 2**70), ("n", 9), ("n", 0),
 ])
 def test_wrong_types_and_values_are_400_naming_the_field(client, kvharbor_app, field, value):
     body = {"model": kvharbor_app.model, "prompt": "hi", field: value}
@@ -262,3 +262,16 @@ def test_unauthenticated_4mib_body_is_401_not_400(kvharbor_app):
     head, _, body = data.partition(b"\r\n\r\n")
     assert int(head.split(b" ")[1]) == 401, data[:300]
     assert httpx.Response(401, content=body).json()["error"]["code"] == "invalid_api_key"
+
+
+def test_a_rate_limited_tenant_is_refused_before_its_prompt_is_tokenized(kvharbor_app):
+    """Once refused for requests_per_minute, a tenant's next request is a 429 even when its
+    prompt would fail tokenization checks (400): the gateway did not tokenize it."""
+    from tests.conftest import TEST_KEYS
+
+    with kvharbor_app.client(TEST_KEYS["limited"]) as c:
+        statuses = [complete(c, kvharbor_app.model, "hi", max_tokens=1).status_code for _ in range(16)]
+        assert statuses.count(429) >= 8, statuses          # 6 per minute: both gateways refused some
+        r = complete(c, kvharbor_app.model, "a" * 5000, max_tokens=1)     # 5000 tokens > context
+    assert_openai_error(r, 429, "requests_per_minute")
+    assert int(r.headers["retry-after"]) >= 1, r.headers

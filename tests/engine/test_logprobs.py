@@ -1,0 +1,40 @@
+"""Engine logprobs: the sampled token's and the k best, from the raw log-softmax of the step."""
+
+from __future__ import annotations
+
+import torch
+
+from kvharbor.engine.logprobs import token_logprobs
+from kvharbor.engine.request import Request, SamplingParams
+
+
+def _req(logprobs: int | None, temperature: float = 1.0) -> Request:
+    return Request("r", [1, 2], SamplingParams(logprobs=logprobs, temperature=temperature))
+
+
+def test_rows_that_ask_get_the_log_softmax_and_the_top_k():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 0.0, 5.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    out = token_logprobs(logits, [_req(2), _req(None), _req(0, temperature=0.1)], [1, 2, 3])
+    ref = torch.log_softmax(logits, dim=-1)
+    assert out[1] is None
+    assert abs(out[0].logprob - float(ref[0, 1])) < 1e-6
+    assert [i for i, _ in out[0].top] == [0, 1] and abs(out[0].top[0][1] - float(ref[0, 0])) < 1e-6
+    assert out[2].top == () and abs(out[2].logprob - float(ref[2, 3])) < 1e-6   # temperature not applied
+
+
+def test_offline_engine_reports_logprobs_per_generated_token():
+    from kvharbor import LLM
+
+    llm = LLM(device="cpu", num_kv_blocks=64)
+    engine = llm.engine
+    engine.add_request("a", [5, 6, 7, 8], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=3))
+    engine.add_request("b", [9, 10], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    seen = {"a": [], "b": []}
+    while engine.has_unfinished():
+        for out in engine.step():
+            seen[out.request_id].append(out.new_logprobs)
+    assert all(lp is None for lp in seen["b"]) and len(seen["a"]) == 4
+    for lps in seen["a"]:
+        (lp,) = lps
+        assert len(lp.top) == 3 and abs(lp.logprob - lp.top[0][1]) < 1e-5      # greedy: the best one
+        assert lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1]
