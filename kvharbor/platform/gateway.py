@@ -69,7 +69,7 @@ async def _invalid(request: Request, exc: RequestValidationError) -> JSONRespons
         return error_response(400, "request body is not valid JSON: send a JSON object encoded as UTF-8")
     where = _field_path(first.get("loc", ()))
     if first.get("type") == "extra_forbidden":
-        return error_response(400, f"unknown field {where!r}: this route does not take it; remove it "
+        return error_response(400, f"unknown field '{where}': this route does not take it; remove it "
                               "(see /openapi.json for the fields)", "unknown_field", where)
     if not where and first.get("type") == "value_error":
         return error_response(400, str(first.get("msg", "invalid request")).removeprefix("Value error, "))

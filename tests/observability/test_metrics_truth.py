@@ -99,11 +99,14 @@ def _by(prometheus, expr: str, *labels: str) -> dict[tuple, float]:
 
 
 def _wait_equal(read, want, timeout_s: float = 45.0):
+    """Poll ``read()`` until it equals ``want``; a 0 in ``want`` is a series that may not exist
+    (a Ray counter exports nothing until its first increment)."""
+    want = {k: v for k, v in want.items() if v != 0}
     deadline = time.monotonic() + timeout_s
-    got = read()
+    got = {k: v for k, v in read().items() if v != 0}
     while got != want and time.monotonic() < deadline:
         time.sleep(1.0)
-        got = read()
+        got = {k: v for k, v in read().items() if v != 0}
     assert got == want, (got, want)
 
 
@@ -128,6 +131,7 @@ def test_exported_counts_tokens_and_blocks_equal_the_responses_and_engines(kvhar
     for rid, s in stats.items():
         want_blocks[rid, "used"] = float(s["shared_blocks_used"])
         want_blocks[rid, "free+cached"] = float(s["shared_blocks_free"])
+
     def read_blocks():
         got = _by(prometheus, 'sum by (replica, state) (ray_kvharbor_kv_blocks{region="shared"})', "replica", "state")
         out = {}
