@@ -14,6 +14,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from kvharbor.kernels import AttentionPlan, paged_attention_cpu
+
 ATTN_IMPLEMENTATION = "kvharbor"
 
 
@@ -34,6 +36,8 @@ class AttentionContext:
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
     max_seq_len: int
+    plan: AttentionPlan | None = None      # the CPU backend's per-step plan (None: other backends)
+    plan_window: int | None = None         # the sliding window the plan was built for
 
 
 def kvharbor_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -42,12 +46,18 @@ def kvharbor_attention(module, query, key, value, attention_mask, scaling=None, 
     if kvh_ctx is None:
         raise RuntimeError("kvharbor attention needs the engine's per-step context (kvh_ctx)")
     cache = kvh_ctx.caches[module.layer_idx]
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    if kvh_ctx.plan is not None and sliding_window == kvh_ctx.plan_window:
+        # The CPU hot path: no copies of q/k/v, the plan shared by all layers.
+        k, v = key[0], value[0]                                        # [Hkv, T, D] views
+        kvh_ctx.backend.store_kv(k.transpose(0, 1), v.transpose(0, 1), cache, kvh_ctx.slot_mapping)
+        out = paged_attention_cpu(query[0], k, v, cache, kvh_ctx.plan, scaling)
+        return out.unsqueeze(0), None                                  # [1, T, H, D]
     q = query[0].transpose(0, 1)                 # [T, H, D]
     k = key[0].transpose(0, 1).contiguous()      # [T, Hkv, D]
     v = value[0].transpose(0, 1).contiguous()
     kvh_ctx.backend.store_kv(k, v, cache, kvh_ctx.slot_mapping)
-    if scaling is None:
-        scaling = q.shape[-1] ** -0.5
     out = kvh_ctx.backend.paged_attention(q.contiguous(), cache, kvh_ctx.block_tables,
                                           kvh_ctx.seq_lens, kvh_ctx.query_start_loc, scaling,
                                           sliding_window, kvh_ctx.max_seq_len)

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvharbor.kernels import KV_CACHE_DTYPES, LayerKVCache, get_attention_backend
+from kvharbor.kernels import KV_CACHE_DTYPES, LayerKVCache, get_attention_backend, plan_attention
 
 from . import attention
+from .models import uniform_sliding_window
 from .request import Request
 from .sampling import sample
 
@@ -55,6 +56,7 @@ class ModelRunner:
         self.backend = get_attention_backend(attention_backend, device)
         cfg = model.config
         self._hf_attention = cfg._attn_implementation
+        self.sliding_window = uniform_sliding_window(cfg)
         self.num_layers = cfg.num_hidden_layers
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -111,6 +113,10 @@ class ModelRunner:
             torch.tensor(slots, dtype=torch.int64, device=dev), table,
             torch.tensor(lens, dtype=torch.int32, device=dev),
             torch.tensor(qsl, dtype=torch.int32, device=dev), max(lens))
+        if getattr(self.backend, "plans", False):
+            ctx.plan = plan_attention(table, lens, qsl, bs, self.sliding_window,
+                                      use_new_kv=self.kv_cache_dtype == self.dtype)
+            ctx.plan_window = self.sliding_window
         return (torch.tensor([ids], device=dev), torch.tensor([pos], device=dev), ctx,
                 torch.tensor(logit_rows, dtype=torch.int64, device=dev))
 
