@@ -16,7 +16,7 @@ import torch
 
 from kvharbor.kernels import KV_CACHE_DTYPES, LayerKVCache, get_attention_backend, plan_attention
 
-from . import attention
+from . import attention, fast_model
 from .models import uniform_sliding_window
 from .request import Request
 from .sampling import sample
@@ -44,16 +44,27 @@ def kv_bytes_per_token(config, cache_dtype: torch.dtype) -> int:
     return 2 * config.num_hidden_layers * kv_heads * head_dim * elem
 
 
+def _model_path(model, choice: str):
+    """kvharbor's own forward (``FastCausalLM``) or None (transformers' forward)."""
+    if choice not in ("auto", "kvharbor", "transformers"):
+        raise ValueError(f"model_path must be 'auto', 'kvharbor' or 'transformers', got {choice!r}")
+    if choice == "transformers" or (choice == "auto" and not fast_model.supports(model)):
+        return None
+    return fast_model.FastCausalLM(model)      # raises for an unsupported model when forced
+
+
 class ModelRunner:
     """Owns the model, the KV cache tensors and the attention backend."""
 
     def __init__(self, model, num_blocks: int, block_size: int, device: torch.device,
-                 dtype: torch.dtype, attention_backend: str = "auto", kv_cache_dtype: str = "auto"):
+                 dtype: torch.dtype, attention_backend: str = "auto", kv_cache_dtype: str = "auto",
+                 model_path: str = "auto"):
         self.model = model
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
         self.backend = get_attention_backend(attention_backend, device)
+        self.fast = _model_path(model, model_path)
         cfg = model.config
         self._hf_attention = cfg._attn_implementation
         self.sliding_window = uniform_sliding_window(cfg)
@@ -66,6 +77,7 @@ class ModelRunner:
         # One row past the pool's blocks: the null block (id ``num_blocks``) that stands in for
         # blocks a sliding window released; attention masks it, nothing writes it.
         shape = (num_blocks + 1, block_size, self.num_kv_heads, self.head_dim)
+        self.null_block_id = num_blocks
         self.caches = [LayerKVCache(torch.zeros(shape, dtype=self.kv_cache_dtype, device=device),
                                     torch.zeros(shape, dtype=self.kv_cache_dtype, device=device))
                        for _ in range(self.num_layers)]
@@ -115,7 +127,8 @@ class ModelRunner:
             torch.tensor(qsl, dtype=torch.int32, device=dev), max(lens))
         if getattr(self.backend, "plans", False):
             ctx.plan = plan_attention(table, lens, qsl, bs, self.sliding_window,
-                                      use_new_kv=self.kv_cache_dtype == self.dtype)
+                                      use_new_kv=self.kv_cache_dtype == self.dtype,
+                                      pad_block=self.null_block_id)
             ctx.plan_window = self.sliding_window
         return (torch.tensor([ids], device=dev), torch.tensor([pos], device=dev), ctx,
                 torch.tensor(logit_rows, dtype=torch.int64, device=dev))
@@ -124,6 +137,8 @@ class ModelRunner:
     def forward_logits(self, batch: list[ScheduledRequest]) -> torch.Tensor:
         """Run the step; return logits ``[num_sampling_requests, vocab]``."""
         input_ids, positions, ctx, rows = self._build(batch)
+        if self.fast is not None:
+            return self.fast.forward(input_ids[0], positions[0], ctx, rows)
         keep = rows if rows.numel() else 1           # a pure prefill chunk samples nothing
         # The paged attention is switched on only for the engine's own forward, so
         # ``llm.hf_model`` stays a stock transformers model (the tests' oracle).

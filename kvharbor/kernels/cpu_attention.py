@@ -5,13 +5,17 @@ layer, gathers whole blocks padded to the longest sequence and zeroes the paddin
 host-side work happens once per step (:func:`plan_attention`), shared by all layers:
 
 * decode rows (one query) are sorted by K/V length and cut into groups of ``DECODE_GROUP``;
-  a group gathers exactly the key slots its sequences need, padded to the group's longest
-  with the sequence's own *first visible* slot (written, so finite; masked), and runs one SDPA
-  with the GQA query heads of a KV head as rows (``[B, Hkv, G, D]``), so K/V are never repeated;
+  a group gathers whole cache blocks (one contiguous copy per block: an order of magnitude
+  faster than per-slot gathers), padded to the group's longest sequence with the null block,
+  zeroes the few gathered slots a query may not see (block tails, keys before a window), and
+  runs one SDPA with the GQA query heads of a KV head as rows (``[B, Hkv, G, D]``);
 * a prefill with no earlier K/V (``kv_len == q_len``) attends over this step's own K/V rows
-  (no cache read), causal; other prefills gather their slots once and use a mask built once.
+  (no cache read), causal; other prefills gather their blocks once per layer, mask built once.
 
-Keys outside a sliding window are not gathered at all (decode) or masked (prefill).
+Zeroing matters: a slot past a sequence's end may hold anything (another request's stale
+keys, NaN in the kernel tests), and ``0 * NaN`` would leak through a masked softmax.
+Blocks wholly before a sliding window are not gathered (decode) and masked (prefill).
+All SDPA inputs are 4-D: 3-D ones take PyTorch's slow math path on CPU.
 Same math as the reference (masked softmax in the query dtype via SDPA); outputs match it to
 float rounding, which the kernel tests bound.
 """
@@ -30,22 +34,28 @@ DECODE_GROUP = 16
 
 @dataclass(slots=True)
 class DecodeGroup:
-    """Single-query sequences attended together: ``slots`` ``[B, L]`` int64 (padding repeats
-    the first visible slot), ``mask`` ``[B, 1, 1, L]`` bool, ``rows`` ``[B]`` query rows."""
+    """Single-query sequences attended together over ``blocks`` ``[B, nb]`` (int64; a shorter
+    sequence is padded with ``pad_block``). Gathered keys are ``[B, nb * bs]``; ``masked``
+    (flat indexes into them) are zeroed after the gather, so stale or unwritten slots never
+    reach the softmax; ``mask`` ``[B, 1, 1, nb * bs]`` float32 is 0 / -inf; ``rows`` ``[B]``
+    are the query rows."""
 
     rows: torch.Tensor
-    slots: torch.Tensor
+    blocks: torch.Tensor
+    masked: torch.Tensor
     mask: torch.Tensor
 
 
 @dataclass(slots=True)
 class PrefillSeq:
-    """Query rows ``[qs, qe)`` of one sequence; ``slots`` ``[K]`` and ``mask`` ``[Q, K]`` are None
-    for a fresh causal prefill (its K/V are this step's rows ``[qs, qe)``)."""
+    """Query rows ``[qs, qe)`` of one sequence. ``blocks``/``masked``/``mask`` (``[Q, nb * bs]``)
+    as for :class:`DecodeGroup`; all None for a fresh causal prefill (its K/V are this step's
+    rows ``[qs, qe)``)."""
 
     qs: int
     qe: int
-    slots: torch.Tensor | None
+    blocks: torch.Tensor | None
+    masked: torch.Tensor | None
     mask: torch.Tensor | None
 
 
@@ -57,13 +67,14 @@ class AttentionPlan:
 
 def plan_attention(block_tables: torch.Tensor, seq_lens: list[int], query_start_loc: list[int],
                    block_size: int, sliding_window: int | None = None,
-                   use_new_kv: bool = True) -> AttentionPlan:
+                   use_new_kv: bool = True, pad_block: int | None = None) -> AttentionPlan:
     """Build the step's plan from host lists (``seq_lens`` ``[B]``, ``query_start_loc`` ``[B+1]``)
     and the block table tensor ``[B, max_blocks]`` (on the device of the cache).
 
     ``use_new_kv=False`` (quantized caches) makes fresh prefills read the cache like every
-    other query, so all queries see the same (quantized) keys and values."""
-    dev = block_tables.device
+    other query, so all queries see the same (quantized) keys and values. ``pad_block``: a
+    block that always holds zeros (the engine's null block), used to pad short sequences
+    without zeroing their padding; None pads with the table's first entry and zeroes it."""
     decode, prefill = [], []
     for b, kv_len in enumerate(seq_lens):
         qs, qe = query_start_loc[b], query_start_loc[b + 1]
@@ -73,54 +84,64 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: list[int], query_start_
             prefill.append(_plan_prefill(block_tables[b], kv_len, qs, qe, block_size, sliding_window,
                                          use_new_kv))
     decode.sort(key=lambda b: seq_lens[b])
-    groups = []
-    for i in range(0, len(decode), DECODE_GROUP):
-        members = decode[i:i + DECODE_GROUP]
-        groups.append(_plan_decode(block_tables, seq_lens, query_start_loc, members, block_size,
-                                   sliding_window, dev))
+    groups = [_plan_decode(block_tables, seq_lens, query_start_loc, decode[i:i + DECODE_GROUP],
+                           block_size, sliding_window, pad_block)
+              for i in range(0, len(decode), DECODE_GROUP)]
     return AttentionPlan(groups, prefill)
 
 
-def _visible_start(kv_len: int, sliding_window: int | None) -> int:
-    """First key position the last query (at ``kv_len - 1``) may see."""
-    return max(0, kv_len - sliding_window) if sliding_window else 0
-
-
-def _plan_decode(block_tables, seq_lens, qsl, members, bs, sliding_window, dev) -> DecodeGroup:
-    starts = [_visible_start(seq_lens[b], sliding_window) for b in members]
-    counts = [seq_lens[b] - s for b, s in zip(members, starts)]
-    width = max(counts)
-    idx = torch.tensor(members, device=dev)
-    start = torch.tensor(starts, device=dev)[:, None]
-    count = torch.tensor(counts, device=dev)[:, None]
-    offs = torch.arange(width, device=dev)[None, :]
-    mask = offs < count                                              # [B, L]
-    pos = start + torch.where(mask, offs, 0)                         # padding -> first visible
-    table = block_tables[idx].long()
-    slots = table.gather(1, pos // bs) * bs + pos % bs
+def _plan_decode(block_tables, seq_lens, qsl, members, bs, sliding_window, pad_block) -> DecodeGroup:
+    dev = block_tables.device
+    lens = [seq_lens[b] for b in members]
+    # Whole blocks from the one holding the first visible key (sliding window) to the last.
+    first = [max(0, n - sliding_window) // bs if sliding_window else 0 for n in lens]
+    nblk = [-(-n // bs) - f for n, f in zip(lens, first)]
+    width = max(nblk)
+    cols = torch.tensor(first, device=dev)[:, None] + torch.arange(width, device=dev)[None, :]
+    real = torch.arange(width, device=dev)[None, :] < torch.tensor(nblk, device=dev)[:, None]
+    table = block_tables[torch.tensor(members, device=dev)].long()
+    fill = table[:, :1] if pad_block is None else torch.full_like(table[:, :1], pad_block)
+    blocks = torch.where(real, table.gather(1, torch.where(real, cols, 0)), fill)
+    k_pos = cols.repeat_interleave(bs, 1) * bs + torch.arange(bs, device=dev).repeat(width)[None, :]
+    q_pos = torch.tensor(lens, device=dev)[:, None] - 1
+    allowed = k_pos <= q_pos
+    if sliding_window:
+        allowed &= k_pos > q_pos - sliding_window
+    zero = ~allowed if pad_block is None else ~allowed & real.repeat_interleave(bs, 1)
     rows = torch.tensor([qsl[b] for b in members], device=dev)
-    return DecodeGroup(rows, slots, mask[:, None, None, :])
+    return DecodeGroup(rows, blocks, zero.view(-1).nonzero().view(-1), _additive(allowed)[:, None, None, :])
 
 
 def _plan_prefill(table_row, kv_len, qs, qe, bs, sliding_window, use_new_kv) -> PrefillSeq:
     q_len = qe - qs
     if use_new_kv and q_len == kv_len and (not sliding_window or sliding_window >= kv_len):
-        return PrefillSeq(qs, qe, None, None)
+        return PrefillSeq(qs, qe, None, None, None)
     dev = table_row.device
-    k_pos = torch.arange(kv_len, device=dev)
-    slots = table_row.long()[k_pos // bs] * bs + k_pos % bs
+    nb = -(-kv_len // bs)
+    k_pos = torch.arange(nb * bs, device=dev)
     q_pos = torch.arange(kv_len - q_len, kv_len, device=dev)[:, None]
-    mask = k_pos[None, :] <= q_pos
+    allowed = k_pos[None, :] <= q_pos
     if sliding_window:
-        mask &= k_pos[None, :] > q_pos - sliding_window
-    return PrefillSeq(qs, qe, slots, mask)
+        allowed &= k_pos[None, :] > q_pos - sliding_window
+    masked = (~allowed.any(0)).nonzero().view(-1)           # keys no query of this chunk sees
+    return PrefillSeq(qs, qe, table_row[:nb].long(), masked, _additive(allowed))
 
 
-def _rows(cache: torch.Tensor, slots: torch.Tensor, scale, dtype) -> torch.Tensor:
-    """Cache rows at ``slots`` (any shape ``S``): ``[*S, Hkv, D]`` in ``dtype``."""
+def _additive(allowed: torch.Tensor) -> torch.Tensor:
+    """0 where allowed, -inf elsewhere (float32: SDPA's CPU kernels take it faster than bool;
+    every row allows at least its own key, so no row is all -inf)."""
+    return torch.zeros(allowed.shape, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, masked: torch.Tensor, scale, dtype):
+    """Whole cache blocks ``blocks`` (any shape ``S``) as ``[*S * bs, Hkv, D]`` keys/values in
+    ``dtype``, zero at the flat key indexes ``masked`` (stale slots: finite after this)."""
     n, bs, hkv, d = cache.shape
-    flat = cache.view(n * bs, hkv, d).index_select(0, slots.reshape(-1))
-    return dequantize_kv(flat, scale, dtype).view(*slots.shape, hkv, d)
+    rows = cache.view(n, bs * hkv * d).index_select(0, blocks.reshape(-1))
+    rows = dequantize_kv(rows.view(-1, hkv, d), scale, dtype)
+    if masked.numel():
+        rows.index_fill_(0, masked, 0)
+    return rows.view(*blocks.shape[:-1], blocks.shape[-1] * bs, hkv, d)
 
 
 def paged_attention_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache,
@@ -128,32 +149,34 @@ def paged_attention_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     """Attention of the flattened step (this step's K/V already stored in ``cache``).
 
     Args:
-        query: ``[H, T, D]`` (a view; any strides).
-        key, value: this step's ``[Hkv, T, D]`` (used by fresh prefills only).
+        query: ``[T, H, D]`` (any strides).
+        key, value: this step's ``[T, Hkv, D]`` (read by fresh prefills only).
         cache: a ``LayerKVCache``.
     Returns:
         ``[T, H, D]`` in ``query.dtype``.
     """
-    h, t, d = query.shape
-    hkv = key.shape[0]
+    t, h, d = query.shape
+    hkv = key.shape[1]
     out = torch.empty(t, h, d, dtype=query.dtype, device=query.device)
     for g in plan.decode:
-        q = query.index_select(1, g.rows).transpose(0, 1).reshape(-1, hkv, h // hkv, d)
-        k = _rows(cache.key, g.slots, cache.k_scale, query.dtype).transpose(1, 2)
-        v = _rows(cache.value, g.slots, cache.v_scale, query.dtype).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale)
+        q = query.index_select(0, g.rows).view(-1, hkv, h // hkv, d)     # [B, Hkv, G, D]
+        k = _gather(cache.key, g.blocks, g.masked, cache.k_scale, query.dtype).transpose(1, 2)
+        v = _gather(cache.value, g.blocks, g.masked, cache.v_scale, query.dtype).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask.to(query.dtype), scale=scale)
         out.index_copy_(0, g.rows, o.reshape(-1, h, d))
+    # 4-D inputs: SDPA's CPU flash kernel (GQA included); 3-D ones take the slow math path.
     for p in plan.prefill:
-        q = query[:, p.qs:p.qe]
-        if p.slots is None:
-            o = F.scaled_dot_product_attention(q, key[:, p.qs:p.qe], value[:, p.qs:p.qe],
+        q = query[p.qs:p.qe].transpose(0, 1)[None]                         # [1, H, Q, D]
+        if p.blocks is None:
+            k, v = key[p.qs:p.qe], value[p.qs:p.qe]
+            o = F.scaled_dot_product_attention(q, k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                                is_causal=True, scale=scale, enable_gqa=h != hkv)
         else:
-            k = _rows(cache.key, p.slots, cache.k_scale, query.dtype).transpose(0, 1)
-            v = _rows(cache.value, p.slots, cache.v_scale, query.dtype).transpose(0, 1)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, scale=scale,
-                                               enable_gqa=h != hkv)
-        out[p.qs:p.qe] = o.transpose(0, 1)
+            k = _gather(cache.key, p.blocks, p.masked, cache.k_scale, query.dtype).transpose(0, 1)
+            v = _gather(cache.value, p.blocks, p.masked, cache.v_scale, query.dtype).transpose(0, 1)
+            o = F.scaled_dot_product_attention(q, k[None], v[None], attn_mask=p.mask.to(query.dtype),
+                                               scale=scale, enable_gqa=h != hkv)
+        out[p.qs:p.qe] = o[0].transpose(0, 1)
     return out
 
 

@@ -16,22 +16,21 @@ from kvharbor.kernels.reference import paged_attention_ref, store_kv_ref
 from .batch import TOLERANCE, make_batch
 
 
-def run_planned(batch, window=None, use_new_kv=True):
+def run_planned(batch, window=None, use_new_kv=True, pad_block=None):
     """The engine's call: plan once, then attend; this step's K/V are the last q_len rows."""
     q, c = batch.query, batch.cache
     qsl, lens = batch.query_start_loc.tolist(), batch.seq_lens.tolist()
-    plan = plan_attention(batch.block_tables, lens, qsl, c.key.shape[1], window, use_new_kv)
-    # This step's K/V rows [Hkv, T, D]: each sequence's last q_len tokens.
+    plan = plan_attention(batch.block_tables, lens, qsl, c.key.shape[1], window, use_new_kv, pad_block)
+    # This step's K/V rows [T, Hkv, D]: each sequence's last q_len tokens.
     starts = [sum(lens[:b]) for b in range(len(lens))]
     rows = torch.cat([torch.arange(s + n - (qsl[b + 1] - qsl[b]), s + n)
                       for b, (s, n) in enumerate(zip(starts, lens))]).to(batch.key.device)
-    k, v = batch.key[rows].transpose(0, 1), batch.value[rows].transpose(0, 1)
-    return paged_attention_cpu(q.transpose(0, 1), k, v, c, plan, q.shape[-1] ** -0.5)
+    return paged_attention_cpu(q, batch.key[rows], batch.value[rows], c, plan, q.shape[-1] ** -0.5)
 
 
-def check(batch, window=None, use_new_kv=True):
+def check(batch, window=None, use_new_kv=True, pad_block=None):
     q, c = batch.query, batch.cache
-    out = run_planned(batch, window, use_new_kv)
+    out = run_planned(batch, window, use_new_kv, pad_block)
     ref = paged_attention_ref(q, *batch.args, q.shape[-1] ** -0.5, window, c.k_scale, c.v_scale)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert torch.isfinite(out).all(), "read poisoned (unowned) cache memory"
@@ -70,6 +69,18 @@ def test_fresh_prefill_uses_this_steps_kv_without_reading_the_cache():
     before = run_planned(batch)
     batch.cache.key.fill_(float("nan"))
     torch.testing.assert_close(run_planned(batch), before, atol=0, rtol=0)
+
+
+def test_padding_with_a_zero_block_matches_reference():
+    """The engine pads short sequences of a decode group with its null block (zeros)."""
+    q_lens, kv_lens = [1, 1, 1, 1], [5, 200, 37, 64]
+    batch = make_batch(q_lens, kv_lens, heads=4, kv_heads=2, head_dim=32, block_size=16,
+                       dtype=torch.float32, seed=4, num_blocks=40)
+    used = {int(batch.block_tables[b, i]) for b, n in enumerate(kv_lens) for i in range(-(-n // 16))}
+    zero_block = min(set(range(40)) - used)
+    batch.cache.key[zero_block] = 0
+    batch.cache.value[zero_block] = 0
+    check(batch, pad_block=zero_block)
 
 
 def test_store_kv_cpu_writes_the_same_bytes_as_the_reference():
