@@ -118,20 +118,24 @@ class ModelRunner:
             if item.samples:
                 logit_rows.append(qsl[-1] - 1)
         width = max(len(t) for t in tables)
-        dev = self.device
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev)
+        table = self._upload([t + [0] * (width - len(t)) for t in tables], torch.int32)
         ctx = attention.AttentionContext(
-            self.caches, self.backend,
-            torch.tensor(slots, dtype=torch.int64, device=dev), table,
-            torch.tensor(lens, dtype=torch.int32, device=dev),
-            torch.tensor(qsl, dtype=torch.int32, device=dev), max(lens))
+            self.caches, self.backend, self._upload(slots, torch.int64), table,
+            self._upload(lens, torch.int32), self._upload(qsl, torch.int32), max(lens))
         if getattr(self.backend, "plans", False):
             ctx.plan = plan_attention(table, lens, qsl, bs, self.sliding_window,
                                       use_new_kv=self.kv_cache_dtype == self.dtype,
                                       pad_block=self.null_block_id)
             ctx.plan_window = self.sliding_window
-        return (torch.tensor([ids], device=dev), torch.tensor([pos], device=dev), ctx,
-                torch.tensor(logit_rows, dtype=torch.int64, device=dev))
+        return (self._upload([ids], torch.int64), self._upload([pos], torch.int64), ctx,
+                self._upload(logit_rows, torch.int64))
+
+    def _upload(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """A host list as a device tensor: on CUDA staged in pinned memory and copied without
+        blocking the host (the copy is ordered before the step's kernels on the stream)."""
+        if self.device.type != "cuda":
+            return torch.tensor(values, dtype=dtype)
+        return torch.tensor(values, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def forward_logits(self, batch: list[ScheduledRequest]) -> torch.Tensor:
