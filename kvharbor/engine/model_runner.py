@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvharbor.kernels import KV_CACHE_DTYPES, LayerKVCache, get_attention_backend, plan_attention
+from kvharbor.kernels import KV_CACHE_DTYPES, LayerKVCache, cpu_decode, get_attention_backend, plan_attention
 
 from . import attention, fast_model
 from .models import uniform_sliding_window
@@ -81,6 +81,8 @@ class ModelRunner:
         self.caches = [LayerKVCache(torch.zeros(shape, dtype=self.kv_cache_dtype, device=device),
                                     torch.zeros(shape, dtype=self.kv_cache_dtype, device=device))
                        for _ in range(self.num_layers)]
+        self.decode_kernel = (getattr(self.backend, "plans", False) and device.type == "cpu"
+                              and self.kv_cache_dtype == dtype == torch.float32 and cpu_decode.available())
         if KV_CACHE_DTYPES[kv_cache_dtype] is not None:
             from .kv_calibration import calibrate_kv_scales  # noqa: PLC0415
 
@@ -125,7 +127,8 @@ class ModelRunner:
         if getattr(self.backend, "plans", False):
             ctx.plan = plan_attention(table, lens, qsl, bs, self.sliding_window,
                                       use_new_kv=self.kv_cache_dtype == self.dtype,
-                                      pad_block=self.null_block_id)
+                                      pad_block=self.null_block_id,
+                                      decode_kernel=self.decode_kernel)
             ctx.plan_window = self.sliding_window
         return (self._upload([ids], torch.int64), self._upload([pos], torch.int64), ctx,
                 self._upload(logit_rows, torch.int64))

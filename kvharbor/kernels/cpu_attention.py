@@ -12,6 +12,9 @@ host-side work happens once per step (:func:`plan_attention`), shared by all lay
 * a prefill with no earlier K/V (``kv_len == q_len``) attends over this step's own K/V rows
   (no cache read), causal; other prefills gather their blocks once per layer, mask built once.
 
+Where the C++ kernel of :mod:`.cpu_decode` is built and the cache is float32, all decodes
+go to it instead (one pass over the K/V bytes, read in place; ~10x faster than the groups).
+
 Zeroing matters: a slot past a sequence's end may hold anything (another request's stale
 keys, NaN in the kernel tests), and ``0 * NaN`` would leak through a masked softmax.
 Blocks wholly before a sliding window are not gathered (decode) and masked (prefill).
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import cpu_decode
 from .reference import dequantize_kv, quantize_kv
 
 DECODE_GROUP = 16
@@ -60,21 +64,36 @@ class PrefillSeq:
 
 
 @dataclass(slots=True)
+class DecodeRows:
+    """All single-query sequences for the C++ kernel (:mod:`.cpu_decode`), which reads the
+    cache in place: ``rows`` ``[B]`` query rows, ``tables`` ``[B, W]``, keys
+    ``[starts, lens)`` (int64)."""
+
+    rows: torch.Tensor
+    tables: torch.Tensor
+    starts: torch.Tensor
+    lens: torch.Tensor
+
+
+@dataclass(slots=True)
 class AttentionPlan:
     decode: list[DecodeGroup]
     prefill: list[PrefillSeq]
+    decode_rows: DecodeRows | None = None
 
 
 def plan_attention(block_tables: torch.Tensor, seq_lens: list[int], query_start_loc: list[int],
                    block_size: int, sliding_window: int | None = None,
-                   use_new_kv: bool = True, pad_block: int | None = None) -> AttentionPlan:
+                   use_new_kv: bool = True, pad_block: int | None = None,
+                   decode_kernel: bool = False) -> AttentionPlan:
     """Build the step's plan from host lists (``seq_lens`` ``[B]``, ``query_start_loc`` ``[B+1]``)
     and the block table tensor ``[B, max_blocks]`` (on the device of the cache).
 
     ``use_new_kv=False`` (quantized caches) makes fresh prefills read the cache like every
     other query, so all queries see the same (quantized) keys and values. ``pad_block``: a
     block that always holds zeros (the engine's null block), used to pad short sequences
-    without zeroing their padding; None pads with the table's first entry and zeroes it."""
+    without zeroing their padding; None pads with the table's first entry and zeroes it.
+    ``decode_kernel``: plan every decode for the C++ kernel (float32 caches, kernel built)."""
     decode, prefill = [], []
     for b, kv_len in enumerate(seq_lens):
         qs, qe = query_start_loc[b], query_start_loc[b + 1]
@@ -83,6 +102,14 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: list[int], query_start_
         elif qe > qs:
             prefill.append(_plan_prefill(block_tables[b], kv_len, qs, qe, block_size, sliding_window,
                                          use_new_kv))
+    if decode_kernel and decode:
+        dev = block_tables.device
+        idx = torch.tensor(decode, device=dev)
+        starts = [max(0, seq_lens[b] - sliding_window) if sliding_window else 0 for b in decode]
+        rows = DecodeRows(torch.tensor([query_start_loc[b] for b in decode], device=dev),
+                          block_tables.index_select(0, idx).long(),
+                          torch.tensor(starts, device=dev), torch.tensor([seq_lens[b] for b in decode], device=dev))
+        return AttentionPlan([], prefill, rows)
     decode.sort(key=lambda b: seq_lens[b])
     groups = [_plan_decode(block_tables, seq_lens, query_start_loc, decode[i:i + DECODE_GROUP],
                            block_size, sliding_window, pad_block)
@@ -158,6 +185,11 @@ def paged_attention_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     t, h, d = query.shape
     hkv = key.shape[1]
     out = torch.empty(t, h, d, dtype=query.dtype, device=query.device)
+    if plan.decode_rows is not None:
+        r = plan.decode_rows
+        q = query.index_select(0, r.rows)                                # [B, H, D] contiguous
+        out.index_copy_(0, r.rows, cpu_decode.paged_decode(q, cache.key, cache.value, r.tables,
+                                                           r.starts, r.lens, scale))
     for g in plan.decode:
         q = query.index_select(0, g.rows).view(-1, hkv, h // hkv, d)     # [B, Hkv, G, D]
         k = _gather(cache.key, g.blocks, g.masked, cache.k_scale, query.dtype).transpose(1, 2)

@@ -9,18 +9,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvharbor.kernels import CpuBackend, get_attention_backend
+from kvharbor.kernels import CpuBackend, cpu_decode, get_attention_backend
 from kvharbor.kernels.cpu_attention import DECODE_GROUP, paged_attention_cpu, plan_attention, store_kv_cpu
 from kvharbor.kernels.reference import paged_attention_ref, store_kv_ref
 
 from .batch import TOLERANCE, make_batch
 
 
-def run_planned(batch, window=None, use_new_kv=True, pad_block=None):
+def run_planned(batch, window=None, use_new_kv=True, pad_block=None, decode_kernel=False):
     """The engine's call: plan once, then attend; this step's K/V are the last q_len rows."""
     q, c = batch.query, batch.cache
     qsl, lens = batch.query_start_loc.tolist(), batch.seq_lens.tolist()
-    plan = plan_attention(batch.block_tables, lens, qsl, c.key.shape[1], window, use_new_kv, pad_block)
+    plan = plan_attention(batch.block_tables, lens, qsl, c.key.shape[1], window, use_new_kv, pad_block,
+                          decode_kernel)
+    assert (plan.decode_rows is not None) == (decode_kernel and 1 in batch.query_start_loc.diff().tolist())
     # This step's K/V rows [T, Hkv, D]: each sequence's last q_len tokens.
     starts = [sum(lens[:b]) for b in range(len(lens))]
     rows = torch.cat([torch.arange(s + n - (qsl[b + 1] - qsl[b]), s + n)
@@ -28,9 +30,9 @@ def run_planned(batch, window=None, use_new_kv=True, pad_block=None):
     return paged_attention_cpu(q, batch.key[rows], batch.value[rows], c, plan, q.shape[-1] ** -0.5)
 
 
-def check(batch, window=None, use_new_kv=True, pad_block=None):
+def check(batch, window=None, use_new_kv=True, pad_block=None, decode_kernel=False):
     q, c = batch.query, batch.cache
-    out = run_planned(batch, window, use_new_kv, pad_block)
+    out = run_planned(batch, window, use_new_kv, pad_block, decode_kernel)
     ref = paged_attention_ref(q, *batch.args, q.shape[-1] ** -0.5, window, c.k_scale, c.v_scale)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert torch.isfinite(out).all(), "read poisoned (unowned) cache memory"
@@ -97,3 +99,32 @@ def test_auto_backend_on_cpu_is_the_planned_one():
     backend = get_attention_backend("auto", "cpu")
     assert isinstance(backend, CpuBackend) and backend.plans
     assert not getattr(get_attention_backend("reference", "cpu"), "plans", False)
+
+
+needs_kernel = pytest.mark.skipif(torch.cuda.is_available() or not cpu_decode.available(),
+                                  reason="CPU-only kernel (batches are on the GPU), or not built")
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads, kv_heads, window, block_size", [
+    (8, 2, None, 16), (9, 3, 64, 16), (4, 4, None, 1), (6, 2, 100, 32)],
+    ids=["gqa4", "gqa3-window", "mha-bs1", "gqa3-window-bs32"])
+def test_cpp_decode_kernel_matches_reference(heads, kv_heads, window, block_size):
+    """Decodes through the C++ kernel (reading the poisoned cache in place) and prefills
+    through SDPA, in one step."""
+    q_lens = [1] * 9 + [7, 30]
+    kv_lens = [1, 5, 16, 17, 300, 640, 33, 129, 64, 300, 30]
+    batch = make_batch(q_lens, kv_lens, heads=heads, kv_heads=kv_heads, head_dim=32,
+                       block_size=block_size, dtype=torch.float32, seed=heads + block_size)
+    check(batch, window, decode_kernel=True)
+
+
+@needs_kernel
+def test_cpp_decode_kernel_rejects_wrong_dtypes():
+    batch = make_batch([1], [20], heads=4, kv_heads=2, head_dim=16, block_size=16, dtype=torch.float32)
+    c = batch.cache
+    args = (batch.block_tables.long(), torch.zeros(1, dtype=torch.long), batch.seq_lens.long(), 0.25)
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_decode.paged_decode(batch.query.double(), c.key, c.value, *args)
+    with pytest.raises(RuntimeError, match="int64"):
+        cpu_decode.paged_decode(batch.query, c.key, c.value, batch.block_tables, *args[1:])
