@@ -1,10 +1,19 @@
 """The prefix directory: which replica holds which full KV block.
 
-``PrefixIndex`` is a plain, thread-safe class (tested without Ray); ``PrefixDirectory`` is
-its thin ``@ray.remote`` wrapper, one named actor per app. Each replica's engine sends its
-KV events (full-block hashes stored / removed, with a per-replica sequence number); the
-router asks ``match(block_hashes)`` to learn how many *leading* blocks of a prompt each
-replica already holds.
+``PrefixIndex`` is a plain, thread-safe class (tested without Ray). ``DirectoryShard`` is a
+``PrefixIndex`` plus the ``EventLog`` of every change applied to it; ``PrefixDirectory`` is
+its thin ``@ray.remote`` wrapper, one named actor per shard (``shard_name``; one shard by
+default). Each replica's engine sends its KV events (full-block hashes stored / removed,
+with a per-replica sequence number) to its shard (``shard_of``); every router keeps its own
+``PrefixIndex`` by replaying the shards' logs (``kvharbor.platform.index_follower``) and
+asks its local ``match(block_hashes)`` how many *leading* blocks of a prompt each replica
+already holds: no remote call per routing decision.
+
+Memory (measured by ``benchmarks/routing_bound.bytes_per_entry``, CPython 3.11, 16-byte
+hashes): about 300 bytes per (hash, replica) entry when one replica holds a hash, about
+200 when four do; ``max_blocks`` bounds the entries, so an index of ``max_blocks`` entries
+takes at most ~400 bytes x ``max_blocks`` (1.6 GB at the 4M default; set it to the fleet's
+total KV blocks).
 
 After replica ``a`` stored ``[h0 h1 h2]``, replica ``b`` stored ``[h0 h1]`` and offloaded
 ``h1`` to host memory (stored with ``tier="host"``, removed from ``"device"``)::
@@ -174,11 +183,14 @@ class PrefixIndex:
             self._drop_replica(replica_id)
 
     # ---- queries -----------------------------------------------------------------------
-    def match(self, block_hashes: Sequence[BlockHash]) -> dict[ReplicaId, MatchInfo]:
+    def match(self, block_hashes: Sequence[BlockHash],
+              touch: bool = True) -> dict[ReplicaId, MatchInfo]:
         """Leading blocks of ``block_hashes`` held by each replica (stop at its first miss).
 
-        Only replicas holding at least the first block appear. Matched hashes become the
-        most recently used. Cost: one C-level set difference per leading block, plus a
+        Only replicas holding at least the first block appear. With ``touch``, matched
+        hashes become the most recently used (a router's local index passes False: its
+        bound follows stores, and a read-only match is cheaper). Cost: one C-level set
+        difference per leading block (a membership test while one replica matches), plus a
         Python loop over the still-matching replicas only while host-only entries exist.
         """
         with self._lock:
@@ -193,6 +205,12 @@ class PrefixIndex:
                     break
                 if n == 0:
                     alive = set(holders)
+                    single = next(iter(alive)) if len(alive) == 1 else None
+                elif single is not None:
+                    if single not in holders:
+                        ends[single] = n
+                        alive = set()
+                        break
                 else:
                     gone = alive.difference(holders)
                     if gone:
@@ -200,7 +218,9 @@ class PrefixIndex:
                         alive -= gone
                         if not alive:
                             break
-                self._holders.move_to_end(h)
+                        single = next(iter(alive)) if len(alive) == 1 else None
+                if touch:
+                    self._holders.move_to_end(h)
                 if self._host_only:
                     for r in alive:
                         if holders[r] == _HOST_ONLY:

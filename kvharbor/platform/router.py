@@ -31,7 +31,9 @@ replica can compare predicted and observed prefix hits:
 
     router_policy                   "kv_aware" (index), "approx" or "pow2_fallback"
     router_fallback_reason          why not the index ("no_hashes", "stream_stale", ...)
-    router_decision_ms              time spent in choose_replicas (float ms)
+    router_decision_ms              time spent in choose_replicas (float ms, wall clock)
+    router_decision_cpu_ms          CPU time of this thread in it (excludes waits for the
+                                    GIL or the OS scheduler on a busy machine)
     router_predicted_cached_tokens  cached tokens predicted on the top-ranked replica
     router_predicted_by_replica     {replica unique_id: predicted cached tokens} (hits only)
     routed_to                       unique id of the replica that accepted the request
@@ -182,11 +184,11 @@ class KVAwareRouter(RequestRouter):
         """Rank ``candidate_replicas`` for ``pending_request`` (one routing attempt)."""
         if not candidate_replicas:
             return []
+        self._ensure_following()
         target = pinned_replica(pending_request, candidate_replicas)
         if target is not None:
             return [[target]]
-        start = time.perf_counter()
-        self._ensure_following()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True  # sleep between attempts
         request = generate_request_of(pending_request)
@@ -202,7 +204,7 @@ class KVAwareRouter(RequestRouter):
             ranks = [self._by_ids(ranked[:2], candidate_replicas)]
         if request is not None:
             self._note_active(pending_request, request, ranked, route.block_size, mode)
-            self._record(request, ranked, mode, reason, start)
+            self._record(request, ranked, mode, reason, start, start_cpu)
         self.metrics.router_mode(mode, reason)
         return ranks
 
@@ -213,10 +215,10 @@ class KVAwareRouter(RequestRouter):
             return "pow2", "no_hashes", {}
         reason = self.follower.status()
         if reason is None:
-            return "kv_index", None, self.follower.index.match(request.block_hashes)
+            return "kv_index", None, self.follower.index.match(request.block_hashes, touch=False)
         if self.history.empty():
             return "pow2", "no_history", {}
-        return "approx", reason, self.history.index.match(request.block_hashes)
+        return "approx", reason, self.history.index.match(request.block_hashes, touch=False)
 
     def _candidate(self, replica: RunningReplica, matches: dict,
                    request: GenerateRequest | None) -> Candidate:
@@ -304,7 +306,7 @@ class KVAwareRouter(RequestRouter):
 
     @staticmethod
     def _record(request: GenerateRequest, ranked, mode: str, reason: str | None,
-                start: float) -> None:
+                start: float, start_cpu: float) -> None:
         md = request.metadata
         md["router_policy"] = POLICY_LABEL[mode]
         md["router_fallback_reason"] = reason
@@ -312,6 +314,7 @@ class KVAwareRouter(RequestRouter):
         md["router_predicted_by_replica"] = {x.replica_id: x.predicted_cached_tokens
                                              for x in ranked if x.predicted_cached_tokens}
         md["router_decision_ms"] = (time.perf_counter() - start) * 1000.0
+        md["router_decision_cpu_ms"] = (time.thread_time() - start_cpu) * 1000.0
 
 
 def _without_excluded(request: GenerateRequest | None,
