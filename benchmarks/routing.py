@@ -126,6 +126,7 @@ async def drive(handle, convs: list[Conversation], tokenizer, args) -> dict:
             rec["decision_ms"] = req.metadata.get("router_decision_ms")
             rec["decision_cpu_ms"] = req.metadata.get("router_decision_cpu_ms")
             rec["policy"] = req.metadata.get("router_policy")
+            rec["routed_to"] = req.metadata.get("routed_to")
             records.append(rec)
             state = kv_router_state()
             if state["routers"]:
@@ -161,7 +162,10 @@ def summarize(mode: str, raw: dict) -> dict:
             "decision_cpu_ms_p50": pct(cpu, 50) if cpu else None,
             "decision_cpu_ms_p99": pct(cpu, 99) if cpu else None,
             "requests_per_replica": sorted(per_replica.values(), reverse=True),
-            "router_policies": policies}
+            "router_policies": policies,
+            # KVAwareRouter.on_request_routed names the replica; it must be the one that served
+            "routed_to_agrees": sum(r.get("routed_to") == r.get("replica") for r in ok
+                                    if r.get("routed_to"))}
 
 
 _KEEP: list = []            # handles of actors this process created (else Ray collects them)

@@ -10,10 +10,11 @@ asks its local ``match(block_hashes)`` how many *leading* blocks of a prompt eac
 already holds: no remote call per routing decision.
 
 Memory (measured by ``benchmarks/routing_bound.bytes_per_entry``, CPython 3.11, 16-byte
-hashes): about 300 bytes per (hash, replica) entry when one replica holds a hash, about
-200 when four do; ``max_blocks`` bounds the entries, so an index of ``max_blocks`` entries
-takes at most ~400 bytes x ``max_blocks`` (1.6 GB at the 4M default; set it to the fleet's
-total KV blocks).
+hashes, the hash objects included): about 410 bytes per (hash, replica) entry when one
+replica holds a hash, 260 with two, 180 with four, 140 with sixteen (the per-hash dict and
+LRU node are shared by its holders). ``max_blocks`` bounds the entries, so an index takes at
+most ~450 bytes x ``max_blocks`` (1.8 GB at the 4M default: set it near the fleet's total
+KV blocks). A router's local index has the same bound (``max_index_blocks``).
 
 After replica ``a`` stored ``[h0 h1 h2]``, replica ``b`` stored ``[h0 h1]`` and offloaded
 ``h1`` to host memory (stored with ``tier="host"``, removed from ``"device"``)::
