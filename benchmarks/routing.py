@@ -101,6 +101,7 @@ async def drive(handle, convs: list[Conversation], tokenizer, args) -> dict:
     """Run every conversation (open-loop starts); returns raw per-request records."""
     records: list[dict] = []
     router_state: dict = {}
+    stream = handle.options(stream=True)     # one handle: its router lives for the whole run
     t0 = time.perf_counter()
 
     async def one(ci: int, conv: Conversation) -> None:
@@ -111,7 +112,7 @@ async def drive(handle, convs: list[Conversation], tokenizer, args) -> dict:
             rec = {"prompt": len(req.prompt_token_ids), "cached": 0, "ttft": None, "tokens": 0,
                    "error": None}
             try:
-                async for event in handle.options(stream=True).generate.remote(req):
+                async for event in stream.generate.remote(req):
                     if "error" in event:
                         rec["error"] = event["error"]
                         break

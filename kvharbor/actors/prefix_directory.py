@@ -11,7 +11,7 @@ already holds: no remote call per routing decision.
 
 Memory (measured by ``benchmarks/routing_bound.bytes_per_entry``, CPython 3.11, 16-byte
 hashes, the hash objects included): about 410 bytes per (hash, replica) entry when one
-replica holds a hash, 260 with two, 180 with four, 140 with sixteen (the per-hash dict and
+replica holds a hash, 210-260 with two, 180 with four, 140 with sixteen (the per-hash dict and
 LRU node are shared by its holders). ``max_blocks`` bounds the entries, so an index takes at
 most ~450 bytes x ``max_blocks`` (1.8 GB at the 4M default: set it near the fleet's total
 KV blocks). A router's local index has the same bound (``max_index_blocks``).

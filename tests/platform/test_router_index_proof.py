@@ -38,15 +38,27 @@ def _send(app, n: int, seed: int) -> list[int]:
     return codes
 
 
+_HANDLES: list = []      # a router lives as long as its handle: keep one for the module
+
+
+def _call(app, method: str) -> dict:
+    """``{replica_id: result}`` of ``method`` on every replica, through the kept handle."""
+    if not _HANDLES:
+        _HANDLES.append(app.replica_handle())
+    handle = _HANDLES[0]
+    return {rid: getattr(handle, method).remote(replica_id=rid).result(timeout_s=60)
+            for rid in app.replica_ids()}
+
+
 def _router(app) -> KVAwareRouter:
-    app.replica_call("stats")                       # makes this process's router exist
+    _call(app, "stats")                             # makes this process's router exist
     routers = KVAwareRouter.instances()
     assert routers, "no KVAwareRouter in the test process"
     return max(routers, key=lambda r: (r.follower.status() is None, r.follower.counters.polls))
 
 
 def _caches(app) -> dict[str, set]:
-    return {rid: set(r["cached"]) for rid, r in app.replica_call("check_integrity").items()}
+    return {rid: set(r["cached"]) for rid, r in _call(app, "check_integrity").items()}
 
 
 def _index_equals_caches(app, timeout_s: float = 30.0) -> dict[str, set]:
