@@ -15,6 +15,7 @@ import time
 import ray
 from ray import serve
 
+from kvharbor.platform.index_follower import ActorShard, IndexFollower
 from kvharbor.platform.router import KVAwareRouter
 from tests.conftest import DEMO
 
@@ -50,11 +51,34 @@ def _call(app, method: str) -> dict:
             for rid in app.replica_ids()}
 
 
-def _router(app) -> KVAwareRouter:
+class _Follower:
+    """The router's index component (``IndexFollower`` over the app's directory) on its own
+    event loop thread in this process, for as long as the module runs."""
+
+    def __init__(self) -> None:
+        import asyncio
+        import threading
+
+        self.loop = asyncio.new_event_loop()
+        shard = ActorShard("kvharbor-prefix-directory", "kvharbor", timeout_s=2.0, retry_s=0.5)
+        self.follower = IndexFollower([shard], poll_interval_s=0.02)
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        asyncio.run_coroutine_threadsafe(self.follower.run(), self.loop)
+
+
+_FOLLOWERS: list = []
+
+
+def _router(app):
+    """A live router's view: a KVAwareRouter of this process when Serve still keeps one,
+    else the same index component run standalone (routers live as long as Serve keeps them)."""
     _call(app, "stats")                             # makes this process's router exist
-    routers = KVAwareRouter.instances()
-    assert routers, "no KVAwareRouter in the test process"
-    return max(routers, key=lambda r: (r.follower.status() is None, r.follower.counters.polls))
+    routers = [r for r in KVAwareRouter.instances() if r.follower.status() is None]
+    if routers:
+        return routers[-1]
+    if not _FOLLOWERS:
+        _FOLLOWERS.append(_Follower())
+    return _FOLLOWERS[0]
 
 
 def _caches(app) -> dict[str, set]:
@@ -116,5 +140,7 @@ def test_router_index_recovers_after_a_replica_is_killed(kvharbor_app):
         raise AssertionError("Serve did not replace the killed replica")
     assert _send(kvharbor_app, 6, 500) == [200] * 6
     _index_equals_caches(kvharbor_app, timeout_s=45)
+    # a router forgets the dead replica when Serve says it is gone; the directory (and so
+    # every follower of its log) once any router told it
     assert victim not in _router(kvharbor_app).follower.index.replicas()
     assert victim not in ray.get(kvharbor_app.directory().replicas.remote())
