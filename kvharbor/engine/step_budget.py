@@ -1,0 +1,101 @@
+"""Latency-budgeted steps: a learned step-cost model and the per-step time budget.
+
+A premium arrival waits for the step in progress, then runs in the next one, so while a
+higher class is about, every step is kept under that class's *step target* (milliseconds;
+half its ``ttft_slo_ms``, or ``step_target_ms`` when set). Lower classes' prefill tokens and
+decodes are trimmed so the step's estimated duration fits; the higher class's own work is
+never trimmed (it may overshoot alone).
+
+Cost model (seconds)::
+
+    est(tokens, seqs) = a + b * tokens + c * seqs        a, b, c >= 0
+
+learned online from measured steps by exponentially weighted least squares (forgetting
+factor ``decay`` per step, a ridge pull toward the prior so that it is defined from the first
+step). A step's duration is measured by the scheduler as the time from one ``schedule()``
+call to the next while the engine steps back to back (the driver's own work between steps
+counts: an arrival waits for it too); gaps after an empty step or longer than ``max_gap_s``
+(the engine went idle) are not samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PRIOR = (0.004, 0.00005, 0.0003)        # a [s], b [s/token], c [s/seq]: a small CPU model
+
+
+def _solve3(m: list[list[float]], v: list[float]) -> list[float]:
+    """Solve the 3x3 system ``m x = v`` (Gaussian elimination with partial pivoting)."""
+    a = [row[:] + [v[i]] for i, row in enumerate(m)]
+    for col in range(3):
+        piv = max(range(col, 3), key=lambda r: abs(a[r][col]))
+        a[col], a[piv] = a[piv], a[col]
+        if abs(a[col][col]) < 1e-18:
+            return list(PRIOR)
+        for r in range(col + 1, 3):
+            f = a[r][col] / a[col][col]
+            for k in range(col, 4):
+                a[r][k] -= f * a[col][k]
+    x = [0.0, 0.0, 0.0]
+    for r in (2, 1, 0):
+        x[r] = (a[r][3] - sum(a[r][k] * x[k] for k in range(r + 1, 3))) / a[r][r]
+    return x
+
+
+@dataclass(slots=True)
+class StepCostModel:
+    """``est(tokens, seqs)`` in seconds, learned online (see module doc)."""
+
+    decay: float = 0.98
+    ridge: float = 1.0
+    coef: list[float] = field(default_factory=lambda: list(PRIOR))
+    samples: int = 0
+    _xx: list[list[float]] = field(default_factory=lambda: [[0.0] * 3 for _ in range(3)])
+    _xy: list[float] = field(default_factory=lambda: [0.0] * 3)
+
+    def estimate(self, tokens: int, seqs: int) -> float:
+        a, b, c = self.coef
+        return a + b * tokens + c * seqs
+
+    def observe(self, tokens: int, seqs: int, seconds: float) -> None:
+        """Add one measured step and refit."""
+        x = (1.0, float(tokens), float(seqs))
+        for i in range(3):
+            self._xy[i] = self.decay * self._xy[i] + x[i] * seconds
+            for j in range(3):
+                self._xx[i][j] = self.decay * self._xx[i][j] + x[i] * x[j]
+        self.samples += 1
+        # Ridge toward the prior, scaled per feature so each pull is comparable.
+        scale = (1.0, 1e4, 1e2)
+        m = [[self._xx[i][j] + (self.ridge * scale[i] ** 2 if i == j else 0.0) for j in range(3)]
+             for i in range(3)]
+        v = [self._xy[i] + self.ridge * scale[i] ** 2 * PRIOR[i] for i in range(3)]
+        self.coef = [max(0.0, x) for x in _solve3(m, v)]
+
+
+@dataclass(slots=True)
+class StepBudget:
+    """What one step may still add for trimmed (lower) classes.
+
+    ``target_s`` None: no time limit (only the token budget and the prefill cap apply).
+    """
+
+    model: StepCostModel
+    target_s: float | None
+    tokens: int = 0
+    seqs: int = 0
+
+    def add(self, tokens: int) -> None:
+        self.tokens += tokens
+        self.seqs += 1
+
+    def room(self, num_new: int) -> int:
+        """Most of ``num_new`` tokens (one more sequence) a trimmed request may add (0: none)."""
+        if self.target_s is None or self.seqs == 0:     # the first item always runs (progress)
+            return num_new
+        a, b, c = self.model.coef
+        spare = self.target_s - self.model.estimate(self.tokens, self.seqs + 1)
+        if spare < 0:
+            return 0
+        return num_new if b <= 0 else min(num_new, int(spare / b))
