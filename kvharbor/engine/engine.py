@@ -282,6 +282,10 @@ class Engine:
         self.pinned_prefixes.append(kept)
         return len(kept)
 
+    def resize_pinned_region(self) -> tuple[int, int]:
+        """Move the pinned region toward its target now (see ``PinnedSizer``): (size, target)."""
+        return self.scheduler.size_pinned_region(self.scheduler.clock())
+
     def unpin_prefix(self, blocks: list) -> None:
         """Release a prefix pinned by :meth:`pin_prefix` (its blocks become evictable)."""
         self.pinned_prefixes.remove(blocks)

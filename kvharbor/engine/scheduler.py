@@ -123,7 +123,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         now = self.clock()
         self._learn_step_cost(now)
-        self._size_pinned_region(now)
+        self.size_pinned_region(now)
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         pending = self._order()
@@ -211,14 +211,20 @@ class Scheduler:
         self._last = None
 
     # ---- pinned region --------------------------------------------------------------------
-    def _size_pinned_region(self, now: float) -> None:
-        """Sample pinned-class demand and move the region toward its target (retrying)."""
+    def size_pinned_region(self, now: float) -> tuple[int, int]:
+        """Sample pinned-class demand and move the region toward its target (called every
+        step, so a resize that stopped short is retried). Returns (size, target)."""
         pool = self.kv.pool
         demand = pool.permanent[PINNED] + sum(len(r.blocks) for r in self.running if r.pinned)
         self.sizer.observe(demand, now)
-        size = self.sizer.decide(pool.num_pinned, now)
+        target = self.sizer.decide(pool.num_pinned, now)
+        size = target
+        if target > pool.num_pinned:          # leave running shared requests a block each to grow
+            keep = sum(1 for r in self.running if not r.pinned)
+            size = min(target, pool.num_pinned + max(0, pool.free["shared"].num_free - keep))
         if size != pool.num_pinned:
             pool.resize_pinned(size)
+        return pool.num_pinned, target
 
     # ---- seats and memory -----------------------------------------------------------------
     def _take_seat(self, req, num_new, hit: PrefixHit | None, pending, i, out) -> bool:
