@@ -286,6 +286,12 @@ class LLMReplica:
         for qos in waiting:
             m.queue_length(rid, qos, waiting[qos])
             m.running(rid, qos, running[qos])
+        sched = e.scheduler
+        m.pinned_region(rid, {"size": e.pool.num_pinned, "target": sched.sizer.target(),
+                              "floor": sched.sizer.floor, "ceiling": sched.sizer.ceiling,
+                              "demand_peak": sched.sizer.peak})
+        m.step_budget_trims(rid, sched.num_trimmed - self._reported.get("trimmed", 0))
+        self._reported["trimmed"] = sched.num_trimmed
         m.replica_up(rid, True)
         m.evictions(rid, e.pool.num_evictions - self._reported["evictions"])
         self._reported["evictions"] = e.pool.num_evictions

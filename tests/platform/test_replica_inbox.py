@@ -64,3 +64,21 @@ def test_a_request_that_cannot_fit_gets_a_400_event():
     events = asyncio.run(_collect(replica, _req("big", 400, max_tokens=8)))
     assert len(events) == 1 and events[0]["status"] == 400 and "KV blocks" in events[0]["error"]
     assert not replica.engine.has_unfinished()
+
+
+def test_pinned_region_and_step_trims_are_exported():
+    replica = LLMReplica({"device": "cpu", "num_kv_blocks": 64, "pinned_kv_blocks": 8,
+                          "pinned_kv_blocks_max": 32})
+    recorded = {}
+
+    class Recorder:
+        def __getattr__(self, name):
+            return lambda *args: recorded.setdefault(name, []).append(args)
+
+    replica.metrics = Recorder()
+    replica.engine.scheduler.num_trimmed = 5
+    replica._record_metrics()
+    rid = replica.replica_id
+    assert recorded["pinned_region"] == [(rid, {"size": 8, "target": 8, "floor": 8, "ceiling": 32,
+                                                "demand_peak": 0})]
+    assert recorded["step_budget_trims"] == [(rid, 5)]
