@@ -6,18 +6,15 @@ refuses it when that number is already C's ``max_queue``: lower classes shed fir
 overload, and premium traffic is never refused because of standard or batch traffic.
 
 One named actor serves all gateway replicas (a per-replica count would let N gateway
-replicas admit N x ``max_queue``). ``ClassQueue`` is the plain class; ``ClassQueueActor``
-its ``@ray.remote`` wrapper. Invariant: ``counts[c]`` = entered - left for class c, >= 0.
+replicas admit N x ``max_queue``): the admission actor holds the one ``ClassQueue``
+(``kvharbor.tenants.admission_actor.GateKeeper``), so a request's queue place and its
+admission are one call. Invariant: ``counts[c]`` = entered - left for class c, >= 0.
 A gateway replica that dies mid-request leaves its requests counted (a known limitation).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import ray
-
-DEFAULT_NAME = "kvharbor-class-queue"
 
 
 @dataclass(slots=True)
@@ -48,26 +45,3 @@ class ClassQueue:
 
     def snapshot(self) -> dict[str, int]:
         return dict(self.counts)
-
-
-@ray.remote(num_cpus=0)
-class ClassQueueActor:
-    """The cluster's one ``ClassQueue`` (methods run one at a time, so no lock)."""
-
-    def __init__(self) -> None:
-        self._queue = ClassQueue()
-
-    def enter(self, qos: str, priorities: dict[str, int], limit: int) -> int | None:
-        return self._queue.enter(qos, priorities, limit)
-
-    def leave(self, qos: str) -> None:
-        self._queue.leave(qos)
-
-    def snapshot(self) -> dict[str, int]:
-        return self._queue.snapshot()
-
-
-def get_or_create_class_queue(name: str = DEFAULT_NAME, namespace: str = "kvharbor"):
-    """The named actor, created on first use (detached: it outlives gateway replicas)."""
-    return ClassQueueActor.options(name=name, namespace=namespace, lifetime="detached",
-                                   get_if_exists=True).remote()

@@ -1,8 +1,9 @@
 """Gateway: the OpenAI-compatible HTTP ingress. Everything that depends on the tenant.
 
 Per request: body size (413, before parsing) -> API key -> tenant (401) -> model check
-(404/403) -> tokenize and length checks (400) -> class queue (429) -> admission: rate limits,
-budgets, concurrency (429) -> block hashes salted by the tenant's cache scope ->
+(404/403) -> tokenize and length checks (400) -> class queue (429) and admission: rate limits,
+budgets, concurrency (429), both in ONE call to the admission actor (``enter_and_admit``;
+released after the answer without being awaited) -> block hashes salted by the tenant's cache scope ->
 ``LLMReplica.generate`` through the KV-aware router -> JSON or SSE back, with
 ``usage.prompt_tokens_details.cached_tokens``.
 
@@ -27,12 +28,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvharbor.actors.calls import await_or_undo
 from kvharbor.engine.hashing import hash_prompt_blocks
 from kvharbor.engine.models import load_tokenizer, model_context_length
 from kvharbor.observability.metrics import get_metrics
 from kvharbor.platform.body_limit import BodyLimitMiddleware
-from kvharbor.platform.class_queue import get_or_create_class_queue
 from kvharbor.platform.generation import GenerationRun, sse
 from kvharbor.platform.openai_protocol import (APIError, ChatRequest, ChatResponse,
                                                CompletionRequest, CompletionResponse, ModelList,
@@ -167,7 +166,6 @@ class Gateway:
         api.state.max_body_bytes = self.max_body_bytes          # read by BodyLimitMiddleware
         self.admission = ActorAdmission(get_or_create_admission_actor())
         self.metrics = get_metrics()
-        self.class_queue = get_or_create_class_queue()
         self._watcher: asyncio.Task | None = None
         demo = self.registry.active_demo_keys()
         if demo:
@@ -246,20 +244,17 @@ class Gateway:
             self.registry.authenticate(key)          # 401 for bad keys first
             raise APIError(403, "this route needs an admin key", "permission_denied")
         return {**self.registry.status(), "demo_keys_active": self.registry.active_demo_keys(),
-                "in_flight_by_qos": await self.class_queue.snapshot.remote()}
+                "in_flight_by_qos": await self.admission.queue_snapshot()}
 
     # ---- generation ----------------------------------------------------------------------
     async def _serve(self, principal, body, ids: list[int], chat: bool, request: Request):
         tenant, qos = principal.tenant, principal.qos_name
         max_tokens = self._max_tokens(body, ids, chat, principal)
-        await self._enter_queue(principal)
-        try:
-            admission = await self.admission.try_admit(tenant, principal.limits, len(ids), max_tokens)
-        except BaseException:
-            self.request_done(qos)
-            raise
+        classes = self.registry.config.qos_classes
+        admission = await self.admission.enter_and_admit(
+            qos, {name: q.priority for name, q in classes.items()}, principal.qos.max_queue,
+            tenant, principal.limits, len(ids), max_tokens)
         if not admission.ok:
-            self.request_done(qos)
             if admission.status == 429:
                 self.metrics.rate_limited(tenant, admission.limit or "other")
             headers = {"Retry-After": str(max(1, round(admission.retry_after_s or 1)))} \
@@ -279,20 +274,6 @@ class Gateway:
             return RunStream(run, sse(run.stream_chunks(include_usage)))
         return JSONResponse(await run.complete())
 
-    async def _enter_queue(self, principal) -> None:
-        """429 when ``max_queue`` requests of this class or higher ones are in flight."""
-        classes = self.registry.config.qos_classes
-        priorities = {name: q.priority for name, q in classes.items()}
-        limit = principal.qos.max_queue
-        call = self.class_queue.enter.remote(principal.qos_name, priorities, limit)
-        ahead = await await_or_undo(
-            call, lambda ahead: ahead is None and self.request_done(principal.qos_name))
-        if ahead is not None:
-            self.metrics.rate_limited(principal.tenant, "queue_full")
-            raise APIError(429, f"the queue of QoS class {principal.qos_name!r} is full: {ahead} "
-                           f"requests of this or higher classes are in flight (max_queue {limit}); "
-                           "retry later", "queue_full", headers={"Retry-After": "1"})
-
     def _max_tokens(self, body, ids: list[int], chat: bool, principal) -> int:
         room = self.context - len(ids)
         if not ids:
@@ -311,9 +292,10 @@ class Gateway:
                            "context_length_exceeded", "max_tokens")
         return body.max_tokens
 
-    def request_done(self, qos: str) -> None:
-        """The request left the class queue (called exactly once per admitted request)."""
-        self.class_queue.leave.remote(qos)
+    def request_done(self, ticket, qos: str, tokens_used: int | None) -> None:
+        """The request ended: give back its queue place and admission ticket (exactly once per
+        admitted request; sent without waiting, so the answer does not pay a round trip)."""
+        self.admission.release_and_leave(ticket, qos, tokens_used)
 
 
 __all__ = ["Gateway", "api"]

@@ -123,9 +123,8 @@ class GenerationRun:
             slo_ms = self.principal.qos.ttft_slo_ms
             if slo_ms:
                 m.slo(tenant, qos, ttft * 1000.0 <= slo_ms)
-        self.gw.request_done(qos)
         try:
-            await self.gw.admission.release(self.ticket, prompt + self.completion_tokens)
+            self.gw.request_done(self.ticket, qos, prompt + self.completion_tokens)
         except Exception:  # noqa: BLE001 - never fail a finished request on accounting
             logger.exception("admission release failed")
 
