@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import requests
@@ -34,6 +35,7 @@ class Result:
     cached_tokens: int = 0
     completion_tokens: int = 0
     replica_id: str | None = None
+    dropped: bool = False           # open loop: never sent, the client's in-flight cap was full
 
     @property
     def ok(self) -> bool:
@@ -42,7 +44,7 @@ class Result:
 
 def post(session: requests.Session, base_url: str, key: str, path: str, body: dict,
          timeout_s: float = 120.0) -> Result:
-    """POST ``body`` to ``base_url + path``; streams when ``body["stream"]`` is true."""
+    """POST ``body`` to ``base_url + path`` with ``requests``; streams when ``body["stream"]``."""
     start = time.perf_counter()
     res = Result()
     try:
@@ -53,7 +55,7 @@ def post(session: requests.Session, base_url: str, key: str, path: str, body: di
             if resp.status_code != 200:
                 res.error = _error_text(resp)
             elif body.get("stream"):
-                _read_stream(resp, res, start, chat="messages" in body)
+                _read_sse(resp.iter_lines(decode_unicode=False), res, start, chat="messages" in body)
             else:
                 _read_json(resp.json(), res)
     except (requests.RequestException, ValueError) as e:
@@ -62,11 +64,53 @@ def post(session: requests.Session, base_url: str, key: str, path: str, body: di
     return res
 
 
-def _error_text(resp: requests.Response) -> str:
+def post_fast(client, key: str, path: str, body: dict, name: str) -> Result:
+    """The same request through Locust's ``FastHttpSession`` (geventhttpclient).
+
+    Locust reports it once, under ``name``, with the client-side end-to-end time (for a
+    stream: until ``data: [DONE]``, not just the headers) and as a failure unless ``ok``.
+    """
+    start = time.perf_counter()
+    res = Result()
+    stream = bool(body.get("stream"))
+    with client.post(path, json=body, headers={"Authorization": f"Bearer {key}"}, stream=stream,
+                     catch_response=True, name=name) as resp:
+        res.status = resp.status_code or 0
+        try:
+            if res.status != 200:
+                res.error = _error_text(resp) if res.status else f"connection: {resp.error!r}"
+            elif stream:
+                _read_sse(_lines(resp.iter_content(4096, decode_content=False)), res, start,
+                          chat="messages" in body)
+            else:
+                _read_json(resp.json(), res)
+        except (OSError, ValueError, KeyError) as e:
+            res.error = f"{type(e).__name__}: {e}"
+        res.e2e_s = time.perf_counter() - start
+        resp.request_meta["response_time"] = res.e2e_s * 1000.0
+        if res.ok:
+            resp.success()
+        else:
+            resp.failure(res.error)
+    return res
+
+
+def _lines(chunks) -> Iterator[bytes]:
+    """Split a byte-chunk stream into lines (without their line ends)."""
+    pending = b""
+    for chunk in chunks:
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        yield from (line.rstrip(b"\r") for line in lines)
+    if pending:
+        yield pending
+
+
+def _error_text(resp) -> str:
     try:
         return f"HTTP {resp.status_code}: {resp.json()['error']['message']}"
     except (ValueError, KeyError, TypeError):
-        return f"HTTP {resp.status_code}: {resp.text[:200]}"
+        return f"HTTP {resp.status_code}: {(resp.text or '')[:200]}"
 
 
 def _read_json(data: dict, res: Result) -> None:
@@ -83,12 +127,12 @@ def _usage(data: dict, res: Result) -> None:
     res.replica_id = (data.get("kvharbor") or {}).get("replica_id", res.replica_id)
 
 
-def _read_stream(resp: requests.Response, res: Result, start: float, chat: bool) -> None:
+def _read_sse(lines: Iterable[bytes], res: Result, start: float, chat: bool) -> None:
     first = last = None
     parts: list[str] = []
     chunks = 0
     done = False
-    for line in resp.iter_lines(decode_unicode=False):
+    for line in lines:
         if not line.startswith(b"data: "):
             continue
         payload = line[6:].decode("utf-8")

@@ -12,8 +12,18 @@ Users (weights 1 : 2 : 2, so 20 % of users are premium):
 Each user sends one of its profile's integrity canaries as it starts and then now and then
 (see ``loadtests.canaries``).
 
-Locust entries: ``<kind> <qos>`` (whole request), ``TTFT <qos>`` and ``ITL <qos>`` (streamed
-requests only; ITL is the mean gap per token of one request), ``canary <name>``. A 429 is
+Open loop (KVH_ARRIVAL_RATE set, or ``python -m loadtests.run --arrival-rate R``): one
+``OpenLoopUser`` draws Poisson arrivals at R requests/s along KVH_SHAPE and sends each on its
+own greenlet, mixing the three profiles 1 : 2 : 2, so arrivals never wait for answers; at most
+KVH_MAX_IN_FLIGHT (default 256) are open at once, and arrivals beyond that are recorded as
+``dropped``.
+
+Every user is a ``FastHttpUser`` (geventhttpclient): far less client CPU per request than
+``requests``, which matters on the machine that also runs the server.
+
+Locust entries: ``<kind> <qos>`` (whole request, client-side end to end), ``TTFT <qos>`` and
+``ITL <qos>`` (streamed requests only; ITL is the mean gap per token of one request),
+``canary <name>``. A 429 is
 reported as a failure entry but is *expected* under overload; the exit code counts only
 unexpected failures (other errors, broken streams) and canary mismatches.
 
@@ -21,17 +31,20 @@ Environment: KVH_KEY_PREMIUM / _STANDARD / _BATCH (API keys, default the demo ke
 KVH_MODEL (default kvharbor/tiny-llama), KVH_TENANTS (tenants.yaml for acme's pinned prompt),
 KVH_CANARIES (canaries.json from ``python -m loadtests.run``; unset: no canaries),
 KVH_RECORDS (records.jsonl to append to), KVH_SHAPE (steady | ramp | overload; unset: use
-Locust's -u/-r/-t), KVH_USERS (capacity-level users, default 5), KVH_DURATION (e.g. 60s).
+Locust's -u/-r/-t), KVH_USERS (capacity-level users, default 5), KVH_DURATION (e.g. 60s),
+KVH_ARRIVAL_RATE (open loop, requests/s), KVH_MAX_IN_FLIGHT (open loop cap, default 256).
 """
 
 from __future__ import annotations
 
 import os
 import random
+import time
 from pathlib import Path
 
-import requests
-from locust import LoadTestShape, User, between, events, task
+from gevent.pool import Pool
+from locust import LoadTestShape, between, constant, events, task
+from locust.contrib.fasthttp import FastHttpUser
 
 from loadtests import canaries as canary_mod
 from loadtests import client, shapes, workload
@@ -41,58 +54,61 @@ MODEL = os.environ.get("KVH_MODEL", "kvharbor/tiny-llama")
 INFO = workload.read_tenants(os.environ.get("KVH_TENANTS", "tenants.yaml"))
 CANARIES = canary_mod.load(os.environ.get("KVH_CANARIES"))
 RECORDER = Recorder(Path(os.environ["KVH_RECORDS"]) if os.environ.get("KVH_RECORDS") else None)
+ARRIVAL_RATE = float(os.environ.get("KVH_ARRIVAL_RATE") or 0)
+MAX_IN_FLIGHT = int(os.environ.get("KVH_MAX_IN_FLIGHT", "256"))
 
 
 class CanaryMismatch(Exception):
     """A canary answer differed from the offline engine's."""
 
 
-class KvhUser(User):
-    """Common plumbing: one HTTP session, timing, Locust events and records per request."""
+class KvhUser(FastHttpUser):
+    """Common plumbing: timing, Locust events and records per request. No tasks of its own."""
 
     abstract = True
     qos = "standard"
-    wait_time = between(0.2, 1.0)
+    network_timeout = 120.0
+    connection_timeout = 30.0
 
-    def on_start(self) -> None:
-        self.session = requests.Session()
-        self.key = workload.api_key(self.qos)
-        self.tenant = workload.TENANT_OF[self.qos]
-        self.rng = random.Random()
-        self.canaries = [c for c in CANARIES if c.qos == self.qos]
-        self.canary(stream=True)           # every user checks one canary (streamed) as it starts
-
-    def on_stop(self) -> None:
-        self.session.close()
-
-    def send(self, kind: str, path: str, body: dict, canary=None) -> client.Result:
-        res = client.post(self.session, self.host, self.key, path, {"model": MODEL, **body})
+    def send(self, kind: str, path: str, body: dict, canary=None, qos: str | None = None) -> client.Result:
+        """One request as ``qos``'s tenant (default this user's class); records and reports it."""
+        qos = qos or self.qos
+        res = client.post_fast(self.client, workload.api_key(qos), path, {"model": MODEL, **body},
+                               name=f"{kind} {qos}")
         problem = None
         if canary is not None and res.ok:
             problem = canary_mod.mismatch(canary, res.text, res.completion_tokens)
-        record = make_record(res, self.tenant, self.qos, kind, bool(body.get("stream")),
-                             canary.name if canary else None, problem)
-        RECORDER.add(record)
-        self._fire(kind, res, record, problem, canary)
+        RECORDER.add(make_record(res, workload.TENANT_OF[qos], qos, kind, bool(body.get("stream")),
+                                 canary.name if canary else None, problem))
+        self._fire(qos, res, problem, canary)
         return res
 
-    def _fire(self, kind: str, res: client.Result, record: dict, problem: str | None, canary) -> None:
+    def _fire(self, qos: str, res: client.Result, problem: str | None, canary) -> None:
         fire = self.environment.events.request.fire
-        ctx = {"tenant": self.tenant, "qos": self.qos, "kind": kind}
-        error = None if res.ok else Exception(res.error or f"HTTP {res.status}")
-        fire(request_type="SSE" if record["stream"] else "POST", name=f"{kind} {self.qos}",
-             response_time=res.e2e_s * 1000.0, response_length=len(res.text), exception=error,
-             context=ctx)
+        ctx = {"tenant": workload.TENANT_OF[qos], "qos": qos}
         if res.ok and res.ttft_s is not None:
-            fire(request_type="TTFT", name=f"TTFT {self.qos}", response_time=res.ttft_s * 1000.0,
+            fire(request_type="TTFT", name=f"TTFT {qos}", response_time=res.ttft_s * 1000.0,
                  response_length=res.prompt_tokens, exception=None, context=ctx)
         if res.ok and res.itl_s is not None:
-            fire(request_type="ITL", name=f"ITL {self.qos}", response_time=res.itl_s * 1000.0,
+            fire(request_type="ITL", name=f"ITL {qos}", response_time=res.itl_s * 1000.0,
                  response_length=res.completion_tokens, exception=None, context=ctx)
         if canary is not None and res.ok:
             fire(request_type="CANARY", name=f"canary {canary.name}", response_time=res.e2e_s * 1000.0,
                  response_length=len(res.text), exception=CanaryMismatch(problem) if problem else None,
                  context=ctx)
+
+
+
+class ProfileUser(KvhUser):
+    """Closed loop: a user of one tenant profile sends, waits for the answer, thinks, repeats."""
+
+    abstract = True
+    wait_time = between(0.2, 1.0)
+
+    def on_start(self) -> None:
+        self.rng = random.Random()
+        self.canaries = [c for c in CANARIES if c.qos == self.qos]
+        self.canary(stream=True)           # every user checks one canary (streamed) as it starts
 
     @task(1)
     def canary(self, stream: bool | None = None) -> None:
@@ -109,7 +125,28 @@ def _stream(messages: list[dict], max_tokens: int) -> dict:
             "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0.7}
 
 
-class PremiumUser(KvhUser):
+def _summary_body(rng: random.Random, stream: bool) -> dict:
+    body = {"prompt": workload.batch_prompt(rng), "max_tokens": 32, "ignore_eos": True}
+    return {**body, "stream": True, "stream_options": {"include_usage": True}} if stream else body
+
+
+def _premium_chat(rng):
+    return "chat", "/v1/chat/completions", _stream(workload.premium_messages(INFO, rng), 16)
+
+
+def _document_question(rng):
+    return "document", "/v1/chat/completions", _stream(workload.document_question(rng), 24)
+
+
+def _short_chat(rng):
+    return "chat", "/v1/chat/completions", _stream(workload.short_chat(rng), 16)
+
+
+def _summary(rng):
+    return "summary", "/v1/completions", _summary_body(rng, stream=rng.random() < 0.25)
+
+
+class PremiumUser(ProfileUser):
     """acme: support chats on the pinned system prompt; multi-turn chats resend their history."""
 
     weight = 1
@@ -122,7 +159,7 @@ class PremiumUser(KvhUser):
 
     @task(5)
     def short_chat(self) -> None:
-        self.send("chat", "/v1/chat/completions", _stream(workload.premium_messages(INFO, self.rng), 16))
+        self.send(*_premium_chat(self.rng))
 
     @task(4)
     def multi_turn(self) -> None:
@@ -134,7 +171,7 @@ class PremiumUser(KvhUser):
         self.history, self.last_answer = (messages, res.text) if res.ok else ([], "")
 
 
-class StandardUser(KvhUser):
+class StandardUser(ProfileUser):
     """globex: questions about long shared documents, and short chats."""
 
     weight = 2
@@ -142,14 +179,14 @@ class StandardUser(KvhUser):
 
     @task(4)
     def document_question(self) -> None:
-        self.send("document", "/v1/chat/completions", _stream(workload.document_question(self.rng), 24))
+        self.send(*_document_question(self.rng))
 
     @task(3)
     def short_chat(self) -> None:
-        self.send("chat", "/v1/chat/completions", _stream(workload.short_chat(self.rng), 16))
+        self.send(*_short_chat(self.rng))
 
 
-class BatchUser(KvhUser):
+class BatchUser(ProfileUser):
     """initech: document summaries as raw completions (mostly not streamed)."""
 
     weight = 2
@@ -158,26 +195,90 @@ class BatchUser(KvhUser):
 
     @task(3)
     def summarise(self) -> None:
-        self.send("summary", "/v1/completions", {"prompt": workload.batch_prompt(self.rng),
-                                                 "max_tokens": 32, "ignore_eos": True})
+        self.send("summary", "/v1/completions", _summary_body(self.rng, stream=False))
 
     @task(1)
     def summarise_streamed(self) -> None:
-        self.send("summary", "/v1/completions", {"prompt": workload.batch_prompt(self.rng),
-                                                 "max_tokens": 32, "ignore_eos": True, "stream": True,
-                                                 "stream_options": {"include_usage": True}})
+        self.send("summary", "/v1/completions", _summary_body(self.rng, stream=True))
 
 
-if os.environ.get("KVH_SHAPE"):
+# Open loop: (QoS class, weight, request makers) -- the closed-loop profiles' mix, 1 : 2 : 2.
+OPEN_LOOP_MIX = (("premium", 1, (_premium_chat,)), ("standard", 2, (_document_question, _short_chat)),
+                 ("batch", 2, (_summary,)))
+CANARY_EVERY = 20           # every 20th arrival is an integrity canary
+
+
+class OpenLoopUser(KvhUser):
+    """Poisson arrivals at ``KVH_ARRIVAL_RATE`` along ``KVH_SHAPE``, each on its own greenlet.
+
+    One instance runs (selected by ``loadtests.run --arrival-rate``); it never waits for an
+    answer before the next arrival, so the offered load does not drop when the server slows.
+    Bounded: arrivals stop at ``KVH_DURATION``, at most ``KVH_MAX_IN_FLIGHT`` are open (more
+    are recorded as ``dropped``), and open ones get the stop timeout to finish.
+    """
+
+    abstract = not ARRIVAL_RATE            # only in open-loop runs
+    fixed_count = 1
+    wait_time = constant(0)
+    concurrency = MAX_IN_FLIGHT            # FastHttpSession connections
+
+    def on_start(self) -> None:
+        self.rng = random.Random()
+        self.canaries = list(CANARIES)
+        self.pool = Pool(MAX_IN_FLIGHT)
+        self.started = self.next_at = time.monotonic()
+        self.arrivals = 0
+
+    def on_stop(self) -> None:
+        self.pool.join(timeout=60)
+
+    @task
+    def arrive(self) -> None:
+        """Wait for the next arrival time, then send it without waiting for its answer.
+
+        Arrival times are drawn on an absolute schedule, so a client that falls behind (a busy
+        CPU) catches up instead of silently offering less load.
+        """
+        rate = shapes.rate_at(SHAPE or "steady", self.next_at - self.started, DURATION_S, ARRIVAL_RATE)
+        if rate is None:
+            self.pool.join(timeout=60)
+            self.environment.runner.quit()
+            return
+        self.next_at += self.rng.expovariate(rate)
+        time.sleep(max(0.0, self.next_at - time.monotonic()))   # gevent-patched: open requests run
+        self.arrivals += 1
+        qos, kind, path, body, canary = self._draw()
+        if self.pool.full():
+            RECORDER.add(make_record(client.Result(error="dropped: in-flight cap reached", dropped=True),
+                                     workload.TENANT_OF[qos], qos, kind, bool(body.get("stream"))))
+            return
+        self.pool.spawn(self.send, kind, path, body, canary, qos)
+
+    def _draw(self):
+        """(qos, kind, path, body, canary) of the next arrival."""
+        if self.canaries and self.arrivals % CANARY_EVERY == 1:
+            c = self.rng.choice(self.canaries)
+            return c.qos, "canary", "/v1/completions", canary_mod.body(c, MODEL, self.rng.random() < 0.5), c
+        qos, _, makers = self.rng.choices(OPEN_LOOP_MIX, weights=[w for _, w, _ in OPEN_LOOP_MIX])[0]
+        kind, path, body = self.rng.choice(makers)(self.rng)
+        return qos, kind, path, body, None
+
+
+SHAPE = os.environ.get("KVH_SHAPE")
+DURATION_S = shapes.parse_duration(os.environ.get("KVH_DURATION", "60s"))
+
+if SHAPE:
     class KvhShape(LoadTestShape):
-        """The shape named by KVH_SHAPE over KVH_DURATION with KVH_USERS capacity-level users."""
+        """The shape named by KVH_SHAPE over KVH_DURATION: KVH_USERS capacity-level users, or
+        (open loop) the one OpenLoopUser, whose arrival rate follows the shape itself."""
 
-        shape = os.environ["KVH_SHAPE"]
-        duration_s = shapes.parse_duration(os.environ.get("KVH_DURATION", "60s"))
         users = int(os.environ.get("KVH_USERS", "5"))
 
         def tick(self):
-            n = shapes.users_at(self.shape, self.get_run_time(), self.duration_s, self.users)
+            t = self.get_run_time()
+            if ARRIVAL_RATE:
+                return None if t >= DURATION_S + 1 else (1, 1.0)
+            n = shapes.users_at(SHAPE, t, DURATION_S, self.users)
             return None if n is None else (n, float(max(1, self.users)))
 
 

@@ -12,6 +12,8 @@ A record is what the summary needs and nothing Locust-specific::
   rate_limited     HTTP 429 (admission said no; expected under overload, not a failure)
   error            anything else that went wrong (HTTP 4xx/5xx, broken stream, timeout)
   canary_mismatch  a canary answer that differs from the offline engine's
+  dropped          open loop only: an arrival not sent because the client already had
+                   ``KVH_MAX_IN_FLIGHT`` requests open (the server fell that far behind)
 ``start``/``end`` are Unix seconds; latencies are milliseconds.
 """
 
@@ -28,6 +30,8 @@ UNEXPECTED = ("error", "canary_mismatch")
 
 
 def classify(res: Result, canary_error: str | None = None) -> str:
+    if res.dropped:
+        return "dropped"
     if res.status == 429:
         return "rate_limited"
     if not res.ok:

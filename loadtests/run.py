@@ -36,6 +36,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shape", default="steady", choices=shapes.SHAPES, help="load shape")
     p.add_argument("--duration", default="60s", help="test length, e.g. 60s, 5m")
     p.add_argument("--users", type=int, default=5, help="capacity-level users (overload doubles them)")
+    p.add_argument("--arrival-rate", type=float, default=None,
+                   help="open loop: Poisson arrivals at this many requests/s along --shape "
+                        "(instead of --users closed-loop users)")
+    p.add_argument("--max-in-flight", type=int, default=256,
+                   help="open loop: most requests open at once; later arrivals are recorded as dropped")
     p.add_argument("--out", default="results", help="output folder")
     p.add_argument("--tenants", default="tenants.yaml", help="tenants.yaml the server uses (SLOs, pinned prompt)")
     p.add_argument("--model", default=None, help="served model id (default: asked from /v1/models)")
@@ -76,10 +81,12 @@ def run_locust(args, model: str, canary_path: Path | None, out: Path) -> int:
            "KVH_RECORDS": str(out / "records.jsonl"), "KVH_SHAPE": args.shape,
            "KVH_DURATION": str(duration), "KVH_USERS": str(args.users),
            "KVH_CANARIES": str(canary_path) if canary_path else "",
+           "KVH_ARRIVAL_RATE": str(args.arrival_rate or ""), "KVH_MAX_IN_FLIGHT": str(args.max_in_flight),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     cmd = [sys.executable, "-m", "locust", "-f", str(ROOT / "loadtests" / "locustfile.py"), "--headless",
            "--host", args.host, "--csv", str(out / "locust"), "--only-summary",
-           "--stop-timeout", str(args.stop_timeout), "--loglevel", "WARNING"]
+           "--stop-timeout", str(args.stop_timeout), "--loglevel", "WARNING",
+           *(["OpenLoopUser"] if args.arrival_rate else ["PremiumUser", "StandardUser", "BatchUser"])]
     try:
         return subprocess.run(cmd, env=env, cwd=ROOT, timeout=duration + args.stop_timeout + 90).returncode
     except subprocess.TimeoutExpired:
@@ -99,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     rc = run_locust(args, model, canary_path, out)
     records = read_records(out / "records.jsonl")
     meta = {"host": args.host, "model": model, "shape": args.shape,
-            "duration_s": shapes.parse_duration(args.duration), "users": args.users, "started": started, "locust_exit_code": rc,
+            "duration_s": shapes.parse_duration(args.duration), "users": args.users,
+            "arrival_rate": args.arrival_rate, "started": started, "locust_exit_code": rc,
             "canaries_enabled": canary_path is not None}
     result = summary.summarize(records, info.ttft_slo_ms, meta)
     if canary_path is not None and result["canaries"]["checks"] == 0:

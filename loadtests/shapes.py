@@ -8,6 +8,11 @@ No Locust import here (Locust monkey-patches the process when imported); the loc
     overload  N ──────┐2N───────────────┐N──────      step to 2x capacity for the middle half,
                       └─────────────────┘             then back (recovery)
 
+The open loop (``rate_at``) follows the same profiles with an arrival rate instead of a user
+count: Poisson arrivals at ``rate`` requests/s (steady), rising to it (ramp), or at ``2 * rate``
+in the middle half (overload). Arrivals do not wait for answers, so a slow server builds a
+queue instead of slowing the load down (closed loops hide overload that way).
+
 With the user weights of the locustfile (premium 1 : standard 2 : batch 2), N = 5 gives one
 premium user in five: 20 % of users, at 1x and at 2x.
 Every function returns None once ``t >= duration_s``: the test stops.
@@ -34,6 +39,22 @@ def users_at(shape: str, t: float, duration_s: float, users: int) -> int | None:
     if shape == "ramp":
         return max(1, min(users, 1 + math.floor((users - 1) * frac / 0.8 + 1e-9)))
     return 2 * users if 0.25 <= frac < 0.75 else users
+
+
+def rate_at(shape: str, t: float, duration_s: float, rate: float) -> float | None:
+    """Open-loop arrival rate (requests/s) at ``t`` seconds (None: stop)."""
+    if rate <= 0:
+        raise ValueError(f"arrival rate must be > 0 requests/s, got {rate}")
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; choose one of {', '.join(SHAPES)}")
+    if t >= duration_s:
+        return None
+    frac = t / duration_s
+    if shape == "steady":
+        return rate
+    if shape == "ramp":
+        return rate * max(0.05, min(1.0, frac / 0.8))
+    return 2 * rate if 0.25 <= frac < 0.75 else rate
 
 
 def parse_duration(text: str | float | int) -> float:

@@ -48,6 +48,7 @@ def group_stats(records: list[dict], slo_ms: float | None, wall_s: float) -> dic
     return {
         "requests": len(records), "ok": len(ok),
         "rate_limited": sum(r["status"] == "rate_limited" for r in records),
+        "dropped": sum(r["status"] == "dropped" for r in records),
         "unexpected_failures": sum(r["status"] in UNEXPECTED for r in records),
         "ttft_ms": _pcts([r["ttft_ms"] for r in streamed_ok]),
         "itl_ms": _pcts([r["itl_ms"] for r in streamed_ok if r["itl_ms"] is not None]),
@@ -79,7 +80,8 @@ def summarize(records: list[dict], slo_ms: dict[str, float], meta: dict | None =
         **(meta or {}), "wall_s": round(wall, 2), "groups": out_groups,
         "total": group_stats(records, None, wall),
         "failures": {"unexpected": unexpected, "by_error": dict(errors.most_common(20)),
-                     "rate_limited": sum(r["status"] == "rate_limited" for r in records)},
+                     "rate_limited": sum(r["status"] == "rate_limited" for r in records),
+                     "dropped": sum(r["status"] == "dropped" for r in records)},
         "canaries": {"checks": len(checks), "matched": len(checks) - len(mismatches),
                      "mismatches": mismatches[:50],
                      "by_name": dict(Counter(r["canary"] for r in checks))},

@@ -57,6 +57,8 @@ def engine_stats(engine) -> dict:
         "pinned_blocks_reserved_idle": pinned["free"] + pinned["cached"],
         "prompt_tokens": engine.counters["prompt_tokens"],
         "generated_tokens": engine.counters["generated_tokens"],
+        "requests_finished": engine.counters["finished"],
+        "requests_aborted": engine.counters["aborted"],
         "prefix_query_tokens": engine.kv.prefix_queries,
         "prefix_hit_tokens": engine.kv.prefix_hits,
         "preemptions": engine.scheduler.num_preemptions,

@@ -8,11 +8,13 @@ leaf command sets ``func`` (``args -> exit code``), so the caller runs ``args.fu
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 DEFAULT_OUT = Path("dashboards")
 DEFAULT_FOLDER = "kvharbor"
+TOKEN_ENV = "GRAFANA_TOKEN"
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
@@ -27,7 +29,10 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
 
     push = actions.add_parser("push", help="upload every dashboard to a Grafana server")
     push.add_argument("--url", required=True, help="Grafana base URL, e.g. http://grafana:3000")
-    push.add_argument("--token", required=True, help="Grafana service-account token")
+    push.add_argument("--token-file", type=Path,
+                      help="file holding the Grafana service-account token (preferred)")
+    push.add_argument("--token", help="the token itself (visible in `ps`; prefer --token-file "
+                                      f"or the {TOKEN_ENV} environment variable)")
     push.add_argument("--folder", default=DEFAULT_FOLDER,
                       help=f"folder title to put them in, created if missing "
                            f"(default: {DEFAULT_FOLDER})")
@@ -43,11 +48,27 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _token(args: argparse.Namespace) -> str | None:
+    """The token from --token-file, else --token, else $GRAFANA_TOKEN (None if none is set)."""
+    if args.token_file is not None:
+        return args.token_file.read_text().strip() or None
+    return args.token or os.environ.get(TOKEN_ENV) or None
+
+
 def _push(args: argparse.Namespace) -> int:
     from kvharbor.observability.push import PushError, push_dashboards
 
     try:
-        pushed = push_dashboards(args.url, args.token, args.folder, timeout_s=args.timeout)
+        token = _token(args)
+    except OSError as exc:
+        print(f"error: cannot read --token-file: {exc}", file=sys.stderr)
+        return 2
+    if token is None:
+        print(f"error: no Grafana token: set {TOKEN_ENV}, or pass --token-file PATH",
+              file=sys.stderr)
+        return 2
+    try:
+        pushed = push_dashboards(args.url, token, args.folder, timeout_s=args.timeout)
     except PushError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -60,3 +60,18 @@ def test_a_wrong_canary_expectation_fails_the_run(kvharbor_app, tmp_path):
     assert s["passed"] is False and s["canaries"]["checks"] >= 1
     assert s["canaries"]["matched"] == 0 and "first difference" in s["canaries"]["mismatches"][0]
     assert "CANARY MISMATCH" in log
+
+
+@pytest.mark.timeout(260)
+def test_open_loop_keeps_arriving_while_answers_are_slow(kvharbor_app, tmp_path):
+    """8 arrivals/s with at most 1 open: a closed loop would slow down to the server's pace;
+    the open loop keeps its Poisson arrivals and records the ones it could not send as dropped."""
+    rc, s, log = _run(kvharbor_app, tmp_path, "8s", 1, "--arrival-rate", "8", "--max-in-flight", "1")
+    assert rc == 0, log
+    total = s["total"]
+    assert s["arrival_rate"] == 8.0 and s["failures"]["unexpected"] == 0, s["failures"]
+    assert 30 <= total["requests"] <= 110, total           # Poisson(64) within ~4 sigma
+    assert total["dropped"] > 0 and total["ok"] >= 2, total
+    assert total["ok"] + total["dropped"] + total["rate_limited"] == total["requests"]
+    assert {g["qos"] for g in s["groups"].values()} == {"premium", "standard", "batch"}
+    assert s["canaries"]["checks"] >= 1 and s["canaries"]["matched"] == s["canaries"]["checks"]

@@ -88,3 +88,33 @@ def test_percentile_interpolates():
     assert summary.percentile(list(map(float, range(101))), 99) == pytest.approx(99.0)
     xs = [random.random() for _ in range(50)]
     assert summary.percentile(xs, 0) == min(xs) and summary.percentile(xs, 100) == max(xs)
+
+
+def test_open_loop_rate_follows_the_shape_and_stops():
+    assert [shapes.rate_at("steady", t, 100, 4.0) for t in (0, 50, 99.9)] == [4.0, 4.0, 4.0]
+    assert [shapes.rate_at("overload", t, 100, 4.0) for t in (10, 30, 70, 80)] == [4.0, 8.0, 8.0, 4.0]
+    ramp = [shapes.rate_at("ramp", t, 100, 4.0) for t in range(0, 100, 5)]
+    assert ramp == sorted(ramp) and ramp[0] > 0 and ramp[-1] == 4.0
+    assert shapes.rate_at("steady", 100, 100, 4.0) is None
+    with pytest.raises(ValueError, match="arrival rate"):
+        shapes.rate_at("steady", 0, 100, 0)
+
+
+def test_sse_lines_are_split_across_arbitrary_chunk_boundaries():
+    from loadtests.client import _lines
+
+    text = b'data: {"a": 1}\r\n\r\ndata: {"b": 2}\n\ndata: [DONE]\n\n'
+    for cut in range(1, len(text)):
+        chunks = [text[i:i + cut] for i in range(0, len(text), cut)]
+        assert [line for line in _lines(chunks) if line] == \
+            [b'data: {"a": 1}', b'data: {"b": 2}', b"data: [DONE]"], cut
+
+
+def test_dropped_open_loop_arrivals_are_counted_apart_from_failures():
+    dropped = make_record(Result(error="dropped: in-flight cap reached", dropped=True), "acme",
+                          "premium", "chat", True)
+    ok = make_record(Result(status=200, text="x", completion_tokens=1), "acme", "premium", "chat", False)
+    s = summary.summarize([dropped, ok], {"premium": 250})
+    assert dropped["status"] == "dropped"
+    assert s["failures"]["dropped"] == 1 and s["failures"]["unexpected"] == 0
+    assert s["groups"]["acme/premium"]["dropped"] == 1 and s["passed"]

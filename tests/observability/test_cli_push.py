@@ -113,3 +113,23 @@ def test_push_to_an_unreachable_server_fails_with_a_message(capsys):
     assert cli.main(["dashboards", "push", "--url", url, "--token", TOKEN,
                      "--timeout", "2"]) == 1
     assert "find or create folder" in capsys.readouterr().err
+
+
+def test_token_comes_from_a_file_or_the_environment_not_only_the_command_line(
+        grafana, tmp_path, monkeypatch):
+    """A token on the command line is visible in `ps`; a file or $GRAFANA_TOKEN is not."""
+    token_file = tmp_path / "grafana-token"
+    token_file.write_text(TOKEN + "\n")
+    monkeypatch.setenv("GRAFANA_TOKEN", "from-env")
+    assert cli.main(["dashboards", "push", "--url", grafana.url, "--token-file", str(token_file)]) == 0
+    assert {auth for _, _, auth, _ in grafana.requests} == {f"Bearer {TOKEN}"}
+    grafana.requests.clear()
+    assert cli.main(["dashboards", "push", "--url", grafana.url]) == 0
+    assert {auth for _, _, auth, _ in grafana.requests} == {"Bearer from-env"}
+
+
+def test_push_without_any_token_says_how_to_give_one(grafana, monkeypatch, capsys):
+    monkeypatch.delenv("GRAFANA_TOKEN", raising=False)
+    assert cli.main(["dashboards", "push", "--url", grafana.url]) == 2
+    assert "GRAFANA_TOKEN" in capsys.readouterr().err
+    assert grafana.requests == []

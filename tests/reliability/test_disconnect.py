@@ -30,16 +30,27 @@ def _drop_stream_after(app, key: str, prompt: str, events: int) -> int:
     return seen
 
 
-def _assert_back_to_baseline(app, baseline: dict[str, int]) -> None:
+def _outcomes(stats: list[dict]) -> tuple[int, int]:
+    """(aborted, finished) requests summed over the replicas' engines."""
+    return (sum(s["requests_aborted"] for s in stats), sum(s["requests_finished"] for s in stats))
+
+
+def _assert_back_to_baseline(app, baseline: dict[str, int], outcomes: tuple[int, int],
+                             dropped: int) -> None:
+    """Blocks back to ``baseline``, and exactly ``dropped`` more requests *aborted* (none finished:
+    a fast finish would free the blocks too, so only the abort count proves the abort)."""
     stats = wait_idle(app, timeout_s=30)
     assert _used(stats) == baseline, (_used(stats), baseline)
+    aborted, finished = _outcomes(stats)
+    assert (aborted - outcomes[0], finished - outcomes[1]) == (dropped, 0)
     for report in replica_call(app, "check_integrity").values():
         assert report["running"] == 0, report
         assert report["blocks_used"] == baseline[report["replica_id"]]
 
 
 def test_dropped_stream_is_aborted_and_its_blocks_freed(kvharbor_app):
-    baseline = _used(wait_idle(kvharbor_app))
+    idle = wait_idle(kvharbor_app)
+    baseline, outcomes = _used(idle), _outcomes(idle)
     with kvharbor_app.client(DEMO["standard"]) as c, c.stream("POST", "/v1/completions", json={
             "model": kvharbor_app.model, "prompt": rand_text(400, 7), "stream": True, **LONG}) as r:
         assert r.status_code == 200
@@ -49,21 +60,23 @@ def test_dropped_stream_is_aborted_and_its_blocks_freed(kvharbor_app):
         during = replica_stats(kvharbor_app)
         assert sum(s["num_running"] for s in during) == 1
         assert sum(_used(during).values()) >= sum(baseline.values()) + 400 // 16
-    _assert_back_to_baseline(kvharbor_app, baseline)
+    _assert_back_to_baseline(kvharbor_app, baseline, outcomes, dropped=1)
 
 
 def test_many_dropped_streams_across_tenants_leave_nothing_behind(kvharbor_app):
-    baseline = _used(wait_idle(kvharbor_app))
+    idle = wait_idle(kvharbor_app)
+    baseline, outcomes = _used(idle), _outcomes(idle)
     keys = [DEMO["premium"], DEMO["standard"], DEMO["batch"]] * 3
     with ThreadPoolExecutor(len(keys)) as pool:
         seen = list(pool.map(lambda i: _drop_stream_after(kvharbor_app, keys[i], rand_text(100, 50 + i), 1 + i % 4),
                              range(len(keys))))
     assert seen == [1 + i % 4 for i in range(len(keys))]
-    _assert_back_to_baseline(kvharbor_app, baseline)
+    _assert_back_to_baseline(kvharbor_app, baseline, outcomes, dropped=len(keys))
 
 
 def test_client_timeout_on_a_non_streaming_request_aborts_it(kvharbor_app):
-    baseline = _used(wait_idle(kvharbor_app))
+    idle = wait_idle(kvharbor_app)
+    baseline, outcomes = _used(idle), _outcomes(idle)
     start = time.monotonic()
     with kvharbor_app.client(DEMO["standard"], timeout=1.5) as c:
         try:
@@ -72,4 +85,4 @@ def test_client_timeout_on_a_non_streaming_request_aborts_it(kvharbor_app):
         except httpx.TimeoutException:
             pass
     assert time.monotonic() - start < 10
-    _assert_back_to_baseline(kvharbor_app, baseline)
+    _assert_back_to_baseline(kvharbor_app, baseline, outcomes, dropped=1)
