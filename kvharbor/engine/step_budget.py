@@ -67,7 +67,7 @@ class StepCostModel:
                 self._xx[i][j] = self.decay * self._xx[i][j] + x[i] * x[j]
         self.samples += 1
         # Ridge toward the prior, scaled per feature so each pull is comparable.
-        scale = (1.0, 1e4, 1e2)
+        scale = (1.0, 1e2, 1e1)                 # a typical step: 100 tokens, 10 seqs
         m = [[self._xx[i][j] + (self.ridge * scale[i] ** 2 if i == j else 0.0) for j in range(3)]
              for i in range(3)]
         v = [self._xy[i] + self.ridge * scale[i] ** 2 * PRIOR[i] for i in range(3)]
