@@ -96,6 +96,9 @@ class LLMReplica:
         except TypeError as e:
             yield {"error": f"bad sampling parameters: {e}", "status": 400}
             return
+        if rid in self._streams:
+            yield {"error": f"request id {rid!r} is already in use", "status": 400}
+            return
         self._streams[rid], self._meta[rid] = queue, request
         self._inbox.append((request, sampling))
         self._wake.set()
