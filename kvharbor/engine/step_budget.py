@@ -3,8 +3,9 @@
 A premium arrival waits for the step in progress, then runs in the next one, so while a
 higher class is about, every step is kept under that class's *step target* (milliseconds;
 half its ``ttft_slo_ms``, or ``step_target_ms`` when set). Lower classes' prefill tokens and
-decodes are trimmed so the step's estimated duration fits; the higher class's own work is
-never trimmed (it may overshoot alone).
+decodes are trimmed so the step's estimated duration fits (see ``StepBudget``); the higher
+class's own work is never trimmed (it may overshoot alone), and lower classes always get a
+minimum share of every step, so they never starve.
 
 Cost model (seconds)::
 
@@ -74,9 +75,18 @@ class StepCostModel:
         self.coef = [max(0.0, x) for x in _solve3(m, v)]
 
 
+MIN_PROGRESS_TOKENS = 16      # a trimmed class always gets this much per step (no starvation)
+
+
 @dataclass(slots=True)
 class StepBudget:
     """What one step may still add for trimmed (lower) classes.
+
+    The per-step overhead ``a`` is paid whatever is trimmed, so the target bounds the
+    *variable* cost ``b * tokens + c * seqs`` of the whole step to ``max(target - a, target / 2)``
+    (on a slow, contended machine ``a`` alone may exceed the target). The first trimmed item of
+    a step always gets at least ``MIN_PROGRESS_TOKENS`` (a decode, or a prefill chunk), so lower
+    classes progress however long premium traffic lasts.
 
     ``target_s`` None: no time limit (only the token budget and the prefill cap apply).
     """
@@ -85,17 +95,21 @@ class StepBudget:
     target_s: float | None
     tokens: int = 0
     seqs: int = 0
+    trimmed_seqs: int = 0           # items of trimmed classes scheduled in this step
 
-    def add(self, tokens: int) -> None:
+    def add(self, tokens: int, trimmed: bool) -> None:
         self.tokens += tokens
         self.seqs += 1
+        self.trimmed_seqs += trimmed
 
     def room(self, num_new: int) -> int:
         """Most of ``num_new`` tokens (one more sequence) a trimmed request may add (0: none)."""
-        if self.target_s is None or self.seqs == 0:     # the first item always runs (progress)
+        if self.target_s is None:
             return num_new
         a, b, c = self.model.coef
-        spare = self.target_s - self.model.estimate(self.tokens, self.seqs + 1)
-        if spare < 0:
-            return 0
-        return num_new if b <= 0 else min(num_new, int(spare / b))
+        variable = max(self.target_s - a, self.target_s / 2)
+        spare = variable - b * self.tokens - c * (self.seqs + 1)
+        fits = num_new if b <= 0 else max(0, min(num_new, int(spare / b))) if spare > 0 else 0
+        if self.trimmed_seqs == 0:
+            fits = max(fits, min(num_new, MIN_PROGRESS_TOKENS))
+        return fits

@@ -84,3 +84,23 @@ def test_cost_model_learns_a_linear_step_cost():
     for tokens, seqs in ((1, 1), (512, 8), (2048, 128)):
         true = 0.003 + 0.00002 * tokens + 0.0004 * seqs
         assert abs(model.estimate(tokens, seqs) - true) <= 0.1 * true, (tokens, seqs)
+
+
+def test_lower_classes_progress_even_when_one_step_costs_more_than_the_target():
+    """A slow machine (per-step overhead 50 ms > the 10 ms target): every step still gives a
+    lower class some work, so a stream of premium requests cannot starve it."""
+    llm = _llm(target_ms=10.0)
+    e = llm.engine
+    e.scheduler.cost.coef = [0.050, 0.0001, 0.001]
+    e.scheduler._learn_step_cost = lambda now: None
+    e.add_request("batch", _p(100, 1), _sp(6), qos="batch")
+    steps, seed = 0, 100
+    while "batch" in e.requests:
+        if not any(r.qos == "premium" for r in e.scheduler.running + e.scheduler.waiting):
+            e.add_request(f"premium-{seed}", _p(20, seed), _sp(3), qos="premium")
+            seed += 1
+        plan = _plan(e)
+        assert any(rid.startswith("batch") for rid in plan) or "batch" not in e.requests
+        steps += 1
+        assert steps < 40, "the batch request starved behind premium traffic"
+    e.check_integrity()
