@@ -97,7 +97,7 @@ def test_lower_classes_progress_even_when_one_step_costs_more_than_the_target():
     steps, seed = 0, 100
     while "batch" in e.requests:
         if not any(r.qos == "premium" for r in e.scheduler.running + e.scheduler.waiting):
-            e.add_request(f"premium-{seed}", _p(20, seed), _sp(3), qos="premium")
+            e.add_request(f"premium-{seed}", _p(80, seed), _sp(3), qos="premium")
             seed += 1
         plan = _plan(e)
         assert any(rid.startswith("batch") for rid in plan) or "batch" not in e.requests
