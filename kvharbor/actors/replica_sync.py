@@ -142,10 +142,12 @@ class DirectorySync:
                 self._resync_due = True
                 return
             calls = pending + ([resync_ref] if resync_ref is not None else [])
-            results = await asyncio.wait_for(asyncio.gather(*calls), self.timeout_s) if calls else []
+            results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True),
+                                             self.timeout_s) if calls else []
             _, known = await asyncio.wait_for(self._handle.heartbeat.remote(self.replica_id),
                                               self.timeout_s)
-            if not known or not all(r for r in results[:len(pending)]):
+            failed = any(isinstance(r, BaseException) for r in results)
+            if failed or not known or not all(results[:len(pending)]):
                 self._resync_due = True
         except Exception as e:  # noqa: BLE001 - timeout, dead/restarting or missing directory
             self._resync_due = True
