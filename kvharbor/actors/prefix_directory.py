@@ -1,10 +1,20 @@
 """The prefix directory: which replica holds which full KV block.
 
-``PrefixIndex`` is a plain, thread-safe class (tested without Ray); ``PrefixDirectory`` is
-its thin ``@ray.remote`` wrapper, one named actor per app. Each replica's engine sends its
-KV events (full-block hashes stored / removed, with a per-replica sequence number); the
-router asks ``match(block_hashes)`` to learn how many *leading* blocks of a prompt each
-replica already holds.
+``PrefixIndex`` is a plain, thread-safe class (tested without Ray). ``DirectoryShard`` is a
+``PrefixIndex`` plus the ``EventLog`` of every change applied to it; ``PrefixDirectory`` is
+its thin ``@ray.remote`` wrapper, one named actor per shard (``shard_name``; one shard by
+default). Each replica's engine sends its KV events (full-block hashes stored / removed,
+with a per-replica sequence number) to its shard (``shard_of``); every router keeps its own
+``PrefixIndex`` by replaying the shards' logs (``kvharbor.platform.index_follower``) and
+asks its local ``match(block_hashes)`` how many *leading* blocks of a prompt each replica
+already holds: no remote call per routing decision.
+
+Memory (measured by ``benchmarks/routing_bound.bytes_per_entry``, CPython 3.11, 16-byte
+hashes, the hash objects included): about 410 bytes per (hash, replica) entry when one
+replica holds a hash, 210-260 with two, 180 with four, 140 with sixteen (the per-hash dict and
+LRU node are shared by its holders). ``max_blocks`` bounds the entries, so an index takes at
+most ~450 bytes x ``max_blocks`` (1.8 GB at the 4M default: set it near the fleet's total
+KV blocks). A router's local index has the same bound (``max_index_blocks``).
 
 After replica ``a`` stored ``[h0 h1 h2]``, replica ``b`` stored ``[h0 h1]`` and offloaded
 ``h1`` to host memory (stored with ``tier="host"``, removed from ``"device"``)::
@@ -30,6 +40,7 @@ Invariants (``check_integrity`` verifies them):
 from __future__ import annotations
 
 import threading
+import zlib
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -37,6 +48,7 @@ from typing import NewType
 
 import ray
 
+from kvharbor.actors.directory_log import EventLog
 from kvharbor.engine.hashing import BlockHash
 
 ReplicaId = NewType("ReplicaId", str)
@@ -111,26 +123,33 @@ class PrefixIndex:
             False on a gap, or while the replica awaits a resync: the caller should send
             ``resync`` with a full snapshot.
         """
+        return self.apply_batch(replica_id, seq_no, stored, removed, tier) in ("applied",
+                                                                              "duplicate")
+
+    def apply_batch(self, replica_id: ReplicaId, seq_no: int, stored: Sequence[BlockHash] = (),
+                    removed: Sequence[BlockHash] = (), tier: str = "device") -> str:
+        """``apply_events`` with the outcome named: "applied", "duplicate" (an already
+        applied ``seq_no``, ignored), "gap" (now awaiting a resync) or "awaiting_resync"."""
         bit = _tier_bit(tier)
         with self._lock:
             if replica_id in self._resync_needed:
                 self._counters["batches_ignored"] += 1
-                return False
+                return "awaiting_resync"
             expected = self._next_seq.get(replica_id, 0)
             if seq_no < expected:
                 self._counters["batches_ignored"] += 1
-                return True
+                return "duplicate"
             if seq_no > expected:
                 self._counters["gaps"] += 1
                 self._resync_needed.add(replica_id)
-                return False
+                return "gap"
             self._next_seq[replica_id] = seq_no + 1
             self._store(replica_id, stored, bit)
             for h in removed:
                 self._unset(replica_id, h, bit)
             self._evict_overflow()
             self._counters["batches_applied"] += 1
-            return True
+            return "applied"
 
     def resync(self, replica_id: ReplicaId, seq_no: int,
                hashes_by_tier: Mapping[str, Iterable[BlockHash]]) -> None:
@@ -165,11 +184,14 @@ class PrefixIndex:
             self._drop_replica(replica_id)
 
     # ---- queries -----------------------------------------------------------------------
-    def match(self, block_hashes: Sequence[BlockHash]) -> dict[ReplicaId, MatchInfo]:
+    def match(self, block_hashes: Sequence[BlockHash],
+              touch: bool = True) -> dict[ReplicaId, MatchInfo]:
         """Leading blocks of ``block_hashes`` held by each replica (stop at its first miss).
 
-        Only replicas holding at least the first block appear. Matched hashes become the
-        most recently used. Cost: one C-level set difference per leading block, plus a
+        Only replicas holding at least the first block appear. With ``touch``, matched
+        hashes become the most recently used (a router's local index passes False: its
+        bound follows stores, and a read-only match is cheaper). Cost: one C-level set
+        difference per leading block (a membership test while one replica matches), plus a
         Python loop over the still-matching replicas only while host-only entries exist.
         """
         with self._lock:
@@ -184,6 +206,12 @@ class PrefixIndex:
                     break
                 if n == 0:
                     alive = set(holders)
+                    single = next(iter(alive)) if len(alive) == 1 else None
+                elif single is not None:
+                    if single not in holders:
+                        ends[single] = n
+                        alive = set()
+                        break
                 else:
                     gone = alive.difference(holders)
                     if gone:
@@ -191,7 +219,9 @@ class PrefixIndex:
                         alive -= gone
                         if not alive:
                             break
-                self._holders.move_to_end(h)
+                        single = next(iter(alive)) if len(alive) == 1 else None
+                if touch:
+                    self._holders.move_to_end(h)
                 if self._host_only:
                     for r in alive:
                         if holders[r] == _HOST_ONLY:
@@ -216,6 +246,26 @@ class PrefixIndex:
         """The sequence number the next batch of ``replica_id`` must carry."""
         with self._lock:
             return self._next_seq.get(replica_id, 0)
+
+    def snapshot(self) -> dict[ReplicaId, tuple[int, dict[str, list[BlockHash]]]]:
+        """Every tracked replica's view: ``{replica: (last applied seq_no, {tier: hashes})}``.
+
+        ``resync(replica, *snapshot()[replica])`` on an empty index reproduces the view. A
+        replica awaiting a resync is left out (its view is known to be incomplete).
+        """
+        with self._lock:
+            out = {}
+            for r, hashes in self._by_replica.items():
+                if r in self._resync_needed:
+                    continue
+                tiers: dict[str, list[BlockHash]] = {name: [] for name in TIERS}
+                for h in hashes:
+                    mask = self._holders[h][r]
+                    for name, bit in TIERS.items():
+                        if mask & bit:
+                            tiers[name].append(h)
+                out[r] = (self._next_seq.get(r, 0) - 1, tiers)
+            return out
 
     def replicas(self) -> list[ReplicaId]:
         """Replicas the directory currently tracks."""
@@ -297,29 +347,76 @@ class PrefixIndex:
             self._counters["evicted_entries"] += len(holders)
 
 
-@ray.remote(num_cpus=0)
-class PrefixDirectory:
-    """The cluster-wide prefix directory: a ``PrefixIndex`` behind a Ray actor.
+def shard_of(replica_id: str, num_shards: int) -> int:
+    """The directory shard that owns ``replica_id``'s events (stable across processes)."""
+    return zlib.crc32(replica_id.encode()) % num_shards if num_shards > 1 else 0
 
-    Methods are synchronous on purpose: the actor runs them one at a time in the order each
-    caller submitted them, so one replica's batches arrive in sequence order. Every method
-    has the signature and meaning of the ``PrefixIndex`` method of the same name.
+
+def shard_name(name: str, shard: int, num_shards: int) -> str:
+    """Actor name of one shard: ``name`` itself when there is one shard, else ``name/i``."""
+    return name if num_shards <= 1 else f"{name}/{shard}"
+
+
+class DirectoryShard:
+    """One shard of the prefix directory: a ``PrefixIndex`` plus the ``EventLog`` of every
+    change applied to it (a plain class; ``PrefixDirectory`` is its Ray actor).
+
+    Replicas send their event batches here (each replica to the shard ``shard_of`` names);
+    routers do not ask it on every request: they ``poll`` the log (or take a ``snapshot``)
+    and answer matches from their own index replica. Methods are synchronous on purpose:
+    the actor runs them one at a time in the order each caller submitted them, so one
+    replica's batches arrive in sequence order. A restarted actor (``max_restarts``) starts
+    empty under a new epoch; replicas see the new epoch in ``heartbeat`` and resync, and
+    routers see it in ``poll`` and take a snapshot.
     """
 
-    def __init__(self, max_blocks: int = DEFAULT_MAX_BLOCKS) -> None:
+    def __init__(self, max_blocks: int = DEFAULT_MAX_BLOCKS, max_log_entries: int = 16_384,
+                 max_log_hashes: int = 2_000_000) -> None:
         self._index = PrefixIndex(max_blocks)
+        self._log = EventLog(max_log_entries, max_log_hashes)
 
+    # ---- writers (replicas, routers) ------------------------------------------------------
     def apply_events(self, replica_id, seq_no, stored=(), removed=(), tier="device") -> bool:
-        return self._index.apply_events(replica_id, seq_no, stored, removed, tier)
+        status = self._index.apply_batch(replica_id, seq_no, stored, removed, tier)
+        if status == "applied":
+            self._log.append(("events", replica_id, seq_no, list(stored), list(removed), tier))
+        return status in ("applied", "duplicate")
 
-    def resync(self, replica_id, seq_no, hashes_by_tier) -> None:
+    def resync(self, replica_id, seq_no, hashes_by_tier) -> str:
+        """Replace the replica's view; returns the epoch it now belongs to."""
+        hashes_by_tier = {tier: list(h) for tier, h in hashes_by_tier.items()}
         self._index.resync(replica_id, seq_no, hashes_by_tier)
+        self._log.append(("resync", replica_id, seq_no, hashes_by_tier))
+        return self._log.epoch
+
+    def heartbeat(self, replica_id) -> tuple[str, bool]:
+        """``(epoch, known)``: ``known`` is False when this shard has no in-order view of
+        the replica (never seen, forgotten, or awaiting a resync)."""
+        known = (replica_id in self._index.replicas()
+                 and not self._index.needs_resync(replica_id))
+        return self._log.epoch, known
 
     def remove_replica(self, replica_id) -> None:
-        self._index.remove_replica(replica_id)
+        if replica_id in self._index.replicas():
+            self._index.remove_replica(replica_id)
+            self._log.append(("remove", replica_id))
 
     def clear(self) -> None:
         self._index.clear()
+        self._log.append(("clear",))
+
+    # ---- readers ---------------------------------------------------------------------------
+    def poll(self, epoch=None, cursor: int = 0, max_entries: int = 1024) -> dict:
+        """Log entries after ``cursor``: ``{"epoch", "cursor", "entries"}``; when the reader
+        is in another epoch or fell behind the log, ``{"epoch", "cursor", "snapshot"}``."""
+        read = self._log.read(epoch, cursor, max_entries)
+        if read is None:
+            return {"epoch": self._log.epoch, "cursor": self._log.end,
+                    "snapshot": self._index.snapshot()}
+        return {"epoch": read.epoch, "cursor": read.next_cursor, "entries": read.entries}
+
+    def snapshot(self) -> dict:
+        return self.poll(None)
 
     def match(self, block_hashes) -> dict:
         return self._index.match(block_hashes)
@@ -337,22 +434,41 @@ class PrefixDirectory:
         return self._index.replicas()
 
     def stats(self) -> dict:
-        return self._index.stats()
+        return {**self._index.stats(), **self._log.stats(), "epoch": self._log.epoch}
 
     def check_integrity(self) -> None:
         self._index.check_integrity()
+
+
+@ray.remote(num_cpus=0)
+class PrefixDirectory(DirectoryShard):
+    """``DirectoryShard`` as a named Ray actor (see ``get_or_create_directory``)."""
 
 
 def get_or_create_directory(name: str = DEFAULT_DIRECTORY_NAME, namespace: str | None = None,
                             max_blocks: int = DEFAULT_MAX_BLOCKS, detached: bool = False):
     """The named ``PrefixDirectory`` actor, created on first call (race-free: get_if_exists).
 
+    The actor restarts without limit when its process dies (``max_restarts=-1``) and then
+    rebuilds from the replicas' resyncs. Calls are not retried by Ray (a replica's batch
+    sent to a dead directory fails and the replica resyncs instead).
+
     Call from synchronous code (it talks to the GCS); async code should wrap it in
     ``asyncio.to_thread``. ``detached=True`` lets the directory outlive the job that made it.
     """
-    options = {"name": name, "get_if_exists": True, "num_cpus": 0}
+    options = {"name": name, "get_if_exists": True, "num_cpus": 0, "max_restarts": -1,
+               "max_task_retries": 0}
     if namespace is not None:
         options["namespace"] = namespace
     if detached:
         options["lifetime"] = "detached"
     return PrefixDirectory.options(**options).remote(max_blocks)
+
+
+def get_or_create_directories(name: str = DEFAULT_DIRECTORY_NAME, namespace: str | None = None,
+                              num_shards: int = 1, max_blocks: int = DEFAULT_MAX_BLOCKS,
+                              detached: bool = False) -> list:
+    """All ``num_shards`` shards (``shard_name``), each bounded by ``max_blocks / num_shards``."""
+    per_shard = max(1, max_blocks // max(1, num_shards))
+    return [get_or_create_directory(shard_name(name, i, num_shards), namespace, per_shard, detached)
+            for i in range(max(1, num_shards))]

@@ -154,7 +154,7 @@ class LLMReplica:
         directory = getattr(self, "directory", None)
         if directory is not None:
             try:
-                directory._actor().remove_replica.remote(self.replica_id)
+                directory.close()
             except Exception:  # noqa: BLE001 - best effort; the router also forgets dead replicas
                 pass
 
@@ -262,9 +262,10 @@ class LLMReplica:
                     if self.tenants:
                         self.tenants.maybe_reload(self.engine)
                         self._snapshot = self._take_snapshot()
-                    if self.directory is not None:
-                        await self.directory.maybe_resync(self.engine)
+                    resync = self.directory.prepare(self.engine) if self.directory else None
                     self._record_metrics()
+                if self.directory is not None:       # awaited off the engine lock
+                    await self.directory.settle(resync)
             except Exception:  # noqa: BLE001 - keep serving; the error is logged
                 logger.exception("replica background task failed")
 

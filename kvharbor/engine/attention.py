@@ -14,6 +14,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from kvharbor.kernels import AttentionPlan, paged_attention_cpu
+
 ATTN_IMPLEMENTATION = "kvharbor"
 
 
@@ -34,6 +36,23 @@ class AttentionContext:
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
     max_seq_len: int
+    plan: AttentionPlan | None = None      # the CPU backend's per-step plan (None: other backends)
+    plan_window: int | None = None         # the sliding window the plan was built for
+
+
+def paged_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext,
+               layer_idx: int, scaling: float, sliding_window: int | None) -> torch.Tensor:
+    """Store this step's K/V of layer ``layer_idx`` and attend. Token-major views in
+    (``q`` ``[T, H, D]``, ``k``/``v`` ``[T, Hkv, D]``, any strides), ``[T, H, D]`` out."""
+    cache = ctx.caches[layer_idx]
+    if ctx.plan is not None and sliding_window == ctx.plan_window:
+        # The CPU hot path: no copies of q/k/v, the plan shared by all layers.
+        ctx.backend.store_kv(k, v, cache, ctx.slot_mapping)
+        return paged_attention_cpu(q, k, v, cache, ctx.plan, scaling)
+    k, v = k.contiguous(), v.contiguous()
+    ctx.backend.store_kv(k, v, cache, ctx.slot_mapping)
+    return ctx.backend.paged_attention(q.contiguous(), cache, ctx.block_tables, ctx.seq_lens,
+                                       ctx.query_start_loc, scaling, sliding_window, ctx.max_seq_len)
 
 
 def kvharbor_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -41,16 +60,10 @@ def kvharbor_attention(module, query, key, value, attention_mask, scaling=None, 
     """transformers attention interface: query ``[1, H, T, D]``, key/value ``[1, Hkv, T, D]``."""
     if kvh_ctx is None:
         raise RuntimeError("kvharbor attention needs the engine's per-step context (kvh_ctx)")
-    cache = kvh_ctx.caches[module.layer_idx]
-    q = query[0].transpose(0, 1)                 # [T, H, D]
-    k = key[0].transpose(0, 1).contiguous()      # [T, Hkv, D]
-    v = value[0].transpose(0, 1).contiguous()
-    kvh_ctx.backend.store_kv(k, v, cache, kvh_ctx.slot_mapping)
     if scaling is None:
-        scaling = q.shape[-1] ** -0.5
-    out = kvh_ctx.backend.paged_attention(q.contiguous(), cache, kvh_ctx.block_tables,
-                                          kvh_ctx.seq_lens, kvh_ctx.query_start_loc, scaling,
-                                          sliding_window, kvh_ctx.max_seq_len)
+        scaling = query.shape[-1] ** -0.5
+    out = paged_step(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                     kvh_ctx, module.layer_idx, scaling, sliding_window)
     return out.unsqueeze(0), None                # [1, T, H, D]
 
 

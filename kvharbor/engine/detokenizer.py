@@ -1,6 +1,10 @@
 """Incremental detokenization with stop strings.
 
-Text is re-decoded from the output ids and a delta is released only up to the last complete
+Each new token decodes only a short window of ids (the tokens since the last *committed*
+text plus the few before them, for context): the text a window adds over its own prefix is
+committed once it ends in a complete character. ``req.output_text`` is the committed text plus
+the still-incomplete tail, exactly what decoding all output ids at once gives, at a cost per
+token that does not grow with the output. A delta is released only up to the last complete
 character, holding back as many characters as a stop string could still need, so a stream
 never shows a replacement character or the start of a stop string it later removes.
 """
@@ -12,14 +16,41 @@ from .request import Request
 _REPLACEMENT = "\ufffd"
 
 
+class _Cursor:
+    """Per request: ids ``[prefix, read)`` were decoded as context; ``text`` is committed."""
+
+    __slots__ = ("prefix", "read", "text")
+
+    def __init__(self) -> None:
+        self.prefix, self.read, self.text = 0, 0, ""
+
+
 class Detokenizer:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self._sent: dict[str, int] = {}
+        self._cursors: dict[str, _Cursor] = {}
 
     def update(self, req: Request) -> None:
-        """Re-decode ``req.output_text`` from its output ids."""
-        req.output_text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+        """Extend ``req.output_text`` by the text of the newest output ids (incrementally)."""
+        cur = self._cursors.get(req.request_id)
+        if cur is None:
+            cur = self._cursors[req.request_id] = _Cursor()
+        ids = req.all_token_ids
+        base = len(req.prompt_token_ids)
+        decode = self.tokenizer.decode
+        context = decode(ids[base + cur.prefix:base + cur.read], skip_special_tokens=True)
+        window = decode(ids[base + cur.prefix:], skip_special_tokens=True)
+        tail = window[len(context):] if window.startswith(context) else None
+        if tail is None:                 # the window re-spelled its context: decode in full
+            cur.text = decode(ids[base:], skip_special_tokens=True)
+            cur.prefix = cur.read = len(ids) - base
+            req.output_text = cur.text
+            return
+        if tail and not tail.endswith(_REPLACEMENT):
+            cur.text += tail
+            cur.prefix, cur.read, tail = cur.read, len(ids) - base, ""
+        req.output_text = cur.text + tail
 
     def truncate_at_stop(self, req: Request, stops: list[str]) -> bool:
         """Cut ``req.output_text`` before the first stop string; True if one occurred."""
@@ -34,7 +65,7 @@ class Detokenizer:
         sent = self._sent.get(req.request_id, 0)
         text = req.output_text
         if final:
-            self._sent.pop(req.request_id, None)
+            self.forget(req.request_id)
             return text[sent:]
         holdback = max((len(s) for s in req.sampling.stop), default=1) - 1
         stable = len(text.rstrip(_REPLACEMENT)) - holdback
@@ -45,3 +76,4 @@ class Detokenizer:
 
     def forget(self, request_id: str) -> None:
         self._sent.pop(request_id, None)
+        self._cursors.pop(request_id, None)

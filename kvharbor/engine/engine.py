@@ -64,7 +64,7 @@ class Engine:
         num_blocks = config.num_kv_blocks or self._default_num_blocks()
         self.pool = BlockPool(num_blocks, config.pinned_kv_blocks)
         self.runner = ModelRunner(self.model, num_blocks, self.block_size, self.device, self.dtype,
-                                  config.attention_backend, config.kv_cache_dtype)
+                                  config.attention_backend, config.kv_cache_dtype, config.model_path)
         self.host, self.transfer = self._make_host_tier()
         self.sliding_window = uniform_sliding_window(self.model.config)
         self.kv = KVCacheManager(self.pool, self.block_size, self.host, self.transfer,

@@ -172,10 +172,18 @@ class KVCacheManager:
         """Register every computed, full block of ``req`` in the prefix cache."""
         req.update_block_hashes(self.block_size)
         num_full = min(req.num_computed_tokens // self.block_size, len(req.block_hashes))
-        for i in range(req.window_start, num_full):
+        null = self.pool.null_block
+        # The cursor skips blocks cached by earlier steps. It is trusted only while the block
+        # before it is still cached (or null): after a free / preemption it restarts at 0.
+        start = req.cached_blocks_cursor
+        if start > len(req.blocks) or (start and req.blocks[start - 1].block_hash is None
+                                       and req.blocks[start - 1] is not null):
+            start = 0
+        for i in range(max(req.window_start, start), num_full):
             block = req.blocks[i]
-            if block.block_hash is None and block is not self.pool.null_block:
+            if block.block_hash is None and block is not null:
                 self.pool.cache_block(block, req.block_hashes[i])
+        req.cached_blocks_cursor = max(start, num_full)
 
     def free_outside_window(self, req: Request) -> int:
         """Release ``req``'s blocks that no future query can see (sliding window). Returns how many.

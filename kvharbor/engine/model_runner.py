@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvharbor.kernels import KV_CACHE_DTYPES, LayerKVCache, get_attention_backend
+from kvharbor.kernels import KV_CACHE_DTYPES, LayerKVCache, cpu_decode, get_attention_backend, plan_attention
 
-from . import attention
+from . import attention, fast_model
+from .models import uniform_sliding_window
 from .request import Request
 from .sampling import sample
 
@@ -43,18 +44,30 @@ def kv_bytes_per_token(config, cache_dtype: torch.dtype) -> int:
     return 2 * config.num_hidden_layers * kv_heads * head_dim * elem
 
 
+def _model_path(model, choice: str):
+    """kvharbor's own forward (``FastCausalLM``) or None (transformers' forward)."""
+    if choice not in ("auto", "kvharbor", "transformers"):
+        raise ValueError(f"model_path must be 'auto', 'kvharbor' or 'transformers', got {choice!r}")
+    if choice == "transformers" or (choice == "auto" and not fast_model.supports(model)):
+        return None
+    return fast_model.FastCausalLM(model)      # raises for an unsupported model when forced
+
+
 class ModelRunner:
     """Owns the model, the KV cache tensors and the attention backend."""
 
     def __init__(self, model, num_blocks: int, block_size: int, device: torch.device,
-                 dtype: torch.dtype, attention_backend: str = "auto", kv_cache_dtype: str = "auto"):
+                 dtype: torch.dtype, attention_backend: str = "auto", kv_cache_dtype: str = "auto",
+                 model_path: str = "auto"):
         self.model = model
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
         self.backend = get_attention_backend(attention_backend, device)
+        self.fast = _model_path(model, model_path)
         cfg = model.config
         self._hf_attention = cfg._attn_implementation
+        self.sliding_window = uniform_sliding_window(cfg)
         self.num_layers = cfg.num_hidden_layers
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -64,9 +77,12 @@ class ModelRunner:
         # One row past the pool's blocks: the null block (id ``num_blocks``) that stands in for
         # blocks a sliding window released; attention masks it, nothing writes it.
         shape = (num_blocks + 1, block_size, self.num_kv_heads, self.head_dim)
+        self.null_block_id = num_blocks
         self.caches = [LayerKVCache(torch.zeros(shape, dtype=self.kv_cache_dtype, device=device),
                                     torch.zeros(shape, dtype=self.kv_cache_dtype, device=device))
                        for _ in range(self.num_layers)]
+        self.decode_kernel = (getattr(self.backend, "plans", False) and device.type == "cpu"
+                              and self.kv_cache_dtype == dtype == torch.float32 and cpu_decode.available())
         if KV_CACHE_DTYPES[kv_cache_dtype] is not None:
             from .kv_calibration import calibrate_kv_scales  # noqa: PLC0415
 
@@ -104,20 +120,32 @@ class ModelRunner:
             if item.samples:
                 logit_rows.append(qsl[-1] - 1)
         width = max(len(t) for t in tables)
-        dev = self.device
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev)
+        table = self._upload([t + [0] * (width - len(t)) for t in tables], torch.int32)
         ctx = attention.AttentionContext(
-            self.caches, self.backend,
-            torch.tensor(slots, dtype=torch.int64, device=dev), table,
-            torch.tensor(lens, dtype=torch.int32, device=dev),
-            torch.tensor(qsl, dtype=torch.int32, device=dev), max(lens))
-        return (torch.tensor([ids], device=dev), torch.tensor([pos], device=dev), ctx,
-                torch.tensor(logit_rows, dtype=torch.int64, device=dev))
+            self.caches, self.backend, self._upload(slots, torch.int64), table,
+            self._upload(lens, torch.int32), self._upload(qsl, torch.int32), max(lens))
+        if getattr(self.backend, "plans", False):
+            ctx.plan = plan_attention(table, lens, qsl, bs, self.sliding_window,
+                                      use_new_kv=self.kv_cache_dtype == self.dtype,
+                                      pad_block=self.null_block_id,
+                                      decode_kernel=self.decode_kernel)
+            ctx.plan_window = self.sliding_window
+        return (self._upload([ids], torch.int64), self._upload([pos], torch.int64), ctx,
+                self._upload(logit_rows, torch.int64))
+
+    def _upload(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """A host list as a device tensor: on CUDA staged in pinned memory and copied without
+        blocking the host (the copy is ordered before the step's kernels on the stream)."""
+        if self.device.type != "cuda":
+            return torch.tensor(values, dtype=dtype)
+        return torch.tensor(values, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def forward_logits(self, batch: list[ScheduledRequest]) -> torch.Tensor:
         """Run the step; return logits ``[num_sampling_requests, vocab]``."""
         input_ids, positions, ctx, rows = self._build(batch)
+        if self.fast is not None:
+            return self.fast.forward(input_ids[0], positions[0], ctx, rows)
         keep = rows if rows.numel() else 1           # a pure prefill chunk samples nothing
         # The paged attention is switched on only for the engine's own forward, so
         # ``llm.hf_model`` stays a stock transformers model (the tests' oracle).

@@ -91,6 +91,7 @@ class Request:
     num_preemptions: int = 0
     first_token_time: float | None = None
     generator: object = None             # torch.Generator when seeded
+    cached_blocks_cursor: int = 0        # blocks [0, cursor) were registered in the prefix cache
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

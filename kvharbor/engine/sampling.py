@@ -1,4 +1,14 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds."""
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, one batch per step.
+
+All rows of a step are sampled together and the chosen ids reach the host in one copy (one
+device sync per step). Greedy rows take the argmax of their raw logits. Sampled rows: logits
+divided by the temperature, top-k keeps the values >= the k-th largest (ties kept), top-p drops
+a token once the probability mass before it (in descending order) reaches ``top_p`` (always
+keeping the first), then one token is drawn from the softmax by the exponential race
+``argmax(p / E)`` with ``E ~ Exp(1)`` per vocabulary entry (an exact draw from ``p``). A seeded
+request draws its ``E`` from its own generator, so its tokens depend on its seed alone, not on
+the batch it shares.
+"""
 
 from __future__ import annotations
 
@@ -6,35 +16,58 @@ import torch
 
 from .request import Request
 
+_TINY = torch.finfo(torch.float32).tiny
+
 
 def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     """Pick one token per row of ``logits`` ``[B, V]`` for the matching request."""
     logits = logits.float()
-    if all(r.sampling.temperature == 0 for r in requests):
+    sampled = [i for i, r in enumerate(requests) if r.sampling.temperature != 0]
+    if not sampled:
         return logits.argmax(dim=-1).tolist()
-    out = []
-    for row, req in zip(logits, requests):
-        out.append(_sample_one(row, req))
-    return out
+    chosen = logits.argmax(dim=-1)
+    reqs = [requests[i] for i in sampled]
+    rows = torch.tensor(sampled, device=logits.device)
+    probs = _filtered_probs(logits.index_select(0, rows), reqs)
+    chosen.index_copy_(0, rows, (probs / _exponentials(probs, reqs)).argmax(dim=-1))
+    return chosen.tolist()
 
 
-def _sample_one(row: torch.Tensor, req: Request) -> int:
-    sp = req.sampling
-    if sp.temperature == 0:
-        return int(row.argmax())
-    row = row / sp.temperature
-    if sp.top_k > 0 and sp.top_k < row.numel():
-        kth = torch.topk(row, sp.top_k).values[-1]
-        row = row.masked_fill(row < kth, float("-inf"))
-    if sp.top_p < 1.0:
-        sorted_logits, order = torch.sort(row, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop tokens once the mass before them already reaches top_p (keep at least one).
-        drop = probs.cumsum(-1) - probs >= sp.top_p
-        drop[0] = False                  # a top_p below float32's resolution still keeps one
-        sorted_logits[drop] = float("-inf")
-        row = torch.empty_like(row).scatter_(0, order, sorted_logits)
-    probs = torch.softmax(row, dim=-1)
-    if sp.seed is not None and req.generator is None:
-        req.generator = torch.Generator(device=row.device).manual_seed(sp.seed)
-    return int(torch.multinomial(probs, 1, generator=req.generator))
+def _filtered_probs(x: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    """Softmax of ``x`` ``[S, V]`` after temperature, top-k and top-p of each row's request."""
+    dev, vocab = x.device, x.shape[-1]
+    x = x / torch.tensor([r.sampling.temperature for r in reqs], device=dev)[:, None]
+    ks = [r.sampling.top_k if 0 < r.sampling.top_k < vocab else 0 for r in reqs]
+    ps = [r.sampling.top_p for r in reqs]
+    if not any(ks) and all(p >= 1.0 for p in ps):
+        return torch.softmax(x, dim=-1)
+    sorted_x, order = torch.sort(x, dim=-1, descending=True)
+    if any(ks):
+        k = torch.tensor([k or vocab for k in ks], device=dev)
+        kth = sorted_x.gather(1, (k - 1)[:, None])
+        sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
+    if any(p < 1.0 for p in ps):
+        probs = torch.softmax(sorted_x, dim=-1)
+        drop = probs.cumsum(-1) - probs >= torch.tensor(ps, device=dev)[:, None]
+        drop[:, 0] = False               # a top_p below float32's resolution still keeps one
+        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+    x = torch.empty_like(x).scatter_(1, order, sorted_x)
+    return torch.softmax(x, dim=-1)
+
+
+def _exponentials(probs: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    """``Exp(1)`` noise ``[S, V]``: seeded rows from their request's generator, the rest from
+    the global generator in one call."""
+    noise = torch.empty_like(probs)
+    unseeded = [i for i, r in enumerate(reqs) if r.sampling.seed is None]
+    if len(unseeded) == len(reqs):
+        return noise.exponential_().clamp_min_(_TINY)
+    if unseeded:
+        idx = torch.tensor(unseeded, device=probs.device)
+        noise.index_copy_(0, idx, torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_())
+    for i, r in enumerate(reqs):
+        if r.sampling.seed is not None:
+            if r.generator is None:
+                r.generator = torch.Generator(device=probs.device).manual_seed(r.sampling.seed)
+            noise[i].exponential_(generator=r.generator)
+    return noise.clamp_min_(_TINY)          # a 0 draw would make 0 / 0 = NaN win the argmax

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .cpu_attention import AttentionPlan, paged_attention_cpu, plan_attention, store_kv_cpu  # noqa: F401
 from .reference import paged_attention_ref, store_kv_ref
 
 KV_CACHE_DTYPES = {"auto": None, "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
@@ -42,16 +43,31 @@ class ReferenceBackend:
                                    cache.v_scale)
 
 
-def get_attention_backend(name: str, device: torch.device | str):
-    """Return the backend for ``name`` ("auto" | "reference" | "triton") on ``device``.
+class CpuBackend(ReferenceBackend):
+    """The CPU hot path: ``plans`` tells the runner to build one :class:`AttentionPlan` per step
+    and call :func:`paged_attention_cpu` with it; ``store_kv`` writes with ``index_copy_``
+    (the engine never passes negative slots). Without a plan it is the reference."""
 
-    "auto" is Triton on CUDA and the reference elsewhere.
+    name = "cpu"
+    plans = True
+
+    @staticmethod
+    def store_kv(key, value, cache: LayerKVCache, slot_mapping) -> None:
+        store_kv_cpu(key, value, cache, slot_mapping)
+
+
+def get_attention_backend(name: str, device: torch.device | str):
+    """Return the backend for ``name`` ("auto" | "cpu" | "reference" | "triton") on ``device``.
+
+    "auto" is Triton on CUDA and the planned CPU path elsewhere.
     """
     device = torch.device(device)
-    if name not in ("auto", "reference", "triton"):
-        raise ValueError(f"attention_backend must be 'auto', 'reference' or 'triton', got {name!r}")
-    if name == "reference" or (name == "auto" and device.type != "cuda"):
+    if name not in ("auto", "cpu", "reference", "triton"):
+        raise ValueError(f"attention_backend must be 'auto', 'cpu', 'reference' or 'triton', got {name!r}")
+    if name == "reference":
         return ReferenceBackend()
+    if name == "cpu" or (name == "auto" and device.type != "cuda"):
+        return CpuBackend()
     from .triton_backend import TritonBackend  # noqa: PLC0415 - triton is optional on CPU
 
     return TritonBackend()

@@ -117,6 +117,16 @@ def _routing() -> DashboardSpec:
                   "percentunit", (Query(ratio(rate_sum(observed, "replica", R),
                                               rate_sum(predicted, "replica", R)),
                                         "{{replica}}"),)),
+        PanelSpec("Routing mode", "Decisions per second by how the router decided "
+                  "(kv_index | approx | pow2) and why it did not use its index.", "ops",
+                  (Query(rate_sum("kvharbor_router_decisions", "kind, reason"),
+                         "{{kind}} {{reason}}"),), stacked=True),
+        PanelSpec("Router index lag", "Seconds since each router's index caught up with the "
+                  "directory log (worst router).", "s",
+                  (Query(f"max({series('kvharbor_router_index_lag_seconds')})", "lag"),)),
+        PanelSpec("Directory resyncs", "Full-state resyncs per second: replica snapshots, "
+                  "router snapshots, replay mismatches.", "ops",
+                  (Query(rate_sum("kvharbor_directory_resyncs", "kind"), "{{kind}}"),)),
         PanelSpec("Queue length by QoS", "Waiting requests per replica and class.", "short",
                   (Query(f"sum by (replica, qos) ({series('kvharbor_queue_length')}{RQ})",
                          "{{replica}} {{qos}}"),), stacked=True),

@@ -29,7 +29,9 @@ label        values
 ``reason``   :data:`RATE_LIMIT_REASONS`; anything else is recorded as ``other``
 ``outcome``  ``met`` | ``missed``
 ``location`` :data:`MEMORY_LOCATIONS` (``device``, ``host``)
-``kind``     :data:`MEMORY_KINDS` (``kv_cache``, ``model_weights``)
+``kind``     :data:`MEMORY_KINDS` (``kv_cache``, ``model_weights``); for router metrics
+             :data:`ROUTER_MODES` or :data:`DIRECTORY_SYNC_KINDS`
+``reason``   (router decisions) :data:`ROUTER_FALLBACK_REASONS`
 ===========  ==================================================================
 
 Worst case per histogram: tenants x QoS classes x buckets series. Request ids, prompts and
@@ -62,6 +64,12 @@ MEMORY_KINDS = ("kv_cache", "model_weights")
 BLOCK_STATES = ("used", "cached", "free", "reserved")
 PINNED_REGION_KINDS = ("size", "target", "floor", "ceiling", "demand_peak")
 OTHER = "other"
+# How the KV-aware router decided: its event-fed index, its own routing history
+# (approximate), or power of two choices; and why it was not the index.
+ROUTER_MODES = ("kv_index", "approx", "pow2")
+ROUTER_FALLBACK_REASONS = ("none", "no_hashes", "stream_not_started", "stream_stale",
+                           "no_history")
+DIRECTORY_SYNC_KINDS = ("replica_resync", "router_snapshot", "replay_mismatch")
 
 # Seconds. From 0.5 ms (a tiny CPU model's decode step) to a minute (a long GPU prefill
 # behind a queue); roughly x2-x2.5 per bucket.
@@ -134,6 +142,16 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kvharbor_router_decision_seconds", "histogram", (),
                "Time the KV-aware router spends choosing replicas for one request.",
                ROUTER_BUCKETS_S),
+    MetricSpec("kvharbor_router_decisions", "counter", ("kind", "reason"),
+               "Routing decisions by how the router decided (kind: kv_index|approx|pow2) and "
+               "why it did not use its event-fed index (reason; none when it did)."),
+    MetricSpec("kvharbor_router_index_lag_seconds", "gauge", (),
+               "Seconds since this router's prefix index last caught up with the directory's "
+               "event log (one series per router process)."),
+    MetricSpec("kvharbor_directory_resyncs", "counter", ("kind",),
+               "Full-state resyncs: a replica re-sent its cache (replica_resync), a router took "
+               "a directory snapshot (router_snapshot) or found its replay inconsistent "
+               "(replay_mismatch)."),
     MetricSpec("kvharbor_router_predicted_prefix_tokens", "counter", ("replica",),
                "Prompt tokens the router predicted would be prefix hits on the chosen replica."),
     MetricSpec("kvharbor_router_observed_prefix_tokens", "counter", ("replica",),
@@ -311,6 +329,20 @@ class KvharborMetrics:
     def router_decision(self, seconds: float) -> None:
         """Time one ``choose_replicas`` call took, in seconds."""
         self._m["kvharbor_router_decision_seconds"].observe(seconds)
+
+    def router_mode(self, mode: str, reason: str | None) -> None:
+        """One routing decision: ``mode`` in :data:`ROUTER_MODES`, ``reason`` why not the index."""
+        self._inc("kvharbor_router_decisions", 1,
+                  {"kind": _bounded(mode, ROUTER_MODES),
+                   "reason": _bounded(reason or "none", ROUTER_FALLBACK_REASONS)})
+
+    def router_index_lag(self, seconds: float) -> None:
+        """Seconds since the router's index last caught up with the directory log."""
+        self._set("kvharbor_router_index_lag_seconds", seconds, {})
+
+    def directory_resync(self, kind: str) -> None:
+        """One full-state resync; ``kind`` in :data:`DIRECTORY_SYNC_KINDS`."""
+        self._inc("kvharbor_directory_resyncs", 1, {"kind": _bounded(kind, DIRECTORY_SYNC_KINDS)})
 
     def router_prefix_tokens(self, replica: str, predicted: int, observed: int) -> None:
         """Predicted (router) vs observed (engine) prefix-hit tokens of one routed request."""

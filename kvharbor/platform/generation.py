@@ -1,7 +1,8 @@
 """One generation as the gateway runs it: replica call with retry, metrics, OpenAI shapes.
 
 Retry rule: a request whose replica fails *before the first token* (the actor died, or its
-engine answered with a 5xx error event) is sent again, to another replica when there is one;
+engine answered with a 5xx error event) is sent again, to another replica when there is one
+(the router skips the replicas in ``metadata["exclude_replicas"]``);
 once tokens have streamed, the stream ends with an OpenAI-shaped error event and ``[DONE]``
 (a non-streaming request gets 503 with Retry-After). When the client goes away the replica
 call is cancelled, which aborts the request in the engine and frees its blocks.
@@ -31,6 +32,13 @@ class ReplicaFailed(Exception):
 
 
 REPLICA_ERRORS = (RayActorError, RayTaskError, ConnectionError, ReplicaFailed)
+
+
+def exclude_failed_replica(metadata: dict) -> None:
+    """Make the retry avoid the replica that just failed (the router set ``routed_to``)."""
+    failed = metadata.get("routed_to")
+    if failed and failed not in metadata.setdefault("exclude_replicas", []):
+        metadata["exclude_replicas"].append(failed)
 
 
 async def sse(chunks: AsyncIterator[dict | str]) -> AsyncIterator[str]:
@@ -81,6 +89,7 @@ class GenerationRun:
                     raise APIError(503, f"the replica serving this request failed ({type(e).__name__}); "
                                    "retry the request", "replica_failed", headers={"Retry-After": "1"}) from e
                 logger.warning("replica failed before the first token (attempt %d): %r", attempt, e)
+                exclude_failed_replica(self.req.metadata)
                 await asyncio.sleep(0.2 * attempt)
             finally:
                 self.cancel()             # the client went away (or an error event): abort

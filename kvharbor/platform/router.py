@@ -8,27 +8,36 @@ Set on the LLMReplica deployment::
                                "directory_namespace": "kvharbor"},
         request_routing_stats_period_s=1.0)
 
-One routing attempt (``choose_replicas``)::
+Every process that owns a handle to the deployment has its own router, and each router
+holds its own replica of the prefix index (``IndexFollower``), fed by the directory's event
+log in a background task. One routing attempt (``choose_replicas``) makes no remote call::
 
     GenerateRequest (args[0] or kwargs["request"])
-        │ block_hashes ──await directory.match (≤ match_timeout_s)──▶ {replica: MatchInfo}
+        │ block_hashes ──local index.match──▶ {replica: MatchInfo}      (event stream live)
+        │              ──routing history────▶ {replica: MatchInfo}      (approximate mode)
+        │ + active blocks (sent here, no event yet): extend the match, count as load
         │ each candidate: routing_stats (lags) + Serve's in-flight count (fresh)
         ▼
     KVAwarePolicy.rank ──▶ [[best], [second], [all the rest]]
                             (Serve tries each rank in turn; a full replica is skipped)
 
-Fallback to power-of-two choices when the request has no hashes, the directory is not
-found yet, fails, or answers too late. The event loop is never blocked: the directory
-lookup runs in a thread, ``match`` is awaited with a timeout.
+Degrading: no hashes -> power of two; event stream not started or stale -> approximate
+mode (this router's own routing history, like SGLang's router); no history either ->
+power of two. Replicas named in ``metadata["exclude_replicas"]`` (the gateway's retry after
+a replica failed) are skipped while any other candidate remains.
 
 The decision is written into ``request.metadata`` before the request is sent, so the
 replica can compare predicted and observed prefix hits:
 
-    router_policy                   "kv_aware" or "pow2_fallback"
-    router_fallback_reason          why it fell back ("no_hashes", "directory_timeout", ...)
-    router_decision_ms              time spent in choose_replicas (float ms)
+    router_policy                   "kv_aware" (index), "approx" or "pow2_fallback"
+    router_fallback_reason          why not the index ("no_hashes", "stream_stale", ...)
+    router_decision_ms              time spent in choose_replicas (float ms, wall clock)
+    router_decision_cpu_ms          CPU time of this thread in it (excludes waits for the
+                                    GIL or the OS scheduler on a busy machine)
     router_predicted_cached_tokens  cached tokens predicted on the top-ranked replica
     router_predicted_by_replica     {replica unique_id: predicted cached tokens} (hits only)
+    routed_to                       unique id of the replica that accepted the request
+                                    (set after the send, in the caller's process)
 """
 
 from __future__ import annotations
@@ -37,109 +46,24 @@ import asyncio
 import logging
 import random
 import time
+import weakref
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from ray.exceptions import RayActorError
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from kvharbor.actors.prefix_directory import DEFAULT_DIRECTORY_NAME, MatchInfo
+from kvharbor.actors.prefix_directory import DEFAULT_DIRECTORY_NAME, DEFAULT_MAX_BLOCKS, shard_name
+from kvharbor.observability.metrics import get_metrics
+from kvharbor.platform.active_blocks import ActiveBlocks, RoutingHistory, with_active
+from kvharbor.platform.index_follower import ActorShard, IndexFollower
 from kvharbor.platform.protocol import GenerateRequest
 from kvharbor.platform.routing_policy import (Candidate, KVAwarePolicy, PowerOfTwoPolicy,
                                               RouteRequest, RoutingPolicy)
 
 logger = logging.getLogger(__name__)
 
-
-class DirectoryUnavailable(Exception):
-    """The directory could not answer in time; ``reason`` names why (a metric label)."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
-class DirectoryClient:
-    """Non-blocking access to the named PrefixDirectory actor.
-
-    The handle is looked up by name in a worker thread (``ray.get_actor`` talks to the GCS
-    synchronously); a failed lookup or a dead actor is retried after ``retry_s``. Lookup and
-    ``match`` together take at most ``timeout_s``.
-    """
-
-    def __init__(self, name: str, namespace: str | None, timeout_s: float, retry_s: float,
-                 handle: Any = None) -> None:
-        self.name, self.namespace = name, namespace
-        self.timeout_s, self.retry_s = timeout_s, retry_s
-        self._handle = handle
-        self._lookup: asyncio.Future | None = None
-        self._retry_at = 0.0
-
-    async def match(self, block_hashes: Sequence) -> dict[str, MatchInfo]:
-        """``PrefixDirectory.match`` or DirectoryUnavailable; never blocks the loop."""
-        deadline = time.monotonic() + self.timeout_s
-        handle = self._handle or await self._look_up(deadline)
-        try:
-            return await asyncio.wait_for(handle.match.remote(list(block_hashes)),
-                                          max(0.0, deadline - time.monotonic()))
-        except asyncio.TimeoutError:
-            raise DirectoryUnavailable("directory_timeout") from None
-        except Exception as exc:  # noqa: BLE001 - any failure means "route without it"
-            logger.warning("prefix directory match failed (%s); routing without it", exc)
-            if isinstance(exc, RayActorError):       # dead: look it up again later
-                self._handle, self._retry_at = None, time.monotonic() + self.retry_s
-            raise DirectoryUnavailable("directory_error") from None
-
-    def forget(self, replica_id: str) -> None:
-        """Fire-and-forget ``remove_replica`` (no-op while the handle is unknown)."""
-        if self._handle is not None:
-            try:
-                self._handle.remove_replica.remote(replica_id)
-            except Exception as exc:  # noqa: BLE001 - best effort; a resync fixes it later
-                logger.info("could not tell the directory that %s died: %s", replica_id, exc)
-
-    async def _look_up(self, deadline: float):
-        if self._lookup is None:
-            if time.monotonic() < self._retry_at:
-                raise DirectoryUnavailable("directory_not_found")
-            loop = asyncio.get_running_loop()
-            self._lookup = loop.run_in_executor(None, self._get_actor)
-            self._lookup.add_done_callback(_retrieve_exception)
-        lookup = self._lookup
-        try:
-            self._handle = await asyncio.wait_for(asyncio.shield(lookup),
-                                                  max(0.0, deadline - time.monotonic()))
-        except asyncio.TimeoutError:
-            raise DirectoryUnavailable("directory_lookup_pending") from None
-        except Exception as exc:  # noqa: BLE001 - not created yet, GCS hiccup, ...
-            logger.info("prefix directory %r not available (%s); retry in %.0f s",
-                        self.name, exc, self.retry_s)
-            self._retry_at = time.monotonic() + self.retry_s
-            raise DirectoryUnavailable("directory_not_found") from None
-        finally:
-            if lookup.done() and self._lookup is lookup:
-                self._lookup = None
-        return self._handle
-
-    async def remove_replicas(self, replica_ids: set[str]) -> None:
-        """Tell the directory these replicas are gone (idempotent; failures are logged)."""
-        try:
-            handle = self._handle or await self._look_up(time.monotonic() + 10.0)
-            await asyncio.gather(*(handle.remove_replica.remote(r) for r in replica_ids))
-        except Exception as exc:  # noqa: BLE001 - stale entries only cost memory
-            logger.warning("could not remove replicas %s from the prefix directory: %r",
-                           sorted(replica_ids), exc)
-
-    def _get_actor(self):
-        import ray
-
-        return ray.get_actor(self.name, namespace=self.namespace)
-
-
-def _retrieve_exception(fut: asyncio.Future) -> None:
-    """Mark a background lookup's exception as seen (it is handled by the next caller)."""
-    if not fut.cancelled():
-        fut.exception()
+POLICY_LABEL = {"kv_index": "kv_aware", "approx": "approx", "pow2": "pow2_fallback"}
 
 
 def pinned_replica(pending_request: PendingRequest | None,
@@ -164,21 +88,36 @@ def generate_request_of(pending_request: PendingRequest | None) -> GenerateReque
 class KVAwareRouter(RequestRouter):
     """Prefix-cache-aware, load-balanced routing for ``LLMReplica`` (see module doc)."""
 
+    _instances: "weakref.WeakSet[KVAwareRouter]" = weakref.WeakSet()
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.initialize_state()
+        KVAwareRouter._instances.add(self)
+
+    @classmethod
+    def instances(cls) -> list["KVAwareRouter"]:
+        """Routers alive in this process (tests and benchmarks read their index)."""
+        return list(cls._instances)
 
     def initialize_state(self, directory_name: str = DEFAULT_DIRECTORY_NAME,
-                         directory_namespace: str | None = None, match_timeout_s: float = 0.05,
-                         lookup_retry_s: float = 5.0, num_single_ranks: int = 2,
-                         default_block_size: int = 16, policy: dict | None = None,
-                         **unknown: Any) -> None:
+                         directory_namespace: str | None = None, num_directory_shards: int = 1,
+                         poll_interval_s: float = 0.02, stale_after_s: float = 2.0,
+                         control_timeout_s: float = 2.0, lookup_retry_s: float = 5.0,
+                         max_index_blocks: int = DEFAULT_MAX_BLOCKS, active_ttl_s: float = 5.0,
+                         num_single_ranks: int = 2, default_block_size: int = 16,
+                         policy: dict | None = None, **unknown: Any) -> None:
         """Configure from ``request_router_kwargs`` (every argument is JSON-serializable).
 
         Args:
-            directory_name / directory_namespace: the named PrefixDirectory actor.
-            match_timeout_s: longest wait for the directory before falling back.
-            lookup_retry_s: how long to wait before looking the directory up again.
+            directory_name / directory_namespace: the named PrefixDirectory actor(s).
+            num_directory_shards: shards of the directory (``shard_name`` names them).
+            poll_interval_s: pause between polls of the directory's event log.
+            stale_after_s: log not reached for this long -> approximate mode.
+            control_timeout_s: longest wait for any directory call (lookup, poll, remove).
+            lookup_retry_s: how long to wait before looking a missing directory up again.
+            max_index_blocks: bound on the local index ((hash, replica) entries).
+            active_ttl_s: how long a sent block counts as active without a stored event.
             num_single_ranks: how many best replicas get a rank of their own before the
                 rest share the last rank (Serve picks the least queued in a shared rank).
             default_block_size: used when a replica has not reported ``block_size`` yet.
@@ -187,33 +126,57 @@ class KVAwareRouter(RequestRouter):
         if unknown:
             raise ValueError(f"unknown KVAwareRouter kwargs {sorted(unknown)}; see "
                              "KVAwareRouter.initialize_state for the accepted names")
-        if num_single_ranks < 1 or match_timeout_s <= 0 or default_block_size < 1:
-            raise ValueError("num_single_ranks and default_block_size must be >= 1 and "
-                             "match_timeout_s > 0")
-        self.directory = DirectoryClient(directory_name, directory_namespace, match_timeout_s,
-                                         lookup_retry_s)
+        if (num_single_ranks < 1 or default_block_size < 1 or num_directory_shards < 1
+                or poll_interval_s <= 0 or stale_after_s <= 0 or control_timeout_s <= 0):
+            raise ValueError("num_single_ranks, default_block_size and num_directory_shards "
+                             "must be >= 1; poll_interval_s, stale_after_s and "
+                             "control_timeout_s must be > 0")
+        old = getattr(self, "_follow_task", None)
+        if old is not None:
+            old.cancel()
+        self._follow_task: asyncio.Task | None = None
+        self.metrics = get_metrics()
+        self.active = ActiveBlocks(active_ttl_s)
+        self._guesses: OrderedDict[str, tuple] = OrderedDict()   # request -> (replica, hashes)
+        self.history = RoutingHistory(max_index_blocks)
+        self.shards = [ActorShard(shard_name(directory_name, i, num_directory_shards),
+                                  directory_namespace, control_timeout_s, lookup_retry_s)
+                       for i in range(num_directory_shards)]
+        self.follower = IndexFollower(self.shards, max_index_blocks, poll_interval_s,
+                                      stale_after_s, on_stored=self._confirmed,
+                                      on_resync=self.metrics.directory_resync)
         self.policy: RoutingPolicy = KVAwarePolicy(**(policy or {}))
         self.fallback = PowerOfTwoPolicy(random.Random())
         self.num_single_ranks = num_single_ranks
         self.default_block_size = default_block_size
 
+    # ---- Serve hooks -----------------------------------------------------------------------
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
-        """Serve's new replica set; replicas that left it are removed from the directory.
-
-        Serve's controller is the authority on which replicas are alive (it restarts a dead
-        one under a new id), and every router gets its updates, so a dead replica's blocks
-        stop being matched even if no request ever reaches it again.
-        """
+        """Serve's new replica set; replicas that left it are forgotten here and in the
+        directory (Serve's controller is the authority on which replicas are alive)."""
         gone = ({r.unique_id for r in self.curr_replicas}
                 - {r.replica_id.unique_id for r in replicas})
         super().update_replicas(replicas)
-        if gone:
-            self._event_loop.create_task(self.directory.remove_replicas(gone))
+        for uid in gone:
+            self._forget(uid)
 
     def on_replica_actor_died(self, replica_id) -> None:
         """A request found the replica dead before Serve's next update: forget it now."""
         super().on_replica_actor_died(replica_id)
-        self._event_loop.create_task(self.directory.remove_replicas({replica_id.unique_id}))
+        self._forget(replica_id.unique_id)
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        """The replica accepted the request: remember where it went (history, active blocks)."""
+        request = generate_request_of(pending_request)
+        if request is None:
+            return
+        uid = replica_id.unique_id
+        request.metadata["routed_to"] = uid
+        guess = self._guesses.pop(pending_request.metadata.internal_request_id, None)
+        if guess is not None and guess[0] != uid:     # Serve took a lower rank
+            self.active.discard(guess[0], guess[1])
+            self.active.add(uid, guess[1])
+        self.history.record(uid, request.block_hashes)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
@@ -221,43 +184,97 @@ class KVAwareRouter(RequestRouter):
         """Rank ``candidate_replicas`` for ``pending_request`` (one routing attempt)."""
         if not candidate_replicas:
             return []
+        self._ensure_following()
         target = pinned_replica(pending_request, candidate_replicas)
         if target is not None:
             return [[target]]
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True  # sleep between attempts
         request = generate_request_of(pending_request)
-        matches, reason = {}, None
-        if request is None or not request.block_hashes:
-            reason = "no_hashes"
-        else:
-            try:
-                matches = await self.directory.match(request.block_hashes)
-            except DirectoryUnavailable as exc:
-                reason = exc.reason
-        candidates = [self._candidate(r, matches) for r in candidate_replicas]
+        candidate_replicas = _without_excluded(request, candidate_replicas)
+        mode, reason, matches = self._matches(request)
+        candidates = [self._candidate(r, matches, request) for r in candidate_replicas]
         route = self._route_request(request, candidates)
-        if reason is None:
+        if mode != "pow2":
             ranked = self.policy.rank(route, candidates)
             ranks = self._kv_ranks(ranked, candidate_replicas)
         else:
             ranked = self.fallback.rank(route, candidates)
             ranks = [self._by_ids(ranked[:2], candidate_replicas)]
         if request is not None:
-            self._record(request, ranked, reason, start)
+            self._note_active(pending_request, request, ranked, route.block_size, mode)
+            self._record(request, ranked, mode, reason, start, start_cpu)
+        self.metrics.router_mode(mode, reason)
         return ranks
 
-    def on_replica_actor_died(self, replica_id) -> None:
-        """Serve saw the replica die: drop it here and from the directory."""
-        super().on_replica_actor_died(replica_id)
-        self.directory.forget(replica_id.unique_id)
-
     # ---- helpers -------------------------------------------------------------------------
-    def _candidate(self, replica: RunningReplica, matches: dict) -> Candidate:
+    def _matches(self, request: GenerateRequest | None) -> tuple[str, str | None, dict]:
+        """(mode, reason, matches): the index when live, else history, else nothing."""
+        if request is None or not request.block_hashes:
+            return "pow2", "no_hashes", {}
+        reason = self.follower.status()
+        if reason is None:
+            return "kv_index", None, self.follower.index.match(request.block_hashes, touch=False)
+        if self.history.empty():
+            return "pow2", "no_history", {}
+        return "approx", reason, self.history.index.match(request.block_hashes, touch=False)
+
+    def _candidate(self, replica: RunningReplica, matches: dict,
+                   request: GenerateRequest | None) -> Candidate:
         uid = replica.replica_id.unique_id
-        return Candidate(uid, matches.get(uid), replica.routing_stats or {},
-                         self._in_flight(replica))
+        match = matches.get(uid)
+        if request is not None and request.block_hashes:
+            match = with_active(match, self.active, uid, request.block_hashes)
+        return Candidate(uid, match, replica.routing_stats or {}, self._in_flight(replica),
+                         self.active.count(uid))
+
+    def _note_active(self, pending_request: PendingRequest, request: GenerateRequest, ranked,
+                     block_size: int, mode: str) -> None:
+        """Blocks the top choice will compute count as active there until events confirm
+        (moved by ``on_request_routed`` if Serve sends the request elsewhere)."""
+        if not ranked or mode == "pow2":
+            return
+        top = ranked[0]
+        new = request.block_hashes[top.predicted_cached_tokens // block_size:]
+        self.active.add(top.replica_id, new)
+        self._guesses[pending_request.metadata.internal_request_id] = (top.replica_id, new)
+        while len(self._guesses) > 4096:                 # requests that were never routed
+            self._guesses.popitem(last=False)
+
+    def _confirmed(self, replica: str, hashes) -> None:
+        self.active.confirm(replica, hashes)
+
+    def _ensure_following(self) -> None:
+        """Start the event-log follower on this router's event loop (once)."""
+        if self._follow_task is None or self._follow_task.done():
+            self._follow_task = asyncio.get_running_loop().create_task(self._follow())
+
+    async def _follow(self) -> None:
+        while True:
+            await self.follower.poll_once()
+            self.metrics.router_index_lag(min(self.follower.lag_s(), 1e6))
+            await asyncio.sleep(self.follower.poll_interval_s)
+
+    def _forget(self, uid: str) -> None:
+        self.follower.forget_replica(uid)
+        self.history.forget(uid)
+        self.active.forget(uid)
+        loop = getattr(self, "_lazily_fetched_loop", None)    # Serve's router loop, if known
+        if loop is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                return                    # no loop yet: the replica's next resync fixes it
+        loop.call_soon_threadsafe(lambda: loop.create_task(self._remove_from_directory(uid)))
+
+    async def _remove_from_directory(self, uid: str) -> None:
+        """Tell every shard the replica is gone (idempotent; failures only cost memory)."""
+        for shard in self.shards:
+            try:
+                await shard.call("remove_replica", uid)
+            except Exception as exc:  # noqa: BLE001 - a replica resync or restart fixes it
+                logger.info("could not remove replica %s from the directory: %r", uid, exc)
 
     def _in_flight(self, replica: RunningReplica) -> int | None:
         """Serve's fresh count of ongoing requests at the replica (None when unknown)."""
@@ -271,7 +288,8 @@ class KVAwareRouter(RequestRouter):
         if request is None:
             return RouteRequest(prompt_tokens=0, block_size=block_size)
         return RouteRequest(len(request.prompt_token_ids), block_size, request.pinned,
-                            request.priority, request.qos)
+                            request.priority, request.qos,
+                            request.metadata.get("session_id"))
 
     def _kv_ranks(self, ranked, replicas: list[RunningReplica]) -> list[list[RunningReplica]]:
         ordered = self._by_ids(ranked, replicas)
@@ -287,14 +305,27 @@ class KVAwareRouter(RequestRouter):
         return [by_id[x.replica_id] for x in ranked]
 
     @staticmethod
-    def _record(request: GenerateRequest, ranked, reason: str | None, start: float) -> None:
+    def _record(request: GenerateRequest, ranked, mode: str, reason: str | None,
+                start: float, start_cpu: float) -> None:
         md = request.metadata
-        md["router_policy"] = "kv_aware" if reason is None else "pow2_fallback"
+        md["router_policy"] = POLICY_LABEL[mode]
         md["router_fallback_reason"] = reason
         md["router_predicted_cached_tokens"] = ranked[0].predicted_cached_tokens if ranked else 0
         md["router_predicted_by_replica"] = {x.replica_id: x.predicted_cached_tokens
                                              for x in ranked if x.predicted_cached_tokens}
         md["router_decision_ms"] = (time.perf_counter() - start) * 1000.0
+        md["router_decision_cpu_ms"] = (time.thread_time() - start_cpu) * 1000.0
+
+
+def _without_excluded(request: GenerateRequest | None,
+                      replicas: list[RunningReplica]) -> list[RunningReplica]:
+    """``replicas`` minus those the request must avoid (a failed earlier attempt), unless
+    that would leave none."""
+    excluded = request.metadata.get("exclude_replicas") if request is not None else None
+    if not excluded:
+        return replicas
+    kept = [r for r in replicas if r.replica_id.unique_id not in excluded]
+    return kept or replicas
 
 
 class RoundRobinRouter(RequestRouter):

@@ -11,6 +11,7 @@ same objects.
           - load_cost_tokens * requests ahead (running + waiting of equal or higher priority)
           - block_size * blocks the request needs but the replica has no free block for
           - pinned_miss_cost * block_size * blocks a pinned request can't get from the region
+          - active_token_cost * block_size * blocks sent there and not yet confirmed cached
 
 and ranks replicas that are *overloaded* (in-flight above ``(1 + imbalance_tolerance)``
 times the mean and more than ``balance_slack`` above the least loaded) after all others,
@@ -39,6 +40,7 @@ class RouteRequest:
     pinned: bool = False
     priority: int = 0           # higher is more important
     qos: str | None = None
+    session_id: str | None = None   # hint for session affinity (a later issue); unused yet
 
 
 @dataclass(slots=True, frozen=True)
@@ -48,12 +50,15 @@ class Candidate:
     ``stats`` is the dict the replica last returned from ``record_routing_stats`` (keys of
     ``kvharbor.platform.protocol.RoutingStats``; may be empty before its first report).
     ``in_flight`` is the router's fresher count of requests at the replica, if it has one.
+    ``active_blocks`` counts blocks this router sent there that no KV event confirmed yet
+    (prefill work the replica still has ahead of it).
     """
 
     replica_id: str
     match: MatchInfo | None = None
     stats: Mapping = field(default_factory=dict)
     in_flight: int | None = None
+    active_blocks: int = 0
 
 
 @dataclass(slots=True, frozen=True)
@@ -96,6 +101,7 @@ class KVAwarePolicy:
     imbalance_tolerance: float = 0.15   # overloaded above (1 + this) * mean load ...
     balance_slack: int = 2              # ... and more than this many above the least loaded
     pinned_miss_cost: float = 0.25      # per block (x block_size) a pinned request can't pin
+    active_token_cost: float = 0.25     # per token of prefill sent there, not yet confirmed
     _turn: int = field(default=0, init=False, repr=False)
     _first_at: dict[str, int] = field(default_factory=dict, init=False, repr=False)
 
@@ -128,6 +134,7 @@ class KVAwarePolicy:
             saved = bs * (m.device_blocks + self.host_hit_weight * m.host_blocks)
             saved = min(saved, float(request.prompt_tokens))
         penalty = self.load_cost_tokens * self._requests_ahead(request, c, load)
+        penalty += self.active_token_cost * bs * c.active_blocks
         needed = -(-request.prompt_tokens // bs) - (m.device_blocks if m else 0)  # host hits need device blocks too
         free_shared = c.stats.get("free_shared_blocks")
         free_pinned = int(c.stats.get("free_pinned_blocks", 0)) if request.pinned else 0

@@ -33,7 +33,7 @@ def hf_greedy(model, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> 
     outs = []
     with torch.inference_mode():
         for p in prompts:
-            ids = torch.tensor([p])
+            ids = torch.tensor([p], device=model.device)
             gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                                  min_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
                                  pad_token_id=0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvharbor import LLM, SamplingParams
 
@@ -54,3 +55,25 @@ def test_preemption_keeps_tokens_exact(oracle_cache):
     llm = LLM(model=model, device="cpu", num_kv_blocks=40, max_num_batched_tokens=256)
     run_and_compare(llm, model, oracle_cache)
     assert llm.stats()["preemptions"] > 0
+
+
+def test_block_size_16_with_preemption_on_qwen2(oracle_cache):
+    """Qwen2 (q/k/v biases, GQA 8/4), 16-token blocks, a cache too small for the batch:
+    requests are preempted and recomputed, and every token still equals transformers'."""
+    model = "kvharbor/tiny-qwen2"
+    llm = LLM(model=model, device="cpu", block_size=16, num_kv_blocks=40, max_num_batched_tokens=256)
+    run_and_compare(llm, model, oracle_cache)
+    assert llm.stats()["preemptions"] > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("model", MODELS)
+def test_cuda_bf16_greedy_matches_transformers_bf16(model):
+    """On a GPU: Triton kernels, bf16 weights and cache, against transformers in bf16."""
+    llm = LLM(model=model, device="cuda", dtype="bfloat16", num_kv_blocks=1024)
+    assert llm.engine.runner.backend.name == "triton"
+    want = hf_greedy(llm.hf_model, mixed_prompts())
+    outs = llm.generate(mixed_prompts(), GREEDY)
+    for i, (out, ref) in enumerate(zip(outs, want)):
+        assert out.token_ids == ref, f"prompt {i} diverged"
+    llm.check_integrity()

@@ -16,6 +16,10 @@ from kvharbor.engine.kv_calibration import QMAX
 from kvharbor.kernels import LayerKVCache
 from kvharbor.kernels.reference import store_kv_ref
 
+# Where the kernel tests build their tensors: the GPU when one is present (the Triton kernels
+# then compile for it), else the CPU (Triton in its interpreter).
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
 # atol = rtol. Observed max errors on these shapes (outputs up to ~3): fp32 2e-6, fp16 and bf16
 # one ulp of the output (2e-3 / 1.6e-2), so these allow a few ulps and no more.
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
@@ -45,7 +49,7 @@ def empty_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                 cache_dtype: torch.dtype, poison: bool) -> torch.Tensor:
     """An uninitialised cache; with ``poison`` NaN-filled, or -128 for int8 (a value the
     quantizer never writes, as it clamps to +-127)."""
-    cache = torch.empty(num_blocks, block_size, kv_heads, head_dim, dtype=cache_dtype)
+    cache = torch.empty(num_blocks, block_size, kv_heads, head_dim, dtype=cache_dtype, device=DEVICE)
     if poison and cache_dtype == torch.float8_e4m3fn:
         cache.view(torch.uint8).fill_(0x7F)
     elif poison and cache_dtype == torch.int8:
@@ -90,8 +94,11 @@ def make_batch(q_lens, kv_lens, *, heads, kv_heads, head_dim, block_size, dtype,
         empty_cache(num_blocks, block_size, kv_heads, head_dim, cache_dtype, poison),
         empty_cache(num_blocks, block_size, kv_heads, head_dim, cache_dtype, poison),
         k_scale, v_scale)
-    store_kv_ref(key, value, cache.key, cache.value, slot_mapping, k_scale, v_scale)
-    query = 2.0 * torch.randn(sum(q_lens), heads, head_dim, generator=g).to(dtype)
-    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    return Batch(query, cache, tables, torch.tensor(kv_lens, dtype=torch.int32), qsl,
-                 key, value, slot_mapping)
+    key, value, slot_mapping = key.to(DEVICE), value.to(DEVICE), slot_mapping.to(DEVICE)
+    if k_scale is not None:
+        cache.k_scale, cache.v_scale = k_scale.to(DEVICE), v_scale.to(DEVICE)
+    store_kv_ref(key, value, cache.key, cache.value, slot_mapping, cache.k_scale, cache.v_scale)
+    query = (2.0 * torch.randn(sum(q_lens), heads, head_dim, generator=g).to(dtype)).to(DEVICE)
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    return Batch(query, cache, tables.to(DEVICE), torch.tensor(kv_lens, dtype=torch.int32, device=DEVICE),
+                 qsl, key, value, slot_mapping)

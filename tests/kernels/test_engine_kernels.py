@@ -7,10 +7,12 @@ prompts x 8 tokens. The quantized-cache runs use the reference backend.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvharbor import LLM, SamplingParams
 
 MODEL = "kvharbor/tiny-llama"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"      # Triton compiled on a GPU
 PROMPTS_16 = [f"Prompt {i}: " + "the quick brown fox jumps over the lazy dog"[:4 + 2 * i]
               for i in range(16)]
 MIN_AGREEMENT = 0.95
@@ -26,7 +28,8 @@ def test_triton_backend_generates_the_reference_tokens():
     prompts = ["Hello there", "The quick brown fox", "kv", "abc def ghi jkl mno"]
     tokens = {}
     for backend in ("reference", "triton"):
-        llm = LLM(model=MODEL, attention_backend=backend, device="cpu", num_kv_blocks=64)
+        llm = LLM(model=MODEL, attention_backend=backend, device=DEVICE, dtype="float32",
+                  num_kv_blocks=64)
         tokens[backend] = _greedy(llm, prompts, 8)
         llm.check_integrity()
     assert all(len(t) == 8 for t in tokens["reference"])

@@ -8,7 +8,7 @@ import torch
 from kvharbor.kernels.reference import store_kv_ref
 from kvharbor.kernels.store_kv import store_kv
 
-from .batch import empty_cache
+from .batch import DEVICE, empty_cache
 
 
 def _bytes(x: torch.Tensor) -> torch.Tensor:
@@ -17,7 +17,10 @@ def _bytes(x: torch.Tensor) -> torch.Tensor:
 
 
 def _store_both(key, value, slots, cache_shape, cache_dtype, k_scale=None, v_scale=None):
-    """Store through both implementations into identically poisoned caches."""
+    """Store through both implementations into identically poisoned caches (on ``DEVICE``)."""
+    key, value, slots = key.to(DEVICE), value.to(DEVICE), slots.to(DEVICE)
+    k_scale = k_scale.to(DEVICE) if k_scale is not None else None
+    v_scale = v_scale.to(DEVICE) if v_scale is not None else None
     caches = [[empty_cache(*cache_shape, cache_dtype, poison=True) for _ in range(2)]
               for _ in range(2)]
     store_kv(key, value, *caches[0], slots, k_scale, v_scale)
@@ -40,8 +43,8 @@ def test_store_matches_reference_bit_for_bit(cache_dtype):
         if cache_dtype.itemsize == 1 else (None, None)
     (tk, tv), (rk, rv) = _store_both(key, value, slots, (n, bs, hkv, d), cache_dtype, *scales)
     assert torch.equal(_bytes(tk), _bytes(rk)) and torch.equal(_bytes(tv), _bytes(rv))
-    untouched = torch.ones(n * bs, dtype=torch.bool)
-    untouched[slots[slots >= 0]] = False
+    untouched = torch.ones(n * bs, dtype=torch.bool, device=DEVICE)
+    untouched[slots[slots >= 0].to(DEVICE)] = False
     poison = empty_cache(n, bs, hkv, d, cache_dtype, poison=True).view(n * bs, hkv, d)
     for cache in (tk, tv):
         assert torch.equal(_bytes(cache.view(n * bs, hkv, d)[untouched]),
@@ -86,10 +89,10 @@ def test_fp8_ties_between_all_neighbouring_values_round_to_even():
 def test_store_to_slots_past_int32_element_offsets():
     """A [2**20 + 8, 32, 1, 64] int8 cache: slots in blocks >= 2**20 lie past element 2**31."""
     n, bs, d = 2**20 + 8, 32, 64
-    cache = [torch.empty(n, bs, 1, d, dtype=torch.int8) for _ in range(2)]
-    key = torch.randn(3, 1, d)
-    slots = torch.tensor([(n - 1) * bs + 31, 2**20 * bs, (n - 3) * bs + 5])
-    scale = torch.full((1,), 0.05)
+    cache = [torch.empty(n, bs, 1, d, dtype=torch.int8, device=DEVICE) for _ in range(2)]
+    key = torch.randn(3, 1, d, device=DEVICE)
+    slots = torch.tensor([(n - 1) * bs + 31, 2**20 * bs, (n - 3) * bs + 5], device=DEVICE)
+    scale = torch.full((1,), 0.05, device=DEVICE)
     store_kv(key, -key, *cache, slots, scale, scale)
     flat = cache[0].view(n * bs, 1, d)
     expected = (key / 0.05).round().clamp(-127, 127).to(torch.int8)
@@ -105,11 +108,11 @@ def test_store_to_slots_past_int32_element_offsets():
 ])
 def test_store_rejects_bad_inputs(mutate, message):
     """Mistakes in the call fail before launch, naming what is wrong."""
-    key = torch.randn(2, 1, 16)
-    args = dict(key=key, value=key, slots=torch.tensor([0, 1]), k_scale=torch.ones(1),
-                v_scale=torch.ones(1))
+    key = torch.randn(2, 1, 16, device=DEVICE)
+    args = dict(key=key, value=key, slots=torch.tensor([0, 1], device=DEVICE),
+                k_scale=torch.ones(1, device=DEVICE), v_scale=torch.ones(1, device=DEVICE))
     mutate(args)
-    cache = [torch.zeros(1, 2, 1, 16, dtype=torch.int8) for _ in range(2)]
+    cache = [torch.zeros(1, 2, 1, 16, dtype=torch.int8, device=DEVICE) for _ in range(2)]
     with pytest.raises(AssertionError, match=message):
         store_kv(args["key"], args["value"], *cache, args["slots"], args["k_scale"],
                  args["v_scale"])

@@ -1,12 +1,15 @@
-"""The prefix directory mirrors the replicas' caches (allowing only for event lag)."""
+"""The prefix directory mirrors the replicas' caches (allowing only for event lag), and a
+replica's sync with it never waits while holding the engine lock."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 
 import ray
 
+from kvharbor.platform.protocol import GenerateRequest
 from tests.conftest import DEMO
 
 
@@ -33,3 +36,128 @@ def test_directory_equals_union_of_replica_caches(kvharbor_app):
     assert ok, f"directory vs replica cache sizes: {sizes}"
     assert all(n > 0 for n, _ in sizes.values()), "both replicas should hold cached blocks"
     ray.get(kvharbor_app.directory().check_integrity.remote())
+
+
+# ---- DirectorySync without Ray: a fake directory handle -----------------------------------
+class _Method:
+    def __init__(self, owner, name):
+        self.owner, self.name = owner, name
+
+    def remote(self, *args):
+        self.owner.calls.append((self.name, *args))
+        fut = asyncio.get_running_loop().create_future()
+        if self.owner.hang:
+            return fut                          # never answers
+        result = getattr(self.owner.shard, self.name)(*args)
+        fut.set_result(result)
+        return fut
+
+
+class FakeDirectoryHandle:
+    """Stands in for the actor handle: ``x.remote(...)`` answers from a DirectoryShard."""
+
+    def __init__(self, hang: bool = False) -> None:
+        from kvharbor.actors.prefix_directory import DirectoryShard
+
+        self.shard, self.hang, self.calls = DirectoryShard(), hang, []
+
+    def __getattr__(self, name):
+        return _Method(self, name)
+
+
+def _engine():
+    from kvharbor.config import EngineConfig
+    from kvharbor.engine.engine import Engine
+
+    return Engine(EngineConfig(device="cpu", num_kv_blocks=64, dtype="float32"))
+
+
+def _run_prompt(engine, rid: str, tokens: list[int]) -> None:
+    from kvharbor.engine.request import SamplingParams
+
+    engine.add_request(rid, tokens, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+
+
+def test_sync_resyncs_then_streams_batches_and_recovers_from_a_restarted_directory():
+    from kvharbor.actors.replica_sync import DirectorySync
+
+    engine, handle = _engine(), FakeDirectoryHandle()
+    sync = DirectorySync("d", "rep")
+    sync._handle = handle
+
+    async def tick():
+        ref = sync.prepare(engine)
+        await sync.settle(ref)
+
+    async def go():
+        _run_prompt(engine, "a", list(range(100)))
+        await tick()                                   # start: snapshot
+        assert handle.shard.replica_hashes("rep") == engine.cached_block_hashes() != set()
+        _run_prompt(engine, "b", list(range(50, 150)))
+        sync.publish(engine)                           # batches after the snapshot
+        await tick()
+        assert handle.shard.replica_hashes("rep") == engine.cached_block_hashes()
+        handle.shard = type(handle.shard)()            # the directory restarted, empty
+        await tick()                                   # heartbeat: unknown -> resync due
+        await tick()
+        assert handle.shard.replica_hashes("rep") == engine.cached_block_hashes()
+
+    asyncio.run(go())
+    assert sync.resyncs == 2
+
+
+def test_a_hanging_directory_times_out_and_never_holds_the_engine_lock():
+    from kvharbor.actors.replica import LLMReplica
+
+    replica = LLMReplica({"device": "cpu", "num_kv_blocks": 64, "dtype": "float32"},
+                         directory_name="unused")
+    replica.directory._handle = FakeDirectoryHandle(hang=True)
+    replica.directory.timeout_s = 30.0
+
+    async def go():
+        import kvharbor.actors.replica as replica_module
+
+        replica_module.STATS_PERIOD_S = 0.05
+        replica._ensure_loop()
+        await asyncio.sleep(0.3)                      # background task is stuck in settle
+        assert replica.directory._handle.calls, "the background task should have called"
+        assert not replica._engine_lock.locked()
+        request = GenerateRequest(request_id="x", tenant="t", qos="standard",
+                                  prompt_token_ids=list(range(40)), block_hashes=[],
+                                  sampling={"max_tokens": 4, "temperature": 0,
+                                            "ignore_eos": True})
+        events = await asyncio.wait_for(_collect(replica.generate(request)), 10)
+        assert events[-1]["finish_reason"] is not None
+        replica._loop_task.cancel()
+        replica._bg_task.cancel()
+
+    try:
+        asyncio.run(go())
+    finally:
+        import kvharbor.actors.replica as replica_module
+
+        replica_module.STATS_PERIOD_S = 1.0
+
+
+async def _collect(stream) -> list:
+    return [event async for event in stream]
+
+
+def test_settle_times_out_and_marks_a_resync():
+    from kvharbor.actors.replica_sync import DirectorySync
+
+    engine, handle = _engine(), FakeDirectoryHandle(hang=True)
+    sync = DirectorySync("d", "rep", timeout_s=0.05)
+    sync._handle = handle
+
+    async def go():
+        ref = sync.prepare(engine)
+        assert ref is not None and not sync._resync_due
+        start = time.perf_counter()
+        await sync.settle(ref)
+        return time.perf_counter() - start
+
+    assert asyncio.run(go()) < 1.0
+    assert sync._resync_due

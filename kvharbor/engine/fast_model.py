@@ -1,0 +1,78 @@
+"""kvharbor's own forward for the Llama / Qwen2 / Mistral families, on the transformers weights.
+
+It runs the same submodules transformers runs (embedding, rotary embedding, RMSNorms, q/k/v/o
+projections, MLP, final norm, LM head) and the same ``apply_rotary_pos_emb``, in the same
+order, so its numbers are the ones transformers computes; what it drops is the per-call
+machinery around them: ``[1, H, T, D]`` transposes and ``.contiguous()`` copies, the mask
+interface, kwargs plumbing through every layer, toggling the attention implementation, and
+the final norm over rows nobody samples. Tensors stay token-major (``[T, H, D]``), which is
+what the paged cache and the CPU attention want. ``llm.hf_model`` is left untouched (still
+the tests' oracle); the greedy-exact tests compare the two token for token.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from . import attention
+
+FAMILIES = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral"}
+
+
+def supports(model) -> bool:
+    """True for a Llama / Qwen2 / Mistral causal LM with the standard module layout."""
+    cfg = getattr(model, "config", None)
+    inner = getattr(model, "model", None)
+    if cfg is None or cfg.model_type not in FAMILIES or inner is None:
+        return False
+    layer = inner.layers[0] if len(inner.layers) else None
+    needed = ("q_proj", "k_proj", "v_proj", "o_proj", "scaling")
+    return (layer is not None and all(hasattr(layer.self_attn, n) for n in needed)
+            and not hasattr(layer.self_attn, "q_norm") and hasattr(inner, "rotary_emb"))
+
+
+class FastCausalLM:
+    """Forward over one flattened step (batch 1) with the paged attention of ``attention``."""
+
+    def __init__(self, model) -> None:
+        if not supports(model):
+            raise ValueError(f"no kvharbor model path for {type(model).__name__}")
+        self.model = model
+        inner = model.model
+        self.embed, self.layers, self.norm = inner.embed_tokens, inner.layers, inner.norm
+        self.rotary, self.lm_head = inner.rotary_emb, model.lm_head
+        family = FAMILIES[model.config.model_type]
+        mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        self.apply_rotary = mod.apply_rotary_pos_emb
+        cfg = model.config
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        # The window each layer passes to attention, as transformers' modules do (Qwen2 per
+        # layer type, Mistral from the config, Llama none).
+        self.windows = [getattr(layer.self_attn, "sliding_window",
+                                getattr(cfg, "sliding_window", None) if family == "mistral" else None)
+                        for layer in self.layers]
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                ctx: attention.AttentionContext, logit_rows: torch.Tensor) -> torch.Tensor:
+        """``input_ids``/``positions`` ``[T]``; returns logits ``[len(logit_rows), vocab]``."""
+        h = self.embed(input_ids[None])                              # [1, T, hidden]
+        cos, sin = self.rotary(h, position_ids=positions[None])      # [1, T, D] each
+        cos, sin = cos[0], sin[0]
+        t, d = input_ids.shape[0], self.head_dim
+        h = h[0]
+        for layer, window in zip(self.layers, self.windows):
+            a = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = a.q_proj(x).view(t, -1, d)
+            k = a.k_proj(x).view(t, -1, d)
+            v = a.v_proj(x).view(t, -1, d)
+            q, k = self.apply_rotary(q, k, cos, sin, unsqueeze_dim=1)  # [T, H, D], [T, Hkv, D]
+            o = attention.paged_step(q, k, v, ctx, a.layer_idx, a.scaling, window)
+            h = h + a.o_proj(o.view(t, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        if not logit_rows.numel():
+            return h.new_empty(0, self.lm_head.out_features)
+        return self.lm_head(self.norm(h.index_select(0, logit_rows)))

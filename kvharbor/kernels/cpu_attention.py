@@ -1,0 +1,221 @@
+"""Exact paged attention for the CPU: one plan per step, SDPA per group of sequences.
+
+The reference (:mod:`kvharbor.kernels.reference`) re-derives its batch from tensors in every
+layer, gathers whole blocks padded to the longest sequence and zeroes the padding. Here the
+host-side work happens once per step (:func:`plan_attention`), shared by all layers:
+
+* decode rows (one query) are sorted by K/V length and cut into groups of ``DECODE_GROUP``;
+  a group gathers whole cache blocks (one contiguous copy per block: an order of magnitude
+  faster than per-slot gathers), padded to the group's longest sequence with the null block,
+  zeroes the few gathered slots a query may not see (block tails, keys before a window), and
+  runs one SDPA with the GQA query heads of a KV head as rows (``[B, Hkv, G, D]``);
+* a prefill with no earlier K/V (``kv_len == q_len``) attends over this step's own K/V rows
+  (no cache read), causal; other prefills gather their blocks once per layer, mask built once.
+
+Where the C++ kernel of :mod:`.cpu_decode` is built and the cache is float32, all decodes
+go to it instead (one pass over the K/V bytes, read in place; ~10x faster than the groups).
+
+Zeroing matters: a slot past a sequence's end may hold anything (another request's stale
+keys, NaN in the kernel tests), and ``0 * NaN`` would leak through a masked softmax.
+Blocks wholly before a sliding window are not gathered (decode) and masked (prefill).
+All SDPA inputs are 4-D: 3-D ones take PyTorch's slow math path on CPU.
+Same math as the reference (masked softmax in the query dtype via SDPA); outputs match it to
+float rounding, which the kernel tests bound.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from . import cpu_decode
+from .reference import dequantize_kv, quantize_kv
+
+DECODE_GROUP = 16
+
+
+@dataclass(slots=True)
+class DecodeGroup:
+    """Single-query sequences attended together over ``blocks`` ``[B, nb]`` (int64; a shorter
+    sequence is padded with ``pad_block``). Gathered keys are ``[B, nb * bs]``; ``masked``
+    (flat indexes into them) are zeroed after the gather, so stale or unwritten slots never
+    reach the softmax; ``mask`` ``[B, 1, 1, nb * bs]`` float32 is 0 / -inf; ``rows`` ``[B]``
+    are the query rows."""
+
+    rows: torch.Tensor
+    blocks: torch.Tensor
+    masked: torch.Tensor
+    mask: torch.Tensor
+
+
+@dataclass(slots=True)
+class PrefillSeq:
+    """Query rows ``[qs, qe)`` of one sequence. ``blocks``/``masked``/``mask`` (``[Q, nb * bs]``)
+    as for :class:`DecodeGroup`; all None for a fresh causal prefill (its K/V are this step's
+    rows ``[qs, qe)``)."""
+
+    qs: int
+    qe: int
+    blocks: torch.Tensor | None
+    masked: torch.Tensor | None
+    mask: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class DecodeRows:
+    """All single-query sequences for the C++ kernel (:mod:`.cpu_decode`), which reads the
+    cache in place: ``rows`` ``[B]`` query rows, ``tables`` ``[B, W]``, keys
+    ``[starts, lens)`` (int64)."""
+
+    rows: torch.Tensor
+    tables: torch.Tensor
+    starts: torch.Tensor
+    lens: torch.Tensor
+
+
+@dataclass(slots=True)
+class AttentionPlan:
+    decode: list[DecodeGroup]
+    prefill: list[PrefillSeq]
+    decode_rows: DecodeRows | None = None
+
+
+def plan_attention(block_tables: torch.Tensor, seq_lens: list[int], query_start_loc: list[int],
+                   block_size: int, sliding_window: int | None = None,
+                   use_new_kv: bool = True, pad_block: int | None = None,
+                   decode_kernel: bool = False) -> AttentionPlan:
+    """Build the step's plan from host lists (``seq_lens`` ``[B]``, ``query_start_loc`` ``[B+1]``)
+    and the block table tensor ``[B, max_blocks]`` (on the device of the cache).
+
+    ``use_new_kv=False`` (quantized caches) makes fresh prefills read the cache like every
+    other query, so all queries see the same (quantized) keys and values. ``pad_block``: a
+    block that always holds zeros (the engine's null block), used to pad short sequences
+    without zeroing their padding; None pads with the table's first entry and zeroes it.
+    ``decode_kernel``: plan every decode for the C++ kernel (float32 caches, kernel built)."""
+    decode, prefill = [], []
+    for b, kv_len in enumerate(seq_lens):
+        qs, qe = query_start_loc[b], query_start_loc[b + 1]
+        if qe - qs == 1:
+            decode.append(b)
+        elif qe > qs:
+            prefill.append(_plan_prefill(block_tables[b], kv_len, qs, qe, block_size, sliding_window,
+                                         use_new_kv))
+    if decode_kernel and decode:
+        dev = block_tables.device
+        idx = torch.tensor(decode, device=dev)
+        starts = [max(0, seq_lens[b] - sliding_window) if sliding_window else 0 for b in decode]
+        rows = DecodeRows(torch.tensor([query_start_loc[b] for b in decode], device=dev),
+                          block_tables.index_select(0, idx).long(),
+                          torch.tensor(starts, device=dev), torch.tensor([seq_lens[b] for b in decode], device=dev))
+        return AttentionPlan([], prefill, rows)
+    decode.sort(key=lambda b: seq_lens[b])
+    groups = [_plan_decode(block_tables, seq_lens, query_start_loc, decode[i:i + DECODE_GROUP],
+                           block_size, sliding_window, pad_block)
+              for i in range(0, len(decode), DECODE_GROUP)]
+    return AttentionPlan(groups, prefill)
+
+
+def _plan_decode(block_tables, seq_lens, qsl, members, bs, sliding_window, pad_block) -> DecodeGroup:
+    dev = block_tables.device
+    lens = [seq_lens[b] for b in members]
+    # Whole blocks from the one holding the first visible key (sliding window) to the last.
+    first = [max(0, n - sliding_window) // bs if sliding_window else 0 for n in lens]
+    nblk = [-(-n // bs) - f for n, f in zip(lens, first)]
+    width = max(nblk)
+    cols = torch.tensor(first, device=dev)[:, None] + torch.arange(width, device=dev)[None, :]
+    real = torch.arange(width, device=dev)[None, :] < torch.tensor(nblk, device=dev)[:, None]
+    table = block_tables[torch.tensor(members, device=dev)].long()
+    fill = table[:, :1] if pad_block is None else torch.full_like(table[:, :1], pad_block)
+    blocks = torch.where(real, table.gather(1, torch.where(real, cols, 0)), fill)
+    k_pos = cols.repeat_interleave(bs, 1) * bs + torch.arange(bs, device=dev).repeat(width)[None, :]
+    q_pos = torch.tensor(lens, device=dev)[:, None] - 1
+    allowed = k_pos <= q_pos
+    if sliding_window:
+        allowed &= k_pos > q_pos - sliding_window
+    zero = ~allowed if pad_block is None else ~allowed & real.repeat_interleave(bs, 1)
+    rows = torch.tensor([qsl[b] for b in members], device=dev)
+    return DecodeGroup(rows, blocks, zero.view(-1).nonzero().view(-1), _additive(allowed)[:, None, None, :])
+
+
+def _plan_prefill(table_row, kv_len, qs, qe, bs, sliding_window, use_new_kv) -> PrefillSeq:
+    q_len = qe - qs
+    if use_new_kv and q_len == kv_len and (not sliding_window or sliding_window >= kv_len):
+        return PrefillSeq(qs, qe, None, None, None)
+    dev = table_row.device
+    nb = -(-kv_len // bs)
+    k_pos = torch.arange(nb * bs, device=dev)
+    q_pos = torch.arange(kv_len - q_len, kv_len, device=dev)[:, None]
+    allowed = k_pos[None, :] <= q_pos
+    if sliding_window:
+        allowed &= k_pos[None, :] > q_pos - sliding_window
+    masked = (~allowed.any(0)).nonzero().view(-1)           # keys no query of this chunk sees
+    return PrefillSeq(qs, qe, table_row[:nb].long(), masked, _additive(allowed))
+
+
+def _additive(allowed: torch.Tensor) -> torch.Tensor:
+    """0 where allowed, -inf elsewhere (float32: SDPA's CPU kernels take it faster than bool;
+    every row allows at least its own key, so no row is all -inf)."""
+    return torch.zeros(allowed.shape, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, masked: torch.Tensor, scale, dtype):
+    """Whole cache blocks ``blocks`` (any shape ``S``) as ``[*S * bs, Hkv, D]`` keys/values in
+    ``dtype``, zero at the flat key indexes ``masked`` (stale slots: finite after this)."""
+    n, bs, hkv, d = cache.shape
+    rows = cache.view(n, bs * hkv * d).index_select(0, blocks.reshape(-1))
+    rows = dequantize_kv(rows.view(-1, hkv, d), scale, dtype)
+    if masked.numel():
+        rows.index_fill_(0, masked, 0)
+    return rows.view(*blocks.shape[:-1], blocks.shape[-1] * bs, hkv, d)
+
+
+def paged_attention_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache,
+                        plan: AttentionPlan, scale: float) -> torch.Tensor:
+    """Attention of the flattened step (this step's K/V already stored in ``cache``).
+
+    Args:
+        query: ``[T, H, D]`` (any strides).
+        key, value: this step's ``[T, Hkv, D]`` (read by fresh prefills only).
+        cache: a ``LayerKVCache``.
+    Returns:
+        ``[T, H, D]`` in ``query.dtype``.
+    """
+    t, h, d = query.shape
+    hkv = key.shape[1]
+    out = torch.empty(t, h, d, dtype=query.dtype, device=query.device)
+    if plan.decode_rows is not None:
+        r = plan.decode_rows
+        q = query.index_select(0, r.rows)                                # [B, H, D] contiguous
+        out.index_copy_(0, r.rows, cpu_decode.paged_decode(q, cache.key, cache.value, r.tables,
+                                                           r.starts, r.lens, scale))
+    for g in plan.decode:
+        q = query.index_select(0, g.rows).view(-1, hkv, h // hkv, d)     # [B, Hkv, G, D]
+        k = _gather(cache.key, g.blocks, g.masked, cache.k_scale, query.dtype).transpose(1, 2)
+        v = _gather(cache.value, g.blocks, g.masked, cache.v_scale, query.dtype).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask.to(query.dtype), scale=scale)
+        out.index_copy_(0, g.rows, o.reshape(-1, h, d))
+    # 4-D inputs: SDPA's CPU flash kernel (GQA included); 3-D ones take the slow math path.
+    for p in plan.prefill:
+        q = query[p.qs:p.qe].transpose(0, 1)[None]                         # [1, H, Q, D]
+        if p.blocks is None:
+            k, v = key[p.qs:p.qe], value[p.qs:p.qe]
+            o = F.scaled_dot_product_attention(q, k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                               is_causal=True, scale=scale, enable_gqa=h != hkv)
+        else:
+            k = _gather(cache.key, p.blocks, p.masked, cache.k_scale, query.dtype).transpose(0, 1)
+            v = _gather(cache.value, p.blocks, p.masked, cache.v_scale, query.dtype).transpose(0, 1)
+            o = F.scaled_dot_product_attention(q, k[None], v[None], attn_mask=p.mask.to(query.dtype),
+                                               scale=scale, enable_gqa=h != hkv)
+        out[p.qs:p.qe] = o[0].transpose(0, 1)
+    return out
+
+
+def store_kv_cpu(key: torch.Tensor, value: torch.Tensor, cache, slot_mapping: torch.Tensor) -> None:
+    """Write this step's ``key``/``value`` ``[T, Hkv, D]`` (any strides) at ``slot_mapping``
+    ``[T]`` (int64, every slot valid: no padding)."""
+    n, bs, hkv, d = cache.key.shape
+    cache.key.view(n * bs, hkv, d).index_copy_(0, slot_mapping, quantize_kv(key, cache.k_scale, cache.key.dtype))
+    cache.value.view(n * bs, hkv, d).index_copy_(0, slot_mapping,
+                                                 quantize_kv(value, cache.v_scale, cache.value.dtype))

@@ -1,0 +1,123 @@
+"""Incremental detokenization equals decoding everything at once; the batched sampler keeps
+each row's semantics (greedy rows exact, top-k / top-p filters, per-request seeds)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from kvharbor.engine.detokenizer import Detokenizer
+from kvharbor.engine.request import Request, SamplingParams
+from kvharbor.engine.sampling import sample
+from kvharbor.engine.tokenizer import byte_tokenizer
+
+
+def _metaspace_tokenizer() -> PreTrainedTokenizerFast:
+    """A SentencePiece-style word-level tokenizer: '▁' marks a word start, and decode drops
+    the first word's leading space, so a window decoded alone spells it differently."""
+    words = ["<unk>", "<s>", "</s>"] + [f"▁{w}" for w in ("the", "harbor", "kv", "café", "a")] + ["s", "é"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    tok.add_special_tokens(["<s>", "</s>"])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def _stream(tokenizer, prompt: list[int], output: list[int]) -> tuple[list[str], Request]:
+    """Feed ``output`` one token at a time; return each step's ``output_text``."""
+    detok = Detokenizer(tokenizer)
+    req = Request("r", list(prompt), SamplingParams(max_tokens=len(output)))
+    texts = []
+    for t in output:
+        req.all_token_ids.append(t)
+        detok.update(req)
+        texts.append(req.output_text)
+    return texts, req
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_incremental_text_equals_a_full_decode_after_every_token(seed):
+    """Random bytes (split UTF-8 sequences, invalid bytes) and special tokens mixed in."""
+    tok = byte_tokenizer()
+    rng = random.Random(seed)
+    text = "kv harbor — café ☕ 数据 " * 3
+    ids = list(text.encode()) + [rng.randrange(259) for _ in range(60)]
+    if seed % 2:
+        rng.shuffle(ids)
+    texts, _ = _stream(tok, [1, 2, 3], ids)
+    for n, got in enumerate(texts, start=1):
+        assert got == tok.decode(ids[:n], skip_special_tokens=True), f"after {n} tokens"
+
+
+def test_incremental_text_with_a_metaspace_tokenizer():
+    tok = _metaspace_tokenizer()
+    ids = [3, 4, 8, 5, 6, 9, 1, 7, 3, 2, 4]
+    texts, _ = _stream(tok, [3], ids)
+    for n, got in enumerate(texts, start=1):
+        assert got == tok.decode(ids[:n], skip_special_tokens=True), f"after {n} tokens"
+
+
+def test_each_token_decodes_a_short_window_not_the_whole_output():
+    """The per-token cost does not grow with the output: count the ids decoded."""
+    tok = byte_tokenizer()
+    seen = []
+    real = tok.decode
+
+    class Counting:
+        def decode(self, ids, **kw):
+            seen.append(len(ids))
+            return real(ids, **kw)
+
+    _stream(Counting(), [65], list(b"abcdefgh" * 40))
+    assert max(seen) <= 4, f"decoded windows up to {max(seen)} ids"
+
+
+def _req(i: int, **kw) -> Request:
+    return Request(f"r{i}", [1], SamplingParams(max_tokens=4, **kw))
+
+
+def test_greedy_rows_take_the_argmax_when_others_sample():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50)
+    reqs = [_req(i, temperature=0.0 if i % 2 == 0 else 1.0) for i in range(6)]
+    out = sample(logits, reqs)
+    assert [out[i] for i in (0, 2, 4)] == logits.argmax(-1)[[0, 2, 4]].tolist()
+
+
+def test_top_k_and_top_p_keep_only_allowed_tokens():
+    """Over many draws a top-k row only yields its k best, a top-p row only its nucleus."""
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0, -1.0]] * 2)
+    reqs = [_req(0, top_k=2), _req(1, top_p=0.7)]
+    probs = torch.softmax(logits[1], -1)                # 0.64, 0.23, ...: nucleus = {0, 1}
+    assert probs[0] < 0.7 <= probs[0] + probs[1]
+    seen = [set(), set()]
+    for _ in range(300):
+        a, b = sample(logits, reqs)
+        seen[0].add(a)
+        seen[1].add(b)
+    assert seen[0] == {0, 1} and seen[1] == {0, 1}
+
+
+def test_draws_follow_the_softmax():
+    """Exponential-race sampling is an exact draw: frequencies match the probabilities."""
+    torch.manual_seed(1)
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
+    counts = torch.zeros(3)
+    reqs = [_req(0)]
+    for _ in range(3000):
+        counts[sample(logits, reqs)[0]] += 1
+    torch.testing.assert_close(counts / 3000, torch.tensor([0.5, 0.3, 0.2]), atol=0.035, rtol=0)
+
+
+def test_a_seeded_row_does_not_depend_on_its_batch():
+    """Same seed, same tokens, whether the request is alone or beside other rows."""
+    torch.manual_seed(2)
+    logits = torch.randn(3, 100)
+    alone = [sample(logits[1:2], [r])[0] for r in [_req(0, seed=7)] for _ in range(8)]
+    r = _req(0, seed=7)
+    together = [sample(logits, [_req(1), r, _req(2, temperature=0.0)])[1] for _ in range(8)]
+    assert alone == together

@@ -1,0 +1,130 @@
+"""The planned CPU attention (the engine's CPU hot path) against the torch reference.
+
+Caches come from ``make_batch``: blocks no sequence owns and the block-table padding are
+poisoned (NaN), so a gather past a sequence's end shows up as NaN, not as a lucky pass.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvharbor.kernels import CpuBackend, cpu_decode, get_attention_backend
+from kvharbor.kernels.cpu_attention import DECODE_GROUP, paged_attention_cpu, plan_attention, store_kv_cpu
+from kvharbor.kernels.reference import paged_attention_ref, store_kv_ref
+
+from .batch import TOLERANCE, make_batch
+
+
+def run_planned(batch, window=None, use_new_kv=True, pad_block=None, decode_kernel=False):
+    """The engine's call: plan once, then attend; this step's K/V are the last q_len rows."""
+    q, c = batch.query, batch.cache
+    qsl, lens = batch.query_start_loc.tolist(), batch.seq_lens.tolist()
+    plan = plan_attention(batch.block_tables, lens, qsl, c.key.shape[1], window, use_new_kv, pad_block,
+                          decode_kernel)
+    assert (plan.decode_rows is not None) == (decode_kernel and 1 in batch.query_start_loc.diff().tolist())
+    # This step's K/V rows [T, Hkv, D]: each sequence's last q_len tokens.
+    starts = [sum(lens[:b]) for b in range(len(lens))]
+    rows = torch.cat([torch.arange(s + n - (qsl[b + 1] - qsl[b]), s + n)
+                      for b, (s, n) in enumerate(zip(starts, lens))]).to(batch.key.device)
+    return paged_attention_cpu(q, batch.key[rows], batch.value[rows], c, plan, q.shape[-1] ** -0.5)
+
+
+def check(batch, window=None, use_new_kv=True, pad_block=None, decode_kernel=False):
+    q, c = batch.query, batch.cache
+    out = run_planned(batch, window, use_new_kv, pad_block, decode_kernel)
+    ref = paged_attention_ref(q, *batch.args, q.shape[-1] ** -0.5, window, c.k_scale, c.v_scale)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert torch.isfinite(out).all(), "read poisoned (unowned) cache memory"
+    tol = TOLERANCE[q.dtype]
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("heads, kv_heads, window, block_size", [
+    (8, 2, None, 16), (4, 4, None, 1), (9, 3, 64, 16), (4, 1, 100, 32)],
+    ids=["gqa4", "mha-bs1", "gqa3-window", "gqa4-window-bs32"])
+def test_mixed_batch_matches_reference(heads, kv_heads, window, block_size):
+    """Decodes of many lengths (more than one decode group), a prefill over a cached prefix,
+    a fresh prefill and a chunk continuing one, in one step."""
+    n_dec = DECODE_GROUP + 5
+    q_lens = [1] * n_dec + [7, 40, 13]
+    kv_lens = [3 + 37 * i % 700 for i in range(n_dec)] + [300, 40, 213]
+    batch = make_batch(q_lens, kv_lens, heads=heads, kv_heads=kv_heads, head_dim=32,
+                       block_size=block_size, dtype=torch.float32, seed=heads)
+    check(batch, window)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+def test_quantized_cache_reads_dequantized_keys_everywhere(cache_dtype):
+    """With a quantized cache even a fresh prefill reads the cache (use_new_kv=False), so it
+    sees the same keys as the reference."""
+    batch = make_batch([1, 9, 1], [90, 9, 17], heads=4, kv_heads=2, head_dim=32, block_size=16,
+                       dtype=torch.float32, cache_dtype=cache_dtype, seed=3)
+    check(batch, use_new_kv=False)
+
+
+def test_fresh_prefill_uses_this_steps_kv_without_reading_the_cache():
+    """A prefill with no earlier tokens attends over the K/V it was given: poisoning its cache
+    blocks afterwards changes nothing (and must not, or the shortcut read the cache)."""
+    batch = make_batch([30], [30], heads=4, kv_heads=2, head_dim=16, block_size=16,
+                       dtype=torch.float32, seed=5)
+    before = run_planned(batch)
+    batch.cache.key.fill_(float("nan"))
+    torch.testing.assert_close(run_planned(batch), before, atol=0, rtol=0)
+
+
+def test_padding_with_a_zero_block_matches_reference():
+    """The engine pads short sequences of a decode group with its null block (zeros)."""
+    q_lens, kv_lens = [1, 1, 1, 1], [5, 200, 37, 64]
+    batch = make_batch(q_lens, kv_lens, heads=4, kv_heads=2, head_dim=32, block_size=16,
+                       dtype=torch.float32, seed=4, num_blocks=40)
+    used = {int(batch.block_tables[b, i]) for b, n in enumerate(kv_lens) for i in range(-(-n // 16))}
+    zero_block = min(set(range(40)) - used)
+    batch.cache.key[zero_block] = 0
+    batch.cache.value[zero_block] = 0
+    check(batch, pad_block=zero_block)
+
+
+def test_store_kv_cpu_writes_the_same_bytes_as_the_reference():
+    batch = make_batch([3, 1], [20, 9], heads=4, kv_heads=2, head_dim=16, block_size=8,
+                       dtype=torch.float32, seed=9)
+    ours, ref = (type(batch.cache)(batch.cache.key.clone(), batch.cache.value.clone()) for _ in "ab")
+    store_kv_cpu(batch.key, batch.value, ours, batch.slot_mapping)
+    store_kv_ref(batch.key, batch.value, ref.key, ref.value, batch.slot_mapping)
+    assert torch.equal(ours.key.view(torch.int32), ref.key.view(torch.int32))
+    assert torch.equal(ours.value.view(torch.int32), ref.value.view(torch.int32))
+
+
+def test_auto_backend_on_cpu_is_the_planned_one():
+    backend = get_attention_backend("auto", "cpu")
+    assert isinstance(backend, CpuBackend) and backend.plans
+    assert not getattr(get_attention_backend("reference", "cpu"), "plans", False)
+
+
+needs_kernel = pytest.mark.skipif(torch.cuda.is_available() or not cpu_decode.available(),
+                                  reason="CPU-only kernel (batches are on the GPU), or not built")
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads, kv_heads, window, block_size", [
+    (8, 2, None, 16), (9, 3, 64, 16), (4, 4, None, 1), (6, 2, 100, 32)],
+    ids=["gqa4", "gqa3-window", "mha-bs1", "gqa3-window-bs32"])
+def test_cpp_decode_kernel_matches_reference(heads, kv_heads, window, block_size):
+    """Decodes through the C++ kernel (reading the poisoned cache in place) and prefills
+    through SDPA, in one step."""
+    q_lens = [1] * 9 + [7, 30]
+    kv_lens = [1, 5, 16, 17, 300, 640, 33, 129, 64, 300, 30]
+    batch = make_batch(q_lens, kv_lens, heads=heads, kv_heads=kv_heads, head_dim=32,
+                       block_size=block_size, dtype=torch.float32, seed=heads + block_size)
+    check(batch, window, decode_kernel=True)
+
+
+@needs_kernel
+def test_cpp_decode_kernel_rejects_wrong_dtypes():
+    batch = make_batch([1], [20], heads=4, kv_heads=2, head_dim=16, block_size=16, dtype=torch.float32)
+    c = batch.cache
+    args = (batch.block_tables.long(), torch.zeros(1, dtype=torch.long), batch.seq_lens.long(), 0.25)
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_decode.paged_decode(batch.query.double(), c.key, c.value, *args)
+    with pytest.raises(RuntimeError, match="int64"):
+        cpu_decode.paged_decode(batch.query, c.key, c.value, batch.block_tables, *args[1:])

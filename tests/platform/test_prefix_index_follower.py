@@ -1,0 +1,155 @@
+"""A router's follower index equals the directory's index, through log overflow, replay
+mismatches and a directory restart; the event log keeps its bounds."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from kvharbor.actors.directory_log import EventLog
+from kvharbor.actors.prefix_directory import DirectoryShard, PrefixIndex
+from kvharbor.engine.hashing import hash_prompt_blocks
+from kvharbor.platform.index_follower import IndexFollower
+
+
+def chain(n: int, salt: str) -> list:
+    return hash_prompt_blocks(list(range(n * 4)), 4, salt=salt)
+
+
+class LocalShard:
+    """A ``DirectoryShard`` answering polls in-process (optionally failing)."""
+
+    def __init__(self, shard: DirectoryShard) -> None:
+        self.shard, self.fail, self.calls = shard, False, 0
+
+    async def poll(self, epoch, cursor, max_entries):
+        self.calls += 1
+        if self.fail:
+            raise ConnectionError("directory down")
+        return self.shard.poll(epoch, cursor, max_entries)
+
+
+def views(index: PrefixIndex) -> dict:
+    """Per replica: (next seq, {tier: set of hashes}), comparable across indexes."""
+    return {r: (seq, {t: set(h) for t, h in tiers.items()})
+            for r, (seq, tiers) in index.snapshot().items()}
+
+
+def random_traffic(shard: DirectoryShard, rng: random.Random, seqs: dict, n: int) -> None:
+    pool = chain(30, "x") + chain(30, "y")
+    for _ in range(n):
+        r = rng.choice(["a", "b", "c"])
+        roll = rng.random()
+        if roll < 0.04:
+            shard.remove_replica(r)
+            seqs.pop(r, None)
+        elif roll < 0.08:
+            seqs[r] = seqs.get(r, 0) + 5
+            shard.resync(r, seqs[r] - 1, {"device": rng.sample(pool, 10), "host": []})
+        else:
+            tier = rng.choice(["device", "device", "host"])
+            assert shard.apply_events(r, seqs.get(r, 0), rng.sample(pool, 4), rng.sample(pool, 2),
+                                      tier)
+            seqs[r] = seqs.get(r, 0) + 1
+
+
+def test_follower_replays_the_log_into_an_equal_index():
+    shard, rng, seqs = DirectoryShard(), random.Random(1), {}
+    follower = IndexFollower([LocalShard(shard)], max_entries=7)
+    for _ in range(40):
+        random_traffic(shard, rng, seqs, 10)
+        asyncio.run(follower.poll_once())
+        asyncio.run(follower.poll_once())
+        assert views(follower.index) == views(shard._index)
+    assert follower.counters.snapshots == 1          # only the first poll (a new follower)
+    assert follower.counters.entries > 300 and follower.counters.mismatches == 0
+    assert follower.status() is None
+    follower.index.check_integrity()
+
+
+def test_a_follower_behind_the_bounded_log_takes_a_snapshot():
+    shard, rng, seqs = DirectoryShard(max_log_entries=16), random.Random(2), {}
+    follower = IndexFollower([LocalShard(shard)])
+    asyncio.run(follower.poll_once())
+    random_traffic(shard, rng, seqs, 100)            # far more than the log keeps
+    asyncio.run(follower.poll_once())
+    assert follower.counters.snapshots == 2
+    assert views(follower.index) == views(shard._index)
+
+
+def test_replay_mismatch_forces_a_snapshot_and_recovers():
+    shard = DirectoryShard()
+    follower = IndexFollower([LocalShard(shard)])
+    shard.apply_events("a", 0, chain(3, "p"))
+    asyncio.run(follower.poll_once())
+    follower.index.remove_replica("a")               # the follower lost state somehow
+    shard.apply_events("a", 1, chain(4, "p")[3:])
+    asyncio.run(follower.poll_once())                # replay of batch 1 finds a gap
+    assert follower.counters.mismatches == 1
+    asyncio.run(follower.poll_once())
+    assert views(follower.index) == views(shard._index)
+    assert follower.index.match(chain(4, "p"))["a"].blocks == 4
+
+
+def test_directory_restart_keeps_unsynced_views_until_replicas_resync():
+    local = LocalShard(DirectoryShard())
+    follower = IndexFollower([local])
+    local.shard.apply_events("a", 0, chain(5, "a"))
+    local.shard.apply_events("b", 0, chain(5, "b"))
+    asyncio.run(follower.poll_once())
+    local.shard = DirectoryShard()                   # restarted: empty, new epoch
+    local.shard.resync("a", 3, {"device": chain(2, "a")})   # a resynced already, b not yet
+    asyncio.run(follower.poll_once())
+    assert follower.index.match(chain(5, "a"))["a"].blocks == 2
+    assert follower.index.match(chain(5, "b"))["b"].blocks == 5     # kept, not blanked
+    local.shard.resync("b", 0, {"device": chain(1, "b")})
+    local.shard.apply_events("b", 1, chain(3, "b")[1:])
+    asyncio.run(follower.poll_once())
+    assert views(follower.index) == views(local.shard._index)
+
+
+def test_status_reports_not_started_then_live_then_stale():
+    now = [100.0]
+    local = LocalShard(DirectoryShard())
+    follower = IndexFollower([local], stale_after_s=2.0, clock=lambda: now[0])
+    local.fail = True
+    asyncio.run(follower.poll_once())
+    assert follower.status() == "stream_not_started"
+    local.fail = False
+    asyncio.run(follower.poll_once())
+    assert follower.status() is None
+    local.fail, now[0] = True, 103.0
+    asyncio.run(follower.poll_once())
+    assert follower.status() == "stream_stale" and follower.lag_s() == pytest.approx(3.0)
+
+
+def test_shards_are_followed_independently_into_one_index():
+    from kvharbor.actors.prefix_directory import shard_of
+
+    shards = [DirectoryShard(), DirectoryShard()]
+    follower = IndexFollower([LocalShard(s) for s in shards])
+    replicas = [f"replica-{i}" for i in range(8)]
+    for r in replicas:
+        shards[shard_of(r, 2)].apply_events(r, 0, chain(3, r))
+    assert {shard_of(r, 2) for r in replicas} == {0, 1}
+    asyncio.run(follower.poll_once())
+    assert sorted(follower.index.replicas()) == replicas
+    shards[shard_of("replica-0", 2)].clear()          # one shard cleared: only its replicas go
+    asyncio.run(follower.poll_once())
+    assert sorted(follower.index.replicas()) == [r for r in replicas if shard_of(r, 2) != shard_of("replica-0", 2)]
+
+
+def test_event_log_keeps_its_bounds_and_refuses_readers_behind_it():
+    log = EventLog(max_entries=4, max_hashes=10)
+    for i in range(6):
+        log.append(("events", "a", i, [b"h"] * 3, [], "device"))
+    assert log.end == 6 and log.first == 3            # 3 entries x 3 hashes <= 10
+    assert log.read(log.epoch, 2) is None and log.read("other-epoch", 4) is None
+    got = log.read(log.epoch, 4)
+    assert (got.start, got.next_cursor, [e[2] for e in got.entries]) == (4, 6, [4, 5])
+    assert log.read(log.epoch, 6).entries == []
+    assert EventLog().epoch != log.epoch
+    with pytest.raises(ValueError):
+        EventLog(max_entries=0)
