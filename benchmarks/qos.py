@@ -356,6 +356,7 @@ def verdict(modes: dict) -> dict:
     tp = out.get("throughput_priority_vs_fcfs")
     valid = all(out.get(f"{m}_saturated") for m in modes)
     out["goal_premium_p99_le_1_5x_idle"] = None if ratio is None or not valid else ratio <= 1.5
+    out["goal_premium_p99_le_2x_idle"] = None if ratio is None or not valid else ratio <= 2.0
     out["goal_throughput_ge_0_95x_fcfs"] = None if tp is None or not valid else tp >= 0.95
     if not valid:
         out["note"] = ("overload phase not saturated (delivered >= 90 % of offered tokens): capacity was "

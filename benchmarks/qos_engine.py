@@ -11,11 +11,17 @@ Policies, each run on the same arrivals:
   fcfs        arrival order, no classes
   priority    QoS priority, then tenant fairness, no prefill cap
   priority+cap  as priority, and while higher-class requests are unfinished, lower classes
-              get at most ``prefill_cap`` prefill tokens per step (their decodes still run):
-              kvharbor's default (``low_priority_prefill_cap=256``)
+              get at most ``prefill_cap`` prefill tokens per step (their decodes still run)
+  budget      as priority+cap, and while premium requests are about, each step's estimated
+              duration (learned cost model) is kept under ``--step-target-ms`` by trimming
+              lower classes' prefill and decodes (premium ``step_target_ms``)
 
 Phases: ``idle`` (the premium arrivals alone) and ``overload`` (all arrivals at ``load`` x the
 engine's measured capacity). TTFT is from arrival to the step that returns the first token.
+Then a ``burst`` check on the budget policy: with a pinned region of ``--burst-pinned``
+blocks and a standard/batch flood running, premium requests needing 3x the region arrive at
+once; every one must finish with all its tokens (the overflow borrows shared blocks and
+preempts lower classes).
 
 Run:  python benchmarks/qos_engine.py          (about 4 minutes on 2 cores)
 Writes benchmarks/results/qos_engine.json and .png.
@@ -37,17 +43,21 @@ from loadtests import workload  # noqa: E402
 
 MIX = (("premium", 0.2), ("standard", 0.4), ("batch", 0.4))
 MAX_TOKENS = {"premium": 16, "standard": 24, "batch": 32}
-POLICIES = ("fcfs", "priority", "priority+cap")
+POLICIES = ("fcfs", "priority+cap", "budget")
 
 
-def make_engine(policy: str, prefill_cap: int, blocks: int, max_num_seqs: int):
-    from kvharbor.config import EngineConfig  # noqa: PLC0415
+def make_engine(policy: str, prefill_cap: int, blocks: int, max_num_seqs: int,
+                step_target_ms: float | None = None, pinned: int = 0):
+    from kvharbor.config import DEFAULT_QOS, EngineConfig  # noqa: PLC0415
     from kvharbor.engine.engine import Engine  # noqa: PLC0415
 
+    classes = {k: q.model_copy(update={"step_target_ms": step_target_ms if k == "premium" and
+                                       policy == "budget" else None})
+               for k, q in DEFAULT_QOS.items()}
     cfg = EngineConfig(model="kvharbor/tiny-llama", device="cpu", num_kv_blocks=blocks,
                        scheduling="fcfs" if policy == "fcfs" else "priority",
-                       low_priority_prefill_cap=prefill_cap if policy == "priority+cap" else None,
-                       max_num_seqs=max_num_seqs)
+                       low_priority_prefill_cap=None if policy in ("fcfs", "priority") else prefill_cap,
+                       max_num_seqs=max_num_seqs, qos_classes=classes, pinned_kv_blocks=pinned)
     return Engine(cfg)
 
 
@@ -133,6 +143,39 @@ def summary(r: dict) -> dict:
     return out
 
 
+def premium_burst(args, info) -> dict:
+    """Premium requests needing 3x the pinned region at once, over a running flood."""
+    from kvharbor.engine.request import SamplingParams  # noqa: PLC0415
+
+    e = make_engine("budget", args.prefill_cap, args.burst_blocks, args.max_num_seqs,
+                    args.step_target_ms, pinned=args.burst_pinned)
+    rng = random.Random(args.seed + 7)
+    for i in range(24):                                                     # the flood
+        qos = "standard" if i % 2 else "batch"
+        e.add_request(f"flood-{i}", prompts(e, rng, qos, info), SamplingParams(
+            max_tokens=MAX_TOKENS[qos], temperature=0.0, ignore_eos=True), tenant=qos, qos=qos)
+    for _ in range(3):
+        e.step()
+    want, blocks, i = {}, 0, 0
+    while blocks < 3 * args.burst_pinned:
+        ids = prompts(e, rng, "premium", info) + [rng.randrange(256) for _ in range(64)]
+        e.add_request(f"premium-{i}", ids, SamplingParams(max_tokens=16, temperature=0.0,
+                                                           ignore_eos=True), tenant="acme", qos="premium")
+        want[f"premium-{i}"] = 16
+        blocks += -(-(len(ids) + 16) // e.block_size)
+        i += 1
+    got = {}
+    while e.has_unfinished():
+        for o in e.step():
+            if o.finished and o.request_id in want:
+                got[o.request_id] = len(o.token_ids)
+        e.check_integrity()
+    return {"pinned_region_blocks": args.burst_pinned, "premium_requests": len(want),
+            "premium_blocks_needed": blocks, "premium_completed": sum(got.get(r) == n for r, n in want.items()),
+            "preemptions": e.scheduler.preemptions_by_qos, "ok": got == want,
+            "pinned_region_after": e.pool.num_pinned}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--load", type=float, default=2.0)
@@ -142,18 +185,24 @@ def main() -> None:
     p.add_argument("--blocks", type=int, default=1024)
     p.add_argument("--burst", type=int, default=24)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--step-target-ms", type=float, default=25.0)
+    p.add_argument("--burst-pinned", type=int, default=32, help="pinned region of the burst check")
+    p.add_argument("--burst-blocks", type=int, default=192, help="KV blocks of the burst check "
+                   "(small, so the flood fills the shared region)")
+    p.add_argument("--skip-burst", action="store_true")
     args = p.parse_args()
     info = workload.read_tenants(ROOT / "tenants.yaml")
-    engines = {pol: make_engine(pol, args.prefill_cap, args.blocks, args.max_num_seqs)
-               for pol in POLICIES}
+    engines = {pol: make_engine(pol, args.prefill_cap, args.blocks, args.max_num_seqs,
+                                args.step_target_ms) for pol in POLICIES}
     for e in engines.values():                                 # acme's pinned system prompt
         ids = e.tokenizer.apply_chat_template([{"role": "system", "content": info.premium_prompt}],
                                               tokenize=True, return_dict=False)
         e.pin_prefix(ids, "premium")
-    cap = capacity(engines["priority"], info, args.burst, args.seed + 1)
+    cap = capacity(engines["priority+cap"], info, args.burst, args.seed + 1)
     rate = args.load * cap
     print(f"capacity {cap:.2f} req/s -> offered {rate:.2f} req/s", flush=True)
     jobs = arrivals(rate, args.duration, args.seed)
+    offered = sum(MAX_TOKENS[q] for _, q, _ in jobs) / args.duration
     premium_only = [j for j in jobs if j[1] == "premium"]
     results, rows = {}, []
     for pol in POLICIES:
@@ -173,6 +222,15 @@ def main() -> None:
     for r in rows:
         r["throughput_vs_fcfs"] = round(r["tokens_per_s"] / base, 3)
     print(table(rows, list(rows[0])))
+    budget, base_row = rows[-1], rows[0]
+    goals = {"premium_p99_vs_idle": budget["p99_ratio"], "premium_p99_goal_met": budget["p99_ratio"] <= 1.5,
+             "throughput_vs_fcfs": budget["throughput_vs_fcfs"],
+             "throughput_goal_met": budget["throughput_vs_fcfs"] >= 0.95,
+             "offered_tokens_per_s": round(offered, 1),
+             "saturated": all(r["tokens_per_s"] < 0.9 * offered for r in rows)}
+    if not args.skip_burst:
+        goals["burst"] = premium_burst(args, info)
+    print(goals, flush=True)
     names = [r["policy"] for r in rows]
     bar_panels(names, [([r["overload_p99_ms"] for r in rows], "premium TTFT p99 at 2x load (ms)"),
                        ([r["standard_p99_ms"] or 0 for r in rows], "standard TTFT p99 (ms)"),
@@ -181,7 +239,7 @@ def main() -> None:
     write_json("qos_engine", {"benchmark": "qos_engine", "args": vars(args),
                                               "capacity_req_per_s": round(cap, 3),
                                               "offered_req_per_s": round(rate, 3),
-                                              "rows": rows, "results": results,
+                                              "rows": rows, "results": results, "goals": goals,
                                               "machine": machine()})
 
 

@@ -12,6 +12,16 @@ class QoSSpec(BaseModel):
     priority: int = Field(0, description="Scheduling priority; higher is served first and preempted last.")
     pinned: bool = Field(False, description="Requests of this class may use the pinned KV region.")
     preemptible: bool = Field(True, description="Higher classes may preempt running requests of this class.")
+    ttft_slo_ms: float | None = Field(None, gt=0, description="Time-to-first-token target (ms). While "
+                                      "requests of this class are about, steps of the engine are kept "
+                                      "under half of it by trimming lower classes' work (unless step_target_ms is set).")
+    step_target_ms: float | None = Field(None, gt=0, description="Longest estimated engine step (ms) "
+                                         "while requests of this class are about (None: ttft_slo_ms / 2).")
+
+    def step_target_s(self) -> float | None:
+        """The step-duration target in seconds (None: no time budget for this class)."""
+        ms = self.step_target_ms or (self.ttft_slo_ms / 2 if self.ttft_slo_ms else None)
+        return ms / 1000.0 if ms else None
 
 
 DEFAULT_QOS = {
@@ -28,7 +38,12 @@ class EngineConfig(BaseModel):
     model: str = Field("kvharbor/tiny-llama", description="Builtin id, local checkpoint directory or hub id.")
     num_kv_blocks: int | None = Field(None, ge=2, description="KV blocks in the cache (None: 4096 on CPU, sized from free memory on CUDA).")
     block_size: int = Field(16, ge=1, le=256, description="Tokens per KV block.")
-    pinned_kv_blocks: int = Field(0, ge=0, description="Blocks reserved for pinned QoS classes.")
+    pinned_kv_blocks: int = Field(0, ge=0, description="Blocks reserved for pinned QoS classes (the region's floor when it is sized by load).")
+    pinned_kv_blocks_max: int | None = Field(None, ge=0, description="Ceiling of the pinned region when it "
+                                             "is sized by load (peak pinned-class demand over pinned_demand_window_s, "
+                                             "with headroom); None: a fixed region of pinned_kv_blocks.")
+    pinned_demand_window_s: float = Field(30.0, gt=0, description="Window (s) of the peak pinned-class "
+                                          "demand that sizes the pinned region.")
     device: str = Field("auto", description="'cpu', 'cuda', 'cuda:N' or 'auto' (CUDA when available).")
     dtype: str = Field("auto", description="'float32', 'float16', 'bfloat16' or 'auto' (bf16 on CUDA, fp32 on CPU).")
     attention_backend: str = Field("auto", description="'auto' (Triton on CUDA, reference on CPU), 'reference' or 'triton'.")

@@ -1,11 +1,21 @@
 """LLMReplica: one engine per Serve replica, stepped by an asyncio task.
 
-Concurrency: the engine is not thread-safe. Every engine call happens either in the event
-loop or inside ``engine.step`` run in a worker thread while ``_engine_lock`` is held, so the
-two never overlap. Aborts from disconnecting clients are queued and applied between steps;
-a request aborted by ``abort()`` (not by its client) ends its stream with finish_reason "abort".
+Concurrency: the engine is not thread-safe. The step loop runs each step in a worker thread
+(``_step_in_thread``: drain the inbox, apply aborts, ``engine.step``, take a stats snapshot)
+while ``_engine_lock`` is held; the event loop touches the engine only under that lock
+(background: tenants.yaml reload, directory resync, metrics). New requests and aborts never
+wait for the lock: they go into thread-safe inboxes (``collections.deque``) that the step
+thread drains at every step boundary, so a premium arrival joins the very next step.
+``stats()`` and ``record_routing_stats()`` answer from the snapshot taken at the last step
+boundary and never read engine state the step thread may be changing.
 
-A failed step is isolated to its suspects (``_suspects``): the requests that have not produced
+    generate() ──append──▶ inbox ──┐
+    abort()    ──append──▶ aborts ─┤ step thread: drain ▶ engine.step ▶ snapshot
+                                   ▼
+                 outputs / rejections ──▶ per-request asyncio queues (event loop)
+
+A request aborted by ``abort()`` (not by its client) ends its stream with finish_reason
+"abort". A failed step is isolated to its suspects (``_suspects``): the requests that have not produced
 a token yet, when there are some and others besides them (each of the others has come through a
 step that succeeded with its whole prompt). Only the suspects are failed, with a non-retryable error event (the gateway must not
 send a request that breaks steps to another replica); the others keep running. A step that
@@ -18,11 +28,13 @@ import asyncio
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 
 from ray import serve
 
-from kvharbor.actors.replica_sync import DirectorySync, TenantSync
+from kvharbor.actors.replica_sync import DirectorySync
+from kvharbor.actors.tenant_sync import TenantSync
 from kvharbor.config import EngineConfig
 from kvharbor.engine.engine import Engine
 from kvharbor.engine.engine_stats import memory_breakdown
@@ -65,7 +77,9 @@ class LLMReplica:
             self.tenants.pin_prefixes(self.engine)
         self._streams: dict[str, asyncio.Queue] = {}
         self._meta: dict[str, GenerateRequest] = {}
-        self._aborts: set[str] = set()
+        self._inbox: deque = deque()           # (GenerateRequest, SamplingParams), thread-safe
+        self._aborts: deque = deque()          # request ids, thread-safe
+        self._snapshot: dict = self._take_snapshot()
         self._engine_lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
@@ -88,14 +102,15 @@ class LLMReplica:
         queue: asyncio.Queue = asyncio.Queue()
         rid = request.request_id
         try:
-            async with self._engine_lock:
-                self.engine.add_request(rid, request.prompt_token_ids, SamplingParams(**request.sampling),
-                                        tenant=request.tenant, qos=request.qos,
-                                        cache_salt=request.cache_salt)
-        except (ValueError, TypeError) as e:
-            yield {"error": str(e), "status": 400, "retryable": False}
+            sampling = SamplingParams(**request.sampling)
+        except (TypeError, ValueError) as e:
+            yield {"error": f"bad sampling parameters: {e}", "status": 400, "retryable": False}
+            return
+        if rid in self._streams:
+            yield {"error": f"request id {rid!r} is already in use", "status": 400, "retryable": False}
             return
         self._streams[rid], self._meta[rid] = queue, request
+        self._inbox.append((request, sampling))
         self._wake.set()
         finished = False
         try:
@@ -107,7 +122,7 @@ class LLMReplica:
             self._streams.pop(rid, None)
             self._meta.pop(rid, None)
             if not finished:
-                self._aborts.add(rid)
+                self._aborts.append(rid)
                 self._wake.set()
 
     async def abort(self, request_id: str, replica_id: str | None = None) -> bool:
@@ -119,24 +134,22 @@ class LLMReplica:
         queue = self._streams.get(request_id)
         if queue is None:
             return False
-        self._aborts.add(request_id)
+        self._aborts.append(request_id)
         queue.put_nowait({"token_ids": [], "text": "", "finish_reason": "abort",
                           "replica_id": self.replica_id})
         self._wake.set()
         return True
 
     async def record_routing_stats(self) -> dict:
-        """Queue by priority and free blocks per region, for the KV-aware router."""
+        """Queue by priority and free blocks per region, for the KV-aware router (from the
+        snapshot of the last step boundary)."""
         self._ensure_loop()
-        sched = self.engine.scheduler
-        queue: dict[int, int] = {}
-        for req in sched.waiting + sched.running:
-            queue[req.priority] = queue.get(req.priority, 0) + 1
-        stats = self.engine.stats()
+        snap = self._snapshot
+        stats = snap["stats"]
         return RoutingStats(self.replica_id, self.engine.block_size, stats["shared_blocks_free"],
                             stats["pinned_blocks_total"] - stats["pinned_blocks_used"],
-                            stats["blocks_total"], len(sched.running), len(sched.waiting),
-                            queue).as_dict()
+                            stats["blocks_total"], stats["num_running"], stats["num_waiting"],
+                            snap["queue_by_priority"]).as_dict()
 
     async def check_health(self) -> None:
         if self._failed is not None:
@@ -147,7 +160,7 @@ class LLMReplica:
 
         ``replica_id`` is read by the router, which then sends the call to that replica.
         """
-        return {**self.engine.stats(), "replica_id": self.replica_id}
+        return {**self._snapshot["stats"], "replica_id": self.replica_id}
 
     async def check_integrity(self, replica_id: str | None = None) -> dict:
         """Assert the engine's invariants; return its cached hashes and usage (router-targetable)."""
@@ -174,17 +187,22 @@ class LLMReplica:
     async def _run(self) -> None:
         try:
             while True:
-                if not self.engine.has_unfinished() and not self._aborts:
+                if not self.engine.has_unfinished() and not self._aborts and not self._inbox:
                     self._wake.clear()
                     await self._wake.wait()
                 async with self._engine_lock:
-                    self._apply_aborts()
-                    outputs = await self._step()
+                    outputs, rejected = await self._step()
                     self._publish_events()
                 now = time.time()
+                for rid, message in rejected:
+                    queue = self._streams.get(rid)
+                    if queue is not None:
+                        queue.put_nowait({"error": message, "status": 400, "retryable": False})
                 for out in outputs:
                     self._dispatch(out, now)
                 await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            raise                                     # the replica is shutting down
         except BaseException as e:  # noqa: BLE001 - reported through check_health
             self._failed = e
             logger.exception("engine loop failed")
@@ -192,12 +210,10 @@ class LLMReplica:
                 queue.put_nowait({"error": f"replica engine failed: {e!r}", "status": 500})
             raise
 
-    async def _step(self) -> list:
-        """One engine step. A step that raises fails the requests in it, not the replica."""
-        if not self.engine.has_unfinished():
-            return []
+    async def _step(self) -> tuple[list, list]:
+        """One step boundary + step. A step that raises fails the requests in it, not the replica."""
         try:
-            outputs = await asyncio.to_thread(self.engine.step)
+            return await asyncio.to_thread(self._step_in_thread)
         except Exception as e:  # noqa: BLE001 - isolate the failure, keep serving
             suspects = self._suspects()
             logger.exception("engine step failed; failing %d of its %d requests", len(suspects),
@@ -210,8 +226,8 @@ class LLMReplica:
                     queue.put_nowait({"error": f"the engine step failed on this request ({type(e).__name__}); "
                                       "it was not retried", "status": 500, "code": "engine_step_failed",
                                       "retryable": not isolated})
-            return []
-        return outputs
+            self._snapshot = self._take_snapshot()
+            return [], []
 
     def _suspects(self) -> list[str]:
         """The requests to fail for a failed step (see the module docstring)."""
@@ -219,10 +235,36 @@ class LLMReplica:
         newcomers = [rid for rid, req in self.engine.requests.items() if not req.output_token_ids]
         return newcomers if newcomers and len(newcomers) < len(running) else running
 
-    def _apply_aborts(self) -> None:
-        for rid in self._aborts:
-            self.engine.abort(rid)
-        self._aborts.clear()
+    def _step_in_thread(self) -> tuple[list, list[tuple[str, str]]]:
+        """Worker thread: drain inboxes, step, snapshot. Returns (outputs, rejections)."""
+        rejected = self._drain_inbox()
+        while self._aborts:
+            self.engine.abort(self._aborts.popleft())
+        outputs = self.engine.step() if self.engine.has_unfinished() else []
+        if not outputs and not self.engine.scheduler.running and self.engine.has_unfinished():
+            rejected += list(self.engine.reject_unfittable().items())
+        self._snapshot = self._take_snapshot()
+        return outputs, rejected
+
+    def _drain_inbox(self) -> list[tuple[str, str]]:
+        rejected = []
+        while self._inbox:
+            request, sampling = self._inbox.popleft()
+            try:
+                self.engine.add_request(request.request_id, request.prompt_token_ids, sampling,
+                                        tenant=request.tenant, qos=request.qos,
+                                        cache_salt=request.cache_salt)
+            except ValueError as e:
+                rejected.append((request.request_id, str(e)))
+        return rejected
+
+    def _take_snapshot(self) -> dict:
+        """Stats at a step boundary (O(requests) for the queue by priority, O(1) otherwise)."""
+        sched = self.engine.scheduler
+        queue: dict[int, int] = {}
+        for req in sched.waiting + sched.running:
+            queue[req.priority] = queue.get(req.priority, 0) + 1
+        return {"stats": self.engine.stats(), "queue_by_priority": queue}
 
     def _dispatch(self, out, now: float) -> None:
         queue = self._streams.get(out.request_id)
@@ -252,6 +294,7 @@ class LLMReplica:
                 async with self._engine_lock:
                     if self.tenants:
                         self.tenants.maybe_reload(self.engine)
+                        self._snapshot = self._take_snapshot()
                     resync = self.directory.prepare(self.engine) if self.directory else None
                     self._record_metrics()
                 if self.directory is not None:       # awaited off the engine lock
@@ -280,6 +323,12 @@ class LLMReplica:
         for qos in waiting:
             m.queue_length(rid, qos, waiting[qos])
             m.running(rid, qos, running[qos])
+        sched = e.scheduler
+        m.pinned_region(rid, {"size": e.pool.num_pinned, "target": sched.sizer.target(),
+                              "floor": sched.sizer.floor, "ceiling": sched.sizer.ceiling,
+                              "demand_peak": sched.sizer.peak})
+        m.step_budget_trims(rid, sched.num_trimmed - self._reported.get("trimmed", 0))
+        self._reported["trimmed"] = sched.num_trimmed
         m.replica_up(rid, True)
         m.evictions(rid, e.pool.num_evictions - self._reported["evictions"])
         self._reported["evictions"] = e.pool.num_evictions

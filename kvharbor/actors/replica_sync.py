@@ -1,4 +1,5 @@
-"""What a replica keeps in sync with the outside: tenants.yaml and the prefix directory."""
+"""What a replica keeps in sync with the outside: the prefix directory (tenants.yaml:
+``kvharbor.actors.tenant_sync``)."""
 
 from __future__ import annotations
 
@@ -8,16 +9,9 @@ import logging
 import ray
 
 from kvharbor.actors.prefix_directory import shard_name, shard_of
-from kvharbor.config import EngineConfig, QoSSpec
 from kvharbor.observability.metrics import get_metrics
-from kvharbor.tenants import TenantRegistry, cache_salt_for
 
 logger = logging.getLogger("kvharbor.replica")
-
-
-def qos_specs(registry: TenantRegistry) -> dict[str, QoSSpec]:
-    return {name: QoSSpec(priority=q.priority, pinned=q.pinned, preemptible=q.preemptible)
-            for name, q in registry.config.qos_classes.items()}
 
 
 def system_prompt_tokens(tokenizer, text: str) -> list[int]:
@@ -25,58 +19,6 @@ def system_prompt_tokens(tokenizer, text: str) -> list[int]:
     ids = tokenizer.apply_chat_template([{"role": "system", "content": text}], tokenize=True,
                                         add_generation_prompt=False)
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-
-
-class TenantSync:
-    """QoS classes, the pinned region size and pinned prefixes, from tenants.yaml.
-
-    The region is ``max(engine pinned_kv_blocks, sum of tenants' pinned_kv_blocks)``; each
-    tenant's pinned prefixes are prefilled once per replica and never evicted.
-    """
-
-    def __init__(self, path: str) -> None:
-        self.registry = TenantRegistry(path)
-        self.base_pinned = 0
-        self.pinned: dict[tuple[str, str], list] = {}       # (tenant, text) -> blocks
-
-    def apply_to_config(self, config: EngineConfig) -> EngineConfig:
-        self.base_pinned = config.pinned_kv_blocks
-        pinned = max(config.pinned_kv_blocks, self.registry.pinned_kv_blocks_total())
-        return config.model_copy(update={"qos_classes": qos_specs(self.registry),
-                                         "pinned_kv_blocks": pinned})
-
-    def pin_prefixes(self, engine) -> None:
-        """Pin every configured prefix not pinned yet; release those no longer configured."""
-        wanted = {}
-        for name, tenant in self.registry.config.tenants.items():
-            for text in tenant.pinned_prefixes:
-                wanted[(name, text)] = (tenant, name)
-        for key in list(self.pinned):
-            if key not in wanted:
-                engine.pool.release(self.pinned.pop(key))
-        for (name, text), (tenant, _) in wanted.items():
-            if (name, text) in self.pinned:
-                continue
-            tokens = system_prompt_tokens(engine.tokenizer, text)
-            try:
-                engine.pin_prefix(tokens, qos=tenant.qos, cache_salt=cache_salt_for(tenant, name))
-                self.pinned[(name, text)] = engine.pinned_prefixes[-1]
-            except (RuntimeError, ValueError) as e:
-                logger.error("cannot pin prefix of tenant %s: %s", name, e)
-
-    def maybe_reload(self, engine) -> bool:
-        """Apply a changed tenants.yaml: QoS classes, region size, pinned prefixes."""
-        if not self.registry.reload_if_changed():
-            return False
-        specs = qos_specs(self.registry)
-        engine.config = engine.config.model_copy(update={"qos_classes": specs})
-        engine.scheduler.preemptible = {k: q.preemptible for k, q in specs.items()}
-        target = max(self.base_pinned, self.registry.pinned_kv_blocks_total())
-        got = engine.pool.resize_pinned(target)
-        if got != target:
-            logger.warning("pinned region is %d blocks, wanted %d (blocks busy; retrying later)", got, target)
-        self.pin_prefixes(engine)
-        return True
 
 
 class DirectorySync:
@@ -142,10 +84,12 @@ class DirectorySync:
                 self._resync_due = True
                 return
             calls = pending + ([resync_ref] if resync_ref is not None else [])
-            results = await asyncio.wait_for(asyncio.gather(*calls), self.timeout_s) if calls else []
+            results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True),
+                                             self.timeout_s) if calls else []
             _, known = await asyncio.wait_for(self._handle.heartbeat.remote(self.replica_id),
                                               self.timeout_s)
-            if not known or not all(r for r in results[:len(pending)]):
+            failed = any(isinstance(r, BaseException) for r in results)
+            if failed or not known or not all(results[:len(pending)]):
                 self._resync_due = True
         except Exception as e:  # noqa: BLE001 - timeout, dead/restarting or missing directory
             self._resync_due = True

@@ -14,6 +14,10 @@ and allocate nothing. It is also the eviction order (LRU)::
     head <-> b7 <-> b2 <-> b9 <-> tail
              ^ evicted first       ^ freed last
 
+Counters (per region, kept exact by the pool itself so every query is O(1)): ``total``,
+the free queue's ``num_free`` and ``num_cached`` (free blocks with a hash), and ``permanent``
+(distinct blocks held forever by pinned prefixes, ``pin_cnt > 0``). ``used = total - num_free``.
+
 A cached block keeps its hash while it sits in the queue; the hash (and the cached-map entry)
 is dropped only when the block is popped for reuse. That drop is an *eviction*; it is
 reported as a "removed" KV event, and ``on_evict(block_id, hash)`` (the host tier's offload
@@ -44,28 +48,37 @@ class KVCacheBlock:
     region: str = SHARED
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
+    pin_cnt: int = 0                       # references held by pinned prefixes (part of ref_cnt)
     prev: KVCacheBlock | None = field(default=None, repr=False)
     next: KVCacheBlock | None = field(default=None, repr=False)
 
 
 class FreeBlockQueue:
-    """Intrusive doubly-linked list of free blocks; head is the next to be reused."""
+    """Intrusive doubly-linked list of free blocks; head is the next to be reused.
+
+    Invariants: ``num_free`` = blocks linked; ``num_cached`` = linked blocks with a hash (the
+    pool keeps it exact when it hashes or evicts a linked block). A block is linked iff its
+    ``prev`` is set.
+    """
 
     def __init__(self) -> None:
         self.head = KVCacheBlock(BlockId(-1))
         self.tail = KVCacheBlock(BlockId(-2))
         self.head.next, self.tail.prev = self.tail, self.head
         self.num_free = 0
+        self.num_cached = 0
 
     def append(self, block: KVCacheBlock) -> None:
         last = self.tail.prev
         last.next, block.prev, block.next, self.tail.prev = block, last, self.tail, block
         self.num_free += 1
+        self.num_cached += block.block_hash is not None
 
     def remove(self, block: KVCacheBlock) -> None:
         block.prev.next, block.next.prev = block.next, block.prev
         block.prev = block.next = None
         self.num_free -= 1
+        self.num_cached -= block.block_hash is not None
 
     def popleft(self) -> KVCacheBlock:
         block = self.head.next
@@ -124,6 +137,8 @@ class BlockPool:
             self.free[block.region].append(block)
         self.cached: dict[BlockHash, KVCacheBlock] = {}
         self.num_pinned = num_pinned
+        self.total = {PINNED: num_pinned, SHARED: num_blocks - num_pinned}
+        self.permanent = {PINNED: 0, SHARED: 0}     # distinct blocks held by pinned prefixes
         self.events = KVEventLog()
         self.num_evictions = 0
         self.null_block = KVCacheBlock(BlockId(num_blocks), NULL)
@@ -133,6 +148,15 @@ class BlockPool:
     def num_free(self, pinned: bool) -> int:
         """Blocks a request may allocate: shared ones, plus pinned ones for pinned classes."""
         return self.free[SHARED].num_free + (self.free[PINNED].num_free if pinned else 0)
+
+    def capacity(self, pinned: bool, max_pinned: int | None = None) -> int:
+        """Most blocks one request of a class could ever hold: its regions minus the blocks
+        pinned prefixes hold forever. ``max_pinned``: the largest the pinned region may grow
+        to (a shared-only class loses those blocks to it); default its size now. O(1)."""
+        shared = len(self.blocks) - max(self.num_pinned, max_pinned or 0)
+        if pinned:
+            return len(self.blocks) - self.permanent[PINNED] - self.permanent[SHARED]
+        return shared - self.permanent[SHARED]
 
     def allocate(self, n: int, pinned: bool) -> list[KVCacheBlock]:
         """Take ``n`` blocks (pinned region first for pinned classes), each with ref_cnt 1.
@@ -155,6 +179,22 @@ class BlockPool:
                 self.free[block.region].remove(block)
             block.ref_cnt += 1
 
+    def pin(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Hold ``blocks`` forever (a pinned prefix): a reference each, counted as permanent."""
+        for block in blocks:
+            self.touch((block,))
+            if block.pin_cnt == 0:
+                self.permanent[block.region] += 1
+            block.pin_cnt += 1
+
+    def unpin(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Undo one ``pin`` of each block (a pinned prefix removed from the configuration)."""
+        for block in blocks:
+            block.pin_cnt -= 1
+            if block.pin_cnt == 0:
+                self.permanent[block.region] -= 1
+            self.release((block,))
+
     def release(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference each; blocks reaching 0 go to their queue's tail (in the given order)."""
         for block in blocks:
@@ -174,11 +214,15 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        if block.prev is not None:                      # hashed while in a free queue
+            self.free[block.region].num_cached += 1
         self.events.stored(block_hash)
 
     def _evict(self, block: KVCacheBlock, offload: bool = False) -> None:
         if block.block_hash is None:
             return
+        if block.prev is not None:                      # dropped while in a free queue
+            self.free[block.region].num_cached -= 1
         if self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
             self.events.removed(block.block_hash)
@@ -211,7 +255,9 @@ class BlockPool:
 
     def _move(self, block: KVCacheBlock, region: str) -> None:
         self._evict(block, offload=True)
+        self.total[block.region] -= 1
         block.region = region
+        self.total[region] += 1
         self.free[region].append(block)
         self.num_pinned += 1 if region == PINNED else -1
 
@@ -221,18 +267,16 @@ class BlockPool:
 
     # ---- accounting -------------------------------------------------------------------
     def region_counts(self, region: str) -> dict[str, int]:
-        """Blocks of ``region`` by state: used, cached (free with hash), free (no hash)."""
-        queue = self.free[region]
-        cached_free = sum(1 for b in queue if b.block_hash is not None)
-        total = sum(1 for b in self.blocks if b.region == region)
-        return {"total": total, "used": total - queue.num_free, "cached": cached_free,
-                "free": queue.num_free - cached_free}
+        """Blocks of ``region`` by state: used, cached (free with hash), free (no hash). O(1)."""
+        queue, total = self.free[region], self.total[region]
+        return {"total": total, "used": total - queue.num_free, "cached": queue.num_cached,
+                "free": queue.num_free - queue.num_cached, "permanent": self.permanent[region]}
 
     def check_integrity(self) -> None:
-        """Assert: free + used == total per region; queue links, refs and the cached map agree."""
+        """Assert: every counter equals a full recount; queue links, refs and the cached map agree."""
         seen = set()
         for region, queue in self.free.items():
-            count = 0
+            count = cached = 0
             node = queue.head
             while node.next is not queue.tail:
                 assert node.next.prev is node, "broken free-queue link"
@@ -242,12 +286,19 @@ class BlockPool:
                 assert node.block_id not in seen, f"block {node.block_id} queued twice"
                 seen.add(node.block_id)
                 count += 1
+                cached += node.block_hash is not None
             assert count == queue.num_free, f"{region} free count {queue.num_free} != {count}"
+            assert cached == queue.num_cached, f"{region} cached count {queue.num_cached} != {cached}"
         for block in self.blocks:
-            assert block.ref_cnt >= 0, f"block {block.block_id} has negative refs"
+            assert block.ref_cnt >= block.pin_cnt >= 0, f"block {block.block_id} has bad refs"
             assert (block.ref_cnt == 0) == (block.block_id in seen), f"block {block.block_id} lost"
+            assert (block.prev is not None) == (block.block_id in seen), f"block {block.block_id} link"
         for h, block in self.cached.items():
             assert block.block_hash == h, "cached map entry does not match block hash"
-        assert sum(b.region == PINNED for b in self.blocks) == self.num_pinned
+        for region in (PINNED, SHARED):
+            assert self.total[region] == sum(b.region == region for b in self.blocks), f"{region} total"
+            assert self.permanent[region] == sum(b.region == region and b.pin_cnt > 0
+                                                 for b in self.blocks), f"{region} permanent"
+        assert self.total[PINNED] == self.num_pinned
         null = self.null_block
         assert null.ref_cnt == 0 and null.block_hash is None and null.prev is None, "null block used"

@@ -71,9 +71,11 @@ class Engine:
                                  self.sliding_window)
         policy = PreemptionPolicy(config.preemption_mode, self.block_size)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs, policy)
-        self.scheduler.preemptible = {k: q.preemptible for k, q in config.qos_classes.items()}
         self.scheduler.fcfs = config.scheduling == "fcfs"
         self.scheduler.low_priority_prefill_cap = config.low_priority_prefill_cap
+        self.scheduler.sizer.ceiling = config.pinned_kv_blocks_max
+        self.scheduler.sizer.window_s = config.pinned_demand_window_s
+        self.set_qos_classes(config.qos_classes)
         self.detok = Detokenizer(self.tokenizer)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
@@ -128,20 +130,66 @@ class Engine:
                              f"{total} exceeds the model's context of {self.max_model_len} tokens; "
                              f"shorten the prompt or lower max_tokens")
         spec = self.config.qos_classes[qos]
-        capacity = self.pool.num_free(True) + sum(b.ref_cnt > 0 for b in self.pool.blocks)
-        if not spec.pinned:
-            capacity -= self.pool.num_pinned
-        if -(-total // self.block_size) > capacity:
-            raise ValueError(f"request needs {-(-total // self.block_size)} KV blocks but only {capacity} "
-                             f"exist for QoS class {qos!r}; raise num_kv_blocks or lower max_tokens")
         priority = spec.priority if self.config.scheduling == "priority" else 0
         req = Request(request_id, list(prompt_token_ids), sampling, tenant=tenant, qos=qos,
                       priority=priority, pinned=spec.pinned, cache_salt=cache_salt,
                       arrival=time.monotonic(), arrival_seq=next(self._arrivals))
+        problem = self._never_fits(req)
+        if problem:
+            raise ValueError(problem)
         self.requests[request_id] = req
         self.scheduler.add(req)
         self.counters["prompt_tokens"] += len(prompt_token_ids)
         return req
+
+    def _capacity(self, req: Request) -> int:
+        """Blocks a request of ``req``'s class could ever hold (O(1): pool counters)."""
+        return self.pool.capacity(req.pinned, self.scheduler.sizer.ceiling)
+
+    def _never_fits(self, req: Request) -> str | None:
+        """Why ``req`` can never run (its whole length exceeds its class's capacity), or None.
+
+        Capacity excludes blocks pinned prefixes hold forever (a hit on them costs nothing)
+        and, for classes without the pinned region, the region at its largest.
+        """
+        bs = self.block_size
+        whole = -(-(len(req.prompt_token_ids) + req.sampling.max_tokens) // bs)
+        capacity = self._capacity(req)
+        if whole <= capacity or self.kv.max_blocks_needed(req) <= capacity:
+            return None
+        return (f"request needs {self.kv.max_blocks_needed(req)} KV blocks but only {capacity} exist "
+                f"for QoS class {req.qos!r} (prompt {len(req.prompt_token_ids)} + max_tokens "
+                f"{req.sampling.max_tokens} tokens; blocks held forever by pinned prefixes"
+                f"{'' if req.pinned else ' and the pinned region'} do not count); raise num_kv_blocks "
+                "or lower max_tokens")
+
+    def reject_unfittable(self) -> dict[str, str]:
+        """Abort waiting requests that can never fit (capacity shrank after they were added:
+        the pinned region grew or prefixes were pinned). Returns ``{request id: reason}``.
+
+        The scheduler skips such requests without blocking others; drivers call this when a
+        step made no progress (nothing ran) so callers get an error instead of a wait.
+        """
+        failed = {}
+        for req in list(self.scheduler.waiting):
+            problem = self._never_fits(req)
+            if problem:
+                self.abort(req.request_id)
+                req.finish_reason = "error"
+                failed[req.request_id] = problem
+        return failed
+
+    def set_qos_classes(self, classes: dict) -> None:
+        """Apply QoS classes (at start and on a tenants.yaml reload): preemptibility and the
+        step-time targets of the latency budget, by priority."""
+        self.config = self.config.model_copy(update={"qos_classes": dict(classes)})
+        sched = self.scheduler
+        sched.preemptible = {k: q.preemptible for k, q in classes.items()}
+        sched.step_target_s = {}
+        for q in classes.values():
+            target = q.step_target_s()
+            if target is not None:
+                sched.step_target_s[q.priority] = min(target, sched.step_target_s.get(q.priority, target))
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks. Returns False if it is unknown or finished."""
@@ -237,6 +285,15 @@ class Engine:
         self.pinned_prefixes.append(kept)
         return len(kept)
 
+    def resize_pinned_region(self) -> tuple[int, int]:
+        """Move the pinned region toward its target now (see ``PinnedSizer``): (size, target)."""
+        return self.scheduler.size_pinned_region(self.scheduler.clock())
+
+    def unpin_prefix(self, blocks: list) -> None:
+        """Release a prefix pinned by :meth:`pin_prefix` (its blocks become evictable)."""
+        self.pinned_prefixes.remove(blocks)
+        self.pool.unpin(blocks)
+
     def drain_kv_events(self) -> list[KVEvents]:
         """Event batches since the last call: at most one per tier, host first, none if empty.
 
@@ -269,10 +326,29 @@ class Engine:
         return engine_stats(self)
 
     def check_integrity(self) -> None:
+        """Assert the pool's invariants, and that each block's ref count equals its holders
+        (running requests' tables plus pinned prefixes), running <= max_num_seqs, and that
+        every unfinished request is queued exactly once."""
         self.pool.check_integrity()
         if self.host is not None:
             self.host.check_integrity()
-        null = self.pool.null_block
-        held = sum(b is not null for r in self.scheduler.running for b in r.blocks)
-        assert all(not r.blocks for r in self.scheduler.waiting), "waiting request holds blocks"
-        assert held <= sum(b.ref_cnt for b in self.pool.blocks), "request holds a block without a ref"
+        sched, null = self.scheduler, self.pool.null_block
+        holders: dict[int, int] = {}
+        for req in sched.running:
+            for b in req.blocks:
+                if b is not null:
+                    holders[b.block_id] = holders.get(b.block_id, 0) + 1
+        pins: dict[int, int] = {}
+        for prefix in self.pinned_prefixes:
+            for b in prefix:
+                pins[b.block_id] = pins.get(b.block_id, 0) + 1
+        for b in self.pool.blocks:
+            want = holders.get(b.block_id, 0) + pins.get(b.block_id, 0)
+            assert b.ref_cnt == want, f"block {b.block_id}: ref_cnt {b.ref_cnt} != {want} holders"
+            assert b.pin_cnt == pins.get(b.block_id, 0), f"block {b.block_id}: pin count"
+        assert all(not r.blocks for r in sched.waiting), "waiting request holds blocks"
+        assert len(sched.running) <= sched.max_num_seqs, \
+            f"{len(sched.running)} running > max_num_seqs {sched.max_num_seqs}"
+        queued = [r.request_id for r in sched.running + sched.waiting]
+        assert len(queued) == len(set(queued)), "a request is queued twice"
+        assert set(queued) == set(self.requests), "queued requests != unfinished requests"

@@ -97,6 +97,20 @@ class KVCacheManager:
         total = req.num_computed_tokens + (hit.num_tokens if hit else 0) + num_new_tokens
         return max(0, -(-total // self.block_size) - have)
 
+    def max_blocks_needed(self, req: Request) -> int:
+        """Blocks ``req`` needs at its longest (prompt + ``max_tokens``), less its leading
+        prefix hits on blocks pinned prefixes hold forever (those cost nothing)."""
+        bs = self.block_size
+        total = -(-(len(req.prompt_token_ids) + req.sampling.max_tokens) // bs)
+        req.update_block_hashes(bs)
+        hits = 0
+        for block_hash in req.block_hashes[:(req.num_tokens - 1) // bs]:
+            block = self.pool.lookup(block_hash)
+            if block is None or block.pin_cnt == 0 or (block.region == PINNED and not req.pinned):
+                break
+            hits += 1
+        return total - hits
+
     def can_allocate(self, req: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
         needed = self.blocks_needed(req, num_new_tokens, hit)
         # Hit blocks that sit in a free queue stop being free when touched.
@@ -228,5 +242,5 @@ class KVCacheManager:
         """Keep ``req``'s full computed blocks referenced forever (a pinned system prompt)."""
         self.cache_full_blocks(req)
         keep = req.blocks[:req.num_computed_tokens // self.block_size]
-        self.pool.touch(keep)
+        self.pool.pin(keep)
         return keep

@@ -60,10 +60,21 @@ class LLM:
             ids.append(rid)
         final: dict[str, RequestOutput] = {}
         while len(final) < len(ids):
-            for out in self.engine.step():
+            outs = self.engine.step()
+            for out in outs:
                 if out.finished:
                     final[out.request_id] = out
+            if not outs and not self.engine.scheduler.running:
+                self._fail_if_stuck(ids, final)
         return [final[i] for i in ids]
+
+    def _fail_if_stuck(self, ids: list[str], final: dict) -> None:
+        """Nothing ran: raise (after aborting this call's requests) if one can never fit."""
+        failed = self.engine.reject_unfittable()
+        if failed:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise ValueError(next(iter(failed.values())))
 
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
              **kwargs) -> RequestOutput:

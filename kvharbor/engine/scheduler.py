@@ -8,19 +8,29 @@ allows (a prompt longer than the budget is prefilled in chunks over several step
              waiting: lower tenant virtual-token counter first (fairness inside a class),
              earlier arrival first)
 
+Seats: at most ``max_num_seqs`` requests run at once (a hard limit). A waiting request finding
+every seat taken preempts a running request of a strictly lower, preemptible class, else waits.
+
 While requests of a higher class are unfinished (or were, within ``prefill_cap_hold_s``),
-requests of lower classes get at most ``low_priority_prefill_cap`` prefill tokens per step
-in total (their decodes still run). Steps stay short while premium traffic is about, so a
-premium arrival waits for a short step, not for another class's 2048-token prefill chunk,
-and premium decodes keep their pace. The higher class's own prefill is never capped.
+lower classes are trimmed: at most ``low_priority_prefill_cap`` prefill tokens per step in
+total, and the step's estimated duration (``step_budget``) is kept under the top class's step
+target, by cutting lower classes' prefill chunks and skipping their decodes for this step.
+A premium arrival then waits for a short step, not for another class's 2048-token prefill.
+The higher class's own work is never trimmed.
 
 When blocks run out, victims are *running* requests later in that order that have not been
 scheduled yet in this step, so a step never undoes work; ``PreemptionPolicy`` picks among them
 (lowest priority, then least lost work, then latest arrival). A waiting request may only
-preempt strictly lower classes; a running one may preempt equal or lower ones, and otherwise
-is preempted itself. Preemption frees the victim's blocks, after recording a copy of them to
-host memory when the policy swaps (its full blocks also stay in the prefix cache, so
-recompute is mostly prefix hits).
+preempt strictly lower, preemptible classes; a running one may preempt equal or lower ones,
+and otherwise is preempted itself. Victims are preempted only when doing so frees enough:
+*reclaimable* counts exactly the blocks that preempting them would return to a free queue
+the requester may use (ref count held only by victims, pinned-region blocks only for pinned
+classes, not the requester's own prefix hits).
+
+Head of line: a waiting request that does not fit stops later waiting requests from being
+admitted this step (they would take the blocks it waits for), unless it could never fit (its
+whole length exceeds what its class may ever hold): then it is skipped, never blocking, and
+``Engine.reject_unfittable`` fails it.
 """
 
 from __future__ import annotations
@@ -28,10 +38,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from .block_pool import PINNED
+from .fairness import FairShare
 from .kv_cache_manager import KVCacheManager, PrefixHit
 from .model_runner import ScheduledRequest
+from .pinned_sizer import PinnedSizer
 from .preemption import PreemptionPolicy
 from .request import Request, Status
+from .step_budget import StepBudget, StepCostModel
+
+MAX_SAMPLE_GAP_S = 1.0          # a longer gap between two schedule() calls is idle time
 
 
 @dataclass(slots=True)
@@ -44,25 +60,13 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled)
 
 
-class FairShare:
-    """Virtual token counters per (QoS class, tenant): who has been served least goes first.
+@dataclass(slots=True)
+class StepLimits:
+    """How this step trims classes below ``top`` (no trimming when ``top`` is -inf)."""
 
-    A tenant that becomes active starts at the smallest counter among active tenants of its
-    class, so idling earns no credit.
-    """
-
-    def __init__(self) -> None:
-        self.vtokens: dict[tuple[str, str], float] = {}
-
-    def key(self, req: Request) -> float:
-        k = (req.qos, req.tenant)
-        if k not in self.vtokens:
-            same = [v for (q, _), v in self.vtokens.items() if q == req.qos]
-            self.vtokens[k] = min(same) if same else 0.0
-        return self.vtokens[k]
-
-    def charge(self, req: Request, tokens: int) -> None:
-        self.vtokens[(req.qos, req.tenant)] = self.key(req) + tokens
+    top: float = float("-inf")
+    prefill_left: int = 0                 # lower classes' prefill tokens still allowed
+    budget: StepBudget | None = None
 
 
 class Scheduler:
@@ -80,14 +84,20 @@ class Scheduler:
         self.num_preemptions = 0
         self.preemptions_by_qos: dict[str, int] = {}
         self.preemptible: dict[str, bool] = {}
+        self.step_target_s: dict[int, float] = {}      # priority -> step target while about
         self.fcfs = False               # arrival order only (no classes, no fairness)
         self.low_priority_prefill_cap: int | None = None
         self.prefill_cap_hold_s = 2.0
         self.clock = time.monotonic
+        self.cost = StepCostModel()
+        self.sizer = PinnedSizer(floor=kv.pool.num_pinned)
+        self.num_trimmed = 0            # lower-class items cut or skipped by the step budget
         self._priority_seen: dict[int, float] = {}      # priority -> last time unfinished
+        self._last: tuple[float, int, int] | None = None   # (start, tokens, seqs) of last step
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
+        self.fair.arrive(req)
 
     def remove(self, req: Request) -> None:
         """Drop a finished or aborted request and free its blocks."""
@@ -95,6 +105,9 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        else:
+            return
+        self.fair.leave(req)
         self.kv.free(req)
         self.kv.drop_swap(req)
 
@@ -108,64 +121,129 @@ class Scheduler:
         return [t[3] for t in merged]
 
     def schedule(self) -> SchedulerOutput:
+        now = self.clock()
+        self._learn_step_cost(now)
+        self.size_pinned_region(now)
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         pending = self._order()
-        capped_below, low_prefill = self._prefill_cap(pending)
-        num_seqs = 0
+        limits = self._limits(pending, now)
         admitting = True
         i = 0
         while i < len(pending) and budget > 0:
             req = pending[i]
             waiting = req.status != Status.RUNNING
-            if waiting and (not admitting or num_seqs >= self.max_num_seqs):
+            if waiting and not admitting:
                 i += 1
                 continue
             hit = self.kv.get_computed_blocks(req) if waiting else None
             computed = req.num_computed_tokens + (hit.num_tokens if hit else 0)
-            num_new = min(req.num_tokens - computed, budget)
-            capped = req.priority < capped_below and _in_prefill(req, computed)
-            if capped:
-                num_new = min(num_new, low_prefill)
-                if num_new <= 0:
-                    i += 1
-                    continue
-            if self._make_room(req, num_new, hit, pending, i, out):
+            num_new = self._trim(req, min(req.num_tokens - computed, budget), computed, limits)
+            if num_new <= 0:
+                i += 1
+                continue
+            if waiting and not self._take_seat(req, num_new, hit, pending, i, out):
+                admitting = False
+                i += 1
+            elif self._make_room(req, num_new, hit, pending, i, out):
                 self._admit(req, num_new, hit, waiting)
                 out.scheduled.append(ScheduledRequest(req, num_new))
                 budget -= num_new
-                if capped:
-                    low_prefill -= num_new
-                num_seqs += 1
+                self._charge(req, num_new, computed, limits)
                 i += 1
             elif waiting:
-                admitting = False      # head-of-line: do not let later arrivals overtake
+                # Head of line, unless it can never fit: then it must not block the rest.
+                admitting = admitting and self._never_fits(req)
                 i += 1
             else:
                 self._preempt(req, out)
                 pending.pop(i)
+        self._last = (now, out.num_tokens, len(out.scheduled)) if out.scheduled else None
         return out
 
-    def _prefill_cap(self, pending: list[Request]) -> tuple[float, int]:
-        """(priority below which prefill is capped, the cap) for this step.
-
-        The top priority is the highest with an unfinished request now or within the last
-        ``prefill_cap_hold_s`` seconds: premium traffic arrives in gaps, and a step planned
-        in a gap would otherwise be a long one that the next premium arrival waits behind.
-        No cap when off or in FCFS mode.
-        """
-        cap = self.low_priority_prefill_cap
-        if cap is None or self.fcfs:
-            return float("-inf"), 0
-        now = self.clock()
+    # ---- trimming lower classes (prefill cap, step time budget) ----------------------------
+    def _limits(self, pending: list[Request], now: float) -> StepLimits:
+        """Trimming for this step: the top priority is the highest with an unfinished request
+        now or within ``prefill_cap_hold_s`` (premium traffic arrives in gaps, and a step
+        planned in a gap would otherwise be a long one the next premium arrival waits behind).
+        No trimming when every pending request is of the top class, or in FCFS mode."""
+        if self.fcfs:
+            return StepLimits()
         for r in pending:
             self._priority_seen[r.priority] = now
         horizon = now - self.prefill_cap_hold_s
         self._priority_seen = {p: t for p, t in self._priority_seen.items() if t >= horizon}
         top = max(self._priority_seen, default=None)
         if top is None or all(r.priority == top for r in pending):
-            return float("-inf"), 0
-        return top, cap
+            return StepLimits()
+        cap = self.low_priority_prefill_cap
+        target = min((t for p, t in self.step_target_s.items() if p in self._priority_seen
+                      and any(q < p for q in self._priority_seen)), default=None)
+        if cap is None and target is None:
+            return StepLimits()
+        return StepLimits(top, self.max_num_batched_tokens if cap is None else cap,
+                          StepBudget(self.cost, target))
+
+    def _trim(self, req: Request, num_new: int, computed: int, limits: StepLimits) -> int:
+        """Tokens ``req`` may compute this step after trimming (0: skip it this step)."""
+        if req.priority >= limits.top or limits.budget is None:
+            return num_new
+        if _in_prefill(req, computed):
+            num_new = min(num_new, limits.prefill_left)
+        room = limits.budget.room(num_new)
+        if room < num_new:
+            self.num_trimmed += 1
+        return room
+
+    def _charge(self, req: Request, num_new: int, computed: int, limits: StepLimits) -> None:
+        if limits.budget is None:
+            return
+        limits.budget.add(num_new, req.priority < limits.top)
+        if req.priority < limits.top and _in_prefill(req, computed):
+            limits.prefill_left -= num_new
+
+    def _learn_step_cost(self, now: float) -> None:
+        """The previous step lasted until now, if the engine stepped back to back."""
+        if self._last is not None:
+            start, tokens, seqs = self._last
+            if 0 < now - start <= MAX_SAMPLE_GAP_S:
+                self.cost.observe(tokens, seqs, now - start)
+        self._last = None
+
+    # ---- pinned region --------------------------------------------------------------------
+    def size_pinned_region(self, now: float) -> tuple[int, int]:
+        """Sample pinned-class demand and move the region toward its target (called every
+        step, so a resize that stopped short is retried). Returns (size, target)."""
+        pool = self.kv.pool
+        demand = pool.permanent[PINNED] + sum(len(r.blocks) for r in self.running if r.pinned)
+        self.sizer.observe(demand, now)
+        target = self.sizer.decide(pool.num_pinned, now)
+        size = target
+        if target > pool.num_pinned:          # leave running shared requests a block each to grow
+            keep = sum(1 for r in self.running if not r.pinned)
+            size = min(target, pool.num_pinned + max(0, pool.free["shared"].num_free - keep))
+        if size != pool.num_pinned:
+            pool.resize_pinned(size)
+        return pool.num_pinned, target
+
+    # ---- seats and memory -----------------------------------------------------------------
+    def _take_seat(self, req, num_new, hit: PrefixHit | None, pending, i, out) -> bool:
+        """A seat for waiting ``req`` (hard ``max_num_seqs``), preempting a strictly lower,
+        preemptible running request not yet scheduled when all are taken and ``req`` would
+        then fit in memory. False: no seat this step."""
+        if len(self.running) < self.max_num_seqs:
+            return True
+        victims = [v for v in pending[i + 1:] if v.status == Status.RUNNING and
+                   v.priority < req.priority and self.preemptible.get(v.qos, True)]
+        if not victims:
+            return False
+        needed = self.kv.blocks_needed(req, num_new, hit) + _free_hits(hit)
+        if needed > self.kv.pool.num_free(req.pinned) + self._reclaimable(req, victims, hit):
+            return False
+        victim = self.policy.choose_victim(victims)
+        pending.remove(victim)
+        self._preempt(victim, out)
+        return True
 
     def _make_room(self, req, num_new, hit: PrefixHit | None, pending, i, out) -> bool:
         """Preempt victims after position ``i`` until ``req`` fits. False if it cannot."""
@@ -175,16 +253,36 @@ class Scheduler:
         victims = [v for v in pending[i + 1:] if v.status == Status.RUNNING and
                    (v.priority < req.priority if waiting else v.priority <= req.priority) and
                    (not waiting or self.preemptible.get(v.qos, True))]
-        null = self.kv.pool.null_block
-        reclaimable = sum(b is not null for v in victims for b in v.blocks)
-        if self.kv.blocks_needed(req, num_new, hit) > self.kv.pool.num_free(req.pinned) + reclaimable:
+        needed = self.kv.blocks_needed(req, num_new, hit) + _free_hits(hit)
+        if needed > self.kv.pool.num_free(req.pinned) + self._reclaimable(req, victims, hit):
             return False
         while victims and not self.kv.can_allocate(req, num_new, hit):
-            victim = self.policy.choose_victim(victims)
+            useful = [v for v in victims if self._reclaimable(req, [v], hit)] or victims
+            victim = self.policy.choose_victim(useful)
             victims.remove(victim)
             pending.remove(victim)
             self._preempt(victim, out)
         return self.kv.can_allocate(req, num_new, hit)
+
+    def _reclaimable(self, req: Request, victims: list[Request], hit: PrefixHit | None) -> int:
+        """Blocks that preempting all ``victims`` returns to a free queue ``req`` may use:
+        held by victims only (ref count == holdings among them), in a region ``req`` may
+        allocate from, and not one of ``req``'s own prefix hits (touching it costs a block)."""
+        null = self.kv.pool.null_block
+        holds: dict[int, int] = {}
+        blocks = {}
+        for v in victims:
+            for b in v.blocks:
+                if b is not null:
+                    holds[b.block_id] = holds.get(b.block_id, 0) + 1
+                    blocks[b.block_id] = b
+        mine = {b.block_id for b in hit.blocks} if hit else set()
+        return sum(1 for bid, n in holds.items() if blocks[bid].ref_cnt == n and bid not in mine
+                   and (req.pinned or blocks[bid].region != PINNED))
+
+    def _never_fits(self, req: Request) -> bool:
+        """True when ``req``'s whole length exceeds every block its class could ever get."""
+        return self.kv.max_blocks_needed(req) > self.kv.pool.capacity(req.pinned)
 
     def _admit(self, req: Request, num_new: int, hit: PrefixHit | None, waiting: bool) -> None:
         self.kv.allocate(req, num_new, hit)
@@ -209,6 +307,11 @@ class Scheduler:
         self.preemptions_by_qos[req.qos] = self.preemptions_by_qos.get(req.qos, 0) + 1
         self.waiting.append(req)
         out.preempted.append(req)
+
+
+def _free_hits(hit: PrefixHit | None) -> int:
+    """Prefix-hit blocks sitting in a free queue (touching them takes them out of it)."""
+    return sum(1 for b in hit.blocks if b.ref_cnt == 0) if hit else 0
 
 
 def _in_prefill(req: Request, computed: int) -> bool:

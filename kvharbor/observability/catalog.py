@@ -67,6 +67,15 @@ def _kv_cache() -> DashboardSpec:
         PanelSpec("Pinned region", "Pinned blocks by state; reserved = idle but held for "
                   "pinned QoS classes.", "short",
                   (Query(f"sum by (state) ({blocks}{pinned})", "{{state}}"),), stacked=True),
+        PanelSpec("Pinned region sized by load", "Blocks per replica: the region's size, its "
+                  "target (peak premium demand with headroom, between floor and ceiling) and "
+                  "the peak demand it follows.", "short",
+                  (Query(f"sum by (replica, kind) ({series('kvharbor_pinned_region_blocks')}{R})",
+                         "{{replica}} {{kind}}"),)),
+        PanelSpec("Step budget trims", "Lower-class prefill chunks cut or decodes deferred per "
+                  "second to keep steps under the premium step target.", "short",
+                  (Query(rate_sum("kvharbor_step_budget_trims", "replica", R) + FALLBACK,
+                         "{{replica}}"),)),
         PanelSpec("KV utilisation", "Used blocks / all blocks, per replica.", "percentunit", (
             Query(f'sum by (replica) ({blocks}{R[:-1]},state="used"}}) / '
                   f"sum by (replica) ({blocks}{R})", "{{replica}}"),)),

@@ -62,6 +62,7 @@ REGIONS = ("pinned", "shared")
 MEMORY_LOCATIONS = ("device", "host")
 MEMORY_KINDS = ("kv_cache", "model_weights")
 BLOCK_STATES = ("used", "cached", "free", "reserved")
+PINNED_REGION_KINDS = ("size", "target", "floor", "ceiling", "demand_peak")
 OTHER = "other"
 # How the KV-aware router decided: its event-fed index, its own routing history
 # (approximate), or power of two choices; and why it was not the index.
@@ -125,6 +126,13 @@ METRICS: tuple[MetricSpec, ...] = (
                "Cached KV blocks whose contents were evicted to make room."),
     MetricSpec("kvharbor_preemptions", "counter", ("replica", "qos"),
                "Running requests preempted (to be recomputed), by the preempted request's QoS."),
+    MetricSpec("kvharbor_pinned_region_blocks", "gauge", ("replica", "kind"),
+               "Pinned KV region of a replica, sized by load: kind size (now), target, floor, "
+               "ceiling (absent: fixed region) and demand_peak (peak pinned-class blocks over "
+               "the demand window)."),
+    MetricSpec("kvharbor_step_budget_trims", "counter", ("replica",),
+               "Lower-class prefill chunks cut or decodes deferred to keep an engine step under "
+               "a higher class's step target."),
     MetricSpec("kvharbor_queue_length", "gauge", ("replica", "qos"),
                "Requests waiting to be scheduled on a replica, by QoS class."),
     MetricSpec("kvharbor_running_requests", "gauge", ("replica", "qos"),
@@ -292,6 +300,18 @@ class KvharborMetrics:
     def preemptions(self, replica: str, qos: str, n: int = 1) -> None:
         """Add ``n`` preemptions of requests of class ``qos``."""
         self._inc("kvharbor_preemptions", n, {"replica": replica, "qos": qos})
+
+    def pinned_region(self, replica: str, blocks: dict[str, int | None]) -> None:
+        """Set the pinned region gauges: ``{kind: blocks}``, kinds in :data:`PINNED_REGION_KINDS`
+        (None: not set, e.g. no ceiling)."""
+        for kind, n in blocks.items():
+            if n is not None:
+                self._set("kvharbor_pinned_region_blocks", n,
+                          {"replica": replica, "kind": _bounded(kind, PINNED_REGION_KINDS)})
+
+    def step_budget_trims(self, replica: str, n: int) -> None:
+        """Count lower-class items trimmed by the step budget since the last call."""
+        self._inc("kvharbor_step_budget_trims", n, {"replica": replica})
 
     def queue_length(self, replica: str, qos: str, n: int) -> None:
         """Set the number of waiting requests of class ``qos`` on ``replica``."""

@@ -39,7 +39,6 @@ from kvharbor.observability.metrics import get_metrics
 from kvharbor.platform.admission_flow import Admitter, unavailable
 from kvharbor.platform.auth_gate import AuthGateMiddleware, bearer_key
 from kvharbor.platform.body_limit import BodyLimitMiddleware
-from kvharbor.platform.class_queue import get_or_create_class_queue
 from kvharbor.platform.generation import GenerationRun, sse
 from kvharbor.platform.openai_protocol import (APIError, ChatRequest, ChatResponse,
                                                CompletionRequest, CompletionResponse, ModelCard,

@@ -4,6 +4,11 @@ Run it as a single named, detached actor (:func:`get_or_create_admission_actor`)
 replica calls it, and because an actor runs its (synchronous) methods one at a time, the
 limits hold exactly across replicas. See :mod:`kvharbor.tenants.limits` for the semantics.
 
+The actor also holds the cluster's QoS class queue (``kvharbor.platform.class_queue``), so
+the gateway's hot path is one actor call per request: ``enter_and_admit`` (queue place, then
+limits; a refusal by either takes nothing) before, and ``release_and_leave`` after, sent
+without waiting for it. :class:`GateKeeper` is that pair as a plain class (tested without Ray).
+
 From async code use :class:`ActorAdmission`, which awaits the actor's object refs (never
 ``ray.get`` inside a coroutine)::
 
@@ -26,6 +31,7 @@ from typing import Any
 import ray
 
 from kvharbor.actors.calls import await_or_undo
+from kvharbor.platform.class_queue import ClassQueue
 from kvharbor.tenants.leases import DEFAULT_LEASE_S
 from kvharbor.tenants.limits import Admission, AdmissionController, Ticket
 
@@ -35,9 +41,43 @@ CALL_TIMEOUT_S = 5.0
 DEFAULT_ACTOR_NAME = "kvharbor-admission"
 
 
+class GateKeeper:
+    """Class queue + admission limits, decided together (one call per request each way)."""
+
+    def __init__(self, controller: AdmissionController | None = None) -> None:
+        self.ctl = controller or AdmissionController()
+        self.queue = ClassQueue()
+
+    def enter_and_admit(self, qos: str, priorities: dict[str, int], max_queue: int, tenant: str,
+                        limits: Any, prompt_tokens: int, max_tokens: int | None,
+                        now: float | None = None) -> Admission:
+        """Take a queue place for ``qos`` (429 ``queue_full`` when ``max_queue`` requests of it
+        or higher classes are in flight), then admit under the tenant's limits; a refusal
+        gives the queue place back. Release an admitted request with ``release_and_leave``."""
+        ahead = self.queue.enter(qos, priorities, max_queue)
+        if ahead is not None:
+            return Admission(ok=False, status=429, limit="queue_full", retry_after_s=1.0,
+                             reason=f"the queue of QoS class {qos!r} is full: {ahead} requests of "
+                                    f"this or higher classes are in flight (max_queue {max_queue}); "
+                                    "retry later")
+        admission = self.ctl.try_admit(tenant, limits, prompt_tokens, max_tokens, now)
+        if not admission.ok:
+            self.queue.leave(qos)
+        return admission
+
+    def release_and_leave(self, ticket: Ticket, qos: str, tokens_used: int | None = None,
+                          now: float | None = None) -> bool:
+        """End an admitted request: its queue place and its admission ticket (once)."""
+        released = self.ctl.release(ticket, tokens_used, now)
+        if released:
+            self.queue.leave(qos)
+        return released
+
+
 @ray.remote(num_cpus=0, max_restarts=-1)
 class AdmissionActor:
-    """Thin Ray wrapper: each method forwards to one AdmissionController.
+    """Thin Ray wrapper: each method forwards to one AdmissionController (and, for
+    ``enter_and_admit``, the class queue it holds beside it).
 
     Restarted by Ray when it dies (``max_restarts=-1``), with counters from zero: limits
     loosen for at most a minute; releases and renewals of tickets it no longer knows are
@@ -45,7 +85,19 @@ class AdmissionActor:
     """
 
     def __init__(self, lease_s: float = DEFAULT_LEASE_S) -> None:
-        self._ctl = AdmissionController(lease_s=lease_s)
+        self._gate = GateKeeper(AdmissionController(lease_s=lease_s))
+        self._ctl = self._gate.ctl
+
+    def enter_and_admit(self, qos: str, priorities: dict[str, int], max_queue: int, tenant: str,
+                        limits: Any, prompt_tokens: int, max_tokens: int | None) -> Admission:
+        return self._gate.enter_and_admit(qos, priorities, max_queue, tenant, limits,
+                                          prompt_tokens, max_tokens)
+
+    def release_and_leave(self, ticket: Ticket, qos: str, tokens_used: int | None = None) -> bool:
+        return self._gate.release_and_leave(ticket, qos, tokens_used)
+
+    def queue_snapshot(self) -> dict[str, int]:
+        return self._gate.queue.snapshot()
 
     def try_admit(self, tenant: str, limits: Any, prompt_tokens: int, max_tokens: int | None,
                   now: float | None = None) -> Admission:
@@ -83,6 +135,21 @@ class ActorAdmission:
         """Raises ``TimeoutError`` after ``CALL_TIMEOUT_S`` (the slot, if taken, is given back)."""
         call = self.handle.try_admit.remote(tenant, limits, prompt_tokens, max_tokens, now)
         return await await_or_undo(call, self._release_orphan, CALL_TIMEOUT_S)
+
+    async def enter_and_admit(self, qos: str, priorities: dict[str, int], max_queue: int,
+                              tenant: str, limits: Any, prompt_tokens: int,
+                              max_tokens: int | None) -> Admission:
+        """One round trip: queue place + limits (an orphaned admission is given back)."""
+        call = self.handle.enter_and_admit.remote(qos, priorities, max_queue, tenant, limits,
+                                                  prompt_tokens, max_tokens)
+        return await await_or_undo(call, lambda a: a.ok and self.release_and_leave(a.ticket, qos, 0))
+
+    def release_and_leave(self, ticket: Ticket, qos: str, tokens_used: int | None = None) -> None:
+        """Fire and forget: the request's answer does not wait for the accounting."""
+        self.handle.release_and_leave.remote(ticket, qos, tokens_used)
+
+    async def queue_snapshot(self) -> dict[str, int]:
+        return await self.handle.queue_snapshot.remote()
 
     def _release_orphan(self, admission: Admission) -> None:
         """An admission whose caller was cancelled: give its slot back, nothing was used."""

@@ -49,7 +49,12 @@ class QoSClassConfig(_Strict):
 
     priority: int = Field(description="Scheduling priority; HIGHER numbers are served first.")
     pinned: bool = Field(False, description="Requests may use the reserved (pinned) KV region.")
-    ttft_slo_ms: float | None = Field(None, gt=0, description="Time-to-first-token target, ms.")
+    ttft_slo_ms: float | None = Field(None, gt=0, description="Time-to-first-token target, ms. "
+                                      "While requests of this class are about, engine steps are kept "
+                                      "under half of it (lower classes' work is trimmed to fit).")
+    step_target_ms: float | None = Field(None, gt=0, description="Longest estimated engine step, ms, "
+                                         "while requests of this class are about (default: "
+                                         "ttft_slo_ms / 2).")
     preemptible: bool = Field(False, description="Running requests may be preempted for "
                                                  "higher classes.")
     max_queue: int = Field(1000, ge=0, description="Most requests of this class that may wait "
@@ -155,6 +160,17 @@ class TenantLimits:
         return {k: getattr(self, k) for k in LIMIT_FIELDS}
 
 
+class PinnedRegionConfig(_Strict):
+    """The pinned KV region sized by load, per replica (blocks)."""
+
+    floor_blocks: int = Field(0, ge=0, description="Smallest region (the tenants' pinned_kv_blocks "
+                              "reservations count too: the floor is the larger of the two).")
+    ceiling_blocks: int | None = Field(None, ge=0, description="Largest region; the region follows "
+                                       "peak premium demand between floor and ceiling. None: a fixed "
+                                       "region of the floor.")
+    demand_window_s: float = Field(30.0, gt=0, description="Window of the peak demand, seconds.")
+
+
 class TenantsFile(_Strict):
     """The whole ``tenants.yaml``."""
 
@@ -164,6 +180,8 @@ class TenantsFile(_Strict):
     admin_keys: list[ApiKeyEntry] = Field(default_factory=list,
                                           description="Keys allowed on /admin routes (hashed).")
     tenants: dict[Name, TenantConfig] = Field(default_factory=dict, description="Tenants.")
+    pinned_region: PinnedRegionConfig = Field(default_factory=PinnedRegionConfig,
+                                              description="Pinned region sizing per replica.")
 
     @model_validator(mode="after")
     def _cross_checks(self, info: ValidationInfo) -> TenantsFile:

@@ -10,7 +10,7 @@ from kvharbor.engine.kv_cache_manager import KVCacheManager
 from kvharbor.engine.request import Request, SamplingParams
 
 BS = 4
-OPS = st.lists(st.tuples(st.sampled_from(["new", "append", "free", "resize", "reset"]),
+OPS = st.lists(st.tuples(st.sampled_from(["new", "append", "free", "resize", "reset", "pin", "unpin"]),
                          st.integers(0, 7), st.integers(1, 30), st.booleans()),
                min_size=1, max_size=60)
 
@@ -21,6 +21,7 @@ def test_pool_integrity_under_random_operations(ops):
     pool = BlockPool(num_blocks=32, num_pinned=6)
     kv = KVCacheManager(pool, BS)
     live: dict[int, Request] = {}
+    pins: list = []
     for op, key, n, pinned in ops:
         if op == "new" and key not in live:
             # A few shared prompt families so that prefix hits happen.
@@ -46,12 +47,34 @@ def test_pool_integrity_under_random_operations(ops):
             pool.resize_pinned(n % 12)
         elif op == "reset":
             pool.evict_all_cached()
+        elif op == "pin" and key in live:
+            pins.append(kv.pin_prefix(live[key]))
+        elif op == "unpin" and pins:
+            pool.unpin(pins.pop(key % len(pins)))
         pool.check_integrity()
+        _assert_counters_match_recount(pool)
         for req in live.values():
             assert len(req.blocks) * BS >= req.num_computed_tokens
             if not req.pinned:
                 assert all(b.region != PINNED for b in req.blocks)
     for req in live.values():
         kv.free(req)
+    for blocks in pins:
+        pool.unpin(blocks)
     pool.check_integrity()
+    _assert_counters_match_recount(pool)
     assert all(b.ref_cnt == 0 for b in pool.blocks), "blocks leaked after freeing every request"
+
+
+def _assert_counters_match_recount(pool: BlockPool) -> None:
+    """The pool's O(1) counters equal a full recount of its blocks."""
+    for region in ("pinned", "shared"):
+        blocks = [b for b in pool.blocks if b.region == region]
+        assert pool.region_counts(region) == {
+            "total": len(blocks), "used": sum(b.ref_cnt > 0 for b in blocks),
+            "cached": sum(b.ref_cnt == 0 and b.block_hash is not None for b in blocks),
+            "free": sum(b.ref_cnt == 0 and b.block_hash is None for b in blocks),
+            "permanent": sum(b.pin_cnt > 0 for b in blocks)}
+    for pinned in (False, True):
+        usable = [b for b in pool.blocks if pinned or b.region != PINNED]
+        assert pool.capacity(pinned) == len(usable) - sum(b.pin_cnt > 0 for b in usable)

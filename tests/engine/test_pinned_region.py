@@ -77,3 +77,22 @@ def test_region_resizes_from_free_blocks():
     assert llm.stats()["pinned_blocks_total"] == 20
     assert pool.resize_pinned(4) == 4
     pool.check_integrity()
+
+
+def test_pinned_prefix_survives_a_flood_of_other_premium_requests():
+    """Premium requests compete for the pinned region among themselves (and overflow it into
+    shared blocks); the pinned system prompt's blocks are never evicted by them."""
+    llm = LLM(device="cpu", num_kv_blocks=64, pinned_kv_blocks=16, max_num_batched_tokens=512)
+    system = _prompt(96, 7)
+    assert llm.engine.pin_prefix(system, qos="premium") == 6
+    pinned_ids = {b.block_id for b in llm.engine.pinned_prefixes[0]}
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    flood = [_prompt(150, s) for s in range(30, 42)]          # 12 x 10 blocks >> 10 free pinned
+    outs = llm.generate(flood, sp, tenant="other-vip", qos="premium")
+    assert all(len(o.token_ids) == 6 for o in outs)
+    assert llm.stats()["evictions"] > 0, "the flood should have evicted cached blocks"
+    llm.check_integrity()
+    out = llm.generate([system + _prompt(20, 3)], sp, qos="premium")[0]
+    assert out.num_cached_tokens == 96
+    assert {b.block_id for b in llm.engine.pinned_prefixes[0]} == pinned_ids
+    assert all(llm.engine.pool.blocks[i].region == PINNED for i in pinned_ids)

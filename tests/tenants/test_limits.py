@@ -201,3 +201,27 @@ def test_await_or_undo_undoes_only_when_the_caller_was_cancelled():
 
     asyncio.run(main())
     assert undone == ["orphan"]
+
+
+def test_gatekeeper_queue_and_limits_in_one_call_refusals_take_nothing(clock):
+    """Queue place + admission in one call: a full queue admits nothing; a limit refusal
+    gives the queue place back; release frees both, once."""
+    from kvharbor.tenants.admission_actor import GateKeeper
+    from kvharbor.tenants.limits import AdmissionController
+
+    gate = GateKeeper(AdmissionController(clock=clock))
+    prio = {"premium": 100, "batch": 10}
+    one = {"max_concurrent_requests": 1}
+    first = gate.enter_and_admit("batch", prio, 2, "t", one, 10, 5)
+    assert first.ok and gate.queue.snapshot() == {"batch": 1}
+    limited = gate.enter_and_admit("batch", prio, 2, "t", one, 10, 5)
+    assert (limited.ok, limited.status, limited.limit) == (False, 429, "max_concurrent_requests")
+    assert gate.queue.snapshot() == {"batch": 1}, "a refused request kept its queue place"
+    gate.enter_and_admit("premium", prio, 5, "p", {}, 10, 5)
+    full = gate.enter_and_admit("batch", prio, 2, "u", {}, 10, 5)
+    assert (full.ok, full.status, full.limit) == (False, 429, "queue_full")
+    assert gate.ctl.usage("u")["admitted_total"] == 0
+    assert gate.release_and_leave(first.ticket, "batch", 12)
+    assert not gate.release_and_leave(first.ticket, "batch", 12)
+    assert gate.queue.snapshot() == {"batch": 0, "premium": 1}
+    assert gate.enter_and_admit("batch", prio, 2, "t", one, 10, 5).ok

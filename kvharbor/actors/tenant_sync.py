@@ -1,0 +1,93 @@
+"""What a replica takes from tenants.yaml: QoS classes, the pinned region's bounds, pinned prefixes.
+
+Region bounds: the floor is ``max(engine pinned_kv_blocks, sum of tenants' pinned_kv_blocks,
+pinned_region.floor_blocks)``; the ceiling is ``pinned_region.ceiling_blocks`` (None: a fixed
+region of the floor). Between them the engine sizes the region by premium demand
+(``kvharbor.engine.pinned_sizer``) and retries every step until it has its target size.
+
+A reload applies, in this order: QoS classes; release of prefixes no longer configured (so
+their blocks can move); new bounds and an immediate resize attempt; then new prefixes (so
+they land in the grown region). ``tick`` retries the resize while the engine is idle.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvharbor.actors.replica_sync import system_prompt_tokens
+from kvharbor.config import EngineConfig, QoSSpec
+from kvharbor.tenants import TenantRegistry, cache_salt_for
+
+logger = logging.getLogger("kvharbor.replica")
+
+
+def qos_specs(registry: TenantRegistry) -> dict[str, QoSSpec]:
+    return {name: QoSSpec(priority=q.priority, pinned=q.pinned, preemptible=q.preemptible,
+                          ttft_slo_ms=q.ttft_slo_ms, step_target_ms=q.step_target_ms)
+            for name, q in registry.config.qos_classes.items()}
+
+
+class TenantSync:
+    """QoS classes, the pinned region's bounds and pinned prefixes, from tenants.yaml."""
+
+    def __init__(self, path: str) -> None:
+        self.registry = TenantRegistry(path)
+        self.base_pinned = 0
+        self.pinned: dict[tuple[str, str], list] = {}       # (tenant, text) -> blocks
+
+    def floor(self) -> int:
+        region = self.registry.config.pinned_region
+        return max(self.base_pinned, self.registry.pinned_kv_blocks_total(), region.floor_blocks)
+
+    def apply_to_config(self, config: EngineConfig) -> EngineConfig:
+        self.base_pinned = config.pinned_kv_blocks
+        region = self.registry.config.pinned_region
+        return config.model_copy(update={
+            "qos_classes": qos_specs(self.registry), "pinned_kv_blocks": self.floor(),
+            "pinned_kv_blocks_max": region.ceiling_blocks or config.pinned_kv_blocks_max,
+            "pinned_demand_window_s": region.demand_window_s})
+
+    def pin_prefixes(self, engine) -> None:
+        """Release prefixes no longer configured, then pin every configured one not pinned yet."""
+        wanted = self._wanted()
+        self._release_removed(engine, wanted)
+        for (name, text), tenant in wanted.items():
+            if (name, text) in self.pinned:
+                continue
+            tokens = system_prompt_tokens(engine.tokenizer, text)
+            try:
+                engine.pin_prefix(tokens, qos=tenant.qos, cache_salt=cache_salt_for(tenant, name))
+                self.pinned[(name, text)] = engine.pinned_prefixes[-1]
+            except (RuntimeError, ValueError) as e:
+                logger.error("cannot pin prefix of tenant %s: %s", name, e)
+
+    def _wanted(self) -> dict:
+        return {(name, text): tenant for name, tenant in self.registry.config.tenants.items()
+                for text in tenant.pinned_prefixes}
+
+    def _release_removed(self, engine, wanted: dict) -> None:
+        for key in list(self.pinned):
+            if key not in wanted:
+                engine.unpin_prefix(self.pinned.pop(key))
+
+    def maybe_reload(self, engine) -> bool:
+        """Apply a changed tenants.yaml (see module doc for the order)."""
+        if not self.registry.reload_if_changed():
+            self.tick(engine)
+            return False
+        engine.set_qos_classes(qos_specs(self.registry))
+        self._release_removed(engine, self._wanted())
+        region = self.registry.config.pinned_region
+        sizer = engine.scheduler.sizer
+        sizer.floor, sizer.window_s = self.floor(), region.demand_window_s
+        sizer.ceiling = region.ceiling_blocks if region.ceiling_blocks is not None else \
+            engine.config.pinned_kv_blocks_max
+        self.tick(engine)
+        self.pin_prefixes(engine)
+        return True
+
+    def tick(self, engine) -> None:
+        """Retry the region's resize (the scheduler does it every step; this covers idle time)."""
+        got, want = engine.resize_pinned_region()
+        if got != want:
+            logger.info("pinned region is %d blocks, target %d (blocks busy; retrying)", got, want)

@@ -1,0 +1,84 @@
+"""Block-pool counters are O(1): add_request, stats() and region_counts visit no block,
+however large the cache (counted visits, not time)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvharbor import LLM, SamplingParams
+from kvharbor.engine import block_pool
+from kvharbor.engine.block_pool import BlockPool
+
+
+class _CountingList(list):
+    """A list that counts the items its iterations and index reads hand out."""
+
+    visits = 0
+
+    def __iter__(self):
+        for item in super().__iter__():
+            _CountingList.visits += 1
+            yield item
+
+    def __getitem__(self, i):
+        got = super().__getitem__(i)
+        _CountingList.visits += len(got) if isinstance(i, slice) else 1
+        return got
+
+
+@pytest.fixture
+def visits(monkeypatch):
+    """Counter of block visits: pool.blocks reads and free-queue walks."""
+    walk = block_pool.FreeBlockQueue.__iter__
+
+    def counted(queue):
+        for block in walk(queue):
+            _CountingList.visits += 1
+            yield block
+
+    monkeypatch.setattr(block_pool.FreeBlockQueue, "__iter__", counted)
+    _CountingList.visits = 0
+    return _CountingList
+
+
+def _cost(llm: LLM, num_blocks: int, visits, monkeypatch) -> int:
+    """Block visits of one add_request + stats() + region_counts on a pool of ``num_blocks``."""
+    e = llm.engine
+    pool = BlockPool(num_blocks, num_blocks // 10)
+    pool.blocks = _CountingList(pool.blocks)
+    monkeypatch.setattr(e, "pool", pool)
+    monkeypatch.setattr(e.kv, "pool", pool)
+    e.pin_prefix(list(range(64)), qos="premium")             # some permanent blocks
+    visits.visits = 0
+    e.add_request(f"r{num_blocks}", list(range(40)), SamplingParams(max_tokens=8), qos="standard")
+    e.stats()
+    pool.region_counts("pinned"), pool.region_counts("shared")
+    e.abort(f"r{num_blocks}")
+    return visits.visits
+
+
+def test_add_request_and_stats_cost_the_same_at_1k_and_100k_blocks(visits, monkeypatch):
+    llm = LLM(device="cpu", num_kv_blocks=64)
+    small = _cost(llm, 1_000, visits, monkeypatch)
+    large = _cost(llm, 100_000, visits, monkeypatch)
+    assert small == large == 0, f"block visits: {small} at 1,000 blocks, {large} at 100,000"
+
+
+def test_counters_match_a_recount_after_a_workload():
+    llm = LLM(device="cpu", num_kv_blocks=48, pinned_kv_blocks=8)
+    llm.engine.pin_prefix(list(range(48)), qos="premium")
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    llm.generate([[i % 7] * (20 + 9 * i) for i in range(8)], sp, qos="standard")
+    llm.generate([list(range(48)) + [3] * 20], sp, qos="premium")
+    pool = llm.engine.pool
+    pool.resize_pinned(12)
+    for region in ("pinned", "shared"):
+        blocks = [b for b in pool.blocks if b.region == region]
+        counts = pool.region_counts(region)
+        assert counts["total"] == len(blocks)
+        assert counts["used"] == sum(b.ref_cnt > 0 for b in blocks)
+        assert counts["cached"] == sum(b.ref_cnt == 0 and b.block_hash is not None for b in blocks)
+        assert counts["free"] == sum(b.ref_cnt == 0 and b.block_hash is None for b in blocks)
+        assert counts["permanent"] == sum(b.pin_cnt > 0 for b in blocks)
+    assert llm.stats()["pinned_blocks_used"] == 3
+    llm.check_integrity()

@@ -1,0 +1,96 @@
+"""tenants.yaml -> one engine: a reload's pinned-region resize runs after removed prefixes are
+released, is retried until complete, and the region follows premium demand within bounds."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import yaml
+
+from kvharbor.actors.tenant_sync import TenantSync
+from kvharbor.config import EngineConfig
+from kvharbor.engine.engine import Engine
+from kvharbor.engine.request import SamplingParams
+
+
+def _write(path, edit) -> None:
+    data = yaml.safe_load(path.read_text())
+    edit(data)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))      # a visible change
+
+
+def _engine(sync: TenantSync, **kwargs) -> Engine:
+    engine = Engine(sync.apply_to_config(EngineConfig(device="cpu", num_kv_blocks=96, **kwargs)))
+    sync.pin_prefixes(engine)
+    return engine
+
+
+def _reserve(blocks: int, prefixes: list[str] | None = None):
+    def edit(data):
+        data["tenants"]["acme"]["pinned_kv_blocks"] = blocks
+        if prefixes is not None:
+            data["tenants"]["acme"]["pinned_prefixes"] = prefixes
+    return edit
+
+
+def test_reload_releases_removed_prefixes_before_shrinking(tenants_file):
+    _write(tenants_file, _reserve(16))
+    sync = TenantSync(str(tenants_file))
+    engine = _engine(sync)
+    pool = engine.pool
+    assert pool.num_pinned == 16 and pool.region_counts("pinned")["permanent"] > 0
+    _write(tenants_file, _reserve(0, prefixes=[]))           # prefix and reservation removed
+    assert sync.maybe_reload(engine)
+    assert pool.num_pinned == 0, "the resize ran while the removed prefix still held its blocks"
+    assert engine.pinned_prefixes == []
+    engine.check_integrity()
+
+
+def test_a_resize_that_stops_short_is_retried_until_complete(tenants_file):
+    _write(tenants_file, _reserve(8, prefixes=[]))
+    sync = TenantSync(str(tenants_file))
+    engine = _engine(sync)
+    rng = random.Random(0)
+    engine.add_request("hog", [rng.randrange(256) for _ in range(950)], SamplingParams(max_tokens=4),
+                       qos="standard")
+    engine.step()                                            # holds 60 of the 88 shared blocks
+    _write(tenants_file, _reserve(40, prefixes=[]))
+    assert sync.maybe_reload(engine)
+    assert engine.pool.num_pinned < 40                       # only free blocks move
+    for _ in range(10):
+        engine.step()
+    assert not engine.has_unfinished()
+    sync.maybe_reload(engine)                                # no change in the file: a retry tick
+    assert engine.pool.num_pinned == 40
+    engine.check_integrity()
+
+
+def test_region_grows_with_premium_demand_and_shrinks_back_to_its_floor(tenants_file):
+    def bounds(data):
+        _reserve(4, prefixes=[])(data)
+        data["pinned_region"] = {"floor_blocks": 4, "ceiling_blocks": 48, "demand_window_s": 1.0}
+    _write(tenants_file, bounds)
+    sync = TenantSync(str(tenants_file))
+    engine = _engine(sync)
+    now = [0.0]
+    engine.scheduler.clock = lambda: now[0]
+    engine.scheduler.sizer.shrink_after_s = 1.0
+    rng = random.Random(1)
+    for i in range(3):                                       # 3 x 10 blocks of premium work
+        engine.add_request(f"p{i}", [rng.randrange(256) for _ in range(150)],
+                           SamplingParams(max_tokens=8, ignore_eos=True), qos="premium")
+    peak = 0
+    for _ in range(40):
+        engine.step()
+        peak = max(peak, engine.pool.num_pinned)
+        engine.check_integrity()
+    assert not engine.has_unfinished()
+    assert 30 <= peak <= 48, f"region peaked at {peak} blocks for ~30 blocks of premium demand"
+    for t in (5.0, 6.5):                                     # window over, then the shrink delay
+        now[0] = t
+        engine.resize_pinned_region()
+    assert engine.pool.num_pinned == 4
+    engine.check_integrity()
