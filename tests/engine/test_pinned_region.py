@@ -52,10 +52,23 @@ def test_standard_flood_never_takes_pinned_blocks_and_premium_still_runs():
 
 
 def test_premium_borrows_shared_when_pinned_region_is_full():
+    """A 13-block premium request with a 4-block pinned region takes all 4 pinned blocks first
+    and borrows 9 shared ones; a standard request beside it takes no pinned block."""
     llm = LLM(device="cpu", num_kv_blocks=64, pinned_kv_blocks=4)
-    out = llm.generate([_prompt(200, 1)], SamplingParams(max_tokens=4, temperature=0), qos="premium")[0]
-    assert len(out.token_ids) == 4
+    engine = llm.engine
+    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    engine.add_request("premium", _prompt(200, 1), sp, qos="premium")
+    engine.add_request("standard", _prompt(40, 2), sp, qos="standard")
+    engine.step()
+    by_id = {r.request_id: r for r in engine.scheduler.running}
+    regions = [b.region for b in by_id["premium"].blocks]
+    assert regions.count(PINNED) == 4 and len(regions) == 13, regions
+    assert llm.stats()["pinned_blocks_used"] == 4
+    _assert_no_standard_holds_pinned(llm)
+    while engine.has_unfinished():
+        engine.step()
     llm.check_integrity()
+    assert llm.stats()["pinned_blocks_used"] == 0
 
 
 def test_pinned_prefix_survives_a_flood_that_evicts_everything_else():

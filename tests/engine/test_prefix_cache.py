@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 from kvharbor import LLM, SamplingParams
+from kvharbor.engine.hashing import hash_prompt_blocks
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -47,11 +48,17 @@ def test_different_cache_salt_never_hits():
 
 
 def test_lru_evicts_oldest_prefix_first():
+    """Four 8-block prefixes run one after another, then a fifth needs 9 blocks: the 4 never
+    used blocks go first, then only the *oldest* prefix (A) loses blocks; B, C, D stay whole.
+    (An MRU or random order would take D's or any prefix's blocks.)"""
     llm = LLM(device="cpu", num_kv_blocks=40)
-    old, new = _tokens(320, 6), _tokens(320, 7)
-    llm.generate([old], GREEDY)
-    llm.generate([new], GREEDY)          # needs most of the cache: evicts `old` first
-    again = llm.generate([new], GREEDY)[0]
-    assert again.num_cached_tokens >= 304
-    assert llm.stats()["evictions"] > 0
+    prompts = [_tokens(128, seed) for seed in (6, 7, 8, 9, 10)]     # A, B, C, D, E
+    for p in prompts[:4]:
+        llm.generate([p], GREEDY)
+    llm.generate([prompts[4]], GREEDY)
+    cached = llm.engine.pool.cached
+    held = [sum(h in cached for h in hash_prompt_blocks(p, 16)) for p in prompts[:4]]
+    assert held[1:] == [8, 8, 8], held
+    assert held[0] < 8, held
+    assert llm.stats()["evictions"] == 8 - held[0]
     llm.check_integrity()
