@@ -74,8 +74,8 @@ def _kv_cache() -> DashboardSpec:
                          "{{replica}} {{kind}}"),)),
         PanelSpec("Step budget trims", "Lower-class prefill chunks cut or decodes deferred per "
                   "second to keep steps under the premium step target.", "short",
-                  (Query(rate_sum("kvharbor_step_budget_trims", "replica", R) + FALLBACK,
-                         "{{replica}}"),)),
+                  (Query(rate_sum("kvharbor_step_budget_trims", "replica", R),
+                         "{{replica}}"),), no_value="0"),
         PanelSpec("KV utilisation", "Used blocks / all blocks, per replica.", "percentunit", (
             Query(f'sum by (replica) ({blocks}{R[:-1]},state="used"}}) / '
                   f"sum by (replica) ({blocks}{R})", "{{replica}}"),)),
