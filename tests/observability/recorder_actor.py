@@ -55,6 +55,13 @@ class Recorder:
         m.replica_up(replica)
         m.router_decision(0.0002 * scale)
         m.router_prefix_tokens(replica, predicted=48 * scale, observed=32 * scale)
+        m.pinned_region(replica, {"size": 16 * scale, "target": 16 * scale, "floor": 8,
+                                  "ceiling": 64, "demand_peak": 12 * scale})
+        m.step_budget_trims(replica, 2 * scale)
+        m.router_mode("kv_index", None)
+        m.router_mode("pow2", "no_hashes")
+        m.router_index_lag(0.02 * scale)
+        m.directory_resync("replica_resync")
 
 
 def scrape_until(patterns: list[str], timeout_s: float = 40.0) -> str:

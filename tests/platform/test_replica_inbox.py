@@ -10,7 +10,7 @@ from kvharbor.platform.protocol import GenerateRequest
 
 
 def _req(rid: str, n: int, qos: str = "premium", max_tokens: int = 3) -> GenerateRequest:
-    return GenerateRequest(request_id=rid, tenant="t", qos=qos, prompt_token_ids=list(range(1, n + 1)),
+    return GenerateRequest(request_id=rid, tenant="t", qos=qos, prompt_token_ids=[1 + i % 250 for i in range(n)],
                            block_hashes=[], sampling={"max_tokens": max_tokens, "temperature": 0.0,
                                                       "ignore_eos": True})
 
