@@ -25,36 +25,40 @@ import math
 SHAPES = ("steady", "ramp", "overload")
 
 
-def users_at(shape: str, t: float, duration_s: float, users: int) -> int | None:
-    """Target user count at ``t`` seconds into a test of ``duration_s`` (None: stop)."""
+def _progress(shape: str, t: float, duration_s: float) -> float | None:
+    """Fraction of the test done at ``t`` (None once it is over); refuses unknown shapes."""
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; choose one of {', '.join(SHAPES)}")
+    return None if t >= duration_s else t / duration_s
+
+
+def _overload(frac: float) -> float:
+    """The overload shape's multiplier: 2x in the middle half of the test."""
+    return 2.0 if 0.25 <= frac < 0.75 else 1.0
+
+
+def users_at(shape: str, t: float, duration_s: float, users: int) -> int | None:
+    """Target user count at ``t`` seconds into a test of ``duration_s`` (None: stop)."""
     if users < 1:
         raise ValueError(f"users must be >= 1, got {users}")
-    if t >= duration_s:
-        return None
-    frac = t / duration_s
-    if shape == "steady":
-        return users
+    frac = _progress(shape, t, duration_s)
+    if frac is None or shape == "steady":
+        return None if frac is None else users
     if shape == "ramp":
         return max(1, min(users, 1 + math.floor((users - 1) * frac / 0.8 + 1e-9)))
-    return 2 * users if 0.25 <= frac < 0.75 else users
+    return int(users * _overload(frac))
 
 
 def rate_at(shape: str, t: float, duration_s: float, rate: float) -> float | None:
     """Open-loop arrival rate (requests/s) at ``t`` seconds (None: stop)."""
     if rate <= 0:
         raise ValueError(f"arrival rate must be > 0 requests/s, got {rate}")
-    if shape not in SHAPES:
-        raise ValueError(f"unknown shape {shape!r}; choose one of {', '.join(SHAPES)}")
-    if t >= duration_s:
-        return None
-    frac = t / duration_s
-    if shape == "steady":
-        return rate
+    frac = _progress(shape, t, duration_s)
+    if frac is None or shape == "steady":
+        return None if frac is None else rate
     if shape == "ramp":
         return rate * max(0.05, min(1.0, frac / 0.8))
-    return 2 * rate if 0.25 <= frac < 0.75 else rate
+    return rate * _overload(frac)
 
 
 def parse_duration(text: str | float | int) -> float:
