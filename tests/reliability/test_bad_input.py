@@ -140,17 +140,23 @@ def _raw_chunked_post(base_url: str, path: str, key: str, chunks) -> tuple[int, 
             s.sendall(b"0\r\n\r\n")
         except (BrokenPipeError, ConnectionResetError):
             pass                           # the server answered early and closed: fine
-        data = b""
-        while b"\r\n\r\n" not in data or len(data) < _expected_len(data):
-            try:
-                part = s.recv(65536)
-            except ConnectionResetError:
-                break
-            if not part:
-                break
-            data += part
+        data = _read_response(s)
     head, _, body = data.partition(b"\r\n\r\n")
     return int(head.split(b" ")[1]), body
+
+
+def _read_response(s) -> bytes:
+    """Everything the server sent on socket ``s``: the head and a body of its Content-Length."""
+    data = b""
+    while b"\r\n\r\n" not in data or len(data) < _expected_len(data):
+        try:
+            part = s.recv(65536)
+        except ConnectionResetError:
+            break
+        if not part:
+            break
+        data += part
+    return data
 
 
 def _expected_len(data: bytes) -> int:
@@ -250,15 +256,7 @@ def test_unauthenticated_4mib_body_is_401_not_400(kvharbor_app):
             s.sendall(junk)
         except (BrokenPipeError, ConnectionResetError):
             pass                           # the server answered early and closed: fine
-        data = b""
-        while b"\r\n\r\n" not in data or len(data) < _expected_len(data):
-            try:
-                part = s.recv(65536)
-            except ConnectionResetError:
-                break
-            if not part:
-                break
-            data += part
+        data = _read_response(s)
     head, _, body = data.partition(b"\r\n\r\n")
     assert int(head.split(b" ")[1]) == 401, data[:300]
     assert httpx.Response(401, content=body).json()["error"]["code"] == "invalid_api_key"
