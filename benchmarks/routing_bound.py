@@ -105,7 +105,11 @@ def _match_us(replicas: int, holders: int = 64, blocks: int = 375) -> float:
 
 
 def bytes_per_entry(hashes: int = 50_000, holders: int = 2) -> float:
-    """Heap bytes per (hash, replica) entry of a ``PrefixIndex``, hash objects included."""
+    """Heap bytes per (hash, replica) entry of a ``PrefixIndex``, hash objects included.
+
+    Call it in a process without native threads (a fresh interpreter): ``tracemalloc.stop()``
+    races threads that untrack memory without the GIL and can crash the process.
+    """
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
     idx = PrefixIndex()
