@@ -180,9 +180,23 @@ class LLMReplica:
 
     # ---- engine loop ---------------------------------------------------------------------
     def _ensure_loop(self) -> None:
-        if self._loop_task is None:
-            self._loop_task = asyncio.get_running_loop().create_task(self._run())
-            self._bg_task = asyncio.get_running_loop().create_task(self._background())
+        """Start the engine loop on the running event loop (once per event loop).
+
+        Serve calls every method on one loop. Outside Serve (tests, scripts calling
+        ``asyncio.run`` twice) the first loop may be gone: its tasks never run again, so the
+        loop, its lock and its wake event are made anew on the current one.
+        """
+        loop = asyncio.get_running_loop()
+        if self._loop_task is not None:
+            old = self._loop_task.get_loop()
+            if old is loop:
+                return
+            if not old.is_closed():
+                raise RuntimeError("this LLMReplica's engine loop runs on another event loop; "
+                                   "call it from that loop")
+        self._engine_lock, self._wake = asyncio.Lock(), asyncio.Event()
+        self._loop_task = loop.create_task(self._run())
+        self._bg_task = loop.create_task(self._background())
 
     async def _run(self) -> None:
         try:
