@@ -322,11 +322,6 @@ class Gateway:
     async def _serve(self, principal, body, tokenize, chat: bool):
         """Queue place (before tokenizing), prompt ids, tenant limits, then the generation."""
         tenant, qos = principal.tenant, principal.qos_name
-        if body.n > 1:
-            # Disabled: after the merge of the engine, routing and admission reworks, sibling
-            # choices hung (seen 2026-11-23); refused with a clear error until that is fixed.
-            raise APIError(400, "n > 1 is not available in this build; send n=1 (or omit it) and "
-                           "repeat the request for more choices", "unsupported_value", param="n")
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         await self.admitter.early(principal, rid)
         try:

@@ -13,6 +13,9 @@ the request in the engine and frees its blocks.
 ``n > 1``: the siblings are separate engine requests. The first is sent alone; the others are
 sent once it has produced its first token (its prompt's full blocks are then in that
 replica's prefix cache) and pinned to its replica, so they prefill only the last partial block.
+Each sibling's handle call carries its own Serve request id: calls made inside one HTTP
+request inherit that request's internal id, and Serve's request router matches a routed
+replica to a pending call by that id, so concurrent siblings sharing it were never routed.
 Usage counts the prompt once and the completion tokens of every choice.
 
 Every request ends in exactly one status: ok, error, aborted (client went away) or
@@ -22,13 +25,16 @@ replica_failed, counted in ``kvharbor_requests``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from ray.exceptions import RayActorError, RayTaskError
+from ray.serve.context import _serve_request_context
 
 from kvharbor.platform import openai_shapes as shapes
 from kvharbor.platform.openai_protocol import APIError, error_type
@@ -50,6 +56,27 @@ def exclude_failed_replica(metadata: dict) -> None:
     failed = metadata.get("routed_to")
     if failed and failed not in metadata.setdefault("exclude_replicas", []):
         metadata["exclude_replicas"].append(failed)
+
+
+@contextmanager
+def own_serve_request_id(suffix: str) -> Iterator[None]:
+    """Handle calls made inside this block get their own Serve internal request id.
+
+    Serve gives every handle call made while serving a request that request's internal id,
+    and its request router hands a chosen replica to the pending call with that id. Two
+    concurrent calls sharing it collide: one is never routed (seen with ``n > 1``). The
+    suffix keeps the parent id readable in Serve's logs. Outside a Serve request, a no-op.
+    """
+    ctx = _serve_request_context.get()
+    if ctx is None or not ctx._internal_request_id:
+        yield
+        return
+    token = _serve_request_context.set(
+        dataclasses.replace(ctx, _internal_request_id=f"{ctx._internal_request_id}.{suffix}"))
+    try:
+        yield
+    finally:
+        _serve_request_context.reset(token)
 
 
 async def sse(chunks: AsyncIterator[dict | str]) -> AsyncIterator[str]:
@@ -98,9 +125,12 @@ class GenerationRun:
     # ---- replica events --------------------------------------------------------------------
     def _call(self, index: int):
         generate = self.gw.llm.options(stream=True).generate
-        if index and self.replica_id is not None:
-            return generate.remote(self.reqs[index], replica_id=self.replica_id)
-        return generate.remote(self.reqs[index])
+        if not index:
+            return generate.remote(self.reqs[0])
+        with own_serve_request_id(f"choice{index}"):
+            if self.replica_id is not None:
+                return generate.remote(self.reqs[index], replica_id=self.replica_id)
+            return generate.remote(self.reqs[index])
 
     async def events(self, index: int = 0) -> AsyncIterator[dict]:
         """Token events of choice ``index``, retried on replica failure before its first token."""

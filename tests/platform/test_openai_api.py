@@ -249,14 +249,30 @@ def test_chat_logprobs_streamed_equal_non_streamed_and_the_model(client, kvharbo
 
 
 # ---- n > 1 ------------------------------------------------------------------------------------
-def test_n_above_one_is_refused_with_a_clear_error_while_siblings_are_disabled(client, kvharbor_app):
-    """n > 1 hung after the 2026-11-23 integration; until it is fixed it is a 400 naming ``n``
-    (never a hang), streamed or not, and n=1 still works."""
-    for stream in (False, True):
-        with pytest.raises(openai.BadRequestError, match="n > 1 is not available"):
-            client.completions.create(model=kvharbor_app.model, prompt="x", n=2, max_tokens=2,
-                                      stream=stream)
-    out = client.completions.create(model=kvharbor_app.model, prompt="x", n=1, max_tokens=2)
-    assert len(out.choices) == 1
+def test_n_choices_share_the_prompts_kv(client, kvharbor_app):
+    from tests.reliability.helpers import rand_text, replica_stats
+
+    prompt = rand_text(100, 4242)                    # 6 full blocks of 16 tokens, never seen before
+    hits_before = {s["replica_id"]: s["prefix_hit_tokens"] for s in replica_stats(kvharbor_app)}
+    out = client.completions.create(model=kvharbor_app.model, prompt=prompt, n=3, max_tokens=8,
+                                    temperature=1.0, seed=5, extra_body={"ignore_eos": True})
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert out.usage.prompt_tokens == 100 and out.usage.completion_tokens == 24
+    assert len({c.text for c in out.choices}) > 1, "seeded siblings must not repeat each other"
+    hits = {s["replica_id"]: s["prefix_hit_tokens"] - hits_before[s["replica_id"]]
+            for s in replica_stats(kvharbor_app)}
+    assert hits[out.kvharbor["replica_id"]] >= 2 * 96, hits        # both siblings reused 6 blocks
+    again = client.completions.create(model=kvharbor_app.model, prompt=prompt, n=3, max_tokens=8,
+                                      temperature=1.0, seed=5, extra_body={"ignore_eos": True})
+    assert [c.text for c in again.choices] == [c.text for c in out.choices]     # seeds per choice
+
+
+def test_n_choices_streamed(client, kvharbor_app):
+    chunks = list(client.chat.completions.create(
+        model=kvharbor_app.model, messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=5,
+        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    finished = sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason)
+    assert finished == [0, 1]
+    assert chunks[-1].usage.completion_tokens == 10
     with pytest.raises(openai.BadRequestError, match="n"):
         client.completions.create(model=kvharbor_app.model, prompt="x", n=9)
