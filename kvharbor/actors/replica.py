@@ -77,6 +77,7 @@ class LLMReplica:
             self.tenants.pin_prefixes(self.engine)
         self._streams: dict[str, asyncio.Queue] = {}
         self._meta: dict[str, GenerateRequest] = {}
+        self._arrived: dict[str, float] = {}   # perf_counter() when generate() was called
         self._inbox: deque = deque()           # (GenerateRequest, SamplingParams), thread-safe
         self._aborts: deque = deque()          # request ids, thread-safe
         self._snapshot: dict = self._take_snapshot()
@@ -110,6 +111,7 @@ class LLMReplica:
             yield {"error": f"request id {rid!r} is already in use", "status": 400, "retryable": False}
             return
         self._streams[rid], self._meta[rid] = queue, request
+        self._arrived[rid] = time.perf_counter()
         self._inbox.append((request, sampling))
         self._wake.set()
         finished = False
@@ -121,6 +123,7 @@ class LLMReplica:
         finally:
             self._streams.pop(rid, None)
             self._meta.pop(rid, None)
+            self._arrived.pop(rid, None)
             if not finished:
                 self._aborts.append(rid)
                 self._wake.set()
@@ -289,7 +292,10 @@ class LLMReplica:
             # The router's prediction for *this* replica (Serve may have used a lower rank).
             predicted = meta.metadata.get("router_predicted_by_replica", {}).get(self.replica_id, 0)
             self.metrics.router_prefix_tokens(self.replica_id, int(predicted), out.num_cached_tokens)
-        queue.put_nowait({"token_ids": out.new_token_ids, "text": out.new_text,
+        first = {}
+        if len(out.token_ids) == len(out.new_token_ids) and out.request_id in self._arrived:
+            first["replica_ms"] = (time.perf_counter() - self._arrived[out.request_id]) * 1000.0
+        queue.put_nowait({**first, "token_ids": out.new_token_ids, "text": out.new_text,
                           "finish_reason": out.finish_reason, "num_cached_tokens": out.num_cached_tokens,
                           "num_prompt_tokens": len(out.prompt_token_ids),
                           "num_output_tokens": len(out.token_ids), "replica_id": self.replica_id,

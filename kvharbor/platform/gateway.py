@@ -23,6 +23,7 @@ dies gives them back within the lease time; every control-plane call has a timeo
 
 import asyncio
 import logging
+import time
 import uuid
 
 from fastapi import FastAPI, Request
@@ -267,16 +268,18 @@ class Gateway:
     @api.post("/v1/completions", response_model=CompletionResponse,
               responses={200: {"content": SSE}, **GENERATE_ERRORS})
     async def completions(self, body: CompletionRequest, request: Request):
+        arrived = time.perf_counter()
         principal = self._authenticate(request)
         self._check_model(principal, body.model)
-        return await self._serve(principal, body, lambda: self._prompt_ids(body), chat=False)
+        return await self._serve(principal, body, lambda: self._prompt_ids(body), False, arrived)
 
     @api.post("/v1/chat/completions", response_model=ChatResponse,
               responses={200: {"content": SSE}, **GENERATE_ERRORS})
     async def chat_completions(self, body: ChatRequest, request: Request):
+        arrived = time.perf_counter()
         principal = self._authenticate(request)
         self._check_model(principal, body.model)
-        return await self._serve(principal, body, lambda: self._chat_ids(body), chat=True)
+        return await self._serve(principal, body, lambda: self._chat_ids(body), True, arrived)
 
     def _prompt_ids(self, body: CompletionRequest) -> list[int]:
         if isinstance(body.prompt, str):
@@ -319,18 +322,22 @@ class Gateway:
                 "in_flight_by_qos": in_flight}
 
     # ---- generation ----------------------------------------------------------------------
-    async def _serve(self, principal, body, tokenize, chat: bool):
+    async def _serve(self, principal, body, tokenize, chat: bool, arrived: float):
         """Queue place (before tokenizing), prompt ids, tenant limits, then the generation."""
         tenant, qos = principal.tenant, principal.qos_name
+        marks = {"arrived": arrived}
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         await self.admitter.early(principal, rid)
+        marks["queued"] = time.perf_counter()
         try:
             ids = tokenize()
             max_tokens = self._max_tokens(body, ids, chat, principal)
         except BaseException:
             self.admitter.leave(qos, rid)
             raise
+        marks["tokenized"] = time.perf_counter()
         ticket = await self.admitter.admit(principal, rid, len(ids), max_tokens)
+        marks["admitted"] = time.perf_counter()
         logprobs = _logprobs(body, chat)
         sampling = {"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
                     "top_k": body.top_k, "seed": body.seed, "stop": body.stop_list(),
@@ -341,7 +348,7 @@ class Gateway:
             block_hashes=hashes, sampling={**sampling, "seed": _sibling_seed(body.seed, i)},
             cache_salt=principal.cache_salt, priority=principal.qos.priority, pinned=principal.qos.pinned)
             for i in range(body.n)]
-        run = GenerationRun(self, siblings, principal, ticket, chat, body.model, logprobs)
+        run = GenerationRun(self, siblings, principal, ticket, chat, body.model, logprobs, marks)
         if body.stream:
             return RunStream(run, sse(run.stream_chunks(body.include_usage())))
         return JSONResponse(await run.complete())

@@ -107,12 +107,16 @@ class GenerationRun:
     """
 
     def __init__(self, gateway, requests, principal, ticket, chat: bool, model: str,
-                 logprobs: int | None = None) -> None:
+                 logprobs: int | None = None, marks: dict[str, float] | None = None) -> None:
         self.gw, self.reqs, self.principal, self.ticket = gateway, requests, principal, ticket
         self.req = requests[0]
         self.chat, self.model, self.want_logprobs = chat, model, logprobs is not None
         self.created = int(time.time())
-        self.start = time.perf_counter()
+        # perf_counter() marks of the gateway's phases ("arrived", "queued", "tokenized",
+        # "admitted"); TTFT and latency count from "arrived", the handler's first line.
+        self.marks = dict(marks or {})
+        self.start = self.marks.setdefault("arrived", time.perf_counter())
+        self.replica_ms: float | None = None
         self.first_token_at: float | None = None
         self.choices = [Choice() for _ in requests]
         self.replica_id: str | None = None
@@ -213,6 +217,7 @@ class GenerationRun:
         n = len(event.get("token_ids", ()))
         if n and self.first_token_at is None:
             self.first_token_at = now
+            self.replica_ms = event.get("replica_ms")
             decision_ms = self.req.metadata.get("router_decision_ms")
             if decision_ms is not None:
                 self.gw.metrics.router_decision(decision_ms / 1000.0)
@@ -270,10 +275,32 @@ class GenerationRun:
         self.choices[index].chars += sum(len(t) for t in part["tokens"])
         return part
 
-    def _envelope(self, choices: list, chunk: bool) -> dict:
+    def timings_ms(self) -> dict[str, float]:
+        """Where this request's time to first token went, in ms (only the phases it reached).
+
+        ``queue`` (class-queue place), ``tokenize`` (prompt ids and length checks), ``admit``
+        (tenant limits), ``first_token`` (admitted -> first token at the gateway: routing, the
+        replica call and the engine), ``replica`` (the replica's share of it: its inbox,
+        scheduling and prefill), ``hops`` (``first_token`` - ``replica``: router and Ray).
+        """
+        m, out, prev = self.marks, {}, self.marks["arrived"]
+        for phase, mark in (("queue", "queued"), ("tokenize", "tokenized"), ("admit", "admitted")):
+            if mark in m:
+                out[phase], prev = round((m[mark] - prev) * 1000, 3), m[mark]
+        if self.first_token_at is not None and "admitted" in m:
+            out["first_token"] = round((self.first_token_at - m["admitted"]) * 1000, 3)
+            if self.replica_ms is not None:
+                out["replica"] = round(self.replica_ms, 3)
+                out["hops"] = round(out["first_token"] - self.replica_ms, 3)
+        return out
+
+    def _envelope(self, choices: list, chunk: bool, final: bool = False) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        extra = {"replica_id": self.replica_id}
+        if final:
+            extra["timings_ms"] = self.timings_ms()
         return {"id": self.req.request_id, "object": kind, "created": self.created, "model": self.model,
-                "choices": choices, "kvharbor": {"replica_id": self.replica_id}}
+                "choices": choices, "kvharbor": extra}
 
     async def complete(self) -> dict:
         """Non-streaming: the whole answer as one OpenAI response."""
@@ -295,7 +322,7 @@ class GenerationRun:
         choices = [shapes.choice(i, "".join(c.text), c.finish_reason, self.chat, final=True,
                                  logprobs=shapes.merge_logprobs(c.logprobs, self.chat))
                    for i, c in enumerate(self.choices)]
-        return {**self._envelope(choices, chunk=False), "usage": self.usage()}
+        return {**self._envelope(choices, chunk=False, final=True), "usage": self.usage()}
 
     async def stream_chunks(self, include_usage: bool) -> AsyncIterator[dict | str]:
         """Streaming: one chunk per event, an error event on failure, then ``[DONE]``."""
@@ -309,7 +336,7 @@ class GenerationRun:
                                                     logprobs=self._event_logprobs(index, event))], chunk=True)
             self.status = "ok"
             if include_usage:
-                yield {**self._envelope([], chunk=True), "usage": self.usage()}
+                yield {**self._envelope([], chunk=True, final=True), "usage": self.usage()}
         except APIError as e:
             self.status = "error" if self.status == "aborted" else self.status
             yield {"error": {"message": e.message, "type": error_type(e.status), "param": e.param,

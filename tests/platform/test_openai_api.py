@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import time
+
 import httpx
 import openai
 import pytest
@@ -276,3 +279,31 @@ def test_n_choices_streamed(client, kvharbor_app):
     assert chunks[-1].usage.completion_tokens == 10
     with pytest.raises(openai.BadRequestError, match="n"):
         client.completions.create(model=kvharbor_app.model, prompt="x", n=9)
+
+
+# ---- where the time went ----------------------------------------------------------------------
+PHASES = ["queue", "tokenize", "admit", "first_token", "replica", "hops"]
+
+
+def test_the_response_says_where_the_time_to_first_token_went(kvharbor_app):
+    """``kvharbor.timings_ms``: every phase present and non-negative, the replica's share inside
+    the gateway's first-token wait, and the gateway's phases inside the client's wall time."""
+    with kvharbor_app.client() as c:
+        start = time.perf_counter()
+        body = c.post("/v1/completions", json={"model": kvharbor_app.model, "prompt": "timings",
+                                                "max_tokens": 1}).json()
+        wall_ms = (time.perf_counter() - start) * 1000
+        timings = body["kvharbor"]["timings_ms"]
+        assert sorted(timings) == sorted(PHASES), timings
+        assert all(v >= 0 for v in timings.values()), timings
+        assert timings["replica"] <= timings["first_token"]
+        assert abs(timings["replica"] + timings["hops"] - timings["first_token"]) < 0.01
+        gateway_ms = sum(timings[p] for p in ("queue", "tokenize", "admit", "first_token"))
+        assert gateway_ms < wall_ms, (timings, wall_ms)
+
+        with c.stream("POST", "/v1/chat/completions", json={
+                "model": kvharbor_app.model, "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}}) as r:
+            chunks = [line for line in r.iter_lines() if line.startswith("data: {")]
+        usage_chunk = json.loads(chunks[-1][6:])
+        assert "usage" in usage_chunk and sorted(usage_chunk["kvharbor"]["timings_ms"]) == sorted(PHASES)
