@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,26 @@ class KVEvents:
     stored: list
     removed: list
     tier: str = "device"
+
+
+@contextmanager
+def flush_denormals(enabled: bool):
+    """Treat subnormal floats as zero (FTZ/DAZ) in this thread's CPU math while the block runs.
+
+    Subnormal activations take the CPU's slow path: with the builtin tiny-llama a decode step
+    on the main thread took 448 ms instead of 17 ms (measured on the 2-core VM). The flag lives
+    in the calling thread's floating-point control register and also changes how Python
+    compares subnormal doubles, so it is set only around the model's forward and cleared
+    after. Values below ~1.2e-38 become 0 there; sampled tokens do not change in practice.
+    """
+    if not enabled:
+        yield
+        return
+    torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(False)
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -212,7 +233,8 @@ class Engine:
         self._flush_transfers()
         if not plan.scheduled:
             return []
-        tokens = self.runner.execute(plan.scheduled)
+        with flush_denormals(self.device.type == "cpu"):
+            tokens = self.runner.execute(plan.scheduled)
         outputs = []
         sampled, logprobs = iter(tokens), iter(self.runner.last_logprobs)
         for item in plan.scheduled:
