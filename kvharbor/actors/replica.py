@@ -40,11 +40,12 @@ from kvharbor.engine.engine import Engine
 from kvharbor.engine.engine_stats import memory_breakdown
 from kvharbor.engine.request import SamplingParams
 from kvharbor.observability.metrics import get_metrics
-from kvharbor.platform.protocol import GenerateRequest, RoutingStats
+from kvharbor.platform.protocol import GenerateRequest, RoutingStats, session_key
 
 logger = logging.getLogger("kvharbor.replica")
 
 STATS_PERIOD_S = 1.0
+MAX_REPORTED_SESSIONS = 4096      # session keys in routing stats (most recently used)
 
 
 class LLMReplica:
@@ -75,6 +76,7 @@ class LLMReplica:
             if directory_name else None
         if self.tenants:
             self.tenants.pin_prefixes(self.engine)
+            self.tenants.apply_session_limits(self.engine)
         self._streams: dict[str, asyncio.Queue] = {}
         self._meta: dict[str, GenerateRequest] = {}
         self._inbox: deque = deque()           # (GenerateRequest, SamplingParams), thread-safe
@@ -149,7 +151,23 @@ class LLMReplica:
         return RoutingStats(self.replica_id, self.engine.block_size, stats["shared_blocks_free"],
                             stats["pinned_blocks_total"] - stats["pinned_blocks_used"],
                             stats["blocks_total"], stats["num_running"], stats["num_waiting"],
-                            snap["queue_by_priority"]).as_dict()
+                            snap["queue_by_priority"], self._session_keys()).as_dict()
+
+    def _session_keys(self) -> list[str]:
+        """``session_key`` of the sessions held here (newest last, at most
+        ``MAX_REPORTED_SESSIONS``). ``list(dict)`` copies atomically under the GIL."""
+        held = list(self.engine.sessions.sessions)[-MAX_REPORTED_SESSIONS:]
+        memo = getattr(self, "_key_memo", {})
+        self._key_memo = {k: memo.get(k) or session_key(*k) for k in held}
+        return list(self._key_memo.values())
+
+    async def end_session(self, tenant: str, session_id: str, replica_id: str | None = None) -> int | None:
+        """End a session here now (its blocks return to the LRU): block references released,
+        or None when this replica holds no such session. ``replica_id``: read by the router."""
+        async with self._engine_lock:
+            released = self.engine.end_session(tenant, session_id)
+            self._snapshot = self._take_snapshot()
+        return released
 
     async def check_health(self) -> None:
         if self._failed is not None:
@@ -253,7 +271,7 @@ class LLMReplica:
             try:
                 self.engine.add_request(request.request_id, request.prompt_token_ids, sampling,
                                         tenant=request.tenant, qos=request.qos,
-                                        cache_salt=request.cache_salt)
+                                        cache_salt=request.cache_salt, session_id=request.session_id)
             except ValueError as e:
                 rejected.append((request.request_id, str(e)))
         return rejected
@@ -294,6 +312,7 @@ class LLMReplica:
                 async with self._engine_lock:
                     if self.tenants:
                         self.tenants.maybe_reload(self.engine)
+                    if self.engine.expire_sessions() or self.tenants:
                         self._snapshot = self._take_snapshot()
                     resync = self.directory.prepare(self.engine) if self.directory else None
                     self._record_metrics()

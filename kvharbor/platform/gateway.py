@@ -45,6 +45,8 @@ from kvharbor.platform.openai_protocol import (APIError, ChatRequest, ChatRespon
                                                CompletionRequest, CompletionResponse, ModelCard,
                                                ModelList, error_response, error_responses)
 from kvharbor.platform.protocol import GenerateRequest
+from kvharbor.platform.sessions_api import (SESSION_HEADER, check_session_id, end_session_everywhere,
+                                            session_header)
 from kvharbor.tenants import ActorAdmission, TenantError, TenantRegistry, get_or_create_admission_actor
 from kvharbor.tenants.admission_actor import CALL_TIMEOUT_S
 
@@ -268,15 +270,31 @@ class Gateway:
               responses={200: {"content": SSE}, **GENERATE_ERRORS})
     async def completions(self, body: CompletionRequest, request: Request):
         principal = self._authenticate(request)
+        session_id = session_header(request.headers)
         self._check_model(principal, body.model)
-        return await self._serve(principal, body, lambda: self._prompt_ids(body), chat=False)
+        return await self._serve(principal, body, lambda: self._prompt_ids(body), chat=False,
+                                 session_id=session_id)
 
     @api.post("/v1/chat/completions", response_model=ChatResponse,
               responses={200: {"content": SSE}, **GENERATE_ERRORS})
     async def chat_completions(self, body: ChatRequest, request: Request):
         principal = self._authenticate(request)
+        session_id = session_header(request.headers)
         self._check_model(principal, body.model)
-        return await self._serve(principal, body, lambda: self._chat_ids(body), chat=True)
+        return await self._serve(principal, body, lambda: self._chat_ids(body), chat=True,
+                                 session_id=session_id)
+
+    @api.delete("/v1/sessions/{session_id}", responses=error_responses(400, 401, 404, 503))
+    async def delete_session(self, session_id: str, request: Request) -> dict:
+        """End one of the caller's sessions now: its KV blocks return to the LRU."""
+        principal = self._authenticate(request)
+        check_session_id(session_id, "session_id")
+        released = await end_session_everywhere(self.llm, principal.tenant, session_id)
+        if released is None:
+            raise APIError(404, f"no session {session_id!r} of this tenant is held (never used, "
+                           "already ended or expired)", "session_not_found", "session_id")
+        return {"id": session_id, "object": "session.deleted", "deleted": True,
+                "blocks_released": released}
 
     def _prompt_ids(self, body: CompletionRequest) -> list[int]:
         if isinstance(body.prompt, str):
@@ -319,7 +337,7 @@ class Gateway:
                 "in_flight_by_qos": in_flight}
 
     # ---- generation ----------------------------------------------------------------------
-    async def _serve(self, principal, body, tokenize, chat: bool):
+    async def _serve(self, principal, body, tokenize, chat: bool, session_id: str | None = None):
         """Queue place (before tokenizing), prompt ids, tenant limits, then the generation."""
         tenant, qos = principal.tenant, principal.qos_name
         if body.n > 1:
@@ -344,12 +362,16 @@ class Gateway:
         siblings = [GenerateRequest(
             request_id=rid if i == 0 else f"{rid}-{i}", tenant=tenant, qos=qos, prompt_token_ids=ids,
             block_hashes=hashes, sampling={**sampling, "seed": _sibling_seed(body.seed, i)},
-            cache_salt=principal.cache_salt, priority=principal.qos.priority, pinned=principal.qos.pinned)
+            cache_salt=principal.cache_salt, priority=principal.qos.priority, pinned=principal.qos.pinned,
+            session_id=session_id if i == 0 else None)
             for i in range(body.n)]
         run = GenerationRun(self, siblings, principal, ticket, chat, body.model, logprobs)
+        headers = {SESSION_HEADER: session_id} if session_id else None
         if body.stream:
-            return RunStream(run, sse(run.stream_chunks(body.include_usage())))
-        return JSONResponse(await run.complete())
+            response = RunStream(run, sse(run.stream_chunks(body.include_usage())))
+            response.headers.update(headers or {})
+            return response
+        return JSONResponse(await run.complete(), headers=headers)
 
     def _max_tokens(self, body, ids: list[int], chat: bool, principal) -> int:
         room = self.context - len(ids)

@@ -1,0 +1,156 @@
+"""Sessions: a conversation's blocks survive other tenants' pressure, expire, end, stay per tenant."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvharbor import LLM, SamplingParams
+
+BS = 16
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(n)]
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def llm():
+    llm = LLM(device="cpu", num_kv_blocks=64, block_size=BS, session_max_blocks=40)
+    llm.engine.sessions.clock = FakeClock()
+    return llm
+
+
+def _flood(llm: LLM, rounds: int = 6) -> None:
+    """Another tenant's distinct long prompts: about 3x the cache in all."""
+    for i in range(rounds):
+        llm.generate([_tokens(300, 1000 + i)], _greedy(4), tenant="flood", cache_salt="tenant:flood")
+
+
+def _two_turns(llm: LLM, session_id: str | None):
+    first = _tokens(100, 1)
+    out1 = llm.generate([first], _greedy(20), tenant="acme", cache_salt="tenant:acme", session_id=session_id)[0]
+    _flood(llm)
+    second = first + out1.token_ids + _tokens(20, 2)
+    out2 = llm.generate([second], _greedy(8), tenant="acme", cache_salt="tenant:acme", session_id=session_id)[0]
+    return first, out1, out2
+
+
+def test_turn_two_reuses_turn_one_prompt_and_output_after_a_flood(llm):
+    first, out1, out2 = _two_turns(llm, "chat-1")
+    history = len(first) + len(out1.token_ids)
+    # every full block of turn 1's prompt + output, except the last sampled token (never computed)
+    assert out2.num_cached_tokens == (history - 1) // BS * BS >= 112
+    llm.check_integrity()
+    # the same conversation without a session is recomputed: the flood evicted it
+    plain = LLM(device="cpu", num_kv_blocks=64, block_size=BS)
+    _, _, cold = _two_turns(plain, None)
+    assert cold.num_cached_tokens == 0
+    assert cold.token_ids == out2.token_ids           # reuse does not change the greedy answer
+    stats = llm.stats()
+    assert stats["session_hit_tokens"] == out2.num_cached_tokens
+    assert stats["sessions_active"] == 1
+
+
+def test_expired_session_blocks_are_free_again(llm):
+    llm.engine.set_session_limits("acme", ttl_s=30.0)
+    llm.generate([_tokens(100, 3)], _greedy(10), tenant="acme", cache_salt="tenant:acme", session_id="s")
+    held = llm.stats()
+    assert held["session_blocks_held"] == (110 - 1) // BS
+    assert held["blocks_used"] == held["session_blocks_held"]
+    llm.engine.sessions.clock.now += 29.0
+    assert llm.engine.expire_sessions() == 0
+    llm.engine.sessions.clock.now += 2.0
+    assert llm.engine.expire_sessions() == 1
+    stats = llm.stats()
+    assert stats["blocks_used"] == 0 and stats["blocks_free"] == stats["blocks_total"]
+    assert stats["session_blocks_held"] == 0 and stats["sessions_active"] == 0
+    assert stats["session_expirations"] == 1
+    assert stats["blocks_cached"] == (110 - 1) // BS     # back in the LRU, still reusable
+    llm.check_integrity()
+
+
+def test_other_tenant_same_session_id_and_text_gets_no_hit(llm):
+    prompt = _tokens(80, 4)
+    llm.generate([prompt], _greedy(8), tenant="a", cache_salt="tenant:a", session_id="same")
+    out = llm.generate([prompt], _greedy(8), tenant="b", cache_salt="tenant:b", session_id="same")[0]
+    assert out.num_cached_tokens == 0
+    assert llm.stats()["sessions_active"] == 2
+    assert llm.engine.end_session("b", "same") is not None
+    assert llm.engine.sessions.describe("a", "same")["blocks"] == (88 - 1) // BS
+    again = llm.generate([prompt], _greedy(8), tenant="a", cache_salt="tenant:a", session_id="same")[0]
+    assert again.num_cached_tokens == (80 - 1) // BS * BS
+    llm.check_integrity()
+
+
+def test_end_session_releases_blocks_and_unknown_is_none(llm):
+    llm.generate([_tokens(64, 5)], _greedy(4), tenant="acme", session_id="x")
+    assert llm.stats()["blocks_used"] == (68 - 1) // BS
+    assert llm.engine.end_session("acme", "x") == (68 - 1) // BS
+    assert llm.stats()["blocks_used"] == 0
+    assert llm.engine.end_session("acme", "x") is None
+    assert llm.end_session("nope", tenant="acme") is False
+    llm.check_integrity()
+
+
+def test_tenant_cap_releases_oldest_idle_session_first(llm):
+    llm.engine.set_session_limits("acme", max_blocks=10)
+    for i, sid in enumerate(["old", "mid", "new"]):            # 4 full blocks each
+        llm.engine.sessions.clock.now += 1
+        llm.generate([_tokens(70, 10 + i)], _greedy(1), tenant="acme", session_id=sid)
+    sessions = llm.engine.sessions
+    assert sessions.describe("acme", "old") is None
+    assert sessions.describe("acme", "mid")["blocks"] == 4
+    assert sessions.describe("acme", "new")["blocks"] == 4
+    assert sessions.num_idle_blocks["acme"] == 8 <= 10
+    # another tenant's sessions do not count against acme's cap
+    llm.generate([_tokens(70, 20)], _greedy(1), tenant="other", session_id="o")
+    assert sessions.describe("acme", "mid") is not None
+    llm.check_integrity()
+
+
+def test_retention_never_starves_the_engine():
+    llm = LLM(device="cpu", num_kv_blocks=32, block_size=BS, session_max_blocks=1000)
+    for i in range(3):                          # sessions hold 3 x 6 = 18 of 32 blocks
+        llm.generate([_tokens(100, 30 + i)], _greedy(1), tenant="acme", session_id=f"s{i}")
+    assert llm.stats()["blocks_used"] == 18
+    out = llm.generate([_tokens(400, 40)], _greedy(4), tenant="big")[0]    # needs 26 blocks
+    assert len(out.token_ids) == 4
+    assert llm.stats()["session_evictions"] >= 2
+    llm.check_integrity()
+
+
+def test_session_turn_aborted_keeps_what_it_computed(llm):
+    prompt = _tokens(90, 6)
+    engine = llm.engine
+    engine.add_request("r1", prompt, _greedy(50), tenant="acme", session_id="ab")
+    for _ in range(3):
+        engine.step()
+    assert engine.abort("r1")
+    held = engine.sessions.describe("acme", "ab")["blocks"]
+    assert held >= 90 // BS
+    llm.check_integrity()
+    engine.add_request("r2", prompt + [1] * 10, _greedy(1), tenant="acme", session_id="ab")
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.sessions.describe("acme", "ab")["turns"] == 2
+    llm.check_integrity()
+
+
+def test_bad_session_id_is_refused(llm):
+    with pytest.raises(ValueError, match="session_id"):
+        llm.generate([[1, 2, 3]], _greedy(1), session_id="")
