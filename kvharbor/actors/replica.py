@@ -161,9 +161,9 @@ class LLMReplica:
         self._key_memo = {k: memo.get(k) or session_key(*k) for k in held}
         return list(self._key_memo.values())
 
-    async def end_session(self, tenant: str, session_id: str, replica_id: str | None = None) -> int | None:
+    async def end_session(self, tenant: str, session_id: str) -> int | None:
         """End a session here now (its blocks return to the LRU): block references released,
-        or None when this replica holds no such session. ``replica_id``: read by the router."""
+        or None when this replica holds no such session."""
         async with self._engine_lock:
             released = self.engine.end_session(tenant, session_id)
             self._snapshot = self._take_snapshot()
