@@ -40,6 +40,7 @@ from kvharbor.platform.admission_flow import Admitter, unavailable
 from kvharbor.platform.auth_gate import AuthGateMiddleware, bearer_key
 from kvharbor.platform.body_limit import BodyLimitMiddleware
 from kvharbor.platform.class_queue import get_or_create_class_queue
+from kvharbor.platform.context_overflow import TRUNCATED_HEADER, truncate_oldest
 from kvharbor.platform.generation import GenerationRun, sse
 from kvharbor.platform.openai_protocol import (APIError, ChatRequest, ChatResponse,
                                                CompletionRequest, CompletionResponse, ModelCard,
@@ -281,8 +282,15 @@ class Gateway:
         principal = self._authenticate(request)
         session_id = session_header(request.headers)
         self._check_model(principal, body.model)
-        return await self._serve(principal, body, lambda: self._chat_ids(body), chat=True,
-                                 session_id=session_id)
+        truncated: dict = {}
+
+        def tokenize() -> list[int]:
+            fitted = self._fit_chat(body, principal)
+            truncated["tokens"] = fitted.dropped_tokens
+            return fitted.token_ids
+
+        return await self._serve(principal, body, tokenize, chat=True, session_id=session_id,
+                                 truncated=truncated)
 
     @api.delete("/v1/sessions/{session_id}", responses=error_responses(400, 401, 404, 503))
     async def delete_session(self, session_id: str, request: Request) -> dict:
@@ -304,10 +312,17 @@ class Gateway:
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
         return list(body.prompt)
 
-    def _chat_ids(self, body: ChatRequest) -> list[int]:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    def _render(self, messages: list[dict]) -> list[int]:
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def _fit_chat(self, body: ChatRequest, principal):
+        """The chat's prompt, with the oldest turns dropped when the tenant's
+        ``context_overflow`` is ``truncate_oldest`` and it would not fit (``context_overflow``)."""
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        want = body.max_tokens or min(256, principal.limits.max_tokens_per_request or 256)
+        limit = self.context - want if principal.config.context_overflow == "truncate_oldest" else 10**12
+        return truncate_oldest(messages, self._render, limit)
 
     @api.get("/admin/tenants", responses=error_responses(401))
     async def admin_tenants(self, request: Request) -> dict:
@@ -337,7 +352,8 @@ class Gateway:
                 "in_flight_by_qos": in_flight}
 
     # ---- generation ----------------------------------------------------------------------
-    async def _serve(self, principal, body, tokenize, chat: bool, session_id: str | None = None):
+    async def _serve(self, principal, body, tokenize, chat: bool, session_id: str | None = None,
+                     truncated: dict | None = None):
         """Queue place (before tokenizing), prompt ids, tenant limits, then the generation."""
         tenant, qos = principal.tenant, principal.qos_name
         if body.n > 1:
@@ -366,12 +382,18 @@ class Gateway:
             session_id=session_id if i == 0 else None)
             for i in range(body.n)]
         run = GenerationRun(self, siblings, principal, ticket, chat, body.model, logprobs)
-        headers = {SESSION_HEADER: session_id} if session_id else None
+        headers = {SESSION_HEADER: session_id} if session_id else {}
+        dropped = (truncated or {}).get("tokens", 0)
+        if dropped:
+            headers[TRUNCATED_HEADER] = str(dropped)
         if body.stream:
             response = RunStream(run, sse(run.stream_chunks(body.include_usage())))
-            response.headers.update(headers or {})
+            response.headers.update(headers)
             return response
-        return JSONResponse(await run.complete(), headers=headers)
+        answer = await run.complete()
+        if dropped:
+            answer.setdefault("kvharbor", {})["truncated_prompt_tokens"] = dropped
+        return JSONResponse(answer, headers=headers or None)
 
     def _max_tokens(self, body, ids: list[int], chat: bool, principal) -> int:
         room = self.context - len(ids)
