@@ -161,6 +161,27 @@ class LLMReplica:
         self._key_memo = {k: memo.get(k) or session_key(*k) for k in held}
         return list(self._key_memo.values())
 
+    async def fork_session(self, tenant: str, source: str, target: str) -> dict | None:
+        """Start session ``target`` from ``source`` here (shared blocks, no recompute):
+        ``{"blocks": n}``, ``{"error": why}`` when ``target`` exists, None when ``source`` is
+        not held here."""
+        async with self._engine_lock:
+            try:
+                held = self.engine.fork_session(tenant, source, target)
+            except ValueError as e:
+                return {"error": str(e)}
+            self._snapshot = self._take_snapshot()
+        return None if held is None else {"blocks": held}
+
+    async def flush_cache(self) -> dict:
+        """Drop this replica's cached KV (``Engine.flush_cache``) and publish the removals to
+        the prefix directory now. Returns the counts by kind."""
+        async with self._engine_lock:
+            counts = self.engine.flush_cache()
+            self._publish_events()
+            self._snapshot = self._take_snapshot()
+        return counts
+
     async def end_session(self, tenant: str, session_id: str) -> int | None:
         """End a session here now (its blocks return to the LRU): block references released,
         or None when this replica holds no such session."""
@@ -349,8 +370,21 @@ class LLMReplica:
         m.step_budget_trims(rid, sched.num_trimmed - self._reported.get("trimmed", 0))
         self._reported["trimmed"] = sched.num_trimmed
         m.replica_up(rid, True)
+        self._record_session_metrics()
         m.evictions(rid, e.pool.num_evictions - self._reported["evictions"])
         self._reported["evictions"] = e.pool.num_evictions
         for qos, n in e.scheduler.preemptions_by_qos.items():
             m.preemptions(rid, qos, n - self._reported.get(("preempt", qos), 0))
             self._reported[("preempt", qos)] = n
+
+    def _record_session_metrics(self) -> None:
+        """Sessions held, their blocks by tenant (0 for tenants that had some), and counter deltas."""
+        sessions, rid = self.engine.sessions, self.replica_id
+        by_tenant = sessions.blocks_by_tenant()
+        seen = self._reported.setdefault("session_tenants", set())
+        blocks = {**dict.fromkeys(seen, 0), **by_tenant}
+        seen.update(by_tenant)
+        expired = sessions.expirations - self._reported.get("session_expired", 0)
+        hits = sessions.hit_tokens - self._reported.get("session_hits", 0)
+        self.metrics.sessions(rid, len(sessions.sessions), blocks, expired, hits)
+        self._reported["session_expired"], self._reported["session_hits"] = sessions.expirations, sessions.hit_tokens

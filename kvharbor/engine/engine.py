@@ -294,6 +294,22 @@ class Engine:
         None when this engine holds no such session."""
         return self.sessions.end(tenant, session_id)
 
+    def fork_session(self, tenant: str, source: str, target: str) -> int | None:
+        """Start session ``target`` of ``tenant`` from ``source``'s cached state (its blocks,
+        shared, no recompute). Blocks held, or None when ``source`` is not held here.
+        Raises ValueError when ``target`` already exists."""
+        return self.sessions.fork(tenant, source, target)
+
+    def flush_cache(self) -> dict[str, int]:
+        """Drop cached KV so the next identical request is computed again: every session
+        ends, every free cached device block and every unlocked host-tier entry loses its hash
+        (each a "removed" KV event, so the prefix directory forgets them). Blocks of running
+        requests and pinned prefixes stay. Returns counts by kind."""
+        sessions = self.sessions.end_all()
+        device = self.pool.evict_all_cached()
+        host = self.host.drop_all_cached() if self.host is not None else 0
+        return {"sessions": sessions, "device_blocks": device, "host_blocks": host}
+
     def expire_sessions(self) -> int:
         """Release idle sessions past their ttl now (``step`` does it too). Returns how many."""
         return self.sessions.expire(force=True)

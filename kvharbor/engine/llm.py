@@ -91,6 +91,14 @@ class LLM:
     def stats(self) -> dict:
         return self.engine.stats()
 
+    def fork_session(self, source: str, target: str, tenant: str = "default") -> int:
+        """Start session ``target`` from ``source``'s cached blocks (no recompute). Returns the
+        blocks it holds; raises ValueError if ``source`` is unknown or ``target`` exists."""
+        held = self.engine.fork_session(tenant, source, target)
+        if held is None:
+            raise ValueError(f"no session {source!r} of tenant {tenant!r}")
+        return held
+
     def end_session(self, session_id: str, tenant: str = "default") -> bool:
         """End a session now (its blocks become evictable). False if it is unknown."""
         return self.engine.end_session(tenant, session_id) is not None

@@ -22,6 +22,10 @@ LRU free queue, tail first) when:
   retention never starves the engine), or
 * ``end`` is called (``DELETE /v1/sessions/{id}``).
 
+``fork`` starts a new session holding the same blocks as an existing one (one more reference
+each, no copy and no recompute, like llama.cpp's ``seq_cp``); the two then diverge, each
+keeping only its own turns' blocks.
+
 Invariants: every reference the manager holds is listed in exactly one ``Session.blocks``;
 ``num_idle_blocks[tenant]`` equals the sum of ``len(s.blocks)`` over the tenant's idle
 sessions. Units: seconds (``clock``, default ``time.monotonic``), blocks.
@@ -185,6 +189,27 @@ class SessionManager:
                 self.evicted += 1
                 return True
         return False
+
+    def fork(self, tenant: str, source: str, target: str) -> int | None:
+        """Start session ``target`` from ``source``'s retained blocks. Returns the blocks it
+        holds, or None when ``source`` is unknown. Raises ValueError if ``target`` exists."""
+        src = self.sessions.get((tenant, source))
+        if src is None:
+            return None
+        if (tenant, target) in self.sessions:
+            raise ValueError(f"session {target!r} already exists; end it first or pick another id")
+        dst = self.sessions[(tenant, target)] = Session((tenant, target), list(src.blocks),
+                                                        last_used=self.clock(), turns=src.turns)
+        self.pool.touch(dst.blocks)
+        self._enter_idle(dst)
+        return len(dst.blocks) if (tenant, target) in self.sessions else 0
+
+    def end_all(self) -> int:
+        """End every session (a cache flush). Returns how many."""
+        sessions = list(self.sessions.values())
+        for session in sessions:
+            self._release(session)
+        return len(sessions)
 
     def end(self, tenant: str, session_id: str) -> int | None:
         """End a session now. Returns the block references released, or None if unknown."""

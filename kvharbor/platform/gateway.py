@@ -46,8 +46,9 @@ from kvharbor.platform.openai_protocol import (APIError, ChatRequest, ChatRespon
                                                CompletionRequest, CompletionResponse, ModelCard,
                                                ModelList, error_response, error_responses)
 from kvharbor.platform.protocol import GenerateRequest
-from kvharbor.platform.sessions_api import (SESSION_HEADER, check_session_id, end_session_everywhere,
-                                            session_header)
+from kvharbor.platform.sessions_api import (SESSION_HEADER, ForkRequest, check_session_id,
+                                            FlushRequest, end_session_everywhere,
+                                            flush_everywhere, fork_session_everywhere, session_header)
 from kvharbor.tenants import ActorAdmission, TenantError, TenantRegistry, get_or_create_admission_actor
 from kvharbor.tenants.admission_actor import CALL_TIMEOUT_S
 
@@ -304,6 +305,15 @@ class Gateway:
         return {"id": session_id, "object": "session.deleted", "deleted": True,
                 "blocks_released": released}
 
+    @api.post("/v1/sessions/{session_id}/fork", responses=error_responses(400, 401, 404, 409, 503))
+    async def fork_session(self, session_id: str, body: ForkRequest, request: Request) -> dict:
+        """Start a new session from this one's cached state (its KV blocks, shared; no recompute)."""
+        principal = self._authenticate(request)
+        check_session_id(session_id, "session_id")
+        target = check_session_id(body.session_id, "session_id")
+        blocks = await fork_session_everywhere(self.llm, principal.tenant, session_id, target)
+        return {"id": target, "object": "session", "forked_from": session_id, "blocks": blocks}
+
     def _prompt_ids(self, body: CompletionRequest) -> list[int]:
         if isinstance(body.prompt, str):
             return list(self.tokenizer(body.prompt)["input_ids"])
@@ -350,6 +360,17 @@ class Gateway:
             raise unavailable("class queue") from None
         return {**self.registry.status(), "demo_keys_active": self.registry.active_demo_keys(),
                 "in_flight_by_qos": in_flight}
+
+    @api.post("/admin/cache/flush", responses=error_responses(400, 401, 403, 503))
+    async def admin_cache_flush(self, request: Request, body: FlushRequest | None = None) -> dict:
+        """Drop cached KV on every replica, its host tier and (through KV events) the prefix
+        directory; sessions end. The next identical request is computed again."""
+        self._start_watcher()
+        key = _bearer(request)
+        if not self.registry.is_admin(key):
+            self.registry.authenticate(key)          # 401 for bad keys first
+            raise APIError(403, "this route needs an admin key", "permission_denied")
+        return {"object": "cache.flush", **await flush_everywhere(self.llm)}
 
     # ---- generation ----------------------------------------------------------------------
     async def _serve(self, principal, body, tokenize, chat: bool, session_id: str | None = None,

@@ -17,6 +17,8 @@ import pickle
 import re
 import uuid
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from kvharbor.platform.openai_protocol import APIError
 
 SESSION_HEADER = "X-Session-ID"
@@ -46,13 +48,23 @@ def session_header(headers) -> str | None:
     return check_session_id(values[0].strip() if values else None)
 
 
-def _end_on_every_replica(app_name: str, deployment: str, tenant: str, session_id: str) -> list:
-    """Call ``end_session`` on each live replica actor directly (blocking; run in a thread).
+class ForkRequest(BaseModel):
+    """Body of ``POST /v1/sessions/{id}/fork``."""
 
-    The calls bypass the request router on purpose: a call pinned to one replica through the
-    router (``replica_id=``) was seen to wait until its timeout when made from a gateway
-    replica (2026-11-23, Ray 2.60), while a direct actor call always arrives. Returns one
-    result (int, None or an exception) per replica.
+    model_config = ConfigDict(extra="forbid")
+    session_id: str = Field(description="Id of the new session (same rules as X-Session-ID); it "
+                                        "starts from the forked session's cached state.")
+
+
+def _call_every_replica(app_name: str, deployment: str, method: str, *args) -> list:
+    """Call ``method(*args)`` on each live replica actor directly (blocking; run in a thread).
+
+    The calls bypass the request router: concurrent handle calls made inside one HTTP request
+    share its Serve internal request id, and Serve's router hands a routed replica to the
+    pending call with that id, so all but one such call waited until their timeout (seen
+    2026-11-23, Ray 2.60; the same cause as the ``n > 1`` hang). A direct actor call is also
+    independent of which router the deployment uses. Returns one result (a value, None or
+    an exception) per replica.
     """
     import ray  # noqa: PLC0415 - only in a Ray process
     from ray.serve._private.common import RequestMetadata  # noqa: PLC0415
@@ -63,9 +75,9 @@ def _end_on_every_replica(app_name: str, deployment: str, tenant: str, session_i
         if entry["name"].startswith(prefix):
             actor = ray.get_actor(entry["name"], namespace=entry["namespace"])
             rid = uuid.uuid4().hex
-            meta = RequestMetadata(request_id=rid, internal_request_id=rid, call_method="end_session",
+            meta = RequestMetadata(request_id=rid, internal_request_id=rid, call_method=method,
                                    app_name=app_name)
-            refs.append(actor.handle_request.remote(pickle.dumps(meta), tenant, session_id))
+            refs.append(actor.handle_request.remote(pickle.dumps(meta), *args))
     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=CALL_TIMEOUT_S) if refs else ([], [])
     done = set(ready)
     results = []
@@ -77,15 +89,52 @@ def _end_on_every_replica(app_name: str, deployment: str, tenant: str, session_i
     return results
 
 
+async def _on_every_replica(handle, method: str, *args) -> list:
+    """Non-None answers of ``method(*args)`` on every replica; 503 when a replica failed and
+    none answered."""
+    results = await asyncio.to_thread(_call_every_replica, handle.app_name, handle.deployment_name,
+                                      method, *args)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    found = [r for r in results if r is not None and not isinstance(r, BaseException)]
+    for error in errors:
+        logger.warning("%s call failed: %r", method, error)
+    if errors and not found:
+        raise APIError(503, "a replica did not answer; retry the request", "replica_unavailable",
+                       headers={"Retry-After": "1"})
+    return found
+
+
 async def end_session_everywhere(handle, tenant: str, session_id: str) -> int | None:
     """End the session on every replica. Block references released, None if none held it."""
-    results = await asyncio.to_thread(_end_on_every_replica, handle.app_name, handle.deployment_name,
-                                      tenant, session_id)
-    errors = [r for r in results if isinstance(r, BaseException)]
-    found = [r for r in results if isinstance(r, int)]
-    for error in errors:
-        logger.warning("end_session call failed: %r", error)
-    if errors and not found:
-        raise APIError(503, "a replica did not answer while ending the session; retry the request",
-                       "replica_unavailable", headers={"Retry-After": "1"})
+    found = await _on_every_replica(handle, "end_session", tenant, session_id)
     return sum(found) if found else None
+
+
+async def flush_everywhere(handle) -> dict:
+    """``flush_cache`` on every replica: the summed counts and how many replicas answered."""
+    found = await _on_every_replica(handle, "flush_cache")
+    total = {"replicas": len(found)}
+    for counts in found:
+        for kind, n in counts.items():
+            total[kind] = total.get(kind, 0) + n
+    return total
+
+
+class FlushRequest(BaseModel):
+    """Body of ``POST /admin/cache/flush`` (optional). Tenant and scope filters are not
+    implemented: every replica's whole cache is flushed."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+async def fork_session_everywhere(handle, tenant: str, source: str, target: str) -> int:
+    """Fork ``source`` into ``target`` on the replica(s) holding it: blocks the new session
+    holds. 404 when no replica holds ``source``; 409 when ``target`` exists there."""
+    found = await _on_every_replica(handle, "fork_session", tenant, source, target)
+    if not found:
+        raise APIError(404, f"no session {source!r} of this tenant is held (never used, already "
+                       "ended or expired)", "session_not_found", "session_id")
+    refused = [f["error"] for f in found if "error" in f]
+    if refused:
+        raise APIError(409, refused[0], "session_exists", "session_id")
+    return sum(f["blocks"] for f in found)

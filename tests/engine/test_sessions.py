@@ -154,3 +154,45 @@ def test_session_turn_aborted_keeps_what_it_computed(llm):
 def test_bad_session_id_is_refused(llm):
     with pytest.raises(ValueError, match="session_id"):
         llm.generate([[1, 2, 3]], _greedy(1), session_id="")
+
+
+def test_fork_continues_like_recomputing_without_recompute(llm):
+    history_prompt = _tokens(100, 7)
+    out1 = llm.generate([history_prompt], _greedy(20), tenant="acme", session_id="a")[0]
+    used = llm.stats()["blocks_used"]
+    assert llm.fork_session("a", "b", tenant="acme") == (120 - 1) // BS
+    assert llm.stats()["blocks_used"] == used          # shared, not copied
+    llm.check_integrity()
+    assert llm.engine.end_session("acme", "a") is not None   # b keeps the blocks alive
+    _flood(llm)
+    follow = history_prompt + out1.token_ids + _tokens(12, 8)
+    forked = llm.generate([follow], _greedy(10), tenant="acme", session_id="b")[0]
+    assert forked.num_cached_tokens == (120 - 1) // BS * BS
+    fresh = LLM(device="cpu", num_kv_blocks=64, block_size=BS)
+    recomputed = fresh.generate([follow], _greedy(10), tenant="acme")[0]
+    assert recomputed.num_cached_tokens == 0
+    assert forked.token_ids == recomputed.token_ids
+    with pytest.raises(ValueError, match="already exists"):
+        llm.fork_session("b", "b", tenant="acme")
+    with pytest.raises(ValueError, match="no session"):
+        llm.fork_session("missing", "c", tenant="acme")
+    llm.check_integrity()
+
+
+def test_flush_makes_the_next_identical_request_cold_and_ends_sessions():
+    llm = LLM(device="cpu", num_kv_blocks=64, block_size=BS, host_kv_blocks=32)
+    prompt = _tokens(100, 9)
+    first = llm.generate([prompt], _greedy(4), tenant="acme", session_id="s")[0]
+    _flood(llm)                             # evicted flood blocks move to the host tier
+    warm = llm.generate([prompt], _greedy(4), tenant="acme")[0]
+    assert warm.num_cached_tokens == 96
+    llm.engine.drain_kv_events()
+    counts = llm.engine.flush_cache()
+    assert counts["sessions"] == 1 and counts["device_blocks"] > 0 and counts["host_blocks"] > 0
+    removed = [h for batch in llm.engine.drain_kv_events() for h in batch.removed]
+    assert len(removed) == counts["device_blocks"] + counts["host_blocks"]
+    cold = llm.generate([prompt], _greedy(4), tenant="acme")[0]
+    assert cold.num_cached_tokens == 0 and cold.token_ids == first.token_ids
+    stats = llm.stats()
+    assert stats["sessions_active"] == 0 and stats["host_blocks_used"] <= (104 - 1) // BS
+    llm.check_integrity()

@@ -6,6 +6,7 @@ import uuid
 
 import pytest
 
+from kvharbor.engine.hashing import hash_prompt_blocks
 from tests.conftest import DEMO, TEST_KEYS
 
 SYSTEM = {"role": "system", "content": "You are terse."}
@@ -77,3 +78,47 @@ def test_bad_session_id_in_delete_path_is_a_400_and_needs_a_key(kvharbor_app):
     with kvharbor_app.client("not-a-key") as c:
         r = c.delete("/v1/sessions/abc")
         assert r.status_code == 401 and "error" in r.json()
+
+
+def test_fork_starts_a_new_session_from_the_cached_state(kvharbor_app):
+    sid, new = f"f-{uuid.uuid4().hex[:8]}", f"g-{uuid.uuid4().hex[:8]}"
+    model = kvharbor_app.model
+    with kvharbor_app.client(DEMO["standard"]) as c:
+        messages = [SYSTEM, {"role": "user", "content": f"Fork me {sid}."}]
+        one = _chat(c, model, messages, sid).json()
+        r = c.post(f"/v1/sessions/{sid}/fork", json={"session_id": new})
+        assert r.status_code == 200, r.text
+        assert r.json()["forked_from"] == sid and r.json()["blocks"] > 0
+        assert c.delete(f"/v1/sessions/{sid}").status_code == 200      # the fork keeps the blocks
+        history = one["usage"]["prompt_tokens"] + one["usage"]["completion_tokens"]
+        messages += [{"role": "assistant", "content": one["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": "Go on."}]
+        two = _chat(c, model, messages, new).json()
+        assert two["usage"]["prompt_tokens_details"]["cached_tokens"] >= (history - 1) // 16 * 16
+        assert c.post(f"/v1/sessions/{sid}/fork", json={"session_id": "x1"}).status_code == 404
+        again = c.post(f"/v1/sessions/{new}/fork", json={"session_id": new})
+        assert again.status_code == 409 and again.json()["error"]["code"] == "session_exists"
+        bad = c.post(f"/v1/sessions/{new}/fork", json={"session_id": "no spaces"})
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_session_id"
+        assert c.delete(f"/v1/sessions/{new}").status_code == 200
+
+
+def test_admin_flush_makes_the_next_identical_request_cold_everywhere(kvharbor_app):
+    body = {"model": kvharbor_app.model, "prompt": list(range(60, 160)), "max_tokens": 2,
+            "temperature": 0}
+    with kvharbor_app.client(DEMO["standard"]) as c:
+        c.post("/v1/completions", json=body)
+        warm = c.post("/v1/completions", json=body).json()
+        assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] >= 96
+        assert c.post("/admin/cache/flush").status_code == 403
+    with kvharbor_app.client(DEMO["admin"]) as admin:
+        r = admin.post("/admin/cache/flush")
+        assert r.status_code == 200, r.text
+        assert r.json()["replicas"] == 2 and r.json()["device_blocks"] >= 6
+        assert admin.post("/admin/cache/flush", json={"tenant": "acme"}).status_code == 400
+    hashes = set(hash_prompt_blocks(body["prompt"], 16, "group:partners"))    # globex's scope
+    for info in kvharbor_app.replica_call("check_integrity").values():   # asserts invariants too
+        assert not hashes & set(info["cached"])
+    with kvharbor_app.client(DEMO["standard"]) as c:
+        cold = c.post("/v1/completions", json=body).json()
+    assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
