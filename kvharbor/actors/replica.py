@@ -79,6 +79,7 @@ class LLMReplica:
             self.tenants.apply_session_limits(self.engine)
         self._streams: dict[str, asyncio.Queue] = {}
         self._meta: dict[str, GenerateRequest] = {}
+        self._arrived: dict[str, float] = {}   # perf_counter() when generate() was called
         self._inbox: deque = deque()           # (GenerateRequest, SamplingParams), thread-safe
         self._aborts: deque = deque()          # request ids, thread-safe
         self._snapshot: dict = self._take_snapshot()
@@ -112,6 +113,7 @@ class LLMReplica:
             yield {"error": f"request id {rid!r} is already in use", "status": 400, "retryable": False}
             return
         self._streams[rid], self._meta[rid] = queue, request
+        self._arrived[rid] = time.perf_counter()
         self._inbox.append((request, sampling))
         self._wake.set()
         finished = False
@@ -123,6 +125,7 @@ class LLMReplica:
         finally:
             self._streams.pop(rid, None)
             self._meta.pop(rid, None)
+            self._arrived.pop(rid, None)
             if not finished:
                 self._aborts.append(rid)
                 self._wake.set()
@@ -219,9 +222,23 @@ class LLMReplica:
 
     # ---- engine loop ---------------------------------------------------------------------
     def _ensure_loop(self) -> None:
-        if self._loop_task is None:
-            self._loop_task = asyncio.get_running_loop().create_task(self._run())
-            self._bg_task = asyncio.get_running_loop().create_task(self._background())
+        """Start the engine loop on the running event loop (once per event loop).
+
+        Serve calls every method on one loop. Outside Serve (tests, scripts calling
+        ``asyncio.run`` twice) the first loop may be gone: its tasks never run again, so the
+        loop, its lock and its wake event are made anew on the current one.
+        """
+        loop = asyncio.get_running_loop()
+        if self._loop_task is not None:
+            old = self._loop_task.get_loop()
+            if old is loop:
+                return
+            if not old.is_closed():
+                raise RuntimeError("this LLMReplica's engine loop runs on another event loop; "
+                                   "call it from that loop")
+        self._engine_lock, self._wake = asyncio.Lock(), asyncio.Event()
+        self._loop_task = loop.create_task(self._run())
+        self._bg_task = loop.create_task(self._background())
 
     async def _run(self) -> None:
         try:
@@ -314,7 +331,10 @@ class LLMReplica:
             # The router's prediction for *this* replica (Serve may have used a lower rank).
             predicted = meta.metadata.get("router_predicted_by_replica", {}).get(self.replica_id, 0)
             self.metrics.router_prefix_tokens(self.replica_id, int(predicted), out.num_cached_tokens)
-        queue.put_nowait({"token_ids": out.new_token_ids, "text": out.new_text,
+        first = {}
+        if len(out.token_ids) == len(out.new_token_ids) and out.request_id in self._arrived:
+            first["replica_ms"] = (time.perf_counter() - self._arrived[out.request_id]) * 1000.0
+        queue.put_nowait({**first, "token_ids": out.new_token_ids, "text": out.new_text,
                           "finish_reason": out.finish_reason, "num_cached_tokens": out.num_cached_tokens,
                           "num_prompt_tokens": len(out.prompt_token_ids),
                           "num_output_tokens": len(out.token_ids), "replica_id": self.replica_id,

@@ -23,6 +23,7 @@ dies gives them back within the lease time; every control-plane call has a timeo
 
 import asyncio
 import logging
+import time
 import uuid
 
 from fastapi import FastAPI, Request
@@ -271,15 +272,17 @@ class Gateway:
     @api.post("/v1/completions", response_model=CompletionResponse,
               responses={200: {"content": SSE}, **GENERATE_ERRORS})
     async def completions(self, body: CompletionRequest, request: Request):
+        arrived = time.perf_counter()
         principal = self._authenticate(request)
         session_id = session_header(request.headers)
         self._check_model(principal, body.model)
-        return await self._serve(principal, body, lambda: self._prompt_ids(body), chat=False,
+        return await self._serve(principal, body, lambda: self._prompt_ids(body), False, arrived,
                                  session_id=session_id)
 
     @api.post("/v1/chat/completions", response_model=ChatResponse,
               responses={200: {"content": SSE}, **GENERATE_ERRORS})
     async def chat_completions(self, body: ChatRequest, request: Request):
+        arrived = time.perf_counter()
         principal = self._authenticate(request)
         session_id = session_header(request.headers)
         self._check_model(principal, body.model)
@@ -290,7 +293,7 @@ class Gateway:
             truncated["tokens"] = fitted.dropped_tokens
             return fitted.token_ids
 
-        return await self._serve(principal, body, tokenize, chat=True, session_id=session_id,
+        return await self._serve(principal, body, tokenize, True, arrived, session_id=session_id,
                                  truncated=truncated)
 
     @api.delete("/v1/sessions/{session_id}", responses=error_responses(400, 401, 404, 503))
@@ -373,24 +376,23 @@ class Gateway:
         return {"object": "cache.flush", **await flush_everywhere(self.llm)}
 
     # ---- generation ----------------------------------------------------------------------
-    async def _serve(self, principal, body, tokenize, chat: bool, session_id: str | None = None,
-                     truncated: dict | None = None):
+    async def _serve(self, principal, body, tokenize, chat: bool, arrived: float,
+                     session_id: str | None = None, truncated: dict | None = None):
         """Queue place (before tokenizing), prompt ids, tenant limits, then the generation."""
         tenant, qos = principal.tenant, principal.qos_name
-        if body.n > 1:
-            # Disabled: after the merge of the engine, routing and admission reworks, sibling
-            # choices hung (seen 2026-11-23); refused with a clear error until that is fixed.
-            raise APIError(400, "n > 1 is not available in this build; send n=1 (or omit it) and "
-                           "repeat the request for more choices", "unsupported_value", param="n")
+        marks = {"arrived": arrived}
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         await self.admitter.early(principal, rid)
+        marks["queued"] = time.perf_counter()
         try:
             ids = tokenize()
             max_tokens = self._max_tokens(body, ids, chat, principal)
         except BaseException:
             self.admitter.leave(qos, rid)
             raise
+        marks["tokenized"] = time.perf_counter()
         ticket = await self.admitter.admit(principal, rid, len(ids), max_tokens)
+        marks["admitted"] = time.perf_counter()
         logprobs = _logprobs(body, chat)
         sampling = {"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
                     "top_k": body.top_k, "seed": body.seed, "stop": body.stop_list(),
@@ -402,7 +404,7 @@ class Gateway:
             cache_salt=principal.cache_salt, priority=principal.qos.priority, pinned=principal.qos.pinned,
             session_id=session_id if i == 0 else None)
             for i in range(body.n)]
-        run = GenerationRun(self, siblings, principal, ticket, chat, body.model, logprobs)
+        run = GenerationRun(self, siblings, principal, ticket, chat, body.model, logprobs, marks)
         headers = {SESSION_HEADER: session_id} if session_id else {}
         dropped = (truncated or {}).get("tokens", 0)
         if dropped:

@@ -13,6 +13,9 @@ the request in the engine and frees its blocks.
 ``n > 1``: the siblings are separate engine requests. The first is sent alone; the others are
 sent once it has produced its first token (its prompt's full blocks are then in that
 replica's prefix cache) and pinned to its replica, so they prefill only the last partial block.
+Each sibling's handle call carries its own Serve request id: calls made inside one HTTP
+request inherit that request's internal id, and Serve's request router matches a routed
+replica to a pending call by that id, so concurrent siblings sharing it were never routed.
 Usage counts the prompt once and the completion tokens of every choice.
 
 Every request ends in exactly one status: ok, error, aborted (client went away) or
@@ -22,13 +25,16 @@ replica_failed, counted in ``kvharbor_requests``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from ray.exceptions import RayActorError, RayTaskError
+from ray.serve.context import _serve_request_context
 
 from kvharbor.platform import openai_shapes as shapes
 from kvharbor.platform.openai_protocol import APIError, error_type
@@ -50,6 +56,27 @@ def exclude_failed_replica(metadata: dict) -> None:
     failed = metadata.get("routed_to")
     if failed and failed not in metadata.setdefault("exclude_replicas", []):
         metadata["exclude_replicas"].append(failed)
+
+
+@contextmanager
+def own_serve_request_id(suffix: str) -> Iterator[None]:
+    """Handle calls made inside this block get their own Serve internal request id.
+
+    Serve gives every handle call made while serving a request that request's internal id,
+    and its request router hands a chosen replica to the pending call with that id. Two
+    concurrent calls sharing it collide: one is never routed (seen with ``n > 1``). The
+    suffix keeps the parent id readable in Serve's logs. Outside a Serve request, a no-op.
+    """
+    ctx = _serve_request_context.get()
+    if ctx is None or not ctx._internal_request_id:
+        yield
+        return
+    token = _serve_request_context.set(
+        dataclasses.replace(ctx, _internal_request_id=f"{ctx._internal_request_id}.{suffix}"))
+    try:
+        yield
+    finally:
+        _serve_request_context.reset(token)
 
 
 async def sse(chunks: AsyncIterator[dict | str]) -> AsyncIterator[str]:
@@ -80,12 +107,16 @@ class GenerationRun:
     """
 
     def __init__(self, gateway, requests, principal, ticket, chat: bool, model: str,
-                 logprobs: int | None = None) -> None:
+                 logprobs: int | None = None, marks: dict[str, float] | None = None) -> None:
         self.gw, self.reqs, self.principal, self.ticket = gateway, requests, principal, ticket
         self.req = requests[0]
         self.chat, self.model, self.want_logprobs = chat, model, logprobs is not None
         self.created = int(time.time())
-        self.start = time.perf_counter()
+        # perf_counter() marks of the gateway's phases ("arrived", "queued", "tokenized",
+        # "admitted"); TTFT and latency count from "arrived", the handler's first line.
+        self.marks = dict(marks or {})
+        self.start = self.marks.setdefault("arrived", time.perf_counter())
+        self.replica_ms: float | None = None
         self.first_token_at: float | None = None
         self.choices = [Choice() for _ in requests]
         self.replica_id: str | None = None
@@ -98,9 +129,12 @@ class GenerationRun:
     # ---- replica events --------------------------------------------------------------------
     def _call(self, index: int):
         generate = self.gw.llm.options(stream=True).generate
-        if index and self.replica_id is not None:
-            return generate.remote(self.reqs[index], replica_id=self.replica_id)
-        return generate.remote(self.reqs[index])
+        if not index:
+            return generate.remote(self.reqs[0])
+        with own_serve_request_id(f"choice{index}"):
+            if self.replica_id is not None:
+                return generate.remote(self.reqs[index], replica_id=self.replica_id)
+            return generate.remote(self.reqs[index])
 
     async def events(self, index: int = 0) -> AsyncIterator[dict]:
         """Token events of choice ``index``, retried on replica failure before its first token."""
@@ -183,6 +217,7 @@ class GenerationRun:
         n = len(event.get("token_ids", ()))
         if n and self.first_token_at is None:
             self.first_token_at = now
+            self.replica_ms = event.get("replica_ms")
             decision_ms = self.req.metadata.get("router_decision_ms")
             if decision_ms is not None:
                 self.gw.metrics.router_decision(decision_ms / 1000.0)
@@ -240,10 +275,32 @@ class GenerationRun:
         self.choices[index].chars += sum(len(t) for t in part["tokens"])
         return part
 
-    def _envelope(self, choices: list, chunk: bool) -> dict:
+    def timings_ms(self) -> dict[str, float]:
+        """Where this request's time to first token went, in ms (only the phases it reached).
+
+        ``queue`` (class-queue place), ``tokenize`` (prompt ids and length checks), ``admit``
+        (tenant limits), ``first_token`` (admitted -> first token at the gateway: routing, the
+        replica call and the engine), ``replica`` (the replica's share of it: its inbox,
+        scheduling and prefill), ``hops`` (``first_token`` - ``replica``: router and Ray).
+        """
+        m, out, prev = self.marks, {}, self.marks["arrived"]
+        for phase, mark in (("queue", "queued"), ("tokenize", "tokenized"), ("admit", "admitted")):
+            if mark in m:
+                out[phase], prev = round((m[mark] - prev) * 1000, 3), m[mark]
+        if self.first_token_at is not None and "admitted" in m:
+            out["first_token"] = round((self.first_token_at - m["admitted"]) * 1000, 3)
+            if self.replica_ms is not None:
+                out["replica"] = round(self.replica_ms, 3)
+                out["hops"] = round(out["first_token"] - self.replica_ms, 3)
+        return out
+
+    def _envelope(self, choices: list, chunk: bool, final: bool = False) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        extra = {"replica_id": self.replica_id}
+        if final:
+            extra["timings_ms"] = self.timings_ms()
         return {"id": self.req.request_id, "object": kind, "created": self.created, "model": self.model,
-                "choices": choices, "kvharbor": {"replica_id": self.replica_id}}
+                "choices": choices, "kvharbor": extra}
 
     async def complete(self) -> dict:
         """Non-streaming: the whole answer as one OpenAI response."""
@@ -265,7 +322,7 @@ class GenerationRun:
         choices = [shapes.choice(i, "".join(c.text), c.finish_reason, self.chat, final=True,
                                  logprobs=shapes.merge_logprobs(c.logprobs, self.chat))
                    for i, c in enumerate(self.choices)]
-        return {**self._envelope(choices, chunk=False), "usage": self.usage()}
+        return {**self._envelope(choices, chunk=False, final=True), "usage": self.usage()}
 
     async def stream_chunks(self, include_usage: bool) -> AsyncIterator[dict | str]:
         """Streaming: one chunk per event, an error event on failure, then ``[DONE]``."""
@@ -279,7 +336,7 @@ class GenerationRun:
                                                     logprobs=self._event_logprobs(index, event))], chunk=True)
             self.status = "ok"
             if include_usage:
-                yield {**self._envelope([], chunk=True), "usage": self.usage()}
+                yield {**self._envelope([], chunk=True, final=True), "usage": self.usage()}
         except APIError as e:
             self.status = "error" if self.status == "aborted" else self.status
             yield {"error": {"message": e.message, "type": error_type(e.status), "param": e.param,

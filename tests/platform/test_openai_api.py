@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import time
+
 import httpx
 import openai
 import pytest
@@ -249,14 +252,58 @@ def test_chat_logprobs_streamed_equal_non_streamed_and_the_model(client, kvharbo
 
 
 # ---- n > 1 ------------------------------------------------------------------------------------
-def test_n_above_one_is_refused_with_a_clear_error_while_siblings_are_disabled(client, kvharbor_app):
-    """n > 1 hung after the 2026-11-23 integration; until it is fixed it is a 400 naming ``n``
-    (never a hang), streamed or not, and n=1 still works."""
-    for stream in (False, True):
-        with pytest.raises(openai.BadRequestError, match="n > 1 is not available"):
-            client.completions.create(model=kvharbor_app.model, prompt="x", n=2, max_tokens=2,
-                                      stream=stream)
-    out = client.completions.create(model=kvharbor_app.model, prompt="x", n=1, max_tokens=2)
-    assert len(out.choices) == 1
+def test_n_choices_share_the_prompts_kv(client, kvharbor_app):
+    from tests.reliability.helpers import rand_text, replica_stats
+
+    prompt = rand_text(100, 4242)                    # 6 full blocks of 16 tokens, never seen before
+    hits_before = {s["replica_id"]: s["prefix_hit_tokens"] for s in replica_stats(kvharbor_app)}
+    out = client.completions.create(model=kvharbor_app.model, prompt=prompt, n=3, max_tokens=8,
+                                    temperature=1.0, seed=5, extra_body={"ignore_eos": True})
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert out.usage.prompt_tokens == 100 and out.usage.completion_tokens == 24
+    assert len({c.text for c in out.choices}) > 1, "seeded siblings must not repeat each other"
+    hits = {s["replica_id"]: s["prefix_hit_tokens"] - hits_before[s["replica_id"]]
+            for s in replica_stats(kvharbor_app)}
+    assert hits[out.kvharbor["replica_id"]] >= 2 * 96, hits        # both siblings reused 6 blocks
+    again = client.completions.create(model=kvharbor_app.model, prompt=prompt, n=3, max_tokens=8,
+                                      temperature=1.0, seed=5, extra_body={"ignore_eos": True})
+    assert [c.text for c in again.choices] == [c.text for c in out.choices]     # seeds per choice
+
+
+def test_n_choices_streamed(client, kvharbor_app):
+    chunks = list(client.chat.completions.create(
+        model=kvharbor_app.model, messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=5,
+        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    finished = sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason)
+    assert finished == [0, 1]
+    assert chunks[-1].usage.completion_tokens == 10
     with pytest.raises(openai.BadRequestError, match="n"):
         client.completions.create(model=kvharbor_app.model, prompt="x", n=9)
+
+
+# ---- where the time went ----------------------------------------------------------------------
+PHASES = ["queue", "tokenize", "admit", "first_token", "replica", "hops"]
+
+
+def test_the_response_says_where_the_time_to_first_token_went(kvharbor_app):
+    """``kvharbor.timings_ms``: every phase present and non-negative, the replica's share inside
+    the gateway's first-token wait, and the gateway's phases inside the client's wall time."""
+    with kvharbor_app.client() as c:
+        start = time.perf_counter()
+        body = c.post("/v1/completions", json={"model": kvharbor_app.model, "prompt": "timings",
+                                                "max_tokens": 1}).json()
+        wall_ms = (time.perf_counter() - start) * 1000
+        timings = body["kvharbor"]["timings_ms"]
+        assert sorted(timings) == sorted(PHASES), timings
+        assert all(v >= 0 for v in timings.values()), timings
+        assert timings["replica"] <= timings["first_token"]
+        assert abs(timings["replica"] + timings["hops"] - timings["first_token"]) < 0.01
+        gateway_ms = sum(timings[p] for p in ("queue", "tokenize", "admit", "first_token"))
+        assert gateway_ms < wall_ms, (timings, wall_ms)
+
+        with c.stream("POST", "/v1/chat/completions", json={
+                "model": kvharbor_app.model, "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}}) as r:
+            chunks = [line for line in r.iter_lines() if line.startswith("data: {")]
+        usage_chunk = json.loads(chunks[-1][6:])
+        assert "usage" in usage_chunk and sorted(usage_chunk["kvharbor"]["timings_ms"]) == sorted(PHASES)

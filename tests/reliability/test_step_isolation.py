@@ -9,13 +9,12 @@ request gets a non-retryable error event. The gateway's half: an event marked
 
 from __future__ import annotations
 
-from kvharbor.engine.request import SamplingParams
-
 import asyncio
 
 import pytest
 
 from kvharbor.actors.replica import LLMReplica
+from kvharbor.engine.request import SamplingParams
 from kvharbor.platform.protocol import GenerateRequest
 
 POISON = 7
@@ -79,14 +78,25 @@ def test_a_poison_request_fails_alone_and_the_batch_finishes(replica):
 
 
 def test_out_of_vocabulary_ids_are_refused_before_any_step(replica):
-    """Refused by ``Engine.add_request`` (the replica turns that ValueError into a non-retryable
-    400 event: tests/platform/test_replica_inbox.py). Checked on the engine directly: the
-    replica-level version of this test hung after the 2026-11-23 merge (see the session note)."""
+    """Refused by ``Engine.add_request``; the replica turns that ValueError into one
+    non-retryable 400 event, and the engine holds nothing of the request afterwards."""
     engine = replica.engine
     vocab = engine.model.config.vocab_size
     with pytest.raises(ValueError, match=rf"prompt token ids must be in \[0, {vocab}\)"):
         engine.add_request("oov", [1, vocab], SamplingParams(max_tokens=4))
     assert "oov" not in engine.requests
+    events = asyncio.run(asyncio.wait_for(_collect(replica, _request("oov", [1, vocab], 4)), 60))
+    assert events == [{"error": f"prompt token ids must be in [0, {vocab})", "status": 400, "retryable": False}]
+    assert "oov" not in engine.requests
+
+
+def test_the_replica_serves_callers_on_a_new_event_loop(replica):
+    """Outside Serve a script may call the replica from one ``asyncio.run`` after another: the
+    engine loop moves to the new event loop instead of waiting on the closed one forever."""
+    for turn in range(2):
+        events = asyncio.run(asyncio.wait_for(
+            _collect(replica, _request(f"loop-{turn}", [40 + turn] * 20, 3)), 60))
+        assert sum(len(e["token_ids"]) for e in events) == 3 and events[-1]["finish_reason"] == "length"
 
 
 class _FakeStream:

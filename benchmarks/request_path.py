@@ -1,0 +1,145 @@
+"""Where an idle premium request's time to first token goes, through HTTP vs in the engine.
+
+One run: the same prompts (premium tenant, 1 generated token, greedy) are timed
+  engine   in this process with ``LLM.generate`` on a fresh engine (tiny-llama, CPU), and
+  http     one at a time through the kvharbor app (``serve run`` defaults: 2 replicas, KV-aware
+           router) on 127.0.0.1, streamed; the client's TTFT is send -> first token chunk.
+The app's own breakdown comes back in each stream's usage chunk (``kvharbor.timings_ms``):
+queue, tokenize, admit, first_token (= replica + hops). ``outside`` is what none of those
+phases cover: the Serve proxy, FastAPI (body parse, auth), and the HTTP round trip.
+Outputs are checked: the token each path produced must match.
+
+Goal (issue #16): idle premium TTFT through HTTP <= engine TTFT + 15 ms on this machine.
+Run:  python benchmarks/request_path.py [--requests 60] [--seed 0]    (about 3 minutes)
+Writes benchmarks/results/request_path.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import machine, pct, table, write_json  # noqa: E402
+from benchmarks.qos import lifted_tenants  # noqa: E402
+
+PORT = 18600
+PHASES = ["queue", "tokenize", "admit", "first_token", "replica", "hops"]
+WORDS = "harbor premium tenant cache block replica route token prefix engine".split()
+
+
+def prompts(n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 40))) for _ in range(n)]
+
+
+def engine_ttfts(texts: list[str]) -> tuple[list[float], list[int]]:
+    """In-process TTFT (ms) of each prompt alone, and the token each produced."""
+    from kvharbor.engine.llm import LLM  # noqa: PLC0415
+    from kvharbor.engine.request import SamplingParams  # noqa: PLC0415
+
+    llm = LLM("kvharbor/tiny-llama", device="cpu")
+    params = SamplingParams(max_tokens=1, temperature=0)
+    llm.generate(texts[:4], params)                                    # warm-up
+    times, tokens = [], []
+    for text in texts:
+        start = time.perf_counter()
+        out = llm.generate(text, params)[0]
+        times.append((time.perf_counter() - start) * 1000)
+        tokens.append(out.token_ids[0])
+    return times, tokens
+
+
+def http_ttfts(base: str, texts: list[str]) -> tuple[list[float], list[dict], list[str]]:
+    """Client TTFT (ms), the app's timings and the text of the token, per prompt, one at a time."""
+    times, timings, texts_out = [], [], []
+    headers = {"Authorization": "Bearer kvh-demo-premium"}
+    with httpx.Client(base_url=base, headers=headers, timeout=60) as client:
+        for i, text in enumerate([*texts[:4], *texts]):                 # 4 warm-up requests
+            body = {"model": "kvharbor/tiny-llama", "prompt": text, "max_tokens": 1, "temperature": 0,
+                    "stream": True, "stream_options": {"include_usage": True}}
+            start, first, usage, token = time.perf_counter(), None, None, ""
+            with client.stream("POST", "/v1/completions", json=body) as r:
+                r.raise_for_status()
+                for line in r.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk.get("choices") and first is None:
+                        first, token = time.perf_counter(), chunk["choices"][0]["text"]
+                    if "usage" in chunk:
+                        usage = chunk
+            if i >= 4:
+                times.append((first - start) * 1000)
+                timings.append(usage["kvharbor"]["timings_ms"])
+                texts_out.append(token)
+    return times, timings, texts_out
+
+
+def serve_app(tenants: Path) -> str:
+    import ray  # noqa: PLC0415
+    from ray import serve  # noqa: PLC0415
+
+    from kvharbor.platform.app import build_app, wait_until_healthy  # noqa: PLC0415
+
+    ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    serve.run(build_app({"tenants": str(tenants), "directory_name": "request-path-directory"}),
+              name="kvharbor", route_prefix="/", blocking=False)
+    base = f"http://127.0.0.1:{PORT}"
+    wait_until_healthy(base, timeout_s=300)
+    return base
+
+
+def summarize(engine_ms, http_ms, timings) -> list[dict]:
+    rows = [{"phase": "engine TTFT (in process)", "p50_ms": pct(engine_ms, 50), "p90_ms": pct(engine_ms, 90)},
+            {"phase": "HTTP TTFT (client)", "p50_ms": pct(http_ms, 50), "p90_ms": pct(http_ms, 90)}]
+    for phase in PHASES:
+        values = [t[phase] for t in timings if phase in t]
+        rows.append({"phase": f"  {phase}", "p50_ms": pct(values, 50), "p90_ms": pct(values, 90)})
+    outside = [h - sum(t.get(p, 0.0) for p in ("queue", "tokenize", "admit", "first_token"))
+               for h, t in zip(http_ms, timings)]
+    rows.append({"phase": "  outside (proxy, FastAPI, HTTP)", "p50_ms": pct(outside, 50), "p90_ms": pct(outside, 90)})
+    return [{k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()} for row in rows]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=60)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    info = machine()
+    texts = prompts(args.requests, args.seed)
+    engine_ms, engine_tokens = engine_ttfts(texts)
+    from kvharbor.engine.models import load_tokenizer  # noqa: PLC0415
+
+    tok = load_tokenizer("kvharbor/tiny-llama")
+    with tempfile.TemporaryDirectory() as folder:
+        base = serve_app(lifted_tenants(Path(folder)))
+        http_ms, timings, http_texts = http_ttfts(base, texts)
+    same = sum(tok.decode([t]) == s for t, s in zip(engine_tokens, http_texts))
+    rows = summarize(engine_ms, http_ms, timings)
+    excess = pct(http_ms, 50) - pct(engine_ms, 50)
+    print(table(rows, ["phase", "p50_ms", "p90_ms"]))
+    print(f"outputs equal: {same}/{len(texts)}; HTTP - engine TTFT p50: {excess:.1f} ms (goal <= 15 ms); "
+          f"load avg at start {info['load_avg_at_start']}")
+    path = write_json("request_path", {"machine": info, "seed": args.seed, "requests": args.requests,
+                                       "rows": rows, "outputs_equal": same,
+                                       "http_minus_engine_p50_ms": round(excess, 2),
+                                       "goal_met": excess <= 15.0, "raw": {"engine_ms": engine_ms,
+                                       "http_ms": http_ms, "timings": timings}})
+    print(f"wrote {path}")
+    return 0 if same == len(texts) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
