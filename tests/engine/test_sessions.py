@@ -196,3 +196,14 @@ def test_flush_makes_the_next_identical_request_cold_and_ends_sessions():
     stats = llm.stats()
     assert stats["sessions_active"] == 0 and stats["host_blocks_used"] <= (104 - 1) // BS
     llm.check_integrity()
+
+
+def test_pinned_class_sessions_hold_pinned_region_blocks():
+    llm = LLM(device="cpu", num_kv_blocks=64, block_size=BS, pinned_kv_blocks=16)
+    llm.generate([_tokens(100, 11)], _greedy(10), tenant="acme", qos="premium", session_id="p")
+    held = llm.engine.sessions.sessions[("acme", "p")].blocks
+    assert len(held) == (110 - 1) // BS and all(b.region == "pinned" for b in held)
+    assert llm.stats()["pinned_blocks_used"] == len(held)
+    _flood(llm)                                     # shared-class pressure cannot touch them
+    assert llm.stats()["pinned_blocks_used"] == len(held)
+    llm.check_integrity()
