@@ -64,6 +64,10 @@ class EngineConfig(BaseModel):
     qos_classes: dict[str, QoSSpec] = Field(default_factory=lambda: dict(DEFAULT_QOS),
                                             description="QoS classes by name.")
     host_kv_blocks: int = Field(0, ge=0, description="KV blocks of host memory (pinned on CUDA) that keep blocks evicted from the device, by hash, LRU; prefix hits there are copied back instead of recomputed. 0 disables the host tier.")
+    session_ttl_s: float = Field(300.0, gt=0, description="Seconds an idle session (no turn running) keeps its "
+                                 "KV blocks referenced before they return to the LRU (per-tenant values come from tenants.yaml).")
+    session_max_blocks: int | None = Field(None, ge=0, description="Most KV block references one tenant's idle "
+                                           "sessions may hold (oldest session released first); None: half the KV blocks.")
     preemption_mode: str = Field("recompute", pattern="^(recompute|swap|auto)$",
                                  description="'recompute' (drop a preempted request's KV), 'swap' (copy it to the host tier and back; needs host_kv_blocks) or 'auto' (swap when it saves more than half its work).")
 

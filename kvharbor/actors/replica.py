@@ -40,11 +40,12 @@ from kvharbor.engine.engine import Engine
 from kvharbor.engine.engine_stats import memory_breakdown
 from kvharbor.engine.request import SamplingParams
 from kvharbor.observability.metrics import get_metrics
-from kvharbor.platform.protocol import GenerateRequest, RoutingStats
+from kvharbor.platform.protocol import GenerateRequest, RoutingStats, session_key
 
 logger = logging.getLogger("kvharbor.replica")
 
 STATS_PERIOD_S = 1.0
+MAX_REPORTED_SESSIONS = 4096      # session keys in routing stats (most recently used)
 
 
 class LLMReplica:
@@ -75,6 +76,7 @@ class LLMReplica:
             if directory_name else None
         if self.tenants:
             self.tenants.pin_prefixes(self.engine)
+            self.tenants.apply_session_limits(self.engine)
         self._streams: dict[str, asyncio.Queue] = {}
         self._meta: dict[str, GenerateRequest] = {}
         self._arrived: dict[str, float] = {}   # perf_counter() when generate() was called
@@ -152,7 +154,44 @@ class LLMReplica:
         return RoutingStats(self.replica_id, self.engine.block_size, stats["shared_blocks_free"],
                             stats["pinned_blocks_total"] - stats["pinned_blocks_used"],
                             stats["blocks_total"], stats["num_running"], stats["num_waiting"],
-                            snap["queue_by_priority"]).as_dict()
+                            snap["queue_by_priority"], self._session_keys()).as_dict()
+
+    def _session_keys(self) -> list[str]:
+        """``session_key`` of the sessions held here (newest last, at most
+        ``MAX_REPORTED_SESSIONS``). ``list(dict)`` copies atomically under the GIL."""
+        held = list(self.engine.sessions.sessions)[-MAX_REPORTED_SESSIONS:]
+        memo = getattr(self, "_key_memo", {})
+        self._key_memo = {k: memo.get(k) or session_key(*k) for k in held}
+        return list(self._key_memo.values())
+
+    async def fork_session(self, tenant: str, source: str, target: str) -> dict | None:
+        """Start session ``target`` from ``source`` here (shared blocks, no recompute):
+        ``{"blocks": n}``, ``{"error": why}`` when ``target`` exists, None when ``source`` is
+        not held here."""
+        async with self._engine_lock:
+            try:
+                held = self.engine.fork_session(tenant, source, target)
+            except ValueError as e:
+                return {"error": str(e)}
+            self._snapshot = self._take_snapshot()
+        return None if held is None else {"blocks": held}
+
+    async def flush_cache(self) -> dict:
+        """Drop this replica's cached KV (``Engine.flush_cache``) and publish the removals to
+        the prefix directory now. Returns the counts by kind."""
+        async with self._engine_lock:
+            counts = self.engine.flush_cache()
+            self._publish_events()
+            self._snapshot = self._take_snapshot()
+        return counts
+
+    async def end_session(self, tenant: str, session_id: str) -> int | None:
+        """End a session here now (its blocks return to the LRU): block references released,
+        or None when this replica holds no such session."""
+        async with self._engine_lock:
+            released = self.engine.end_session(tenant, session_id)
+            self._snapshot = self._take_snapshot()
+        return released
 
     async def check_health(self) -> None:
         if self._failed is not None:
@@ -270,7 +309,7 @@ class LLMReplica:
             try:
                 self.engine.add_request(request.request_id, request.prompt_token_ids, sampling,
                                         tenant=request.tenant, qos=request.qos,
-                                        cache_salt=request.cache_salt)
+                                        cache_salt=request.cache_salt, session_id=request.session_id)
             except ValueError as e:
                 rejected.append((request.request_id, str(e)))
         return rejected
@@ -314,6 +353,7 @@ class LLMReplica:
                 async with self._engine_lock:
                     if self.tenants:
                         self.tenants.maybe_reload(self.engine)
+                    if self.engine.expire_sessions() or self.tenants:
                         self._snapshot = self._take_snapshot()
                     resync = self.directory.prepare(self.engine) if self.directory else None
                     self._record_metrics()
@@ -350,8 +390,21 @@ class LLMReplica:
         m.step_budget_trims(rid, sched.num_trimmed - self._reported.get("trimmed", 0))
         self._reported["trimmed"] = sched.num_trimmed
         m.replica_up(rid, True)
+        self._record_session_metrics()
         m.evictions(rid, e.pool.num_evictions - self._reported["evictions"])
         self._reported["evictions"] = e.pool.num_evictions
         for qos, n in e.scheduler.preemptions_by_qos.items():
             m.preemptions(rid, qos, n - self._reported.get(("preempt", qos), 0))
             self._reported[("preempt", qos)] = n
+
+    def _record_session_metrics(self) -> None:
+        """Sessions held, their blocks by tenant (0 for tenants that had some), and counter deltas."""
+        sessions, rid = self.engine.sessions, self.replica_id
+        by_tenant = sessions.blocks_by_tenant()
+        seen = self._reported.setdefault("session_tenants", set())
+        blocks = {**dict.fromkeys(seen, 0), **by_tenant}
+        seen.update(by_tenant)
+        expired = sessions.expirations - self._reported.get("session_expired", 0)
+        hits = sessions.hit_tokens - self._reported.get("session_hits", 0)
+        self.metrics.sessions(rid, len(sessions.sessions), blocks, expired, hits)
+        self._reported["session_expired"], self._reported["session_hits"] = sessions.expirations, sessions.hit_tokens

@@ -61,6 +61,13 @@ class TenantSync:
             except (RuntimeError, ValueError) as e:
                 logger.error("cannot pin prefix of tenant %s: %s", name, e)
 
+    def apply_session_limits(self, engine) -> None:
+        """Each tenant's session ttl and idle-block cap (tenant value, else its class's)."""
+        config = self.registry.config
+        for name, tenant in config.tenants.items():
+            ttl, cap = tenant.session_limits(config.qos_classes[tenant.qos])
+            engine.set_session_limits(name, ttl, cap)
+
     def _wanted(self) -> dict:
         return {(name, text): tenant for name, tenant in self.registry.config.tenants.items()
                 for text in tenant.pinned_prefixes}
@@ -76,6 +83,7 @@ class TenantSync:
             self.tick(engine)
             return False
         engine.set_qos_classes(qos_specs(self.registry))
+        self.apply_session_limits(engine)
         self._release_removed(engine, self._wanted())
         region = self.registry.config.pinned_region
         sizer = engine.scheduler.sizer

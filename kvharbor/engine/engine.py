@@ -23,6 +23,7 @@ from .models import load_model, uniform_sliding_window
 from .preemption import PreemptionPolicy
 from .request import Request, RequestOutput, SamplingParams, Status
 from .scheduler import Scheduler
+from .sessions import SessionLimits, SessionManager
 
 
 @dataclass(slots=True)
@@ -98,6 +99,9 @@ class Engine:
         self.scheduler.sizer.window_s = config.pinned_demand_window_s
         self.set_qos_classes(config.qos_classes)
         self.detok = Detokenizer(self.tokenizer)
+        max_blocks = config.session_max_blocks if config.session_max_blocks is not None else num_blocks // 2
+        self.sessions = SessionManager(self.pool, self.block_size,
+                                       SessionLimits(config.session_ttl_s, max_blocks))
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._event_seq = 0
@@ -133,9 +137,16 @@ class Engine:
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                    tenant: str = "default", qos: str = "standard", cache_salt: str | None = None) -> Request:
-        """Queue a request. Raises ValueError for arguments a caller must fix."""
+                    tenant: str = "default", qos: str = "standard", cache_salt: str | None = None,
+                    session_id: str | None = None) -> Request:
+        """Queue a request. Raises ValueError for arguments a caller must fix.
+
+        ``session_id``: the request is a turn of that session of ``tenant``; when it ends, its
+        prompt + output blocks stay referenced for the next turn (see ``sessions.py``).
+        """
         sampling.validate()
+        if session_id is not None and (not isinstance(session_id, str) or not session_id):
+            raise ValueError(f"session_id must be a non-empty string, got {session_id!r}")
         if qos not in self.config.qos_classes:
             raise ValueError(f"unknown QoS class {qos!r}; known: {sorted(self.config.qos_classes)}")
         if request_id in self.requests:
@@ -154,12 +165,14 @@ class Engine:
         priority = spec.priority if self.config.scheduling == "priority" else 0
         req = Request(request_id, list(prompt_token_ids), sampling, tenant=tenant, qos=qos,
                       priority=priority, pinned=spec.pinned, cache_salt=cache_salt,
-                      arrival=time.monotonic(), arrival_seq=next(self._arrivals))
+                      session_id=session_id, arrival=time.monotonic(), arrival_seq=next(self._arrivals))
         problem = self._never_fits(req)
         if problem:
             raise ValueError(problem)
         self.requests[request_id] = req
         self.scheduler.add(req)
+        if session_id is not None:
+            self.sessions.begin(req)
         self.counters["prompt_tokens"] += len(prompt_token_ids)
         return req
 
@@ -217,6 +230,8 @@ class Engine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return False
+        if req.session_id is not None:
+            self.sessions.end_turn(req)
         self.scheduler.remove(req)
         self.detok.forget(request_id)
         req.status, req.finish_reason = Status.FINISHED, "abort"
@@ -229,9 +244,12 @@ class Engine:
     # ---- stepping -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample; return outputs of requests that advanced."""
+        self.sessions.expire()
         plan = self.scheduler.schedule()
         self._flush_transfers()
         if not plan.scheduled:
+            if self.scheduler.waiting and not self.scheduler.running:
+                self.sessions.release_oldest_idle()     # retention must never starve the engine
             return []
         with flush_denormals(self.device.type == "cpu"):
             tokens = self.runner.execute(plan.scheduled)
@@ -262,6 +280,8 @@ class Engine:
         new_text = self.detok.delta(req, final=reason is not None)
         if reason is not None:
             req.finish_reason, req.status = reason, Status.FINISHED
+            if req.session_id is not None:
+                self.sessions.end_turn(req)        # before its blocks are freed
             self.scheduler.remove(req)
             self.requests.pop(req.request_id, None)
             self.counters["finished"] += 1
@@ -282,6 +302,39 @@ class Engine:
         if n_out >= sp.max_tokens or req.num_tokens >= self.max_model_len:
             return "length"
         return None
+
+    # ---- sessions ---------------------------------------------------------------------------
+    def set_session_limits(self, tenant: str, ttl_s: float | None = None,
+                           max_blocks: int | None = None) -> None:
+        """Retention rules of ``tenant``'s sessions (None: the engine default for that field)."""
+        default = self.sessions.default
+        self.sessions.limits[tenant] = SessionLimits(default.ttl_s if ttl_s is None else ttl_s,
+                                                     default.max_blocks if max_blocks is None else max_blocks)
+
+    def end_session(self, tenant: str, session_id: str) -> int | None:
+        """End a session now: its blocks return to the LRU. Block references released, or
+        None when this engine holds no such session."""
+        return self.sessions.end(tenant, session_id)
+
+    def fork_session(self, tenant: str, source: str, target: str) -> int | None:
+        """Start session ``target`` of ``tenant`` from ``source``'s cached state (its blocks,
+        shared, no recompute). Blocks held, or None when ``source`` is not held here.
+        Raises ValueError when ``target`` already exists."""
+        return self.sessions.fork(tenant, source, target)
+
+    def flush_cache(self) -> dict[str, int]:
+        """Drop cached KV so the next identical request is computed again: every session
+        ends, every free cached device block and every unlocked host-tier entry loses its hash
+        (each a "removed" KV event, so the prefix directory forgets them). Blocks of running
+        requests and pinned prefixes stay. Returns counts by kind."""
+        sessions = self.sessions.end_all()
+        device = self.pool.evict_all_cached()
+        host = self.host.drop_all_cached() if self.host is not None else 0
+        return {"sessions": sessions, "device_blocks": device, "host_blocks": host}
+
+    def expire_sessions(self) -> int:
+        """Release idle sessions past their ttl now (``step`` does it too). Returns how many."""
+        return self.sessions.expire(force=True)
 
     # ---- pinned prefixes, events, stats --------------------------------------------------
     def pin_prefix(self, token_ids: list[int], qos: str, cache_salt: str | None = None) -> int:
@@ -349,7 +402,7 @@ class Engine:
 
     def check_integrity(self) -> None:
         """Assert the pool's invariants, and that each block's ref count equals its holders
-        (running requests' tables plus pinned prefixes), running <= max_num_seqs, and that
+        (running requests' tables, sessions, pinned prefixes), running <= max_num_seqs, and that
         every unfinished request is queued exactly once."""
         self.pool.check_integrity()
         if self.host is not None:
@@ -360,6 +413,9 @@ class Engine:
             for b in req.blocks:
                 if b is not null:
                     holders[b.block_id] = holders.get(b.block_id, 0) + 1
+        for b in self.sessions.held_blocks():
+            holders[b.block_id] = holders.get(b.block_id, 0) + 1
+        self.sessions.check_integrity()
         pins: dict[int, int] = {}
         for prefix in self.pinned_prefixes:
             for b in prefix:

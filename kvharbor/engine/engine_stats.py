@@ -69,6 +69,7 @@ def engine_stats(engine) -> dict:
         "kv_bytes_per_token": engine.runner.kv_bytes_per_token,
         "kv_cache_dtype": str(engine.runner.kv_cache_dtype).removeprefix("torch."),
         **_tier_stats(engine),
+        **engine.sessions.stats(),
         "device": str(engine.device),
         "memory_bytes": memory_breakdown(engine),
     }

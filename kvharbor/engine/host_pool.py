@@ -107,6 +107,17 @@ class HostKVPool:
     def num_used(self) -> int:
         return len(self.cached) + self.num_owned
 
+    def drop_all_cached(self) -> int:
+        """Forget every unlocked cached slot (a cache flush); each is a "removed" event.
+        Returns how many."""
+        dropped = [(h, s) for h, s in self.cached.items() if s not in self.locks]
+        for block_hash, slot in dropped:
+            del self.cached[block_hash]
+            del self.slot_hash[slot]
+            self.events.removed(block_hash)
+            self.free.append(slot)
+        return len(dropped)
+
     def drain_events(self) -> tuple[list[BlockHash], list[BlockHash]]:
         """Return and clear the (stored, removed) hashes of this tier since the last call."""
         return self.events.drain()

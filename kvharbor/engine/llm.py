@@ -43,8 +43,12 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  tenant: str = "default", qos: str = "standard",
-                 cache_salt: str | None = None) -> list[RequestOutput]:
-        """Run all prompts together (continuous batching); outputs in prompt order."""
+                 cache_salt: str | None = None, session_id: str | None = None) -> list[RequestOutput]:
+        """Run all prompts together (continuous batching); outputs in prompt order.
+
+        ``session_id``: the prompts are turns of that session of ``tenant``: after each, its
+        prompt + output KV blocks stay referenced for the next turn (``LLM.end_session``).
+        """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
@@ -56,7 +60,7 @@ class LLM:
         for prompt, sp in zip(prompts, params):
             rid = f"offline-{next(self._ids)}"
             self.engine.add_request(rid, self.encode(prompt), _copy(sp), tenant=tenant, qos=qos,
-                                    cache_salt=cache_salt)
+                                    cache_salt=cache_salt, session_id=session_id)
             ids.append(rid)
         final: dict[str, RequestOutput] = {}
         while len(final) < len(ids):
@@ -86,6 +90,18 @@ class LLM:
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+    def fork_session(self, source: str, target: str, tenant: str = "default") -> int:
+        """Start session ``target`` from ``source``'s cached blocks (no recompute). Returns the
+        blocks it holds; raises ValueError if ``source`` is unknown or ``target`` exists."""
+        held = self.engine.fork_session(tenant, source, target)
+        if held is None:
+            raise ValueError(f"no session {source!r} of tenant {tenant!r}")
+        return held
+
+    def end_session(self, session_id: str, tenant: str = "default") -> bool:
+        """End a session now (its blocks become evictable). False if it is unknown."""
+        return self.engine.end_session(tenant, session_id) is not None
 
     def check_integrity(self) -> None:
         self.engine.check_integrity()

@@ -79,6 +79,7 @@ class Request:
     priority: int = 0
     pinned: bool = False
     cache_salt: str | None = None
+    session_id: str | None = None        # the turn of this session (sessions.py); None: no session
     arrival: float = 0.0
     arrival_seq: int = 0
     all_token_ids: list[int] = field(default_factory=list)

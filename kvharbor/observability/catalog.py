@@ -8,7 +8,7 @@ and Tenants (one tenant's view: requests, tokens, hit rate, rate limits, TTFT).
 from __future__ import annotations
 
 from kvharbor.observability.panels import (
-    RATE, RQ, TQ, DashboardSpec, PanelSpec, Query, R, T, hit_rate_panel,
+    RATE, RQ, TQ, DashboardSpec, PanelSpec, Query, R, T, _sel, hit_rate_panel,
     latency_panel, quantile, rate_sum, ratio, series)
 
 
@@ -96,7 +96,28 @@ def _kv_cache() -> DashboardSpec:
     )
     return DashboardSpec("kvharbor-kv-cache", "kvharbor / KV cache",
                          "Paged KV cache: pinned and shared regions, prefix hits, pressure.",
-                         (("KV cache", panels),))
+                         (("KV cache", panels), ("Sessions", _session_panels())))
+
+
+def _session_panels() -> tuple:
+    """The Sessions row: sessions held, their blocks by tenant, expirations, session hits."""
+    rt = _sel('replica=~"$replica"', 'tenant=~"$tenant"')
+    return (
+        PanelSpec("Active sessions", "Sessions whose KV blocks a replica holds between turns.",
+                  "short", (Query(f"sum by (replica) ({series('kvharbor_sessions')}{R})",
+                                  "{{replica}}"),)),
+        PanelSpec("Session-held blocks by tenant", "KV block references held by each tenant's "
+                  "sessions (the per-tenant cap is session_max_blocks).", "short",
+                  (Query(f"sum by (tenant) ({series('kvharbor_session_blocks')}{rt})",
+                         "{{tenant}}"),), stacked=True),
+        PanelSpec("Session expirations", "Idle sessions released per second (session_ttl_s).",
+                  "short", (Query(rate_sum("kvharbor_session_expirations", "replica", R),
+                                  "{{replica}}"),), no_value="0"),
+        PanelSpec("Session hit tokens", "Prompt tokens per second that later turns of sessions "
+                  "found in the cache.", "short",
+                  (Query(rate_sum("kvharbor_session_hit_tokens", "replica", R),
+                         "{{replica}}"),), no_value="0"),
+    )
 
 
 def _routing() -> DashboardSpec:

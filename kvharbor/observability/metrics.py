@@ -124,6 +124,14 @@ METRICS: tuple[MetricSpec, ...] = (
                "KV blocks held (ref count > 0) by a tenant's requests on a replica."),
     MetricSpec("kvharbor_kv_evictions", "counter", ("replica",),
                "Cached KV blocks whose contents were evicted to make room."),
+    MetricSpec("kvharbor_sessions", "gauge", ("replica",),
+               "Sessions (X-Session-ID) whose KV blocks a replica holds between turns."),
+    MetricSpec("kvharbor_session_blocks", "gauge", ("replica", "tenant"),
+               "KV block references held by a tenant's sessions on a replica."),
+    MetricSpec("kvharbor_session_expirations", "counter", ("replica",),
+               "Idle sessions released because their session_ttl_s passed."),
+    MetricSpec("kvharbor_session_hit_tokens", "counter", ("replica",),
+               "Prompt tokens of session turns after the first that were prefix-cache hits."),
     MetricSpec("kvharbor_preemptions", "counter", ("replica", "qos"),
                "Running requests preempted (to be recomputed), by the preempted request's QoS."),
     MetricSpec("kvharbor_pinned_region_blocks", "gauge", ("replica", "kind"),
@@ -296,6 +304,18 @@ class KvharborMetrics:
     def evictions(self, replica: str, n: int) -> None:
         """Add ``n`` evicted cached blocks."""
         self._inc("kvharbor_kv_evictions", n, {"replica": replica})
+
+    def sessions(self, replica: str, active: int, blocks_by_tenant: dict[str, int],
+                 expired: int, hit_tokens: int) -> None:
+        """Sessions held now, their blocks by tenant (a tenant no longer listed is set to 0 by
+        the caller passing it with 0), and ``expired`` / ``hit_tokens`` added since the last call."""
+        self._set("kvharbor_sessions", active, {"replica": replica})
+        for tenant, n in blocks_by_tenant.items():
+            self._set("kvharbor_session_blocks", n, {"replica": replica, "tenant": tenant})
+        if expired:
+            self._inc("kvharbor_session_expirations", expired, {"replica": replica})
+        if hit_tokens:
+            self._inc("kvharbor_session_hit_tokens", hit_tokens, {"replica": replica})
 
     def preemptions(self, replica: str, qos: str, n: int = 1) -> None:
         """Add ``n`` preemptions of requests of class ``qos``."""

@@ -41,11 +41,15 @@ from kvharbor.platform.admission_flow import Admitter, unavailable
 from kvharbor.platform.auth_gate import AuthGateMiddleware, bearer_key
 from kvharbor.platform.body_limit import BodyLimitMiddleware
 from kvharbor.platform.class_queue import get_or_create_class_queue
+from kvharbor.platform.context_overflow import TRUNCATED_HEADER, truncate_oldest
 from kvharbor.platform.generation import GenerationRun, sse
 from kvharbor.platform.openai_protocol import (APIError, ChatRequest, ChatResponse,
                                                CompletionRequest, CompletionResponse, ModelCard,
                                                ModelList, error_response, error_responses)
 from kvharbor.platform.protocol import GenerateRequest
+from kvharbor.platform.sessions_api import (SESSION_HEADER, ForkRequest, check_session_id,
+                                            FlushRequest, end_session_everywhere,
+                                            flush_everywhere, fork_session_everywhere, session_header)
 from kvharbor.tenants import ActorAdmission, TenantError, TenantRegistry, get_or_create_admission_actor
 from kvharbor.tenants.admission_actor import CALL_TIMEOUT_S
 
@@ -270,16 +274,48 @@ class Gateway:
     async def completions(self, body: CompletionRequest, request: Request):
         arrived = time.perf_counter()
         principal = self._authenticate(request)
+        session_id = session_header(request.headers)
         self._check_model(principal, body.model)
-        return await self._serve(principal, body, lambda: self._prompt_ids(body), False, arrived)
+        return await self._serve(principal, body, lambda: self._prompt_ids(body), False, arrived,
+                                 session_id=session_id)
 
     @api.post("/v1/chat/completions", response_model=ChatResponse,
               responses={200: {"content": SSE}, **GENERATE_ERRORS})
     async def chat_completions(self, body: ChatRequest, request: Request):
         arrived = time.perf_counter()
         principal = self._authenticate(request)
+        session_id = session_header(request.headers)
         self._check_model(principal, body.model)
-        return await self._serve(principal, body, lambda: self._chat_ids(body), True, arrived)
+        truncated: dict = {}
+
+        def tokenize() -> list[int]:
+            fitted = self._fit_chat(body, principal)
+            truncated["tokens"] = fitted.dropped_tokens
+            return fitted.token_ids
+
+        return await self._serve(principal, body, tokenize, True, arrived, session_id=session_id,
+                                 truncated=truncated)
+
+    @api.delete("/v1/sessions/{session_id}", responses=error_responses(400, 401, 404, 503))
+    async def delete_session(self, session_id: str, request: Request) -> dict:
+        """End one of the caller's sessions now: its KV blocks return to the LRU."""
+        principal = self._authenticate(request)
+        check_session_id(session_id, "session_id")
+        released = await end_session_everywhere(self.llm, principal.tenant, session_id)
+        if released is None:
+            raise APIError(404, f"no session {session_id!r} of this tenant is held (never used, "
+                           "already ended or expired)", "session_not_found", "session_id")
+        return {"id": session_id, "object": "session.deleted", "deleted": True,
+                "blocks_released": released}
+
+    @api.post("/v1/sessions/{session_id}/fork", responses=error_responses(400, 401, 404, 409, 503))
+    async def fork_session(self, session_id: str, body: ForkRequest, request: Request) -> dict:
+        """Start a new session from this one's cached state (its KV blocks, shared; no recompute)."""
+        principal = self._authenticate(request)
+        check_session_id(session_id, "session_id")
+        target = check_session_id(body.session_id, "session_id")
+        blocks = await fork_session_everywhere(self.llm, principal.tenant, session_id, target)
+        return {"id": target, "object": "session", "forked_from": session_id, "blocks": blocks}
 
     def _prompt_ids(self, body: CompletionRequest) -> list[int]:
         if isinstance(body.prompt, str):
@@ -289,10 +325,17 @@ class Gateway:
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
         return list(body.prompt)
 
-    def _chat_ids(self, body: ChatRequest) -> list[int]:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    def _render(self, messages: list[dict]) -> list[int]:
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def _fit_chat(self, body: ChatRequest, principal):
+        """The chat's prompt, with the oldest turns dropped when the tenant's
+        ``context_overflow`` is ``truncate_oldest`` and it would not fit (``context_overflow``)."""
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        want = body.max_tokens or min(256, principal.limits.max_tokens_per_request or 256)
+        limit = self.context - want if principal.config.context_overflow == "truncate_oldest" else 10**12
+        return truncate_oldest(messages, self._render, limit)
 
     @api.get("/admin/tenants", responses=error_responses(401))
     async def admin_tenants(self, request: Request) -> dict:
@@ -321,8 +364,20 @@ class Gateway:
         return {**self.registry.status(), "demo_keys_active": self.registry.active_demo_keys(),
                 "in_flight_by_qos": in_flight}
 
+    @api.post("/admin/cache/flush", responses=error_responses(400, 401, 403, 503))
+    async def admin_cache_flush(self, request: Request, body: FlushRequest | None = None) -> dict:
+        """Drop cached KV on every replica, its host tier and (through KV events) the prefix
+        directory; sessions end. The next identical request is computed again."""
+        self._start_watcher()
+        key = _bearer(request)
+        if not self.registry.is_admin(key):
+            self.registry.authenticate(key)          # 401 for bad keys first
+            raise APIError(403, "this route needs an admin key", "permission_denied")
+        return {"object": "cache.flush", **await flush_everywhere(self.llm)}
+
     # ---- generation ----------------------------------------------------------------------
-    async def _serve(self, principal, body, tokenize, chat: bool, arrived: float):
+    async def _serve(self, principal, body, tokenize, chat: bool, arrived: float,
+                     session_id: str | None = None, truncated: dict | None = None):
         """Queue place (before tokenizing), prompt ids, tenant limits, then the generation."""
         tenant, qos = principal.tenant, principal.qos_name
         marks = {"arrived": arrived}
@@ -346,12 +401,22 @@ class Gateway:
         siblings = [GenerateRequest(
             request_id=rid if i == 0 else f"{rid}-{i}", tenant=tenant, qos=qos, prompt_token_ids=ids,
             block_hashes=hashes, sampling={**sampling, "seed": _sibling_seed(body.seed, i)},
-            cache_salt=principal.cache_salt, priority=principal.qos.priority, pinned=principal.qos.pinned)
+            cache_salt=principal.cache_salt, priority=principal.qos.priority, pinned=principal.qos.pinned,
+            session_id=session_id if i == 0 else None)
             for i in range(body.n)]
         run = GenerationRun(self, siblings, principal, ticket, chat, body.model, logprobs, marks)
+        headers = {SESSION_HEADER: session_id} if session_id else {}
+        dropped = (truncated or {}).get("tokens", 0)
+        if dropped:
+            headers[TRUNCATED_HEADER] = str(dropped)
         if body.stream:
-            return RunStream(run, sse(run.stream_chunks(body.include_usage())))
-        return JSONResponse(await run.complete())
+            response = RunStream(run, sse(run.stream_chunks(body.include_usage())))
+            response.headers.update(headers)
+            return response
+        answer = await run.complete()
+        if dropped:
+            answer.setdefault("kvharbor", {})["truncated_prompt_tokens"] = dropped
+        return JSONResponse(answer, headers=headers or None)
 
     def _max_tokens(self, body, ids: list[int], chat: bool, principal) -> int:
         room = self.context - len(ids)

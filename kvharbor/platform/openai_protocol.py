@@ -339,7 +339,8 @@ class APIError(Exception):
 
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+          404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error",
+          413: "request_too_large",
           429: "rate_limit_error", 503: "service_unavailable", 500: "server_error"}
 
 
@@ -356,7 +357,8 @@ def error_response(status: int, message: str, code: str | None = None, param: st
 
 _ERROR_WHY = {400: "Invalid request (the message names the field to fix).",
               401: "Missing, unknown, expired or revoked API key.",
-              403: "The key may not do this.", 404: "Unknown model.",
+              403: "The key may not do this.", 404: "Unknown model or session.",
+              409: "Conflict: the target already exists (e.g. a session id in use).",
               413: "Request body too large.",
               429: "Rate limit, budget, concurrency or class queue full (see Retry-After).",
               500: "Internal error.", 503: "No replica could serve it (see Retry-After)."}

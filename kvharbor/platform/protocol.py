@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 from kvharbor.engine.hashing import BlockHash
@@ -26,7 +27,15 @@ class GenerateRequest:
     priority: int = 0                   # higher is more important
     pinned: bool = False                # QoS class reserves pinned KV blocks
     deadline_s: float | None = None     # absolute time.time() after which to give up
+    session_id: str | None = None       # X-Session-ID: a turn of this session of ``tenant``
     metadata: dict = field(default_factory=dict)
+
+
+def session_key(tenant: str, session_id: str) -> str:
+    """Compact, tenant-scoped id of a session (16 hex chars) that replicas report and the
+    router matches: the same session id of two tenants gives two keys."""
+    digest = hashlib.blake2b(f"{tenant}\x00{session_id}".encode(), digest_size=8)
+    return digest.hexdigest()
 
 
 @dataclass(slots=True)
@@ -41,6 +50,7 @@ class RoutingStats:
     num_running: int
     num_waiting: int
     queue_by_priority: dict[int, int]   # running + waiting requests by priority
+    sessions: list[str] = field(default_factory=list)   # ``session_key``s held here (newest last)
 
     def as_dict(self) -> dict:
         return {name: getattr(self, name) for name in self.__slots__}

@@ -21,6 +21,12 @@ log in a background task. One routing attempt (``choose_replicas``) makes no rem
     KVAwarePolicy.rank ──▶ [[best], [second], [all the rest]]
                             (Serve tries each rank in turn; a full replica is skipped)
 
+Session affinity: a request with ``session_id`` prefers the replica that holds the session:
+the one this router last sent the session to (``_sessions``, fresh) if still a candidate,
+else one whose routing stats list the session's key (reported by replicas, so turns routed
+by another gateway's router are found too). The policy keeps the load guard; when no live
+replica holds the session, the prefix index decides as for any request.
+
 Degrading: no hashes -> power of two; event stream not started or stale -> approximate
 mode (this router's own routing history, like SGLang's router); no history either ->
 power of two. Replicas named in ``metadata["exclude_replicas"]`` (the gateway's retry after
@@ -36,6 +42,7 @@ replica can compare predicted and observed prefix hits:
                                     GIL or the OS scheduler on a busy machine)
     router_predicted_cached_tokens  cached tokens predicted on the top-ranked replica
     router_predicted_by_replica     {replica unique_id: predicted cached tokens} (hits only)
+    router_session_affinity         True when the top choice was the replica holding the session
     routed_to                       unique id of the replica that accepted the request
                                     (set after the send, in the caller's process)
 """
@@ -57,13 +64,14 @@ from kvharbor.actors.prefix_directory import DEFAULT_DIRECTORY_NAME, DEFAULT_MAX
 from kvharbor.observability.metrics import get_metrics
 from kvharbor.platform.active_blocks import ActiveBlocks, RoutingHistory, with_active
 from kvharbor.platform.index_follower import ActorShard, IndexFollower
-from kvharbor.platform.protocol import GenerateRequest
+from kvharbor.platform.protocol import GenerateRequest, session_key
 from kvharbor.platform.routing_policy import (Candidate, KVAwarePolicy, PowerOfTwoPolicy,
                                               RouteRequest, RoutingPolicy)
 
 logger = logging.getLogger(__name__)
 
 POLICY_LABEL = {"kv_index": "kv_aware", "approx": "approx", "pow2": "pow2_fallback"}
+MAX_SESSIONS = 65536              # sessions this router remembers the replica of (LRU)
 
 
 def pinned_replica(pending_request: PendingRequest | None,
@@ -145,6 +153,8 @@ class KVAwareRouter(RequestRouter):
         self.follower = IndexFollower(self.shards, max_index_blocks, poll_interval_s,
                                       stale_after_s, on_stored=self._confirmed,
                                       on_resync=self.metrics.directory_resync)
+        self._sessions: OrderedDict[str, str] = OrderedDict()    # session key -> replica
+        self._stats_sessions: dict[str, tuple[list, frozenset]] = {}   # replica -> (list, keys)
         self.policy: RoutingPolicy = KVAwarePolicy(**(policy or {}))
         self.fallback = PowerOfTwoPolicy(random.Random())
         self.num_single_ranks = num_single_ranks
@@ -177,6 +187,12 @@ class KVAwareRouter(RequestRouter):
             self.active.discard(guess[0], guess[1])
             self.active.add(uid, guess[1])
         self.history.record(uid, request.block_hashes)
+        if request.session_id:
+            key = session_key(request.tenant, request.session_id)
+            self._sessions[key] = uid
+            self._sessions.move_to_end(key)
+            while len(self._sessions) > MAX_SESSIONS:
+                self._sessions.popitem(last=False)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
@@ -194,9 +210,10 @@ class KVAwareRouter(RequestRouter):
         request = generate_request_of(pending_request)
         candidate_replicas = _without_excluded(request, candidate_replicas)
         mode, reason, matches = self._matches(request)
-        candidates = [self._candidate(r, matches, request) for r in candidate_replicas]
+        holder = self._session_holder(request, candidate_replicas)
+        candidates = [self._candidate(r, matches, request, holder) for r in candidate_replicas]
         route = self._route_request(request, candidates)
-        if mode != "pow2":
+        if mode != "pow2" or holder is not None:
             ranked = self.policy.rank(route, candidates)
             ranks = self._kv_ranks(ranked, candidate_replicas)
         else:
@@ -221,13 +238,37 @@ class KVAwareRouter(RequestRouter):
         return "approx", reason, self.history.index.match(request.block_hashes, touch=False)
 
     def _candidate(self, replica: RunningReplica, matches: dict,
-                   request: GenerateRequest | None) -> Candidate:
+                   request: GenerateRequest | None, holder: str | None = None) -> Candidate:
         uid = replica.replica_id.unique_id
         match = matches.get(uid)
         if request is not None and request.block_hashes:
             match = with_active(match, self.active, uid, request.block_hashes)
         return Candidate(uid, match, replica.routing_stats or {}, self._in_flight(replica),
-                         self.active.count(uid))
+                         self.active.count(uid), holds_session=uid == holder)
+
+    def _session_holder(self, request: GenerateRequest | None,
+                        replicas: list[RunningReplica]) -> str | None:
+        """The candidate holding ``request``'s session: this router's last choice for it if
+        still a candidate, else one whose reported stats list it; None if none does."""
+        if request is None or not request.session_id:
+            return None
+        key = session_key(request.tenant, request.session_id)
+        live = {r.replica_id.unique_id: r for r in replicas}
+        mine = self._sessions.get(key)
+        if mine in live:
+            return mine
+        for uid, replica in live.items():
+            if key in self._reported_sessions(uid, replica.routing_stats or {}):
+                return uid
+        return None
+
+    def _reported_sessions(self, uid: str, stats: dict) -> frozenset:
+        """The session keys in a replica's stats, as a set rebuilt only when the stats change."""
+        listed = stats.get("sessions") or []
+        cached = self._stats_sessions.get(uid)
+        if cached is None or cached[0] is not listed:
+            cached = self._stats_sessions[uid] = (listed, frozenset(listed))
+        return cached[1]
 
     def _note_active(self, pending_request: PendingRequest, request: GenerateRequest, ranked,
                      block_size: int, mode: str) -> None:
@@ -257,6 +298,7 @@ class KVAwareRouter(RequestRouter):
             await asyncio.sleep(self.follower.poll_interval_s)
 
     def _forget(self, uid: str) -> None:
+        self._stats_sessions.pop(uid, None)
         self.follower.forget_replica(uid)
         self.history.forget(uid)
         self.active.forget(uid)
@@ -288,8 +330,7 @@ class KVAwareRouter(RequestRouter):
         if request is None:
             return RouteRequest(prompt_tokens=0, block_size=block_size)
         return RouteRequest(len(request.prompt_token_ids), block_size, request.pinned,
-                            request.priority, request.qos,
-                            request.metadata.get("session_id"))
+                            request.priority, request.qos, request.session_id)
 
     def _kv_ranks(self, ranked, replicas: list[RunningReplica]) -> list[list[RunningReplica]]:
         ordered = self._by_ids(ranked, replicas)
@@ -313,6 +354,7 @@ class KVAwareRouter(RequestRouter):
         md["router_predicted_cached_tokens"] = ranked[0].predicted_cached_tokens if ranked else 0
         md["router_predicted_by_replica"] = {x.replica_id: x.predicted_cached_tokens
                                              for x in ranked if x.predicted_cached_tokens}
+        md["router_session_affinity"] = bool(ranked and ranked[0].session)
         md["router_decision_ms"] = (time.perf_counter() - start) * 1000.0
         md["router_decision_cpu_ms"] = (time.thread_time() - start_cpu) * 1000.0
 

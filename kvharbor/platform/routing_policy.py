@@ -16,6 +16,9 @@ same objects.
 and ranks replicas that are *overloaded* (in-flight above ``(1 + imbalance_tolerance)``
 times the mean and more than ``balance_slack`` above the least loaded) after all others,
 least loaded first: a hot prefix spills to other replicas instead of piling onto one.
+Session affinity: a request with a session id goes first to the replica holding that
+session (``Candidate.holds_session``) unless that replica is overloaded (the same guard);
+when no candidate holds it (the replica is gone), the score decides as for any request.
 Equal scores go to the less loaded replica, then to the one this policy ranked first least
 recently (so identical idle replicas take turns).
 """
@@ -40,7 +43,7 @@ class RouteRequest:
     pinned: bool = False
     priority: int = 0           # higher is more important
     qos: str | None = None
-    session_id: str | None = None   # hint for session affinity (a later issue); unused yet
+    session_id: str | None = None   # set: candidates holding this session rank first (affinity)
 
 
 @dataclass(slots=True, frozen=True)
@@ -59,6 +62,7 @@ class Candidate:
     stats: Mapping = field(default_factory=dict)
     in_flight: int | None = None
     active_blocks: int = 0
+    holds_session: bool = False     # the replica holds the request's session (its turns' KV)
 
 
 @dataclass(slots=True, frozen=True)
@@ -70,6 +74,7 @@ class Ranked:
     predicted_cached_tokens: int
     load: int
     overloaded: bool = False
+    session: bool = False           # ranked first for session affinity
 
 
 class RoutingPolicy(Protocol):
@@ -114,9 +119,10 @@ class KVAwarePolicy:
         ranked = []
         for c, load in zip(candidates, loads):
             over = load > mean * (1 + self.imbalance_tolerance) and load - low > self.balance_slack
+            affine = bool(request.session_id) and c.holds_session and not over
             ranked.append(Ranked(c.replica_id, self.score(request, c, load),
-                                 cached_tokens(request, c.match), load, over))
-        ranked.sort(key=lambda r: (r.overloaded, r.load if r.overloaded else -r.score,
+                                 cached_tokens(request, c.match), load, over, affine))
+        ranked.sort(key=lambda r: (r.overloaded, not r.session, r.load if r.overloaded else -r.score,
                                    r.load, self._first_at.get(r.replica_id, -1)))
         self._turn += 1
         self._first_at[ranked[0].replica_id] = self._turn

@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Annotated, Any, NewType
+from typing import Annotated, Any, Literal, NewType
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -59,6 +59,11 @@ class QoSClassConfig(_Strict):
                                                  "higher classes.")
     max_queue: int = Field(1000, ge=0, description="Most requests of this class that may wait "
                                                    "in one replica's queue.")
+    session_ttl_s: float | None = Field(None, gt=0, description="Seconds an idle session (X-Session-ID) "
+                                        "keeps its KV blocks referenced (None: the engine default, 300).")
+    session_max_blocks: int | None = Field(None, ge=0, description="Most KV blocks one tenant's idle "
+                                           "sessions may hold per replica, oldest released first "
+                                           "(None: the engine default, half the KV blocks).")
 
 
 class ApiKeyEntry(_Strict):
@@ -126,6 +131,19 @@ class TenantConfig(LimitsConfig):
                                        "prefilled once and kept in the pinned KV region.")
     pinned_kv_blocks: int = Field(0, ge=0, description="KV blocks reserved for this tenant in "
                                   "the pinned region (pinned QoS classes only).")
+    session_ttl_s: float | None = Field(None, gt=0, description="Idle session lifetime, seconds "
+                                        "(None: the QoS class's value).")
+    session_max_blocks: int | None = Field(None, ge=0, description="Cap on KV blocks held by this "
+                                           "tenant's idle sessions per replica (None: the class's value).")
+    context_overflow: Literal["error", "truncate_oldest"] = Field(
+        "error", description="A chat longer than the context: 'error' (400) or 'truncate_oldest' "
+        "(drop the oldest turns, keep the system prompt; the reply says how many tokens were dropped).")
+
+    def session_limits(self, qos: QoSClassConfig) -> tuple[float | None, int | None]:
+        """(ttl_s, max_blocks) for this tenant's sessions: its own value, else its class's."""
+        ttl = self.session_ttl_s if self.session_ttl_s is not None else qos.session_ttl_s
+        cap = self.session_max_blocks if self.session_max_blocks is not None else qos.session_max_blocks
+        return ttl, cap
 
     @field_validator("cache_scope")
     @classmethod

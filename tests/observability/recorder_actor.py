@@ -52,6 +52,7 @@ class Recorder:
         m.memory_bytes(replica, {"device": {"kv_cache": 4096 * scale, "model_weights": 8192},
                                  "host": {"kv_cache": 2048 * scale, "model_weights": 0}})
         m.evictions(replica, 3 * scale)
+        m.sessions(replica, 2 * scale, {tenant: 5 * scale}, expired=scale, hit_tokens=40 * scale)
         m.replica_up(replica)
         m.router_decision(0.0002 * scale)
         m.router_prefix_tokens(replica, predicted=48 * scale, observed=32 * scale)

@@ -118,3 +118,31 @@ def test_counters_skip_zero_and_negative_increments():
     assert rec._m["kvharbor_cached_prompt_tokens"].calls == []
     assert rec._m["kvharbor_generated_tokens"].calls == []
     assert rec._m["kvharbor_kv_evictions"].calls == []
+
+
+def test_replica_records_sessions_blocks_by_tenant_expirations_and_hits():
+    from types import SimpleNamespace
+
+    from kvharbor import LLM, SamplingParams
+    from kvharbor.actors.replica import LLMReplica
+
+    llm = LLM(device="cpu", num_kv_blocks=64, session_ttl_s=10.0)
+    now = [100.0]
+    llm.engine.sessions.clock = lambda: now[0]
+    rec = _recorder_with_fakes()
+    replica = SimpleNamespace(engine=llm.engine, replica_id="r1", _reported={}, metrics=rec)
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    first = llm.generate([list(range(40))], sp, tenant="acme", session_id="s")[0]
+    llm.generate([list(range(40)) + first.token_ids + [7] * 8], sp, tenant="acme", session_id="s")
+    LLMReplica._record_session_metrics(replica)
+    held = llm.stats()["session_blocks_held"]
+    assert rec._m["kvharbor_sessions"].calls[-1] == (1, {"replica": "r1"})
+    assert rec._m["kvharbor_session_blocks"].calls[-1] == (held, {"replica": "r1", "tenant": "acme"}) and held > 0
+    assert rec._m["kvharbor_session_hit_tokens"].calls == [(32, {"replica": "r1"})]
+    now[0] += 11.0
+    llm.engine.expire_sessions()
+    LLMReplica._record_session_metrics(replica)
+    assert rec._m["kvharbor_sessions"].calls[-1] == (0, {"replica": "r1"})
+    assert rec._m["kvharbor_session_blocks"].calls[-1] == (0, {"replica": "r1", "tenant": "acme"})
+    assert rec._m["kvharbor_session_expirations"].calls == [(1, {"replica": "r1"})]
+    assert len(rec._m["kvharbor_session_hit_tokens"].calls) == 1      # no new hits: no increment

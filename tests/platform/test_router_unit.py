@@ -66,9 +66,9 @@ def make_router(shard: FakeShard | None = None, synced: bool = True, **kwargs) -
 
 
 def pending(hashes=HASHES, as_kwarg: bool = False, rid: str = "r1", **fields) -> PendingRequest:
-    req = GenerateRequest(request_id=rid, tenant="acme", qos="standard",
-                          prompt_token_ids=PROMPT, block_hashes=list(hashes), sampling={},
-                          **fields)
+    fields = {"tenant": "acme", "qos": "standard", **fields}
+    req = GenerateRequest(request_id=rid, prompt_token_ids=PROMPT, block_hashes=list(hashes),
+                          sampling={}, **fields)
     args, kwargs = ([], {"request": req}) if as_kwarg else ([req], {})
     return PendingRequest(args=args, kwargs=kwargs,
                           metadata=RequestMetadata(request_id=rid, internal_request_id="i-" + rid))
