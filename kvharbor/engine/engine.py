@@ -19,6 +19,8 @@ from .host_pool import HostKVPool
 from .kv_cache_manager import KVCacheManager
 from .kv_transfer import KVTransfer
 from .model_runner import ModelRunner, ScheduledRequest, kv_bytes_per_token
+from .hashing import model_root
+from .model_identity import model_identity
 from .models import load_model, uniform_sliding_window
 from .preemption import PreemptionPolicy
 from .request import Request, RequestOutput, SamplingParams, Status
@@ -81,6 +83,8 @@ class Engine:
         self.dtype = _resolve_dtype(config.dtype, self.device)
         loaded = load_model(config.model, self.dtype, self.device, config.seed)
         self.model_name, self.model, self.tokenizer = loaded.name, loaded.model, loaded.tokenizer
+        self.model_identity = model_identity(config.model, config.seed)   # once, at load
+        self.hash_root = model_root(self.model_identity)                  # every chain starts here
         self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
         self.block_size = config.block_size
         num_blocks = config.num_kv_blocks or self._default_num_blocks()
@@ -165,7 +169,8 @@ class Engine:
         priority = spec.priority if self.config.scheduling == "priority" else 0
         req = Request(request_id, list(prompt_token_ids), sampling, tenant=tenant, qos=qos,
                       priority=priority, pinned=spec.pinned, cache_salt=cache_salt,
-                      session_id=session_id, arrival=time.monotonic(), arrival_seq=next(self._arrivals))
+                      hash_root=self.hash_root, session_id=session_id,
+                      arrival=time.monotonic(), arrival_seq=next(self._arrivals))
         problem = self._never_fits(req)
         if problem:
             raise ValueError(problem)
@@ -345,7 +350,7 @@ class Engine:
         """
         spec = self.config.qos_classes[qos]
         req = Request(f"pin-{next(self._arrivals)}", list(token_ids), SamplingParams(max_tokens=1),
-                      qos=qos, pinned=spec.pinned, cache_salt=cache_salt)
+                      qos=qos, pinned=spec.pinned, cache_salt=cache_salt, hash_root=self.hash_root)
         hit = self.kv.get_computed_blocks(req)
         if not self.kv.can_allocate(req, req.num_tokens - hit.num_tokens, hit):
             raise RuntimeError(f"no room to pin a {req.num_tokens}-token prefix; raise pinned_kv_blocks")

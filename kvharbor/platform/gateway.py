@@ -34,7 +34,8 @@ from ray import serve
 from ray.exceptions import RayActorError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvharbor.engine.hashing import hash_prompt_blocks
+from kvharbor.engine.hashing import hash_prompt_blocks, model_root
+from kvharbor.engine.model_identity import model_identity
 from kvharbor.engine.models import load_tokenizer, model_context_length
 from kvharbor.observability.metrics import get_metrics
 from kvharbor.platform.admission_flow import Admitter, unavailable
@@ -207,6 +208,9 @@ class Gateway:
         self.tokenizer = load_tokenizer(self.model)
         self.context = min(config.get("max_model_len") or 10**9, model_context_length(self.model))
         self.block_size = config["block_size"]
+        # The replicas' chain root, computed the same way from the model's files (no weights
+        # loaded), so the routing hashes here equal the hashes replicas report.
+        self.hash_root = model_root(model_identity(self.model, config.get("seed", 0)))
         self.max_body_bytes = config["max_body_bytes"]
         api.state.max_body_bytes = self.max_body_bytes          # read by BodyLimitMiddleware
         api.state.authenticate = self._gate                     # read by AuthGateMiddleware
@@ -397,7 +401,7 @@ class Gateway:
         sampling = {"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
                     "top_k": body.top_k, "seed": body.seed, "stop": body.stop_list(),
                     "ignore_eos": body.ignore_eos, "logprobs": logprobs}
-        hashes = hash_prompt_blocks(ids, self.block_size, principal.cache_salt)
+        hashes = hash_prompt_blocks(ids, self.block_size, principal.cache_salt, parent=self.hash_root)
         siblings = [GenerateRequest(
             request_id=rid if i == 0 else f"{rid}-{i}", tenant=tenant, qos=qos, prompt_token_ids=ids,
             block_hashes=hashes, sampling={**sampling, "seed": _sibling_seed(body.seed, i)},

@@ -6,9 +6,11 @@ import uuid
 
 import pytest
 
-from kvharbor.engine.hashing import hash_prompt_blocks
+from kvharbor.engine.hashing import hash_prompt_blocks, model_root
+from kvharbor.engine.model_identity import model_identity
 from tests.conftest import DEMO, TEST_KEYS
 
+ROOT = model_root(model_identity("kvharbor/tiny-llama"))   # the test app's model
 SYSTEM = {"role": "system", "content": "You are terse."}
 
 
@@ -116,7 +118,7 @@ def test_admin_flush_makes_the_next_identical_request_cold_everywhere(kvharbor_a
         assert r.status_code == 200, r.text
         assert r.json()["replicas"] == 2 and r.json()["device_blocks"] >= 6
         assert admin.post("/admin/cache/flush", json={"tenant": "acme"}).status_code == 400
-    hashes = set(hash_prompt_blocks(body["prompt"], 16, "group:partners"))    # globex's scope
+    hashes = set(hash_prompt_blocks(body["prompt"], 16, "group:partners", parent=ROOT))    # globex's scope
     for info in kvharbor_app.replica_call("check_integrity").values():   # asserts invariants too
         assert not hashes & set(info["cached"])
     with kvharbor_app.client(DEMO["standard"]) as c:
