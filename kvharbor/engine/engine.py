@@ -19,6 +19,7 @@ from .host_pool import HostKVPool
 from .kv_cache_manager import KVCacheManager
 from .kv_transfer import KVTransfer
 from .model_runner import ModelRunner, ScheduledRequest, kv_bytes_per_token
+from .eviction import make_eviction_policy
 from .hashing import model_root
 from .model_identity import model_identity
 from .models import load_model, uniform_sliding_window
@@ -88,7 +89,7 @@ class Engine:
         self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
         self.block_size = config.block_size
         num_blocks = config.num_kv_blocks or self._default_num_blocks()
-        self.pool = BlockPool(num_blocks, config.pinned_kv_blocks)
+        self.pool = BlockPool(num_blocks, config.pinned_kv_blocks, make_eviction_policy(config.eviction_policy))
         self.runner = ModelRunner(self.model, num_blocks, self.block_size, self.device, self.dtype,
                                   config.attention_backend, config.kv_cache_dtype, config.model_path)
         self.host, self.transfer = self._make_host_tier()
