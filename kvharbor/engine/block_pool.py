@@ -244,12 +244,13 @@ class BlockPool:
         if block.prev is not None:                      # still linked: its rank changed
             self.policy.on_free(block, self.free[block.region])
 
-    def evict_all_cached(self) -> int:
-        """Drop every free cached block's hash (a cache reset). Returns how many."""
+    def evict_all_cached(self, match: Callable[[BlockHash], bool] | None = None) -> int:
+        """Drop every free cached block's hash (a cache reset), or only those ``match``
+        accepts. Returns how many."""
         n = 0
         for queue in self.free.values():
             for block in queue:
-                if block.block_hash is not None:
+                if block.block_hash is not None and (match is None or match(block.block_hash)):
                     self._evict(block)
                     n += 1
         return n

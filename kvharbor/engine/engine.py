@@ -328,14 +328,21 @@ class Engine:
         Raises ValueError when ``target`` already exists."""
         return self.sessions.fork(tenant, source, target)
 
-    def flush_cache(self) -> dict[str, int]:
+    def flush_cache(self, salts=None, tenants=None) -> dict[str, int]:
         """Drop cached KV so the next identical request is computed again: every session
         ends, every free cached device block and every unlocked host-tier entry loses its hash
         (each a "removed" KV event, so the prefix directory forgets them). Blocks of running
-        requests and pinned prefixes stay. Returns counts by kind."""
-        sessions = self.sessions.end_all()
-        device = self.pool.evict_all_cached()
-        host = self.host.drop_all_cached() if self.host is not None else 0
+        requests and pinned prefixes stay. Returns counts by kind.
+
+        ``salts`` (a collection of cache salts; None in it is the public scope): drop only
+        blocks cached under those scopes, and end only the sessions of ``tenants``.
+        """
+        if salts is None:
+            sessions, match = self.sessions.end_all(), None
+        else:
+            sessions, match = self.sessions.end_all(set(tenants or ())), self.kv.in_scopes(set(salts))
+        device = self.pool.evict_all_cached(match)
+        host = self.host.drop_all_cached(match) if self.host is not None else 0
         return {"sessions": sessions, "device_blocks": device, "host_blocks": host}
 
     def expire_sessions(self) -> int:

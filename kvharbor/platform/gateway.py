@@ -50,7 +50,7 @@ from kvharbor.platform.openai_protocol import (APIError, ChatRequest, ChatRespon
 from kvharbor.platform.protocol import GenerateRequest
 from kvharbor.platform.sessions_api import (SESSION_HEADER, ForkRequest, check_session_id,
                                             FlushRequest, end_session_everywhere,
-                                            flush_everywhere, fork_session_everywhere, session_header)
+                                            flush_everywhere, flush_filter, fork_session_everywhere, session_header)
 from kvharbor.tenants import ActorAdmission, TenantError, TenantRegistry, get_or_create_admission_actor
 from kvharbor.tenants.admission_actor import CALL_TIMEOUT_S
 
@@ -368,7 +368,7 @@ class Gateway:
         return {**self.registry.status(), "demo_keys_active": self.registry.active_demo_keys(),
                 "in_flight_by_qos": in_flight}
 
-    @api.post("/admin/cache/flush", responses=error_responses(400, 401, 403, 503))
+    @api.post("/admin/cache/flush", responses=error_responses(400, 401, 403, 404, 503))
     async def admin_cache_flush(self, request: Request, body: FlushRequest | None = None) -> dict:
         """Drop cached KV on every replica, its host tier and (through KV events) the prefix
         directory; sessions end. The next identical request is computed again."""
@@ -377,7 +377,8 @@ class Gateway:
         if not self.registry.is_admin(key):
             self.registry.authenticate(key)          # 401 for bad keys first
             raise APIError(403, "this route needs an admin key", "permission_denied")
-        return {"object": "cache.flush", **await flush_everywhere(self.llm)}
+        filt, salts, tenants = flush_filter(self.registry, body)
+        return {"object": "cache.flush", **filt, **await flush_everywhere(self.llm, salts, tenants)}
 
     # ---- generation ----------------------------------------------------------------------
     async def _serve(self, principal, body, tokenize, chat: bool, arrived: float,
