@@ -33,10 +33,13 @@ LIMITED = 'sum(ray_kvharbor_rate_limited_total{tenant="limited"})'
 
 
 def _one_request(client, model: str, key: str, index: int) -> tuple[int, str]:
-    """(HTTP status, start of the body) of one completion; even indices stream."""
+    """(HTTP status, start of the body) of one completion; even indices stream, every third
+    belongs to a session (so the session panels have series of these tenants)."""
     body = {"model": model, "prompt": f"{PREFIX} Question {index % 4}: what is {index}?",
             "max_tokens": 8, "temperature": 0.0, "stream": index % 2 == 0}
     headers = {"Authorization": f"Bearer {key}"}
+    if index % 3 == 0:
+        headers["X-Session-ID"] = f"e2e-{index}"
     if body["stream"]:
         with client.stream("POST", "/v1/completions", json=body, headers=headers) as resp:
             text = "".join(resp.iter_lines())
