@@ -45,6 +45,7 @@ from kvharbor.platform.protocol import GenerateRequest, RoutingStats, session_ke
 logger = logging.getLogger("kvharbor.replica")
 
 STATS_PERIOD_S = 1.0
+ORPHAN_CHECK_S = 2.0              # how often the callers of live streams are checked for life
 MAX_REPORTED_SESSIONS = 4096      # session keys in routing stats (most recently used)
 
 
@@ -88,6 +89,7 @@ class LLMReplica:
         self._loop_task: asyncio.Task | None = None
         self._bg_task: asyncio.Task | None = None
         self._failed: BaseException | None = None
+        self._orphans_checked = 0.0
         self.metrics = get_metrics()
         self._reported: dict = {"evictions": 0}      # counters already exported
 
@@ -359,8 +361,31 @@ class LLMReplica:
                     self._record_metrics()
                 if self.directory is not None:       # awaited off the engine lock
                     await self.directory.settle(resync)
+                await self._abort_orphans()
             except Exception:  # noqa: BLE001 - keep serving; the error is logged
                 logger.exception("replica background task failed")
+
+    async def _abort_orphans(self) -> int:
+        """Abort the streams whose caller (the gateway actor reading them) has died.
+
+        Ray does not reliably cancel an actor's streaming call when the caller is killed, and
+        such a stream would otherwise generate to nobody until ``max_tokens``, holding its
+        blocks and a place in every step. Checked every ``ORPHAN_CHECK_S``, off the engine lock.
+        Returns how many streams were aborted.
+        """
+        now = time.monotonic()
+        if now - self._orphans_checked < ORPHAN_CHECK_S:
+            return 0
+        self._orphans_checked = now
+        callers = {m.caller for m in self._meta.values() if m.caller is not None}
+        dead = [c for c in callers if not await asyncio.to_thread(_actor_alive, *c)]
+        if not dead:
+            return 0
+        orphans = [rid for rid, m in list(self._meta.items()) if m.caller in dead]
+        for rid in orphans:
+            await self.abort(rid)
+        logger.warning("aborted %d streams whose caller died: %s", len(orphans), dead)
+        return len(orphans)
 
     def _record_metrics(self) -> None:
         m, e, rid = self.metrics, self.engine, self.replica_id
@@ -408,3 +433,16 @@ class LLMReplica:
         hits = sessions.hit_tokens - self._reported.get("session_hits", 0)
         self.metrics.sessions(rid, len(sessions.sessions), blocks, expired, hits)
         self._reported["session_expired"], self._reported["session_hits"] = sessions.expirations, sessions.hit_tokens
+
+
+def _actor_alive(namespace: str, name: str) -> bool:
+    """False only when no live actor has this name (a dead actor's name is freed)."""
+    import ray  # noqa: PLC0415
+
+    try:
+        ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return False
+    except Exception:  # noqa: BLE001 - GCS unreachable: assume alive, check again later
+        return True
+    return True

@@ -194,6 +194,27 @@ def _sibling_seed(seed: int | None, index: int) -> int | None:
     return (seed + index + 2**63) % 2**64 - 2**63
 
 
+def _own_actor_name() -> tuple[str, str] | None:
+    """(namespace, name) of this Serve replica's actor (replicas are named actors in Serve's
+    namespace, not the job's); None outside Serve (unit tests)."""
+    try:
+        import ray  # noqa: PLC0415
+
+        serve.get_replica_context()
+        name = ray.get_runtime_context().get_actor_name()
+    except Exception:  # noqa: BLE001 - not in a Serve replica
+        return None
+    return (_serve_namespace(), name) if name else None
+
+
+def _serve_namespace() -> str:
+    try:
+        from ray.serve._private.constants import SERVE_NAMESPACE  # noqa: PLC0415
+    except ImportError:                   # moved in another Ray version: its long-standing value
+        return "serve"
+    return SERVE_NAMESPACE
+
+
 # Defined above the class: serve.ingress copies the methods with the globals of this moment.
 @serve.ingress(api)
 class Gateway:
@@ -215,6 +236,7 @@ class Gateway:
         self.class_queue = get_or_create_class_queue()
         self.admitter = Admitter(self.admission, self.class_queue, self.registry, self.metrics)
         self._watcher: asyncio.Task | None = None
+        self.caller = _own_actor_name()       # replicas abort our streams if this actor dies
         demo = self.registry.active_demo_keys()
         if demo:
             logger.warning("demo API keys are active for %s; revoke them in %s before exposing "
@@ -402,7 +424,7 @@ class Gateway:
             request_id=rid if i == 0 else f"{rid}-{i}", tenant=tenant, qos=qos, prompt_token_ids=ids,
             block_hashes=hashes, sampling={**sampling, "seed": _sibling_seed(body.seed, i)},
             cache_salt=principal.cache_salt, priority=principal.qos.priority, pinned=principal.qos.pinned,
-            session_id=session_id if i == 0 else None)
+            session_id=session_id if i == 0 else None, caller=self.caller)
             for i in range(body.n)]
         run = GenerationRun(self, siblings, principal, ticket, chat, body.model, logprobs, marks)
         headers = {SESSION_HEADER: session_id} if session_id else {}

@@ -82,3 +82,50 @@ def test_pinned_region_and_step_trims_are_exported():
     assert recorded["pinned_region"] == [(rid, {"size": 8, "target": 8, "floor": 8, "ceiling": 32,
                                                 "demand_peak": 0})]
     assert recorded["step_budget_trims"] == [(rid, 5)]
+
+
+def test_streams_of_a_dead_caller_are_aborted_and_others_keep_running(monkeypatch):
+    """A gateway killed mid-stream: the replica ends its streams (blocks freed), not others'."""
+    import kvharbor.actors.replica as replica_module
+
+    replica = LLMReplica({"device": "cpu", "num_kv_blocks": 64})
+    monkeypatch.setattr(replica_module, "_actor_alive", lambda namespace, name: name != "dead-gw")
+    orphan, kept = _req("orphan", 10, max_tokens=400), _req("kept", 10, max_tokens=30)
+    orphan.caller, kept.caller = ("serve", "dead-gw"), ("serve", "live-gw")
+
+    async def scenario():
+        a = asyncio.create_task(_collect(replica, orphan))
+        b = asyncio.create_task(_collect(replica, kept))
+        while len(replica._meta) < 2 or len(replica.engine.scheduler.running) < 2:
+            await asyncio.sleep(0.01)
+        aborted = await replica._abort_orphans()
+        return aborted, await a, await b
+
+    aborted, a, b = asyncio.run(scenario())
+    assert aborted == 1
+    assert a[-1]["finish_reason"] == "abort" and sum(len(e["token_ids"]) for e in a) < 400
+    assert b[-1]["finish_reason"] == "length" and sum(len(e["token_ids"]) for e in b) == 30
+    assert not replica.engine.has_unfinished()
+    replica.engine.check_integrity()
+
+
+def test_actor_alive_is_false_only_for_a_dead_named_actor(ray_cluster):
+    import ray
+
+    from kvharbor.actors.replica import _actor_alive
+
+    @ray.remote(num_cpus=0)
+    class Caller:
+        def ping(self) -> int:
+            return 1
+
+    actor = Caller.options(name="kvh-test-caller", namespace="kvharbor-test").remote()
+    ray.get(actor.ping.remote())
+    assert _actor_alive("kvharbor-test", "kvh-test-caller")
+    ray.kill(actor, no_restart=True)
+    for _ in range(100):
+        if not _actor_alive("kvharbor-test", "kvh-test-caller"):
+            break
+        import time
+        time.sleep(0.1)
+    assert not _actor_alive("kvharbor-test", "kvh-test-caller")

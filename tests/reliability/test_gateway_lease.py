@@ -6,7 +6,8 @@ starts another) and the clients drop every stream. The surviving gateway release
 at once; the dead one never will, so its tickets and places stay held until their leases run
 out: the test asserts they were still held right after the kill (the lease is what returns
 them) and that all are back within ``DEFAULT_LEASE_S`` of the kill (+ 0.5 s: the polling
-and the actor call that sweeps expired leases).
+and the actor call that sweeps expired leases). The replicas abort the dead gateway's streams
+(they check the callers of their streams for life), so they are idle soon after.
 
 The control-plane actors (admission, class queue) restart when killed: requests meanwhile get
 503 ``admission_unavailable`` or succeed, never a 500 or a hang.
@@ -21,6 +22,7 @@ import httpx
 import pytest
 import ray
 
+from kvharbor.actors.replica import ORPHAN_CHECK_S
 from kvharbor.tenants.keys import hash_key
 from kvharbor.tenants.leases import DEFAULT_LEASE_S
 from tests.reliability.helpers import edited_tenants, rand_text, wait_idle
@@ -82,6 +84,8 @@ def test_killed_gateway_gives_every_slot_back_within_the_lease(kvharbor_app):
             t.start()
         try:
             assert _wait(lambda: _held() == (STREAMS, STREAMS), 60) is not None, _held()
+            time.sleep(2 * ORPHAN_CHECK_S + 1)      # live gateways' streams are not taken for orphans
+            assert _held() == (STREAMS, STREAMS), _held()
             ray.kill(ray.get_actor(gateways[0], namespace="serve"), no_restart=True)
             killed_at = time.monotonic()
             stop.set()
@@ -90,6 +94,8 @@ def test_killed_gateway_gives_every_slot_back_within_the_lease(kvharbor_app):
             stuck = _held()
             back = _wait(lambda: _held() == (0, 0), DEFAULT_LEASE_S + 10, poll_s=0.05)
             since_kill = time.monotonic() - killed_at
+            # The dead gateway's streams (max_tokens 3000) are aborted on the replicas too.
+            wait_idle(kvharbor_app, timeout_s=20)
         finally:
             stop.set()
         print(f"held right after the kill: {stuck}; all back {since_kill:.1f} s after it "
