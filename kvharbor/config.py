@@ -63,6 +63,8 @@ class EngineConfig(BaseModel):
                             description="'priority' (QoS classes, then tenant fairness) or 'fcfs' (arrival order only).")
     qos_classes: dict[str, QoSSpec] = Field(default_factory=lambda: dict(DEFAULT_QOS),
                                             description="QoS classes by name.")
+    eviction_policy: str = Field("lru", pattern="^(lru|lfu)$", description="Which free cached KV block is reused "
+                                 "first: 'lru' (freed longest ago) or 'lfu' (fewest uses, then freed longest ago; see engine/eviction.py).")
     host_kv_blocks: int = Field(0, ge=0, description="KV blocks of host memory (pinned on CUDA) that keep blocks evicted from the device, by hash, LRU; prefix hits there are copied back instead of recomputed. 0 disables the host tier.")
     session_ttl_s: float = Field(300.0, gt=0, description="Seconds an idle session (no turn running) keeps its "
                                  "KV blocks referenced before they return to the LRU (per-tenant values come from tenants.yaml).")
@@ -90,6 +92,7 @@ class PlatformConfig(BaseModel):
     max_num_batched_tokens: int = Field(2048, ge=1, description="Token budget per engine step.")
     low_priority_prefill_cap: int | None = Field(256, ge=0, description="Prefill tokens per step for lower classes while higher-class requests are unfinished (None: no cap).")
     scheduling: str = Field("priority", pattern="^(priority|fcfs)$", description="Engine scheduling: 'priority' or 'fcfs'.")
+    eviction_policy: str = Field("lru", pattern="^(lru|lfu)$", description="Device KV eviction policy: 'lru' or 'lfu'.")
     host_kv_blocks: int = Field(0, ge=0, description="Host-memory KV blocks per replica for evicted prefixes (0: off).")
     preemption_mode: str = Field("recompute", pattern="^(recompute|swap|auto)$", description="Engine preemption: 'recompute', 'swap' or 'auto'.")
     router: str = Field("kv", description="Request router: 'kv' (KV-aware), 'pow2' (Serve default) or 'round_robin'.")

@@ -178,11 +178,12 @@ class LLMReplica:
             self._snapshot = self._take_snapshot()
         return None if held is None else {"blocks": held}
 
-    async def flush_cache(self) -> dict:
-        """Drop this replica's cached KV (``Engine.flush_cache``) and publish the removals to
-        the prefix directory now. Returns the counts by kind."""
+    async def flush_cache(self, salts: list | None = None, tenants: list | None = None) -> dict:
+        """Drop this replica's cached KV (``Engine.flush_cache``: all, or only the scopes
+        ``salts`` and the sessions of ``tenants``) and publish the removals to the prefix
+        directory now. Returns the counts by kind."""
         async with self._engine_lock:
-            counts = self.engine.flush_cache()
+            counts = self.engine.flush_cache(salts, tenants)
             self._publish_events()
             self._snapshot = self._take_snapshot()
         return counts

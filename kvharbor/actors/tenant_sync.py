@@ -16,7 +16,7 @@ import logging
 
 from kvharbor.actors.replica_sync import system_prompt_tokens
 from kvharbor.config import EngineConfig, QoSSpec
-from kvharbor.tenants import TenantRegistry, cache_salt_for
+from kvharbor.tenants import TenantRegistry
 
 logger = logging.getLogger("kvharbor.replica")
 
@@ -56,7 +56,7 @@ class TenantSync:
                 continue
             tokens = system_prompt_tokens(engine.tokenizer, text)
             try:
-                engine.pin_prefix(tokens, qos=tenant.qos, cache_salt=cache_salt_for(tenant, name))
+                engine.pin_prefix(tokens, qos=tenant.qos, cache_salt=self.registry.cache_salt(name))
                 self.pinned[(name, text)] = engine.pinned_prefixes[-1]
             except (RuntimeError, ValueError) as e:
                 logger.error("cannot pin prefix of tenant %s: %s", name, e)

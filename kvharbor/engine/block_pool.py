@@ -9,10 +9,13 @@ Every block is in exactly one of three states::
 and in one of two regions, ``pinned`` (reserved for pinned QoS classes) or ``shared``. Each
 region has its own free queue. A free queue is an intrusive doubly-linked list threaded
 through the blocks with sentinel head and tail, so pop, append and remove-from-middle are O(1)
-and allocate nothing. It is also the eviction order (LRU)::
+and allocate nothing. It is the order blocks were freed::
 
     head <-> b7 <-> b2 <-> b9 <-> tail
-             ^ evicted first       ^ freed last
+             ^ freed first         ^ freed last
+
+The pool's eviction policy (``eviction.py``: ``lru``, the head, by default; or ``lfu``) picks
+which linked block is reused next.
 
 Counters (per region, kept exact by the pool itself so every query is O(1)): ``total``,
 the free queue's ``num_free`` and ``num_cached`` (free blocks with a hash), and ``permanent``
@@ -34,6 +37,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import NewType
 
+from .eviction import LRUPolicy
 from .hashing import BlockHash
 
 BlockId = NewType("BlockId", int)
@@ -49,6 +53,7 @@ class KVCacheBlock:
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
     pin_cnt: int = 0                       # references held by pinned prefixes (part of ref_cnt)
+    uses: int = 0                          # references taken since it was filled (LFU's count)
     prev: KVCacheBlock | None = field(default=None, repr=False)
     next: KVCacheBlock | None = field(default=None, repr=False)
 
@@ -125,16 +130,18 @@ class BlockPool:
     Args:
         num_blocks: total blocks.
         num_pinned: blocks reserved for pinned QoS classes (ids ``0 .. num_pinned-1`` at start).
+        policy: the eviction policy (``eviction.py``); default LRU.
     """
 
-    def __init__(self, num_blocks: int, num_pinned: int = 0) -> None:
+    def __init__(self, num_blocks: int, num_pinned: int = 0, policy: LRUPolicy | None = None) -> None:
         if not 0 <= num_pinned <= num_blocks:
             raise ValueError(f"pinned_kv_blocks must be in [0, num_kv_blocks={num_blocks}], got {num_pinned}")
         self.blocks = [KVCacheBlock(BlockId(i), PINNED if i < num_pinned else SHARED)
                        for i in range(num_blocks)]
         self.free = {PINNED: FreeBlockQueue(), SHARED: FreeBlockQueue()}
+        self.policy = policy or LRUPolicy()
         for block in self.blocks:
-            self.free[block.region].append(block)
+            self._link(block)
         self.cached: dict[BlockHash, KVCacheBlock] = {}
         self.num_pinned = num_pinned
         self.total = {PINNED: num_pinned, SHARED: num_blocks - num_pinned}
@@ -166,9 +173,11 @@ class BlockPool:
         out = []
         for _ in range(n):
             queue = self.free[PINNED] if pinned and self.free[PINNED].num_free else self.free[SHARED]
-            block = queue.popleft()
+            block = self.policy.victim(queue)
+            queue.remove(block)
             self._evict(block, offload=True)
-            block.ref_cnt = 1
+            block.ref_cnt, block.uses = 1, 0
+            self.policy.on_use(block)
             out.append(block)
         return out
 
@@ -178,6 +187,7 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free[block.region].remove(block)
             block.ref_cnt += 1
+            self.policy.on_use(block)
 
     def pin(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Hold ``blocks`` forever (a pinned prefix): a reference each, counted as permanent."""
@@ -202,7 +212,7 @@ class BlockPool:
                 continue
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free[block.region].append(block)
+                self._link(block)
 
     # ---- prefix cache -----------------------------------------------------------------
     def lookup(self, block_hash: BlockHash) -> KVCacheBlock | None:
@@ -216,6 +226,7 @@ class BlockPool:
         self.cached[block_hash] = block
         if block.prev is not None:                      # hashed while in a free queue
             self.free[block.region].num_cached += 1
+            self.policy.on_free(block, self.free[block.region])
         self.events.stored(block_hash)
 
     def _evict(self, block: KVCacheBlock, offload: bool = False) -> None:
@@ -230,13 +241,16 @@ class BlockPool:
             if offload and self.on_evict is not None:
                 self.on_evict(block.block_id, block.block_hash)
         block.block_hash = None
+        if block.prev is not None:                      # still linked: its rank changed
+            self.policy.on_free(block, self.free[block.region])
 
-    def evict_all_cached(self) -> int:
-        """Drop every free cached block's hash (a cache reset). Returns how many."""
+    def evict_all_cached(self, match: Callable[[BlockHash], bool] | None = None) -> int:
+        """Drop every free cached block's hash (a cache reset), or only those ``match``
+        accepts. Returns how many."""
         n = 0
         for queue in self.free.values():
             for block in queue:
-                if block.block_hash is not None:
+                if block.block_hash is not None and (match is None or match(block.block_hash)):
                     self._evict(block)
                     n += 1
         return n
@@ -248,17 +262,29 @@ class BlockPool:
         Moves only free blocks, so it may stop short of ``target``. Returns the new size.
         """
         while self.num_pinned < target and self.free[SHARED].num_free:
-            self._move(self.free[SHARED].popleft(), PINNED)
+            self._move(self._pop_victim(SHARED), PINNED)
         while self.num_pinned > target and self.free[PINNED].num_free:
-            self._move(self.free[PINNED].popleft(), SHARED)
+            self._move(self._pop_victim(PINNED), SHARED)
         return self.num_pinned
+
+    def _link(self, block: KVCacheBlock) -> None:
+        """Append a free block to its region's queue and tell the policy."""
+        queue = self.free[block.region]
+        queue.append(block)
+        self.policy.on_free(block, queue)
+
+    def _pop_victim(self, region: str) -> KVCacheBlock:
+        block = self.policy.victim(self.free[region])
+        self.free[region].remove(block)
+        return block
 
     def _move(self, block: KVCacheBlock, region: str) -> None:
         self._evict(block, offload=True)
+        block.uses = 0
         self.total[block.region] -= 1
         block.region = region
         self.total[region] += 1
-        self.free[region].append(block)
+        self._link(block)
         self.num_pinned += 1 if region == PINNED else -1
 
     def drain_events(self) -> tuple[list[BlockHash], list[BlockHash]]:

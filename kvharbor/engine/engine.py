@@ -19,6 +19,9 @@ from .host_pool import HostKVPool
 from .kv_cache_manager import KVCacheManager
 from .kv_transfer import KVTransfer
 from .model_runner import ModelRunner, ScheduledRequest, kv_bytes_per_token
+from .eviction import make_eviction_policy
+from .hashing import model_root
+from .model_identity import model_identity
 from .models import load_model, uniform_sliding_window
 from .preemption import PreemptionPolicy
 from .request import Request, RequestOutput, SamplingParams, Status
@@ -81,10 +84,12 @@ class Engine:
         self.dtype = _resolve_dtype(config.dtype, self.device)
         loaded = load_model(config.model, self.dtype, self.device, config.seed)
         self.model_name, self.model, self.tokenizer = loaded.name, loaded.model, loaded.tokenizer
+        self.model_identity = model_identity(config.model, config.seed)   # once, at load
+        self.hash_root = model_root(self.model_identity)                  # every chain starts here
         self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
         self.block_size = config.block_size
         num_blocks = config.num_kv_blocks or self._default_num_blocks()
-        self.pool = BlockPool(num_blocks, config.pinned_kv_blocks)
+        self.pool = BlockPool(num_blocks, config.pinned_kv_blocks, make_eviction_policy(config.eviction_policy))
         self.runner = ModelRunner(self.model, num_blocks, self.block_size, self.device, self.dtype,
                                   config.attention_backend, config.kv_cache_dtype, config.model_path)
         self.host, self.transfer = self._make_host_tier()
@@ -165,7 +170,8 @@ class Engine:
         priority = spec.priority if self.config.scheduling == "priority" else 0
         req = Request(request_id, list(prompt_token_ids), sampling, tenant=tenant, qos=qos,
                       priority=priority, pinned=spec.pinned, cache_salt=cache_salt,
-                      session_id=session_id, arrival=time.monotonic(), arrival_seq=next(self._arrivals))
+                      hash_root=self.hash_root, session_id=session_id,
+                      arrival=time.monotonic(), arrival_seq=next(self._arrivals))
         problem = self._never_fits(req)
         if problem:
             raise ValueError(problem)
@@ -322,14 +328,21 @@ class Engine:
         Raises ValueError when ``target`` already exists."""
         return self.sessions.fork(tenant, source, target)
 
-    def flush_cache(self) -> dict[str, int]:
+    def flush_cache(self, salts=None, tenants=None) -> dict[str, int]:
         """Drop cached KV so the next identical request is computed again: every session
         ends, every free cached device block and every unlocked host-tier entry loses its hash
         (each a "removed" KV event, so the prefix directory forgets them). Blocks of running
-        requests and pinned prefixes stay. Returns counts by kind."""
-        sessions = self.sessions.end_all()
-        device = self.pool.evict_all_cached()
-        host = self.host.drop_all_cached() if self.host is not None else 0
+        requests and pinned prefixes stay. Returns counts by kind.
+
+        ``salts`` (a collection of cache salts; None in it is the public scope): drop only
+        blocks cached under those scopes, and end only the sessions of ``tenants``.
+        """
+        if salts is None:
+            sessions, match = self.sessions.end_all(), None
+        else:
+            sessions, match = self.sessions.end_all(set(tenants or ())), self.kv.in_scopes(set(salts))
+        device = self.pool.evict_all_cached(match)
+        host = self.host.drop_all_cached(match) if self.host is not None else 0
         return {"sessions": sessions, "device_blocks": device, "host_blocks": host}
 
     def expire_sessions(self) -> int:
@@ -345,7 +358,7 @@ class Engine:
         """
         spec = self.config.qos_classes[qos]
         req = Request(f"pin-{next(self._arrivals)}", list(token_ids), SamplingParams(max_tokens=1),
-                      qos=qos, pinned=spec.pinned, cache_salt=cache_salt)
+                      qos=qos, pinned=spec.pinned, cache_salt=cache_salt, hash_root=self.hash_root)
         hit = self.kv.get_computed_blocks(req)
         if not self.kv.can_allocate(req, req.num_tokens - hit.num_tokens, hit):
             raise RuntimeError(f"no room to pin a {req.num_tokens}-token prefix; raise pinned_kv_blocks")

@@ -5,7 +5,11 @@ scope salt), so two blocks hash equal only if their whole prefixes are equal *an
 produced under the same cache scope::
 
     tokens:  [t0 .. t15] [t16 .. t31] [t32 .. t40]   (block_size 16)
-    hashes:   h0=H(None, b0, salt)  h1=H(h0, b1, salt)   (partial block: no hash)
+    hashes:   h0=H(root, b0, salt)  h1=H(h0, b1, salt)   (partial block: no hash)
+
+The chain's root is ``model_root(model_identity)``: the model's name plus a digest of its config
+and weights (``model_identity.py``), so blocks of another model, or of the same name with other
+weights, never hash equal. The engine, the gateway and the directory all start chains there.
 
 Digests are 128-bit BLAKE2b, so collisions are not a practical concern.
 """
@@ -40,6 +44,14 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int], salt: str | N
     return BlockHash(h.digest())
 
 
+def model_root(identity: str | None) -> BlockHash | None:
+    """The root of every hash chain of the model ``identity`` (None: no model identity, the
+    all-zero root; only for tests and tools that do not compare with an engine)."""
+    if identity is None:
+        return None
+    return BlockHash(hashlib.blake2b(b"\x02model:" + identity.encode(), digest_size=_DIGEST_BYTES).digest())
+
+
 def hash_prompt_blocks(token_ids: Sequence[int], block_size: int, salt: str | None = None,
                        start: int = 0, parent: BlockHash | None = None) -> list[BlockHash]:
     """Hashes of the full blocks of ``token_ids`` from block index ``start`` on.
@@ -49,7 +61,8 @@ def hash_prompt_blocks(token_ids: Sequence[int], block_size: int, salt: str | No
         block_size: tokens per block.
         salt: cache-scope salt.
         start: first block index to hash; ``parent`` must then be block ``start - 1``'s hash.
-        parent: hash of block ``start - 1`` (None when ``start == 0``).
+        parent: hash of block ``start - 1``; when ``start == 0``, the chain's root
+            (``model_root(identity)``; None: the all-zero root).
     Returns:
         One hash per full block in ``[start, len(token_ids) // block_size)``.
     """

@@ -107,10 +107,11 @@ class HostKVPool:
     def num_used(self) -> int:
         return len(self.cached) + self.num_owned
 
-    def drop_all_cached(self) -> int:
-        """Forget every unlocked cached slot (a cache flush); each is a "removed" event.
-        Returns how many."""
-        dropped = [(h, s) for h, s in self.cached.items() if s not in self.locks]
+    def drop_all_cached(self, match=None) -> int:
+        """Forget every unlocked cached slot (a cache flush), or those whose hash ``match``
+        accepts; each is a "removed" event. Returns how many."""
+        dropped = [(h, s) for h, s in self.cached.items()
+                   if s not in self.locks and (match is None or match(h))]
         for block_hash, slot in dropped:
             del self.cached[block_hash]
             del self.slot_hash[slot]

@@ -18,9 +18,11 @@ the pool's null block (same table length, so position ``p`` stays in entry ``p /
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .block_pool import PINNED, BlockPool, KVCacheBlock
+from .hashing import BlockHash
 from .host_pool import HostKVPool, HostSlot
 from .kv_transfer import KVTransfer
 from .request import Request, SwapState
@@ -67,6 +69,9 @@ class KVCacheManager:
         self.host_hits = 0            # of which found in the host tier
         self.window_freed = 0         # blocks released by the sliding window
         self.swap_outs = self.swap_ins = 0
+        # cache salt of every hash cached in either tier (flush filters); pruned of hashes
+        # neither tier holds when it outgrows twice the two tiers
+        self.scopes: dict[BlockHash, str | None] = {}
 
     def get_computed_blocks(self, req: Request) -> PrefixHit:
         """Longest cached prefix of ``req`` (always leaving one token to compute): device
@@ -183,7 +188,19 @@ class KVCacheManager:
             block = req.blocks[i]
             if block.block_hash is None and block is not null:
                 self.pool.cache_block(block, req.block_hashes[i])
+                self.scopes[req.block_hashes[i]] = req.cache_salt
         req.cached_blocks_cursor = max(start, num_full)
+        if len(self.scopes) > 2 * (len(self.pool.blocks) + (self.host.num_slots if self.host else 0)) + 64:
+            self._prune_scopes()
+
+    def _prune_scopes(self) -> None:
+        host = self.host.cached if self.host is not None else {}
+        self.scopes = {h: s for h, s in self.scopes.items() if h in self.pool.cached or h in host}
+
+    def in_scopes(self, salts: set) -> Callable[[BlockHash], bool]:
+        """A predicate: was this cached hash computed under one of ``salts`` (None: public)?"""
+        missing = object()
+        return lambda h: self.scopes.get(h, missing) in salts
 
     def free_outside_window(self, req: Request) -> int:
         """Release ``req``'s blocks that no future query can see (sliding window). Returns how many.

@@ -79,6 +79,7 @@ class Request:
     priority: int = 0
     pinned: bool = False
     cache_salt: str | None = None
+    hash_root: BlockHash | None = None   # the model's chain root (hashing.model_root)
     session_id: str | None = None        # the turn of this session (sessions.py); None: no session
     arrival: float = 0.0
     arrival_seq: int = 0
@@ -112,7 +113,7 @@ class Request:
     def update_block_hashes(self, block_size: int) -> None:
         """Extend ``block_hashes`` to cover every full block of ``all_token_ids``."""
         start = len(self.block_hashes)
-        parent = self.block_hashes[-1] if start else None
+        parent = self.block_hashes[-1] if start else self.hash_root
         self.block_hashes += hash_prompt_blocks(self.all_token_ids, block_size, self.cache_salt,
                                                 start=start, parent=parent)
 

@@ -204,9 +204,9 @@ class SessionManager:
         self._enter_idle(dst)
         return len(dst.blocks) if (tenant, target) in self.sessions else 0
 
-    def end_all(self) -> int:
-        """End every session (a cache flush). Returns how many."""
-        sessions = list(self.sessions.values())
+    def end_all(self, tenants=None) -> int:
+        """End every session (a cache flush), or every session of ``tenants``. Returns how many."""
+        sessions = [s for key, s in self.sessions.items() if tenants is None or key[0] in tenants]
         for session in sessions:
             self._release(session)
         return len(sessions)

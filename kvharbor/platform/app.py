@@ -63,7 +63,7 @@ def build_app(args: dict | None = None):
               "kv_cache_dtype": cfg.kv_cache_dtype, "max_num_batched_tokens": cfg.max_num_batched_tokens,
               "low_priority_prefill_cap": cfg.low_priority_prefill_cap,
               "scheduling": cfg.scheduling, "host_kv_blocks": cfg.host_kv_blocks,
-              "preemption_mode": cfg.preemption_mode}
+              "preemption_mode": cfg.preemption_mode, "eviction_policy": cfg.eviction_policy}
     get_or_create_directory(cfg.directory_name, namespace="kvharbor", detached=True)
     router_class = ROUTERS.get(cfg.router, "missing")
     if router_class == "missing":

@@ -34,7 +34,8 @@ from ray import serve
 from ray.exceptions import RayActorError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvharbor.engine.hashing import hash_prompt_blocks
+from kvharbor.engine.hashing import hash_prompt_blocks, model_root
+from kvharbor.engine.model_identity import model_identity
 from kvharbor.engine.models import load_tokenizer, model_context_length
 from kvharbor.observability.metrics import get_metrics
 from kvharbor.platform.admission_flow import Admitter, unavailable
@@ -49,7 +50,7 @@ from kvharbor.platform.openai_protocol import (APIError, ChatRequest, ChatRespon
 from kvharbor.platform.protocol import GenerateRequest
 from kvharbor.platform.sessions_api import (SESSION_HEADER, ForkRequest, check_session_id,
                                             FlushRequest, end_session_everywhere,
-                                            flush_everywhere, fork_session_everywhere, session_header)
+                                            flush_everywhere, flush_filter, fork_session_everywhere, session_header)
 from kvharbor.tenants import ActorAdmission, TenantError, TenantRegistry, get_or_create_admission_actor
 from kvharbor.tenants.admission_actor import CALL_TIMEOUT_S
 
@@ -228,6 +229,9 @@ class Gateway:
         self.tokenizer = load_tokenizer(self.model)
         self.context = min(config.get("max_model_len") or 10**9, model_context_length(self.model))
         self.block_size = config["block_size"]
+        # The replicas' chain root, computed the same way from the model's files (no weights
+        # loaded), so the routing hashes here equal the hashes replicas report.
+        self.hash_root = model_root(model_identity(self.model, config.get("seed", 0)))
         self.max_body_bytes = config["max_body_bytes"]
         api.state.max_body_bytes = self.max_body_bytes          # read by BodyLimitMiddleware
         api.state.authenticate = self._gate                     # read by AuthGateMiddleware
@@ -386,7 +390,7 @@ class Gateway:
         return {**self.registry.status(), "demo_keys_active": self.registry.active_demo_keys(),
                 "in_flight_by_qos": in_flight}
 
-    @api.post("/admin/cache/flush", responses=error_responses(400, 401, 403, 503))
+    @api.post("/admin/cache/flush", responses=error_responses(400, 401, 403, 404, 503))
     async def admin_cache_flush(self, request: Request, body: FlushRequest | None = None) -> dict:
         """Drop cached KV on every replica, its host tier and (through KV events) the prefix
         directory; sessions end. The next identical request is computed again."""
@@ -395,7 +399,8 @@ class Gateway:
         if not self.registry.is_admin(key):
             self.registry.authenticate(key)          # 401 for bad keys first
             raise APIError(403, "this route needs an admin key", "permission_denied")
-        return {"object": "cache.flush", **await flush_everywhere(self.llm)}
+        filt, salts, tenants = flush_filter(self.registry, body)
+        return {"object": "cache.flush", **filt, **await flush_everywhere(self.llm, salts, tenants)}
 
     # ---- generation ----------------------------------------------------------------------
     async def _serve(self, principal, body, tokenize, chat: bool, arrived: float,
@@ -419,7 +424,7 @@ class Gateway:
         sampling = {"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
                     "top_k": body.top_k, "seed": body.seed, "stop": body.stop_list(),
                     "ignore_eos": body.ignore_eos, "logprobs": logprobs}
-        hashes = hash_prompt_blocks(ids, self.block_size, principal.cache_salt)
+        hashes = hash_prompt_blocks(ids, self.block_size, principal.cache_salt, parent=self.hash_root)
         siblings = [GenerateRequest(
             request_id=rid if i == 0 else f"{rid}-{i}", tenant=tenant, qos=qos, prompt_token_ids=ids,
             block_hashes=hashes, sampling={**sampling, "seed": _sibling_seed(body.seed, i)},

@@ -110,9 +110,10 @@ async def end_session_everywhere(handle, tenant: str, session_id: str) -> int | 
     return sum(found) if found else None
 
 
-async def flush_everywhere(handle) -> dict:
-    """``flush_cache`` on every replica: the summed counts and how many replicas answered."""
-    found = await _on_every_replica(handle, "flush_cache")
+async def flush_everywhere(handle, salts: list | None = None, tenants: list | None = None) -> dict:
+    """``flush_cache`` on every replica (all, or only the scopes ``salts`` and the sessions of
+    ``tenants``): the summed counts and how many replicas answered."""
+    found = await _on_every_replica(handle, "flush_cache", salts, tenants)
     total = {"replicas": len(found)}
     for counts in found:
         for kind, n in counts.items():
@@ -121,10 +122,32 @@ async def flush_everywhere(handle) -> dict:
 
 
 class FlushRequest(BaseModel):
-    """Body of ``POST /admin/cache/flush`` (optional). Tenant and scope filters are not
-    implemented: every replica's whole cache is flushed."""
+    """Body of ``POST /admin/cache/flush`` (optional; none flushes everything). At most one
+    filter: ``tenant`` flushes that tenant's cache scope (for a shared or public tenant, the
+    whole scope's blocks) and ends that tenant's sessions; ``scope`` (``shared:<group>`` or
+    ``public``) flushes that scope and ends its members' sessions."""
 
     model_config = ConfigDict(extra="forbid")
+    tenant: str | None = Field(None, min_length=1, max_length=128)
+    scope: str | None = Field(None, pattern=r"^(public|shared:[A-Za-z0-9][A-Za-z0-9_.-]{0,63})$")
+
+
+def flush_filter(registry, body: FlushRequest | None) -> tuple[dict, list | None, list | None]:
+    """``(filter echoed in the reply, salts, tenants)`` for a flush body; ``(…, None, None)``
+    flushes everything. Raises APIError 400 (both filters) or 404 (no such tenant / scope)."""
+    if body is None or (body.tenant is None and body.scope is None):
+        return {}, None, None
+    if body.tenant is not None and body.scope is not None:
+        raise APIError(400, "give either tenant or scope, not both", "invalid_request_error", param="scope")
+    tenants = registry.config.tenants
+    if body.tenant is not None:
+        if body.tenant not in tenants:
+            raise APIError(404, f"no tenant {body.tenant!r}", "tenant_not_found", param="tenant")
+        return {"tenant": body.tenant}, [registry.cache_salt(body.tenant)], [body.tenant]
+    members = [n for n, t in tenants.items() if t.cache_scope == body.scope]
+    if not members:
+        raise APIError(404, f"no tenant uses cache scope {body.scope!r}", "scope_not_found", param="scope")
+    return {"scope": body.scope}, [registry.cache_salt(members[0])], members
 
 
 async def fork_session_everywhere(handle, tenant: str, source: str, target: str) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import os
+import secrets
 import stat
 import tempfile
 from dataclasses import dataclass
@@ -101,6 +102,11 @@ class TenantsDocument:
         tenant["qos"] = qos
         if cache_scope:
             tenant["cache_scope"] = cache_scope
+        if (cache_scope or "private") == "private":
+            tenant["cache_secret"] = new_cache_secret()
+        elif cache_scope.startswith("shared:") and not any(
+                isinstance(t, dict) and t.get("cache_scope") == cache_scope for t in tenants.values()):
+            self.ensure_cache_scope(cache_scope.removeprefix("shared:"))   # a new group: new secret
         if allowed_models:
             tenant["allowed_models"] = CommentedSeq(allowed_models)
         for field, value in (limits or {}).items():
@@ -109,6 +115,17 @@ class TenantsDocument:
             tenant[field] = value
         tenants[name] = tenant
         return new_key
+
+    def ensure_cache_scope(self, group: str) -> bool:
+        """Give shared scope ``group`` a random secret in ``cache_scopes`` unless it has one.
+        Returns True when one was created."""
+        scopes = self.doc.get("cache_scopes")
+        if not isinstance(scopes, CommentedMap):
+            scopes = self.doc["cache_scopes"] = CommentedMap()
+        if isinstance(scopes.get(group), dict) and scopes[group].get("secret"):
+            return False
+        scopes[group] = CommentedMap(secret=new_cache_secret())
+        return True
 
     def rotate_key(self, name: str, *, grace: timedelta = timedelta(hours=24),
                    revoke_old: bool = False, label: str | None = None,
@@ -181,6 +198,11 @@ def _as_mapping(keys: CommentedSeq, i: int) -> CommentedMap:
     if isinstance(keys[i], str):
         keys[i] = CommentedMap([("hash", DoubleQuotedScalarString(keys[i]))])
     return keys[i]
+
+
+def new_cache_secret() -> str:
+    """A random cache-scope salt: 128 bits, hex."""
+    return secrets.token_hex(16)
 
 
 def atomic_write(path: str | Path, text: str) -> None:

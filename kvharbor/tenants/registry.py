@@ -52,14 +52,36 @@ class Principal:
     config_version: int
 
 
-def cache_salt_for(cfg: TenantConfig, tenant: str) -> str | None:
-    """private -> ``tenant:<name>``, shared:<g> -> ``group:<g>``, public -> None."""
+def cache_salt_for(cfg: TenantConfig, tenant: str, scopes: dict | None = None) -> str | None:
+    """The block-hash salt of ``tenant``'s cache scope.
+
+    private -> ``tenant:<name>:<cache_secret>``; shared:<g> -> ``group:<g>:<secret>`` (the
+    secret from ``cache_scopes[g]`` of the file, ``scopes``); public -> None. Without a
+    secret (files written before secrets existed) the name alone: ``tenant:<name>`` /
+    ``group:<g>``; such a scope is inherited by a re-created tenant of the same name.
+    """
     scope = cfg.cache_scope
     if scope == "public":
         return None
     if scope.startswith("shared:"):
-        return "group:" + scope.removeprefix("shared:")
-    return f"tenant:{tenant}"
+        group = scope.removeprefix("shared:")
+        entry = (scopes or {}).get(group)
+        return f"group:{group}:{entry.secret}" if entry is not None else f"group:{group}"
+    return f"tenant:{tenant}:{cfg.cache_secret}" if cfg.cache_secret else f"tenant:{tenant}"
+
+
+def scope_id(salt: str | None) -> str:
+    """A printable id of a cache scope's salt that does not reveal its secret."""
+    if salt is None:
+        return "public"
+    name, _, secret = salt.partition(":")[2].partition(":")
+    digest = hashlib.sha256(secret.encode()).hexdigest()[:8] if secret else ""
+    return f"{salt.split(':')[0]}:{name}" + (f"#{digest}" if secret else "")
+
+
+def _printable_salt(t: TenantConfig, name: str, config: TenantsFile) -> str | None:
+    salt = cache_salt_for(t, name, config.cache_scopes)
+    return None if salt is None else scope_id(salt)
 
 
 def describe_tenant(config: TenantsFile, name: str) -> dict:
@@ -69,7 +91,7 @@ def describe_tenant(config: TenantsFile, name: str) -> dict:
              "expires": e.expires.isoformat() if e.expires else None,
              "revoked": e.revoked or False} for e in t.keys]
     return {"qos": t.qos, "priority": config.qos_classes[t.qos].priority,
-            "cache_scope": t.cache_scope, "cache_salt": cache_salt_for(t, name),
+            "cache_scope": t.cache_scope, "cache_salt": _printable_salt(t, name, config),
             "allowed_models": t.allowed_models or "all",
             "limits": config.limits_for(name).as_dict(), "pinned_kv_blocks": t.pinned_kv_blocks,
             "pinned_prefixes": len(t.pinned_prefixes), "keys": keys}
@@ -143,7 +165,8 @@ class TenantRegistry:
         cfg = snap.config.tenants[tenant]
         return Principal(tenant=tenant, config=cfg, qos_name=cfg.qos,
                          qos=snap.config.qos_classes[cfg.qos], limits=snap.config.limits_for(tenant),
-                         cache_salt=cache_salt_for(cfg, tenant), key_id=hash_prefix(digest),
+                         cache_salt=cache_salt_for(cfg, tenant, snap.config.cache_scopes),
+                         key_id=hash_prefix(digest),
                          config_version=snap.version)
 
     def is_admin(self, api_key: str | None) -> bool:
@@ -165,7 +188,8 @@ class TenantRegistry:
 
     def cache_salt(self, tenant: str) -> str | None:
         """Cache-scope salt for block hashes: ``tenant:<name>``, ``group:<g>`` or None."""
-        return cache_salt_for(self._snap.config.tenants[tenant], tenant)
+        config = self._snap.config
+        return cache_salt_for(config.tenants[tenant], tenant, config.cache_scopes)
 
     def pinned_kv_blocks_total(self) -> int:
         """Sum of ``pinned_kv_blocks`` over all tenants: the pinned region's target size."""

@@ -32,6 +32,7 @@ TenantId = NewType("TenantId", str)
 QoSName = NewType("QoSName", str)
 
 NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+CACHE_SECRET_RE = r"^[0-9a-f]{32,128}$"
 CACHE_SCOPE_RE = re.compile(r"^(private|public|shared:[A-Za-z0-9][A-Za-z0-9_.-]{0,63})$")
 LIMIT_FIELDS = ("requests_per_minute", "tokens_per_minute", "max_concurrent_requests",
                 "max_tokens_per_request", "daily_token_budget")
@@ -127,6 +128,10 @@ class TenantConfig(LimitsConfig):
                                              "empty or null = all models.")
     cache_scope: str = Field("private", description="Who shares this tenant's KV cache: "
                              "'private', 'shared:<group>' or 'public'.")
+    cache_secret: str | None = Field(None, pattern=CACHE_SECRET_RE, description="Random salt of this "
+                                     "tenant's private cache scope (written by `kvharbor tenants add`; "
+                                     "a re-created tenant gets a new one, so it never inherits the old "
+                                     "cache). Absent: the tenant's name is the salt (older files).")
     pinned_prefixes: list[str] = Field(default_factory=list, description="System prompts "
                                        "prefilled once and kept in the pinned KV region.")
     pinned_kv_blocks: int = Field(0, ge=0, description="KV blocks reserved for this tenant in "
@@ -189,6 +194,13 @@ class PinnedRegionConfig(_Strict):
     demand_window_s: float = Field(30.0, gt=0, description="Window of the peak demand, seconds.")
 
 
+class CacheScopeConfig(_Strict):
+    """A shared cache scope (``shared:<group>``): its random salt."""
+
+    secret: str = Field(pattern=CACHE_SECRET_RE, description="Random salt of the group's cache "
+                        "scope (written by `kvharbor tenants add --cache-scope shared:<group>`).")
+
+
 class TenantsFile(_Strict):
     """The whole ``tenants.yaml``."""
 
@@ -198,6 +210,8 @@ class TenantsFile(_Strict):
     admin_keys: list[ApiKeyEntry] = Field(default_factory=list,
                                           description="Keys allowed on /admin routes (hashed).")
     tenants: dict[Name, TenantConfig] = Field(default_factory=dict, description="Tenants.")
+    cache_scopes: dict[Name, CacheScopeConfig] = Field(default_factory=dict, description=
+                                                       "Shared cache scopes by group name: their salts.")
     pinned_region: PinnedRegionConfig = Field(default_factory=PinnedRegionConfig,
                                               description="Pinned region sizing per replica.")
 

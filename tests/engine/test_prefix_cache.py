@@ -57,7 +57,7 @@ def test_lru_evicts_oldest_prefix_first():
         llm.generate([p], GREEDY)
     llm.generate([prompts[4]], GREEDY)
     cached = llm.engine.pool.cached
-    held = [sum(h in cached for h in hash_prompt_blocks(p, 16)) for p in prompts[:4]]
+    held = [sum(h in cached for h in hash_prompt_blocks(p, 16, parent=llm.engine.hash_root)) for p in prompts[:4]]
     assert held[1:] == [8, 8, 8], held
     assert held[0] < 8, held
     assert llm.stats()["evictions"] == 8 - held[0]

@@ -49,7 +49,7 @@ def test_kv_events_name_the_tier_and_share_one_sequence():
     index = PrefixIndex()
     for b in batches:
         assert index.apply_events("r0", b.seq_no, b.stored, b.removed, tier=b.tier)
-    match = index.match(hash_prompt_blocks(prompt, 16))["r0"]
+    match = index.match(hash_prompt_blocks(prompt, 16, parent=llm.engine.hash_root))["r0"]
     assert match.host_blocks > 0 and match.device_blocks + match.host_blocks == match.blocks
     assert set(llm.engine.host_block_hashes()) <= index.replica_hashes("r0")
     assert llm.engine.drain_kv_events() == []

@@ -6,9 +6,11 @@ import uuid
 
 import pytest
 
-from kvharbor.engine.hashing import hash_prompt_blocks
+from kvharbor.engine.hashing import hash_prompt_blocks, model_root
+from kvharbor.engine.model_identity import model_identity
 from tests.conftest import DEMO, TEST_KEYS
 
+ROOT = model_root(model_identity("kvharbor/tiny-llama"))   # the test app's model
 SYSTEM = {"role": "system", "content": "You are terse."}
 
 
@@ -115,10 +117,42 @@ def test_admin_flush_makes_the_next_identical_request_cold_everywhere(kvharbor_a
         r = admin.post("/admin/cache/flush")
         assert r.status_code == 200, r.text
         assert r.json()["replicas"] == 2 and r.json()["device_blocks"] >= 6
-        assert admin.post("/admin/cache/flush", json={"tenant": "acme"}).status_code == 400
-    hashes = set(hash_prompt_blocks(body["prompt"], 16, "group:partners"))    # globex's scope
+    hashes = set(hash_prompt_blocks(body["prompt"], 16, "group:partners", parent=ROOT))    # globex's scope
     for info in kvharbor_app.replica_call("check_integrity").values():   # asserts invariants too
         assert not hashes & set(info["cached"])
     with kvharbor_app.client(DEMO["standard"]) as c:
         cold = c.post("/v1/completions", json=body).json()
     assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def _completion_cached(kvharbor_app, key, body) -> int:
+    with kvharbor_app.client(key) as c:
+        r = c.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_admin_flush_with_a_tenant_or_scope_filter_drops_only_that_scope(kvharbor_app):
+    body = {"model": kvharbor_app.model, "prompt": list(range(70, 170)), "max_tokens": 2,
+            "temperature": 0}
+    partners, private = DEMO["standard"], TEST_KEYS["private2"]     # globex: shared:partners
+    for key in (partners, private, partners, private):
+        _completion_cached(kvharbor_app, key, body)
+    assert _completion_cached(kvharbor_app, private, body) >= 96
+    with kvharbor_app.client(DEMO["admin"]) as admin:
+        for bad, status in (({"tenant": "private2", "scope": "public"}, 400), ({"tenant": "nobody"}, 404),
+                            ({"scope": "shared:nobody"}, 404), ({"scope": "team"}, 400)):
+            r = admin.post("/admin/cache/flush", json=bad)
+            assert r.status_code == status and "error" in r.json(), (bad, r.text)
+        r = admin.post("/admin/cache/flush", json={"tenant": "private2"})
+        assert r.status_code == 200 and r.json()["tenant"] == "private2", r.text
+        assert r.json()["device_blocks"] >= 6
+    assert _completion_cached(kvharbor_app, partners, body) >= 96         # other scope: warm
+    assert _completion_cached(kvharbor_app, private, body) == 0           # flushed: cold
+    with kvharbor_app.client(DEMO["admin"]) as admin:
+        r = admin.post("/admin/cache/flush", json={"scope": "shared:partners"})
+        assert r.status_code == 200 and r.json()["scope"] == "shared:partners", r.text
+    partner_hashes = set(hash_prompt_blocks(body["prompt"], 16, "group:partners", parent=ROOT))
+    for info in kvharbor_app.replica_call("check_integrity").values():
+        assert not partner_hashes & set(info["cached"])
+    assert _completion_cached(kvharbor_app, partners, body) == 0

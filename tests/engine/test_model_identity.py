@@ -1,0 +1,61 @@
+"""Model identity is the root of the block-hash chain: another model never reuses blocks."""
+
+from __future__ import annotations
+
+import json
+
+from kvharbor import LLM, SamplingParams
+from kvharbor.actors.prefix_directory import PrefixIndex
+from kvharbor.engine.hashing import hash_prompt_blocks, model_root
+from kvharbor.engine.model_identity import model_identity
+
+GREEDY = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+PROMPT = [(7 * i) % 251 for i in range(100)]          # 6 full blocks of 16
+
+
+def _checkpoint(path, weights: bytes, layers: int = 2):
+    path.mkdir(exist_ok=True)
+    (path / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": layers}))
+    (path / "model.safetensors").write_bytes(weights)
+    return str(path)
+
+
+def test_identity_follows_the_checkpoint_files_not_the_name(tmp_path):
+    a = _checkpoint(tmp_path / "m", b"weights-v1")
+    first = model_identity(a)
+    assert first.startswith(a + "@") and model_identity(a) == first
+    _checkpoint(tmp_path / "m", b"weights-v2")                    # same name, new weights
+    new_weights = model_identity(a)
+    _checkpoint(tmp_path / "m", b"weights-v2", layers=3)          # same weights, new config
+    new_config = model_identity(a)
+    assert len({first, new_weights, new_config}) == 3
+
+
+def test_engine_hashes_start_at_the_identity_the_gateway_computes():
+    """The gateway computes ``model_root(model_identity(name))`` without loading weights; the
+    engine's request hashes and KV events must be exactly the hashes it computes."""
+    llm = LLM(device="cpu", num_kv_blocks=32)
+    assert llm.engine.model_identity == model_identity("kvharbor/tiny-llama")
+    gateway = hash_prompt_blocks(PROMPT, 16, "tenant:a", parent=model_root(model_identity("kvharbor/tiny-llama")))
+    llm.generate([PROMPT], GREEDY, cache_salt="tenant:a")
+    stored = {h for b in llm.engine.drain_kv_events() for h in b.stored}
+    assert len(gateway) == 6 and set(gateway) <= stored
+    assert not set(hash_prompt_blocks(PROMPT, 16, "tenant:a")) & stored     # the zero root is not used
+
+
+def test_a_model_change_makes_the_same_prompt_cold_in_the_directory():
+    """Two deployments of the same name with other weights (seeded random builtin weights):
+    the directory that indexed the first matches nothing of the second; the same weights match."""
+    index = PrefixIndex()
+    old = LLM(model="kvharbor/tiny-qwen2", device="cpu", num_kv_blocks=32, seed=0)
+    old.generate([PROMPT], GREEDY)
+    for b in old.engine.drain_kv_events():
+        index.apply_events("r-old", b.seq_no, b.stored, b.removed, tier=b.tier)
+    same = LLM(model="kvharbor/tiny-qwen2", device="cpu", num_kv_blocks=32, seed=0)
+    changed = LLM(model="kvharbor/tiny-qwen2", device="cpu", num_kv_blocks=32, seed=1)
+    assert changed.engine.model_identity != old.engine.model_identity == same.engine.model_identity
+    for llm, want in ((same, 6), (changed, 0)):
+        req = llm.engine.add_request("probe", PROMPT, SamplingParams(max_tokens=1))
+        req.update_block_hashes(16)
+        match = index.match(req.block_hashes).get("r-old")
+        assert (match.blocks if match else 0) == want
