@@ -10,6 +10,7 @@ weights; they exist to cover architectures (qkv bias, GQA ratios, sliding window
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass
 from importlib.resources import files
@@ -52,7 +53,8 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device, seed: int = 
         ValueError: the model cannot be found; the message lists the builtin ids.
     """
     if name in BUILTIN_MODELS:
-        config = BUILTIN_MODELS[name]
+        config = copy.deepcopy(BUILTIN_MODELS[name])   # loading sets fields (dtype): keep the
+        # shared config pristine, the model identity the gateway computes without loading is its digest
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

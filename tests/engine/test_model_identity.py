@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 from kvharbor import LLM, SamplingParams
 from kvharbor.actors.prefix_directory import PrefixIndex
@@ -34,8 +36,11 @@ def test_identity_follows_the_checkpoint_files_not_the_name(tmp_path):
 def test_engine_hashes_start_at_the_identity_the_gateway_computes():
     """The gateway computes ``model_root(model_identity(name))`` without loading weights; the
     engine's request hashes and KV events must be exactly the hashes it computes."""
+    fresh = subprocess.run([sys.executable, "-c", "from kvharbor.engine.model_identity import model_identity;"
+                            "print(model_identity('kvharbor/tiny-llama'))"],
+                           capture_output=True, text=True, check=True).stdout.strip()   # like a gateway
     llm = LLM(device="cpu", num_kv_blocks=32)
-    assert llm.engine.model_identity == model_identity("kvharbor/tiny-llama")
+    assert llm.engine.model_identity == model_identity("kvharbor/tiny-llama") == fresh
     gateway = hash_prompt_blocks(PROMPT, 16, "tenant:a", parent=model_root(model_identity("kvharbor/tiny-llama")))
     llm.generate([PROMPT], GREEDY, cache_salt="tenant:a")
     stored = {h for b in llm.engine.drain_kv_events() for h in b.stored}
