@@ -27,7 +27,9 @@ else one whose routing stats list the session's key (reported by replicas, so tu
 by another gateway's router are found too). The policy keeps the load guard; when no live
 replica holds the session, the prefix index decides as for any request.
 
-Degrading: no hashes -> power of two; event stream not started or stale -> approximate
+The follower starts with the router; a router's first decision waits for its first poll (at
+most ``FIRST_POLL_WAIT_S``, once), so a gateway replica that has not routed yet still routes
+by the index. Degrading: no hashes -> power of two; event stream not started or stale -> approximate
 mode (this router's own routing history, like SGLang's router); no history either ->
 power of two. Replicas named in ``metadata["exclude_replicas"]`` (the gateway's retry after
 a replica failed) are skipped while any other candidate remains.
@@ -50,6 +52,7 @@ replica can compare predicted and observed prefix hits:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
@@ -71,6 +74,7 @@ from kvharbor.platform.routing_policy import (Candidate, KVAwarePolicy, PowerOfT
 logger = logging.getLogger(__name__)
 
 POLICY_LABEL = {"kv_index": "kv_aware", "approx": "approx", "pow2": "pow2_fallback"}
+FIRST_POLL_WAIT_S = 0.5           # a new router's first decision waits this long for the index
 MAX_SESSIONS = 65536              # sessions this router remembers the replica of (LRU)
 
 
@@ -143,6 +147,7 @@ class KVAwareRouter(RequestRouter):
         if old is not None:
             old.cancel()
         self._follow_task: asyncio.Task | None = None
+        self._first_poll: asyncio.Event | None = None    # set once the follower polled once
         self.metrics = get_metrics()
         self.active = ActiveBlocks(active_ttl_s)
         self._guesses: OrderedDict[str, tuple] = OrderedDict()   # request -> (replica, hashes)
@@ -159,6 +164,11 @@ class KVAwareRouter(RequestRouter):
         self.fallback = PowerOfTwoPolicy(random.Random())
         self.num_single_ranks = num_single_ranks
         self.default_block_size = default_block_size
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:             # not on the router's loop: start on the first decision
+            return
+        self._ensure_following()         # follow from the start, not from the first request
 
     # ---- Serve hooks -----------------------------------------------------------------------
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
@@ -201,6 +211,8 @@ class KVAwareRouter(RequestRouter):
         if not candidate_replicas:
             return []
         self._ensure_following()
+        if self._first_poll is not None and not self._first_poll.is_set():
+            await self._await_first_poll()
         target = pinned_replica(pending_request, candidate_replicas)
         if target is not None:
             return [[target]]
@@ -289,11 +301,21 @@ class KVAwareRouter(RequestRouter):
     def _ensure_following(self) -> None:
         """Start the event-log follower on this router's event loop (once)."""
         if self._follow_task is None or self._follow_task.done():
+            self._first_poll = asyncio.Event()
             self._follow_task = asyncio.get_running_loop().create_task(self._follow())
+
+    async def _await_first_poll(self) -> None:
+        """Before this router's first decision, wait (at most ``FIRST_POLL_WAIT_S``, once per
+        router) for the follower's first poll, so a router that just started routes by the index
+        instead of by power of two; a directory that does not answer only costs that wait."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._first_poll.wait(), FIRST_POLL_WAIT_S)
+        self._first_poll.set()
 
     async def _follow(self) -> None:
         while True:
             await self.follower.poll_once()
+            self._first_poll.set()
             self.metrics.router_index_lag(min(self.follower.lag_s(), 1e6))
             await asyncio.sleep(self.follower.poll_interval_s)
 

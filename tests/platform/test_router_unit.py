@@ -14,7 +14,7 @@ from ray.serve.request_router import PendingRequest
 from kvharbor.actors.prefix_directory import DirectoryShard
 from kvharbor.engine.hashing import hash_prompt_blocks
 from kvharbor.platform.protocol import GenerateRequest
-from kvharbor.platform.router import KVAwareRouter
+from kvharbor.platform.router import FIRST_POLL_WAIT_S, KVAwareRouter
 
 DEPLOYMENT = DeploymentID(name="LLMReplica", app_name="kvharbor")
 PROMPT = list(range(64 * 16))                       # 64 full blocks
@@ -112,6 +112,52 @@ def test_routes_to_the_replica_holding_the_prefix_and_records_the_prediction():
     assert md(pr)["router_predicted_by_replica"] == {"b": 640, "c": 160}
     assert 0 <= md(pr)["router_decision_ms"] < 1000
     assert pr.routing_context.should_backoff        # Serve sleeps between failed attempts
+
+
+def _fresh_router(shard: FakeShard) -> KVAwareRouter:
+    """A router as Serve makes it, its follower started by the router itself."""
+    router = KVAwareRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN)
+    router.initialize_state()
+    router.shards = router.follower.shards = [shard]
+    return router
+
+
+def test_a_new_router_routes_its_first_request_by_the_index():
+    """A gateway replica that has not routed yet (its follower never polled) must not fall back
+    to power of two for its first request: it waits for the follower's first poll."""
+    shard = FakeShard()
+    shard.shard.apply_events("b", 0, stored=HASHES)
+
+    async def go():
+        router = _fresh_router(shard)
+        pr = pending()
+        ranks = await router.choose_replicas([FakeReplica("a"), FakeReplica("b")], pr)
+        router._follow_task.cancel()
+        return ranks, pr
+
+    ranks, pr = asyncio.run(go())
+    assert uids(ranks)[0] == ["b"] and md(pr)["router_policy"] == "kv_aware", md(pr)
+
+
+def test_a_directory_that_never_answers_delays_only_the_first_decision():
+    shard = FakeShard()
+    shard.hang = True
+
+    async def go():
+        router = _fresh_router(shard)
+        replicas = [FakeReplica("a"), FakeReplica("b")]
+        start = time.perf_counter()
+        await router.choose_replicas(replicas, pending(rid="r1"))
+        first = time.perf_counter() - start
+        start = time.perf_counter()
+        pr = pending(rid="r2")
+        await router.choose_replicas(replicas, pr)
+        router._follow_task.cancel()
+        return first, time.perf_counter() - start, pr
+
+    first, second, pr = asyncio.run(go())
+    assert FIRST_POLL_WAIT_S * 0.9 <= first < FIRST_POLL_WAIT_S + 0.5, first
+    assert second < 0.05 and md(pr)["router_policy"] != "kv_aware", (second, md(pr))
 
 
 def test_a_decision_makes_no_directory_call_even_when_the_directory_hangs():
