@@ -6,8 +6,9 @@ import asyncio
 import heapq
 import os
 import random
+import sys
 import time
-import tracemalloc
+import types
 
 from kvharbor.actors.prefix_directory import DirectoryShard, PrefixIndex
 from kvharbor.platform.index_follower import IndexFollower
@@ -105,19 +106,42 @@ def _match_us(replicas: int, holders: int = 64, blocks: int = 375) -> float:
 
 
 def bytes_per_entry(hashes: int = 50_000, holders: int = 2) -> float:
-    """Heap bytes per (hash, replica) entry of a ``PrefixIndex``, hash objects included.
+    """Bytes per (hash, replica) entry of a ``PrefixIndex``, hash objects included: the deep
+    ``sys.getsizeof`` of everything the index references, divided by its entries.
 
-    Call it in a process without native threads (a fresh interpreter): ``tracemalloc.stop()``
-    races threads that untrack memory without the GIL and can crash the process.
+    Deterministic and safe in any process (``tracemalloc`` was used before: its ``stop()``
+    races native threads that untrack memory without the GIL, and it crashed a pytest
+    process that had Ray and torch threads). Allocator rounding is not counted.
     """
-    tracemalloc.start()
-    base = tracemalloc.get_traced_memory()[0]
     idx = PrefixIndex()
     chunks = [[os.urandom(16) for _ in range(1000)] for _ in range(hashes // 1000)]
     for seq, chunk in enumerate(chunks):
         for r in range(holders):
             idx.apply_events(f"replica-{r}", seq, chunk)
     del chunks
-    used = tracemalloc.get_traced_memory()[0] - base
-    tracemalloc.stop()
-    return used / idx.stats()["num_entries"]
+    return deep_size(idx) / idx.stats()["num_entries"]
+
+
+def deep_size(obj, seen: set | None = None) -> int:
+    """``sys.getsizeof`` of ``obj`` and of every object it references (containers, instance
+    attributes), each counted once; classes, functions and modules are not followed."""
+    seen = set() if seen is None else seen
+    stack, total = [obj], 0
+    while stack:
+        o = stack.pop()
+        if id(o) in seen or isinstance(o, (type, types.ModuleType, types.FunctionType,
+                                            types.BuiltinFunctionType, types.MethodType)):
+            continue
+        seen.add(id(o))
+        total += sys.getsizeof(o)
+        if isinstance(o, dict):
+            stack.extend(o.keys())
+            stack.extend(o.values())
+        elif isinstance(o, (list, tuple, set, frozenset)):
+            stack.extend(o)
+        if hasattr(o, "__dict__"):
+            stack.append(vars(o))
+        for name in getattr(type(o), "__slots__", ()):
+            if hasattr(o, name):
+                stack.append(getattr(o, name))
+    return total

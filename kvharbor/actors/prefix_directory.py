@@ -9,7 +9,7 @@ with a per-replica sequence number) to its shard (``shard_of``); every router ke
 asks its local ``match(block_hashes)`` how many *leading* blocks of a prompt each replica
 already holds: no remote call per routing decision.
 
-Memory (measured by ``benchmarks/routing_bound.bytes_per_entry``, CPython 3.11, 16-byte
+Memory (``benchmarks/routing_bound.bytes_per_entry``: deep getsizeof, CPython 3.11, 16-byte
 hashes, the hash objects included): about 410 bytes per (hash, replica) entry when one
 replica holds a hash, 210-260 with two, 180 with four, 140 with sixteen (the per-hash dict and
 LRU node are shared by its holders). ``max_blocks`` bounds the entries, so an index takes at
