@@ -198,7 +198,7 @@ class Scheduler:
     def _charge(self, req: Request, num_new: int, computed: int, limits: StepLimits) -> None:
         if limits.budget is None:
             return
-        limits.budget.add(num_new, req.priority < limits.top)
+        limits.budget.add(num_new, req.priority < limits.top, _in_prefill(req, computed))
         if req.priority < limits.top and _in_prefill(req, computed):
             limits.prefill_left -= num_new
 

@@ -88,6 +88,9 @@ class StepBudget:
     a step always gets at least ``MIN_PROGRESS_TOKENS`` (a decode, or a prefill chunk), so lower
     classes progress however long premium traffic lasts.
 
+    A step in which a top-class request computes prompt tokens (its time to first token is
+    this step) gives lower classes only that minimum share.
+
     ``target_s`` None: no time limit (only the token budget and the prefill cap apply).
     """
 
@@ -96,11 +99,13 @@ class StepBudget:
     tokens: int = 0
     seqs: int = 0
     trimmed_seqs: int = 0           # items of trimmed classes scheduled in this step
+    first_token: bool = False       # a top-class request computes its first token in this step
 
-    def add(self, tokens: int, trimmed: bool) -> None:
+    def add(self, tokens: int, trimmed: bool, prefill: bool = False) -> None:
         self.tokens += tokens
         self.seqs += 1
         self.trimmed_seqs += trimmed
+        self.first_token = self.first_token or (prefill and not trimmed)
 
     def room(self, num_new: int) -> int:
         """Most of ``num_new`` tokens (one more sequence) a trimmed request may add (0: none)."""
@@ -108,7 +113,9 @@ class StepBudget:
             return num_new
         a, b, c = self.model.coef
         variable = max(self.target_s - a, self.target_s / 2)
-        spare = variable - b * self.tokens - c * (self.seqs + 1)
+        # A top-class prefill's time to first token is this step: it runs with only the
+        # minimum share of lower classes, not with a whole target's worth of their work.
+        spare = -1.0 if self.first_token else variable - b * self.tokens - c * (self.seqs + 1)
         fits = num_new if b <= 0 else max(0, min(num_new, int(spare / b))) if spare > 0 else 0
         if self.trimmed_seqs == 0:
             fits = max(fits, min(num_new, MIN_PROGRESS_TOKENS))

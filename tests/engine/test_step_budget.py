@@ -104,3 +104,23 @@ def test_lower_classes_progress_even_when_one_step_costs_more_than_the_target():
         steps += 1
         assert steps < 40, "the batch request starved behind premium traffic"
     e.check_integrity()
+
+
+def test_a_premium_first_token_step_runs_with_only_the_minimum_lower_share():
+    """The step that computes a premium prompt is its time to first token: lower classes get
+    only their minimum share there, however much of the target is left; once the premium
+    request decodes, lower classes fill the target again."""
+    llm = _llm(target_ms=50.0)
+    e = llm.engine
+    e.scheduler.cost.coef = [0.002, 0.0001, 0.001]        # 8 batch decodes: ~9 ms of 48 ms
+    e.scheduler._learn_step_cost = lambda now: None
+    for i in range(8):
+        e.add_request(f"batch-{i}", _p(20, i), _sp(20), qos="batch")
+    while e.scheduler.waiting:
+        e.step()
+    e.add_request("premium", _p(30, 99), _sp(4), qos="premium")
+    first = _plan(e)
+    assert first["premium"] == 30 and len(first) == 2, first     # premium + one lower item
+    second = _plan(e)
+    assert second["premium"] == 1 and len(second) == 9, second   # premium decode: all fit
+    e.check_integrity()
