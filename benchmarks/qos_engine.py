@@ -195,6 +195,7 @@ def main() -> None:
     p.add_argument("--burst-blocks", type=int, default=192, help="KV blocks of the burst check "
                    "(small, so the flood fills the shared region)")
     p.add_argument("--skip-burst", action="store_true")
+    p.add_argument("--name", default="qos_engine", help="results file name (without extension)")
     args = p.parse_args()
     info = workload.read_tenants(ROOT / "tenants.yaml")
     engines = {pol: make_engine(pol, args.prefill_cap, args.blocks, args.max_num_seqs,
@@ -244,8 +245,8 @@ def main() -> None:
     bar_panels(names, [([r["overload_p99_ms"] for r in rows], "premium TTFT p99 at 2x load (ms)"),
                        ([r["standard_p99_ms"] or 0 for r in rows], "standard TTFT p99 (ms)"),
                        ([r["throughput_vs_fcfs"] for r in rows], "throughput vs FCFS")],
-               RESULTS / "qos_engine.png")
-    write_json("qos_engine", {"benchmark": "qos_engine", "args": vars(args),
+               RESULTS / f"{args.name}.png")
+    write_json(args.name, {"benchmark": "qos_engine", "args": vars(args),
                                               "capacity_req_per_s": round(cap, 3),
                                               "offered_req_per_s": round(rate, 3),
                                               "rows": rows, "results": results, "goals": goals,
