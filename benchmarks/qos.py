@@ -238,7 +238,8 @@ def lifted_tenants(folder: Path) -> Path:
     return path
 
 
-def deploy(mode: str, tenants: Path, replicas: int, step_tokens: int | None) -> None:
+def deploy(mode: str, tenants: Path, replicas: int, step_tokens: int | None,
+           replica_nice: int | None = None) -> None:
     from ray import serve  # noqa: PLC0415
 
     from kvharbor.platform.app import build_app  # noqa: PLC0415
@@ -250,6 +251,8 @@ def deploy(mode: str, tenants: Path, replicas: int, step_tokens: int | None) -> 
         config["low_priority_prefill_cap"] = None
     if step_tokens:
         config["max_num_batched_tokens"] = step_tokens
+    if replica_nice is not None:
+        config["cpu_replica_nice"] = replica_nice
     app = build_app(config)
     serve.run(app, name=f"qos-{mode}", route_prefix=f"/{mode}", blocking=False)
 
@@ -305,7 +308,7 @@ def run_all(args, info, tenants: Path) -> tuple[dict, float, dict]:
 
     t0 = time.perf_counter()
     for mode in args.modes:
-        deploy(mode, tenants, args.replicas, args.step_tokens)
+        deploy(mode, tenants, args.replicas, args.step_tokens, args.replica_nice)
     stats = {m: {"ready_s": round(asyncio.run(warm_up(base_url(m), info)), 1)} for m in args.modes}
     print(f"deployed and warmed up {args.modes} in {time.perf_counter() - t0:.0f} s", flush=True)
     rate = args.rate
@@ -428,6 +431,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="max_num_batched_tokens per engine step (default: the platform default)")
     p.add_argument("--burst", type=int, default=24, help="requests in the capacity burst")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--replica-nice", type=int, default=None,
+                   help="cpu_replica_nice of the app (default: the platform's, 10; 0 turns it off)")
     args = p.parse_args(argv)
     args.idle_s, args.window_s, args.grace_s = (10, 20, 6) if args.quick else (30, 35, 10)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -461,6 +466,8 @@ def main(argv=None) -> int:
               "machine": f"{os.cpu_count()} CPUs, shared with other workloads; load average at end "
                          f"{os.getloadavg()[0]:.1f}"}
     stem = "qos" if args.step_tokens is None else f"qos_step{args.step_tokens}"
+    if args.replica_nice is not None:
+        stem += f"_nice{args.replica_nice}"
     (RESULTS / f"{stem}.json").write_text(json.dumps(report, indent=1))
     plot(modes, series, RESULTS / f"{stem}.png")
     print(f"wrote {RESULTS / stem}.json and .png in {report['runtime_s']} s")

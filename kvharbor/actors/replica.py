@@ -56,10 +56,16 @@ class LLMReplica:
         engine_config: ``EngineConfig`` fields.
         tenants_path: tenants.yaml to read QoS classes, pinned prefixes and reservations from.
         directory_name: named PrefixDirectory actor to send KV events to (None: no directory).
+        cpu_threads: torch threads (CPU replicas).
+        nice: OS nice increment of this process (CPU replicas): the proxy and gateway, which
+            every request crosses before it reaches an engine, then get the cores first.
     """
 
     def __init__(self, engine_config: dict, tenants_path: str | None = None,
-                 directory_name: str | None = None, cpu_threads: int | None = None) -> None:
+                 directory_name: str | None = None, cpu_threads: int | None = None,
+                 nice: int = 0) -> None:
+        if nice:        # on a CPU host the request path (proxy, gateway) preempts engine steps
+            os.nice(nice)
         if cpu_threads:
             import torch  # noqa: PLC0415
 

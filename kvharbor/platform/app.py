@@ -78,7 +78,8 @@ def build_app(args: dict | None = None):
             request_router_class=router_class, request_router_kwargs=kwargs,
             request_routing_stats_period_s=0.5)
     replica = serve.deployment(LLMReplica).options(**options).bind(
-        engine, tenants, cfg.directory_name, None if on_gpu else cfg.cpu_threads)
+        engine, tenants, cfg.directory_name, None if on_gpu else cfg.cpu_threads,
+        0 if on_gpu else cfg.cpu_replica_nice)
     gateway = serve.deployment(Gateway).options(
         name="Gateway", num_replicas=cfg.gateway_replicas, max_ongoing_requests=1024,
         ray_actor_options={"num_cpus": 0.25})

@@ -41,16 +41,22 @@ def _plan(engine) -> dict[str, int]:
     return seen
 
 
-def test_lower_class_work_is_trimmed_to_the_premium_step_target():
-    llm = _llm(target_ms=10.0)
-    e = llm.engine
-    e.scheduler.cost.coef = [0.002, 0.0001, 0.001]        # 2 ms + 0.1 ms/token + 1 ms/seq
+def _batch_decoding_then_premium(target_ms: float):
+    """An engine with a frozen cost model (2 ms + 0.1 ms/token + 1 ms/seq), 8 batch requests
+    decoding, and a 30-token premium request just added."""
+    e = _llm(target_ms=target_ms).engine
+    e.scheduler.cost.coef = [0.002, 0.0001, 0.001]
     e.scheduler._learn_step_cost = lambda now: None          # frozen for the test
     for i in range(8):
         e.add_request(f"batch-{i}", _p(20, i), _sp(20), qos="batch")
     while e.scheduler.waiting:
         e.step()
     e.add_request("premium", _p(30, 99), _sp(4), qos="premium")
+    return e
+
+
+def test_lower_class_work_is_trimmed_to_the_premium_step_target():
+    e = _batch_decoding_then_premium(target_ms=10.0)
     plan = _plan(e)
     assert plan["premium"] == 30                             # never trimmed
     est = e.scheduler.cost.estimate(sum(plan.values()), len(plan))
@@ -110,15 +116,7 @@ def test_a_premium_first_token_step_runs_with_only_the_minimum_lower_share():
     """The step that computes a premium prompt is its time to first token: lower classes get
     only their minimum share there, however much of the target is left; once the premium
     request decodes, lower classes fill the target again."""
-    llm = _llm(target_ms=50.0)
-    e = llm.engine
-    e.scheduler.cost.coef = [0.002, 0.0001, 0.001]        # 8 batch decodes: ~9 ms of 48 ms
-    e.scheduler._learn_step_cost = lambda now: None
-    for i in range(8):
-        e.add_request(f"batch-{i}", _p(20, i), _sp(20), qos="batch")
-    while e.scheduler.waiting:
-        e.step()
-    e.add_request("premium", _p(30, 99), _sp(4), qos="premium")
+    e = _batch_decoding_then_premium(target_ms=50.0)         # 8 batch decodes: ~9 ms of 48 ms
     first = _plan(e)
     assert first["premium"] == 30 and len(first) == 2, first     # premium + one lower item
     second = _plan(e)

@@ -129,3 +129,14 @@ def test_actor_alive_is_false_only_for_a_dead_named_actor(ray_cluster):
         import time
         time.sleep(0.1)
     assert not _actor_alive("kvharbor-test", "kvh-test-caller")
+
+
+def test_a_cpu_replica_lowers_its_own_cpu_priority(monkeypatch):
+    """``nice``: the proxy and gateway must get the cores before engine steps on a CPU host."""
+    import kvharbor.actors.replica as replica_module
+
+    calls = []
+    monkeypatch.setattr(replica_module.os, "nice", calls.append)
+    LLMReplica({"device": "cpu", "num_kv_blocks": 16}, nice=7)
+    LLMReplica({"device": "cpu", "num_kv_blocks": 16})
+    assert calls == [7]
