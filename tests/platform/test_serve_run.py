@@ -18,7 +18,13 @@ def test_serve_run_from_a_clean_directory(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
     env["KVHARBOR_METRICS_PORT"] = "18185"
     serve_bin = Path(sys.executable).parent / "serve"
-    proc = subprocess.Popen([str(serve_bin), "run", "kvharbor.app"], cwd=tmp_path, env=env,
+    # As from a fresh terminal: SIGINT neither ignored nor blocked. A child inherits an ignored
+    # disposition and the signal mask across exec, and this pytest process (Ray's and torch's
+    # threads, earlier tests) may have either; then `serve run` never sees Ctrl-C.
+    terminal = ("import os, signal, sys; signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); "
+                "signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])")
+    proc = subprocess.Popen([sys.executable, "-c", terminal, str(serve_bin), "run", "kvharbor.app"],
+                            cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     lines: list[str] = []
