@@ -7,11 +7,23 @@ runs the call and takes a concurrency slot or a queue place that nobody will giv
 hands its result to ``undo`` so the slot is returned. With ``timeout_s`` a call that does not
 answer in time (the actor is down or restarting) raises ``TimeoutError`` and is undone the same
 way should it complete later.
+
+Calls and tasks that must outlive the request that happens to make them
+(``detached``, ``start_background``): Ray Serve cancels a request whose client went away by
+cancelling its Ray task *recursively*, which also cancels every actor call submitted from the
+request's coroutines (and from tasks they started: a task copies its creator's context) that
+has not finished. A fire-and-forget ``leave`` or ``release`` is then lost, and one cancelled
+before it was sent leaves a hole in the caller's sequence numbers: a synchronous actor holds
+back every later call from that caller for 30 s waiting for it, then cancels them all (the
+gateway answered 503 "did not answer within 5 s" for minutes). Ray tells which request a call
+belongs to from a context variable, so a call or task started in a fresh context belongs to
+none (Serve's own long-poll client does the same).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -32,3 +44,41 @@ async def await_or_undo(call: Awaitable[T], undo: Callable[[T], Any],
                 undo(done.result())
         fut.add_done_callback(_undo)
         raise
+
+
+class detached:
+    """An actor handle whose calls are no request's children (see the module docstring):
+    ``detached(handle).method.remote(*args)`` submits ``handle.method.remote(*args)`` in a
+    fresh context. Awaiting the result is unchanged; cancelling the awaiting coroutine stops
+    the wait only (``await_or_undo`` gives back what the call took)."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+
+    def __getattr__(self, name: str) -> _DetachedMethod:
+        if name.startswith("__") or name == "handle":    # pickle probing a half-built one
+            raise AttributeError(name)
+        return _DetachedMethod(getattr(self.handle, name))
+
+    def __reduce__(self):
+        return detached, (self.handle,)
+
+
+class _DetachedMethod:
+    __slots__ = ("method",)
+
+    def __init__(self, method) -> None:
+        self.method = method
+
+    def remote(self, *args, **kwargs):
+        return contextvars.Context().run(self.method.remote, *args, **kwargs)
+
+
+def start_background(coro, loop: asyncio.AbstractEventLoop | None = None) -> asyncio.Task:
+    """Start a long-lived task (engine loop, lease renewal, index follower) in a fresh
+    context, so that cancelling the request that happened to start it cancels none of the
+    actor calls it makes later."""
+    loop = loop or asyncio.get_running_loop()
+    return loop.create_task(coro, context=contextvars.Context())

@@ -33,6 +33,7 @@ from collections.abc import AsyncIterator
 
 from ray import serve
 
+from kvharbor.actors.calls import start_background
 from kvharbor.actors.replica_sync import DirectorySync
 from kvharbor.actors.tenant_sync import TenantSync
 from kvharbor.config import EngineConfig
@@ -246,8 +247,9 @@ class LLMReplica:
                 raise RuntimeError("this LLMReplica's engine loop runs on another event loop; "
                                    "call it from that loop")
         self._engine_lock, self._wake = asyncio.Lock(), asyncio.Event()
-        self._loop_task = loop.create_task(self._run())
-        self._bg_task = loop.create_task(self._background())
+        # Started by whichever request came first, but no child of it (calls.start_background).
+        self._loop_task = start_background(self._run(), loop)
+        self._bg_task = start_background(self._background(), loop)
 
     async def _run(self) -> None:
         try:

@@ -14,6 +14,11 @@ of its live requests; a gateway replica that dies mid-request stops renewing, an
 are given back within ``lease_s``. The actor restarts when it dies (``max_restarts=-1``) with
 empty counts: requests in flight then are not counted until they end (the limit loosens
 briefly), and their ``leave`` and renewals are no-ops, so counts never go below what is held.
+
+The actor runs calls one at a time in the order they arrive, not in each caller's submission
+order (``allow_out_of_order_execution``): no call needs an earlier one of the same gateway to
+run first (a ``leave`` is sent after its ``enter`` answered), and an ordered actor holds back
+all of a gateway's later calls, up to 30 s, behind one that never arrives.
 """
 
 from __future__ import annotations
@@ -80,7 +85,7 @@ class ClassQueue:
         return dict(self.counts)
 
 
-@ray.remote(num_cpus=0, max_restarts=-1)
+@ray.remote(num_cpus=0, max_restarts=-1, allow_out_of_order_execution=True)
 class ClassQueueActor:
     """The cluster's one ``ClassQueue`` (methods run one at a time, so no lock)."""
 

@@ -34,6 +34,7 @@ from ray import serve
 from ray.exceptions import RayActorError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvharbor.actors.calls import detached, start_background
 from kvharbor.engine.hashing import hash_prompt_blocks, model_root
 from kvharbor.engine.model_identity import model_identity
 from kvharbor.engine.models import load_tokenizer, model_context_length
@@ -235,9 +236,11 @@ class Gateway:
         self.max_body_bytes = config["max_body_bytes"]
         api.state.max_body_bytes = self.max_body_bytes          # read by BodyLimitMiddleware
         api.state.authenticate = self._gate                     # read by AuthGateMiddleware
+        # Control-plane calls are no request's children: a client that goes away must not
+        # cancel a leave or a release (kvharbor.actors.calls).
         self.admission = ActorAdmission(get_or_create_admission_actor())
         self.metrics = get_metrics()
-        self.class_queue = get_or_create_class_queue()
+        self.class_queue = detached(get_or_create_class_queue())
         self.admitter = Admitter(self.admission, self.class_queue, self.registry, self.metrics)
         self._watcher: asyncio.Task | None = None
         self.caller = _own_actor_name()       # replicas abort our streams if this actor dies
@@ -249,7 +252,7 @@ class Gateway:
     # ---- plumbing ------------------------------------------------------------------------
     def _start_watcher(self) -> None:
         if self._watcher is None:
-            self._watcher = asyncio.get_running_loop().create_task(self.registry.watch(1.0))
+            self._watcher = start_background(self.registry.watch(1.0))
 
     def _gate(self, key: str | None, path: str):
         """The key check ``AuthGateMiddleware`` runs before the body is read (raises 401)."""

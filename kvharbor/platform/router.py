@@ -63,6 +63,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
+from kvharbor.actors.calls import start_background
 from kvharbor.actors.prefix_directory import DEFAULT_DIRECTORY_NAME, DEFAULT_MAX_BLOCKS, shard_name
 from kvharbor.observability.metrics import get_metrics
 from kvharbor.platform.active_blocks import ActiveBlocks, RoutingHistory, with_active
@@ -302,7 +303,7 @@ class KVAwareRouter(RequestRouter):
         """Start the event-log follower on this router's event loop (once)."""
         if self._follow_task is None or self._follow_task.done():
             self._first_poll = asyncio.Event()
-            self._follow_task = asyncio.get_running_loop().create_task(self._follow())
+            self._follow_task = start_background(self._follow())
 
     async def _await_first_poll(self) -> None:
         """Before this router's first decision, wait (at most ``FIRST_POLL_WAIT_S``, once per
@@ -330,7 +331,7 @@ class KVAwareRouter(RequestRouter):
                 loop = asyncio.get_running_loop()
             except RuntimeError:
                 return                    # no loop yet: the replica's next resync fixes it
-        loop.call_soon_threadsafe(lambda: loop.create_task(self._remove_from_directory(uid)))
+        loop.call_soon_threadsafe(lambda: start_background(self._remove_from_directory(uid), loop))
 
     async def _remove_from_directory(self, uid: str) -> None:
         """Tell every shard the replica is gone (idempotent; failures only cost memory)."""

@@ -30,7 +30,7 @@ from typing import Any
 
 import ray
 
-from kvharbor.actors.calls import await_or_undo
+from kvharbor.actors.calls import await_or_undo, detached
 from kvharbor.platform.class_queue import ClassQueue
 from kvharbor.tenants.leases import DEFAULT_LEASE_S
 from kvharbor.tenants.limits import Admission, AdmissionController, Ticket
@@ -74,7 +74,7 @@ class GateKeeper:
         return released
 
 
-@ray.remote(num_cpus=0, max_restarts=-1)
+@ray.remote(num_cpus=0, max_restarts=-1, allow_out_of_order_execution=True)
 class AdmissionActor:
     """Thin Ray wrapper: each method forwards to one AdmissionController (and, for
     ``enter_and_admit``, the class queue it holds beside it).
@@ -82,6 +82,7 @@ class AdmissionActor:
     Restarted by Ray when it dies (``max_restarts=-1``), with counters from zero: limits
     loosen for at most a minute; releases and renewals of tickets it no longer knows are
     no-ops. Tickets are leased (``lease_s``): one whose gateway stops renewing it is released.
+    Calls run in arrival order, not per-caller submission order (see ``ClassQueueActor``).
     """
 
     def __init__(self, lease_s: float = DEFAULT_LEASE_S) -> None:
@@ -128,7 +129,8 @@ class ActorAdmission:
     """Async facade over an AdmissionActor handle; same methods as ``LocalAdmission``."""
 
     def __init__(self, handle: ray.actor.ActorHandle):
-        self.handle = handle
+        # Calls are no request's children: a client that goes away must not cancel a release.
+        self.handle = handle if isinstance(handle, detached) else detached(handle)
 
     async def try_admit(self, tenant: str, limits: Any, prompt_tokens: int,
                         max_tokens: int | None, now: float | None = None) -> Admission:

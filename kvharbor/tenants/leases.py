@@ -25,6 +25,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from kvharbor.actors.calls import start_background
+
 DEFAULT_LEASE_S = 10.0
 logger = logging.getLogger("kvharbor.leases")
 
@@ -86,7 +88,7 @@ class LeaseKeeper:
     def hold(self, lease_id: str) -> None:
         self.held.add(lease_id)
         if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._run())
+            self._task = start_background(self._run())
 
     def drop(self, lease_id: str) -> None:
         self.held.discard(lease_id)
