@@ -432,7 +432,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--burst", type=int, default=24, help="requests in the capacity burst")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--replica-nice", type=int, default=None,
-                   help="cpu_replica_nice of the app (default: the platform's, 0)")
+                   help="cpu_replica_nice of the app (default: the platform's, 10)")
     args = p.parse_args(argv)
     args.idle_s, args.window_s, args.grace_s = (10, 20, 6) if args.quick else (30, 35, 10)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
