@@ -236,10 +236,10 @@ class Gateway:
         self.max_body_bytes = config["max_body_bytes"]
         api.state.max_body_bytes = self.max_body_bytes          # read by BodyLimitMiddleware
         api.state.authenticate = self._gate                     # read by AuthGateMiddleware
-        # Control-plane calls are no request's children: a client that goes away must not
-        # cancel a leave or a release (kvharbor.actors.calls).
-        self.admission = ActorAdmission(get_or_create_admission_actor())
+        self.admission = ActorAdmission(get_or_create_admission_actor())   # detaches its calls
         self.metrics = get_metrics()
+        # Control-plane calls are no request's children: a client that goes away must not
+        # cancel a leave (kvharbor.actors.calls).
         self.class_queue = detached(get_or_create_class_queue())
         self.admitter = Admitter(self.admission, self.class_queue, self.registry, self.metrics)
         self._watcher: asyncio.Task | None = None
