@@ -91,6 +91,10 @@ def parse(argv):
     ap.add_argument("--ttft", action="store_true", help="also cold TTFT of 1,024-token prompts")
     ap.add_argument("--checkpoints", default="/tmp/kvh-bench-checkpoints")
     ap.add_argument("--tag", default="", help="suffix of the result file names")
+    ap.add_argument("--settle-s", type=float, default=2.0,
+                    help="pause before every timed round and TTFT, either system: vLLM's worker "
+                         "busy-polls a core for ~1 s after each call, which would land on "
+                         "kvharbor's next round")
     ap.add_argument("--kvharbor-src", default=None,
                     help="import kvharbor from this source tree instead (to measure a baseline)")
     args = ap.parse_args(argv)
@@ -115,14 +119,22 @@ def main(argv=None) -> int:
                         args.vllm_block_size, ttft_prompts)
     kvharbor_round(llm, prompts[:4], 4)                                  # warm-up, untimed
     ours, theirs, ttft = [], [], {"kvharbor": []}
+
+    def settle() -> None:                         # the same pause on both sides
+        time.sleep(args.settle_s)
+
     try:
         for _ in range(args.rounds):              # alternate, so both see the same load
+            settle()
             ours.append(kvharbor_round(llm, prompts, args.output_tokens))
             if peer:
+                settle()
                 theirs.append(peer.call("round"))
         for i, p in enumerate(ttft_prompts):
+            settle()
             ttft["kvharbor"].append(kvharbor_cold_ttft(llm, p))
             if peer:
+                settle()
                 ttft.setdefault(peer.system, []).append(peer.call("ttft", i=i)["ttft_s"])
     finally:
         if peer:
@@ -171,6 +183,7 @@ def report(args, info, limits, rows, ttft, extra) -> int:
                                    "requests": args.requests, "prompt_tokens": "64-512",
                                    "output_tokens": args.output_tokens, "seed": args.seed,
                                    "rounds": args.rounds, "dtype": "float32", "greedy": True,
+                                   "settle_s": args.settle_s,
                                    "kv_tokens": limits.kv_tokens, "block_size": args.block_size,
                                    "vllm_block_size": args.vllm_block_size,
                                    "max_num_batched_tokens": limits.max_num_batched_tokens,

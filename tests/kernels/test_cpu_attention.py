@@ -106,15 +106,18 @@ needs_kernel = pytest.mark.skipif(torch.cuda.is_available() or not cpu_decode.av
 
 
 @needs_kernel
-@pytest.mark.parametrize("heads, kv_heads, window, block_size", [
-    (8, 2, None, 16), (9, 3, 64, 16), (4, 4, None, 1), (6, 2, 100, 32)],
-    ids=["gqa4", "gqa3-window", "mha-bs1", "gqa3-window-bs32"])
-def test_cpp_decode_kernel_matches_reference(heads, kv_heads, window, block_size):
+@pytest.mark.parametrize("heads, kv_heads, window, block_size, head_dim", [
+    (8, 2, None, 16, 32), (9, 3, 64, 16, 32), (4, 4, None, 1, 32), (6, 2, 100, 32, 32),
+    (9, 3, None, 12, 64), (2, 1, 100, 16, 128), (8, 4, None, 16, 16), (4, 2, 64, 16, 24)],
+    ids=["gqa4", "gqa3-window", "mha-bs1", "gqa3-window-bs32", "d64-bs12", "d128-window",
+         "d16", "d24-plain-loop"])
+def test_cpp_decode_kernel_matches_reference(heads, kv_heads, window, block_size, head_dim):
     """Decodes through the C++ kernel (reading the poisoned cache in place) and prefills
-    through SDPA, in one step."""
+    through SDPA, in one step. Head dims 16-128 take the vector path (8 keys at a time, so
+    blocks of 1 and 12 leave partial groups), 24 the plain loop."""
     q_lens = [1] * 9 + [7, 30]
     kv_lens = [1, 5, 16, 17, 300, 640, 33, 129, 64, 300, 30]
-    batch = make_batch(q_lens, kv_lens, heads=heads, kv_heads=kv_heads, head_dim=32,
+    batch = make_batch(q_lens, kv_lens, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                        block_size=block_size, dtype=torch.float32, seed=heads + block_size)
     check(batch, window, decode_kernel=True)
 
