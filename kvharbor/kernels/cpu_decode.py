@@ -53,6 +53,7 @@ void decode_scalar(const float* qb, const float* kp, const float* vp, const int6
       for (int64_t j = 0; j < n; ++j) {
         const float* k = kb + j * Hkv * D;
         float dot = 0.f;
+#pragma omp simd reduction(+:dot)
         for (int64_t d = 0; d < D; ++d) dot += qg[d] * k[d];
         s[j] = dot * sc;
         mx = std::max(mx, s[j]);
@@ -60,11 +61,13 @@ void decode_scalar(const float* qb, const float* kp, const float* vp, const int6
       const float c = std::exp(m[g] - mx);
       float* a = acc + g * D;
       float sum = l[g] * c;
+#pragma omp simd
       for (int64_t d = 0; d < D; ++d) a[d] *= c;
       for (int64_t j = 0; j < n; ++j) {
         const float p = std::exp(s[j] - mx);
         sum += p;
         const float* v = vb + j * Hkv * D;
+#pragma omp simd
         for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
       }
       m[g] = mx;
@@ -106,6 +109,12 @@ inline __m256 sum8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+// All-ones in lanes [0, cnt), zeros above.
+inline __m256 lanes_below(int64_t cnt) {
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(cnt)),
+                                                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+}
+
 inline float hmax8(__m256 v) {
   __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   x = _mm_max_ps(x, _mm_movehl_ps(x, x));
@@ -131,7 +140,6 @@ void decode_avx2(const float* qseq, const float* kp, const float* vp, const int6
   constexpr int64_t D = DC * 8;
   const int64_t stride = Hkv * D;
   const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const int64_t H = Hkv * G;
   std::fill(acc, acc + H * D, 0.f);
   std::fill(m, m + H, -std::numeric_limits<float>::infinity());
@@ -181,8 +189,7 @@ void decode_avx2(const float* qseq, const float* kp, const float* vp, const int6
             }
           }
           __m256 sv = _mm256_mul_ps(sum8(dots), _mm256_set1_ps(sc));
-          const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)cnt), lane));
-          sv = _mm256_blendv_ps(neg_inf, sv, valid);
+          sv = _mm256_blendv_ps(neg_inf, sv, lanes_below(cnt));
           _mm256_storeu_ps(s + j8 * 8, sv);
           vmax = _mm256_max_ps(vmax, sv);
         }
@@ -192,9 +199,7 @@ void decode_avx2(const float* qseq, const float* kp, const float* vp, const int6
         __m256 psum = _mm256_setzero_ps();
         for (int64_t j8 = 0; j8 < n8; ++j8) {
           const __m256 p = exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(s + j8 * 8), mxv));
-          const int64_t cnt = std::min<int64_t>(8, n - j8 * 8);
-          const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)cnt), lane));
-          const __m256 pm = _mm256_and_ps(p, valid);
+          const __m256 pm = _mm256_and_ps(p, lanes_below(n - j8 * 8));
           _mm256_storeu_ps(s + j8 * 8, pm);
           psum = _mm256_add_ps(psum, pm);
         }
@@ -250,20 +255,17 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc,
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
 #ifdef KVH_AVX2
-  if (D == 16 || D == 32 || D == 64 || D == 128) {
+  using VectorDecode = void (*)(const float*, const float*, const float*, const int64_t*, int64_t,
+                                int64_t, int64_t, int64_t, int64_t, float, float*, float*, float*,
+                                float*, float*);
+  const VectorDecode vector_decode = D == 16 ? decode_avx2<2> : D == 32 ? decode_avx2<4>
+                                   : D == 64 ? decode_avx2<8> : D == 128 ? decode_avx2<16> : nullptr;
+  if (vector_decode != nullptr) {
     at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> acc(H * D), m(H), l(H), s(bs + 8);
-      for (int64_t b = begin; b < end; ++b) {
-        const float* qb = qp + b * H * D;
-        float* ob = op + b * H * D;
-        const int64_t* table = tp + b * W;
-        switch (D) {
-          case 16: decode_avx2<2>(qb, kp, vp, table, sp[b], lp[b], bs, Hkv, G, sc, ob, acc.data(), m.data(), l.data(), s.data()); break;
-          case 32: decode_avx2<4>(qb, kp, vp, table, sp[b], lp[b], bs, Hkv, G, sc, ob, acc.data(), m.data(), l.data(), s.data()); break;
-          case 64: decode_avx2<8>(qb, kp, vp, table, sp[b], lp[b], bs, Hkv, G, sc, ob, acc.data(), m.data(), l.data(), s.data()); break;
-          default: decode_avx2<16>(qb, kp, vp, table, sp[b], lp[b], bs, Hkv, G, sc, ob, acc.data(), m.data(), l.data(), s.data()); break;
-        }
-      }
+      for (int64_t b = begin; b < end; ++b)
+        vector_decode(qp + b * H * D, kp, vp, tp + b * W, sp[b], lp[b], bs, Hkv, G, sc,
+                      op + b * H * D, acc.data(), m.data(), l.data(), s.data());
     });
     return out;
   }
