@@ -8,6 +8,10 @@ interface, kwargs plumbing through every layer, toggling the attention implement
 the final norm over rows nobody samples. Tensors stay token-major (``[T, H, D]``), which is
 what the paged cache and the CPU attention want. ``llm.hf_model`` is left untouched (still
 the tests' oracle); the greedy-exact tests compare the two token for token.
+
+On the CPU in float32 the projections run on weights packed once for oneDNN
+(:mod:`kvharbor.kernels.cpu_linear`): q, k and v as one matrix, gate and up as one, then o,
+down and the LM head; the same products up to float rounding. Elsewhere the modules run.
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ from __future__ import annotations
 import importlib
 
 import torch
+import torch.nn.functional as F
 
+from ..kernels import cpu_linear
 from . import attention
 
 FAMILIES = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral"}
@@ -31,6 +37,37 @@ def supports(model) -> bool:
     needed = ("q_proj", "k_proj", "v_proj", "o_proj", "scaling")
     return (layer is not None and all(hasattr(layer.self_attn, n) for n in needed)
             and not hasattr(layer.self_attn, "q_norm") and hasattr(inner, "rotary_emb"))
+
+
+class PackedLayer:
+    """One decoder layer's projections packed for oneDNN (see :mod:`..kernels.cpu_linear`)."""
+
+    __slots__ = ("qkv", "qkv_sizes", "o", "gate_up", "inter", "down", "silu", "act")
+
+    def __init__(self, layer) -> None:
+        a, mlp = layer.self_attn, layer.mlp
+        self.qkv = cpu_linear.PackedLinear.stack(a.q_proj, a.k_proj, a.v_proj)
+        self.qkv_sizes = [a.q_proj.out_features, a.k_proj.out_features, a.v_proj.out_features]
+        self.o = cpu_linear.PackedLinear.stack(a.o_proj)
+        self.gate_up = cpu_linear.PackedLinear.stack(mlp.gate_proj, mlp.up_proj)
+        self.inter = mlp.gate_proj.out_features
+        self.down = cpu_linear.PackedLinear.stack(mlp.down_proj)
+        self.act = mlp.act_fn
+        self.silu = type(mlp.act_fn).__name__ in ("SiLU", "SiLUActivation")
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """``down(act(gate(x)) * up(x))``, ``x`` ``[T, hidden]``."""
+        gu = self.gate_up(x)                                         # [T, 2 * inter]
+        gate, up = gu[:, :self.inter], gu[:, self.inter:]
+        h = F.silu(gate) if self.silu else self.act(gate)
+        return self.down(h.mul_(up))
+
+
+def _packable(model) -> bool:
+    """CPU float32 weights, oneDNN present, and the gate/up/down MLP layout."""
+    mlp = model.model.layers[0].mlp
+    return (cpu_linear.available(model.lm_head.weight)
+            and all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")))
 
 
 class FastCausalLM:
@@ -53,6 +90,9 @@ class FastCausalLM:
         self.windows = [getattr(layer.self_attn, "sliding_window",
                                 getattr(cfg, "sliding_window", None) if family == "mistral" else None)
                         for layer in self.layers]
+        packed = _packable(model)
+        self.packed = [PackedLayer(layer) for layer in self.layers] if packed else None
+        self.packed_head = cpu_linear.PackedLinear(model.lm_head.weight, model.lm_head.bias) if packed else None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -63,6 +103,8 @@ class FastCausalLM:
         cos, sin = cos[0], sin[0]
         t, d = input_ids.shape[0], self.head_dim
         h = h[0]
+        if self.packed is not None:
+            return self._forward_packed(h, cos, sin, ctx, logit_rows)
         for layer, window in zip(self.layers, self.windows):
             a = layer.self_attn
             x = layer.input_layernorm(h)
@@ -76,3 +118,17 @@ class FastCausalLM:
         if not logit_rows.numel():
             return h.new_empty(0, self.lm_head.out_features)
         return self.lm_head(self.norm(h.index_select(0, logit_rows)))
+
+    def _forward_packed(self, h, cos, sin, ctx, logit_rows) -> torch.Tensor:
+        """The layers of :meth:`forward` with the packed projections; ``h`` ``[T, hidden]``."""
+        t, d = h.shape[0], self.head_dim
+        for layer, window, p in zip(self.layers, self.windows, self.packed):
+            a = layer.self_attn
+            q, k, v = p.qkv(layer.input_layernorm(h)).split(p.qkv_sizes, dim=-1)
+            q, k = self.apply_rotary(q.view(t, -1, d), k.view(t, -1, d), cos, sin, unsqueeze_dim=1)
+            o = attention.paged_step(q, k, v.view(t, -1, d), ctx, a.layer_idx, a.scaling, window)
+            h = h + p.o(o.view(t, -1))
+            h = h + p.mlp(layer.post_attention_layernorm(h))
+        if not logit_rows.numel():
+            return h.new_empty(0, self.packed_head.out_features)
+        return self.packed_head(self.norm(h.index_select(0, logit_rows)))

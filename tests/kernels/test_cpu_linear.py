@@ -1,0 +1,50 @@
+"""Packed oneDNN linears (the CPU model path's projections) against ``F.linear``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvharbor.kernels import cpu_linear
+from kvharbor.kernels.cpu_linear import PackedLinear
+
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
+                                  reason="this torch build has no oneDNN")
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 5, 32, 129, 2048])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_f_linear(rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 40, generator=g)
+    b = torch.randn(96, generator=g) if bias else None
+    x = torch.randn(rows, 40, generator=g)
+    lin = PackedLinear(w, b)
+    assert lin.packed is not None and lin.weight is None
+    out = lin(x)
+    assert out.shape == (rows, 96)
+    torch.testing.assert_close(out, F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+
+
+@needs_onednn
+def test_stacked_outputs_sit_side_by_side_in_order():
+    """q/k/v (and gate/up) share one packed matrix: each slice is its own layer's product."""
+    torch.manual_seed(0)
+    q, k, v = torch.nn.Linear(16, 24), torch.nn.Linear(16, 8, bias=False), torch.nn.Linear(16, 8)
+    x = torch.randn(7, 16)
+    out = PackedLinear.stack(q, k, v)(x)
+    with torch.no_grad():
+        for part, m in zip(out.split([24, 8, 8], dim=-1), (q, k, v)):
+            torch.testing.assert_close(part, m(x), atol=1e-5, rtol=1e-5)
+
+
+def test_opt_out_and_other_dtypes_keep_f_linear(monkeypatch):
+    w, x = torch.randn(12, 8), torch.randn(3, 8)
+    monkeypatch.setenv("KVH_CPU_LINEAR", "torch")
+    lin = PackedLinear(w)
+    assert lin.packed is None
+    assert torch.equal(lin(x), F.linear(x, w))
+    monkeypatch.delenv("KVH_CPU_LINEAR")
+    assert not cpu_linear.available(w.to(torch.bfloat16))
