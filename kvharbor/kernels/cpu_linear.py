@@ -39,9 +39,12 @@ class PackedLinear:
     weight cannot be packed.
     """
 
-    __slots__ = ("weight", "bias", "packed", "out_features")
+    __slots__ = ("weight", "bias", "packed", "out_features", "silu")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 silu: bool = False) -> None:
+        """``silu``: return ``silu(x @ weight.T + bias)``, fused into the product when packed."""
+        self.silu = silu
         weight = weight.detach().contiguous()
         self.bias = None if bias is None else bias.detach().contiguous()
         self.out_features = weight.shape[0]
@@ -49,7 +52,7 @@ class PackedLinear:
         self.weight = None if self.packed is not None else weight
 
     @classmethod
-    def stack(cls, *linears: torch.nn.Linear) -> PackedLinear:
+    def stack(cls, *linears: torch.nn.Linear, silu: bool = False) -> PackedLinear:
         """One packed weight for ``linears`` that read the same input (their outputs side by
         side, in order)."""
         weight = torch.cat([m.weight for m in linears]) if len(linears) > 1 else linears[0].weight
@@ -59,10 +62,12 @@ class PackedLinear:
         else:
             bias = torch.cat([b if b is not None else weight.new_zeros(m.out_features)
                               for m, b in zip(linears, biases)])
-        return cls(weight, bias)
+        return cls(weight, bias, silu)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., in]`` -> ``[..., out]``."""
         if self.packed is None:
-            return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            y = F.linear(x, self.weight, self.bias)
+            return F.silu(y, inplace=True) if self.silu else y
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias,
+                                                  "swish" if self.silu else "none", [], "")
