@@ -15,7 +15,6 @@ import json
 import os
 import random
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -164,7 +163,7 @@ def vllm_env(scratch: Path) -> dict:
 
 def preload_libs(python: str) -> list[str]:
     """tcmalloc and libiomp5 for vLLM, if present (``KVH_TCMALLOC`` overrides the search)."""
-    venv = Path(python).resolve().parent.parent
+    venv = Path(python).absolute().parent.parent      # not resolve(): that leaves the venv
     found = [str(p) for p in [Path(os.environ.get("KVH_TCMALLOC", "/nonexistent")),
                               Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"),
                               ROOT / ".sysroot/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"]

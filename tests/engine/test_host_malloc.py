@@ -1,0 +1,51 @@
+"""CPU steps reuse freed host memory instead of page-faulting fresh buffers every step."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvharbor.engine import host_malloc
+
+# Prefill-heavy rounds of varying sizes; the page faults of each round after warm-up.
+_PROBE = r"""
+import json, random, resource
+from kvharbor import LLM, SamplingParams
+from kvharbor.engine import host_malloc
+llm = LLM(model="kvharbor/tiny-llama", device="cpu", dtype="float32")
+rng = random.Random(0)
+sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+faults = []
+for _ in range(8):
+    llm.engine.pool.evict_all_cached()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    llm.generate([[rng.randrange(3, 250) for _ in range(rng.randint(200, 1000))] for _ in range(3)], sp)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(json.dumps({"tuned": host_malloc.keep_freed_memory(), "faults": faults}))
+"""
+
+
+def _probe(mode: str) -> dict:
+    env = dict(os.environ, KVH_HOST_MALLOC=mode)
+    out = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True,
+                         timeout=180, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or os.environ.get("LD_PRELOAD"),
+                    reason="glibc's malloc only (a preloaded allocator replaces it)")
+def test_cpu_engine_stops_page_faulting_its_step_buffers():
+    tuned, system = _probe("keep"), _probe("system")
+    assert tuned["tuned"] is True and system["tuned"] is False
+    steady_tuned, steady_system = sum(tuned["faults"][4:]), sum(system["faults"][4:])
+    # Measured: ~1,400 pages vs ~27,000 over the last four rounds.
+    assert steady_tuned < steady_system / 4, (tuned, system)
+
+
+def test_opt_out_leaves_glibc_alone(monkeypatch):
+    monkeypatch.setenv("KVH_HOST_MALLOC", "system")
+    assert host_malloc._apply() is False
