@@ -14,6 +14,7 @@ from kvharbor.kernels import KV_CACHE_DTYPES
 
 from .block_pool import BlockPool
 from .detokenizer import Detokenizer
+from . import host_memory
 from .engine_stats import engine_stats
 from .host_pool import HostKVPool
 from .kv_cache_manager import KVCacheManager
@@ -116,6 +117,7 @@ class Engine:
         gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
         self.eos_ids = {e for e in ([eos] + (gen_eos if isinstance(gen_eos, list) else [gen_eos]))
                         if e is not None}
+        host_memory.freeze_startup_objects()      # full GC passes stop walking the model
 
     def _make_host_tier(self) -> tuple[HostKVPool | None, KVTransfer | None]:
         """The host KV tier (pinned memory on CUDA) and its copier, or (None, None) when off."""

@@ -1,6 +1,6 @@
-"""Keep freed host memory in the process, so CPU steps stop page-faulting their buffers.
+"""The engine process's host memory: freed buffers kept (CPU), startup objects out of the GC.
 
-A CPU step allocates activations of a few to tens of MB (``[T, intermediate]`` for a
+**Freed buffers.** A CPU step allocates activations of a few to tens of MB (``[T, intermediate]`` for a
 2,048-token prefill is 12 MB) and frees them at its end. glibc serves blocks that large with
 ``mmap`` and gives them back with ``munmap`` (or trims the heap top), so the next step touches
 fresh pages: one page fault per 4 KB, on every step. Its dynamic threshold adapts only to
@@ -12,12 +12,22 @@ untuned, 0.066-0.069 s tuned (11 calls each).
 
 The cost: the process keeps its peak host memory instead of returning it, as it would with
 tcmalloc. ``KVH_HOST_MALLOC=system`` leaves glibc's defaults; other C libraries are left alone.
+
+**Startup objects.** Loading transformers, the model and the tokenizer leaves ~380k objects
+the cyclic garbage collector tracks; each full collection walks them all (~200 ms on the 2-core
+VM), and serving triggers full collections by itself (every step allocates requests, outputs,
+token lists). Those pauses landed inside steps: after a 64-request round, the next cold
+1,024-token TTFTs were 0.07-0.12 s instead of 0.066. :func:`freeze_startup_objects` moves
+everything alive once the engine is built into the GC's permanent generation (as vLLM's
+engine core does after startup), so later collections walk only what serving allocates.
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import ctypes.util
+import gc
 import os
 
 # glibc's mallopt parameters (malloc.h).
@@ -25,6 +35,7 @@ M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
 SETTINGS = {M_MMAP_THRESHOLD: 32 << 20, M_TRIM_THRESHOLD: 1 << 30, M_TOP_PAD: 64 << 20}
 
 _applied: bool | None = None
+_frozen: list[bool] = []
 
 
 def keep_freed_memory() -> bool:
@@ -44,3 +55,18 @@ def _apply() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return all(mallopt(param, value) == 1 for param, value in SETTINGS.items())
+
+
+def freeze_startup_objects() -> int:
+    """Once per process: collect, then exempt every surviving object from later collections
+    (the first engine's model, tokenizer and libraries). Later engines in the same process
+    (tests) are not frozen: freezing again would also pin whatever cyclic garbage they leave.
+    Returns how many objects are frozen (``gc.get_freeze_count()``)."""
+    if not _frozen:
+        gc.collect()
+        gc.freeze()
+        # Frozen objects are never collected, at shutdown included: extension modules
+        # (Triton's nanobind) then report them as leaks. Thawed at exit, they are freed.
+        atexit.register(gc.unfreeze)
+        _frozen.append(True)
+    return gc.get_freeze_count()
