@@ -83,6 +83,8 @@ class Engine:
         self.config = config
         self.device = _resolve_device(config.device)
         self.dtype = _resolve_dtype(config.dtype, self.device)
+        if self.device.type == "cpu":
+            host_memory.keep_freed_memory()       # before the model's allocations
         loaded = load_model(config.model, self.dtype, self.device, config.seed)
         self.model_name, self.model, self.tokenizer = loaded.name, loaded.model, loaded.tokenizer
         self.model_identity = model_identity(config.model, config.seed)   # once, at load

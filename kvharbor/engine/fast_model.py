@@ -39,14 +39,28 @@ def supports(model) -> bool:
             and not hasattr(layer.self_attn, "q_norm") and hasattr(inner, "rotary_emb"))
 
 
+class ModuleLayer:
+    """One decoder layer's projections as its own modules (the interface of ``PackedLayer``)."""
+
+    __slots__ = ("attn", "o", "mlp")
+
+    def __init__(self, layer) -> None:
+        self.attn, self.o, self.mlp = layer.self_attn, layer.self_attn.o_proj, layer.mlp
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k and v ``[T, heads * D]`` of ``x`` ``[T, hidden]``."""
+        a = self.attn
+        return a.q_proj(x), a.k_proj(x), a.v_proj(x)
+
+
 class PackedLayer:
     """One decoder layer's projections packed for oneDNN (see :mod:`..kernels.cpu_linear`)."""
 
-    __slots__ = ("qkv", "qkv_sizes", "o", "gate", "up", "down", "act")
+    __slots__ = ("qkv_proj", "qkv_sizes", "o", "gate", "up", "down", "act")
 
     def __init__(self, layer) -> None:
         a, mlp = layer.self_attn, layer.mlp
-        self.qkv = cpu_linear.PackedLinear.stack(a.q_proj, a.k_proj, a.v_proj)
+        self.qkv_proj = cpu_linear.PackedLinear.stack(a.q_proj, a.k_proj, a.v_proj)
         self.qkv_sizes = [a.q_proj.out_features, a.k_proj.out_features, a.v_proj.out_features]
         self.o = cpu_linear.PackedLinear.stack(a.o_proj)
         # SiLU (Llama, Qwen2, Mistral) is fused into the gate product; another activation runs
@@ -57,6 +71,10 @@ class PackedLayer:
         self.up = cpu_linear.PackedLinear.stack(mlp.up_proj)
         self.down = cpu_linear.PackedLinear.stack(mlp.down_proj)
         self.act = None if silu else mlp.act_fn
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, k and v ``[T, heads * D]`` (views of one product) of ``x`` ``[T, hidden]``."""
+        return self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         """``down(act(gate(x)) * up(x))``, ``x`` ``[T, hidden]``."""
@@ -80,7 +98,7 @@ class FastCausalLM:
         self.model = model
         inner = model.model
         self.embed, self.layers, self.norm = inner.embed_tokens, inner.layers, inner.norm
-        self.rotary, self.lm_head = inner.rotary_emb, model.lm_head
+        self.rotary = inner.rotary_emb
         family = FAMILIES[model.config.model_type]
         mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
         self.apply_rotary = mod.apply_rotary_pos_emb
@@ -91,9 +109,12 @@ class FastCausalLM:
         self.windows = [getattr(layer.self_attn, "sliding_window",
                                 getattr(cfg, "sliding_window", None) if family == "mistral" else None)
                         for layer in self.layers]
-        packed = _packable(model)
-        self.packed = [PackedLayer(layer) for layer in self.layers] if packed else None
-        self.packed_head = cpu_linear.PackedLinear(model.lm_head.weight, model.lm_head.bias) if packed else None
+        if _packable(model):
+            self.projections = [PackedLayer(layer) for layer in self.layers]
+            self.lm_head = cpu_linear.PackedLinear(model.lm_head.weight, model.lm_head.bias)
+        else:
+            self.projections = [ModuleLayer(layer) for layer in self.layers]
+            self.lm_head = model.lm_head
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -104,32 +125,14 @@ class FastCausalLM:
         cos, sin = cos[0], sin[0]
         t, d = input_ids.shape[0], self.head_dim
         h = h[0]
-        if self.packed is not None:
-            return self._forward_packed(h, cos, sin, ctx, logit_rows)
-        for layer, window in zip(self.layers, self.windows):
+        for layer, window, p in zip(self.layers, self.windows, self.projections):
             a = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = a.q_proj(x).view(t, -1, d)
-            k = a.k_proj(x).view(t, -1, d)
-            v = a.v_proj(x).view(t, -1, d)
-            q, k = self.apply_rotary(q, k, cos, sin, unsqueeze_dim=1)  # [T, H, D], [T, Hkv, D]
-            o = attention.paged_step(q, k, v, ctx, a.layer_idx, a.scaling, window)
-            h = h + a.o_proj(o.view(t, -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        if not logit_rows.numel():
-            return h.new_empty(0, self.lm_head.out_features)
-        return self.lm_head(self.norm(h.index_select(0, logit_rows)))
-
-    def _forward_packed(self, h, cos, sin, ctx, logit_rows) -> torch.Tensor:
-        """The layers of :meth:`forward` with the packed projections; ``h`` ``[T, hidden]``."""
-        t, d = h.shape[0], self.head_dim
-        for layer, window, p in zip(self.layers, self.windows, self.packed):
-            a = layer.self_attn
-            q, k, v = p.qkv(layer.input_layernorm(h)).split(p.qkv_sizes, dim=-1)
-            q, k = self.apply_rotary(q.view(t, -1, d), k.view(t, -1, d), cos, sin, unsqueeze_dim=1)
+            q, k, v = p.qkv(layer.input_layernorm(h))
+            q, k = self.apply_rotary(q.view(t, -1, d), k.view(t, -1, d), cos, sin,
+                                     unsqueeze_dim=1)                 # [T, H, D], [T, Hkv, D]
             o = attention.paged_step(q, k, v.view(t, -1, d), ctx, a.layer_idx, a.scaling, window)
             h = h + p.o(o.view(t, -1))
             h = h + p.mlp(layer.post_attention_layernorm(h))
         if not logit_rows.numel():
-            return h.new_empty(0, self.packed_head.out_features)
-        return self.packed_head(self.norm(h.index_select(0, logit_rows)))
+            return h.new_empty(0, self.lm_head.out_features)
+        return self.lm_head(self.norm(h.index_select(0, logit_rows)))

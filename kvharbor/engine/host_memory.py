@@ -27,6 +27,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import ctypes.util
+import functools
 import gc
 import os
 
@@ -34,16 +35,11 @@ import os
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
 SETTINGS = {M_MMAP_THRESHOLD: 32 << 20, M_TRIM_THRESHOLD: 1 << 30, M_TOP_PAD: 64 << 20}
 
-_applied: bool | None = None
-_frozen: list[bool] = []
 
-
+@functools.cache
 def keep_freed_memory() -> bool:
     """Apply :data:`SETTINGS` once per process; True when glibc accepted all of them."""
-    global _applied
-    if _applied is None:
-        _applied = _apply()
-    return _applied
+    return _apply()
 
 
 def _apply() -> bool:
@@ -62,11 +58,14 @@ def freeze_startup_objects() -> int:
     (the first engine's model, tokenizer and libraries). Later engines in the same process
     (tests) are not frozen: freezing again would also pin whatever cyclic garbage they leave.
     Returns how many objects are frozen (``gc.get_freeze_count()``)."""
-    if not _frozen:
-        gc.collect()
-        gc.freeze()
-        # Frozen objects are never collected, at shutdown included: extension modules
-        # (Triton's nanobind) then report them as leaks. Thawed at exit, they are freed.
-        atexit.register(gc.unfreeze)
-        _frozen.append(True)
+    _freeze_once()
     return gc.get_freeze_count()
+
+
+@functools.cache
+def _freeze_once() -> None:
+    gc.collect()
+    gc.freeze()
+    # Frozen objects are never collected, at shutdown included: extension modules (Triton's
+    # nanobind) then report them as leaks. Thawed at exit, they are freed.
+    atexit.register(gc.unfreeze)

@@ -16,7 +16,7 @@ import torch
 
 from kvharbor.kernels import KV_CACHE_DTYPES, LayerKVCache, cpu_decode, get_attention_backend, plan_attention
 
-from . import attention, fast_model, host_memory
+from . import attention, fast_model
 from .models import uniform_sliding_window
 from .request import Request
 from .logprobs import token_logprobs
@@ -66,8 +66,6 @@ class ModelRunner:
         self.block_size = block_size
         self.last_logprobs: list = []     # TokenLogprobs | None per sampled row of the last step
         self.backend = get_attention_backend(attention_backend, device)
-        if device.type == "cpu":
-            host_memory.keep_freed_memory()
         self.fast = _model_path(model, model_path)
         cfg = model.config
         self._hf_attention = cfg._attn_implementation

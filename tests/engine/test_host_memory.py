@@ -29,11 +29,15 @@ print(json.dumps({"tuned": host_memory.keep_freed_memory(), "faults": faults}))
 """
 
 
+def _run(script: str, **env: str) -> tuple[dict, str]:
+    """``script`` in a fresh interpreter: (the JSON its last stdout line holds, its stderr)."""
+    out = subprocess.run([sys.executable, "-c", script], env={**os.environ, **env},
+                         capture_output=True, text=True, timeout=180, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
+
+
 def _probe(mode: str) -> dict:
-    env = dict(os.environ, KVH_HOST_MALLOC=mode)
-    out = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True,
-                         timeout=180, check=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    return _run(_PROBE, KVH_HOST_MALLOC=mode)[0]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or os.environ.get("LD_PRELOAD"),
@@ -63,9 +67,7 @@ def test_full_collections_stop_walking_what_startup_loaded():
     """The model, tokenizer and libraries loaded at startup are frozen out of the GC's walk,
     so the full collections serving triggers do not pause steps for ~200 ms each (a fresh
     process: freezing happens once, at its first engine)."""
-    out = subprocess.run([sys.executable, "-c", _FREEZE_PROBE], capture_output=True, text=True,
-                         timeout=180, check=True)
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got, stderr = _run(_FREEZE_PROBE)
     assert got["frozen"] > 50_000, got
     assert got["tracked"] < got["frozen"] / 10, got
-    assert "leaked" not in out.stderr           # thawed at exit: nothing reported as leaked
+    assert "leaked" not in stderr               # thawed at exit: nothing reported as leaked
