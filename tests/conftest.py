@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -130,6 +131,21 @@ class RunningApp:
         import ray
 
         return ray.get_actor("kvharbor-prefix-directory", namespace="kvharbor")
+
+    def wait_indexed(self, block_hashes, timeout: float = 30.0) -> None:
+        """Wait until the directory lists every block of ``block_hashes`` on one replica,
+        then a few of the routers' 20 ms polls: the index is eventually consistent, so a
+        test that needs the next request to hit waits for it instead of guessing a delay."""
+        import ray
+
+        hashes, deadline = list(block_hashes), time.monotonic() + timeout
+        while True:
+            matches = ray.get(self.directory().match.remote(hashes))
+            if any(m.device_blocks >= len(hashes) for m in matches.values()):
+                break
+            assert time.monotonic() < deadline, f"the directory never indexed {len(hashes)} blocks"
+            time.sleep(0.05)
+        time.sleep(0.2)
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
@@ -92,6 +93,7 @@ def test_fork_starts_a_new_session_from_the_cached_state(kvharbor_app):
         assert r.status_code == 200, r.text
         assert r.json()["forked_from"] == sid and r.json()["blocks"] > 0
         assert c.delete(f"/v1/sessions/{sid}").status_code == 200      # the fork keeps the blocks
+        time.sleep(1.5)      # the replicas' routing stats (0.5 s period) list the new session
         history = one["usage"]["prompt_tokens"] + one["usage"]["completion_tokens"]
         messages += [{"role": "assistant", "content": one["choices"][0]["message"]["content"]},
                      {"role": "user", "content": "Go on."}]
@@ -108,8 +110,11 @@ def test_fork_starts_a_new_session_from_the_cached_state(kvharbor_app):
 def test_admin_flush_makes_the_next_identical_request_cold_everywhere(kvharbor_app):
     body = {"model": kvharbor_app.model, "prompt": list(range(60, 160)), "max_tokens": 2,
             "temperature": 0}
+    blocks = hash_prompt_blocks(body["prompt"], 16, "group:partners", parent=ROOT)    # globex's scope
+    hashes = set(blocks)
     with kvharbor_app.client(DEMO["standard"]) as c:
         c.post("/v1/completions", json=body)
+        kvharbor_app.wait_indexed(blocks)        # either gateway's router finds it
         warm = c.post("/v1/completions", json=body).json()
         assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] >= 96
         assert c.post("/admin/cache/flush").status_code == 403
@@ -117,7 +122,6 @@ def test_admin_flush_makes_the_next_identical_request_cold_everywhere(kvharbor_a
         r = admin.post("/admin/cache/flush")
         assert r.status_code == 200, r.text
         assert r.json()["replicas"] == 2 and r.json()["device_blocks"] >= 6
-    hashes = set(hash_prompt_blocks(body["prompt"], 16, "group:partners", parent=ROOT))    # globex's scope
     for info in kvharbor_app.replica_call("check_integrity").values():   # asserts invariants too
         assert not hashes & set(info["cached"])
     with kvharbor_app.client(DEMO["standard"]) as c:
