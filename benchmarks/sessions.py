@@ -1,6 +1,7 @@
 """Sessions on vs off: multi-turn chats of one tenant while two other tenants flood the cache.
 
-One engine (what one replica runs), the same workload twice in one run, sessions on and off:
+One engine per mode (what one replica runs), the same workload on both in one run, sessions on
+and off, interleaved phase by phase (which mode runs a phase first alternates):
 
     16 chats x 6 turns of tenant "chat" (a 128-token system prompt of its own per chat; each
     turn adds a 30-token user message and 30 generated tokens to the history), and between
@@ -64,7 +65,10 @@ def run_batch(engine: Engine, jobs: list[tuple[str, str, list[int], int, str | N
                                     for rid, r in reqs.items()}}
 
 
-def run_mode(args, seed: int, sessions: bool) -> dict:
+def run_mode(args, seed: int, sessions: bool):
+    """The workload on one engine, as a generator that pauses after every phase (a round of
+    turns, a flood gap) so that ``run_seed`` can interleave the two modes; its return value
+    (``StopIteration.value``) is the mode's result."""
     rng = random.Random(seed)
     engine = make_engine(args, sessions)
     histories = [[rng.randrange(256) for _ in range(args.system)] for _ in range(args.chats)]
@@ -81,6 +85,7 @@ def run_mode(args, seed: int, sessions: bool) -> dict:
             turns.append({"turn": t, "chat": c, "history": len(histories[c]) if t else 0,
                           "cached": cached, "ttft_s": ttft, "out": out})
             histories[c] = prompt + out
+        yield
         if t == args.turns - 1:
             break
         jobs = [(f"flood{t}-{i}", "flood-a" if i % 2 else "flood-b",
@@ -90,6 +95,7 @@ def run_mode(args, seed: int, sessions: bool) -> dict:
         flood_s += res["wall_s"]
         flood_tokens += sum(len(p) + args.flood_out for _, _, p, _, _ in jobs)
         floods.update({rid: v[0] for rid, v in res["out"].items()})
+        yield
     engine.check_integrity()
     later = [x for x in turns if x["turn"] > 0]
     history = sum(x["history"] for x in later)
@@ -106,13 +112,22 @@ def run_mode(args, seed: int, sessions: bool) -> dict:
 
 
 def run_seed(args, seed: int) -> dict:
-    """Both modes on the same workload; the one run first alternates with the seed."""
-    if seed % 2:
-        off = run_mode(args, seed, sessions=False)
-        on = run_mode(args, seed, sessions=True)
-    else:
-        on = run_mode(args, seed, sessions=True)
-        off = run_mode(args, seed, sessions=False)
+    """Both modes on the same workload, phase by phase in turn (which mode goes first
+    alternates every phase), so a slow spell of a shared machine lands on both modes."""
+    modes = {"on": run_mode(args, seed, sessions=True), "off": run_mode(args, seed, sessions=False)}
+    done: dict[str, dict] = {}
+    phase = seed
+    while len(done) < len(modes):
+        order = ("on", "off") if phase % 2 == 0 else ("off", "on")
+        for mode in order:
+            if mode in done:
+                continue
+            try:
+                next(modes[mode])
+            except StopIteration as end:
+                done[mode] = end.value
+        phase += 1
+    on, off = done["on"], done["off"]
     same = on.pop("_outputs") == off.pop("_outputs")
     return {"seed": seed, "on": on, "off": off, "outputs_identical": same,
             "ttft_p90_ratio": on["ttft_p90_s"] / off["ttft_p90_s"],
