@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import os
 import random
 import sys
@@ -85,6 +86,19 @@ def workload(args, seed: int) -> list[Conversation]:
     return convs
 
 
+MODEL = "kvharbor/tiny-llama"
+
+
+@functools.cache
+def hash_root():
+    """The root of the replicas' hash chains (the model identity), as the gateway computes it:
+    hashes from another root never match the KV events the router's index is fed with."""
+    from kvharbor.engine.hashing import model_root
+    from kvharbor.engine.model_identity import model_identity
+
+    return model_root(model_identity(MODEL))
+
+
 def make_request(tokenizer, messages: list[dict], tenant: int, rid: str, max_tokens: int):
     from kvharbor.engine.hashing import hash_prompt_blocks
     from kvharbor.platform.protocol import GenerateRequest
@@ -92,7 +106,8 @@ def make_request(tokenizer, messages: list[dict], tenant: int, rid: str, max_tok
     ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     return GenerateRequest(request_id=rid, tenant=f"tenant-{tenant}", qos="standard",
-                           prompt_token_ids=ids, block_hashes=hash_prompt_blocks(ids, 16),
+                           prompt_token_ids=ids,
+                           block_hashes=hash_prompt_blocks(ids, 16, parent=hash_root()),
                            sampling={"max_tokens": max_tokens, "temperature": 0.0,
                                      "ignore_eos": True})
 
@@ -192,7 +207,7 @@ def deploy(mode: str, args):
         options["request_router_config"] = RequestRouterConfig(
             request_router_class=ROUTER_CLASS[mode], request_router_kwargs=kwargs,
             request_routing_stats_period_s=0.5)
-    engine = {"model": "kvharbor/tiny-llama", "device": "cpu", "dtype": "float32",
+    engine = {"model": MODEL, "device": "cpu", "dtype": "float32",
               "num_kv_blocks": args.kv_blocks, "block_size": 16,
               "max_num_batched_tokens": 2048}
     app = serve.deployment(LLMReplica).options(**options).bind(engine, None, directory, 1)

@@ -1,0 +1,41 @@
+"""The routing benchmark sends requests whose block hashes are the replicas' own.
+
+The router matches ``GenerateRequest.block_hashes`` against KV events; hashes from another
+chain root (or salt) than the engine's never match, and the benchmark then measures a
+KV-aware router that cannot see any cache (seen 2026-11-25: the benchmark hashed from the
+zero root after the engine's root became the model identity).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _routing_benchmark():
+    sys.path.insert(0, str(ROOT))
+    spec = importlib.util.spec_from_file_location("routing_bench", ROOT / "benchmarks" / "routing.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["routing_bench"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmark_request_hashes_are_the_engines_stored_hashes():
+    from kvharbor.engine.llm import LLM
+    from kvharbor.engine.request import SamplingParams
+    from kvharbor.engine.tokenizer import byte_tokenizer
+
+    bench = _routing_benchmark()
+    messages = [{"role": "system", "content": "harbor ship cargo " * 30},
+                {"role": "user", "content": "where is the tide?"}]
+    req = bench.make_request(byte_tokenizer(), messages, 3, "r0", 2)
+    assert len(req.block_hashes) >= 8
+    llm = LLM(model=bench.MODEL, device="cpu", num_kv_blocks=64)
+    llm.generate([req.prompt_token_ids], SamplingParams(max_tokens=1, temperature=0.0),
+                 cache_salt=req.cache_salt)
+    stored = {h for batch in llm.engine.drain_kv_events() for h in batch.stored}
+    assert set(req.block_hashes) <= stored
