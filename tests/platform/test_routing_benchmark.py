@@ -39,3 +39,17 @@ def test_benchmark_request_hashes_are_the_engines_stored_hashes():
                  cache_salt=req.cache_salt)
     stored = {h for batch in llm.engine.drain_kv_events() for h in batch.stored}
     assert set(req.block_hashes) <= stored
+
+
+def test_hit_rate_bound_counts_leading_blocks_any_earlier_prompt_held():
+    from kvharbor.engine.hashing import hash_prompt_blocks
+
+    bench = _routing_benchmark()
+    first, other = list(range(100)), list(range(200, 264))
+    turn2 = first + list(range(100, 150))               # resends the first prompt: 6 full blocks
+    recs = [{"sent": t, "prompt": len(p), "hashes": hash_prompt_blocks(p, 16)}
+            for t, p in enumerate([first, other, turn2, other])]
+    assert bench.hit_rate_bound(recs) == (0 + 0 + 6 * 16 + 4 * 16) / (100 + 64 + 150 + 64)
+    fork = first[:50] + [999] * 40                       # 3 full blocks shared, then diverges
+    later = {"sent": 9, "prompt": 90, "hashes": hash_prompt_blocks(fork, 16)}
+    assert bench.hit_rate_bound(recs + [later]) == (6 * 16 + 4 * 16 + 3 * 16) / (100 + 64 + 150 + 64 + 90)
