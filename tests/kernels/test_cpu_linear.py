@@ -48,3 +48,23 @@ def test_opt_out_and_other_dtypes_keep_f_linear(monkeypatch):
     assert torch.equal(lin(x), F.linear(x, w))
     monkeypatch.delenv("KVH_CPU_LINEAR")
     assert not cpu_linear.available(w.to(torch.bfloat16))
+
+
+def test_row_buckets_cover_every_count_with_bounded_shapes_and_padding():
+    counts = range(1, 2049)
+    padded = [cpu_linear.padded_rows(n) for n in counts]
+    assert all(p >= n for n, p in zip(counts, padded))
+    assert len(set(padded)) <= 64                       # shapes oneDNN builds per weight
+    assert all(p - n <= 7 for n, p in zip(counts, padded) if n <= 128)
+    assert all((p - n) / n <= 0.25 for n, p in zip(counts, padded) if n > 128)
+    assert cpu_linear.padded_rows(4000) % 256 == 0
+
+
+@pytest.mark.parametrize("rows", [3, 9, 130, 600])
+def test_padded_rows_give_the_same_rows_as_f_linear(rows):
+    g = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(48, 40, generator=g), torch.randn(48, generator=g)
+    x = torch.randn(rows, 40, generator=g)
+    out = cpu_linear.PackedLinear(w, b)(x)
+    assert out.shape == (rows, 48) and out.is_contiguous()
+    torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
