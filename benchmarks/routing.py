@@ -22,7 +22,8 @@ holds ``1 / demand_ratio`` of all system prompts together.
 
 Reported per router: prefix hit rate (cached / prompt tokens, as the engine counted them)
 and the bound no router can beat on the same requests in the order they were sent (leading
-prompt blocks that any earlier prompt held: one unbounded cache shared by all replicas), TTFT p50/p90/p99 (handle call -> first token), requests/s and output tokens/s, decision time
+prompt blocks that any earlier prompt held: one unbounded cache shared by all replicas),
+TTFT p50/p90/p99 (handle call -> first token), requests/s and output tokens/s, decision time
 p50/p99 (inside the router: ``request.metadata["router_decision_ms"]``; Serve's default
 router records none). Writes benchmarks/results/routing.json and routing.png.
 """
@@ -346,8 +347,8 @@ def main(argv=None) -> int:
     rows = []
     for mode in args.modes:
         rows.append(run_mode(mode, args, convs, tokenizer))
-        print(table(rows[-1:], ["router", "hit_rate", "hit_rate_bound", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s",
-                                "requests_per_s", "decision_ms_p50", "decision_ms_p99",
+        print(table(rows[-1:], ["router", "hit_rate", "hit_rate_bound", "ttft_p50_s", "ttft_p90_s",
+                                "ttft_p99_s", "requests_per_s", "decision_ms_p50", "decision_ms_p99",
                                 "errors"]), flush=True)
     serve.shutdown()
     ray.shutdown()

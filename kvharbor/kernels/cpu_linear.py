@@ -48,6 +48,14 @@ def padded_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
+def pad_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[rows, in]`` with zero rows appended up to :func:`padded_rows` (``x`` itself
+    when it already has a bucket's row count)."""
+    rows = x.shape[0]
+    padded = padded_rows(rows)
+    return x if padded == rows else F.pad(x, (0, 0, 0, padded - rows))
+
+
 def available(weight: torch.Tensor) -> bool:
     """True when ``weight`` can be packed: a float32 CPU tensor, oneDNN built in, and
     ``KVH_CPU_LINEAR`` not set to ``torch`` (the opt-out, for A/B runs)."""
@@ -94,13 +102,9 @@ class PackedLinear:
         if self.packed is None:
             y = F.linear(x, self.weight, self.bias)
             return F.silu(y, inplace=True) if self.silu else y
-        rows = x.shape[0] if x.dim() == 2 else None
-        padded = padded_rows(rows) if rows else None
-        if padded is not None and padded != rows:       # see padded_rows: bounded shapes
-            xp = x.new_empty(padded, x.shape[1])
-            xp[:rows].copy_(x)
-            xp[rows:].zero_()
-            x = xp
+        rows = x.shape[0]
+        if x.dim() == 2 and rows:                         # see padded_rows: bounded shapes
+            x = pad_rows(x)
         y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias,
                                                "swish" if self.silu else "none", [], "")
-        return y[:rows] if padded is not None and padded != rows else y
+        return y[:rows] if y.shape[0] != rows else y

@@ -8,20 +8,7 @@ zero root after the engine's root became the model identity).
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _routing_benchmark():
-    sys.path.insert(0, str(ROOT))
-    spec = importlib.util.spec_from_file_location("routing_bench", ROOT / "benchmarks" / "routing.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["routing_bench"] = module
-    spec.loader.exec_module(module)
-    return module
+from benchmarks import routing as bench
 
 
 def test_benchmark_request_hashes_are_the_engines_stored_hashes():
@@ -29,7 +16,6 @@ def test_benchmark_request_hashes_are_the_engines_stored_hashes():
     from kvharbor.engine.request import SamplingParams
     from kvharbor.engine.tokenizer import byte_tokenizer
 
-    bench = _routing_benchmark()
     messages = [{"role": "system", "content": "harbor ship cargo " * 30},
                 {"role": "user", "content": "where is the tide?"}]
     req = bench.make_request(byte_tokenizer(), messages, 3, "r0", 2)
@@ -44,7 +30,6 @@ def test_benchmark_request_hashes_are_the_engines_stored_hashes():
 def test_hit_rate_bound_counts_leading_blocks_any_earlier_prompt_held():
     from kvharbor.engine.hashing import hash_prompt_blocks
 
-    bench = _routing_benchmark()
     first, other = list(range(100)), list(range(200, 264))
     turn2 = first + list(range(100, 150))               # resends the first prompt: 6 full blocks
     recs = [{"sent": t, "prompt": len(p), "hashes": hash_prompt_blocks(p, 16)}
