@@ -21,7 +21,7 @@ import importlib
 
 import torch
 
-from ..kernels import cpu_linear
+from ..kernels import cpu_linear, cpu_ops
 from . import attention
 
 FAMILIES = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral"}
@@ -92,6 +92,19 @@ def _packable(model) -> bool:
             and all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")))
 
 
+# transformers' RMSNorms that compute w * (x * rsqrt(mean(x^2) + eps)), as cpu_ops does.
+RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")
+
+
+def _fusable(model) -> bool:
+    """Packed (CPU float32) weights, the standard RMSNorms, and the fused ops built."""
+    inner = model.model
+    norms = [inner.norm] + [n for layer in inner.layers
+                            for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+    return (_packable(model) and all(type(n).__name__ in RMS_NORMS for n in norms)
+            and cpu_ops.available())
+
+
 class FastCausalLM:
     """Forward over one flattened step (batch 1) with the paged attention of ``attention``."""
 
@@ -118,6 +131,11 @@ class FastCausalLM:
         else:
             self.projections = [ModuleLayer(layer) for layer in self.layers]
             self.lm_head = model.lm_head
+        # Norm weights and epsilons for the fused ops: [input_0, post_0, input_1, ..., final].
+        self.fused = _fusable(model)
+        norms = [n for layer in self.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        self.norm_args = [(n.weight.detach(), float(n.variance_epsilon)) for n in norms + [self.norm]] \
+            if self.fused else []
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -128,6 +146,8 @@ class FastCausalLM:
         cos, sin = cos[0], sin[0]
         t, d = input_ids.shape[0], self.head_dim
         h = h[0]
+        if self.fused:
+            return self._forward_fused(h, cos.contiguous(), sin.contiguous(), ctx, logit_rows)
         for layer, window, p in zip(self.layers, self.windows, self.projections):
             a = layer.self_attn
             q, k, v = p.qkv(layer.input_layernorm(h))
@@ -139,3 +159,27 @@ class FastCausalLM:
         if not logit_rows.numel():
             return h.new_empty(0, self.lm_head.out_features)
         return self.lm_head(self.norm(h.index_select(0, logit_rows)))
+
+    def _forward_fused(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       ctx: attention.AttentionContext, logit_rows: torch.Tensor) -> torch.Tensor:
+        """The forward above with each norm, residual add and rotary embedding one C++ pass
+        (:mod:`..kernels.cpu_ops`); ``h`` ``[T, hidden]`` is the residual stream, added to in
+        place."""
+        t, d, args = h.shape[0], self.head_dim, self.norm_args
+        x = cpu_ops.rms_norm(h, *args[0])
+        last = len(self.layers) - 1
+        for i, (layer, window, p) in enumerate(zip(self.layers, self.windows, self.projections)):
+            a = layer.self_attn
+            q, k, v = p.qkv(x)
+            q = cpu_ops.rotary_(q.view(t, -1, d), cos, sin)          # [T, H, D], in place
+            k = cpu_ops.rotary_(k.view(t, -1, d), cos, sin)          # [T, Hkv, D]
+            o = attention.paged_step(q, k, v.view(t, -1, d), ctx, a.layer_idx, a.scaling, window)
+            x = cpu_ops.add_rms_norm(p.o(o.view(t, -1)), h, *args[2 * i + 1])
+            m = p.mlp(x)
+            if i < last:
+                x = cpu_ops.add_rms_norm(m, h, *args[2 * i + 2])
+            else:
+                h.add_(m)
+        if not logit_rows.numel():
+            return h.new_empty(0, self.lm_head.out_features)
+        return self.lm_head(cpu_ops.rms_norm(h.index_select(0, logit_rows), *args[-1]))

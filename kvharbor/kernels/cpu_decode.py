@@ -7,7 +7,9 @@ bytes. This kernel makes one: per sequence it walks the blocks through the block
 of each KV head against the block's keys, and keeps an online softmax (running max and sum,
 rescaled once per block) over the values. With AVX2 and FMA (head_dim 16, 32, 64 or 128) it
 scores 8 keys at once, takes their exp with a vector polynomial (relative error < 1e-7) and
-keeps the outputs in registers; other shapes and CPUs take a plain loop. float32 caches
+keeps the outputs in registers; other shapes and CPUs take a plain loop. The batch is split
+over torch's intra-op threads in runs of sequences holding equal shares of the keys (by KV
+head when there are fewer than two sequences per thread). float32 caches
 only; it is built with the system C++ compiler on first use (``torch.utils.cpp_extension``,
 cached under ``~/.cache/torch_extensions``) and :func:`available` is False when that fails,
 so the SDPA path stays the fallback.
@@ -26,6 +28,7 @@ import torch
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -135,8 +138,8 @@ inline float hsum8(__m256 v) {
 // 8 keys, the output accumulated in registers.
 template <int DC>
 void decode_avx2(const float* qseq, const float* kp, const float* vp, const int64_t* table,
-                 int64_t pos, int64_t len, int64_t bs, int64_t Hkv, int64_t G,
-                 float sc, float* oseq, float* acc, float* m, float* l, float* s) {
+                 int64_t pos, int64_t len, int64_t bs, int64_t Hkv, int64_t h0, int64_t h1,
+                 int64_t G, float sc, float* oseq, float* acc, float* m, float* l, float* s) {
   constexpr int64_t D = DC * 8;
   const int64_t stride = Hkv * D;
   const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
@@ -149,26 +152,30 @@ void decode_avx2(const float* qseq, const float* kp, const float* vp, const int6
     const int64_t n8 = (n + 7) / 8;
     const char* nk = nullptr;
     const char* nv = nullptr;
-    int64_t nbytes = 0;
-    // The next block is elsewhere in memory: ask for it into L2, a slice per query head, so
-    // the requests spread over this block's work (one burst at the start, or into L1, was
-    // 1.5-2x slower on a 2-core EPYC VM with the cache in DRAM).
+    int64_t nn = 0;
+    // The next block is elsewhere in memory: ask for its rows of heads [h0, h1) into L2, a
+    // share of its tokens per query head, so the requests spread over this block's work (one
+    // burst at the start, or into L1, was 1.5-2x slower on a 2-core EPYC VM with the cache in
+    // DRAM).
     if (pos + n < len) {
       const int64_t nblk = table[(pos + n) / bs];
-      nk = reinterpret_cast<const char*>(kp + nblk * bs * stride);
-      nv = reinterpret_cast<const char*>(vp + nblk * bs * stride);
-      nbytes = std::min(bs, len - pos - n) * stride * 4;
+      nk = reinterpret_cast<const char*>(kp + (nblk * bs * Hkv + h0) * D);
+      nv = reinterpret_cast<const char*>(vp + (nblk * bs * Hkv + h0) * D);
+      nn = std::min(bs, len - pos - n);
     }
-    for (int64_t h = 0; h < Hkv; ++h) {
+    const int64_t Hs = (h1 - h0) * G, slice = (h1 - h0) * D * 4;
+    for (int64_t h = h0; h < h1; ++h) {
       const float* kb = kp + ((blk * bs + off) * Hkv + h) * D;
       const float* vb = vp + ((blk * bs + off) * Hkv + h) * D;
       const float* qb = qseq + h * G * D;
       for (int64_t g = 0; g < G; ++g) {
         const int64_t hg = h * G + g;
-        for (int64_t bt = nbytes * hg / H / 64 * 64; bt < nbytes * (hg + 1) / H; bt += 64) {
-          _mm_prefetch(nk + bt, _MM_HINT_T1);
-          _mm_prefetch(nv + bt, _MM_HINT_T1);
-        }
+        const int64_t idx = hg - h0 * G;
+        for (int64_t j = nn * idx / Hs; j < nn * (idx + 1) / Hs; ++j)
+          for (int64_t bt = 0; bt < slice; bt += 64) {
+            _mm_prefetch(nk + j * stride * 4 + bt, _MM_HINT_T1);
+            _mm_prefetch(nv + j * stride * 4 + bt, _MM_HINT_T1);
+          }
         const float* qg = qb + g * D;
         __m256 vmax = neg_inf;
         for (int64_t j8 = 0; j8 < n8; ++j8) {
@@ -219,7 +226,7 @@ void decode_avx2(const float* qseq, const float* kp, const float* vp, const int6
     }
     pos += n;
   }
-  for (int64_t g = 0; g < H; ++g) {
+  for (int64_t g = h0 * G; g < h1 * G; ++g) {
     const __m256 inv = _mm256_set1_ps(1.f / l[g]);
     for (int c = 0; c < DC; ++c)
       _mm256_storeu_ps(oseq + g * D + c * 8, _mm256_mul_ps(_mm256_loadu_ps(acc + g * D + c * 8), inv));
@@ -228,6 +235,17 @@ void decode_avx2(const float* qseq, const float* kp, const float* vp, const int6
 #endif
 
 }  // namespace
+
+// True when built with OpenMP: ATen's parallel_for is inlined from headers, and without
+// -fopenmp its pragma is dropped and every call runs on one thread (measured: 2 threads were
+// no faster than 1).
+bool threaded() {
+#ifdef _OPENMP
+  return true;
+#else
+  return false;
+#endif
+}
 
 // q [B, H, D]; caches [N, bs, Hkv, D]; tables [B, W] int64; starts/lens [B] int64:
 // sequence b attends to key positions [starts[b], lens[b]).
@@ -256,16 +274,33 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc,
   const float sc = static_cast<float>(scale);
 #ifdef KVH_AVX2
   using VectorDecode = void (*)(const float*, const float*, const float*, const int64_t*, int64_t,
-                                int64_t, int64_t, int64_t, int64_t, float, float*, float*, float*,
-                                float*, float*);
+                                int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float,
+                                float*, float*, float*, float*, float*);
   const VectorDecode vector_decode = D == 16 ? decode_avx2<2> : D == 32 ? decode_avx2<4>
                                    : D == 64 ? decode_avx2<8> : D == 128 ? decode_avx2<16> : nullptr;
   if (vector_decode != nullptr) {
-    at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    // Work units: whole sequences, or (sequence, KV head) when there are too few sequences
+    // to keep every thread busy. Each thread takes a contiguous run of units holding about
+    // 1/nt of the keys (an even split by count left one thread with the long sequences).
+    const int64_t nt = std::max<int64_t>(1, at::get_num_threads());
+    const int64_t per = B >= 2 * nt ? Hkv : 1;
+    const int64_t U = B * (Hkv / per);
+    std::vector<int64_t> cum(U + 1, 0);
+    for (int64_t u = 0; u < U; ++u) {
+      const int64_t b = u / (Hkv / per);
+      cum[u + 1] = cum[u] + std::max<int64_t>(lp[b] - sp[b], 0) * per + 1;
+    }
+    std::vector<int64_t> cut(nt + 1, U);
+    cut[0] = 0;
+    for (int64_t t = 1; t < nt; ++t)
+      cut[t] = std::lower_bound(cum.begin(), cum.end(), cum[U] * t / nt) - cum.begin();
+    at::parallel_for(0, nt, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> acc(H * D), m(H), l(H), s(bs + 8);
-      for (int64_t b = begin; b < end; ++b)
-        vector_decode(qp + b * H * D, kp, vp, tp + b * W, sp[b], lp[b], bs, Hkv, G, sc,
-                      op + b * H * D, acc.data(), m.data(), l.data(), s.data());
+      for (int64_t u = cut[begin]; u < cut[end]; ++u) {
+        const int64_t b = u / (Hkv / per), h0 = u % (Hkv / per) * per;
+        vector_decode(qp + b * H * D, kp, vp, tp + b * W, sp[b], lp[b], bs, Hkv, h0, h0 + per, G,
+                      sc, op + b * H * D, acc.data(), m.data(), l.data(), s.data());
+      }
     });
     return out;
   }
@@ -296,8 +331,9 @@ def _build():
         try:
             from torch.utils.cpp_extension import load_inline  # noqa: PLC0415
 
-            _module = load_inline("kvharbor_cpu_decode", cpp_sources=_SOURCE, functions=["paged_decode"],
-                                  extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], verbose=False)
+            _module = load_inline("kvharbor_cpu_decode", cpp_sources=_SOURCE, functions=["paged_decode", "threaded"],
+                                  extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                                  extra_ldflags=["-fopenmp"], verbose=False)
         except Exception as e:  # noqa: BLE001 - no compiler, headers or ninja: keep SDPA
             _failed = f"{type(e).__name__}: {e}"
         return _module
@@ -308,6 +344,11 @@ def available() -> bool:
     if os.environ.get("KVH_CPU_DECODE", "1") == "0":
         return False
     return _build() is not None
+
+
+def threaded() -> bool:
+    """True when the built kernel splits its work over torch's intra-op threads."""
+    return bool(_module.threaded())
 
 
 def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -123,6 +123,35 @@ def test_cpp_decode_kernel_matches_reference(heads, kv_heads, window, block_size
 
 
 @needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("q_lens, kv_lens", [([1], [700]), ([1, 1, 5], [3, 290, 40]),
+                                             ([1, 1, 1, 1, 1], [900, 17, 1, 64, 333])],
+                         ids=["one-seq", "two-seqs", "five-seqs"])
+@pytest.mark.parametrize("heads, kv_heads", [(9, 3), (8, 2), (4, 4), (4, 1)])
+def test_cpp_decode_kernel_splits_few_or_uneven_sequences_exactly(threads, q_lens, kv_lens, heads,
+                                                                   kv_heads):
+    """With fewer sequences than twice the threads the kernel splits by KV head, else by runs
+    of sequences holding equal shares of the keys: every head of every row is still computed
+    exactly once (a head left out reads as the poison, one done twice or by the wrong unit
+    differs from the reference)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        batch = make_batch(q_lens, kv_lens, heads=heads, kv_heads=kv_heads, head_dim=64,
+                           block_size=16, dtype=torch.float32, seed=len(q_lens) + heads)
+        check(batch, None, decode_kernel=True)
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_kernel
+def test_cpp_decode_kernel_is_built_to_use_torchs_threads():
+    """ATen's parallel_for is inlined into the kernel: built without OpenMP it silently runs
+    every batch on one thread (2 threads were measured no faster than 1)."""
+    assert cpu_decode.threaded()
+
+
+@needs_kernel
 def test_cpp_decode_kernel_rejects_wrong_dtypes():
     batch = make_batch([1], [20], heads=4, kv_heads=2, head_dim=16, block_size=16, dtype=torch.float32)
     c = batch.cache

@@ -1,0 +1,168 @@
+"""Fused C++ forms of the small per-layer ops of a Llama-family forward on the CPU (float32).
+
+Each decoder layer runs two RMSNorms, two residual adds and the rotary embedding of q and k.
+transformers writes them as 5-12 tensor ops each (``pow``, ``mean``, ``rsqrt``, ``mul``,
+``cat``, ``neg``...): at decode batch sizes every op costs its dispatch more than its math,
+and at prefill sizes every op is another pass over ``[T, hidden]``. Here each is one pass:
+
+- :func:`rms_norm`: ``w * (x * rsqrt(mean(x^2) + eps))``, transformers' ``LlamaRMSNorm``.
+- :func:`add_rms_norm`: ``residual += x`` in place, then the norm of the new ``residual``.
+- :func:`rotary_`: ``x * cos + rotate_half(x) * sin`` in place on a ``[T, H, D]`` view (the
+  q or k columns of the packed qkv product, any row and head strides).
+
+Built with ``-ffp-contract=off``, so every product and sum rounds as torch's elementwise ops
+do: the residual add and the rotary embedding are bit-identical to transformers; the norm's
+sum of squares is taken in another order (float rounding, ~1e-7 relative), like the packed
+linears. Built with the system C++ compiler on first use (``torch.utils.cpp_extension``, cached
+under ``~/.cache/torch_extensions``); :func:`available` is False when that fails, and the
+model path then calls the transformers modules.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import torch
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+
+namespace {
+
+// Rows per parallel task: about 16k floats, so decode-sized calls stay on one thread.
+int64_t grain(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)); }
+
+inline void norm_row(const float* x, const float* w, float* out, int64_t n, float eps) {
+  float ss = 0.f;
+#pragma omp simd reduction(+:ss)
+  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (x[i] * r);
+}
+
+void check_rows(const torch::Tensor& x, const torch::Tensor& w) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat && x.dim() == 2
+              && x.is_contiguous(), "cpu_ops: x must be a contiguous [rows, hidden] float32 CPU tensor");
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kFloat && w.is_contiguous()
+              && w.dim() == 1 && w.size(0) == x.size(1), "cpu_ops: weight must be float32 [hidden]");
+}
+
+}  // namespace
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  check_rows(x, w);
+  auto out = torch::empty_like(x);
+  const int64_t n = x.size(1);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, x.size(0), grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) norm_row(xp + r * n, wp, op + r * n, n, e);
+  });
+  return out;
+}
+
+torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps) {
+  check_rows(x, w);
+  check_rows(residual, w);
+  TORCH_CHECK(residual.sizes() == x.sizes(), "cpu_ops: x and residual differ in shape");
+  auto out = torch::empty_like(x);
+  const int64_t n = x.size(1);
+  const float* xp = x.data_ptr<float>();
+  float* rp = residual.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, x.size(0), grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* res = rp + r * n;
+      const float* xr = xp + r * n;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) res[i] = res[i] + xr[i];
+      norm_row(res, wp, op + r * n, n, e);
+    }
+  });
+  return out;
+}
+
+// t [T, H, D] (last dim contiguous), cos/sin [T, D] contiguous; in place.
+void rotary_(torch::Tensor t, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat && t.dim() == 3
+              && t.stride(2) == 1 && t.size(2) % 2 == 0,
+              "cpu_ops.rotary_: t must be a float32 [T, H, D] CPU view with contiguous, even D");
+  for (const auto& c : {cos, sin})
+    TORCH_CHECK(c.device().is_cpu() && c.scalar_type() == torch::kFloat && c.is_contiguous()
+                && c.dim() == 2 && c.size(0) == t.size(0) && c.size(1) == t.size(2),
+                "cpu_ops.rotary_: cos and sin must be contiguous float32 [T, D]");
+  const int64_t T = t.size(0), H = t.size(1), D = t.size(2), half = D / 2;
+  const int64_t st = t.stride(0), sh = t.stride(1);
+  float* tp = t.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  at::parallel_for(0, T, grain(H * D), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* c = cp + r * D;
+      const float* s = sp + r * D;
+      for (int64_t h = 0; h < H; ++h) {
+        float* x = tp + r * st + h * sh;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = x[i], x2 = x[i + half];
+          x[i] = x1 * c[i] + (-x2) * s[i];
+          x[i + half] = x2 * c[i + half] + x1 * s[i + half];
+        }
+      }
+    }
+  });
+}
+"""
+
+_lock = threading.Lock()
+_module = None
+_failed: str | None = None
+
+
+def _build():
+    global _module, _failed
+    with _lock:
+        if _module is not None or _failed is not None:
+            return _module
+        try:
+            from torch.utils.cpp_extension import load_inline  # noqa: PLC0415
+
+            _module = load_inline("kvharbor_cpu_ops", cpp_sources=_SOURCE,
+                                  functions=["rms_norm", "add_rms_norm", "rotary_"],
+                                  extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+                                  extra_ldflags=["-fopenmp"], verbose=False)
+        except Exception as e:  # noqa: BLE001 - no compiler, headers or ninja: keep the modules
+            _failed = f"{type(e).__name__}: {e}"
+        return _module
+
+
+def available() -> bool:
+    """True when the ops are built (building them now if needed); ``KVH_CPU_OPS=0`` disables."""
+    if os.environ.get("KVH_CPU_OPS", "1") == "0":
+        return False
+    return _build() is not None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x * rsqrt(mean(x^2, -1) + eps))`` of ``x`` ``[rows, hidden]`` (a new tensor)."""
+    return _module.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``residual += x`` (in place), then :func:`rms_norm` of ``residual``."""
+    return _module.add_rms_norm(x, residual, weight, eps)
+
+
+def rotary_(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``t = t * cos + rotate_half(t) * sin`` in place; ``t`` ``[T, H, D]`` (any row and head
+    strides), ``cos``/``sin`` ``[T, D]``. Returns ``t``."""
+    _module.rotary_(t, cos, sin)
+    return t
