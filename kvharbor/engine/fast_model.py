@@ -10,9 +10,11 @@ what the paged cache and the CPU attention want. ``llm.hf_model`` is left untouc
 the tests' oracle); the greedy-exact tests compare the two token for token.
 
 On the CPU in float32 the projections run on weights packed once for oneDNN
-(:mod:`kvharbor.kernels.cpu_linear`): q, k and v as one matrix, then o, gate (its SiLU fused
-into the product), up, down and the LM head; the same products up to float rounding.
-Elsewhere the modules run.
+(:mod:`kvharbor.kernels.cpu_linear`): q, k and v as one matrix, then o, gate, up, down and
+the LM head; the same products up to float rounding. There
+the RMSNorms, residual adds and rotary embedding also run as fused C++ passes
+(:mod:`kvharbor.kernels.cpu_ops`: rotary and residual bit-identical, the norms up to the order
+of one sum). Elsewhere the modules run.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import importlib
 
 import torch
+import torch.nn.functional as F
 
 from ..kernels import cpu_linear, cpu_ops
 from . import attention
@@ -53,6 +56,10 @@ class ModuleLayer:
         return a.q_proj(x), a.k_proj(x), a.v_proj(x)
 
 
+def _silu_(x: torch.Tensor) -> torch.Tensor:
+    return F.silu(x, inplace=True)
+
+
 class PackedLayer:
     """One decoder layer's projections packed for oneDNN (see :mod:`..kernels.cpu_linear`)."""
 
@@ -63,14 +70,16 @@ class PackedLayer:
         self.qkv_proj = cpu_linear.PackedLinear.stack(a.q_proj, a.k_proj, a.v_proj)
         self.qkv_sizes = [a.q_proj.out_features, a.k_proj.out_features, a.v_proj.out_features]
         self.o = cpu_linear.PackedLinear.stack(a.o_proj)
-        # SiLU (Llama, Qwen2, Mistral) is fused into the gate product; another activation runs
-        # after it. Gate and up stay two products: slicing one [T, 2 * inter] output made the
-        # activation read strided rows, 3x slower than contiguous (measured).
+        # SiLU (Llama, Qwen2, Mistral) runs in place on the gate product, torch's own op as in
+        # transformers: oneDNN's fused swish post-op was slower (135M step loop, 4 interleaved
+        # rounds each in one process: 33.1-35.0 s separate vs 33.8-37.0 s fused). Gate and up
+        # stay two products: slicing one [T, 2 * inter] output made the activation read strided
+        # rows, 3x slower than contiguous (measured).
         silu = type(mlp.act_fn).__name__ in ("SiLU", "SiLUActivation")
-        self.gate = cpu_linear.PackedLinear.stack(mlp.gate_proj, silu=silu)
+        self.gate = cpu_linear.PackedLinear.stack(mlp.gate_proj)
         self.up = cpu_linear.PackedLinear.stack(mlp.up_proj)
         self.down = cpu_linear.PackedLinear.stack(mlp.down_proj)
-        self.act = None if silu else mlp.act_fn
+        self.act = _silu_ if silu else mlp.act_fn
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """q, k and v ``[T, heads * D]`` (views of one product) of ``x`` ``[T, hidden]``."""
@@ -81,7 +90,7 @@ class PackedLayer:
         bucket once here, so the three products (down's input the widest) copy nothing."""
         rows = x.shape[0]
         x = cpu_linear.pad_rows(x)
-        h = self.gate(x) if self.act is None else self.act(self.gate(x))
+        h = self.act(self.gate(x))
         return self.down(h.mul_(self.up(x)))[:rows]
 
 

@@ -72,12 +72,9 @@ class PackedLinear:
     weight cannot be packed.
     """
 
-    __slots__ = ("weight", "bias", "packed", "out_features", "silu")
+    __slots__ = ("weight", "bias", "packed", "out_features")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 silu: bool = False) -> None:
-        """``silu``: return ``silu(x @ weight.T + bias)``, fused into the product when packed."""
-        self.silu = silu
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         weight = weight.detach().contiguous()
         self.bias = None if bias is None else bias.detach().contiguous()
         self.out_features = weight.shape[0]
@@ -85,7 +82,7 @@ class PackedLinear:
         self.weight = None if self.packed is not None else weight
 
     @classmethod
-    def stack(cls, *linears: torch.nn.Linear, silu: bool = False) -> PackedLinear:
+    def stack(cls, *linears: torch.nn.Linear) -> PackedLinear:
         """One packed weight for ``linears`` that read the same input (their outputs side by
         side, in order)."""
         weight = torch.cat([m.weight for m in linears]) if len(linears) > 1 else linears[0].weight
@@ -95,16 +92,14 @@ class PackedLinear:
         else:
             bias = torch.cat([b if b is not None else weight.new_zeros(m.out_features)
                               for m, b in zip(linears, biases)])
-        return cls(weight, bias, silu)
+        return cls(weight, bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., in]`` -> ``[..., out]``."""
         if self.packed is None:
-            y = F.linear(x, self.weight, self.bias)
-            return F.silu(y, inplace=True) if self.silu else y
+            return F.linear(x, self.weight, self.bias)
         rows = x.shape[0]
         if x.dim() == 2 and rows:                         # see padded_rows: bounded shapes
             x = pad_rows(x)
-        y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias,
-                                               "swish" if self.silu else "none", [], "")
+        y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return y[:rows] if y.shape[0] != rows else y
