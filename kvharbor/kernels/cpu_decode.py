@@ -20,10 +20,9 @@ kernel tests.
 
 from __future__ import annotations
 
-import os
-import threading
-
 import torch
+
+from .inline_cpp import InlineExtension
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -318,37 +317,17 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc,
 }
 """
 
-_lock = threading.Lock()
-_module = None
-_failed: str | None = None
-
-
-def _build():
-    global _module, _failed
-    with _lock:
-        if _module is not None or _failed is not None:
-            return _module
-        try:
-            from torch.utils.cpp_extension import load_inline  # noqa: PLC0415
-
-            _module = load_inline("kvharbor_cpu_decode", cpp_sources=_SOURCE, functions=["paged_decode", "threaded"],
-                                  extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                                  extra_ldflags=["-fopenmp"], verbose=False)
-        except Exception as e:  # noqa: BLE001 - no compiler, headers or ninja: keep SDPA
-            _failed = f"{type(e).__name__}: {e}"
-        return _module
+_EXT = InlineExtension("kvharbor_cpu_decode", _SOURCE, ["paged_decode", "threaded"], "KVH_CPU_DECODE")
 
 
 def available() -> bool:
     """True when the kernel is built (building it now if needed); ``KVH_CPU_DECODE=0`` disables."""
-    if os.environ.get("KVH_CPU_DECODE", "1") == "0":
-        return False
-    return _build() is not None
+    return _EXT.available()
 
 
 def threaded() -> bool:
     """True when the built kernel splits its work over torch's intra-op threads."""
-    return bool(_module.threaded())
+    return bool(_EXT.module.threaded())
 
 
 def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -356,4 +335,4 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     """``q`` ``[B, H, D]`` float32 contiguous; caches ``[N, bs, Hkv, D]`` float32 contiguous;
     ``tables`` ``[B, W]``, ``starts``/``lens`` ``[B]`` int64 (keys ``[starts, lens)``).
     Returns ``[B, H, D]``."""
-    return _module.paged_decode(q, key_cache, value_cache, tables, starts, lens, scale)
+    return _EXT.module.paged_decode(q, key_cache, value_cache, tables, starts, lens, scale)

@@ -20,10 +20,9 @@ model path then calls the transformers modules.
 
 from __future__ import annotations
 
-import os
-import threading
-
 import torch
+
+from .inline_cpp import InlineExtension
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -122,47 +121,27 @@ void rotary_(torch::Tensor t, torch::Tensor cos, torch::Tensor sin) {
 }
 """
 
-_lock = threading.Lock()
-_module = None
-_failed: str | None = None
-
-
-def _build():
-    global _module, _failed
-    with _lock:
-        if _module is not None or _failed is not None:
-            return _module
-        try:
-            from torch.utils.cpp_extension import load_inline  # noqa: PLC0415
-
-            _module = load_inline("kvharbor_cpu_ops", cpp_sources=_SOURCE,
-                                  functions=["rms_norm", "add_rms_norm", "rotary_"],
-                                  extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
-                                  extra_ldflags=["-fopenmp"], verbose=False)
-        except Exception as e:  # noqa: BLE001 - no compiler, headers or ninja: keep the modules
-            _failed = f"{type(e).__name__}: {e}"
-        return _module
+_EXT = InlineExtension("kvharbor_cpu_ops", _SOURCE, ["rms_norm", "add_rms_norm", "rotary_"], "KVH_CPU_OPS",
+                      extra_cflags=("-ffp-contract=off",))
 
 
 def available() -> bool:
     """True when the ops are built (building them now if needed); ``KVH_CPU_OPS=0`` disables."""
-    if os.environ.get("KVH_CPU_OPS", "1") == "0":
-        return False
-    return _build() is not None
+    return _EXT.available()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * (x * rsqrt(mean(x^2, -1) + eps))`` of ``x`` ``[rows, hidden]`` (a new tensor)."""
-    return _module.rms_norm(x, weight, eps)
+    return _EXT.module.rms_norm(x, weight, eps)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``residual += x`` (in place), then :func:`rms_norm` of ``residual``."""
-    return _module.add_rms_norm(x, residual, weight, eps)
+    return _EXT.module.add_rms_norm(x, residual, weight, eps)
 
 
 def rotary_(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``t = t * cos + rotate_half(t) * sin`` in place; ``t`` ``[T, H, D]`` (any row and head
     strides), ``cos``/``sin`` ``[T, D]``. Returns ``t``."""
-    _module.rotary_(t, cos, sin)
+    _EXT.module.rotary_(t, cos, sin)
     return t
