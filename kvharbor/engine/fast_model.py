@@ -105,15 +105,6 @@ def _packable(model) -> bool:
 RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")
 
 
-def _fusable(model) -> bool:
-    """Packed (CPU float32) weights, the standard RMSNorms, and the fused ops built."""
-    inner = model.model
-    norms = [inner.norm] + [n for layer in inner.layers
-                            for n in (layer.input_layernorm, layer.post_attention_layernorm)]
-    return (_packable(model) and all(type(n).__name__ in RMS_NORMS for n in norms)
-            and cpu_ops.available())
-
-
 class FastCausalLM:
     """Forward over one flattened step (batch 1) with the paged attention of ``attention``."""
 
@@ -134,17 +125,20 @@ class FastCausalLM:
         self.windows = [getattr(layer.self_attn, "sliding_window",
                                 getattr(cfg, "sliding_window", None) if family == "mistral" else None)
                         for layer in self.layers]
-        if _packable(model):
+        packed = _packable(model)
+        if packed:
             self.projections = [PackedLayer(layer) for layer in self.layers]
             self.lm_head = cpu_linear.PackedLinear(model.lm_head.weight, model.lm_head.bias)
         else:
             self.projections = [ModuleLayer(layer) for layer in self.layers]
             self.lm_head = model.lm_head
-        # Norm weights and epsilons for the fused ops: [input_0, post_0, input_1, ..., final].
-        self.fused = _fusable(model)
-        norms = [n for layer in self.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
-        self.norm_args = [(n.weight.detach(), float(n.variance_epsilon)) for n in norms + [self.norm]] \
-            if self.fused else []
+        # The fused ops (packed CPU float32 weights, the standard RMSNorms, the ops built) take
+        # each norm's weight and epsilon: [input_0, post_0, input_1, ..., final].
+        norms = [n for layer in self.layers
+                 for n in (layer.input_layernorm, layer.post_attention_layernorm)] + [self.norm]
+        self.fused = (packed and all(type(n).__name__ in RMS_NORMS for n in norms)
+                      and cpu_ops.available())
+        self.norm_args = [(n.weight.detach(), float(n.variance_epsilon)) for n in norms] if self.fused else []
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
