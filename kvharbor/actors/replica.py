@@ -5,7 +5,9 @@ Concurrency: the engine is not thread-safe. The step loop runs each step in a wo
 while ``_engine_lock`` is held; the event loop touches the engine only under that lock
 (background: tenants.yaml reload, directory resync, metrics). New requests and aborts never
 wait for the lock: they go into thread-safe inboxes (``collections.deque``) that the step
-thread drains at every step boundary, so a premium arrival joins the very next step.
+thread drains at every step boundary, so a premium arrival joins the very next step; it also
+``engine.announce``s its class, so a latency-budgeted arrival can cut a lower-class step in
+flight short instead of waiting for it (``StepInterrupt``).
 ``stats()`` and ``record_routing_stats()`` answer from the snapshot taken at the last step
 boundary and never read engine state the step thread may be changing.
 
@@ -124,6 +126,7 @@ class LLMReplica:
         self._streams[rid], self._meta[rid] = queue, request
         self._arrived[rid] = time.perf_counter()
         self._inbox.append((request, sampling))
+        self.engine.announce(request.qos)       # a premium arrival may cut the step in flight
         self._wake.set()
         finished = False
         try:
@@ -315,6 +318,7 @@ class LLMReplica:
 
     def _drain_inbox(self) -> list[tuple[str, str]]:
         rejected = []
+        self.engine.interrupt.clear()           # before draining: later arrivals announce again
         while self._inbox:
             request, sampling = self._inbox.popleft()
             try:
@@ -423,6 +427,8 @@ class LLMReplica:
                               "demand_peak": sched.sizer.peak})
         m.step_budget_trims(rid, sched.num_trimmed - self._reported.get("trimmed", 0))
         self._reported["trimmed"] = sched.num_trimmed
+        m.steps_interrupted(rid, e.interrupt.num_interrupted - self._reported.get("interrupted", 0))
+        self._reported["interrupted"] = e.interrupt.num_interrupted
         m.replica_up(rid, True)
         self._record_session_metrics()
         m.evictions(rid, e.pool.num_evictions - self._reported["evictions"])

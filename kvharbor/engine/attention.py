@@ -16,6 +16,8 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from kvharbor.kernels import AttentionPlan, paged_attention_cpu
 
+from .step_budget import StepInterrupt
+
 ATTN_IMPLEMENTATION = "kvharbor"
 
 
@@ -38,12 +40,15 @@ class AttentionContext:
     max_seq_len: int
     plan: AttentionPlan | None = None      # the CPU backend's per-step plan (None: other backends)
     plan_window: int | None = None         # the sliding window the plan was built for
+    interrupt: StepInterrupt | None = None  # a higher-class arrival may cut the step short
 
 
 def paged_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext,
                layer_idx: int, scaling: float, sliding_window: int | None) -> torch.Tensor:
     """Store this step's K/V of layer ``layer_idx`` and attend. Token-major views in
     (``q`` ``[T, H, D]``, ``k``/``v`` ``[T, Hkv, D]``, any strides), ``[T, H, D]`` out."""
+    if ctx.interrupt is not None:
+        ctx.interrupt.check(layer_idx)        # raises StepInterrupted: the step is abandoned
     cache = ctx.caches[layer_idx]
     if ctx.plan is not None and sliding_window == ctx.plan_window:
         # The CPU hot path: no copies of q/k/v, the plan shared by all layers.

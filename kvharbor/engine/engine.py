@@ -27,6 +27,7 @@ from .models import load_model, uniform_sliding_window
 from .preemption import PreemptionPolicy
 from .request import Request, RequestOutput, SamplingParams, Status
 from .scheduler import Scheduler
+from .step_budget import StepInterrupt, StepInterrupted
 from .sessions import SessionLimits, SessionManager
 
 
@@ -95,6 +96,7 @@ class Engine:
         self.pool = BlockPool(num_blocks, config.pinned_kv_blocks, make_eviction_policy(config.eviction_policy))
         self.runner = ModelRunner(self.model, num_blocks, self.block_size, self.device, self.dtype,
                                   config.attention_backend, config.kv_cache_dtype, config.model_path)
+        self.interrupt = self.runner.interrupt = StepInterrupt(self.runner.num_layers)
         self.host, self.transfer = self._make_host_tier()
         self.sliding_window = uniform_sliding_window(self.model.config)
         self.kv = KVCacheManager(self.pool, self.block_size, self.host, self.transfer,
@@ -234,6 +236,18 @@ class Engine:
             target = q.step_target_s()
             if target is not None:
                 sched.step_target_s[q.priority] = min(target, sched.step_target_s.get(q.priority, target))
+        # Only the top latency-budgeted class cuts steps short (premium in tenants.yaml): a
+        # lower one (standard, 1 s SLO) would throw away work for a wait it can afford.
+        self.interrupt.interruptible = frozenset([max(sched.step_target_s)] if sched.step_target_s else [])
+
+    def announce(self, qos: str) -> None:
+        """A request of class ``qos`` was queued for this engine by another thread (which adds
+        it at the next step boundary): a latency-budgeted class may cut the step in flight
+        short (see ``StepInterrupt``). Thread-safe; unknown classes are ignored (``add_request``
+        rejects them)."""
+        spec = self.config.qos_classes.get(qos)
+        if spec is not None and self.config.scheduling == "priority":
+            self.interrupt.announce(spec.priority)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks. Returns False if it is unknown or finished."""
@@ -253,7 +267,8 @@ class Engine:
 
     # ---- stepping -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample; return outputs of requests that advanced."""
+        """Schedule, run the model once, sample; return outputs of requests that advanced
+        (none when an announced higher-class arrival cut the step short: see ``announce``)."""
         self.sessions.expire()
         plan = self.scheduler.schedule()
         self._flush_transfers()
@@ -261,8 +276,15 @@ class Engine:
             if self.scheduler.waiting and not self.scheduler.running:
                 self.sessions.release_oldest_idle()     # retention must never starve the engine
             return []
-        with flush_denormals(self.device.type == "cpu"):
-            tokens = self.runner.execute(plan.scheduled)
+        self.interrupt.arm(plan.scheduled)
+        try:
+            with flush_denormals(self.device.type == "cpu"):
+                tokens = self.runner.execute(plan.scheduled)
+        except StepInterrupted:
+            self.scheduler.abandon(plan)        # the next step takes the announced arrival
+            return []
+        finally:
+            self.interrupt.disarm()
         outputs = []
         sampled, logprobs = iter(tokens), iter(self.runner.last_logprobs)
         for item in plan.scheduled:

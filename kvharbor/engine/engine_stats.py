@@ -62,6 +62,7 @@ def engine_stats(engine) -> dict:
         "prefix_query_tokens": engine.kv.prefix_queries,
         "prefix_hit_tokens": engine.kv.prefix_hits,
         "preemptions": engine.scheduler.num_preemptions,
+        "steps_interrupted": engine.interrupt.num_interrupted,
         "evictions": pool.num_evictions,
         "num_running": len(engine.scheduler.running),
         "num_waiting": len(engine.scheduler.waiting),

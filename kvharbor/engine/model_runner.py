@@ -65,6 +65,7 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = block_size
         self.last_logprobs: list = []     # TokenLogprobs | None per sampled row of the last step
+        self.interrupt = None             # the engine's StepInterrupt (checked before each layer)
         self.backend = get_attention_backend(attention_backend, device)
         self.fast = _model_path(model, model_path)
         cfg = model.config
@@ -144,8 +145,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_logits(self, batch: list[ScheduledRequest]) -> torch.Tensor:
-        """Run the step; return logits ``[num_sampling_requests, vocab]``."""
+        """Run the step; return logits ``[num_sampling_requests, vocab]``. ``self.interrupt``
+        (a ``StepInterrupt``, or None) may raise ``StepInterrupted`` before any layer."""
         input_ids, positions, ctx, rows = self._build(batch)
+        ctx.interrupt = self.interrupt
         if self.fast is not None:
             return self.fast.forward(input_ids[0], positions[0], ctx, rows)
         keep = rows if rows.numel() else 1           # a pure prefill chunk samples nothing

@@ -140,6 +140,8 @@ class Scheduler:
             computed = req.num_computed_tokens + (hit.num_tokens if hit else 0)
             num_new = self._trim(req, min(req.num_tokens - computed, budget), computed, limits)
             if num_new <= 0:
+                if req.priority < limits.top and limits.budget.room(1) == 0:
+                    break           # the time budget is spent: no later (lower) item fits
                 i += 1
                 continue
             if waiting and not self._take_seat(req, num_new, hit, pending, i, out):
@@ -160,6 +162,14 @@ class Scheduler:
                 pending.pop(i)
         self._last = (now, out.num_tokens, len(out.scheduled)) if out.scheduled else None
         return out
+
+    def abandon(self, out: SchedulerOutput) -> None:
+        """The step ``out`` planned was cut short (``StepInterrupted``) and kept nothing: its
+        requests keep their seats and blocks, their fairness charge is refunded, and the step
+        is no sample of the cost model."""
+        for item in out.scheduled:
+            self.fair.charge(item.request, -item.num_new_tokens)
+        self._last = None
 
     # ---- trimming lower classes (prefill cap, step time budget) ----------------------------
     def _limits(self, pending: list[Request], now: float) -> StepLimits:

@@ -120,3 +120,74 @@ class StepBudget:
         if self.trimmed_seqs == 0:
             fits = max(fits, min(num_new, MIN_PROGRESS_TOKENS))
         return fits
+
+
+class StepInterrupted(Exception):
+    """The step in flight was cut short for a higher-class arrival (nothing of it is kept)."""
+
+
+NO_PRIORITY = float("-inf")
+
+
+class StepInterrupt:
+    """Lets a latency-budgeted arrival cut short the step in flight instead of waiting for it.
+
+    The step budget bounds how long a step runs while a higher class is about, but a premium
+    request arriving mid-step still waits for the rest of it. So another thread (the replica's
+    event loop) ``announce``s the priority of each request it queues for the engine, and the
+    forward calls ``check(layer)`` before each layer's attention: the step is abandoned
+    (``StepInterrupted``) when an announced priority
+
+    - belongs to the highest class with a step target (``interruptible``, set by the engine:
+      premium in tenants.yaml), and
+    - is above the step's *protected* priority: the highest class whose prompt tokens the step
+      computes (a first token already on its way is not thrown away for a peer), and the
+      lowest class in the step (a step holding only that class's work is not cut for it).
+
+    An abandoned step keeps nothing: the engine advances ``num_computed_tokens`` and caches
+    blocks only after a forward returns, and the K/V the cut forward wrote went only to the
+    requests' own uncomputed slots, which the next step computes again. Its cost is the work
+    done so far, so a step is only cut before ``cutoff`` of its layers: with ``fraction`` 0.75
+    a cut never throws away more than three times the wait it saves. (On the builtin 4-layer
+    model, qos_engine seed 0 at 2x load, two rounds: premium p99 TTFT 19.3 / 20.7 ms cutting
+    before 3 of 4 layers, 16.3 / 22.5 ms before all 4, 43.3 / 50.2 ms never; throughput the
+    same within noise.)
+
+    Protocol: the consumer calls ``clear()`` *before* it drains the queue the announcements
+    refer to (an announcement made after the drain then survives for the next step).
+    Announcements are plain attribute writes, atomic under the GIL, read once per layer.
+    """
+
+    __slots__ = ("announced", "protected", "cutoff", "interruptible", "num_interrupted")
+
+    def __init__(self, num_layers: int, fraction: float = 0.75) -> None:
+        self.announced = NO_PRIORITY
+        self.protected = float("inf")           # no step armed: nothing to cut
+        self.cutoff = max(1, int(num_layers * fraction))
+        self.interruptible: frozenset = frozenset()   # priorities that may cut a step
+        self.num_interrupted = 0
+
+    def announce(self, priority: float) -> None:
+        """A request of ``priority`` was queued (any thread)."""
+        if priority in self.interruptible and priority > self.announced:
+            self.announced = priority
+
+    def clear(self) -> None:
+        """The queue is about to be drained into the engine (the consumer's thread)."""
+        self.announced = NO_PRIORITY
+
+    def arm(self, items) -> None:
+        """The step ``items`` (``ScheduledRequest``s) is about to run."""
+        prefill = [s.request.priority for s in items        # computing prompt tokens
+                   if s.request.num_tokens - s.request.num_computed_tokens > 1]
+        lowest = min((s.request.priority for s in items), default=float("inf"))
+        self.protected = max(max(prefill, default=NO_PRIORITY), lowest)
+
+    def disarm(self) -> None:
+        self.protected = float("inf")
+
+    def check(self, layer: int) -> None:
+        """Raise ``StepInterrupted`` when the step in flight should yield (see class doc)."""
+        if self.announced > self.protected and layer < self.cutoff:
+            self.num_interrupted += 1
+            raise StepInterrupted(layer)

@@ -72,10 +72,13 @@ def _kv_cache() -> DashboardSpec:
                   "the peak demand it follows.", "short",
                   (Query(f"sum by (replica, kind) ({series('kvharbor_pinned_region_blocks')}{R})",
                          "{{replica}} {{kind}}"),)),
-        PanelSpec("Step budget trims", "Lower-class prefill chunks cut or decodes deferred per "
-                  "second to keep steps under the premium step target.", "short",
+        PanelSpec("Step budget trims and cut steps", "Lower-class prefill chunks cut or decodes "
+                  "deferred per second to keep steps under the premium step target, and steps "
+                  "cut short for a premium arrival.", "short",
                   (Query(rate_sum("kvharbor_step_budget_trims", "replica", R),
-                         "{{replica}}"),), no_value="0"),
+                         "{{replica}} trims"),
+                   Query(rate_sum("kvharbor_steps_interrupted", "replica", R),
+                         "{{replica}} cut steps")), no_value="0"),
         PanelSpec("KV utilisation", "Used blocks / all blocks, per replica.", "percentunit", (
             Query(f'sum by (replica) ({blocks}{R[:-1]},state="used"}}) / '
                   f"sum by (replica) ({blocks}{R})", "{{replica}}"),)),

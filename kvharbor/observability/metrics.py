@@ -141,6 +141,9 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kvharbor_step_budget_trims", "counter", ("replica",),
                "Lower-class prefill chunks cut or decodes deferred to keep an engine step under "
                "a higher class's step target."),
+    MetricSpec("kvharbor_steps_interrupted", "counter", ("replica",),
+               "Lower-class engine steps cut short for a premium arrival (the work done so far "
+               "is thrown away and the premium request runs in the next step)."),
     MetricSpec("kvharbor_queue_length", "gauge", ("replica", "qos"),
                "Requests waiting to be scheduled on a replica, by QoS class."),
     MetricSpec("kvharbor_running_requests", "gauge", ("replica", "qos"),
@@ -332,6 +335,10 @@ class KvharborMetrics:
     def step_budget_trims(self, replica: str, n: int) -> None:
         """Count lower-class items trimmed by the step budget since the last call."""
         self._inc("kvharbor_step_budget_trims", n, {"replica": replica})
+
+    def steps_interrupted(self, replica: str, n: int) -> None:
+        """Count steps cut short for a premium arrival since the last call."""
+        self._inc("kvharbor_steps_interrupted", n, {"replica": replica})
 
     def queue_length(self, replica: str, qos: str, n: int) -> None:
         """Set the number of waiting requests of class ``qos`` on ``replica``."""

@@ -59,6 +59,7 @@ class Recorder:
         m.pinned_region(replica, {"size": 16 * scale, "target": 16 * scale, "floor": 8,
                                   "ceiling": 64, "demand_peak": 12 * scale})
         m.step_budget_trims(replica, 2 * scale)
+        m.steps_interrupted(replica, scale)
         m.router_mode("kv_index", None)
         m.router_mode("pow2", "no_hashes")
         m.router_index_lag(0.02 * scale)

@@ -77,11 +77,13 @@ def test_pinned_region_and_step_trims_are_exported():
 
     replica.metrics = Recorder()
     replica.engine.scheduler.num_trimmed = 5
+    replica.engine.interrupt.num_interrupted = 2
     replica._record_metrics()
     rid = replica.replica_id
     assert recorded["pinned_region"] == [(rid, {"size": 8, "target": 8, "floor": 8, "ceiling": 32,
                                                 "demand_peak": 0})]
     assert recorded["step_budget_trims"] == [(rid, 5)]
+    assert recorded["steps_interrupted"] == [(rid, 2)]
 
 
 def test_streams_of_a_dead_caller_are_aborted_and_others_keep_running(monkeypatch):
@@ -140,3 +142,45 @@ def test_a_cpu_replica_lowers_its_own_cpu_priority(monkeypatch):
     LLMReplica({"device": "cpu", "num_kv_blocks": 16}, nice=7)
     LLMReplica({"device": "cpu", "num_kv_blocks": 16})
     assert calls == [7]
+
+
+def test_a_premium_arrival_cuts_the_lower_class_step_in_flight():
+    """generate() announces a premium arrival while a batch step runs: the step is cut at its
+    next layer and the premium request runs in the very next step; both streams finish."""
+    from kvharbor.config import DEFAULT_QOS
+    from kvharbor.engine.step_budget import StepInterrupt
+
+    classes = {k: {**q.model_dump(), "step_target_ms": 20.0 if k == "premium" else None}
+               for k, q in DEFAULT_QOS.items()}
+    replica = LLMReplica({"device": "cpu", "num_kv_blocks": 64, "qos_classes": classes})
+    engine = replica.engine
+    in_layer, go = threading.Event(), threading.Event()
+
+    class Held(StepInterrupt):
+        """Holds the first step at layer 1 until the premium request has been queued."""
+
+        __slots__ = ()
+
+        def check(self, layer: int) -> None:
+            if layer == 1 and not in_layer.is_set():
+                in_layer.set()
+                go.wait(30)
+            super().check(layer)
+
+    held = Held(engine.runner.num_layers)
+    held.interruptible = engine.interrupt.interruptible
+    engine.interrupt = engine.runner.interrupt = held
+
+    async def scenario():
+        batch = asyncio.create_task(_collect(replica, _req("b", 40, "batch", max_tokens=4)))
+        await asyncio.get_running_loop().run_in_executor(None, in_layer.wait, 30)
+        premium = asyncio.create_task(_collect(replica, _req("p", 10, max_tokens=3)))
+        await asyncio.sleep(0.05)
+        go.set()
+        return await batch, await premium
+
+    b, p = asyncio.run(scenario())
+    assert held.num_interrupted == 1, "the batch step was not cut for the premium arrival"
+    assert sum(len(e["token_ids"]) for e in p) == 3 and p[-1]["finish_reason"] == "length"
+    assert sum(len(e["token_ids"]) for e in b) == 4 and b[-1]["finish_reason"] == "length"
+    engine.check_integrity()

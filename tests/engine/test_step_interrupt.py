@@ -1,0 +1,165 @@
+"""A premium arrival cuts a lower-class step in flight short instead of waiting for it, and the
+cut step loses nothing: every request still gets exactly the tokens it gets uninterrupted."""
+
+from __future__ import annotations
+
+import random
+
+from kvharbor import LLM, SamplingParams
+from kvharbor.config import DEFAULT_QOS
+from kvharbor.engine.step_budget import StepInterrupt
+
+
+def _p(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(n)]
+
+
+def _sp(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+def _engine(scheduling: str = "priority", budgeted: tuple[str, ...] = ("premium",)):
+    classes = {k: q.model_copy(update={"step_target_ms": 20.0 if k in budgeted else None})
+               for k, q in DEFAULT_QOS.items()}
+    return LLM(device="cpu", num_kv_blocks=256, qos_classes=classes, scheduling=scheduling,
+               max_num_batched_tokens=96, low_priority_prefill_cap=None).engine
+
+
+class AnnounceAt(StepInterrupt):
+    """Announces ``qos`` from inside the forward, just before layer ``layer`` of the next step
+    (as the replica's event loop does while the step thread runs)."""
+
+    __slots__ = ("engine", "qos", "layer", "armed_for")
+
+    def __init__(self, engine, layer: int) -> None:
+        super().__init__(engine.runner.num_layers)
+        self.interruptible = engine.interrupt.interruptible
+        self.engine, self.layer, self.qos, self.armed_for = engine, layer, None, None
+
+    def check(self, layer: int) -> None:
+        if self.qos is not None and layer == self.layer:
+            self.engine.announce(self.qos)
+            self.qos = None
+        super().check(layer)
+
+
+def _install(engine, layer: int) -> AnnounceAt:
+    engine.interrupt = engine.runner.interrupt = AnnounceAt(engine, layer)
+    engine.set_qos_classes(engine.config.qos_classes)
+    return engine.interrupt
+
+
+def _run(engine, steps_before_premium: int, cut_at: int | None) -> dict[str, list[int]]:
+    """Two batch requests sharing a 160-token prefix (prefilled in 96-token chunks), then a
+    premium request; with ``cut_at`` its arrival is announced inside the step in flight."""
+    hook = _install(engine, cut_at if cut_at is not None else 0)
+    shared = _p(160, 1)
+    engine.add_request("b0", shared + _p(40, 2), _sp(12), tenant="x", qos="batch")
+    engine.add_request("b1", shared + _p(30, 3), _sp(12), tenant="y", qos="batch")
+    tokens: dict[str, list[int]] = {}
+    for _ in range(steps_before_premium):
+        for o in engine.step():
+            tokens[o.request_id] = o.token_ids
+        engine.check_integrity()
+    before = {r.request_id: r.num_computed_tokens for r in engine.scheduler.running}
+    vtokens = dict(engine.scheduler.fair.vtokens)
+    if cut_at is not None:
+        hook.qos = "premium"
+        assert engine.step() == [], "the cut step returned outputs"
+        assert engine.interrupt.num_interrupted == 1
+        assert engine.stats()["steps_interrupted"] == 1
+        assert {r.request_id: r.num_computed_tokens for r in engine.scheduler.running} == before, \
+            "the cut step advanced a request"
+        assert engine.scheduler.fair.vtokens == vtokens, "the cut step was charged to its tenants"
+        engine.check_integrity()
+    engine.interrupt.clear()
+    engine.add_request("p", _p(20, 4), _sp(6), tenant="acme", qos="premium")
+    first = engine.step()
+    assert "p" in {o.request_id for o in first}, "premium did not get its first token next step"
+    for o in first:
+        tokens[o.request_id] = o.token_ids
+    while engine.has_unfinished():
+        for o in engine.step():
+            tokens[o.request_id] = o.token_ids
+        engine.check_integrity()
+    # A newcomer on the same prefix hits blocks the cut step wrote into: they must be whole.
+    engine.add_request("b2", shared + _p(40, 2), _sp(12), tenant="z", qos="batch")
+    while engine.has_unfinished():
+        for o in engine.step():
+            tokens[o.request_id] = o.token_ids
+    return tokens
+
+
+def test_a_premium_arrival_cuts_a_batch_prefill_step_and_every_token_stays_exact():
+    want = _run(_engine(), steps_before_premium=1, cut_at=None)
+    for layer in (0, 2):
+        got = _run(_engine(), steps_before_premium=1, cut_at=layer)
+        assert got == want, f"cut before layer {layer}: tokens differ from the uncut run"
+    assert want["b0"] == want["b2"]
+
+
+def test_a_premium_arrival_cuts_a_decode_step_and_every_token_stays_exact():
+    want = _run(_engine(), steps_before_premium=5, cut_at=None)
+    got = _run(_engine(), steps_before_premium=5, cut_at=1)
+    assert got == want
+
+
+def _one_step_with_announcement(engine, qos: str) -> int:
+    hook = _install(engine, 1)
+    hook.qos = qos
+    engine.step()
+    return engine.interrupt.num_interrupted
+
+
+def test_no_cut_for_a_peer_prefill_a_lower_class_or_fcfs():
+    e = _engine()
+    e.add_request("p0", _p(60, 5), _sp(4), qos="premium")
+    e.add_request("b0", _p(60, 6), _sp(4), qos="batch")
+    assert _one_step_with_announcement(e, "premium") == 0, "cut a step computing a premium prompt"
+
+    e = _engine(budgeted=("premium", "standard"))
+    e.add_request("b0", _p(60, 6), _sp(4), qos="batch")
+    assert _one_step_with_announcement(e, "standard") == 0, \
+        "a class below the top latency-budgeted one cut a step"
+    assert _one_step_with_announcement(e, "premium") == 1
+
+    e = _engine(scheduling="fcfs")
+    e.add_request("b0", _p(60, 6), _sp(4), qos="batch")
+    assert _one_step_with_announcement(e, "premium") == 0, "FCFS has no classes to cut for"
+
+    e = _engine(budgeted=())
+    e.add_request("b0", _p(60, 6), _sp(4), qos="batch")
+    assert _one_step_with_announcement(e, "premium") == 0, "a class without a step target cut a step"
+
+
+def test_a_cut_comes_only_in_the_first_three_quarters_of_the_layers():
+    e = _engine()
+    last = e.runner.num_layers - 1
+    assert e.interrupt.cutoff == int(0.75 * e.runner.num_layers) <= last
+    e.add_request("b0", _p(60, 6), _sp(4), qos="batch")
+    hook = _install(e, last)
+    hook.qos = "premium"
+    e.step()
+    assert e.interrupt.num_interrupted == 0, "cut a step in its last layer"
+
+
+def test_a_spent_step_budget_stops_the_walk_over_a_lower_class_backlog():
+    """Scheduling cost under a flood: once the premium step budget is spent, the scheduler
+    stops instead of looking up the prefix of every waiting lower-class request."""
+    e = _engine()
+    e.scheduler.cost.coef = [0.002, 0.001, 0.001]            # 1 ms per token: budget is tight
+    e.scheduler._learn_step_cost = lambda now: None
+    for i in range(200):
+        e.add_request(f"b{i}", _p(30, 100 + i), _sp(2), qos="batch")
+    e.add_request("p", _p(20, 4), _sp(2), qos="premium")
+    lookups = 0
+    lookup = e.kv.get_computed_blocks
+
+    def counting(req):
+        nonlocal lookups
+        lookups += 1
+        return lookup(req)
+    e.kv.get_computed_blocks = counting
+    e.step()
+    assert lookups <= 3, f"{lookups} prefix lookups for one step over a 200-request backlog"
