@@ -87,6 +87,7 @@ class Outcome:
     end: float | None = None
     token_times: list[float] = field(default_factory=list)
     error: str | None = None
+    timings: dict | None = None        # the app's breakdown of its TTFT (usage chunk)
 
     def ttft(self, cutoff: float) -> tuple[float, bool]:
         """(TTFT seconds, censored): censored means no token by ``cutoff`` (a lower bound)."""
@@ -96,7 +97,7 @@ class Outcome:
 # ---- workload ------------------------------------------------------------------------------
 def make_job(qos: str, at_s: float, rng: random.Random, info: workload.TenantsInfo) -> Job:
     base = {"model": MODEL, "max_tokens": MAX_TOKENS[qos], "temperature": 0, "ignore_eos": True,
-            "stream": True}
+            "stream": True, "stream_options": {"include_usage": True}}
     if qos == "premium":
         return Job(at_s, qos, "/v1/chat/completions", {**base, "messages": workload.premium_messages(info, rng)})
     if qos == "standard":
@@ -116,6 +117,14 @@ def poisson_jobs(rate: float, duration_s: float, seed: int, info, only: str | No
         job = make_job(qos, t, rng, info)
         if only is None or qos == only:
             jobs.append(job)
+
+
+def _phases(outcomes: list[Outcome]) -> dict[str, float | None]:
+    """Median of each phase of the app's TTFT breakdown (queue, tokenize, admit, first_token,
+    replica, hops: see ``Generation.timings_ms``) over the requests that reported one."""
+    timed = [o.timings for o in outcomes if o.timings]
+    keys = sorted({k for t in timed for k in t})
+    return {k: _r(percentile([t[k] for t in timed if k in t], 50)) for k in keys}
 
 
 # ---- client --------------------------------------------------------------------------------
@@ -138,6 +147,8 @@ async def send(client: httpx.AsyncClient, job: Job, t0: float, out: Outcome) -> 
                     out.error = data["error"].get("message", "stream error")
                     return
                 seen += 1
+                if data.get("usage"):
+                    out.timings = (data.get("kvharbor") or {}).get("timings_ms")
                 if data.get("choices") and not (chat and seen == 1):   # chat chunk 1: role only
                     now = time.perf_counter() - t0
                     out.token_times.append(now)
@@ -206,7 +217,8 @@ def phase_stats(chunks: list[tuple[list[Outcome], float, float]]) -> dict:
         mine = [o for o in outcomes if o.qos == qos]
         first = [(o.first - o.sent) * 1000.0 for o in mine if o.first is not None]
         per_class[qos] = {"sent": len(mine), "completed": sum(o.end is not None for o in mine),
-                          "ttft_p50_ms": _r(percentile(first, 50)), "ttft_p99_ms": _r(percentile(first, 99))}
+                          "ttft_p50_ms": _r(percentile(first, 50)), "ttft_p99_ms": _r(percentile(first, 99)),
+                          "phases_p50_ms": _phases(mine)}
     return {"premium_ttft_ms": {"p50": _r(percentile(ttfts, 50)), "p90": _r(percentile(ttfts, 90)),
                                 "p99": _r(p99), "n": len(ttfts), "censored": len(censored),
                                 "p99_is_lower_bound": bool(censored and p99 is not None and p99 >= censored[0])},
@@ -380,6 +392,10 @@ def table(modes: dict, ver: dict, rate: float) -> str:
             rows.append(f"{mode:9} {phase:9} {t['p50']!s:>9} {t['p90']!s:>9} {bound + str(t['p99']):>9} "
                         f"{t['n']:>4} {t['censored']:>5} {s['throughput_tokens_per_s']:>8} "
                         f"{s['offered_tokens_per_s']:>8} {s['completed_in_window_per_s']:>6} {s['errors']:>6}")
+    rows.append("where the TTFT went under overload (p50 per phase, ms, from the app's usage chunk):")
+    for mode, res in modes.items():
+        for qos, c in res["overload"]["per_class"].items():
+            rows.append(f"  {mode:9} {qos:9} " + " ".join(f"{k} {v}" for k, v in c["phases_p50_ms"].items()))
     rows += [f"{k}: {v}" for k, v in ver.items()]
     return "\n".join(rows)
 
