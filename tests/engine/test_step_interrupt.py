@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from kvharbor import LLM, SamplingParams
 from kvharbor.config import DEFAULT_QOS
 from kvharbor.engine.step_budget import StepInterrupt
@@ -19,11 +21,12 @@ def _sp(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
 
 
-def _engine(scheduling: str = "priority", budgeted: tuple[str, ...] = ("premium",)):
+def _engine(scheduling: str = "priority", budgeted: tuple[str, ...] = ("premium",),
+            model_path: str = "auto"):
     classes = {k: q.model_copy(update={"step_target_ms": 20.0 if k in budgeted else None})
                for k, q in DEFAULT_QOS.items()}
     return LLM(device="cpu", num_kv_blocks=256, qos_classes=classes, scheduling=scheduling,
-               max_num_batched_tokens=96, low_priority_prefill_cap=None).engine
+               max_num_batched_tokens=96, low_priority_prefill_cap=None, model_path=model_path).engine
 
 
 class AnnounceAt(StepInterrupt):
@@ -91,10 +94,13 @@ def _run(engine, steps_before_premium: int, cut_at: int | None) -> dict[str, lis
     return tokens
 
 
-def test_a_premium_arrival_cuts_a_batch_prefill_step_and_every_token_stays_exact():
-    want = _run(_engine(), steps_before_premium=1, cut_at=None)
+@pytest.mark.parametrize("model_path", ["kvharbor", "transformers"])
+def test_a_premium_arrival_cuts_a_batch_prefill_step_and_every_token_stays_exact(model_path):
+    engine = _engine(model_path=model_path)
+    assert (engine.runner.fast is None) == (model_path == "transformers")
+    want = _run(engine, steps_before_premium=1, cut_at=None)
     for layer in (0, 2):
-        got = _run(_engine(), steps_before_premium=1, cut_at=layer)
+        got = _run(_engine(model_path=model_path), steps_before_premium=1, cut_at=layer)
         assert got == want, f"cut before layer {layer}: tokens differ from the uncut run"
     assert want["b0"] == want["b2"]
 
