@@ -14,7 +14,11 @@ Policies, each run on the same arrivals:
               get at most ``prefill_cap`` prefill tokens per step (their decodes still run)
   budget      as priority+cap, and while premium requests are about, each step's estimated
               duration (learned cost model) is kept under ``--step-target-ms`` by trimming
-              lower classes' prefill and decodes (premium ``step_target_ms``)
+              lower classes' prefill and decodes (premium ``step_target_ms``); a premium
+              arrival also cuts a lower-class step in flight short (``StepInterrupt``)
+
+Arrivals come from a producer thread that queues them and announces their class, as the
+replica's event loop does; the stepping thread drains them at each step boundary.
 
 Phases: ``idle`` (the premium arrivals alone) and ``overload`` (all arrivals at ``load`` x the
 engine's measured capacity). TTFT is from arrival to the step that returns the first token.
@@ -23,7 +27,7 @@ blocks and a standard/batch flood running, premium requests needing 3x the regio
 once; every one must finish with all its tokens (the overflow borrows shared blocks and
 preempts lower classes).
 
-Run:  python benchmarks/qos_engine.py          (about 4 minutes on 2 cores)
+Run:  python benchmarks/qos_engine.py          (about 6 minutes on 2 cores)
 Writes benchmarks/results/qos_engine.json and .png.
 """
 
