@@ -45,7 +45,7 @@ from .model_runner import ScheduledRequest
 from .pinned_sizer import PinnedSizer
 from .preemption import PreemptionPolicy
 from .request import Request, Status
-from .step_budget import StepBudget, StepCostModel
+from .step_budget import StepBudget, StepCostModel, in_prefill
 
 MAX_SAMPLE_GAP_S = 1.0          # a longer gap between two schedule() calls is idle time
 
@@ -198,7 +198,7 @@ class Scheduler:
         """Tokens ``req`` may compute this step after trimming (0: skip it this step)."""
         if req.priority >= limits.top or limits.budget is None:
             return num_new
-        if _in_prefill(req, computed):
+        if in_prefill(req, computed):
             num_new = min(num_new, limits.prefill_left)
         room = limits.budget.room(num_new)
         if room < num_new:
@@ -208,8 +208,8 @@ class Scheduler:
     def _charge(self, req: Request, num_new: int, computed: int, limits: StepLimits) -> None:
         if limits.budget is None:
             return
-        limits.budget.add(num_new, req.priority < limits.top, _in_prefill(req, computed))
-        if req.priority < limits.top and _in_prefill(req, computed):
+        limits.budget.add(num_new, req.priority < limits.top, in_prefill(req, computed))
+        if req.priority < limits.top and in_prefill(req, computed):
             limits.prefill_left -= num_new
 
     def _learn_step_cost(self, now: float) -> None:
@@ -322,8 +322,3 @@ class Scheduler:
 def _free_hits(hit: PrefixHit | None) -> int:
     """Prefix-hit blocks sitting in a free queue (touching them takes them out of it)."""
     return sum(1 for b in hit.blocks if b.ref_cnt == 0) if hit else 0
-
-
-def _in_prefill(req: Request, computed: int) -> bool:
-    """True while part of the prompt (or, after preemption, of the output) is not computed."""
-    return req.num_tokens - computed > 1

@@ -75,6 +75,12 @@ class StepCostModel:
         self.coef = [max(0.0, x) for x in _solve3(m, v)]
 
 
+def in_prefill(req, computed: int) -> bool:
+    """True while part of ``req``'s prompt (or, after preemption, of its output) is not
+    computed, with ``computed`` tokens done."""
+    return req.num_tokens - computed > 1
+
+
 MIN_PROGRESS_TOKENS = 16      # a trimmed class always gets this much per step (no starvation)
 
 
@@ -179,7 +185,7 @@ class StepInterrupt:
     def arm(self, items) -> None:
         """The step ``items`` (``ScheduledRequest``s) is about to run."""
         prefill = [s.request.priority for s in items        # computing prompt tokens
-                   if s.request.num_tokens - s.request.num_computed_tokens > 1]
+                   if in_prefill(s.request, s.request.num_computed_tokens)]
         lowest = min((s.request.priority for s in items), default=float("inf"))
         self.protected = max(max(prefill, default=NO_PRIORITY), lowest)
 

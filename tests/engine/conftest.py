@@ -1,4 +1,5 @@
-"""Engine test helpers: prompts with shared prefixes and the transformers oracle."""
+"""Engine test helpers: prompts (random, or with shared prefixes), greedy sampling, the
+transformers oracle, and an announcer that plays the replica's event loop mid-step."""
 
 from __future__ import annotations
 
@@ -7,7 +8,47 @@ import random
 import pytest
 import torch
 
+from kvharbor import SamplingParams
+from kvharbor.engine.step_budget import StepInterrupt
+
 NEW_TOKENS = 10
+
+
+def random_prompt(n: int, seed: int) -> list[int]:
+    """``n`` random token ids below 256, the same for the same seed."""
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(n)]
+
+
+def greedy(n: int) -> SamplingParams:
+    """Exactly ``n`` greedy tokens."""
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+class AnnounceAt(StepInterrupt):
+    """The engine's step interrupt, announcing each ``(qos, layer)`` in ``due`` from inside the
+    forward just before that layer (as the replica's event loop does while the step thread
+    runs), once each."""
+
+    __slots__ = ("engine", "due")
+
+    def __init__(self, engine) -> None:
+        super().__init__(engine.runner.num_layers)
+        self.interruptible = engine.interrupt.interruptible
+        self.engine, self.due = engine, []
+
+    def check(self, layer: int) -> None:
+        for qos, at in list(self.due):
+            if layer == at:
+                self.engine.announce(qos)
+                self.due.remove((qos, at))
+        super().check(layer)
+
+
+def install_announcer(engine) -> AnnounceAt:
+    """Replace ``engine``'s step interrupt by an ``AnnounceAt`` (nothing due yet)."""
+    engine.interrupt = engine.runner.interrupt = AnnounceAt(engine)
+    return engine.interrupt
 
 
 def mixed_prompts(n: int = 16, seed: int = 0, vocab: int = 256) -> list[list[int]]:

@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 
 from kvharbor import LLM, SamplingParams
 
+from .conftest import install_announcer
+
 CLASSES = ("premium", "standard", "batch")
 ARRIVAL = st.tuples(st.integers(0, 12),                  # step at which it arrives
                     st.sampled_from(CLASSES), st.sampled_from(["a", "b", "c"]),
@@ -69,25 +71,10 @@ def test_random_arrivals_with_step_cuts_keep_integrity_and_exact_tokens(budgeted
     """As above, but each arrival is announced from inside the step before it (at a random
     layer), as the replica's event loop does, so premium arrivals cut lower-class steps short;
     every request still gets exactly the tokens it gets alone."""
-    from kvharbor.engine.step_budget import StepInterrupt
-
     e = budgeted.engine
     if not e.pinned_prefixes:
         e.pin_prefix(list(range(32)), qos="premium")
-
-    class Announcer(StepInterrupt):
-        __slots__ = ("due",)
-
-        def check(self, layer: int) -> None:
-            for qos, at in list(self.due):
-                if layer == at:
-                    e.announce(qos)
-                    self.due.remove((qos, at))
-            super().check(layer)
-
-    hook = Announcer(e.runner.num_layers)
-    hook.interruptible, hook.due = e.interrupt.interruptible, []
-    e.interrupt = e.runner.interrupt = hook
+    hook = install_announcer(e)
     arrivals = sorted(arrivals, key=lambda a: a[0])
     prompts, want, done = {}, {}, {}
     step, i = 0, 0

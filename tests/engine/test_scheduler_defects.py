@@ -3,22 +3,14 @@ idle credit, useless preemption, an inexact integrity check."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
-from kvharbor import LLM, SamplingParams
+from kvharbor import LLM
+
+from .conftest import greedy as _sp
+from .conftest import random_prompt as _p
 
 pytestmark = pytest.mark.timeout(300)       # a stalled scheduler fails, never hangs the suite
-
-
-def _p(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(256) for _ in range(n)]
-
-
-def _sp(n: int) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
 
 
 def _run(engine, max_steps: int = 400) -> dict[str, int]:

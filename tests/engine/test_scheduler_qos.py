@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from kvharbor import LLM, SamplingParams
 
-
-def _p(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(256) for _ in range(n)]
+from .conftest import random_prompt as _p
 
 
 @pytest.fixture

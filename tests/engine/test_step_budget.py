@@ -6,18 +6,12 @@ from __future__ import annotations
 
 import random
 
-from kvharbor import LLM, SamplingParams
+from kvharbor import LLM
+
+from .conftest import random_prompt as _p
+from .conftest import greedy as _sp
 from kvharbor.config import DEFAULT_QOS
 from kvharbor.engine.step_budget import StepCostModel
-
-
-def _p(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(256) for _ in range(n)]
-
-
-def _sp(n: int) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
 
 
 def _llm(target_ms: float | None) -> LLM:

@@ -3,22 +3,14 @@ cut step loses nothing: every request still gets exactly the tokens it gets unin
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
-from kvharbor import LLM, SamplingParams
+from kvharbor import LLM
 from kvharbor.config import DEFAULT_QOS
-from kvharbor.engine.step_budget import StepInterrupt
 
-
-def _p(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(256) for _ in range(n)]
-
-
-def _sp(n: int) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+from .conftest import greedy as _sp
+from .conftest import install_announcer
+from .conftest import random_prompt as _p
 
 
 def _engine(scheduling: str = "priority", budgeted: tuple[str, ...] = ("premium",),
@@ -29,34 +21,10 @@ def _engine(scheduling: str = "priority", budgeted: tuple[str, ...] = ("premium"
                max_num_batched_tokens=96, low_priority_prefill_cap=None, model_path=model_path).engine
 
 
-class AnnounceAt(StepInterrupt):
-    """Announces ``qos`` from inside the forward, just before layer ``layer`` of the next step
-    (as the replica's event loop does while the step thread runs)."""
-
-    __slots__ = ("engine", "qos", "layer", "armed_for")
-
-    def __init__(self, engine, layer: int) -> None:
-        super().__init__(engine.runner.num_layers)
-        self.interruptible = engine.interrupt.interruptible
-        self.engine, self.layer, self.qos, self.armed_for = engine, layer, None, None
-
-    def check(self, layer: int) -> None:
-        if self.qos is not None and layer == self.layer:
-            self.engine.announce(self.qos)
-            self.qos = None
-        super().check(layer)
-
-
-def _install(engine, layer: int) -> AnnounceAt:
-    engine.interrupt = engine.runner.interrupt = AnnounceAt(engine, layer)
-    engine.set_qos_classes(engine.config.qos_classes)
-    return engine.interrupt
-
-
 def _run(engine, steps_before_premium: int, cut_at: int | None) -> dict[str, list[int]]:
     """Two batch requests sharing a 160-token prefix (prefilled in 96-token chunks), then a
     premium request; with ``cut_at`` its arrival is announced inside the step in flight."""
-    hook = _install(engine, cut_at if cut_at is not None else 0)
+    hook = install_announcer(engine)
     shared = _p(160, 1)
     engine.add_request("b0", shared + _p(40, 2), _sp(12), tenant="x", qos="batch")
     engine.add_request("b1", shared + _p(30, 3), _sp(12), tenant="y", qos="batch")
@@ -68,7 +36,7 @@ def _run(engine, steps_before_premium: int, cut_at: int | None) -> dict[str, lis
     before = {r.request_id: r.num_computed_tokens for r in engine.scheduler.running}
     vtokens = dict(engine.scheduler.fair.vtokens)
     if cut_at is not None:
-        hook.qos = "premium"
+        hook.due = [("premium", cut_at)]
         assert engine.step() == [], "the cut step returned outputs"
         assert engine.interrupt.num_interrupted == 1
         assert engine.stats()["steps_interrupted"] == 1
@@ -112,8 +80,7 @@ def test_a_premium_arrival_cuts_a_decode_step_and_every_token_stays_exact():
 
 
 def _one_step_with_announcement(engine, qos: str) -> int:
-    hook = _install(engine, 1)
-    hook.qos = qos
+    install_announcer(engine).due = [(qos, 1)]
     engine.step()
     return engine.interrupt.num_interrupted
 
@@ -144,8 +111,7 @@ def test_a_cut_comes_only_in_the_first_three_quarters_of_the_layers():
     last = e.runner.num_layers - 1
     assert e.interrupt.cutoff == int(0.75 * e.runner.num_layers) <= last
     e.add_request("b0", _p(60, 6), _sp(4), qos="batch")
-    hook = _install(e, last)
-    hook.qos = "premium"
+    install_announcer(e).due = [("premium", last)]
     e.step()
     assert e.interrupt.num_interrupted == 0, "cut a step in its last layer"
 
