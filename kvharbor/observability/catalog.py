@@ -177,6 +177,10 @@ def _tenants() -> DashboardSpec:
         PanelSpec("Rate-limited requests", "Requests refused by admission, by limit.", "reqps",
                   (Query(rate_sum("kvharbor_rate_limited", "tenant, reason", T),
                          "{{tenant}} {{reason}}"),), no_value="0"),
+        PanelSpec("Admissions by path", "Requests admitted from the gateway's grant (fast_lane, "
+                  "premium classes, no actor call) or by the admission actor.", "reqps",
+                  (Query(rate_sum("kvharbor_admissions", "tenant, path", TQ),
+                         "{{tenant}} {{path}}"),)),
         latency_panel("Time to first token by tenant", "kvharbor_ttft_seconds", "tenant", TQ,
                       "Arrival at the gateway to first streamed token."),
         PanelSpec("KV blocks held", "Blocks held by the tenant's requests, all replicas.",

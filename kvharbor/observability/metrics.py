@@ -27,6 +27,7 @@ label        values
 ``state``    :data:`BLOCK_STATES` (``used``, ``cached``, ``free``, ``reserved``)
 ``status``   :data:`STATUSES`; anything else is recorded as ``other``
 ``reason``   :data:`RATE_LIMIT_REASONS`; anything else is recorded as ``other``
+``path``     :data:`ADMISSION_PATHS` (``fast_lane``, ``actor``)
 ``outcome``  ``met`` | ``missed``
 ``location`` :data:`MEMORY_LOCATIONS` (``device``, ``host``)
 ``kind``     :data:`MEMORY_KINDS` (``kv_cache``, ``model_weights``); for router metrics
@@ -58,6 +59,7 @@ STATUSES = ("ok", "error", "rejected", "rate_limited", "aborted", "timeout", "re
 # The ``limit`` names of kvharbor.tenants.limits.Admission, plus the QoS class queue cap.
 RATE_LIMIT_REASONS = ("requests_per_minute", "tokens_per_minute", "max_concurrent_requests",
                       "daily_token_budget", "max_tokens_per_request", "queue_full")
+ADMISSION_PATHS = ("fast_lane", "actor")
 REGIONS = ("pinned", "shared")
 MEMORY_LOCATIONS = ("device", "host")
 MEMORY_KINDS = ("kv_cache", "model_weights")
@@ -114,6 +116,9 @@ METRICS: tuple[MetricSpec, ...] = (
                "Requests judged against their QoS class latency SLO (outcome met|missed)."),
     MetricSpec("kvharbor_rate_limited", "counter", ("tenant", "reason"),
                "Requests refused by admission control, by limit that refused them."),
+    MetricSpec("kvharbor_admissions", "counter", ("tenant", "qos", "path"),
+               "Requests admitted, by path: fast_lane (from the gateway's grant, no actor "
+               "call) or actor (the admission and class-queue calls)."),
     MetricSpec("kvharbor_kv_blocks", "gauge", ("replica", "region", "state"),
                "KV blocks per replica by region (pinned|shared) and state "
                "(used|cached|free|reserved)."),
@@ -275,6 +280,11 @@ class KvharborMetrics:
         """One request refused by admission; ``reason`` in :data:`RATE_LIMIT_REASONS`."""
         self._inc("kvharbor_rate_limited", 1,
                   {"tenant": tenant, "reason": _bounded(reason, RATE_LIMIT_REASONS)})
+
+    def admitted(self, tenant: str, qos: str, path: str) -> None:
+        """One request admitted; ``path`` in :data:`ADMISSION_PATHS`."""
+        self._inc("kvharbor_admissions", 1,
+                  {"tenant": tenant, "qos": qos, "path": _bounded(path, ADMISSION_PATHS)})
 
     # --- replica -------------------------------------------------------------------------
     def kv_blocks(self, replica: str, region: str, state: str, n: int) -> None:

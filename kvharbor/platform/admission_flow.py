@@ -10,6 +10,10 @@ Order per request (``Admitter``)::
     admit(principal, rid, prompt, max_tokens)
       3. tenant limits: rate, tokens, budget, concurrency -> 429 / 400
 
+Requests of ``pinned`` classes (premium) first try the gateway's fast lane
+(``kvharbor.platform.fast_lane``): steps 2 and 3 from this gateway's grants of the class's
+places and the tenant's limits, no actor call. What does not fit there takes the calls.
+
 Step 1 is exact in one direction: refills only happen with time, and other gateways only
 consume more, so a tenant refused until ``t`` stays refused until ``t``; a reload of
 tenants.yaml (a raised limit) clears the memory. A rate-limited tenant therefore costs a
@@ -28,6 +32,7 @@ import time
 from ray.exceptions import RayActorError
 
 from kvharbor.actors.calls import await_or_undo
+from kvharbor.platform.fast_lane import FastLane, LocalTicket
 from kvharbor.platform.openai_protocol import APIError
 from kvharbor.tenants.admission_actor import CALL_TIMEOUT_S
 from kvharbor.tenants.leases import DEFAULT_LEASE_S, LeaseKeeper
@@ -49,6 +54,10 @@ class Admitter:
         self.tickets = LeaseKeeper(admission.renew, lease_s / 3)
         self.places = LeaseKeeper(lambda ids: class_queue.renew.remote(ids), lease_s / 3)
         self._refused: dict[str, tuple[float, int, APIError]] = {}   # tenant -> (until, version, 429)
+        self.lane = FastLane(admission.sync_grants,
+                             lambda holder, prios, reports: class_queue.sync_places.remote(
+                                 holder, prios, reports), registry)
+        self._lane_places: dict[str, int] = {}    # rid -> grant epoch of its fast-lane place
 
     # ---- before tokenization -----------------------------------------------------------------
     async def early(self, principal, rid: str) -> None:
@@ -61,6 +70,10 @@ class Admitter:
                 raise APIError(429, error.message, error.code,
                                headers={"Retry-After": str(max(1, round(until - time.time())))})
             self._refused.pop(principal.tenant, None)
+        epoch = self.lane.take_place(principal)
+        if epoch is not None:
+            self._lane_places[rid] = epoch
+            return
         await self._enter_queue(principal, rid)
 
     async def _enter_queue(self, principal, rid: str) -> None:
@@ -82,6 +95,10 @@ class Admitter:
 
     def leave(self, qos: str, rid: str) -> None:
         """Give the queue place back (exactly once per place taken)."""
+        epoch = self._lane_places.pop(rid, None)
+        if epoch is not None:
+            self.lane.leave_place(qos, epoch)
+            return
         self.places.drop(rid)
         self.class_queue.leave.remote(qos, rid)
 
@@ -89,6 +106,12 @@ class Admitter:
     async def admit(self, principal, rid: str, prompt_tokens: int, max_tokens: int):
         """Step 3: the ticket (leased), or the 429/400; the queue place is given back on refusal."""
         tenant, qos = principal.tenant, principal.qos_name
+        local = self.lane.admit(principal, prompt_tokens, max_tokens)
+        if local is not None:
+            self.metrics.admitted(tenant, qos, "fast_lane")
+            return local
+        if self.lane.voided(tenant):          # a reload: give back the old grant first
+            await self.lane.sync()
         try:
             admission = await self.admission.try_admit(tenant, principal.limits, prompt_tokens, max_tokens)
         except (TimeoutError, RayActorError):
@@ -98,6 +121,7 @@ class Admitter:
             self.leave(qos, rid)
             raise
         if admission.ok:
+            self.metrics.admitted(tenant, qos, "actor")
             self.tickets.hold(admission.ticket.ticket_id)
             return admission.ticket
         self.leave(qos, rid)
@@ -111,5 +135,8 @@ class Admitter:
         raise error
 
     async def release(self, ticket, tokens_used: int) -> None:
+        if isinstance(ticket, LocalTicket):
+            self.lane.release(ticket, tokens_used)
+            return
         self.tickets.drop(ticket.ticket_id)
         await self.admission.release(ticket, tokens_used)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import ray
 
 from kvharbor.tenants.leases import DEFAULT_LEASE_S, LeaseTable
+from kvharbor.tenants.limits import GRANT_SHARE
 
 DEFAULT_NAME = "kvharbor-class-queue"
 
@@ -38,6 +39,12 @@ class ClassQueue:
 
     counts: dict[str, int] = field(default_factory=dict)
     leases: LeaseTable = field(default_factory=LeaseTable)
+    grants: dict[str, dict[str, int]] = field(default_factory=dict)   # holder -> qos -> places
+    holders: LeaseTable | None = None                                  # holder leases
+
+    def __post_init__(self) -> None:
+        if self.holders is None:
+            self.holders = LeaseTable(self.leases.lease_s)
 
     def enter(self, qos: str, priorities: dict[str, int], limit: int,
               lease_id: str | None = None, now: float | None = None) -> int | None:
@@ -75,11 +82,52 @@ class ClassQueue:
         return self.leases.renew(lease_ids, now)
 
     def expire(self, now: float | None = None) -> int:
-        """Give back the places whose lease ran out; returns how many."""
+        """Give back the places whose lease ran out (and a dead gateway's grants); returns how many."""
         gone = self.leases.expire(now)
         for qos in gone:
             self.counts[qos] = max(0, self.counts.get(qos, 0) - 1)
+        for holder in self.holders.expire(now):
+            for qos, places in self.grants.pop(holder, {}).items():
+                self.counts[qos] = max(0, self.counts.get(qos, 0) - places)
+                gone.append(qos)
         return len(gone)
+
+    def sync_places(self, holder: str, priorities: dict[str, int],
+                    reports: list[tuple[str, int, int, int, bool]],
+                    now: float | None = None) -> list[tuple[str, int, bool]]:
+        """Settle and top up a gateway's granted places; renews its lease.
+
+        Each report is ``(qos, max_queue, back, want, held)``: ``back`` free places given back,
+        ``want`` more asked for, ``held`` whether the gateway believes it holds a grant. Each
+        answer is ``(qos, added, known)``; ``known`` False: no grant was held here (restart or
+        expiry), so the gateway's free places are void. Granted places count as in flight, so
+        ``max_queue`` holds across gateways; a grant is at most 1/GRANT_SHARE of the room left.
+        """
+        self.expire(now)
+        self.holders.add(holder, holder, now)
+        mine = self.grants.setdefault(holder, {})
+        answers = []
+        for qos, limit, back, want, held in reports:
+            if qos not in mine and held:
+                answers.append((qos, 0, False))
+                continue
+            back = min(back, mine.get(qos, 0))
+            self.counts[qos] = max(0, self.counts.get(qos, 0) - back)
+            own = priorities.get(qos)
+            room = 0 if own is None else limit - sum(
+                n for name, n in self.counts.items() if name in priorities and priorities[name] >= own)
+            added = max(0, min(want, room // GRANT_SHARE))
+            self.counts[qos] = self.counts.get(qos, 0) + added
+            places = mine.get(qos, 0) - back + added
+            if places:
+                mine[qos] = places
+            else:
+                mine.pop(qos, None)
+            answers.append((qos, added, True))
+        if not mine:
+            del self.grants[holder]
+            self.holders.pop(holder)
+        return answers
 
     def snapshot(self) -> dict[str, int]:
         return dict(self.counts)
@@ -105,6 +153,10 @@ class ClassQueueActor:
     def snapshot(self) -> dict[str, int]:
         self._queue.expire()
         return self._queue.snapshot()
+
+    def sync_places(self, holder: str, priorities: dict[str, int],
+                    reports: list[tuple[str, int, int, int, bool]]) -> list[tuple[str, int, bool]]:
+        return self._queue.sync_places(holder, priorities, reports)
 
 
 def get_or_create_class_queue(name: str = DEFAULT_NAME, namespace: str = "kvharbor"):

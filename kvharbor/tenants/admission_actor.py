@@ -33,7 +33,7 @@ import ray
 from kvharbor.actors.calls import await_or_undo, detached
 from kvharbor.platform.class_queue import ClassQueue
 from kvharbor.tenants.leases import DEFAULT_LEASE_S
-from kvharbor.tenants.limits import Admission, AdmissionController, Ticket
+from kvharbor.tenants.limits import Admission, AdmissionController, GrantAnswer, GrantReport, Ticket
 
 CALL_TIMEOUT_S = 5.0
 """Longest wait for an admission call; then the request gets 503 (the actor is down)."""
@@ -117,6 +117,9 @@ class AdmissionActor:
     def usage_all(self, now: float | None = None) -> dict[str, dict]:
         return self._ctl.usage_all(now)
 
+    def sync_grants(self, holder: str, reports: list[GrantReport]) -> list[GrantAnswer]:
+        return self._ctl.sync_grants(holder, reports)
+
 
 def get_or_create_admission_actor(name: str = DEFAULT_ACTOR_NAME,
                                   namespace: str | None = "kvharbor") -> ray.actor.ActorHandle:
@@ -149,6 +152,10 @@ class ActorAdmission:
     def release_and_leave(self, ticket: Ticket, qos: str, tokens_used: int | None = None) -> None:
         """Fire and forget: the request's answer does not wait for the accounting."""
         self.handle.release_and_leave.remote(ticket, qos, tokens_used)
+
+    async def sync_grants(self, holder: str, reports: list[GrantReport]) -> list[GrantAnswer]:
+        """A gateway's fast-lane grants settled and topped up (``kvharbor.platform.fast_lane``)."""
+        return await self.handle.sync_grants.remote(holder, reports)
 
     async def queue_snapshot(self) -> dict[str, int]:
         return await self.handle.queue_snapshot.remote()

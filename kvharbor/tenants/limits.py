@@ -83,11 +83,14 @@ class _Bucket:
     level: float
     updated_s: float
 
-    def refill(self, capacity: int, now: float) -> None:
+    def refill(self, capacity: int, now: float, granted: int = 0) -> None:
+        """Refill up to ``capacity - granted``: units granted to gateways (``Grant``) count as
+        taken until they are reported used or given back, so level + granted <= capacity."""
+        ceiling = float(capacity - granted)
         if now > self.updated_s:
-            self.level = min(float(capacity), self.level + (now - self.updated_s) * capacity / 60)
+            self.level = min(ceiling, self.level + (now - self.updated_s) * capacity / 60)
             self.updated_s = now
-        self.level = min(self.level, float(capacity))
+        self.level = min(self.level, ceiling)
 
     def wait_s(self, cost: float, capacity: int) -> float:
         """Seconds until ``cost`` units are available (0 if they are now)."""
@@ -104,15 +107,72 @@ class _TenantState:
     tokens_today: int = 0
     admitted_total: int = 0
     rejected: dict[str, int] = field(default_factory=dict)
+    granted_requests: int = 0   # request units held by gateways' grants (sum over holders)
+    granted_tokens: int = 0     # token units held by gateways' grants
 
 
-def _sync_bucket(bucket: _Bucket | None, capacity: int | None, now: float) -> _Bucket | None:
+@dataclass(slots=True)
+class Grant:
+    """What one gateway (``holder``) holds of one tenant's limits, to admit without a call.
+
+    ``requests`` / ``tokens``: units taken from the tenant's buckets (tokens also charged to
+    ``day``'s budget) and not yet reported used; ``slots``: concurrency slots, counted in the
+    tenant's ``in_flight`` (the gateway's free slots plus its requests running on them).
+    """
+
+    requests: int = 0
+    tokens: int = 0
+    slots: int = 0
+    day: int = 0
+
+
+@dataclass(slots=True, frozen=True)
+class GrantReport:
+    """One tenant's line in a gateway's ``sync_grants`` call.
+
+    ``used_*``: what the gateway admitted since its last report (tokens net of refunds);
+    ``back_*``: free units it gives back; ``want_*``: units it asks for on top of what it
+    keeps. ``held``: whether it believes it holds a grant (False on its first report).
+    """
+
+    tenant: str
+    limits: Any
+    used_requests: int = 0
+    used_tokens: int = 0
+    back_requests: int = 0
+    back_tokens: int = 0
+    back_slots: int = 0
+    want_requests: int = 0
+    want_tokens: int = 0
+    want_slots: int = 0
+    held: bool = False
+
+
+@dataclass(slots=True, frozen=True)
+class GrantAnswer:
+    """Units added to the gateway's allowance; ``known`` False: the controller held no grant
+    for it (restart or lease expiry), so the gateway's free units are void and it starts over."""
+
+    tenant: str
+    requests: int = 0
+    tokens: int = 0
+    slots: int = 0
+    known: bool = True
+
+
+GRANT_SHARE = 2
+"""A grant takes at most 1/GRANT_SHARE of what a limit has left, so a gateway never holds a
+limit's last units: near a limit every admission goes through the controller (exact)."""
+
+
+def _sync_bucket(bucket: _Bucket | None, capacity: int | None, now: float,
+                 granted: int = 0) -> _Bucket | None:
     """Bring a bucket up to ``now``; create it full when a limit appears, drop it when removed."""
     if capacity is None:
         return None
     if bucket is None:
-        return _Bucket(float(capacity), now)
-    bucket.refill(capacity, now)
+        return _Bucket(float(capacity - granted), now)
+    bucket.refill(capacity, now, granted)
     return bucket
 
 
@@ -133,6 +193,8 @@ class AdmissionController:
         self.expired_total = 0
         self._nonce = secrets.token_hex(4)
         self._ids = itertools.count(1)
+        self._grants: dict[str, dict[str, Grant]] = {}          # holder -> tenant -> grant
+        self._holders = LeaseTable(lease_s) if lease_s else None  # holder -> holder
 
     def try_admit(self, tenant: str, limits: Any, prompt_tokens: int, max_tokens: int | None,
                   now: float | None = None) -> Admission:
@@ -153,7 +215,7 @@ class AdmissionController:
         with self._lock:
             self._expire(now)
             st = self._sync(tenant, lim, now)
-            denial = _too_big(lim, prompt_tokens, max_tokens) or _denial(st, lim, cost, now)
+            denial = too_big(lim, prompt_tokens, max_tokens) or _denial(st, lim, cost, now)
             if denial is not None:
                 st.rejected[denial.limit] = st.rejected.get(denial.limit, 0) + 1
                 return denial
@@ -195,12 +257,106 @@ class AdmissionController:
             return self._leases.renew(ticket_ids, self._lease_clock())
 
     def _expire(self, now: float) -> None:
-        """Release the tickets whose lease ran out (their holder died); lock held."""
+        """Release the tickets and grants whose lease ran out (their holder died); lock held."""
         if self._leases is None:
             return
         for ticket in self._leases.expire(self._lease_clock()):
             if self._release(ticket, None, now):
                 self.expired_total += 1
+        for holder in self._holders.expire(self._lease_clock()):
+            for tenant, grant in self._grants.pop(holder, {}).items():
+                self._drop_grant(tenant, grant)
+                self.expired_total += 1
+
+    # ---- grants: gateways admitting without a call ----------------------------------------
+    def sync_grants(self, holder: str, reports: list[GrantReport],
+                    now: float | None = None) -> list[GrantAnswer]:
+        """Settle a gateway's grants and top them up; renews its lease (one call per period).
+
+        For each report: its used units leave the grant (a request admitted from a grant
+        counts as admitted here now), its given-back units return to the limits, then it
+        gets up to what it wants, at most 1/``GRANT_SHARE`` of what each limit has left.
+        Exact: granted units count as taken (buckets refill to ``capacity - granted``, slots
+        are in ``in_flight``, tokens are charged to the day), so limits hold across gateways;
+        the cost is that a gateway's unused grant may make another refuse a little early.
+        """
+        now = self._clock() if now is None else now
+        answers = []
+        with self._lock:
+            self._expire(now)
+            if self._holders is not None:
+                self._holders.add(holder, holder, self._lease_clock())
+            grants = self._grants.setdefault(holder, {})
+            for r in reports:
+                answers.append(self._sync_grant(grants, r, now))
+            if not grants:
+                self._grants.pop(holder, None)
+                if self._holders is not None:
+                    self._holders.pop(holder)
+        return answers
+
+    def _sync_grant(self, grants: dict[str, Grant], r: GrantReport, now: float) -> GrantAnswer:
+        lim = TenantLimits.coerce(r.limits)
+        st = self._sync(r.tenant, lim, now)
+        grant = grants.get(r.tenant)
+        if grant is None:
+            if r.held:                    # restarted or expired: whatever it holds is void
+                return GrantAnswer(r.tenant, known=False)
+            grant = grants[r.tenant] = Grant(day=st.day)
+        # What was used: it stays taken; only the grant's claim on it ends.
+        used_r, used_t = min(r.used_requests, grant.requests), min(r.used_tokens, grant.tokens)
+        grant.requests -= used_r
+        grant.tokens -= used_t
+        st.granted_requests -= used_r
+        st.granted_tokens -= used_t
+        st.admitted_total += r.used_requests
+        if grant.day != st.day:           # a new UTC day: what is still held is today's
+            st.tokens_today += grant.tokens
+            grant.day = st.day
+        # Given back: as if never granted.
+        back_r = min(r.back_requests, grant.requests)
+        back_t = min(r.back_tokens, grant.tokens)
+        back_s = min(r.back_slots, grant.slots)
+        grant.requests -= back_r
+        grant.tokens -= back_t
+        grant.slots -= back_s
+        st.granted_requests -= back_r
+        st.granted_tokens -= back_t
+        st.in_flight -= back_s
+        st.tokens_today = max(0, st.tokens_today - back_t)
+        if st.requests is not None:
+            st.requests.level += back_r
+        if st.tokens is not None:
+            st.tokens.level += back_t
+        # Top-up.
+        add_r = _share(r.want_requests, None if st.requests is None else st.requests.level)
+        budget_left = (None if lim.daily_token_budget is None
+                       else lim.daily_token_budget - st.tokens_today)
+        add_t = _share(r.want_tokens, None if st.tokens is None else st.tokens.level, budget_left)
+        slots_left = (None if lim.max_concurrent_requests is None
+                      else lim.max_concurrent_requests - st.in_flight)
+        add_s = _share(r.want_slots, slots_left)
+        grant.requests += add_r
+        grant.tokens += add_t
+        grant.slots += add_s
+        st.granted_requests += add_r
+        st.granted_tokens += add_t
+        st.in_flight += add_s
+        st.tokens_today += add_t
+        if st.requests is not None:
+            st.requests.level -= add_r
+        if st.tokens is not None:
+            st.tokens.level -= add_t
+        if grant.requests == grant.tokens == grant.slots == 0:
+            del grants[r.tenant]
+        return GrantAnswer(r.tenant, add_r, add_t, add_s)
+
+    def _drop_grant(self, tenant: str, grant: Grant) -> None:
+        """A holder that died: its slots come back; its unused units count as used."""
+        st = self._tenants[tenant]
+        st.in_flight -= grant.slots
+        st.granted_requests -= grant.requests
+        st.granted_tokens -= grant.tokens
 
     def _release(self, ticket: Ticket, tokens_used: int | None, now: float) -> bool:
         if self._leases is not None:
@@ -215,8 +371,8 @@ class AdmissionController:
             st.tokens_today = max(0, st.tokens_today - unused)
         cap = st.limits.tokens_per_minute
         if st.tokens is not None and cap is not None:
-            st.tokens.refill(cap, now)
-            st.tokens.level = min(float(cap), st.tokens.level + unused)
+            st.tokens.refill(cap, now, st.granted_tokens)
+            st.tokens.level = min(float(cap - st.granted_tokens), st.tokens.level + unused)
         return True
 
     def usage(self, tenant: str, now: float | None = None) -> dict:
@@ -242,15 +398,15 @@ class AdmissionController:
         if st is None:
             st = self._tenants[tenant] = _TenantState(lim, day=int(now // SECONDS_PER_DAY))
         st.limits = lim
-        st.requests = _sync_bucket(st.requests, lim.requests_per_minute, now)
-        st.tokens = _sync_bucket(st.tokens, lim.tokens_per_minute, now)
+        st.requests = _sync_bucket(st.requests, lim.requests_per_minute, now, st.granted_requests)
+        st.tokens = _sync_bucket(st.tokens, lim.tokens_per_minute, now, st.granted_tokens)
         day = int(now // SECONDS_PER_DAY)
         if day > st.day:
             st.day, st.tokens_today = day, 0
         return st
 
 
-def _too_big(lim: TenantLimits, prompt_tokens: int, max_tokens: int) -> Admission | None:
+def too_big(lim: TenantLimits, prompt_tokens: int, max_tokens: int) -> Admission | None:
     """400 for a request that no amount of waiting would admit."""
     cost = prompt_tokens + max_tokens
     if lim.max_tokens_per_request is not None and max_tokens > lim.max_tokens_per_request:
@@ -291,6 +447,15 @@ def _denial(st: _TenantState, lim: TenantLimits, cost: int, now: float) -> Admis
     return _reject(429, name, f"{reason}; retry in {wait:.1f} s", retry_after_s=wait)
 
 
+def _share(want: int, *left: float | None) -> int:
+    """Units to grant: ``want``, at most 1/GRANT_SHARE of each limited amount left."""
+    n = max(0, want)
+    for amount in left:
+        if amount is not None:
+            n = min(n, max(0, int(amount // GRANT_SHARE)))
+    return n
+
+
 def _reject(status: int, limit: str, reason: str, retry_after_s: float | None = None) -> Admission:
     return Admission(ok=False, status=status, reason=reason, retry_after_s=retry_after_s,
                      limit=limit)
@@ -327,3 +492,6 @@ class LocalAdmission:
 
     async def usage_all(self, now: float | None = None) -> dict[str, dict]:
         return self.controller.usage_all(now)
+
+    async def sync_grants(self, holder: str, reports: list[GrantReport]) -> list[GrantAnswer]:
+        return self.controller.sync_grants(holder, reports)

@@ -1,0 +1,419 @@
+"""The premium fast lane (kvharbor.platform.fast_lane): admitted without an actor call, limits exact.
+
+Gateways are ``Admitter`` objects over the plain ``AdmissionController`` and ``ClassQueue`` (no
+Ray): an actor call is an awaited coroutine, counted here, so "no call" is a number.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvharbor.platform.admission_flow import Admitter
+from kvharbor.platform.class_queue import ClassQueue
+from kvharbor.platform.fast_lane import QUIET_SYNCS, LocalTicket
+from kvharbor.platform.openai_protocol import APIError
+from kvharbor.tenants.leases import LeaseTable
+from kvharbor.tenants.limits import AdmissionController, LocalAdmission, TenantLimits
+
+PRIORITIES = {"premium": 100, "standard": 50}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Counted:
+    """An actor stand-in: ``obj.method.remote(*args)`` runs the call and returns a future."""
+
+    def __init__(self, target, calls: dict) -> None:
+        self._target, self._calls = target, calls
+
+    def __getattr__(self, name):
+        method = getattr(self._target, name)
+        calls = self._calls
+
+        def call(*args):                 # runs at once, like a sent call; await for the answer
+            calls[name] = calls.get(name, 0) + 1
+            answer = asyncio.get_running_loop().create_future()
+            answer.set_result(method(*args))
+            return answer
+
+        return SimpleNamespace(remote=call)
+
+
+class CountedAdmission(LocalAdmission):
+    def __init__(self, controller, calls: dict) -> None:
+        super().__init__(controller)
+        self.calls = calls
+
+    def __getattribute__(self, name):
+        if name in ("try_admit", "release", "renew", "sync_grants"):
+            calls = object.__getattribute__(self, "calls")
+            calls[name] = calls.get(name, 0) + 1
+        return object.__getattribute__(self, name)
+
+
+class Registry:
+    def __init__(self, max_queue: int = 64) -> None:
+        self.version = 1
+        self.config = SimpleNamespace(qos_classes={
+            "premium": SimpleNamespace(priority=100, pinned=True, max_queue=max_queue),
+            "standard": SimpleNamespace(priority=50, pinned=False, max_queue=max_queue)})
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.paths: dict[str, int] = {}
+
+    def rate_limited(self, tenant, code):
+        pass
+
+    def admitted(self, tenant, qos, path):
+        self.paths[path] = self.paths.get(path, 0) + 1
+
+
+class Cluster:
+    """One admission controller and one class queue shared by several gateways."""
+
+    def __init__(self, max_queue: int = 64) -> None:
+        self.clock = Clock()
+        self.lease_clock = Clock()
+        self.controller = AdmissionController(clock=self.clock, lease_s=10,
+                                              lease_clock=self.lease_clock)
+        self.queue = ClassQueue(leases=LeaseTable(10), holders=LeaseTable(10))
+        self.registry = Registry(max_queue)
+        self.calls: dict[str, int] = {}
+
+    def gateway(self) -> Admitter:
+        admitter = Admitter(CountedAdmission(self.controller, self.calls),
+                            Counted(self.queue, self.calls), self.registry, Metrics())
+        admitter.lane._wake = lambda: None          # syncs are driven by the test
+        return admitter
+
+    def principal(self, tenant: str, qos: str = "premium", **limits) -> SimpleNamespace:
+        return SimpleNamespace(tenant=tenant, qos_name=qos, qos=self.registry.config.qos_classes[qos],
+                               limits=TenantLimits(**limits))
+
+
+def assert_books_balance(cluster: Cluster, gws: list[Admitter]) -> None:
+    """What the actors count as granted to each gateway equals what the gateway holds: free
+    units, units in use, use not yet reported and units waiting to be given back."""
+    for gw in gws:
+        lane = gw.lane
+        grants = cluster.controller._grants.get(lane.holder, {})
+        for tenant in set(grants) | set(lane.tenants):
+            g, a = grants.get(tenant), lane.tenants.get(tenant)
+            actor = (0, 0, 0) if g is None else (g.requests, g.tokens, g.slots)
+            mine = (0, 0, 0) if a is None else (a.requests + a.used_requests + a.void[0],
+                                                 a.tokens + a.used_tokens + a.void[1],
+                                                 a.slots + a.on_slots + a.void[2])
+            if a is not None and not a.needs()[0]:
+                mine = (actor[0], *mine[1:])          # no request limit: units not counted here
+            assert actor == mine, (tenant, actor, mine)
+        places = cluster.queue.grants.get(lane.holder, {})
+        for qos in set(places) | set(lane.places):
+            p = lane.places.get(qos)
+            assert places.get(qos, 0) == (0 if p is None else p.free + p.in_use + p.void), qos
+            if p is not None:                       # places in use = requests holding one
+                assert p.in_use == sum(e == p.epoch for e in gw._lane_places.values()), qos
+
+
+async def request(gw: Admitter, principal, rid: str, prompt: int = 10, max_tokens: int = 10):
+    """early + admit, as the gateway does; the ticket, or the APIError."""
+    try:
+        await gw.early(principal, rid)
+        return await gw.admit(principal, rid, prompt, max_tokens)
+    except APIError as error:
+        return error
+
+
+async def finish(gw: Admitter, principal, rid: str, ticket, used: int) -> None:
+    gw.leave(principal.qos_name, rid)
+    await gw.release(ticket, used)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_premium_requests_after_the_first_sync_make_no_actor_call():
+    cluster = Cluster()
+    gw = cluster.gateway()
+    acme = cluster.principal("acme", requests_per_minute=1200, tokens_per_minute=200_000,
+                             max_concurrent_requests=64)
+
+    async def scenario():
+        first = await request(gw, acme, "r0")
+        assert not isinstance(first, LocalTicket)        # nothing granted yet: the actors decide
+        await finish(gw, acme, "r0", first, 15)
+        await gw.lane.sync()
+        before = dict(cluster.calls)
+        tickets = [await request(gw, acme, f"r{i}") for i in range(1, 5)]
+        assert all(isinstance(t, LocalTicket) for t in tickets), tickets
+        for i, t in enumerate(tickets, 1):
+            await finish(gw, acme, f"r{i}", t, 15)
+        assert cluster.calls == before, (before, cluster.calls)
+        assert gw.metrics.paths == {"actor": 1, "fast_lane": 4}      # kvharbor_admissions
+        await gw.lane.sync()
+        usage = cluster.controller.usage("acme")
+        assert usage["admitted_total"] == 5
+        assert cluster.controller._tenants["acme"].granted_tokens >= 0
+
+    run(scenario())
+
+
+def test_other_classes_keep_the_call_per_request():
+    cluster = Cluster()
+    gw = cluster.gateway()
+    globex = cluster.principal("globex", qos="standard", max_concurrent_requests=64)
+
+    async def scenario():
+        for i in range(3):
+            t = await request(gw, globex, f"s{i}")
+            assert not isinstance(t, LocalTicket)
+            await finish(gw, globex, f"s{i}", t, 5)
+            await gw.lane.sync()
+        assert cluster.calls["try_admit"] == 3 and cluster.calls["enter"] == 3
+
+    run(scenario())
+
+
+def test_everything_granted_comes_back_when_the_tenant_goes_quiet():
+    cluster = Cluster()
+    gw = cluster.gateway()
+    acme = cluster.principal("acme", requests_per_minute=600, tokens_per_minute=10_000,
+                             max_concurrent_requests=8, daily_token_budget=100_000)
+
+    async def scenario():
+        for round_ in range(3):
+            tickets = [(f"r{round_}-{i}", await request(gw, acme, f"r{round_}-{i}")) for i in range(3)]
+            for rid, t in tickets:
+                await finish(gw, acme, rid, t, 12)
+            await gw.lane.sync()
+        assert gw.lane.admitted > 0
+        for _ in range(QUIET_SYNCS + 1):
+            await gw.lane.sync()
+        state = cluster.controller._tenants["acme"]
+        assert (state.in_flight, state.granted_requests, state.granted_tokens) == (0, 0, 0)
+        assert state.tokens_today == 9 * 12                # exactly what was used, nothing held
+        assert state.admitted_total == 9
+        assert cluster.queue.snapshot().get("premium", 0) == 0
+        assert not gw.lane.holding() and not gw.lane.tenants and not gw.lane.places
+
+    run(scenario())
+
+
+def test_a_dead_gateways_grant_comes_back_within_the_lease():
+    cluster = Cluster()
+    gw = cluster.gateway()
+    acme = cluster.principal("acme", max_concurrent_requests=8)
+
+    async def scenario():
+        await request(gw, acme, "r0")
+        await gw.lane.sync()
+        held = [await request(gw, acme, f"r{i}") for i in range(1, 3)]
+        assert all(isinstance(t, LocalTicket) for t in held)
+        # The gateway dies here: no release, no more syncs.
+        state = cluster.controller._tenants["acme"]
+        assert state.in_flight >= 3 and cluster.queue.snapshot()["premium"] >= 3
+        cluster.lease_clock.t += 10.5
+        cluster.queue.expire(time.time() + 10.5)     # its leases run on time.time()
+        cluster.controller.usage("acme")          # any call sweeps expired leases
+        # r0's ticket is a central lease: it expires too.
+        assert state.in_flight == 0 and state.granted_requests == 0
+        assert cluster.queue.snapshot()["premium"] == 0
+
+    run(scenario())
+
+
+def test_an_actor_that_forgot_the_grant_voids_the_free_units():
+    cluster = Cluster()
+    gw = cluster.gateway()
+    acme = cluster.principal("acme", max_concurrent_requests=4)
+
+    async def scenario():
+        await request(gw, acme, "r0")
+        await gw.lane.sync()
+        running = await request(gw, acme, "r1")
+        assert isinstance(running, LocalTicket)
+        # The admission and class-queue actors restart: no grants, no places.
+        cluster.controller = AdmissionController(clock=cluster.clock, lease_s=10,
+                                                 lease_clock=cluster.lease_clock)
+        gw.admission.controller = cluster.controller
+        cluster.queue = ClassQueue(leases=LeaseTable(10), holders=LeaseTable(10))
+        gw.class_queue._target = cluster.queue
+        await gw.lane.sync()
+        free = lambda: gw.lane.tenants["acme"].slots if "acme" in gw.lane.tenants else 0  # noqa: E731
+        assert free() == 0
+        # The next one is decided by the new controller, which then counts it.
+        t = await request(gw, acme, "r2")
+        assert not isinstance(t, LocalTicket)
+        assert cluster.controller._tenants["acme"].in_flight == 1
+        # The request admitted from the forgotten grant ends: no slot appears from nowhere.
+        await finish(gw, acme, "r1", running, 5)
+        assert free() == 0
+        await gw.lane.sync()
+        assert_books_balance(cluster, [gw])
+
+    run(scenario())
+
+
+def test_a_reload_that_lowers_the_limit_stops_local_admissions_beyond_it():
+    cluster = Cluster()
+    gw = cluster.gateway()
+    wide = cluster.principal("acme", max_concurrent_requests=64)
+
+    async def scenario():
+        t0 = await request(gw, wide, "r0")
+        await finish(gw, wide, "r0", t0, 5)
+        for i in range(1, 9):                        # enough arrivals to grow the grant
+            await finish(gw, wide, f"r{i}", await request(gw, wide, f"r{i}"), 5)
+        await gw.lane.sync()
+        assert gw.lane.tenants["acme"].slots >= 8
+        cluster.registry.version += 1
+        narrow = cluster.principal("acme", max_concurrent_requests=2)
+        tickets = [await request(gw, narrow, f"n{i}") for i in range(4)]
+        admitted = [t for t in tickets if not isinstance(t, APIError)]
+        assert len(admitted) == 2, tickets
+        await gw.lane.sync()                         # the old grant's free slots go back
+        assert cluster.controller._tenants["acme"].in_flight <= 2
+
+    run(scenario())
+
+
+# ---- limits hold exactly across gateways, whatever the interleaving ---------------------------
+LIMITS = dict(requests_per_minute=30, tokens_per_minute=900, max_concurrent_requests=5,
+              daily_token_budget=2_000)
+
+ops = st.lists(st.one_of(
+    st.tuples(st.just("arrive"), st.integers(0, 1), st.integers(1, 40), st.integers(1, 30)),
+    st.tuples(st.just("finish"), st.integers(0, 1), st.integers(0, 10_000), st.integers(0, 60)),
+    st.tuples(st.just("sync"), st.integers(0, 1), st.just(0), st.just(0)),
+    st.tuples(st.just("tick"), st.just(0), st.integers(0, 20), st.just(0)),
+), max_size=120)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops)
+def test_limits_hold_across_two_gateways(script):
+    cluster = Cluster(max_queue=4)
+    gws = [cluster.gateway(), cluster.gateway()]
+    acme = cluster.principal("acme", **LIMITS)
+    running: list[tuple[int, str, object, int]] = []
+    admitted_at: list[float] = []
+    charged = 0                                      # tokens used, as finished requests report
+
+    async def scenario():
+        nonlocal charged
+        start = cluster.clock.t
+        for n, (op, g, a, b) in enumerate(script):
+            gw = gws[g]
+            if op == "arrive":
+                t = await request(gw, acme, f"x{n}", a, b)
+                if not isinstance(t, APIError):
+                    running.append((g, f"x{n}", t, a + b))
+                    admitted_at.append(cluster.clock.t)
+            elif op == "finish" and running:
+                g2, rid, t, cost = running.pop(a % len(running))
+                used = min(cost, b)
+                charged += used
+                await finish(gws[g2], acme, rid, t, used)
+            elif op == "sync":
+                await gw.lane.sync()
+            elif op == "tick":
+                cluster.clock.t += a
+            # The invariants, after every step.
+            assert_books_balance(cluster, gws)
+            assert len(running) <= LIMITS["max_concurrent_requests"]
+            assert len(running) <= 4                                     # max_queue
+            window = cluster.clock.t - start
+            assert len(admitted_at) <= 30 + window * 30 / 60 + 1e-9      # requests bucket
+            state = cluster.controller._tenants.get("acme")
+            if state is not None:
+                assert state.in_flight <= LIMITS["max_concurrent_requests"]
+                assert state.tokens_today <= LIMITS["daily_token_budget"]
+        # Everything ends; each gateway goes quiet: all that was granted comes back.
+        while running:
+            g2, rid, t, cost = running.pop()
+            charged += cost
+            await finish(gws[g2], acme, rid, t, cost)
+        for _ in range(QUIET_SYNCS + 1):
+            for gw in gws:
+                await gw.lane.sync()
+        state = cluster.controller._tenants.get("acme")
+        if state is not None:
+            assert (state.in_flight, state.granted_requests, state.granted_tokens) == (0, 0, 0)
+            assert state.admitted_total == len(admitted_at)
+            assert state.tokens_today == charged
+        assert sum(cluster.queue.snapshot().values()) == 0
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("limit", ["max_concurrent_requests", "requests_per_minute"])
+def test_a_single_gateway_still_admits_up_to_the_limit(limit):
+    """Grants take at most half of what is left, and a miss goes to the actor: one gateway
+    admits exactly as many as the limit allows, not fewer."""
+    cluster = Cluster()
+    gw = cluster.gateway()
+    acme = cluster.principal("acme", **{limit: 12})
+
+    async def scenario():
+        ok = 0
+        for i in range(20):
+            t = await request(gw, acme, f"r{i}")
+            ok += not isinstance(t, APIError)
+            if i % 3 == 0:
+                await gw.lane.sync()
+        assert ok == 12
+        assert gw.lane.admitted > 0
+
+    run(scenario())
+
+
+def test_a_grant_counts_as_taken_while_the_bucket_refills():
+    """Units granted to a gateway are not refilled behind its back: a burst after a quiet
+    minute gets the bucket's capacity, not capacity + the grant."""
+    cluster = Cluster()
+    gw = cluster.gateway()
+    acme = cluster.principal("acme", requests_per_minute=8)
+
+    async def scenario():
+        assert not isinstance(await request(gw, acme, "r0"), APIError)
+        await gw.lane.sync()
+        assert gw.lane.tenants["acme"].requests > 0
+        cluster.clock.t += 60                               # the bucket refills
+        burst = [await request(gw, acme, f"b{i}") for i in range(20)]
+        assert sum(not isinstance(t, APIError) for t in burst) == 8
+
+    run(scenario())
+
+
+def test_max_queue_holds_across_gateways_and_one_gateway_reaches_it():
+    cluster = Cluster(max_queue=6)
+    gws = [cluster.gateway(), cluster.gateway()]
+    acme = cluster.principal("acme")                        # no tenant limits: places only
+
+    async def scenario():
+        running = 0
+        for round_ in range(6):
+            for g, gw in enumerate(gws):
+                for i in range(3):
+                    t = await request(gw, acme, f"r{round_}-{g}-{i}")
+                    running += not isinstance(t, APIError)
+                await gw.lane.sync()
+                assert running <= 6
+                assert_books_balance(cluster, gws)
+        assert running == 6
+
+    run(scenario())
