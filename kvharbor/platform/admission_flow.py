@@ -110,9 +110,9 @@ class Admitter:
         if local is not None:
             self.metrics.admitted(tenant, qos, "fast_lane")
             return local
-        if self.lane.voided(tenant):          # a reload: give back the old grant first
-            await self.lane.sync()
         try:
+            if self.lane.voided(tenant):      # a reload: give back the old grant first
+                await self.lane.sync()
             admission = await self.admission.try_admit(tenant, principal.limits, prompt_tokens, max_tokens)
         except (TimeoutError, RayActorError):
             self.leave(qos, rid)

@@ -221,7 +221,12 @@ class FastLane:
 
     async def sync(self) -> None:
         """One round: both actors in parallel; a failed call is logged and tried next period
-        (the grants' leases, renewed by these calls, last ``lease_s``)."""
+        (the grants' leases, renewed by these calls, last ``lease_s``). It runs to its end
+        even if the caller is cancelled (a request whose client left): a report half applied
+        would leave the actor counting units this gateway no longer holds."""
+        await asyncio.shield(start_background(self._sync_round()))
+
+    async def _sync_round(self) -> None:
         async with self._syncing:
             await asyncio.gather(self._sync_tenants(), self._sync_class_places())
 

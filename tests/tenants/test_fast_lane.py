@@ -417,3 +417,36 @@ def test_max_queue_holds_across_gateways_and_one_gateway_reaches_it():
         assert running == 6
 
     run(scenario())
+
+
+def test_a_sync_whose_caller_is_cancelled_still_settles():
+    """The first request after a reload waits for a sync; its client leaving must not cut
+    the sync in half (the actor would count units the gateway dropped)."""
+    cluster = Cluster()
+    gw = cluster.gateway()
+    acme = cluster.principal("acme", max_concurrent_requests=32)
+    slow = asyncio.Event()
+    original = gw.admission.sync_grants
+
+    async def held_sync(holder, reports):
+        await slow.wait()
+        return await original(holder, reports)
+
+    async def scenario():
+        await finish(gw, acme, "r0", await request(gw, acme, "r0"), 5)
+        await gw.lane.sync()
+        assert gw.lane.tenants["acme"].slots > 0
+        cluster.registry.version += 1                       # a reload voids the free slots
+        gw.admission.sync_grants = held_sync
+        gw.lane._sync_grants = held_sync
+        waiting = asyncio.ensure_future(request(gw, acme, "r1"))
+        await asyncio.sleep(0.01)
+        waiting.cancel()                                    # the client went away
+        slow.set()
+        await asyncio.sleep(0.01)
+        async with gw.lane._syncing:                        # the sync ran to its end
+            pass
+        assert "r1" not in gw._lane_places and not gw.places.held     # its place is back
+        assert_books_balance(cluster, [gw])
+
+    run(scenario())
