@@ -27,12 +27,13 @@ gateway replica that dies come back within ``lease_s``.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from ray.exceptions import RayActorError
 
 from kvharbor.actors.calls import await_or_undo
-from kvharbor.platform.fast_lane import FastLane, LocalTicket
+from kvharbor.platform.fast_lane import RECALL_WAIT_S, FastLane, LocalTicket
 from kvharbor.platform.openai_protocol import APIError
 from kvharbor.tenants.admission_actor import CALL_TIMEOUT_S
 from kvharbor.tenants.leases import DEFAULT_LEASE_S, LeaseKeeper
@@ -80,12 +81,17 @@ class Admitter:
         classes = self.registry.config.qos_classes
         priorities = {name: q.priority for name, q in classes.items()}
         limit = principal.qos.max_queue
-        call = self.class_queue.enter.remote(principal.qos_name, priorities, limit, rid)
-        try:
-            ahead = await await_or_undo(
-                call, lambda ahead: ahead is None and self.leave(principal.qos_name, rid), CALL_TIMEOUT_S)
-        except (TimeoutError, RayActorError):
-            raise unavailable("class queue") from None
+        for attempt in range(2):
+            call = self.class_queue.enter_or_recall.remote(principal.qos_name, priorities, limit, rid)
+            try:
+                ahead, recalled = await await_or_undo(
+                    call, lambda answer: answer[0] is None and self.leave(principal.qos_name, rid),
+                    CALL_TIMEOUT_S)
+            except (TimeoutError, RayActorError):
+                raise unavailable("class queue") from None
+            if ahead is None or not recalled or attempt:
+                break
+            await self._after_recall()      # fast-lane places idle elsewhere are coming back
         if ahead is not None:
             self.metrics.rate_limited(principal.tenant, "queue_full")
             raise APIError(429, f"the queue of QoS class {principal.qos_name!r} is full: {ahead} "
@@ -114,6 +120,10 @@ class Admitter:
             if self.lane.voided(tenant):      # a reload: give back the old grant first
                 await self.lane.sync()
             admission = await self.admission.try_admit(tenant, principal.limits, prompt_tokens, max_tokens)
+            if admission.recalled:            # fast-lane units idle elsewhere are coming back
+                await self._after_recall()
+                admission = await self.admission.try_admit(tenant, principal.limits, prompt_tokens,
+                                                           max_tokens)
         except (TimeoutError, RayActorError):
             self.leave(qos, rid)
             raise unavailable("admission service") from None
@@ -133,6 +143,12 @@ class Admitter:
         if admission.status == 429 and admission.limit in STICKY_LIMITS and admission.retry_after_s:
             self._refused[tenant] = (time.time() + admission.retry_after_s, self.registry.version, error)
         raise error
+
+    async def _after_recall(self) -> None:
+        """A refusal that called back idle fast-lane grants: give back ours now, and wait for
+        the other gateways' next sync (``RECALL_WAIT_S``) before the one retry."""
+        await self.lane.sync()
+        await asyncio.sleep(RECALL_WAIT_S)
 
     async def release(self, ticket, tokens_used: int) -> None:
         if isinstance(ticket, LocalTicket):

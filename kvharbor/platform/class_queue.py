@@ -41,6 +41,8 @@ class ClassQueue:
     leases: LeaseTable = field(default_factory=LeaseTable)
     grants: dict[str, dict[str, int]] = field(default_factory=dict)   # holder -> qos -> places
     holders: LeaseTable | None = None                                  # holder leases
+    idle: dict[tuple[str, str], int] = field(default_factory=dict)    # (holder, qos) -> free, last sync
+    recall: set[tuple[str, str]] = field(default_factory=set)          # idle places to call back
 
     def __post_init__(self) -> None:
         if self.holders is None:
@@ -67,6 +69,20 @@ class ClassQueue:
             self.leases.add(lease_id, qos, now)
         return None
 
+    def enter_or_recall(self, qos: str, priorities: dict[str, int], limit: int,
+                        lease_id: str | None = None, now: float | None = None) -> tuple[int | None, bool]:
+        """``enter``, and on a refusal call back the places gateways hold idle in the classes
+        counted ahead (their next sync gives them back). ``(ahead, recalled)``: ``recalled``
+        True means a retry after the gateways' next sync may be admitted."""
+        ahead = self.enter(qos, priorities, limit, lease_id, now)
+        if ahead is None:
+            return None, False
+        mine = priorities[qos]
+        called = {key for key, free in self.idle.items() if free > 0 and key[1] in priorities
+                  and priorities[key[1]] >= mine}
+        self.recall |= called
+        return ahead, bool(called)
+
     def leave(self, qos: str, lease_id: str | None = None) -> None:
         """Count one request of ``qos`` out (it finished, failed or was refused later).
 
@@ -89,41 +105,50 @@ class ClassQueue:
         for holder in self.holders.expire(now):
             for qos, places in self.grants.pop(holder, {}).items():
                 self.counts[qos] = max(0, self.counts.get(qos, 0) - places)
+                self.idle.pop((holder, qos), None)
+                self.recall.discard((holder, qos))
                 gone.append(qos)
         return len(gone)
 
     def sync_places(self, holder: str, priorities: dict[str, int],
-                    reports: list[tuple[str, int, int, int, bool]],
-                    now: float | None = None) -> list[tuple[str, int, bool]]:
+                    reports: list[tuple[str, int, int, int, bool, int]],
+                    now: float | None = None) -> list[tuple[str, int, bool, bool]]:
         """Settle and top up a gateway's granted places; renews its lease.
 
-        Each report is ``(qos, max_queue, back, want, held)``: ``back`` free places given back,
-        ``want`` more asked for, ``held`` whether the gateway believes it holds a grant. Each
-        answer is ``(qos, added, known)``; ``known`` False: no grant was held here (restart or
-        expiry), so the gateway's free places are void. Granted places count as in flight, so
-        ``max_queue`` holds across gateways; a grant is at most 1/GRANT_SHARE of the room left.
+        Each report is ``(qos, max_queue, back, want, held, free)``: ``back`` free places given
+        back, ``want`` more asked for, ``held`` whether the gateway believes it holds a grant,
+        ``free`` how many it keeps idle. Each answer is ``(qos, added, known, recall)``;
+        ``known`` False: no grant was held here (restart or expiry), so the gateway's free
+        places are void; ``recall`` True: another gateway was refused while these were idle, so
+        give every free place back now. Granted places count as in flight, so ``max_queue``
+        holds across gateways; a grant is at most 1/GRANT_SHARE of the room left.
         """
         self.expire(now)
         self.holders.add(holder, holder, now)
         mine = self.grants.setdefault(holder, {})
         answers = []
-        for qos, limit, back, want, held in reports:
+        for qos, limit, back, want, held, free in reports:
+            recall = (holder, qos) in self.recall
+            self.recall.discard((holder, qos))
             if qos not in mine and held:
-                answers.append((qos, 0, False))
+                self.idle.pop((holder, qos), None)
+                answers.append((qos, 0, False, False))
                 continue
             back = min(back, mine.get(qos, 0))
             self.counts[qos] = max(0, self.counts.get(qos, 0) - back)
             own = priorities.get(qos)
             room = 0 if own is None else limit - sum(
                 n for name, n in self.counts.items() if name in priorities and priorities[name] >= own)
-            added = max(0, min(want, room // GRANT_SHARE))
+            added = 0 if recall else max(0, min(want, room // GRANT_SHARE))
             self.counts[qos] = self.counts.get(qos, 0) + added
             places = mine.get(qos, 0) - back + added
+            self.idle[(holder, qos)] = free + added
             if places:
                 mine[qos] = places
             else:
                 mine.pop(qos, None)
-            answers.append((qos, added, True))
+                self.idle.pop((holder, qos), None)
+            answers.append((qos, added, True, recall))
         if not mine:
             del self.grants[holder]
             self.holders.pop(holder)
@@ -154,8 +179,12 @@ class ClassQueueActor:
         self._queue.expire()
         return self._queue.snapshot()
 
+    def enter_or_recall(self, qos: str, priorities: dict[str, int], limit: int,
+                        lease_id: str | None = None) -> tuple[int | None, bool]:
+        return self._queue.enter_or_recall(qos, priorities, limit, lease_id)
+
     def sync_places(self, holder: str, priorities: dict[str, int],
-                    reports: list[tuple[str, int, int, int, bool]]) -> list[tuple[str, int, bool]]:
+                    reports: list[tuple[str, int, int, int, bool, int]]) -> list[tuple[str, int, bool, bool]]:
         return self._queue.sync_places(holder, priorities, reports)
 
 

@@ -17,12 +17,15 @@ idle and asks for more, sized by the recent arrivals (:meth:`FastLane.sync`)::
     sync            report used units; give back idle ones; get up to ``want`` more
 
 Limits stay exact across gateways (the actors count granted units as taken: see
-``AdmissionController.sync_grants`` and ``ClassQueue.sync_places``). What a grant costs is
-that a tenant near a limit may be refused by one gateway while another holds some of its
-units; grants never take more than half of what a limit has left, so near a limit admissions
-go through the actors again. Grants are leased like tickets: a gateway that dies gives back
-its slots and places within the lease; the actors forget grants when they restart, and the
-next sync tells the gateway (``known`` False) to drop its free units.
+``AdmissionController.sync_grants`` and ``ClassQueue.sync_places``), and a gateway's idle
+grant does not make another gateway refuse what the limit allows: grants never take more than
+half of what a limit has left, and a request the actors refuse while some gateway kept units
+idle at its last sync *recalls* them. That gateway's next sync (at most ``SYNC_PERIOD_S``
+away) gives every free unit back, and the refused request retries once after
+``RECALL_WAIT_S`` (``Admitter._after_recall``). Only requests at the edge of a limit pay that
+wait. Grants are leased like tickets: a gateway that dies gives back its slots and places
+within the lease; the actors forget grants when they restart, and the next sync tells the
+gateway (``known`` False) to drop its free units.
 
 Other classes keep the exact per-request path: their shedding order (``max_queue``) is the
 point of the class queue, and one gateway holding places of a crowded class would shed others.
@@ -46,6 +49,9 @@ MIN_TARGET = 4
 """Free units a busy tenant's grant is topped up to at least (2x its arrivals per period)."""
 QUIET_SYNCS = 2
 """Syncs with no arrival after which a tenant's or class's free units are all given back."""
+RECALL_WAIT_S = SYNC_PERIOD_S + 0.1
+"""How long a request refused while other gateways held idle grants waits before its one
+retry: their next sync (at most one period away) gives the called-back units back."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -114,6 +120,7 @@ class FastLane:
         self.admitted = 0                 # requests admitted here, for stats and tests
         self._epochs = itertools.count(1)  # a ticket only gives back to the grant it came from
         self._syncing = asyncio.Lock()     # one sync at a time: each report is a delta
+        self._recalled = False             # an actor called back idle units this round
         self._task: asyncio.Task | None = None
 
     # ---- the request path (no await: nothing here waits) -------------------------------------
@@ -209,8 +216,9 @@ class FastLane:
             self._task = start_background(self._run())
 
     def holding(self) -> bool:
-        return any(a.held or a.on_slots or a.used_requests for a in self.tenants.values()) or \
-            any(p.held or p.in_use for p in self.places.values())
+        return any(a.held or a.on_slots or a.used_requests or any(a.void)
+                   for a in self.tenants.values()) or \
+            any(p.held or p.in_use or p.void for p in self.places.values())
 
     async def _run(self) -> None:
         await self.sync()
@@ -228,7 +236,10 @@ class FastLane:
 
     async def _sync_round(self) -> None:
         async with self._syncing:
-            await asyncio.gather(self._sync_tenants(), self._sync_class_places())
+            self._recalled = True
+            while self._recalled:          # a recall is given back in the same sync
+                self._recalled = False
+                await asyncio.gather(self._sync_tenants(), self._sync_class_places())
 
     async def _sync_tenants(self) -> None:
         reports, sent = [], []
@@ -255,13 +266,18 @@ class FastLane:
                 a.held = False
                 a.epoch = next(self._epochs)
                 continue
+            if answer.recall:              # someone was refused: every free unit goes back
+                v = a.void
+                a.void = (v[0] + a.requests, v[1] + a.tokens, v[2] + a.slots)
+                a.requests = a.tokens = a.slots = 0
+                self._recalled = True
             a.requests += answer.requests
             a.tokens += answer.tokens
             a.slots += answer.slots
             # The actor's grant is our free units, the slots in use and unreported use.
             a.held = bool(a.requests or a.tokens or a.slots or a.on_slots or a.used_requests)
         for tenant in [t for t, a in self.tenants.items()
-                       if not (a.held or a.on_slots or a.arrivals or a.used_requests)]:
+                       if not (a.held or a.on_slots or a.arrivals or a.used_requests or any(a.void))]:
             del self.tenants[tenant]
 
     def _tenant_report(self, tenant: str, a: _Allowance) -> GrantReport | None:
@@ -284,7 +300,8 @@ class FastLane:
         want_r, want_t, want_s = (max(0, t_r - a.requests), max(0, t_t - a.tokens),
                                   max(0, t_s - a.slots))
         report = GrantReport(tenant, a.limits, a.used_requests, a.used_tokens, back_r, back_t,
-                             back_s, want_r, want_t, want_s, held=a.held)
+                             back_s, want_r, want_t, want_s, held=a.held,
+                             idle=bool(a.requests or a.tokens or a.slots))
         a.used_requests = a.used_tokens = 0
         if not (report.used_requests or report.used_tokens or back_r or back_t or back_s
                 or want_r or want_t or want_s or a.held):
@@ -305,7 +322,7 @@ class FastLane:
             want = max(0, target - p.free)
             if not (back or want or p.held):
                 continue
-            reports.append((qos, p.limit, back, want, p.held))
+            reports.append((qos, p.limit, back, want, p.held, p.free))
             sent.append(p)
         if not reports:
             return
@@ -315,13 +332,16 @@ class FastLane:
                 self._sync_places(self.holder, priorities, reports), self.timeout_s)
         except Exception as exc:  # noqa: BLE001 - tried again next period
             logger.warning("place sync failed (%r); retrying in %.2f s", exc, self.period_s)
-            for p, (_, _, back, _, _) in zip(sent, reports):
-                p.void += back
+            for p, report in zip(sent, reports):
+                p.void += report[2]
             return
-        for p, (_, added, known) in zip(sent, answers):
+        for p, (_, added, known, recall) in zip(sent, answers):
             if not known:                  # the actor forgot us: places in use are its loss
                 p.free = p.in_use = 0
                 p.epoch = next(self._epochs)
+            if recall:
+                p.void, p.free = p.void + p.free, 0
+                self._recalled = True
             p.free += added
             p.held = p.free + p.in_use > 0
         # A class whose grant is all given back and that saw no arrival is forgotten.

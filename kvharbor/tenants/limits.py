@@ -44,7 +44,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvharbor.tenants.leases import LeaseTable
@@ -74,6 +74,8 @@ class Admission:
     retry_after_s: float | None = None
     ticket: Ticket | None = None
     limit: str | None = None     # which limit refused, e.g. "requests_per_minute"
+    recalled: bool = False       # a 429 while gateways held idle grants, now called back:
+                                 # a retry after their next sync may be admitted
 
 
 @dataclass(slots=True)
@@ -124,6 +126,8 @@ class Grant:
     tokens: int = 0
     slots: int = 0
     day: int = 0
+    idle: bool = False            # the holder kept free units at its last sync
+    recall: bool = False          # another caller was refused meanwhile: call them back
 
 
 @dataclass(slots=True, frozen=True)
@@ -146,18 +150,21 @@ class GrantReport:
     want_tokens: int = 0
     want_slots: int = 0
     held: bool = False
+    idle: bool = False            # it keeps free units after this report
 
 
 @dataclass(slots=True, frozen=True)
 class GrantAnswer:
     """Units added to the gateway's allowance; ``known`` False: the controller held no grant
-    for it (restart or lease expiry), so the gateway's free units are void and it starts over."""
+    for it (restart or lease expiry), so the gateway's free units are void and it starts over;
+    ``recall`` True: a request was refused while they were idle, so give every free unit back."""
 
     tenant: str
     requests: int = 0
     tokens: int = 0
     slots: int = 0
     known: bool = True
+    recall: bool = False
 
 
 GRANT_SHARE = 2
@@ -218,6 +225,8 @@ class AdmissionController:
             denial = too_big(lim, prompt_tokens, max_tokens) or _denial(st, lim, cost, now)
             if denial is not None:
                 st.rejected[denial.limit] = st.rejected.get(denial.limit, 0) + 1
+                if denial.status == 429 and self._recall(tenant):
+                    denial = replace(denial, recalled=True)
                 return denial
             st.in_flight += 1
             st.admitted_total += 1
@@ -328,6 +337,12 @@ class AdmissionController:
             st.requests.level += back_r
         if st.tokens is not None:
             st.tokens.level += back_t
+        recall, grant.recall = grant.recall, False
+        if recall:                        # give back first: no top-up this round
+            grant.idle = r.idle
+            if grant.requests == grant.tokens == grant.slots == 0:
+                del grants[r.tenant]
+            return GrantAnswer(r.tenant, recall=True)
         # Top-up.
         add_r = _share(r.want_requests, None if st.requests is None else st.requests.level)
         budget_left = (None if lim.daily_token_budget is None
@@ -347,9 +362,19 @@ class AdmissionController:
             st.requests.level -= add_r
         if st.tokens is not None:
             st.tokens.level -= add_t
+        grant.idle = r.idle or bool(add_r or add_t or add_s)
         if grant.requests == grant.tokens == grant.slots == 0:
             del grants[r.tenant]
         return GrantAnswer(r.tenant, add_r, add_t, add_s)
+
+    def _recall(self, tenant: str) -> bool:
+        """Call back the tenant's grants that were idle at their last sync (lock held)."""
+        called = False
+        for grants in self._grants.values():
+            grant = grants.get(tenant)
+            if grant is not None and grant.idle:
+                grant.recall = called = True
+        return called
 
     def _drop_grant(self, tenant: str, grant: Grant) -> None:
         """A holder that died: its slots come back; its unused units count as used."""

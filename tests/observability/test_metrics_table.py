@@ -7,7 +7,7 @@ import pytest
 from kvharbor.observability import metrics as m
 
 ALLOWED_LABELS = {"tenant", "qos", "status", "outcome", "reason", "replica", "region", "state",
-                  "location", "kind"}
+                  "location", "kind", "path"}
 
 
 def test_names_are_unique_prefixed_and_ray_valid():
@@ -59,7 +59,8 @@ def test_required_metrics_exist():
 @pytest.mark.parametrize("value, allowed, expected", [
     ("ok", m.STATUSES, "ok"), ("HTTP 418", m.STATUSES, "other"),
     ("max_concurrent_requests", m.RATE_LIMIT_REASONS, "max_concurrent_requests"),
-    ("x" * 50, m.REGIONS, "other")])
+    ("x" * 50, m.REGIONS, "other"), ("fast_lane", m.ADMISSION_PATHS, "fast_lane"),
+    ("bypass", m.ADMISSION_PATHS, "other")])
 def test_unknown_label_values_collapse_to_other(value, allowed, expected):
     assert m._bounded(value, allowed) == expected
 

@@ -183,7 +183,7 @@ def test_other_classes_keep_the_call_per_request():
             assert not isinstance(t, LocalTicket)
             await finish(gw, globex, f"s{i}", t, 5)
             await gw.lane.sync()
-        assert cluster.calls["try_admit"] == 3 and cluster.calls["enter"] == 3
+        assert cluster.calls["try_admit"] == 3 and cluster.calls["enter_or_recall"] == 3
 
     run(scenario())
 
@@ -448,5 +448,34 @@ def test_a_sync_whose_caller_is_cancelled_still_settles():
             pass
         assert "r1" not in gw._lane_places and not gw.places.held     # its place is back
         assert_books_balance(cluster, [gw])
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("limit", ["max_queue", "max_concurrent_requests"])
+def test_a_request_refused_while_another_gateway_holds_idle_units_gets_them(limit, monkeypatch):
+    """Gateway A holds an idle grant; B reaches the limit through the actors. B's next request
+    is not refused: the refusal calls A's idle units back, A's next sync returns them, and B's
+    one retry is admitted. The limit still holds: the request after it is refused."""
+    import kvharbor.platform.admission_flow as flow
+    monkeypatch.setattr(flow, "RECALL_WAIT_S", 0.05)
+    cluster = Cluster(max_queue=4 if limit == "max_queue" else 64)
+    a, b = cluster.gateway(), cluster.gateway()
+    acme = cluster.principal("acme", **({"max_concurrent_requests": 4}
+                                        if limit == "max_concurrent_requests" else {}))
+
+    async def scenario():
+        assert not isinstance(await request(a, acme, "a0"), APIError)
+        await a.lane.sync()                                 # A now holds an idle grant
+        assert a.lane.places["premium"].free + getattr(a.lane.tenants.get("acme"), "slots", 0) > 0
+        first = [await request(b, acme, f"b{i}") for i in range(2)]    # the limit is reached
+        assert not any(isinstance(t, APIError) for t in first), first
+        edge = asyncio.ensure_future(request(b, acme, "b2"))
+        await asyncio.sleep(0.02)
+        await a.lane.sync()          # one sync: A is not quiet yet, only the recall frees it
+        assert not isinstance(await edge, APIError)
+        over = await request(b, acme, "b3")                 # nothing idle left: refused at once
+        assert isinstance(over, APIError) and over.status == 429
+        assert_books_balance(cluster, [a, b])
 
     run(scenario())
