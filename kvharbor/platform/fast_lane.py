@@ -27,6 +27,10 @@ wait. Grants are leased like tickets: a gateway that dies gives back its slots a
 within the lease; the actors forget grants when they restart, and the next sync tells the
 gateway (``known`` False) to drop its free units.
 
+The admission actor's usage (``/admin/tenants``) counts a tenant's granted slots in its
+``in_flight`` and reports ``admitted_fast_lane`` (admitted from grants, part of
+``admitted_total``, counted at the gateway's next sync).
+
 Other classes keep the exact per-request path: their shedding order (``max_queue``) is the
 point of the class queue, and one gateway holding places of a crowded class would shed others.
 """

@@ -110,6 +110,7 @@ class _TenantState:
     admitted_total: int = 0
     rejected: dict[str, int] = field(default_factory=dict)
     granted_requests: int = 0   # request units held by gateways' grants (sum over holders)
+    admitted_fast_lane: int = 0  # of admitted_total: admitted by a gateway from its grant
     granted_tokens: int = 0     # token units held by gateways' grants
 
 
@@ -319,6 +320,7 @@ class AdmissionController:
         st.granted_requests -= used_r
         st.granted_tokens -= used_t
         st.admitted_total += r.used_requests
+        st.admitted_fast_lane += r.used_requests
         if grant.day != st.day:           # a new UTC day: what is still held is today's
             st.tokens_today += grant.tokens
             grant.day = st.day
@@ -489,6 +491,7 @@ def _reject(status: int, limit: str, reason: str, retry_after_s: float | None = 
 def _usage_dict(tenant: str, st: _TenantState, now: float) -> dict:
     level = (lambda b: None if b is None else max(0.0, b.level))
     return {"tenant": tenant, "in_flight": st.in_flight, "admitted_total": st.admitted_total,
+            "admitted_fast_lane": st.admitted_fast_lane,
             "rejected": dict(st.rejected), "utc_day": time.strftime(
                 "%Y-%m-%d", time.gmtime(st.day * SECONDS_PER_DAY)),
             "tokens_today": st.tokens_today, "requests_available": level(st.requests),
