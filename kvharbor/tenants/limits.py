@@ -109,8 +109,8 @@ class _TenantState:
     tokens_today: int = 0
     admitted_total: int = 0
     rejected: dict[str, int] = field(default_factory=dict)
-    granted_requests: int = 0   # request units held by gateways' grants (sum over holders)
     admitted_fast_lane: int = 0  # of admitted_total: admitted by a gateway from its grant
+    granted_requests: int = 0   # request units held by gateways' grants (sum over holders)
     granted_tokens: int = 0     # token units held by gateways' grants
 
 
@@ -287,8 +287,10 @@ class AdmissionController:
         counts as admitted here now), its given-back units return to the limits, then it
         gets up to what it wants, at most 1/``GRANT_SHARE`` of what each limit has left.
         Exact: granted units count as taken (buckets refill to ``capacity - granted``, slots
-        are in ``in_flight``, tokens are charged to the day), so limits hold across gateways;
-        the cost is that a gateway's unused grant may make another refuse a little early.
+        are in ``in_flight``, tokens are charged to the day), so limits hold across gateways.
+        Tokens a gateway refunds into its grant raise ``granted``; the next refill clamps the
+        bucket under the new ceiling before any decision. A gateway's idle grant would make
+        another refuse early; a refusal therefore recalls idle grants (``try_admit``).
         """
         now = self._clock() if now is None else now
         answers = []

@@ -312,9 +312,10 @@ def test_limits_hold_across_two_gateways(script):
     running: list[tuple[int, str, object, int]] = []
     admitted_at: list[float] = []
     charged = 0                                      # tokens used, as finished requests report
+    net = 0                                          # tokens reserved minus refunds so far
 
     async def scenario():
-        nonlocal charged
+        nonlocal charged, net
         start = cluster.clock.t
         for n, (op, g, a, b) in enumerate(script):
             gw = gws[g]
@@ -323,10 +324,12 @@ def test_limits_hold_across_two_gateways(script):
                 if not isinstance(t, APIError):
                     running.append((g, f"x{n}", t, a + b))
                     admitted_at.append(cluster.clock.t)
+                    net += a + b
             elif op == "finish" and running:
                 g2, rid, t, cost = running.pop(a % len(running))
                 used = min(cost, b)
                 charged += used
+                net -= cost - used
                 await finish(gws[g2], acme, rid, t, used)
             elif op == "sync":
                 await gw.lane.sync()
@@ -338,6 +341,7 @@ def test_limits_hold_across_two_gateways(script):
             assert len(running) <= 4                                     # max_queue
             window = cluster.clock.t - start
             assert len(admitted_at) <= 30 + window * 30 / 60 + 1e-9      # requests bucket
+            assert net <= 900 + window * 900 / 60 + 1e-9                 # tokens bucket
             state = cluster.controller._tenants.get("acme")
             if state is not None:
                 assert state.in_flight <= LIMITS["max_concurrent_requests"]
@@ -477,5 +481,28 @@ def test_a_request_refused_while_another_gateway_holds_idle_units_gets_them(limi
         over = await request(b, acme, "b3")                 # nothing idle left: refused at once
         assert isinstance(over, APIError) and over.status == 429
         assert_books_balance(cluster, [a, b])
+
+    run(scenario())
+
+
+def test_a_refund_into_the_grant_does_not_add_to_a_full_bucket():
+    """Tokens a request did not use go back to the gateway's grant; the bucket must not
+    also refill over them: a quiet minute later the tenant gets its tokens_per_minute, no more."""
+    cluster = Cluster()
+    gw = cluster.gateway()
+    acme = cluster.principal("acme", tokens_per_minute=100)
+
+    async def scenario():
+        t0 = await request(gw, acme, "r0")                 # 10 + 10 tokens, from the actor
+        await finish(gw, acme, "r0", t0, 20)
+        await gw.lane.sync()
+        t1 = await request(gw, acme, "r1")
+        assert isinstance(t1, LocalTicket)
+        await gw.lane.sync()
+        cluster.clock.t += 60
+        await finish(gw, acme, "r1", t1, 0)                # all 20 refunded into the grant
+        await gw.lane.sync()
+        burst = [await request(gw, acme, f"b{i}") for i in range(10)]
+        assert sum(not isinstance(t, APIError) for t in burst) == 5, burst   # 100 / 20
 
     run(scenario())
