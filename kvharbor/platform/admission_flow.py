@@ -56,8 +56,8 @@ class Admitter:
         self.places = LeaseKeeper(lambda ids: class_queue.renew.remote(ids), lease_s / 3)
         self._refused: dict[str, tuple[float, int, APIError]] = {}   # tenant -> (until, version, 429)
         self.lane = FastLane(admission.sync_grants,
-                             lambda holder, prios, reports: class_queue.sync_places.remote(
-                                 holder, prios, reports), registry)
+                             lambda holder, prios, reports, seq: class_queue.sync_places.remote(
+                                 holder, prios, reports, seq), registry)
         self._lane_places: dict[str, int] = {}    # rid -> grant epoch of its fast-lane place
 
     # ---- before tokenization -----------------------------------------------------------------

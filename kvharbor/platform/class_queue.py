@@ -42,6 +42,7 @@ class ClassQueue:
     grants: dict[str, dict[str, int]] = field(default_factory=dict)   # holder -> qos -> places
     holders: LeaseTable | None = None                                  # holder leases
     idle: dict[tuple[str, str], int] = field(default_factory=dict)    # (holder, qos) -> free, last sync
+    answered: dict[str, tuple[int, list]] = field(default_factory=dict)  # holder -> (seq, answers)
     recall: set[tuple[str, str]] = field(default_factory=set)          # idle places to call back
 
     def __post_init__(self) -> None:
@@ -103,6 +104,7 @@ class ClassQueue:
         for qos in gone:
             self.counts[qos] = max(0, self.counts.get(qos, 0) - 1)
         for holder in self.holders.expire(now):
+            self.answered.pop(holder, None)
             for qos, places in self.grants.pop(holder, {}).items():
                 self.counts[qos] = max(0, self.counts.get(qos, 0) - places)
                 self.idle.pop((holder, qos), None)
@@ -111,7 +113,7 @@ class ClassQueue:
         return len(gone)
 
     def sync_places(self, holder: str, priorities: dict[str, int],
-                    reports: list[tuple[str, int, int, int, bool, int]],
+                    reports: list[tuple[str, int, int, int, bool, int]], seq: int = 0,
                     now: float | None = None) -> list[tuple[str, int, bool, bool]]:
         """Settle and top up a gateway's granted places; renews its lease.
 
@@ -121,9 +123,13 @@ class ClassQueue:
         ``known`` False: no grant was held here (restart or expiry), so the gateway's free
         places are void; ``recall`` True: another gateway was refused while these were idle, so
         give every free place back now. Granted places count as in flight, so ``max_queue``
-        holds across gateways; a grant is at most 1/GRANT_SHARE of the room left.
+        holds across gateways; a grant is at most 1/GRANT_SHARE of the room left. A sync sent
+        again with the same ``seq`` (its answer was lost) gets that answer, applied once.
         """
         self.expire(now)
+        done = self.answered.get(holder)
+        if seq and done is not None and done[0] == seq:
+            return done[1]
         self.holders.add(holder, holder, now)
         mine = self.grants.setdefault(holder, {})
         answers = []
@@ -149,8 +155,11 @@ class ClassQueue:
                 mine.pop(qos, None)
                 self.idle.pop((holder, qos), None)
             answers.append((qos, added, True, recall))
-        if not mine:
+        if mine:
+            self.answered[holder] = (seq, answers)
+        else:
             del self.grants[holder]
+            self.answered.pop(holder, None)
             self.holders.pop(holder)
         return answers
 
@@ -184,8 +193,9 @@ class ClassQueueActor:
         return self._queue.enter_or_recall(qos, priorities, limit, lease_id)
 
     def sync_places(self, holder: str, priorities: dict[str, int],
-                    reports: list[tuple[str, int, int, int, bool, int]]) -> list[tuple[str, int, bool, bool]]:
-        return self._queue.sync_places(holder, priorities, reports)
+                    reports: list[tuple[str, int, int, int, bool, int]],
+                    seq: int = 0) -> list[tuple[str, int, bool, bool]]:
+        return self._queue.sync_places(holder, priorities, reports, seq)
 
 
 def get_or_create_class_queue(name: str = DEFAULT_NAME, namespace: str = "kvharbor"):

@@ -125,6 +125,9 @@ class FastLane:
         self._epochs = itertools.count(1)  # a ticket only gives back to the grant it came from
         self._syncing = asyncio.Lock()     # one sync at a time: each report is a delta
         self._recalled = False             # an actor called back idle units this round
+        self._seq = 0                      # numbers the syncs: a lost answer is asked again
+        self._pending_tenants: tuple | None = None   # (seq, reports, allowances) not answered
+        self._pending_places: tuple | None = None    # (seq, reports, places) not answered
         self._task: asyncio.Task | None = None
 
     # ---- the request path (no await: nothing here waits) -------------------------------------
@@ -220,8 +223,9 @@ class FastLane:
             self._task = start_background(self._run())
 
     def holding(self) -> bool:
-        return any(a.held or a.on_slots or a.used_requests or any(a.void)
-                   for a in self.tenants.values()) or \
+        return self._pending_tenants is not None or self._pending_places is not None or \
+            any(a.held or a.on_slots or a.used_requests or any(a.void)
+                for a in self.tenants.values()) or \
             any(p.held or p.in_use or p.void for p in self.places.values())
 
     async def _run(self) -> None:
@@ -245,25 +249,31 @@ class FastLane:
                 self._recalled = False
                 await asyncio.gather(self._sync_tenants(), self._sync_class_places())
 
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
     async def _sync_tenants(self) -> None:
-        reports, sent = [], []
-        for tenant, a in self.tenants.items():
-            report = self._tenant_report(tenant, a)
-            if report is not None:
-                reports.append(report)
-                sent.append(a)
-        if not reports:
-            return
+        if self._pending_tenants is not None:      # the last one's answer was lost: ask again
+            seq, reports, sent = self._pending_tenants
+        else:
+            reports, sent = [], []
+            for tenant, a in self.tenants.items():
+                report = self._tenant_report(tenant, a)
+                if report is not None:
+                    reports.append(report)
+                    sent.append(a)
+            if not reports:
+                return
+            seq = self._next_seq()
         try:
-            answers = await asyncio.wait_for(self._sync_grants(self.holder, reports), self.timeout_s)
-        except Exception as exc:  # noqa: BLE001 - tried again next period
+            answers = await asyncio.wait_for(self._sync_grants(self.holder, reports, seq),
+                                             self.timeout_s)
+        except Exception as exc:  # noqa: BLE001 - sent again (same seq) next period
             logger.warning("grant sync failed (%r); retrying in %.2f s", exc, self.period_s)
-            for a, r in zip(sent, reports):          # nothing was settled: report it again
-                a.used_requests += r.used_requests
-                a.used_tokens += r.used_tokens
-                v = a.void
-                a.void = (v[0] + r.back_requests, v[1] + r.back_tokens, v[2] + r.back_slots)
+            self._pending_tenants = (seq, reports, sent)
             return
+        self._pending_tenants = None
         for a, answer in zip(sent, answers):
             if not answer.known:           # the actor forgot us (restart, expiry): start over
                 a.requests = a.tokens = a.slots = a.on_slots = 0
@@ -315,30 +325,21 @@ class FastLane:
         return report
 
     async def _sync_class_places(self) -> None:
-        reports, sent = [], []
-        for qos, p in self.places.items():
-            arrivals, p.arrivals = p.arrivals, 0
-            p.quiet = 0 if arrivals else p.quiet + 1
-            target = 0 if p.quiet >= QUIET_SYNCS else max(MIN_TARGET, 2 * arrivals)
-            back = p.free - target if p.free > 2 * target else 0
-            p.free -= back
-            back, p.void = back + p.void, 0
-            want = max(0, target - p.free)
-            if not (back or want or p.held):
-                continue
-            reports.append((qos, p.limit, back, want, p.held, p.free))
-            sent.append(p)
-        if not reports:
-            return
+        if self._pending_places is not None:       # the last one's answer was lost: ask again
+            seq, reports, sent = self._pending_places
+        else:
+            seq, reports, sent = self._place_reports()
+            if not reports:
+                return
         priorities = {name: q.priority for name, q in self.registry.config.qos_classes.items()}
         try:
             answers = await asyncio.wait_for(
-                self._sync_places(self.holder, priorities, reports), self.timeout_s)
-        except Exception as exc:  # noqa: BLE001 - tried again next period
+                self._sync_places(self.holder, priorities, reports, seq), self.timeout_s)
+        except Exception as exc:  # noqa: BLE001 - sent again (same seq) next period
             logger.warning("place sync failed (%r); retrying in %.2f s", exc, self.period_s)
-            for p, report in zip(sent, reports):
-                p.void += report[2]
+            self._pending_places = (seq, reports, sent)
             return
+        self._pending_places = None
         for p, (_, added, known, recall) in zip(sent, answers):
             if not known:                  # the actor forgot us: places in use are its loss
                 p.free = p.in_use = 0
@@ -352,3 +353,20 @@ class FastLane:
         for qos in [q for q, p in self.places.items()
                     if not (p.free or p.in_use or p.void or p.arrivals) and p.quiet >= QUIET_SYNCS]:
             del self.places[qos]
+
+    def _place_reports(self) -> tuple[int, list, list]:
+        """What to settle and ask for per class; takes given-back places out of ``free``."""
+        reports, sent = [], []
+        for qos, p in self.places.items():
+            arrivals, p.arrivals = p.arrivals, 0
+            p.quiet = 0 if arrivals else p.quiet + 1
+            target = 0 if p.quiet >= QUIET_SYNCS else max(MIN_TARGET, 2 * arrivals)
+            back = p.free - target if p.free > 2 * target else 0
+            p.free -= back
+            back, p.void = back + p.void, 0
+            want = max(0, target - p.free)
+            if not (back or want or p.held):
+                continue
+            reports.append((qos, p.limit, back, want, p.held, p.free))
+            sent.append(p)
+        return (self._next_seq() if reports else 0), reports, sent

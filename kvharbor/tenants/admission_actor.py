@@ -117,8 +117,8 @@ class AdmissionActor:
     def usage_all(self, now: float | None = None) -> dict[str, dict]:
         return self._ctl.usage_all(now)
 
-    def sync_grants(self, holder: str, reports: list[GrantReport]) -> list[GrantAnswer]:
-        return self._ctl.sync_grants(holder, reports)
+    def sync_grants(self, holder: str, reports: list[GrantReport], seq: int = 0) -> list[GrantAnswer]:
+        return self._ctl.sync_grants(holder, reports, seq)
 
 
 def get_or_create_admission_actor(name: str = DEFAULT_ACTOR_NAME,
@@ -153,9 +153,10 @@ class ActorAdmission:
         """Fire and forget: the request's answer does not wait for the accounting."""
         self.handle.release_and_leave.remote(ticket, qos, tokens_used)
 
-    async def sync_grants(self, holder: str, reports: list[GrantReport]) -> list[GrantAnswer]:
+    async def sync_grants(self, holder: str, reports: list[GrantReport],
+                          seq: int = 0) -> list[GrantAnswer]:
         """A gateway's fast-lane grants settled and topped up (``kvharbor.platform.fast_lane``)."""
-        return await self.handle.sync_grants.remote(holder, reports)
+        return await self.handle.sync_grants.remote(holder, reports, seq)
 
     async def queue_snapshot(self) -> dict[str, int]:
         return await self.handle.queue_snapshot.remote()

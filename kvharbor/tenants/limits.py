@@ -202,6 +202,7 @@ class AdmissionController:
         self._nonce = secrets.token_hex(4)
         self._ids = itertools.count(1)
         self._grants: dict[str, dict[str, Grant]] = {}          # holder -> tenant -> grant
+        self._answered: dict[str, tuple[int, list]] = {}         # holder -> (seq, its answers)
         self._holders = LeaseTable(lease_s) if lease_s else None  # holder -> holder
 
     def try_admit(self, tenant: str, limits: Any, prompt_tokens: int, max_tokens: int | None,
@@ -274,14 +275,18 @@ class AdmissionController:
             if self._release(ticket, None, now):
                 self.expired_total += 1
         for holder in self._holders.expire(self._lease_clock()):
+            self._answered.pop(holder, None)
             for tenant, grant in self._grants.pop(holder, {}).items():
                 self._drop_grant(tenant, grant)
                 self.expired_total += 1
 
     # ---- grants: gateways admitting without a call ----------------------------------------
-    def sync_grants(self, holder: str, reports: list[GrantReport],
+    def sync_grants(self, holder: str, reports: list[GrantReport], seq: int = 0,
                     now: float | None = None) -> list[GrantAnswer]:
         """Settle a gateway's grants and top them up; renews its lease (one call per period).
+
+        ``seq`` numbers the gateway's syncs: a sync it sends again (its answer was lost, e.g.
+        a timeout after this ran) gets the answer it had, without being applied twice.
 
         For each report: its used units leave the grant (a request admitted from a grant
         counts as admitted here now), its given-back units return to the limits, then it
@@ -296,13 +301,19 @@ class AdmissionController:
         answers = []
         with self._lock:
             self._expire(now)
+            done = self._answered.get(holder)
+            if seq and done is not None and done[0] == seq:
+                return done[1]
             if self._holders is not None:
                 self._holders.add(holder, holder, self._lease_clock())
             grants = self._grants.setdefault(holder, {})
             for r in reports:
                 answers.append(self._sync_grant(grants, r, now))
-            if not grants:
+            if grants:
+                self._answered[holder] = (seq, answers)
+            else:
                 self._grants.pop(holder, None)
+                self._answered.pop(holder, None)
                 if self._holders is not None:
                     self._holders.pop(holder)
         return answers
@@ -523,5 +534,6 @@ class LocalAdmission:
     async def usage_all(self, now: float | None = None) -> dict[str, dict]:
         return self.controller.usage_all(now)
 
-    async def sync_grants(self, holder: str, reports: list[GrantReport]) -> list[GrantAnswer]:
-        return self.controller.sync_grants(holder, reports)
+    async def sync_grants(self, holder: str, reports: list[GrantReport],
+                          seq: int = 0) -> list[GrantAnswer]:
+        return self.controller.sync_grants(holder, reports, seq)

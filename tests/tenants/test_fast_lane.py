@@ -432,9 +432,9 @@ def test_a_sync_whose_caller_is_cancelled_still_settles():
     slow = asyncio.Event()
     original = gw.admission.sync_grants
 
-    async def held_sync(holder, reports):
+    async def held_sync(holder, reports, seq=0):
         await slow.wait()
-        return await original(holder, reports)
+        return await original(holder, reports, seq)
 
     async def scenario():
         await finish(gw, acme, "r0", await request(gw, acme, "r0"), 5)
@@ -504,5 +504,57 @@ def test_a_refund_into_the_grant_does_not_add_to_a_full_bucket():
         await gw.lane.sync()
         burst = [await request(gw, acme, f"b{i}") for i in range(10)]
         assert sum(not isinstance(t, APIError) for t in burst) == 5, burst   # 100 / 20
+
+    run(scenario())
+
+
+
+@pytest.mark.parametrize("lost", ["grants", "places"])
+def test_a_sync_whose_answer_is_lost_is_applied_once(lost):
+    """The actor applied a sync but its answer never came back (a timeout): the gateway sends
+    the same sync again and gets the same answer; nothing is counted twice or dropped."""
+    cluster = Cluster()
+    gw = cluster.gateway()
+    acme = cluster.principal("acme", requests_per_minute=600, max_concurrent_requests=16)
+    lose = {"armed": False}
+    if lost == "grants":
+        original = gw.lane._sync_grants
+
+        async def flaky(holder, reports, seq=0):
+            answer = await original(holder, reports, seq)
+            if lose["armed"]:
+                lose["armed"] = False
+                raise TimeoutError("answer lost")
+            return answer
+
+        gw.lane._sync_grants = flaky
+    else:
+        original = gw.lane._sync_places
+
+        async def flaky(holder, priorities, reports, seq=0):
+            answer = await original(holder, priorities, reports, seq)
+            if lose["armed"]:
+                lose["armed"] = False
+                raise TimeoutError("answer lost")
+            return answer
+
+        gw.lane._sync_places = flaky
+
+    async def scenario():
+        tickets = [await request(gw, acme, "r0")]
+        await gw.lane.sync()
+        tickets += [await request(gw, acme, f"r{i}") for i in range(1, 4)]
+        assert sum(isinstance(t, LocalTicket) for t in tickets) == 3
+        lose["armed"] = True
+        await gw.lane.sync()                                # applied, answer lost
+        await gw.lane.sync()                                # sent again: same answer
+        assert_books_balance(cluster, [gw])
+        for i, t in enumerate(tickets):
+            await finish(gw, acme, f"r{i}", t, 10)
+        for _ in range(QUIET_SYNCS + 2):
+            await gw.lane.sync()
+        state = cluster.controller._tenants["acme"]
+        assert state.admitted_total == 4 and state.in_flight == 0
+        assert sum(cluster.queue.snapshot().values()) == 0
 
     run(scenario())
