@@ -63,6 +63,11 @@ class ClassQueue:
         mine = priorities[qos]
         ahead = sum(n for name, n in self.counts.items()
                     if name in priorities and priorities[name] >= mine)
+        # Places of higher classes that their gateways held idle at the last sync are not in
+        # flight: they do not shed this class (their own class still counts them; see
+        # enter_or_recall). Approximate for the lower class, by what was used since that sync.
+        ahead -= sum(free for (_, name), free in self.idle.items()
+                     if name in priorities and priorities[name] > mine)
         if ahead >= limit:
             return ahead
         self.counts[qos] = self.counts.get(qos, 0) + 1
@@ -72,16 +77,17 @@ class ClassQueue:
 
     def enter_or_recall(self, qos: str, priorities: dict[str, int], limit: int,
                         lease_id: str | None = None, now: float | None = None) -> tuple[int | None, bool]:
-        """``enter``, and on a refusal call back the places gateways hold idle in the classes
-        counted ahead (their next sync gives them back). ``(ahead, recalled)``: ``recalled``
-        True means a retry after the gateways' next sync may be admitted."""
+        """``enter``, and on a refusal call back the places gateways hold idle in this class, if
+        without them it would have been admitted (their next sync gives them back).
+        ``(ahead, recalled)``: ``recalled`` True means a retry after the gateways' next sync
+        may be admitted."""
         ahead = self.enter(qos, priorities, limit, lease_id, now)
         if ahead is None:
             return None, False
-        mine = priorities[qos]
-        called = {key for key, free in self.idle.items() if free > 0 and key[1] in priorities
-                  and priorities[key[1]] >= mine}
-        self.recall |= called
+        called = {key: free for key, free in self.idle.items() if free > 0 and key[1] == qos}
+        if ahead - sum(called.values()) >= limit:    # full even without them: nothing to recall
+            return ahead, False
+        self.recall |= set(called)
         return ahead, bool(called)
 
     def leave(self, qos: str, lease_id: str | None = None) -> None:

@@ -31,6 +31,11 @@ The admission actor's usage (``/admin/tenants``) counts a tenant's granted slots
 ``in_flight`` and reports ``admitted_fast_lane`` (admitted from grants, part of
 ``admitted_total``, counted at the gateway's next sync).
 
+A higher class's places that a gateway held idle at its last sync do not count against a
+lower class's ``max_queue`` (they are not in flight), and a lower class's refusal never
+recalls them: a standard flood that meets its limit leaves premium's fast lane alone. The
+lower class's count is then approximate by what premium used since that sync.
+
 Other classes keep the exact per-request path: their shedding order (``max_queue``) is the
 point of the class queue, and one gateway holding places of a crowded class would shed others.
 """
@@ -315,7 +320,7 @@ class FastLane:
                                   max(0, t_s - a.slots))
         report = GrantReport(tenant, a.limits, a.used_requests, a.used_tokens, back_r, back_t,
                              back_s, want_r, want_t, want_s, held=a.held,
-                             idle=bool(a.requests or a.tokens or a.slots))
+                             idle=(a.requests, a.tokens, a.slots))
         a.used_requests = a.used_tokens = 0
         if not (report.used_requests or report.used_tokens or back_r or back_t or back_s
                 or want_r or want_t or want_s or a.held):

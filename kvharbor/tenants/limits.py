@@ -127,7 +127,7 @@ class Grant:
     tokens: int = 0
     slots: int = 0
     day: int = 0
-    idle: bool = False            # the holder kept free units at its last sync
+    idle: tuple[int, int, int] = (0, 0, 0)   # free requests, tokens, slots at its last sync
     recall: bool = False          # another caller was refused meanwhile: call them back
 
 
@@ -151,7 +151,7 @@ class GrantReport:
     want_tokens: int = 0
     want_slots: int = 0
     held: bool = False
-    idle: bool = False            # it keeps free units after this report
+    idle: tuple[int, int, int] = (0, 0, 0)   # free requests, tokens, slots it keeps
 
 
 @dataclass(slots=True, frozen=True)
@@ -227,7 +227,7 @@ class AdmissionController:
             denial = too_big(lim, prompt_tokens, max_tokens) or _denial(st, lim, cost, now)
             if denial is not None:
                 st.rejected[denial.limit] = st.rejected.get(denial.limit, 0) + 1
-                if denial.status == 429 and self._recall(tenant):
+                if denial.status == 429 and self._recall(tenant, st, lim, cost):
                     denial = replace(denial, recalled=True)
                 return denial
             st.in_flight += 1
@@ -377,19 +377,29 @@ class AdmissionController:
             st.requests.level -= add_r
         if st.tokens is not None:
             st.tokens.level -= add_t
-        grant.idle = r.idle or bool(add_r or add_t or add_s)
+        grant.idle = (r.idle[0] + add_r, r.idle[1] + add_t, r.idle[2] + add_s)
         if grant.requests == grant.tokens == grant.slots == 0:
             del grants[r.tenant]
         return GrantAnswer(r.tenant, add_r, add_t, add_s)
 
-    def _recall(self, tenant: str) -> bool:
-        """Call back the tenant's grants that were idle at their last sync (lock held)."""
-        called = False
-        for grants in self._grants.values():
-            grant = grants.get(tenant)
-            if grant is not None and grant.idle:
-                grant.recall = called = True
-        return called
+    def _recall(self, tenant: str, st: _TenantState, lim: TenantLimits, cost: int) -> bool:
+        """Call back the tenant's grants that were idle at their last sync, if what they hold
+        would have admitted the refused request (lock held)."""
+        idle = [g for grants in self._grants.values()
+                if (g := grants.get(tenant)) is not None and any(g.idle)]
+        free_r, free_t, free_s = (sum(g.idle[i] for g in idle) for i in range(3))
+        helps = (
+            (lim.max_concurrent_requests is None
+             or st.in_flight - free_s < lim.max_concurrent_requests)
+            and (st.requests is None or st.requests.level + free_r >= 1)
+            and (st.tokens is None or st.tokens.level + free_t >= cost)
+            and (lim.daily_token_budget is None
+                 or st.tokens_today - free_t + cost <= lim.daily_token_budget))
+        if not (idle and helps):
+            return False
+        for grant in idle:
+            grant.recall = True
+        return True
 
     def _drop_grant(self, tenant: str, grant: Grant) -> None:
         """A holder that died: its slots come back; its unused units count as used."""

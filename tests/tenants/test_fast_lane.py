@@ -558,3 +558,27 @@ def test_a_sync_whose_answer_is_lost_is_applied_once(lost):
         assert sum(cluster.queue.snapshot().values()) == 0
 
     run(scenario())
+
+
+def test_premiums_idle_places_neither_shed_nor_are_recalled_by_a_lower_class():
+    """A standard flood meets its max_queue: premium's places held idle by a gateway do not
+    count against standard (they are not in flight), and standard's refusals do not take
+    them back, so premium keeps its fast lane under the flood."""
+    cluster = Cluster(max_queue=6)
+    a, b = cluster.gateway(), cluster.gateway()
+    acme = cluster.principal("acme")
+    globex = cluster.principal("globex", qos="standard")
+
+    async def scenario():
+        assert not isinstance(await request(a, acme, "a0"), APIError)
+        await a.lane.sync()
+        idle = a.lane.places["premium"].free
+        assert idle > 0
+        outcomes = [await request(b, globex, f"s{i}") for i in range(8)]
+        admitted = sum(not isinstance(t, APIError) for t in outcomes)
+        assert admitted == 5, outcomes                  # 6 - the one premium in flight
+        await a.lane.sync()
+        assert a.lane.places["premium"].free >= idle     # not recalled (maybe topped up)
+        assert_books_balance(cluster, [a, b])
+
+    run(scenario())
