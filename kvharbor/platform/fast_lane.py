@@ -134,6 +134,7 @@ class FastLane:
         self._pending_tenants: tuple | None = None   # (seq, reports, allowances) not answered
         self._pending_places: tuple | None = None    # (seq, reports, places) not answered
         self._task: asyncio.Task | None = None
+        self._soon = asyncio.Event()       # a first arrival: the next sync is not to wait
 
     # ---- the request path (no await: nothing here waits) -------------------------------------
     def take_place(self, principal) -> int | None:
@@ -145,6 +146,7 @@ class FastLane:
         if places is None:
             places = self.places[principal.qos_name] = _Places(
                 principal.qos.max_queue, self.registry.version, epoch=next(self._epochs))
+            self._hurry()
         elif places.version != self.registry.version:    # reload: count under the new limit
             places.limit, places.version = principal.qos.max_queue, self.registry.version
             places.void, places.free = places.void + places.free, 0
@@ -168,7 +170,10 @@ class FastLane:
             return None
         lim = TenantLimits.coerce(principal.limits)
         a = self.tenants.get(principal.tenant)
-        if a is None or a.version != self.registry.version:
+        if a is None:
+            a = self._allowance(principal.tenant, lim, None)
+            self._hurry()
+        elif a.version != self.registry.version:
             a = self._allowance(principal.tenant, lim, a)
         cost = prompt_tokens + max_tokens
         a.arrivals += 1
@@ -233,11 +238,23 @@ class FastLane:
                 for a in self.tenants.values()) or \
             any(p.held or p.in_use or p.void for p in self.places.values())
 
+    def _hurry(self) -> None:
+        """A tenant or class this gateway holds nothing for has arrived (the first request, or
+        the first after a quiet spell): sync now rather than at the end of the period, so its
+        next request finds a grant. At most once per quiet spell per tenant and class."""
+        self._soon.set()
+        self._wake()
+
     async def _run(self) -> None:
+        self._soon.clear()
         await self.sync()
         while self.holding() or any(a.arrivals for a in self.tenants.values()) \
                 or any(p.arrivals for p in self.places.values()):
-            await asyncio.sleep(self.period_s)
+            try:                           # a period, cut short by a first arrival
+                await asyncio.wait_for(self._soon.wait(), self.period_s)
+            except TimeoutError:
+                pass
+            self._soon.clear()
             await self.sync()
 
     async def sync(self) -> None:

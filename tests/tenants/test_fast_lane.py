@@ -172,6 +172,41 @@ def test_premium_requests_after_the_first_sync_make_no_actor_call():
     run(scenario())
 
 
+def test_a_first_arrival_gets_its_grant_without_waiting_a_period():
+    """The gateway's own sync loop (not driven by the test), with a 30 s period: the first
+    request of a tenant wakes a sync at once, so the second finds a grant, in the place and in
+    the tenant's limits. A tenant that goes quiet and comes back is hurried the same way."""
+    cluster = Cluster()
+    gw = Admitter(CountedAdmission(cluster.controller, cluster.calls), Counted(cluster.queue, cluster.calls),
+                  cluster.registry, Metrics())
+    gw.lane.period_s = 30.0
+    acme = cluster.principal("acme", requests_per_minute=1200, tokens_per_minute=200_000,
+                             max_concurrent_requests=64)
+
+    async def two_requests(first: str, second: str) -> tuple:
+        one = await request(gw, acme, first)
+        await finish(gw, acme, first, one, 15)
+        for _ in range(20):                      # the woken sync answers (no Ray: at once)
+            await asyncio.sleep(0)
+        two = await request(gw, acme, second)
+        await finish(gw, acme, second, two, 15)
+        return one, two
+
+    async def scenario():
+        try:
+            one, two = await two_requests("r0", "r1")
+            assert not isinstance(one, LocalTicket) and isinstance(two, LocalTicket), (one, two)
+            for _ in range(QUIET_SYNCS + 2):     # a quiet spell: everything given back
+                await gw.lane.sync()
+            assert "acme" not in gw.lane.tenants
+            _, three = await two_requests("r2", "r3")
+            assert isinstance(three, LocalTicket), three
+        finally:
+            gw.lane._task.cancel()
+
+    run(scenario())
+
+
 def test_other_classes_keep_the_call_per_request():
     cluster = Cluster()
     gw = cluster.gateway()
