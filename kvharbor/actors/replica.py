@@ -163,10 +163,13 @@ class LLMReplica:
         self._ensure_loop()
         snap = self._snapshot
         stats = snap["stats"]
+        # Arrivals still in the inbox count as waiting: the router adds only what it sent
+        # after this report.
         return RoutingStats(self.replica_id, self.engine.block_size, stats["shared_blocks_free"],
                             stats["pinned_blocks_total"] - stats["pinned_blocks_used"],
-                            stats["blocks_total"], stats["num_running"], stats["num_waiting"],
-                            snap["queue_by_priority"], self._session_keys()).as_dict()
+                            stats["blocks_total"], stats["num_running"],
+                            stats["num_waiting"] + len(self._inbox), snap["queue_by_priority"],
+                            self._session_keys(), time.time()).as_dict()
 
     def _session_keys(self) -> list[str]:
         """``session_key`` of the sessions held here (newest last, at most

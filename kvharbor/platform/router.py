@@ -16,7 +16,8 @@ log in a background task. One routing attempt (``choose_replicas``) makes no rem
         │ block_hashes ──local index.match──▶ {replica: MatchInfo}      (event stream live)
         │              ──routing history────▶ {replica: MatchInfo}      (approximate mode)
         │ + active blocks (sent here, no event yet): extend the match, count as load
-        │ each candidate: routing_stats (lags) + Serve's in-flight count (fresh)
+        │ each candidate: routing_stats; load = Serve's in-flight count, capped by what
+        │                 the replica last reported + what this router sent it since
         ▼
     KVAwarePolicy.rank ──▶ [[best], [second], [all the rest]]
                             (Serve tries each rank in turn; a full replica is skipped)
@@ -57,7 +58,7 @@ import logging
 import random
 import time
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -77,6 +78,7 @@ logger = logging.getLogger(__name__)
 POLICY_LABEL = {"kv_index": "kv_aware", "approx": "approx", "pow2": "pow2_fallback"}
 FIRST_POLL_WAIT_S = 0.5           # a new router's first decision waits this long for the index
 MAX_SESSIONS = 65536              # sessions this router remembers the replica of (LRU)
+STATS_FRESH_S = 2.0               # routing stats younger than this give a replica's load
 
 
 def pinned_replica(pending_request: PendingRequest | None,
@@ -152,6 +154,7 @@ class KVAwareRouter(RequestRouter):
         self.metrics = get_metrics()
         self.active = ActiveBlocks(active_ttl_s)
         self._guesses: OrderedDict[str, tuple] = OrderedDict()   # request -> (replica, hashes)
+        self._sent: dict[str, deque[float]] = {}     # replica -> times this router sent it a request
         self.history = RoutingHistory(max_index_blocks)
         self.shards = [ActorShard(shard_name(directory_name, i, num_directory_shards),
                                   directory_namespace, control_timeout_s, lookup_retry_s)
@@ -193,6 +196,11 @@ class KVAwareRouter(RequestRouter):
             return
         uid = replica_id.unique_id
         request.metadata["routed_to"] = uid
+        sent = self._sent.setdefault(uid, deque())
+        now = time.time()
+        sent.append(now)
+        while sent and sent[0] < now - STATS_FRESH_S:
+            sent.popleft()
         guess = self._guesses.pop(pending_request.metadata.internal_request_id, None)
         if guess is not None and guess[0] != uid:     # Serve took a lower rank
             self.active.discard(guess[0], guess[1])
@@ -342,9 +350,26 @@ class KVAwareRouter(RequestRouter):
                 logger.info("could not remove replica %s from the directory: %r", uid, exc)
 
     def _in_flight(self, replica: RunningReplica) -> int | None:
-        """Serve's fresh count of ongoing requests at the replica (None when unknown)."""
+        """Requests at the replica: Serve's count of ongoing requests, but never more than its
+        fresh routing stats allow (what it held when it reported, plus what this router sent
+        it since); None when neither is known.
+
+        Serve's count is kept by this router (plus one per send, minus one when a request
+        ends, corrected when the replica accepts a request); streams cancelled by their
+        clients can leave it high until it expires (10 s), and an idle replica that holds a
+        prefix then loses every request to one that does not. The stats bound alone would
+        count requests that ended since the report.
+        """
         cache = getattr(self, "_replica_queue_len_cache", None)
-        return cache.get(replica.replica_id) if cache is not None else None
+        serve = cache.get(replica.replica_id) if cache is not None else None
+        stats = replica.routing_stats or {}
+        at = stats.get("at")
+        if not at or time.time() - at > STATS_FRESH_S:
+            return serve
+        sent = self._sent.get(replica.replica_id.unique_id, ())
+        bound = (int(stats.get("num_running", 0)) + int(stats.get("num_waiting", 0))
+                 + sum(1 for t in sent if t > at))
+        return bound if serve is None else min(serve, bound)
 
     def _route_request(self, request: GenerateRequest | None,
                        candidates: Sequence[Candidate]) -> RouteRequest:

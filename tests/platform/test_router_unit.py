@@ -195,6 +195,31 @@ def test_busy_hot_replica_loses_to_idle_ones():
     assert uids(ranks)[0] == ["y"] and uids(ranks)[-1][-1] == "hot"
 
 
+def test_fresh_routing_stats_outweigh_a_leaked_in_flight_count():
+    """Serve's count can stay high after cancelled streams (seen after a test that closed
+    held streams: an idle replica holding the prefix lost every request for seconds). Fresh
+    stats give the load: what the replica reported plus what this router sent it since."""
+    shard = FakeShard()
+    shard.shard.apply_events("hot", 0, stored=HASHES)
+    router = make_router(shard)
+    now = time.time()
+    replicas = [FakeReplica("hot", num_running=0, num_waiting=0, at=now),
+                FakeReplica("x", num_running=0, num_waiting=0, at=now)]
+    router._replica_queue_len_cache.update(replicas[0].replica_id, 3)      # leaked
+    router._replica_queue_len_cache.update(replicas[1].replica_id, 0)
+    ranks, pr = route(router, replicas, rid="r0")
+    assert uids(ranks)[0] == ["hot"]
+    routed(router, pr, replicas[0])
+    assert router._in_flight(replicas[0]) == 1           # sent after the report: counted
+    for i in range(1, 3):
+        _, pr = route(router, replicas, rid=f"r{i}")
+        routed(router, pr, replicas[0])
+    assert router._in_flight(replicas[0]) == 3
+    assert uids(route(router, replicas, rid="r3")[0])[0] == ["x"]     # now it is busy
+    replicas[0].routing_stats["at"] = now - 10                         # stale stats: Serve's count
+    assert router._in_flight(replicas[0]) == 3 and router._in_flight(replicas[1]) == 0
+
+
 def test_request_without_hashes_falls_back_to_power_of_two():
     router = make_router(FakeShard())
     ranks, pr = route(router, [FakeReplica(x) for x in "abcd"], hashes=[])
