@@ -25,7 +25,7 @@ import ray
 from kvharbor.actors.replica import ORPHAN_CHECK_S
 from kvharbor.tenants.keys import hash_key
 from kvharbor.tenants.leases import DEFAULT_LEASE_S
-from tests.reliability.helpers import edited_tenants, rand_text, wait_idle
+from tests.reliability.helpers import DEMO, edited_tenants, rand_text, wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -110,10 +110,12 @@ def test_killed_gateway_gives_every_slot_back_within_the_lease(kvharbor_app):
 
 @pytest.mark.parametrize("actor", ["kvharbor-class-queue", "kvharbor-admission"])
 def test_control_plane_actor_restarts_and_requests_never_500(kvharbor_app, actor):
+    """A standard-class tenant: its requests call both actors (premium ones may be admitted
+    from a gateway's fast-lane grants, which would pass before the actor is back)."""
     ray.kill(ray.get_actor(actor, namespace="kvharbor"), no_restart=False)
     statuses = []
     deadline = time.monotonic() + 60
-    with kvharbor_app.client() as client:
+    with kvharbor_app.client(DEMO["standard"]) as client:
         while time.monotonic() < deadline:
             r = client.post("/v1/completions", json={"model": kvharbor_app.model, "prompt": "hi", "max_tokens": 2})
             statuses.append(r.status_code)
