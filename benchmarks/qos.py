@@ -21,7 +21,8 @@ versus ``throughput_tokens_per_s`` shows whether the system really was saturated
 
 Every request is streamed with ``temperature 0, ignore_eos``; TTFT is from sending the
 request to the first token chunk, measured at the client. Throughput is generated tokens
-(one SSE chunk = one token) delivered inside the overload window, per second. A premium
+delivered inside the overload window, per second (each chunk carries the usage so far:
+``continuous_usage_stats``; a batch-class chunk holds up to 16 tokens, its ``stream_interval``). A premium
 request that has no first token ``grace_s`` after the window ends is cancelled and counted
 with TTFT = time waited so far (a lower bound; "censored" in the output).
 
@@ -97,7 +98,7 @@ class Outcome:
 # ---- workload ------------------------------------------------------------------------------
 def make_job(qos: str, at_s: float, rng: random.Random, info: workload.TenantsInfo) -> Job:
     base = {"model": MODEL, "max_tokens": MAX_TOKENS[qos], "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     if qos == "premium":
         return Job(at_s, qos, "/v1/chat/completions", {**base, "messages": workload.premium_messages(info, rng)})
     if qos == "standard":
@@ -147,11 +148,12 @@ async def send(client: httpx.AsyncClient, job: Job, t0: float, out: Outcome) -> 
                     out.error = data["error"].get("message", "stream error")
                     return
                 seen += 1
-                if data.get("usage"):
-                    out.timings = (data.get("kvharbor") or {}).get("timings_ms")
+                out.timings = (data.get("kvharbor") or {}).get("timings_ms", out.timings)
                 if data.get("choices") and not (chat and seen == 1):   # chat chunk 1: role only
+                    # a chunk holds its class's stream_interval tokens; usage says how many
                     now = time.perf_counter() - t0
-                    out.token_times.append(now)
+                    count = data["usage"]["completion_tokens"]
+                    out.token_times += [now] * (count - len(out.token_times))
                     out.first = now if out.first is None else out.first
             out.end = time.perf_counter() - t0
     except httpx.HTTPError as e:
@@ -235,8 +237,9 @@ def _r(v: float | None) -> float | None:
 
 
 # ---- deployment ----------------------------------------------------------------------------
-def lifted_tenants(folder: Path) -> Path:
-    """A copy of tenants.yaml without rate, token, concurrency or queue limits."""
+def lifted_tenants(folder: Path, stream_interval: int | None = None) -> Path:
+    """A copy of tenants.yaml without rate, token, concurrency or queue limits (and with every
+    class's ``stream_interval`` set to the given one, if any)."""
     data = yaml.safe_load((ROOT / "tenants.yaml").read_text())
     limits = ("requests_per_minute", "tokens_per_minute", "max_concurrent_requests", "daily_token_budget")
     data["defaults"].update({k: 10**9 for k in limits})
@@ -245,6 +248,8 @@ def lifted_tenants(folder: Path) -> Path:
             tenant.pop(k, None)
     for spec in data["qos_classes"].values():
         spec["max_queue"] = 100_000
+        if stream_interval is not None:
+            spec["stream_interval"] = stream_interval
     path = folder / "tenants.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
@@ -447,6 +452,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="max_num_batched_tokens per engine step (default: the platform default)")
     p.add_argument("--burst", type=int, default=24, help="requests in the capacity burst")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stream-interval", type=int, default=None,
+                   help="every class's stream_interval (default: tenants.yaml's; 1 streams every token)")
+    p.add_argument("--name", default=None, help="results file stem (default: qos[_step<N>][_nice<N>])")
     p.add_argument("--replica-nice", type=int, default=None,
                    help="cpu_replica_nice of the app (default: the platform's, 10)")
     args = p.parse_args(argv)
@@ -470,7 +478,7 @@ def main(argv=None) -> int:
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": PORT})
         with tempfile.TemporaryDirectory() as tmp:
-            modes, rate, series = run_all(args, info, lifted_tenants(Path(tmp)))
+            modes, rate, series = run_all(args, info, lifted_tenants(Path(tmp), args.stream_interval))
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -484,6 +492,7 @@ def main(argv=None) -> int:
     stem = "qos" if args.step_tokens is None else f"qos_step{args.step_tokens}"
     if args.replica_nice is not None:
         stem += f"_nice{args.replica_nice}"
+    stem = args.name or stem
     (RESULTS / f"{stem}.json").write_text(json.dumps(report, indent=1))
     plot(modes, series, RESULTS / f"{stem}.png")
     print(f"wrote {RESULTS / stem}.json and .png in {report['runtime_s']} s")

@@ -37,6 +37,7 @@ from ray import serve
 
 from kvharbor.actors.calls import start_background
 from kvharbor.actors.replica_sync import DirectorySync
+from kvharbor.actors.stream_events import coalesced, is_last
 from kvharbor.actors.tenant_sync import TenantSync
 from kvharbor.config import EngineConfig
 from kvharbor.engine.engine import Engine
@@ -104,7 +105,8 @@ class LLMReplica:
 
     # ---- public methods (called through the DeploymentHandle) ----------------------------
     async def generate(self, request: GenerateRequest, replica_id: str | None = None) -> AsyncIterator[dict]:
-        """Stream events for one request: ``{"token_ids", "text", "finish_reason", ...}``.
+        """Stream events for one request: ``{"token_ids", "text", "finish_reason", ...}``,
+        ``request.stream_interval`` tokens per event after the first (``stream_events``).
 
         ``replica_id`` (read by the router) pins the call to that replica, e.g. the sibling of
         an ``n > 1`` request to the replica that holds the prompt's KV.
@@ -130,9 +132,8 @@ class LLMReplica:
         self._wake.set()
         finished = False
         try:
-            while not finished:
-                event = await queue.get()
-                finished = event.get("finish_reason") is not None or "error" in event
+            async for event in coalesced(queue, request.stream_interval):
+                finished = is_last(event)
                 yield event
         finally:
             self._streams.pop(rid, None)

@@ -432,7 +432,8 @@ class Gateway:
             request_id=rid if i == 0 else f"{rid}-{i}", tenant=tenant, qos=qos, prompt_token_ids=ids,
             block_hashes=hashes, sampling={**sampling, "seed": _sibling_seed(body.seed, i)},
             cache_salt=principal.cache_salt, priority=principal.qos.priority, pinned=principal.qos.pinned,
-            session_id=session_id if i == 0 else None, caller=self.caller)
+            session_id=session_id if i == 0 else None, caller=self.caller,
+            stream_interval=principal.qos.stream_interval if body.stream else 0)
             for i in range(body.n)]
         run = GenerationRun(self, siblings, principal, ticket, chat, body.model, logprobs, marks)
         headers = {SESSION_HEADER: session_id} if session_id else {}
@@ -440,7 +441,7 @@ class Gateway:
         if dropped:
             headers[TRUNCATED_HEADER] = str(dropped)
         if body.stream:
-            response = RunStream(run, sse(run.stream_chunks(body.include_usage())))
+            response = RunStream(run, sse(run.stream_chunks(body.include_usage(), body.continuous_usage())))
             response.headers.update(headers)
             return response
         answer = await run.complete()

@@ -324,16 +324,20 @@ class GenerationRun:
                    for i, c in enumerate(self.choices)]
         return {**self._envelope(choices, chunk=False, final=True), "usage": self.usage()}
 
-    async def stream_chunks(self, include_usage: bool) -> AsyncIterator[dict | str]:
-        """Streaming: one chunk per event, an error event on failure, then ``[DONE]``."""
+    async def stream_chunks(self, include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[dict | str]:
+        """Streaming: one chunk per event (``stream_interval`` tokens, see
+        ``kvharbor.actors.stream_events``), an error event on failure, then ``[DONE]``.
+        ``continuous_usage``: every chunk carries the usage so far."""
+        usage = (lambda: {"usage": self.usage()}) if continuous_usage else dict
         try:
             if self.chat:
-                yield self._envelope([shapes.choice(i, "", None, True, final=False, first=True)
-                                      for i in range(len(self.reqs))], chunk=True)
+                yield {**self._envelope([shapes.choice(i, "", None, True, final=False, first=True)
+                                         for i in range(len(self.reqs))], chunk=True), **usage()}
             async for index, event in self.all_events():
-                yield self._envelope([shapes.choice(index, event.get("text", ""), event.get("finish_reason"),
-                                                    self.chat, final=False,
-                                                    logprobs=self._event_logprobs(index, event))], chunk=True)
+                yield {**self._envelope([shapes.choice(index, event.get("text", ""), event.get("finish_reason"),
+                                                       self.chat, final=False,
+                                                       logprobs=self._event_logprobs(index, event))], chunk=True),
+                       **usage()}
             self.status = "ok"
             if include_usage:
                 yield {**self._envelope([], chunk=True, final=True), "usage": self.usage()}

@@ -81,6 +81,10 @@ def _ignored(what: str) -> str:
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool | None = Field(False, description="Send a final chunk with token usage.")
+    continuous_usage_stats: bool | None = Field(False, description="With include_usage, every chunk also "
+                                                "carries the usage so far (as in vLLM). A chunk may hold "
+                                                "several tokens (the QoS class's stream_interval): this "
+                                                "is how a client counts tokens as they arrive.")
     include_obfuscation: bool | None = Field(None, description=_ignored("no obfuscation padding is sent"))
 
 
@@ -141,6 +145,9 @@ class _Common(BaseModel):
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def continuous_usage(self) -> bool:
+        return self.include_usage() and bool(self.stream_options.continuous_usage_stats)
 
 
 def _few_token_ids(value):

@@ -60,6 +60,10 @@ class QoSClassConfig(_Strict):
                                                  "higher classes.")
     max_queue: int = Field(1000, ge=0, description="Most requests of this class that may wait "
                                                    "in one replica's queue.")
+    stream_interval: int = Field(1, ge=1, description="Tokens per streamed chunk after the first "
+                                 "(the first token and the end go at once). Above 1, each chunk's "
+                                 "work in the replica, gateway, proxy and client is paid once per "
+                                 "that many tokens: for classes whose clients read whole answers.")
     session_ttl_s: float | None = Field(None, gt=0, description="Seconds an idle session (X-Session-ID) "
                                         "keeps its KV blocks referenced (None: the engine default, 300).")
     session_max_blocks: int | None = Field(None, ge=0, description="Most KV blocks one tenant's idle "
