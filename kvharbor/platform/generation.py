@@ -302,6 +302,12 @@ class GenerationRun:
         return {"id": self.req.request_id, "object": kind, "created": self.created, "model": self.model,
                 "choices": choices, "kvharbor": extra}
 
+    def _chunk(self, choices: list, with_usage: bool) -> dict:
+        chunk = self._envelope(choices, chunk=True)
+        if with_usage:
+            chunk["usage"] = self.usage()
+        return chunk
+
     async def complete(self) -> dict:
         """Non-streaming: the whole answer as one OpenAI response."""
         try:
@@ -328,16 +334,14 @@ class GenerationRun:
         """Streaming: one chunk per event (``stream_interval`` tokens, see
         ``kvharbor.actors.stream_events``), an error event on failure, then ``[DONE]``.
         ``continuous_usage``: every chunk carries the usage so far."""
-        usage = (lambda: {"usage": self.usage()}) if continuous_usage else dict
         try:
             if self.chat:
-                yield {**self._envelope([shapes.choice(i, "", None, True, final=False, first=True)
-                                         for i in range(len(self.reqs))], chunk=True), **usage()}
+                yield self._chunk([shapes.choice(i, "", None, True, final=False, first=True)
+                                   for i in range(len(self.reqs))], continuous_usage)
             async for index, event in self.all_events():
-                yield {**self._envelope([shapes.choice(index, event.get("text", ""), event.get("finish_reason"),
-                                                       self.chat, final=False,
-                                                       logprobs=self._event_logprobs(index, event))], chunk=True),
-                       **usage()}
+                yield self._chunk([shapes.choice(index, event.get("text", ""), event.get("finish_reason"),
+                                                 self.chat, final=False,
+                                                 logprobs=self._event_logprobs(index, event))], continuous_usage)
             self.status = "ok"
             if include_usage:
                 yield {**self._envelope([], chunk=True, final=True), "usage": self.usage()}

@@ -330,6 +330,7 @@ class KVAwareRouter(RequestRouter):
 
     def _forget(self, uid: str) -> None:
         self._stats_sessions.pop(uid, None)
+        self._sent.pop(uid, None)
         self.follower.forget_replica(uid)
         self.history.forget(uid)
         self.active.forget(uid)
@@ -366,9 +367,11 @@ class KVAwareRouter(RequestRouter):
         at = stats.get("at")
         if not at or time.time() - at > STATS_FRESH_S:
             return serve
-        sent = self._sent.get(replica.replica_id.unique_id, ())
-        bound = (int(stats.get("num_running", 0)) + int(stats.get("num_waiting", 0))
-                 + sum(1 for t in sent if t > at))
+        bound = int(stats.get("num_running", 0)) + int(stats.get("num_waiting", 0))
+        for t in reversed(self._sent.get(replica.replica_id.unique_id, ())):   # newest first
+            if t <= at:
+                break
+            bound += 1
         return bound if serve is None else min(serve, bound)
 
     def _route_request(self, request: GenerateRequest | None,

@@ -338,20 +338,8 @@ class AdmissionController:
             st.tokens_today += grant.tokens
             grant.day = st.day
         # Given back: as if never granted.
-        back_r = min(r.back_requests, grant.requests)
-        back_t = min(r.back_tokens, grant.tokens)
-        back_s = min(r.back_slots, grant.slots)
-        grant.requests -= back_r
-        grant.tokens -= back_t
-        grant.slots -= back_s
-        st.granted_requests -= back_r
-        st.granted_tokens -= back_t
-        st.in_flight -= back_s
-        st.tokens_today = max(0, st.tokens_today - back_t)
-        if st.requests is not None:
-            st.requests.level += back_r
-        if st.tokens is not None:
-            st.tokens.level += back_t
+        _move(st, grant, -min(r.back_requests, grant.requests), -min(r.back_tokens, grant.tokens),
+              -min(r.back_slots, grant.slots))
         recall, grant.recall = grant.recall, False
         if recall:                        # give back first: no top-up this round
             grant.idle = r.idle
@@ -366,17 +354,7 @@ class AdmissionController:
         slots_left = (None if lim.max_concurrent_requests is None
                       else lim.max_concurrent_requests - st.in_flight)
         add_s = _share(r.want_slots, slots_left)
-        grant.requests += add_r
-        grant.tokens += add_t
-        grant.slots += add_s
-        st.granted_requests += add_r
-        st.granted_tokens += add_t
-        st.in_flight += add_s
-        st.tokens_today += add_t
-        if st.requests is not None:
-            st.requests.level -= add_r
-        if st.tokens is not None:
-            st.tokens.level -= add_t
+        _move(st, grant, add_r, add_t, add_s)
         grant.idle = (r.idle[0] + add_r, r.idle[1] + add_t, r.idle[2] + add_s)
         if grant.requests == grant.tokens == grant.slots == 0:
             del grants[r.tenant]
@@ -495,6 +473,23 @@ def _denial(st: _TenantState, lim: TenantLimits, cost: int, now: float) -> Admis
         return None
     wait, name, reason = max(waits, key=lambda w: w[0])
     return _reject(429, name, f"{reason}; retry in {wait:.1f} s", retry_after_s=wait)
+
+
+def _move(st: _TenantState, grant: Grant, requests: int, tokens: int, slots: int) -> None:
+    """Move units from the tenant's limits into ``grant`` (negative: back out of it).
+    Granted units count as taken: out of the buckets, charged to today's tokens, slots in
+    ``in_flight``."""
+    grant.requests += requests
+    grant.tokens += tokens
+    grant.slots += slots
+    st.granted_requests += requests
+    st.granted_tokens += tokens
+    st.in_flight += slots
+    st.tokens_today = max(0, st.tokens_today + tokens)
+    if st.requests is not None:
+        st.requests.level -= requests
+    if st.tokens is not None:
+        st.tokens.level -= tokens
 
 
 def _share(want: int, *left: float | None) -> int:

@@ -315,10 +315,13 @@ def test_dead_replica_is_forgotten_here_and_in_the_directory():
     shard = FakeShard()
     shard.shard.apply_events("b", 0, stored=HASHES)
     router = make_router(shard)
+    b = FakeReplica("b")
+    routed(router, route(router, [b])[1], b)
+    assert "b" in router._sent
 
     async def go():
         router._lazily_fetched_loop = asyncio.get_running_loop()
-        router.on_replica_actor_died(FakeReplica("b").replica_id)
+        router.on_replica_actor_died(b.replica_id)
         for _ in range(5):
             await asyncio.sleep(0.01)
 
@@ -326,6 +329,7 @@ def test_dead_replica_is_forgotten_here_and_in_the_directory():
     assert router.follower.index.match(HASHES) == {}
     assert ("remove_replica", "b") in shard.calls
     assert shard.shard.match(HASHES) == {}
+    assert "b" not in router._sent                    # its send times go too
 
 
 def test_unknown_router_kwargs_are_rejected():
