@@ -1,0 +1,223 @@
+"""The fast lane keeps every limit exact across gateways (requests, tokens, concurrency, queue
+places), hands idle units to whoever a limit refuses, and leaves a higher class's grant alone
+when a lower class floods. Harness: ``fast_lane_harness.py``."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvharbor.platform.fast_lane import QUIET_SYNCS, LocalTicket
+from kvharbor.platform.openai_protocol import APIError
+from tests.tenants.fast_lane_harness import Cluster, assert_books_balance, finish, request, run
+
+# ---- limits hold exactly across gateways, whatever the interleaving ---------------------------
+LIMITS = dict(requests_per_minute=30, tokens_per_minute=900, max_concurrent_requests=5,
+              daily_token_budget=2_000)
+
+ops = st.lists(st.one_of(
+    st.tuples(st.just("arrive"), st.integers(0, 1), st.integers(1, 40), st.integers(1, 30)),
+    st.tuples(st.just("finish"), st.integers(0, 1), st.integers(0, 10_000), st.integers(0, 60)),
+    st.tuples(st.just("sync"), st.integers(0, 1), st.just(0), st.just(0)),
+    st.tuples(st.just("tick"), st.just(0), st.integers(0, 20), st.just(0)),
+), max_size=120)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops)
+def test_limits_hold_across_two_gateways(script):
+    cluster = Cluster(max_queue=4)
+    gws = [cluster.gateway(), cluster.gateway()]
+    acme = cluster.principal("acme", **LIMITS)
+    running: list[tuple[int, str, object, int]] = []
+    admitted_at: list[float] = []
+    charged = 0                                      # tokens used, as finished requests report
+    net = 0                                          # tokens reserved minus refunds so far
+
+    async def scenario():
+        nonlocal charged, net
+        start = cluster.clock.t
+        for n, (op, g, a, b) in enumerate(script):
+            gw = gws[g]
+            if op == "arrive":
+                t = await request(gw, acme, f"x{n}", a, b)
+                if not isinstance(t, APIError):
+                    running.append((g, f"x{n}", t, a + b))
+                    admitted_at.append(cluster.clock.t)
+                    net += a + b
+            elif op == "finish" and running:
+                g2, rid, t, cost = running.pop(a % len(running))
+                used = min(cost, b)
+                charged += used
+                net -= cost - used
+                await finish(gws[g2], acme, rid, t, used)
+            elif op == "sync":
+                await gw.lane.sync()
+            elif op == "tick":
+                cluster.clock.t += a
+            # The invariants, after every step.
+            assert_books_balance(cluster, gws)
+            assert len(running) <= LIMITS["max_concurrent_requests"]
+            assert len(running) <= 4                                     # max_queue
+            window = cluster.clock.t - start
+            assert len(admitted_at) <= 30 + window * 30 / 60 + 1e-9      # requests bucket
+            assert net <= 900 + window * 900 / 60 + 1e-9                 # tokens bucket
+            state = cluster.controller._tenants.get("acme")
+            if state is not None:
+                assert state.in_flight <= LIMITS["max_concurrent_requests"]
+                assert state.tokens_today <= LIMITS["daily_token_budget"]
+        # Everything ends; each gateway goes quiet: all that was granted comes back.
+        while running:
+            g2, rid, t, cost = running.pop()
+            charged += cost
+            await finish(gws[g2], acme, rid, t, cost)
+        for _ in range(QUIET_SYNCS + 1):
+            for gw in gws:
+                await gw.lane.sync()
+        state = cluster.controller._tenants.get("acme")
+        if state is not None:
+            assert (state.in_flight, state.granted_requests, state.granted_tokens) == (0, 0, 0)
+            assert state.admitted_total == len(admitted_at)
+            assert state.tokens_today == charged
+        assert sum(cluster.queue.snapshot().values()) == 0
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("limit", ["max_concurrent_requests", "requests_per_minute"])
+def test_a_single_gateway_still_admits_up_to_the_limit(limit):
+    """Grants take at most half of what is left, and a miss goes to the actor: one gateway
+    admits exactly as many as the limit allows, not fewer."""
+    cluster = Cluster()
+    gw = cluster.gateway()
+    acme = cluster.principal("acme", **{limit: 12})
+
+    async def scenario():
+        ok = 0
+        for i in range(20):
+            t = await request(gw, acme, f"r{i}")
+            ok += not isinstance(t, APIError)
+            if i % 3 == 0:
+                await gw.lane.sync()
+        assert ok == 12
+        assert gw.lane.admitted > 0
+
+    run(scenario())
+
+
+def test_a_grant_counts_as_taken_while_the_bucket_refills():
+    """Units granted to a gateway are not refilled behind its back: a burst after a quiet
+    minute gets the bucket's capacity, not capacity + the grant."""
+    cluster = Cluster()
+    gw = cluster.gateway()
+    acme = cluster.principal("acme", requests_per_minute=8)
+
+    async def scenario():
+        assert not isinstance(await request(gw, acme, "r0"), APIError)
+        await gw.lane.sync()
+        assert gw.lane.tenants["acme"].requests > 0
+        cluster.clock.t += 60                               # the bucket refills
+        burst = [await request(gw, acme, f"b{i}") for i in range(20)]
+        assert sum(not isinstance(t, APIError) for t in burst) == 8
+
+    run(scenario())
+
+
+def test_max_queue_holds_across_gateways_and_one_gateway_reaches_it():
+    cluster = Cluster(max_queue=6)
+    gws = [cluster.gateway(), cluster.gateway()]
+    acme = cluster.principal("acme")                        # no tenant limits: places only
+
+    async def scenario():
+        running = 0
+        for round_ in range(6):
+            for g, gw in enumerate(gws):
+                for i in range(3):
+                    t = await request(gw, acme, f"r{round_}-{g}-{i}")
+                    running += not isinstance(t, APIError)
+                await gw.lane.sync()
+                assert running <= 6
+                assert_books_balance(cluster, gws)
+        assert running == 6
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("limit", ["max_queue", "max_concurrent_requests"])
+def test_a_request_refused_while_another_gateway_holds_idle_units_gets_them(limit, monkeypatch):
+    """Gateway A holds an idle grant; B reaches the limit through the actors. B's next request
+    is not refused: the refusal calls A's idle units back, A's next sync returns them, and B's
+    one retry is admitted. The limit still holds: the request after it is refused."""
+    import kvharbor.platform.admission_flow as flow
+    monkeypatch.setattr(flow, "RECALL_WAIT_S", 0.05)
+    cluster = Cluster(max_queue=4 if limit == "max_queue" else 64)
+    a, b = cluster.gateway(), cluster.gateway()
+    acme = cluster.principal("acme", **({"max_concurrent_requests": 4}
+                                        if limit == "max_concurrent_requests" else {}))
+
+    async def scenario():
+        assert not isinstance(await request(a, acme, "a0"), APIError)
+        await a.lane.sync()                                 # A now holds an idle grant
+        assert a.lane.places["premium"].free + getattr(a.lane.tenants.get("acme"), "slots", 0) > 0
+        first = [await request(b, acme, f"b{i}") for i in range(2)]    # the limit is reached
+        assert not any(isinstance(t, APIError) for t in first), first
+        edge = asyncio.ensure_future(request(b, acme, "b2"))
+        await asyncio.sleep(0.02)
+        await a.lane.sync()          # one sync: A is not quiet yet, only the recall frees it
+        assert not isinstance(await edge, APIError)
+        over = await request(b, acme, "b3")                 # nothing idle left: refused at once
+        assert isinstance(over, APIError) and over.status == 429
+        assert_books_balance(cluster, [a, b])
+
+    run(scenario())
+
+
+def test_a_refund_into_the_grant_does_not_add_to_a_full_bucket():
+    """Tokens a request did not use go back to the gateway's grant; the bucket must not
+    also refill over them: a quiet minute later the tenant gets its tokens_per_minute, no more."""
+    cluster = Cluster()
+    gw = cluster.gateway()
+    acme = cluster.principal("acme", tokens_per_minute=100)
+
+    async def scenario():
+        t0 = await request(gw, acme, "r0")                 # 10 + 10 tokens, from the actor
+        await finish(gw, acme, "r0", t0, 20)
+        await gw.lane.sync()
+        t1 = await request(gw, acme, "r1")
+        assert isinstance(t1, LocalTicket)
+        await gw.lane.sync()
+        cluster.clock.t += 60
+        await finish(gw, acme, "r1", t1, 0)                # all 20 refunded into the grant
+        await gw.lane.sync()
+        burst = [await request(gw, acme, f"b{i}") for i in range(10)]
+        assert sum(not isinstance(t, APIError) for t in burst) == 5, burst   # 100 / 20
+
+    run(scenario())
+
+
+
+def test_premiums_idle_places_neither_shed_nor_are_recalled_by_a_lower_class():
+    """A standard flood meets its max_queue: premium's places held idle by a gateway do not
+    count against standard (they are not in flight), and standard's refusals do not take
+    them back, so premium keeps its fast lane under the flood."""
+    cluster = Cluster(max_queue=6)
+    a, b = cluster.gateway(), cluster.gateway()
+    acme = cluster.principal("acme")
+    globex = cluster.principal("globex", qos="standard")
+
+    async def scenario():
+        assert not isinstance(await request(a, acme, "a0"), APIError)
+        await a.lane.sync()
+        idle = a.lane.places["premium"].free
+        assert idle > 0
+        outcomes = [await request(b, globex, f"s{i}") for i in range(8)]
+        admitted = sum(not isinstance(t, APIError) for t in outcomes)
+        assert admitted == 5, outcomes                  # 6 - the one premium in flight
+        await a.lane.sync()
+        assert a.lane.places["premium"].free >= idle     # not recalled (maybe topped up)
+        assert_books_balance(cluster, [a, b])
+
+    run(scenario())
