@@ -31,6 +31,8 @@ throughput (priority) >= 0.95x throughput (fcfs). They are only evaluated (true/
 null with a note) when both modes' overload phases were saturated: delivered tokens/s below
 90 % of offered tokens/s. Tenants' rate limits are lifted in a
 temporary copy of tenants.yaml so admission control does not shape the offered load.
+HTTP enters through ``--ingress`` (default ``haproxy``, what ``serve run kvharbor.app`` runs;
+``proxy``: Serve's Python proxy actor); the JSON's ``args`` record which.
 
 Run:  python benchmarks/qos.py            (about 7 minutes on 2 shared cores)
       python benchmarks/qos.py --quick    (shorter phases; numbers are noisier)
@@ -452,6 +454,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="max_num_batched_tokens per engine step (default: the platform default)")
     p.add_argument("--burst", type=int, default=24, help="requests in the capacity burst")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ingress", choices=("haproxy", "proxy"), default="haproxy",
+                   help="HTTP ingress (kvharbor.platform.ingress): HAProxy to the gateway replicas "
+                        "(kvharbor's default) or Serve's Python proxy")
     p.add_argument("--stream-interval", type=int, default=None,
                    help="every class's stream_interval (default: tenants.yaml's; 1 streams every token)")
     p.add_argument("--name", default=None, help="results file stem (default: qos[_step<N>][_nice<N>])")
@@ -472,6 +477,10 @@ def main(argv=None) -> int:
 
     started = time.time()
     info = workload.read_tenants(ROOT / "tenants.yaml")
+    from kvharbor.platform.ingress import apply_ingress  # noqa: PLC0415
+
+    if apply_ingress(args.ingress) != args.ingress:
+        raise SystemExit(f"ingress {args.ingress!r} is not available here")
     ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", namespace="serve", num_cpus=8,
              log_to_driver=False)
     modes, series, rate = {}, {}, args.rate

