@@ -239,9 +239,10 @@ def _r(v: float | None) -> float | None:
 
 
 # ---- deployment ----------------------------------------------------------------------------
-def lifted_tenants(folder: Path, stream_interval: int | None = None) -> Path:
-    """A copy of tenants.yaml without rate, token, concurrency or queue limits (and with every
-    class's ``stream_interval`` set to the given one, if any)."""
+def lifted_tenants(folder: Path, stream_interval: int | None = None, max_queue: int = 100_000) -> Path:
+    """A copy of tenants.yaml without rate, token or concurrency limits, every class's
+    ``max_queue`` set to ``max_queue`` (default: no shedding), and every class's
+    ``stream_interval`` set to the given one, if any."""
     data = yaml.safe_load((ROOT / "tenants.yaml").read_text())
     limits = ("requests_per_minute", "tokens_per_minute", "max_concurrent_requests", "daily_token_budget")
     data["defaults"].update({k: 10**9 for k in limits})
@@ -249,7 +250,7 @@ def lifted_tenants(folder: Path, stream_interval: int | None = None) -> Path:
         for k in limits:
             tenant.pop(k, None)
     for spec in data["qos_classes"].values():
-        spec["max_queue"] = 100_000
+        spec["max_queue"] = max_queue
         if stream_interval is not None:
             spec["stream_interval"] = stream_interval
     path = folder / "tenants.yaml"
@@ -454,6 +455,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="max_num_batched_tokens per engine step (default: the platform default)")
     p.add_argument("--burst", type=int, default=24, help="requests in the capacity burst")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-queue", type=int, default=100_000,
+                   help="every class's max_queue (in flight, all gateways, before 429s); the default "
+                        "sheds nothing, so the offered load reaches the replicas")
     p.add_argument("--ingress", choices=("haproxy", "proxy"), default="haproxy",
                    help="HTTP ingress (kvharbor.platform.ingress): HAProxy to the gateway replicas "
                         "(kvharbor's default) or Serve's Python proxy")
@@ -487,7 +491,8 @@ def main(argv=None) -> int:
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": PORT})
         with tempfile.TemporaryDirectory() as tmp:
-            modes, rate, series = run_all(args, info, lifted_tenants(Path(tmp), args.stream_interval))
+            modes, rate, series = run_all(args, info, lifted_tenants(Path(tmp), args.stream_interval,
+                                                                     args.max_queue))
     finally:
         serve.shutdown()
         ray.shutdown()
