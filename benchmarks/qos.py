@@ -481,12 +481,13 @@ def main(argv=None) -> int:
 
     started = time.time()
     info = workload.read_tenants(ROOT / "tenants.yaml")
-    from kvharbor.platform.ingress import apply_ingress  # noqa: PLC0415
+    from kvharbor.platform.ingress import starting_cluster  # noqa: PLC0415
 
-    if apply_ingress(args.ingress) != args.ingress:
-        raise SystemExit(f"ingress {args.ingress!r} is not available here")
-    ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", namespace="serve", num_cpus=8,
-             log_to_driver=False)
+    with starting_cluster(args.ingress) as mode:
+        if mode != args.ingress:
+            raise SystemExit(f"ingress {args.ingress!r} is not available here")
+        ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", namespace="serve", num_cpus=8,
+                 log_to_driver=False)
     modes, series, rate = {}, {}, args.rate
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": PORT})

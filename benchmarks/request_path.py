@@ -107,11 +107,12 @@ def serve_app(tenants: Path, ingress: str) -> str:
     from ray import serve  # noqa: PLC0415
 
     from kvharbor.platform.app import build_app, wait_until_healthy  # noqa: PLC0415
-    from kvharbor.platform.ingress import apply_ingress  # noqa: PLC0415
+    from kvharbor.platform.ingress import starting_cluster  # noqa: PLC0415
 
-    if apply_ingress(ingress) != ingress:
-        raise SystemExit(f"ingress {ingress!r} is not available here")
-    ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    with starting_cluster(ingress) as mode:
+        if mode != ingress:
+            raise SystemExit(f"ingress {ingress!r} is not available here")
+        ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     serve.run(build_app({"tenants": str(tenants), "directory_name": "request-path-directory"}),
               name="kvharbor", route_prefix="/", blocking=False)

@@ -43,12 +43,13 @@ def ray_cluster():
     import ray
 
     if not ray.is_initialized():
-        from kvharbor.platform.ingress import apply_ingress
+        from kvharbor.platform.ingress import starting_cluster
 
-        INGRESS.append(apply_ingress())   # what `serve run kvharbor.app` runs (KVHARBOR_INGRESS)
-        ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1",
-                 _metrics_export_port=RAY_METRICS_PORT, log_to_driver=False,
-                 runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}})
+        with starting_cluster() as mode:     # what `serve run kvharbor.app` runs (KVHARBOR_INGRESS)
+            INGRESS.append(mode)
+            ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1",
+                     _metrics_export_port=RAY_METRICS_PORT, log_to_driver=False,
+                     runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}})
     yield ray
     try:
         from ray import serve

@@ -21,7 +21,7 @@ from kvharbor.actors.prefix_directory import get_or_create_directory
 from kvharbor.actors.replica import LLMReplica
 from kvharbor.config import PlatformConfig
 from kvharbor.platform.gateway import Gateway
-from kvharbor.platform.ingress import apply_ingress
+from kvharbor.platform.ingress import starting_cluster
 from kvharbor.tenants import default_tenants_path, load_tenants_file
 
 logger = logging.getLogger("kvharbor")
@@ -39,9 +39,9 @@ def _init_ray_on_loopback() -> None:
     default host is every interface; kvharbor keeps it on loopback."""
     if ray.is_initialized():
         return
-    mode = apply_ingress()
-    ray.init(namespace="serve", include_dashboard=False, _node_ip_address="127.0.0.1",
-             _metrics_export_port=METRICS_PORT, log_to_driver=True)
+    with starting_cluster() as mode:
+        ray.init(namespace="serve", include_dashboard=False, _node_ip_address="127.0.0.1",
+                 _metrics_export_port=METRICS_PORT, log_to_driver=True)
     serve.start(http_options={"host": "127.0.0.1", "port": HTTP_PORT})
     logger.info("kvharbor: HTTP on 127.0.0.1:%d through %s", HTTP_PORT,
                 "HAProxy to the gateway replicas" if mode == "haproxy" else "Serve's proxy")

@@ -45,7 +45,7 @@ from kvharbor.platform.body_limit import BodyLimitMiddleware
 from kvharbor.platform.class_queue import get_or_create_class_queue
 from kvharbor.platform.context_overflow import TRUNCATED_HEADER, truncate_oldest
 from kvharbor.platform.generation import GenerationRun, sse
-from kvharbor.platform.ingress import running_mode
+from kvharbor.platform.ingress import running_mode, running_preset
 from kvharbor.platform.openai_protocol import (APIError, ChatRequest, ChatResponse,
                                                CompletionRequest, CompletionResponse, ModelCard,
                                                ModelList, error_response, error_responses)
@@ -281,7 +281,7 @@ class Gateway:
     async def healthz(self) -> dict:
         self._start_watcher()                # tenants.yaml reloads even before the first call
         return {"status": "ok", "model": self.model, "tenants_version": self.registry.version,
-                "ingress": running_mode()}
+                "ingress": running_mode(), "throughput_preset": running_preset()}
 
     @api.get("/v1/models", response_model=ModelList, responses=error_responses(401))
     async def models(self, request: Request) -> dict:

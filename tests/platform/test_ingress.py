@@ -7,11 +7,14 @@ owns the app's listening port, and the gateway's own ``/healthz``).
 
 from __future__ import annotations
 
+import os
+
 import httpx
 import pytest
 
 from kvharbor.platform import ingress
-from kvharbor.platform.ingress import DRAIN_VAR, FLAGS, PORTS, apply_ingress, requested_mode, running_mode
+from kvharbor.platform.ingress import (DRAIN_VAR, FLAGS, PORTS, apply_ingress, requested_mode, running_mode,
+                                       starting_cluster)
 from tests.conftest import APP_PORT, DEMO, INGRESS, listeners
 
 
@@ -27,13 +30,35 @@ def test_haproxy_sets_both_flags_and_a_free_port_for_each_fixed_one(monkeypatch)
     assert float(env[DRAIN_VAR]) <= 5.0      # Ctrl-C and scale-down do not wait Ray's 30 s
 
 
-def test_proxy_clears_the_flags_and_a_missing_haproxy_falls_back_to_it(monkeypatch):
+def test_proxy_turns_the_flags_off_and_a_missing_haproxy_falls_back_to_it(monkeypatch):
+    """Off, not unset: Serve's throughput preset turns direct ingress on by default."""
     env = {flag: "1" for flag in FLAGS}
     assert apply_ingress("proxy", env) == "proxy"
-    assert not any(flag in env for flag in FLAGS) and running_mode(env) == "proxy"
+    assert all(env[flag] == "0" for flag in FLAGS) and running_mode(env) == "proxy"
     monkeypatch.setattr(ingress, "haproxy_available", lambda: False)
     env = {}
-    assert apply_ingress(None, env) == "proxy" and not any(flag in env for flag in FLAGS)
+    assert apply_ingress(None, env) == "proxy" and all(env[flag] == "0" for flag in FLAGS)
+
+
+def test_the_throughput_preset_is_on_with_logs_kept_unless_the_caller_says_otherwise():
+    env = {}
+    apply_ingress("proxy", env)
+    assert env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1" and env["RAY_SERVE_LOG_TO_STDERR"] == "1"
+    env = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"}
+    apply_ingress("proxy", env)
+    assert env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "0"
+
+
+def test_the_cluster_gets_the_settings_and_this_process_keeps_its_environment(monkeypatch):
+    """The driver's own Serve must keep its defaults: with the preset in its environment, a
+    driver importing Serve afterwards could not call a handle outside an event loop."""
+    monkeypatch.setattr(ingress, "haproxy_available", lambda: True)
+    monkeypatch.delenv("RAY_SERVE_THROUGHPUT_OPTIMIZED", raising=False)
+    before = dict(os.environ)
+    with starting_cluster("haproxy") as mode:
+        assert mode == "haproxy" and running_mode() == "haproxy"
+        assert os.environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
+    assert dict(os.environ) == before
 
 
 def test_the_mode_comes_from_kvharbor_ingress_and_a_typo_is_refused():
@@ -55,6 +80,13 @@ def test_http_enters_where_the_cluster_was_told(kvharbor_app):
     owners = listeners(APP_PORT)
     assert owners and all(ip == "127.0.0.1" for ip, _ in owners), owners
     assert all(("haproxy" in name) == (expected == "haproxy") for _, name in owners), owners
+
+
+def test_the_gateway_runs_with_the_throughput_preset(kvharbor_app):
+    """The preset reaches the cluster's processes, not only whoever started Ray (whose own
+    environment is put back: the unit test above)."""
+    health = httpx.get(kvharbor_app.base_url + "/healthz", timeout=10).json()
+    assert health["throughput_preset"] is True
 
 
 def test_a_stream_through_the_ingress_is_served_token_by_token(kvharbor_app):
