@@ -24,14 +24,13 @@ two clusters on one host (a test session beside a benchmark) would fight over th
 cluster gets free ones unless the caller set them. (Ray already puts each node's HAProxy
 config and sockets in a folder of its own.)
 
-kvharbor also starts the cluster with Ray Serve's throughput preset
-(``RAY_SERVE_THROUGHPUT_OPTIMIZED``: each replica runs its code and its request router on
-its main event loop instead of handing every request and streamed item between threads,
-deployments call each other over gRPC, the garbage collector is frozen after start-up).
-Serve's replica logs stay on stderr (``RAY_SERVE_LOG_TO_STDERR=1``; the preset would mute
-them). At 64 req/s through HAProxy the preset gave 1.23x and 1.42x the tokens/s and 0.45x
-and 0.25x the premium p50 TTFT in two A/B pairs (``docs/benchmarks.md``); idle latency is
-unchanged. ``RAY_SERVE_THROUGHPUT_OPTIMIZED=0`` turns it off. The preset also turns direct
+Ray Serve's throughput preset (``RAY_SERVE_THROUGHPUT_OPTIMIZED=1``: replica code and its
+request router on the replica's main event loop, gRPC between deployments, GC frozen after
+start-up) is not on by default. In 20 s overload runs at 64 req/s it gave 1.23x and 1.42x the
+tokens/s, but in a 35 s run at the same rate the priority mode delivered 469.8 tokens/s
+against 846.4 without it, and the FCFS mode collapsed to 83.2 tokens/s with HTTP 503s
+(``docs/benchmarks.md``). A user who sets it gets Serve's replica logs kept on stderr
+(``RAY_SERVE_LOG_TO_STDERR=1``; the preset would mute them). The preset also turns direct
 ingress on by default, so the ``proxy`` mode sets both ingress flags to 0 rather than
 leaving them unset.
 
@@ -53,7 +52,7 @@ from collections.abc import Iterator, MutableMapping
 MODES = ("haproxy", "proxy")
 FLAGS = ("RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_ENABLE_DIRECT_INGRESS")
 DRAIN_VAR, DRAIN_WINDOW_S = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", 2.0
-PRESET = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_LOG_TO_STDERR": "1"}
+PRESET = "RAY_SERVE_THROUGHPUT_OPTIMIZED"
 PORTS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
          "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT")
 
@@ -87,9 +86,9 @@ def apply_ingress(mode: str | None = None, environ: MutableMapping[str, str] | N
     """Set up ``environ`` (default: this process's) so the Ray cluster about to start here
     uses ``mode`` (default: ``requested_mode``); returns the mode it will run.
 
-    ``haproxy`` falls back to ``proxy`` when HAProxy is not available. Also sets Serve's
-    throughput preset (``PRESET``). Variables the caller already set win, except the two
-    ingress flags, which follow ``mode``.
+    ``haproxy`` falls back to ``proxy`` when HAProxy is not available. With Serve's
+    throughput preset asked for (``PRESET`` = 1), replica logs stay on stderr. Variables the
+    caller already set win, except the two ingress flags, which follow ``mode``.
     """
     environ = os.environ if environ is None else environ
     mode = requested_mode(environ) if mode is None else mode
@@ -97,8 +96,8 @@ def apply_ingress(mode: str | None = None, environ: MutableMapping[str, str] | N
         raise ValueError(f"ingress must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "haproxy" and not haproxy_available():
         mode = "proxy"
-    for name, value in PRESET.items():
-        environ.setdefault(name, value)
+    if environ.get(PRESET) == "1":
+        environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "1")
     if mode == "proxy":
         for flag in FLAGS:
             environ[flag] = "0"
@@ -131,7 +130,7 @@ def running_mode(environ: MutableMapping[str, str] = os.environ) -> str:
 
 def running_preset(environ: MutableMapping[str, str] = os.environ) -> bool:
     """Whether the cluster this process belongs to runs Serve's throughput preset."""
-    return environ.get("RAY_SERVE_THROUGHPUT_OPTIMIZED") == "1"       # as Serve reads it
+    return environ.get(PRESET) == "1"       # as Serve reads it
 
 
 def _free_port() -> int:

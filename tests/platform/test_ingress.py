@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from kvharbor.platform import ingress
-from kvharbor.platform.ingress import (DRAIN_VAR, FLAGS, PORTS, apply_ingress, requested_mode, running_mode,
-                                       starting_cluster)
+from kvharbor.platform.ingress import (DRAIN_VAR, FLAGS, PORTS, PRESET, apply_ingress, requested_mode,
+                                       running_mode, starting_cluster)
 from tests.conftest import APP_PORT, DEMO, INGRESS, listeners
 
 
@@ -40,24 +40,25 @@ def test_proxy_turns_the_flags_off_and_a_missing_haproxy_falls_back_to_it(monkey
     assert apply_ingress(None, env) == "proxy" and all(env[flag] == "0" for flag in FLAGS)
 
 
-def test_the_throughput_preset_is_on_with_logs_kept_unless_the_caller_says_otherwise():
+def test_the_throughput_preset_is_opt_in_and_keeps_the_replica_logs():
     env = {}
     apply_ingress("proxy", env)
-    assert env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1" and env["RAY_SERVE_LOG_TO_STDERR"] == "1"
-    env = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"}
+    assert PRESET not in env and "RAY_SERVE_LOG_TO_STDERR" not in env
+    env = {PRESET: "1"}
     apply_ingress("proxy", env)
-    assert env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "0"
+    assert env[PRESET] == "1" and env["RAY_SERVE_LOG_TO_STDERR"] == "1"
 
 
 def test_the_cluster_gets_the_settings_and_this_process_keeps_its_environment(monkeypatch):
-    """The driver's own Serve must keep its defaults: with the preset in its environment, a
-    driver importing Serve afterwards could not call a handle outside an event loop."""
+    """The driver's own Serve must keep its defaults: with the throughput preset in its
+    environment, a driver importing Serve afterwards could not call a handle outside an
+    event loop."""
     monkeypatch.setattr(ingress, "haproxy_available", lambda: True)
-    monkeypatch.delenv("RAY_SERVE_THROUGHPUT_OPTIMIZED", raising=False)
+    monkeypatch.setenv(PRESET, "1")
     before = dict(os.environ)
     with starting_cluster("haproxy") as mode:
         assert mode == "haproxy" and running_mode() == "haproxy"
-        assert os.environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
+        assert os.environ["RAY_SERVE_LOG_TO_STDERR"] == "1"
     assert dict(os.environ) == before
 
 
@@ -82,11 +83,11 @@ def test_http_enters_where_the_cluster_was_told(kvharbor_app):
     assert all(("haproxy" in name) == (expected == "haproxy") for _, name in owners), owners
 
 
-def test_the_gateway_runs_with_the_throughput_preset(kvharbor_app):
-    """The preset reaches the cluster's processes, not only whoever started Ray (whose own
-    environment is put back: the unit test above)."""
+def test_the_gateway_reports_the_throughput_preset_it_runs_with(kvharbor_app):
+    """Off unless whoever started the session asked for it (this process's environment is
+    what it was before the cluster started)."""
     health = httpx.get(kvharbor_app.base_url + "/healthz", timeout=10).json()
-    assert health["throughput_preset"] is True
+    assert health["throughput_preset"] is (os.environ.get(PRESET) == "1")
 
 
 def test_a_stream_through_the_ingress_is_served_token_by_token(kvharbor_app):

@@ -25,7 +25,7 @@ def test_serve_run_from_a_clean_directory(tmp_path, exported):
     kvharbor must still serve on loopback only."""
     # As from a fresh terminal: none of this session's cluster settings (its ingress ports).
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith("RAY_ADDRESS") and k not in (*FLAGS, *PORTS, DRAIN_VAR, *PRESET)}
+           if not k.startswith("RAY_ADDRESS") and k not in (*FLAGS, *PORTS, DRAIN_VAR, PRESET)}
     if exported:
         env.update({flag: "1" for flag in FLAGS})
     env["KVHARBOR_METRICS_PORT"] = "18185"
