@@ -31,8 +31,9 @@ throughput (priority) >= 0.95x throughput (fcfs). They are only evaluated (true/
 null with a note) when both modes' overload phases were saturated: delivered tokens/s below
 90 % of offered tokens/s. Tenants' rate limits are lifted in a
 temporary copy of tenants.yaml so admission control does not shape the offered load.
-HTTP enters through ``--ingress`` (default ``haproxy``, what ``serve run kvharbor.app`` runs;
-``proxy``: Serve's Python proxy actor); the JSON's ``args`` record which.
+HTTP enters through ``--ingress`` (default ``proxy``: Serve's Python proxy actor, what
+``serve run kvharbor.app`` runs; ``haproxy``: HAProxy to the gateway replicas); the JSON's
+``args`` record which.
 
 Run:  python benchmarks/qos.py            (about 7 minutes on 2 shared cores)
       python benchmarks/qos.py --quick    (shorter phases; numbers are noisier)
@@ -458,9 +459,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-queue", type=int, default=100_000,
                    help="every class's max_queue (in flight, all gateways, before 429s); the default "
                         "sheds nothing, so the offered load reaches the replicas")
-    p.add_argument("--ingress", choices=("haproxy", "proxy"), default="haproxy",
-                   help="HTTP ingress (kvharbor.platform.ingress): HAProxy to the gateway replicas "
-                        "(kvharbor's default) or Serve's Python proxy")
+    p.add_argument("--ingress", choices=("haproxy", "proxy"), default="proxy",
+                   help="HTTP ingress (kvharbor.platform.ingress): Serve's Python proxy (kvharbor's "
+                        "default) or HAProxy to the gateway replicas")
     p.add_argument("--stream-interval", type=int, default=None,
                    help="every class's stream_interval (default: tenants.yaml's; 1 streams every token)")
     p.add_argument("--name", default=None, help="results file stem (default: qos[_step<N>][_nice<N>])")

@@ -10,8 +10,8 @@ phases cover: the Serve proxy, FastAPI (body parse, auth), and the HTTP round tr
 Outputs are checked: the token each path produced must match.
 
 The HTTP side runs once per ingress (``--ingress``, default both, in one run: a fresh Ray
-each): ``haproxy`` (kvharbor's default: HAProxy straight to the gateway replicas) and
-``proxy`` (Serve's Python proxy actor in front of the gateway).
+each): ``haproxy`` (HAProxy straight to the gateway replicas, ``KVHARBOR_INGRESS=haproxy``) and
+``proxy`` (Serve's Python proxy actor in front of the gateway, kvharbor's default).
 
 Goal (issue #16): idle premium TTFT through HTTP <= engine TTFT + 15 ms on this machine.
 Run:  python benchmarks/request_path.py [--requests 60] [--seed 0]    (about 4 minutes)

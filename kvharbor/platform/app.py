@@ -34,7 +34,7 @@ ROUTERS = {"kv": "kvharbor.platform.router:KVAwareRouter",
 
 def _init_ray_on_loopback() -> None:
     """Start a local Ray bound to 127.0.0.1 when nothing started one (``serve run``), with
-    kvharbor's ingress (``kvharbor.platform.ingress``: HAProxy unless ``KVHARBOR_INGRESS=proxy``)
+    kvharbor's ingress (``kvharbor.platform.ingress``: Serve's proxy, HAProxy with ``KVHARBOR_INGRESS=haproxy``)
     and Serve's HTTP on 127.0.0.1:``KVHARBOR_HTTP_PORT`` (8000). With HAProxy, Serve's own
     default host is every interface; kvharbor keeps it on loopback."""
     if ray.is_initialized():

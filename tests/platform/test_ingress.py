@@ -1,4 +1,4 @@
-"""HTTP ingress: HAProxy straight to the gateway replicas (default) or Serve's proxy.
+"""HTTP ingress: Serve's proxy (default) or HAProxy straight to the gateway replicas.
 
 The environment that ``apply_ingress`` prepares for a cluster about to start, and, through
 the session's app, that HTTP really enters where the cluster was told (the process that
@@ -63,8 +63,8 @@ def test_the_cluster_gets_the_settings_and_this_process_keeps_its_environment(mo
 
 
 def test_the_mode_comes_from_kvharbor_ingress_and_a_typo_is_refused():
-    assert requested_mode({}) == "haproxy"
-    assert requested_mode({"KVHARBOR_INGRESS": " Proxy "}) == "proxy"
+    assert requested_mode({}) == "proxy"
+    assert requested_mode({"KVHARBOR_INGRESS": " HAProxy "}) == "haproxy"
     with pytest.raises(ValueError, match="KVHARBOR_INGRESS must be one of haproxy, proxy"):
         requested_mode({"KVHARBOR_INGRESS": "nginx"})
     with pytest.raises(ValueError, match="ingress must be one of"):

@@ -20,14 +20,14 @@ from tests.conftest import listeners
 
 @pytest.mark.parametrize("exported", [False, True], ids=["fresh-shell", "ray-flags-exported"])
 def test_serve_run_from_a_clean_directory(tmp_path, exported):
-    """``exported``: the user's shell already has Ray's HAProxy flags (as the README tells
-    config-file users to set); Serve's own default HTTP host is then every interface, and
-    kvharbor must still serve on loopback only."""
+    """``exported``: the user asked for HAProxy and the shell already has Ray's HAProxy flags
+    (as the README tells config-file users to set); Serve's own default HTTP host is then
+    every interface, and kvharbor must still serve on loopback only."""
     # As from a fresh terminal: none of this session's cluster settings (its ingress ports).
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("RAY_ADDRESS") and k not in (*FLAGS, *PORTS, DRAIN_VAR, PRESET)}
-    if exported:
-        env.update({flag: "1" for flag in FLAGS})
+    if exported:                # and HAProxy asked for, so Serve's default host applies
+        env.update({flag: "1" for flag in FLAGS}, KVHARBOR_INGRESS="haproxy")
     env["KVHARBOR_METRICS_PORT"] = "18185"
     serve_bin = Path(sys.executable).parent / "serve"
     # As from a fresh terminal: SIGINT neither ignored nor blocked. A child inherits an ignored
@@ -68,7 +68,7 @@ def test_serve_run_from_a_clean_directory(tmp_path, exported):
         assert proc.poll() is None, "".join(lines)[-3000:]
         assert body is not None, "no completion within 300 s"
         assert body["usage"]["completion_tokens"] >= 1
-        # kvharbor's ingress (HAProxy unless KVHARBOR_INGRESS=proxy), on loopback only: with
+        # kvharbor's ingress (Serve's proxy unless KVHARBOR_INGRESS=haproxy), on loopback only: with
         # HAProxy, Serve's own default would be every interface.
         health = httpx.get("http://127.0.0.1:8000/healthz", timeout=10).json()
         assert health["ingress"] == (requested_mode(env) if haproxy_available() else "proxy")
