@@ -7,6 +7,8 @@ import time
 
 import pytest
 
+from kvharbor.platform.ingress import free_port
+
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -16,25 +18,19 @@ os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
 
 
 
-def _free_port() -> int:
-    """A loopback TCP port free right now (so concurrent test sessions never collide)."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-RAY_METRICS_PORT = int(os.environ.get("KVHARBOR_TEST_METRICS_PORT") or _free_port())
+RAY_METRICS_PORT = int(os.environ.get("KVHARBOR_TEST_METRICS_PORT") or free_port())
 INGRESS: list[str] = []        # the HTTP ingress this session's cluster was started with
 
 
-def listeners(port: int) -> list[tuple[str, str]]:
-    """(address, process name) of each TCP socket listening on ``port`` on this host."""
+def assert_served_on_loopback_by(port: int, ingress: str) -> None:
+    """Only 127.0.0.1 listens on ``port``, and through ``ingress``: an haproxy process for
+    ``haproxy``, anything else (Serve's proxy) for ``proxy``."""
     import psutil
 
-    return [(conn.laddr.ip, psutil.Process(conn.pid).name()) for conn in psutil.net_connections(kind="tcp")
-            if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid]
+    owners = [(conn.laddr.ip, psutil.Process(conn.pid).name()) for conn in psutil.net_connections(kind="tcp")
+              if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid]
+    assert owners and all(ip == "127.0.0.1" for ip, _ in owners), owners
+    assert all(("haproxy" in name) == (ingress == "haproxy") for _, name in owners), owners
 
 
 @pytest.fixture(scope="session")
@@ -71,7 +67,7 @@ def pytest_configure(config):
         pass
 
 
-APP_PORT = int(os.environ.get("KVHARBOR_TEST_APP_PORT") or _free_port())
+APP_PORT = int(os.environ.get("KVHARBOR_TEST_APP_PORT") or free_port())
 DEMO = {"premium": "kvh-demo-premium", "standard": "kvh-demo-standard",
         "batch": "kvh-demo-batch", "admin": "kvh-demo-admin"}
 

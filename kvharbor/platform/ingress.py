@@ -108,7 +108,7 @@ def apply_ingress(mode: str | None = None, environ: MutableMapping[str, str] | N
     for flag in FLAGS:
         environ[flag] = "1"
     for name in PORTS:
-        environ.setdefault(name, str(_free_port()))
+        environ.setdefault(name, str(free_port()))
     environ.setdefault(DRAIN_VAR, str(DRAIN_WINDOW_S))
     return mode
 
@@ -136,7 +136,8 @@ def running_preset(environ: MutableMapping[str, str] = os.environ) -> bool:
     return environ.get(PRESET) == "1"       # as Serve reads it
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback TCP port free right now (so two clusters or test sessions never collide)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

@@ -15,7 +15,7 @@ import pytest
 from kvharbor.platform import ingress
 from kvharbor.platform.ingress import (DRAIN_VAR, FLAGS, PORTS, PRESET, apply_ingress, requested_mode,
                                        running_mode, starting_cluster)
-from tests.conftest import APP_PORT, DEMO, INGRESS, listeners
+from tests.conftest import APP_PORT, DEMO, INGRESS, assert_served_on_loopback_by
 
 
 def test_haproxy_sets_both_flags_and_a_free_port_for_each_fixed_one(monkeypatch):
@@ -78,9 +78,7 @@ def test_http_enters_where_the_cluster_was_told(kvharbor_app):
     expected = INGRESS[0]
     health = httpx.get(kvharbor_app.base_url + "/healthz", timeout=10).json()
     assert health["ingress"] == expected
-    owners = listeners(APP_PORT)
-    assert owners and all(ip == "127.0.0.1" for ip, _ in owners), owners
-    assert all(("haproxy" in name) == (expected == "haproxy") for _, name in owners), owners
+    assert_served_on_loopback_by(APP_PORT, expected)
 
 
 def test_the_gateway_reports_the_throughput_preset_it_runs_with(kvharbor_app):

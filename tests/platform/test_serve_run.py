@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from kvharbor.platform.ingress import DRAIN_VAR, FLAGS, PORTS, PRESET, haproxy_available, requested_mode
-from tests.conftest import listeners
+from tests.conftest import assert_served_on_loopback_by
 
 
 @pytest.mark.parametrize("exported", [False, True], ids=["fresh-shell", "ray-flags-exported"])
@@ -72,9 +72,7 @@ def test_serve_run_from_a_clean_directory(tmp_path, exported):
         # HAProxy, Serve's own default would be every interface.
         health = httpx.get("http://127.0.0.1:8000/healthz", timeout=10).json()
         assert health["ingress"] == (requested_mode(env) if haproxy_available() else "proxy")
-        owners = listeners(8000)
-        assert owners and all(ip == "127.0.0.1" for ip, _ in owners), owners
-        assert all(("haproxy" in name) == (health["ingress"] == "haproxy") for _, name in owners), owners
+        assert_served_on_loopback_by(8000, health["ingress"])
         # Ctrl-C once `serve run` says the app is up (the proxy may answer a moment before:
         # a SIGINT that lands while the CLI still deploys is Ray's to handle, not tested here).
         assert ready.wait(60), "`serve run` never printed that the app is ready"
