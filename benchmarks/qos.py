@@ -15,8 +15,10 @@ with identical arrivals and prompts per pass in both modes, so a drift of the sh
 machine's load hits both modes alike. Only one mode receives traffic at a time.
 
 Capacity (requests/s) is measured once, on the first mode's deployment after a warm-up: a
-burst of ``--burst`` requests of the same mix sent at once, divided by the time until the last
-one completes; ``--rate`` skips that and uses a given rate. ``overload.offered_tokens_per_s``
+burst of ``--burst`` (96) requests of the same mix sent at once, and the completion rate
+between its first and third quartile of completions (``steady_rate``: the burst's first and
+last completions are not at full pipeline; a 24-request burst divided by its last completion
+measured 19.4 req/s where 48 req/s was served); ``--rate`` skips that and uses a given rate. ``overload.offered_tokens_per_s``
 versus ``throughput_tokens_per_s`` shows whether the system really was saturated.
 
 Every request is streamed with ``temperature 0, ignore_eos``; TTFT is from sending the
@@ -185,12 +187,25 @@ async def open_loop(base: str, jobs: list[Job], window_s: float, grace_s: float)
     return outcomes, cutoff
 
 
-async def burst_capacity(base: str, size: int, info, timeout_s: float = 240.0) -> float:
-    """Requests per second to complete a burst of ``size`` MIX requests sent at once.
+def steady_rate(ends: list[float]) -> float:
+    """Completions per second while the pipeline is full: the rate between the first and
+    the third quartile of completion times.
 
-    All requests run together (continuous batching), so this is the saturated completion
-    rate of this deployment on this machine, tail included (a slight underestimate).
+    A burst's first completions wait for the prompts' prefill and its last ones run nearly
+    alone (the longest outputs), so ``len(ends) / max(ends)`` counts both edges and reads
+    low; the middle half is the service rate a sustained load gets.
     """
+    ends = sorted(ends)
+    if len(ends) < 8:
+        return len(ends) / max(ends)
+    lo, hi = len(ends) // 4, (3 * len(ends)) // 4
+    span = ends[hi] - ends[lo]
+    return (hi - lo) / span if span > 0 else len(ends) / max(ends)
+
+
+async def burst_capacity(base: str, size: int, info, timeout_s: float = 240.0) -> float:
+    """Requests per second to complete a burst of ``size`` MIX requests sent at once: the
+    saturated completion rate of this deployment on this machine (``steady_rate``)."""
     rng = random.Random(99)
     qos = rng.choices([q for q, _ in MIX], [w for _, w in MIX], k=size)
     jobs = [make_job(q, 0.0, rng, info) for q in qos]
@@ -198,7 +213,7 @@ async def burst_capacity(base: str, size: int, info, timeout_s: float = 240.0) -
     ends = [o.end for o in outcomes if o.end is not None and o.error is None]
     if not ends:
         raise RuntimeError(f"no request of the capacity burst completed in {timeout_s:.0f} s")
-    return len(ends) / max(ends)
+    return steady_rate(ends)
 
 
 # ---- statistics ----------------------------------------------------------------------------
@@ -454,7 +469,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--step-tokens", type=int, default=None,
                    help="max_num_batched_tokens per engine step (default: the platform default)")
-    p.add_argument("--burst", type=int, default=24, help="requests in the capacity burst")
+    p.add_argument("--burst", type=int, default=96, help="requests in the capacity burst")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-queue", type=int, default=100_000,
                    help="every class's max_queue (in flight, all gateways, before 429s); the default "
