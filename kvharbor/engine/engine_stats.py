@@ -52,6 +52,7 @@ def engine_stats(engine) -> dict:
         "shared_blocks_total": shared["total"],
         "shared_blocks_used": shared["used"],
         "shared_blocks_free": shared["free"] + shared["cached"],
+        "shared_blocks_empty": shared["free"],
         "pinned_blocks_total": pinned["total"],
         "pinned_blocks_used": pinned["used"],
         "pinned_blocks_reserved_idle": pinned["free"] + pinned["cached"],

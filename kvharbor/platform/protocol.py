@@ -54,6 +54,7 @@ class RoutingStats:
     queue_by_priority: dict[int, int]   # running + waiting requests by priority
     sessions: list[str] = field(default_factory=list)   # ``session_key``s held here (newest last)
     at: float = 0.0                     # time.time() of the report (0: unknown)
+    empty_shared_blocks: int | None = None   # free shared blocks holding no cached prefix
 
     def as_dict(self) -> dict:
         return {name: getattr(self, name) for name in self.__slots__}

@@ -12,10 +12,18 @@ same objects.
           - block_size * blocks the request needs but the replica has no free block for
           - pinned_miss_cost * block_size * blocks a pinned request can't get from the region
           - active_token_cost * block_size * blocks sent there and not yet confirmed cached
+          - evict_cost * block_size * blocks a shared-region request would take from other
+            prefixes' cache (needed beyond the replica's empty blocks)
 
 and ranks replicas that are *overloaded* (in-flight above ``(1 + imbalance_tolerance)``
 times the mean and more than ``balance_slack`` above the least loaded) after all others,
 least loaded first: a hot prefix spills to other replicas instead of piling onto one.
+The eviction term is what spreads new prefixes over the fleet: free blocks include cached
+ones (evictable), so without it a replica full of other tenants' prefixes looks as roomy as an
+empty one, and a prompt that shares one leading block (a chat template) with what a busy
+replica holds scores above an empty replica, every time. On a 4-replica run
+(``benchmarks/routing.py --seed 5``) that left two replicas unused and their caches empty,
+while the other two evicted each other's tenants.
 Session affinity: a request with a session id goes first to the replica holding that
 session (``Candidate.holds_session``) unless that replica is overloaded (the same guard);
 when no candidate holds it (the replica is gone), the score decides as for any request.
@@ -107,6 +115,7 @@ class KVAwarePolicy:
     balance_slack: int = 2              # ... and more than this many above the least loaded
     pinned_miss_cost: float = 0.25      # per block (x block_size) a pinned request can't pin
     active_token_cost: float = 0.25     # per token of prefill sent there, not yet confirmed
+    evict_cost: float = 0.25            # per block (x block_size) taken from cached prefixes
     _turn: int = field(default=0, init=False, repr=False)
     _first_at: dict[str, int] = field(default_factory=dict, init=False, repr=False)
 
@@ -148,6 +157,10 @@ class KVAwarePolicy:
             penalty += bs * max(0, needed - int(free_shared) - free_pinned)
         if request.pinned:
             penalty += self.pinned_miss_cost * bs * max(0, needed - free_pinned)
+        else:
+            empty = c.stats.get("empty_shared_blocks")
+            if empty is not None:
+                penalty += self.evict_cost * bs * max(0, needed - int(empty))
         return saved - penalty
 
     def _requests_ahead(self, request: RouteRequest, c: Candidate, load: int) -> int:

@@ -184,3 +184,19 @@ def test_a_premium_arrival_cuts_the_lower_class_step_in_flight():
     assert sum(len(e["token_ids"]) for e in p) == 3 and p[-1]["finish_reason"] == "length"
     assert sum(len(e["token_ids"]) for e in b) == 4 and b[-1]["finish_reason"] == "length"
     engine.check_integrity()
+
+
+def test_routing_stats_tell_empty_blocks_from_cached_ones():
+    """A finished prompt's blocks stay cached: free for a new request, but not empty (using
+    them evicts a prefix); the router needs the difference to spread new prefixes."""
+    replica = LLMReplica({"device": "cpu", "num_kv_blocks": 64})
+
+    async def scenario():
+        before = await replica.record_routing_stats()
+        await _collect(replica, _req("a", 160, "batch", max_tokens=1))
+        return before, await replica.record_routing_stats()
+
+    before, after = asyncio.run(scenario())
+    assert before["empty_shared_blocks"] == before["free_shared_blocks"]
+    assert after["free_shared_blocks"] == before["free_shared_blocks"]        # all released
+    assert after["empty_shared_blocks"] <= before["empty_shared_blocks"] - 160 // 16

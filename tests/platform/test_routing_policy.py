@@ -94,6 +94,21 @@ def test_replica_without_room_for_the_request_is_penalized():
     assert first(policy, REQ, [cand("new", load=0), cand("busy", load=1)]) == "new"
 
 
+def test_a_new_prefix_goes_to_empty_cache_rather_than_evicting_for_a_one_block_hit():
+    """Free blocks count cached (evictable) ones: a replica full of other tenants' prefixes
+    and one that is empty both report 800. A prompt sharing one leading block (a template)
+    with the full one must still go to the empty one, not evict 375 blocks for a 16-token hit."""
+    full = cand("full", dev(1), free_shared_blocks=800, empty_shared_blocks=0)
+    empty = cand("empty", None, free_shared_blocks=800, empty_shared_blocks=800)
+    assert first(KVAwarePolicy(), REQ, [full, empty]) == "empty"
+    assert first(KVAwarePolicy(evict_cost=0.0), REQ, [full, empty]) == "full"    # the old rule
+    # a real hit still wins: 300 cached blocks outweigh 76 evicted ones
+    assert first(KVAwarePolicy(), REQ, [cand("full", dev(300), free_shared_blocks=800,
+                                             empty_shared_blocks=0), empty]) == "full"
+    # older replicas that do not report empty blocks: no penalty
+    assert first(KVAwarePolicy(), REQ, [cand("old", dev(1), free_shared_blocks=800), empty]) == "old"
+
+
 def test_pinned_requests_prefer_free_pinned_blocks():
     policy = KVAwarePolicy()
     no_pin = cand("no_pin", free_shared_blocks=2000, free_pinned_blocks=0)
