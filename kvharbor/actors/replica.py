@@ -171,7 +171,7 @@ class LLMReplica:
                             stats["blocks_total"], stats["num_running"],
                             stats["num_waiting"] + len(self._inbox), snap["queue_by_priority"],
                             self._session_keys(), time.time(),
-                            stats["shared_blocks_empty"]).as_dict()
+                            stats["shared_blocks_empty"], stats["shared_blocks_total"]).as_dict()
 
     def _session_keys(self) -> list[str]:
         """``session_key`` of the sessions held here (newest last, at most

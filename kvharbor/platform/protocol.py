@@ -55,6 +55,7 @@ class RoutingStats:
     sessions: list[str] = field(default_factory=list)   # ``session_key``s held here (newest last)
     at: float = 0.0                     # time.time() of the report (0: unknown)
     empty_shared_blocks: int | None = None   # free shared blocks holding no cached prefix
+    shared_blocks: int | None = None         # size of the shared region
 
     def as_dict(self) -> dict:
         return {name: getattr(self, name) for name in self.__slots__}

@@ -12,18 +12,22 @@ same objects.
           - block_size * blocks the request needs but the replica has no free block for
           - pinned_miss_cost * block_size * blocks a pinned request can't get from the region
           - active_token_cost * block_size * blocks sent there and not yet confirmed cached
-          - evict_cost * block_size * blocks a shared-region request would take from other
-            prefixes' cache (needed beyond the replica's empty blocks)
+          - evict_cost * block_size * blocks the request needs x the share of the replica's
+            shared region holding cached prefixes (at least those needed beyond its empty
+            blocks): the cache it displaces now or soon
 
 and ranks replicas that are *overloaded* (in-flight above ``(1 + imbalance_tolerance)``
 times the mean and more than ``balance_slack`` above the least loaded) after all others,
 least loaded first: a hot prefix spills to other replicas instead of piling onto one.
-The eviction term is what spreads new prefixes over the fleet: free blocks include cached
-ones (evictable), so without it a replica full of other tenants' prefixes looks as roomy as an
+The eviction term is what spreads new prefixes over the fleet. Free blocks include cached
+(evictable) ones, so without it a replica full of other tenants' prefixes looks as roomy as an
 empty one, and a prompt that shares one leading block (a chat template) with what a busy
-replica holds scores above an empty replica, every time. On a 4-replica run
-(``benchmarks/routing.py --seed 5``) that left two replicas unused and their caches empty,
-while the other two evicted each other's tenants.
+replica holds scores above an empty replica, every time: on a 4-replica run
+(``benchmarks/routing.py --seed 5``) two replicas got no request and their caches stayed
+empty while the other two evicted each other's tenants. Charging only the blocks needed
+beyond the empty ones fixed that but filled replicas one after the other (``--seed 6``:
+54/51/33/6 requests); charging by occupancy fills them evenly, as Ray's router does by
+sending a prefix it has not seen to the replica with the smallest tree.
 Session affinity: a request with a session id goes first to the replica holding that
 session (``Candidate.holds_session``) unless that replica is overloaded (the same guard);
 when no candidate holds it (the replica is gone), the score decides as for any request.
@@ -98,6 +102,19 @@ def replica_load(c: Candidate) -> int:
     return int(c.stats.get("num_running", 0)) + int(c.stats.get("num_waiting", 0))
 
 
+def displaced_blocks(stats: Mapping, needed: int) -> float:
+    """Cached blocks that ``needed`` new blocks displace at the replica, now or soon: the
+    blocks beyond its empty ones, or ``needed`` x the occupied share of its shared region if
+    more (0 for a replica that does not report its empty blocks)."""
+    empty, region = stats.get("empty_shared_blocks"), stats.get("shared_blocks")
+    if empty is None or needed <= 0:
+        return 0.0
+    now = max(0, needed - int(empty))
+    if not region:
+        return float(now)
+    return max(float(now), needed * (1.0 - min(int(empty), int(region)) / int(region)))
+
+
 def cached_tokens(request: RouteRequest, match: MatchInfo | None) -> int:
     """Prompt tokens the replica holds (device + host), never more than the prompt."""
     if match is None:
@@ -115,7 +132,7 @@ class KVAwarePolicy:
     balance_slack: int = 2              # ... and more than this many above the least loaded
     pinned_miss_cost: float = 0.25      # per block (x block_size) a pinned request can't pin
     active_token_cost: float = 0.25     # per token of prefill sent there, not yet confirmed
-    evict_cost: float = 0.25            # per block (x block_size) taken from cached prefixes
+    evict_cost: float = 0.25            # per block (x block_size) displacing cached prefixes
     _turn: int = field(default=0, init=False, repr=False)
     _first_at: dict[str, int] = field(default_factory=dict, init=False, repr=False)
 
@@ -158,9 +175,7 @@ class KVAwarePolicy:
         if request.pinned:
             penalty += self.pinned_miss_cost * bs * max(0, needed - free_pinned)
         else:
-            empty = c.stats.get("empty_shared_blocks")
-            if empty is not None:
-                penalty += self.evict_cost * bs * max(0, needed - int(empty))
+            penalty += self.evict_cost * bs * displaced_blocks(c.stats, needed)
         return saved - penalty
 
     def _requests_ahead(self, request: RouteRequest, c: Candidate, load: int) -> int:

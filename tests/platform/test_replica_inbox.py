@@ -197,6 +197,6 @@ def test_routing_stats_tell_empty_blocks_from_cached_ones():
         return before, await replica.record_routing_stats()
 
     before, after = asyncio.run(scenario())
-    assert before["empty_shared_blocks"] == before["free_shared_blocks"]
+    assert before["empty_shared_blocks"] == before["free_shared_blocks"] == before["shared_blocks"]
     assert after["free_shared_blocks"] == before["free_shared_blocks"]        # all released
     assert after["empty_shared_blocks"] <= before["empty_shared_blocks"] - 160 // 16

@@ -98,15 +98,32 @@ def test_a_new_prefix_goes_to_empty_cache_rather_than_evicting_for_a_one_block_h
     """Free blocks count cached (evictable) ones: a replica full of other tenants' prefixes
     and one that is empty both report 800. A prompt sharing one leading block (a template)
     with the full one must still go to the empty one, not evict 375 blocks for a 16-token hit."""
-    full = cand("full", dev(1), free_shared_blocks=800, empty_shared_blocks=0)
-    empty = cand("empty", None, free_shared_blocks=800, empty_shared_blocks=800)
+    full = cand("full", dev(1), free_shared_blocks=800, empty_shared_blocks=0, shared_blocks=800)
+    empty = cand("empty", None, free_shared_blocks=800, empty_shared_blocks=800, shared_blocks=800)
     assert first(KVAwarePolicy(), REQ, [full, empty]) == "empty"
     assert first(KVAwarePolicy(evict_cost=0.0), REQ, [full, empty]) == "full"    # the old rule
-    # a real hit still wins: 300 cached blocks outweigh 76 evicted ones
-    assert first(KVAwarePolicy(), REQ, [cand("full", dev(300), free_shared_blocks=800,
-                                             empty_shared_blocks=0), empty]) == "full"
-    # older replicas that do not report empty blocks: no penalty
+    # a real hit still wins: 300 cached blocks outweigh 76 displaced ones
+    assert first(KVAwarePolicy(), REQ, [cand("full", dev(300), free_shared_blocks=800, empty_shared_blocks=0,
+                                             shared_blocks=800), empty]) == "full"
+    # replicas that do not report empty blocks: no penalty
     assert first(KVAwarePolicy(), REQ, [cand("old", dev(1), free_shared_blocks=800), empty]) == "old"
+
+
+def test_new_prefixes_fill_the_replicas_evenly_not_one_after_the_other():
+    """24 tenants' 98-block prompts that share one template block, placed one by one on 4
+    idle replicas of 800 blocks: every replica ends with 6 (charging only the blocks beyond
+    the empty ones gave 8/8/8/0: a replica with room left took every tenant for its
+    one-block hit until it was full)."""
+    request = RouteRequest(prompt_tokens=98 * BS, block_size=BS)
+    empty, tenants = {r: 800 for r in "abcd"}, {r: 0 for r in "abcd"}
+    policy = KVAwarePolicy()
+    for _ in range(24):
+        pick = first(policy, request, [cand(r, dev(1) if tenants[r] else None, free_shared_blocks=800,
+                                            empty_shared_blocks=empty[r], shared_blocks=800)
+                                       for r in "abcd"])
+        tenants[pick] += 1
+        empty[pick] = max(0, empty[pick] - 97)
+    assert sorted(tenants.values()) == [6, 6, 6, 6], tenants
 
 
 def test_pinned_requests_prefer_free_pinned_blocks():
