@@ -6,6 +6,8 @@ import random
 import threading
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvharbor.actors.prefix_directory import MatchInfo, PrefixIndex
 from kvharbor.engine.hashing import BlockHash, hash_prompt_blocks
@@ -284,3 +286,45 @@ def test_a_read_only_match_does_not_refresh_the_lru_order():
     assert idx.apply_events("a", 2, stored=chain(1, "newer"))   # evicts the LRU hash: old[0]
     assert idx.match(old) == {}
     assert idx.match(new)["a"].blocks == 2
+
+
+@given(st.lists(st.tuples(st.sampled_from("abcdefghijkl"), st.booleans(),
+                          st.one_of(st.just(0), st.integers(0, 11)), st.integers(1, 12),
+                          st.sampled_from(["device"] * 5 + ["host"])), max_size=40),
+       st.integers(0, 12), st.booleans())
+@settings(max_examples=400, deadline=None)
+def test_a_read_only_match_counts_what_each_replica_holds_in_a_row(events, probe_len, host):
+    """``match(touch=False)`` (the router's fast path, and its fallback with many holders)
+    against a model: per replica, the leading blocks it holds in any tier, device ones apart."""
+    idx, h = PrefixIndex(), chain(12)
+    held: dict[str, dict[BlockHash, set[str]]] = {}
+    seq: dict[str, int] = {}
+    for replica, store, start, length, tier in events:
+        tier = tier if host else "device"        # without host-only entries: the fast path
+        blocks = h[start:start + length]
+        kwargs = {"stored": blocks} if store else {"removed": blocks}
+        assert idx.apply_events(replica, seq.get(replica, 0), tier=tier, **kwargs)
+        seq[replica] = seq.get(replica, 0) + 1
+        mine = held.setdefault(replica, {})
+        for b in blocks:
+            tiers = mine.setdefault(b, set())
+            tiers.add(tier) if store else tiers.discard(tier)
+    probe = h[:probe_len]
+    want = {}
+    for replica, mine in held.items():
+        k = next((i for i, b in enumerate(probe) if not mine.get(b)), len(probe))
+        if k:
+            host = sum(mine[b] == {"host"} for b in probe[:k])
+            want[replica] = MatchInfo(k, k - host, host)
+    assert idx.match(probe, touch=False) == want
+    assert idx.match(probe, touch=True) == want
+    idx.check_integrity()
+
+
+def test_a_read_only_match_with_many_holders_of_the_first_block():
+    """More than 8 replicas hold the first block: the one-pass fallback of the fast path."""
+    idx, h = PrefixIndex(), chain(12)
+    for i in range(10):
+        assert idx.apply_events(f"r{i}", 0, stored=h[:i + 1])
+    want = {f"r{i}": MatchInfo(i + 1, i + 1, 0) for i in range(10)}
+    assert idx.match(h, touch=False) == want == idx.match(h, touch=True)
