@@ -102,7 +102,7 @@ def send_and_give_up(port: int, split: bool) -> None:
     with socket.create_connection(("127.0.0.1", port)) as s:
         if split:
             s.sendall(head)
-            time.sleep(0.001)
+            time.sleep(0.05)         # HAProxy reads the headers before the body arrives
             s.sendall(body)
         else:
             s.sendall(head + body)

@@ -41,11 +41,11 @@ from __future__ import annotations
 
 import threading
 import zlib
-from itertools import compress, count, repeat
-from operator import not_
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import compress, count, repeat
+from operator import not_
 from typing import NewType
 
 import ray
