@@ -111,6 +111,12 @@ class LRUCache:
     def __init__(self, capacity: int) -> None:
         self.capacity, self.blocks = capacity, OrderedDict()
 
+    def stats(self) -> dict:
+        """What a replica reports to routers about its cache (every block is evictable here:
+        the simulation holds no block for a running request)."""
+        return {"free_shared_blocks": self.capacity, "shared_blocks": self.capacity,
+                "empty_shared_blocks": self.capacity - len(self.blocks)}
+
     def admit(self, hashes: list) -> tuple[int, list, list]:
         """Cache the request's blocks. Returns (leading hit blocks, stored, removed)."""
         hit = 0
@@ -210,9 +216,9 @@ class KVRouterSim:
         self.loop.run_until_complete(self.follower.apply(0, reply))
         self.next_poll = now + self.cfg.poll_interval_s
 
-    def choose(self, req: SimRequest, in_flight: list[int]) -> int:
+    def choose(self, req: SimRequest, in_flight: list[int], stats: list[dict]) -> int:
         matches = self.follower.index.match(req.hashes)
-        cands = [Candidate(rid, with_active(matches.get(rid), self.active, rid, req.hashes), {},
+        cands = [Candidate(rid, with_active(matches.get(rid), self.active, rid, req.hashes), stats[i],
                            in_flight[i], self.active.count(rid))
                  for i, rid in enumerate(self.ids)]
         ranked = self.policy.rank(RouteRequest(req.prompt_tokens, self.cfg.block_size), cands)
@@ -229,9 +235,9 @@ class HistoryRouterSim:
         self.history = RoutingHistory(cfg.capacity_blocks * cfg.replicas)
         self.policy = KVAwarePolicy()
 
-    def choose(self, req: SimRequest, in_flight: list[int]) -> int:
+    def choose(self, req: SimRequest, in_flight: list[int], stats: list[dict]) -> int:
         matches = self.history.index.match(req.hashes)
-        cands = [Candidate(rid, matches.get(rid), {}, in_flight[i]) for i, rid in enumerate(self.ids)]
+        cands = [Candidate(rid, matches.get(rid), stats[i], in_flight[i]) for i, rid in enumerate(self.ids)]
         ranked = self.policy.rank(RouteRequest(req.prompt_tokens, self.cfg.block_size), cands)
         self.history.record(ranked[0].replica_id, req.hashes)
         return int(ranked[0].replica_id.rsplit("-", 1)[1])
@@ -241,7 +247,7 @@ class LoadOnlySim:
     def __init__(self, cfg: SimConfig, ids: list[str], policy) -> None:
         self.cfg, self.ids, self.policy = cfg, ids, policy
 
-    def choose(self, req: SimRequest, in_flight: list[int]) -> int:
+    def choose(self, req: SimRequest, in_flight: list[int], stats: list[dict]) -> int:
         cands = [Candidate(rid, None, {}, in_flight[i]) for i, rid in enumerate(self.ids)]
         ranked = self.policy.rank(RouteRequest(req.prompt_tokens, self.cfg.block_size), cands)
         return int(ranked[0].replica_id.rsplit("-", 1)[1])
@@ -291,8 +297,9 @@ class Sim:
                     _, r, seq, stored, removed = heapq.heappop(events)
                     self.router.shard.apply_events(self.ids[r], seq, stored, removed)
                 self.router.poll(now)
+            stats = [c.stats() for c in self.caches]
             t0 = time.perf_counter_ns()
-            r = self.router.choose(req, self.in_flight)
+            r = self.router.choose(req, self.in_flight, stats)
             self.decision_ns.append(time.perf_counter_ns() - t0)
             hit, stored, removed = self.caches[r].admit(req.hashes)
             hit_tok = min(hit * cfg.block_size, req.prompt_tokens)
