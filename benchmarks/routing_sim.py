@@ -48,7 +48,7 @@ import statistics
 import sys
 import time
 from collections import OrderedDict
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from itertools import accumulate
 from pathlib import Path
 

@@ -141,6 +141,16 @@ class RunningApp:
 
         return ray.get_actor("kvharbor-prefix-directory", namespace="kvharbor")
 
+    def flush_caches(self) -> None:
+        """Empty every replica's prefix cache (``POST /admin/cache/flush``) and wait until the
+        routers have the replicas' new stats (reported every 0.5 s). New prefixes go to the
+        emptier cache first, so a test that expects them spread over both replicas needs
+        caches alike; earlier tests leave them filled unevenly."""
+        with self.client(DEMO["admin"]) as admin:
+            r = admin.post("/admin/cache/flush")
+            assert r.status_code == 200, r.text
+        time.sleep(1.5)
+
     def wait_indexed(self, block_hashes, timeout: float = 30.0) -> None:
         """Wait until the directory lists every block of ``block_hashes`` on one replica,
         then a few of the routers' 20 ms polls: the index is eventually consistent, so a

@@ -31,11 +31,8 @@ def test_shared_prefix_lands_on_the_same_replica(kvharbor_app):
 
 
 def test_distinct_prefixes_spread_over_both_replicas(kvharbor_app):
-    """With equally empty caches. (New prefixes go to the emptier cache first, so after the
-    earlier tests filled one replica's cache they may all go to the other: flush both.)"""
-    with kvharbor_app.client(DEMO["admin"]) as admin:
-        assert admin.post("/admin/cache/flush").status_code == 200
-    time.sleep(1.5)                         # the routers see the replicas' new stats
+    """With equally empty caches (see ``RunningApp.flush_caches``)."""
+    kvharbor_app.flush_caches()
     replicas = set()
     with kvharbor_app.client(DEMO["standard"]) as c:
         for i in range(8):

@@ -121,7 +121,9 @@ def _canaries(app, n: int = 48, within_s: float = 30.0) -> None:
 
     (Gateway routers learn of the new replica shortly after ``serve.status`` shows it, so the
     first few canaries may all land on the survivor: in a CI run of the full suite, 16 canaries
-    over ~6 s all did. They go on for up to ``within_s``.)
+    over ~6 s all did. They go on for up to ``within_s``. Caches are flushed first: new
+    prefixes go to the emptier cache, so with the survivor's full and the replacement's empty,
+    48 canaries all went to one replica in a CI run.)
     """
     from kvharbor import LLM, SamplingParams
 
@@ -129,6 +131,7 @@ def _canaries(app, n: int = 48, within_s: float = 30.0) -> None:
     llm = LLM(device="cpu", num_kv_blocks=128)
     expected = [o.text for o in llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))]
     served: dict[str, int] = {}
+    app.flush_caches()
     deadline = time.monotonic() + within_s
     with app.client(DEMO["standard"]) as c:
         for i, (prompt, want) in enumerate(zip(prompts, expected)):
