@@ -199,7 +199,9 @@ class PrefixIndex:
         with self._lock:
             self._counters["matches"] += 1
             if not touch and not self._host_only:
-                return self._match_read_only(block_hashes)
+                fast = self._match_read_only(block_hashes)
+                if fast is not None:
+                    return fast
             ends: dict[ReplicaId, int] = {}          # replica -> leading blocks held
             host: dict[ReplicaId, int] = {}          # replica -> host-only blocks among them
             alive: set[ReplicaId] = set()
@@ -236,12 +238,12 @@ class PrefixIndex:
             return {r: MatchInfo(k, k - host.get(r, 0), host.get(r, 0))
                     for r, k in ends.items()}
 
-    def _match_read_only(self, block_hashes: Sequence[BlockHash]) -> dict[ReplicaId, MatchInfo]:
+    def _match_read_only(self, block_hashes: Sequence[BlockHash]) -> dict[ReplicaId, MatchInfo] | None:
         """``match`` without LRU touches or host-only entries (a router's common case), in
         C-level loops: the holders of each leading block in one ``map``, then per replica
-        holding the first block, the index of its first miss. Falls back to the general
-        loop when many replicas share the first block (one pass over set differences is
-        then cheaper than a pass per replica). Caller holds the lock."""
+        holding the first block, the index of its first miss. None when many replicas share
+        the first block: ``match``'s one pass over set differences is then cheaper than a
+        pass per replica. Caller holds the lock."""
         held = list(map(self._holders.get, block_hashes))
         try:
             n = held.index(None)
@@ -251,27 +253,13 @@ class PrefixIndex:
             return {}
         first = held[0]
         if len(first) > 8:
-            return self._match_general(held, n)
+            return None
         held = held[:n]
         out = {}
         for r in first:
             k = next(compress(count(), map(not_, map(dict.__contains__, held, repeat(r)))), n)
             out[r] = MatchInfo(k, k, 0)
         return out
-
-    @staticmethod
-    def _match_general(held: list, n: int) -> dict[ReplicaId, MatchInfo]:
-        """Leading blocks per replica from the holders of the ``n`` leading blocks."""
-        alive, ends = set(held[0]), {}
-        for i in range(1, n):
-            gone = alive.difference(held[i])
-            if gone:
-                ends.update(dict.fromkeys(gone, i))
-                alive -= gone
-                if not alive:
-                    break
-        ends.update(dict.fromkeys(alive, n))
-        return {r: MatchInfo(k, k, 0) for r, k in ends.items()}
 
     def replica_hashes(self, replica_id: ReplicaId) -> set[BlockHash]:
         """A copy of the hashes the directory believes ``replica_id`` holds (any tier)."""

@@ -322,7 +322,8 @@ def test_a_read_only_match_counts_what_each_replica_holds_in_a_row(events, probe
 
 
 def test_a_read_only_match_with_many_holders_of_the_first_block():
-    """More than 8 replicas hold the first block: the one-pass fallback of the fast path."""
+    """More than 8 replicas hold the first block: the read-only match falls back to the
+    one-pass loop."""
     idx, h = PrefixIndex(), chain(12)
     for i in range(10):
         assert idx.apply_events(f"r{i}", 0, stored=h[:i + 1])
