@@ -51,6 +51,10 @@ class EngineConfig(BaseModel):
     model_path: str = Field("auto", description="'auto' (kvharbor's own forward for Llama/Qwen2/Mistral, else transformers'), 'kvharbor' or 'transformers'.")
     max_num_batched_tokens: int = Field(2048, ge=1, description="Token budget per step (chunked prefill above it).")
     max_num_seqs: int = Field(128, ge=1, description="Most requests in one step.")
+    enforce_eager: bool = Field(False, description="Never replay CUDA graphs: run every step eagerly. "
+                                "On CUDA with the Triton backend and kvharbor's model path, decode steps "
+                                "(every request one token) are otherwise captured once per batch bucket "
+                                "and replayed (see engine/decode_graphs.py).")
     low_priority_prefill_cap: int | None = Field(
         256, ge=0, description="While requests of a higher class are unfinished (or were in the "
         "last 2 s), lower classes get at most this many prefill tokens per step (their decodes "

@@ -54,9 +54,10 @@ def paged_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Attention
         # The CPU hot path: no copies of q/k/v, the plan shared by all layers.
         ctx.backend.store_kv(k, v, cache, ctx.slot_mapping)
         return paged_attention_cpu(q, k, v, cache, ctx.plan, scaling)
-    k, v = k.contiguous(), v.contiguous()
+    if not getattr(ctx.backend, "strided", False):   # Triton's kernels take row/head strides
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     ctx.backend.store_kv(k, v, cache, ctx.slot_mapping)
-    return ctx.backend.paged_attention(q.contiguous(), cache, ctx.block_tables, ctx.seq_lens,
+    return ctx.backend.paged_attention(q, cache, ctx.block_tables, ctx.seq_lens,
                                        ctx.query_start_loc, scaling, sliding_window, ctx.max_seq_len)
 
 

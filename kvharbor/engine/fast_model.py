@@ -94,6 +94,64 @@ class PackedLayer:
         return self.down(h.mul_(self.up(x)))[:rows]
 
 
+def _pack_rows(*linears) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) holding ``linears``' rows; each module's weight and bias become
+    views of it, so the packed product costs no extra memory and the modules (transformers'
+    own forward, the tests' oracle) compute what they computed before."""
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    has_bias = [lin.bias is not None for lin in linears]
+    bias = torch.cat([lin.bias.detach() for lin in linears]) if all(has_bias) else None
+    row = 0
+    for lin in linears:
+        n = lin.out_features
+        lin.weight = torch.nn.Parameter(weight[row:row + n], requires_grad=False)
+        if bias is not None:
+            lin.bias = torch.nn.Parameter(bias[row:row + n], requires_grad=False)
+        row += n
+    return weight, bias
+
+
+class TritonLayer:
+    """One decoder layer on a GPU: q/k/v as one product, gate/up as one product followed by
+    the fused SiLU gate (:mod:`..kernels.triton_ops`); o and down as their modules."""
+
+    __slots__ = ("qkv_w", "qkv_b", "qkv_sizes", "o", "gate_up_w", "down")
+
+    def __init__(self, layer) -> None:
+        a, mlp = layer.self_attn, layer.mlp
+        self.qkv_w, self.qkv_b = _pack_rows(a.q_proj, a.k_proj, a.v_proj)
+        self.qkv_sizes = [a.q_proj.out_features, a.k_proj.out_features, a.v_proj.out_features]
+        self.o = a.o_proj
+        self.gate_up_w, _ = _pack_rows(mlp.gate_proj, mlp.up_proj)
+        self.down = mlp.down_proj
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return F.linear(x, self.qkv_w, self.qkv_b).split(self.qkv_sizes, dim=-1)
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        from ..kernels import triton_ops  # noqa: PLC0415 - Triton loads only where it runs
+
+        return self.down(triton_ops.silu_mul(F.linear(x, self.gate_up_w)))
+
+
+def _triton_fusable(model) -> bool:
+    """The standard RMSNorms, a bias-free SiLU gate/up/down MLP, q/k/v biases all or none."""
+    inner = model.model
+    norms = [n for layer in inner.layers
+             for n in (layer.input_layernorm, layer.post_attention_layernorm)] + [inner.norm]
+    for layer in inner.layers:
+        mlp, a = layer.mlp, layer.self_attn
+        if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+            return False
+        if type(mlp.act_fn).__name__ not in ("SiLU", "SiLUActivation"):
+            return False
+        if mlp.gate_proj.bias is not None or mlp.up_proj.bias is not None:
+            return False
+        if len({p.bias is None for p in (a.q_proj, a.k_proj, a.v_proj)}) != 1:
+            return False
+    return all(type(n).__name__ in RMS_NORMS for n in norms)
+
+
 def _packable(model) -> bool:
     """CPU float32 weights, oneDNN present, and the gate/up/down MLP layout."""
     mlp = model.model.layers[0].mlp
@@ -108,7 +166,9 @@ RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")
 class FastCausalLM:
     """Forward over one flattened step (batch 1) with the paged attention of ``attention``."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, triton: bool | None = None) -> None:
+        """``triton``: the fused Triton ops and packed GPU products (default: on CUDA, for
+        models they cover; True forces them, e.g. on the CPU under ``TRITON_INTERPRET=1``)."""
         if not supports(model):
             raise ValueError(f"no kvharbor model path for {type(model).__name__}")
         self.model = model
@@ -125,8 +185,13 @@ class FastCausalLM:
         self.windows = [getattr(layer.self_attn, "sliding_window",
                                 getattr(cfg, "sliding_window", None) if family == "mistral" else None)
                         for layer in self.layers]
-        packed = _packable(model)
-        if packed:
+        on_gpu = model.lm_head.weight.device.type == "cuda"
+        self.triton = (on_gpu if triton is None else triton) and _triton_fusable(model)
+        packed = not self.triton and _packable(model)
+        if self.triton:
+            self.projections = [TritonLayer(layer) for layer in self.layers]
+            self.lm_head = model.lm_head
+        elif packed:
             self.projections = [PackedLayer(layer) for layer in self.layers]
             self.lm_head = cpu_linear.PackedLinear(model.lm_head.weight, model.lm_head.bias)
         else:
@@ -138,7 +203,8 @@ class FastCausalLM:
                  for n in (layer.input_layernorm, layer.post_attention_layernorm)] + [self.norm]
         self.fused = (packed and all(type(n).__name__ in RMS_NORMS for n in norms)
                       and cpu_ops.available())
-        self.norm_args = [(n.weight.detach(), float(n.variance_epsilon)) for n in norms] if self.fused else []
+        self.norm_args = ([(n.weight.detach(), float(n.variance_epsilon)) for n in norms]
+                          if self.fused or self.triton else [])
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -151,6 +217,8 @@ class FastCausalLM:
         h = h[0]
         if self.fused:
             return self._forward_fused(h, cos.contiguous(), sin.contiguous(), ctx, logit_rows)
+        if self.triton:
+            return self._forward_triton(h, cos.contiguous(), sin.contiguous(), ctx, logit_rows)
         for layer, window, p in zip(self.layers, self.windows, self.projections):
             a = layer.self_attn
             q, k, v = p.qkv(layer.input_layernorm(h))
@@ -186,3 +254,28 @@ class FastCausalLM:
         if not logit_rows.numel():
             return h.new_empty(0, self.lm_head.out_features)
         return self.lm_head(cpu_ops.rms_norm(h.index_select(0, logit_rows), *args[-1]))
+
+    def _forward_triton(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        ctx: attention.AttentionContext, logit_rows: torch.Tensor) -> torch.Tensor:
+        """The fused forward on a GPU: per layer one kernel for each norm (the residual add
+        folded in), one for the rotary embedding of q and k, one for the SiLU gate, and the
+        packed products; ``h`` ``[T, hidden]`` is the residual stream, added to in place."""
+        from ..kernels import triton_ops  # noqa: PLC0415 - Triton loads only where it runs
+
+        t, d, args = h.shape[0], self.head_dim, self.norm_args
+        x = triton_ops.rms_norm(h, *args[0])
+        last = len(self.layers) - 1
+        for i, (layer, window, p) in enumerate(zip(self.layers, self.windows, self.projections)):
+            a = layer.self_attn
+            q, k, v = p.qkv(x)
+            q, k = triton_ops.rotary_(q.view(t, -1, d), k.view(t, -1, d), cos, sin)
+            o = attention.paged_step(q, k, v.view(t, -1, d), ctx, a.layer_idx, a.scaling, window)
+            x = triton_ops.add_rms_norm(p.o(o.view(t, -1)), h, *args[2 * i + 1])
+            m = p.mlp(x)
+            if i < last:
+                x = triton_ops.add_rms_norm(m, h, *args[2 * i + 2])
+            else:
+                h.add_(m)
+        if not logit_rows.numel():
+            return h.new_empty(0, self.lm_head.out_features)
+        return self.lm_head(triton_ops.rms_norm(h.index_select(0, logit_rows), *args[-1]))

@@ -66,6 +66,7 @@ class ModelRunner:
         self.block_size = block_size
         self.last_logprobs: list = []     # TokenLogprobs | None per sampled row of the last step
         self.interrupt = None             # the engine's StepInterrupt (checked before each layer)
+        self.graphs = None                # DecodeGraphs: decode steps replayed from CUDA graphs
         self.backend = get_attention_backend(attention_backend, device)
         self.fast = _model_path(model, model_path)
         cfg = model.config
@@ -146,7 +147,10 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_logits(self, batch: list[ScheduledRequest]) -> torch.Tensor:
         """Run the step; return logits ``[num_sampling_requests, vocab]``. ``self.interrupt``
-        (a ``StepInterrupt``, or None) may raise ``StepInterrupted`` before any layer."""
+        (a ``StepInterrupt``, or None) may raise ``StepInterrupted`` before any layer; a decode
+        step replayed from a CUDA graph (``self.graphs``) is not checked."""
+        if self.graphs is not None and self.graphs.eligible(batch):
+            return self.graphs.forward_logits(batch)
         input_ids, positions, ctx, rows = self._build(batch)
         ctx.interrupt = self.interrupt
         if self.fast is not None:

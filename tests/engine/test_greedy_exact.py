@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -66,14 +68,65 @@ def test_block_size_16_with_preemption_on_qwen2(oracle_cache):
     assert llm.stats()["preemptions"] > 0
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+@needs_gpu
 @pytest.mark.parametrize("model", MODELS)
-def test_cuda_bf16_greedy_matches_transformers_bf16(model):
-    """On a GPU: Triton kernels, bf16 weights and cache, against transformers in bf16."""
-    llm = LLM(model=model, device="cuda", dtype="bfloat16", num_kv_blocks=1024)
-    assert llm.engine.runner.backend.name == "triton"
+def test_cuda_fp32_greedy_matches_transformers(model):
+    """On a GPU in float32: Triton kernels, the fused Triton layer path and decode steps
+    replayed from CUDA graphs, token for token against transformers on the same GPU."""
+    # A 512-token budget staggers the prefills, so decode batches shrink and get padded.
+    llm = LLM(model=model, device="cuda", dtype="float32", num_kv_blocks=1024,
+              max_num_batched_tokens=512)
+    runner = llm.engine.runner
+    assert runner.backend.name == "triton" and runner.fast.triton
     want = hf_greedy(llm.hf_model, mixed_prompts())
     outs = llm.generate(mixed_prompts(), GREEDY)
     for i, (out, ref) in enumerate(zip(outs, want)):
         assert out.token_ids == ref, f"prompt {i} diverged"
+    assert runner.graphs.replays > 0 and runner.graphs.padded_steps > 0
+    llm.check_integrity()
+
+
+def first_divergence(got: list[int], want: list[int]) -> int | None:
+    return next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), None)
+
+
+@needs_gpu
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["cuda_graphs", "eager"])
+@pytest.mark.parametrize("model", MODELS)
+def test_cuda_bf16_greedy_agrees_with_transformers_bf16(model, enforce_eager):
+    """On a GPU in bf16, against transformers in bf16. Two bf16 programs whose products are
+    summed in another order disagree where the two best logits lie within a few bf16 ulps
+    (seen on the CPU too: the random-weight tiny-qwen2 and tiny-mistral diverge from
+    transformers at gaps of 0 to 0.03 on logits near 3.3), so, as vLLM's own tests do, each
+    sequence must equal transformers' up to its first divergence, and there transformers'
+    logit of our token must be within 4 bf16 ulps of its best. (Measured on an H200:
+    random-weight tiny-qwen2 diverged in 7 of 16 sequences, at gaps of 0 to 0.031 on logits
+    of 2.8-3.7; the divergences are reported as a warning.)"""
+    llm = LLM(model=model, device="cuda", dtype="bfloat16", num_kv_blocks=1024,
+              max_num_batched_tokens=512, enforce_eager=enforce_eager)
+    runner = llm.engine.runner
+    assert runner.backend.name == "triton"
+    assert (runner.graphs is None) == enforce_eager
+    prompts = mixed_prompts()
+    want = hf_greedy(llm.hf_model, prompts)
+    outs = llm.generate(prompts, GREEDY)
+    diverged = []
+    for i, (out, ref) in enumerate(zip(outs, want)):
+        j = first_divergence(out.token_ids, ref)
+        if j is None:
+            continue
+        with torch.inference_mode():
+            ids = torch.tensor([prompts[i] + ref[:j]], device="cuda")
+            logits = llm.hf_model(ids).logits[0, -1].float()
+        best = float(logits.max())
+        gap = best - float(logits[out.token_ids[j]])
+        diverged.append((i, j, round(gap, 4), round(best, 3)))
+        assert gap <= 2 ** -5 * max(abs(best), 1.0), f"prompt {i} diverged at token {j}: gap {gap}"
+    if diverged:
+        warnings.warn(f"{model} bf16 (prompt, token, logit gap, best logit): {diverged}")
+    if runner.graphs is not None:
+        assert runner.graphs.replays > 0 and runner.graphs.padded_steps > 0
     llm.check_integrity()

@@ -1,0 +1,75 @@
+"""Decode steps run through the CUDA-graph runner's static buffers stay token-exact.
+
+On a CPU nothing is captured (``capture=False``): the same padded static-buffer forward that a
+CUDA graph records runs eagerly, so padding rows, bucket changes and stale table rows from a
+wider earlier step are checked here; the replay itself is checked on a GPU by
+``test_greedy_exact.py::test_cuda_bf16_greedy_matches_transformers_bf16``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvharbor import LLM
+from kvharbor.engine.decode_graphs import DecodeGraphs
+
+from .test_greedy_exact import run_and_compare
+
+
+@pytest.mark.parametrize("model", ["kvharbor/tiny-llama", "kvharbor/tiny-mistral"])
+def test_padded_decode_buffers_match_transformers(model, oracle_cache):
+    # A small prefill budget staggers the requests, so decode batches of many sizes occur;
+    # batches above 12 requests (16 prompts) are not eligible and run the ordinary path.
+    llm = LLM(model=model, device="cpu", num_kv_blocks=1024, max_num_batched_tokens=96)
+    runner = llm.engine.runner
+    runner.graphs = graphs = DecodeGraphs(runner, max_batch=12, max_model_len=llm.engine.max_model_len,
+                                          capture=False)
+    run_and_compare(llm, model, oracle_cache)
+    assert graphs.steps >= 5 and graphs.padded_steps > 0
+
+
+def test_only_decode_steps_are_eligible():
+    llm = LLM(device="cpu", num_kv_blocks=64)
+    graphs = DecodeGraphs(llm.engine.runner, max_batch=4, max_model_len=256, capture=False)
+    assert graphs.buckets == [1, 2, 4]
+
+    class Item:
+        def __init__(self, n, samples=True):
+            self.num_new_tokens, self.samples = n, samples
+
+    assert graphs.eligible([Item(1)] * 4)
+    assert not graphs.eligible([Item(1)] * 5)           # above the largest bucket
+    assert not graphs.eligible([Item(1), Item(2)])      # a prefill chunk in the step
+    assert not graphs.eligible([Item(1, samples=False)])
+    assert not graphs.eligible([])
+
+
+def test_a_padded_step_writes_kv_only_at_its_requests_slots():
+    """Three requests in a bucket of four: the padding row writes only the null block, and the
+    logits equal the ordinary path's on the same step."""
+    import torch
+
+    from kvharbor import SamplingParams
+    from kvharbor.engine.model_runner import ScheduledRequest
+
+    llm = LLM(device="cpu", num_kv_blocks=64)
+    engine, runner = llm.engine, llm.engine.runner
+    for i, n in enumerate((5, 20, 37)):
+        engine.add_request(f"r{i}", list(range(1, n + 1)), SamplingParams(max_tokens=8, temperature=0.0))
+    engine.step()                                         # every prompt prefilled in one step
+    batch = [ScheduledRequest(r, 1) for r in engine.requests.values()]
+    assert all(item.samples for item in batch)
+    graphs = DecodeGraphs(runner, max_batch=4, max_model_len=256, capture=False)
+    before = [(c.key.clone(), c.value.clone()) for c in runner.caches]
+    logits = graphs.forward_logits(batch).clone()
+    assert graphs.padded_steps == 1
+    bs = runner.block_size
+    expected = {r.blocks[r.num_computed_tokens // bs].block_id * bs + r.num_computed_tokens % bs
+                for r in (item.request for item in batch)}
+    for (k0, v0), c in zip(before, runner.caches):
+        changed = ((c.key != k0) | (c.value != v0)).flatten(2).any(-1).flatten().nonzero().flatten()
+        slots = {s for s in changed.tolist() if s // bs != runner.null_block_id}
+        assert slots == expected
+        c.key.copy_(k0)
+        c.value.copy_(v0)
+    assert torch.allclose(logits, runner.forward_logits(batch), atol=1e-4, rtol=1e-4)
