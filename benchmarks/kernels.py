@@ -114,6 +114,24 @@ def measure_point(batch: int, context: int, args, device, num_sms: int) -> dict:
                                     c["seq_lens"], c["qsl"], scale)
         max_err = max(max_err, (out.float() - exact.float()).abs().max().item())
     t_triton, t_sdpa = bench_ms(triton_fn), bench_ms(sdpa_fn)
+    sweep = {}
+    if args.sweep_splits:
+        import itertools  # noqa: PLC0415
+
+        from kvharbor.kernels.paged_attention import paged_attention  # noqa: PLC0415
+
+        cache = c["cache"]
+        for n, bn, w, st in itertools.product(args.sweep_splits, args.sweep_block_n,
+                                              args.sweep_warps, args.sweep_stages):
+            def fn(n=n, bn=bn, w=w, st=st):
+                return paged_attention(c["query"], cache.key, cache.value, c["tables"],
+                                       c["seq_lens"], c["qsl"], scale, num_splits=n,
+                                       block_n=bn, num_warps=w, num_stages=st)
+            key = f"s{n}_n{bn or 'd'}_w{w or 'd'}_st{st or 'd'}"
+            try:
+                sweep[key] = 1e3 * bench_ms(fn)
+            except Exception as e:  # noqa: BLE001 - a config that does not fit (shared memory)
+                print(f"  {key}: {e!r:.60}", file=sys.stderr)
     nbytes = bytes_moved(batch, context, args)
     del c
     if device.type == "cuda":
@@ -122,7 +140,7 @@ def measure_point(batch: int, context: int, args, device, num_sms: int) -> dict:
     return dict(batch=batch, context=context, num_splits=splits, bytes=nbytes,
                 triton_us=t_triton * 1e3, sdpa_us=t_sdpa * 1e3,
                 triton_gbps=nbytes / t_triton / 1e6, sdpa_gbps=nbytes / t_sdpa / 1e6,
-                max_abs_err=max_err)
+                max_abs_err=max_err, **({"sweep_splits_us": sweep} if sweep else {}))
 
 
 def print_table(rows: list[dict], peak: float | None) -> None:
@@ -169,6 +187,13 @@ def parse_args(argv=None):
     p.add_argument("--peak-gbps", type=float, default=None,
                    help="HBM peak in GB/s (default: from the device name)")
     p.add_argument("--out", type=Path, default=RESULTS, help="where JSON and PNG go")
+    p.add_argument("--sweep-splits", type=int, nargs="*", default=None,
+                   help="also time the kernel with each of these split-K counts forced, "
+                        "crossed with the --sweep-block-n/-warps/-stages values (0: default)")
+    p.add_argument("--sweep-block-n", type=int, nargs="*", default=[0])
+    p.add_argument("--sweep-warps", type=int, nargs="*", default=[0])
+    p.add_argument("--sweep-stages", type=int, nargs="*", default=[0])
+    p.add_argument("--tag", default="", help="suffix of the result file names")
     return p.parse_args(argv)
 
 
@@ -187,13 +212,22 @@ def main(argv=None) -> int:
     print(f"{name}; HBM peak {peak or 'unknown (pass --peak-gbps)'} GB/s; bf16, head dim "
           f"{args.head_dim}, {args.q_heads}/{args.kv_heads} heads, block {args.block_size}")
     print_table(rows, peak)
+    if args.sweep_splits:
+        print("sweep (split-K s, keys per step n, warps w, stages st): best configs per point")
+        for r in rows:
+            times = sorted(r["sweep_splits_us"].items(), key=lambda kv: kv[1])
+            gbps = r["bytes"] / (times[0][1] * 1e3)
+            print(f"{r['batch']:>5} {r['context']:>6} default {r['triton_us']:7.1f} us | best "
+                  + ", ".join(f"{k} {t:.1f}" for k, t in times[:4])
+                  + (f" | {100 * gbps / peak:.1f}% peak" if peak else ""))
     args.out.mkdir(parents=True, exist_ok=True)
     meta = dict(device=name, peak_gbps=peak, head_dim=args.head_dim, q_heads=args.q_heads,
                 kv_heads=args.kv_heads, block_size=args.block_size, dtype="bfloat16",
                 torch=torch.__version__, triton=__import__("triton").__version__)
-    (args.out / "kernels_decode.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))
-    plot(rows, peak, f"decode attention, {name}", args.out / "kernels_decode.png")
-    print(f"wrote {args.out / 'kernels_decode.json'} and kernels_decode.png")
+    stem = f"kernels_decode{args.tag}"
+    (args.out / f"{stem}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))
+    plot(rows, peak, f"decode attention, {name}", args.out / f"{stem}.png")
+    print(f"wrote {args.out / stem}.json and {stem}.png")
     return 0
 
 

@@ -192,11 +192,17 @@ def _check_batch(query, key_cache, block_tables, seq_lens, query_start_loc, slid
     assert sliding_window is None or sliding_window >= 0, "sliding_window must be None or >= 0"
 
 
-def default_tile(num_tokens: int, num_seqs: int, group: int, head_dim: int) -> tuple[int, int]:
-    """``(BLOCK_Q, BLOCK_N)``: 16-row tiles for a decode-only batch (one token each), else 64."""
+def default_tile(num_tokens: int, num_seqs: int, group: int, head_dim: int,
+                 cache_bytes: int = 2, num_splits: int = 1) -> tuple[int, int]:
+    """``(BLOCK_Q, BLOCK_N)``: 16-row tiles for a decode-only batch (one token each), else 64.
+
+    A decode step over a 16-bit cache reads 128 keys per step when it is split or its heads
+    are at most 64 wide, else 64: measured on an H200 (docs/benchmarks.md), 128 keys ran
+    1.1-1.8x faster at those points and 15% slower unsplit at head dim 128 (batch 64)."""
     group_pad = triton.next_power_of_2(group)
     if num_tokens == num_seqs:
-        return max(1, 16 // group_pad), 64
+        wide = cache_bytes == 2 and (num_splits > 1 or head_dim <= 64)
+        return max(1, 16 // group_pad), 128 if wide else 64
     return max(1, 64 // group_pad), 64 if head_dim <= 64 else 32
 
 
@@ -205,11 +211,13 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     query_start_loc: torch.Tensor, scale: float,
                     sliding_window: int | None = None, k_scale: torch.Tensor | None = None,
                     v_scale: torch.Tensor | None = None, num_splits: int = 1,
-                    block_q: int | None = None, block_n: int | None = None) -> torch.Tensor:
+                    block_q: int | None = None, block_n: int | None = None,
+                    num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """Triton twin of :func:`kvharbor.kernels.reference.paged_attention_ref`.
 
     Extra args: ``num_splits`` > 1 selects split-K (flash decoding) plus a reduce kernel;
-    ``block_q``/``block_n`` override the tile (query tokens per tile, keys per step).
+    ``block_q``/``block_n`` override the tile (query tokens per tile, keys per step);
+    ``num_warps``/``num_stages`` Triton's launch defaults (benchmarks/kernels.py sweeps them).
     Returns ``[T, H, D]`` in ``query.dtype``.
     """
     quant = check_cache(key_cache, value_cache, k_scale, v_scale)
@@ -218,7 +226,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     t, h, d = query.shape
     nseq, hkv = block_tables.shape[0], key_cache.shape[2]
     group = h // hkv
-    dq, dn = default_tile(t, nseq, group, d)
+    dq, dn = default_tile(t, nseq, group, d, key_cache.element_size(), num_splits)
     block_q, block_n = block_q or dq, block_n or dn
     group_pad = triton.next_power_of_2(group)
     assert block_q * group_pad >= 16 and block_n >= 16, \
@@ -250,7 +258,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_SIZE=key_cache.shape[1],
         QUANT=quant, NUM_SPLITS=num_splits, USE_WINDOW=bool(sliding_window),
         FP32_DOT=query.dtype == torch.float32,
-        DOT_UPCAST=query.dtype == torch.bfloat16 and INTERPRETED)
+        DOT_UPCAST=query.dtype == torch.bfloat16 and INTERPRETED,
+        **{k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v})
     if num_splits > 1:
         _reduce_splits_kernel[(t, h)](
             part, lse, out, *part_strides, *lse_strides, out.stride(0), out.stride(1),

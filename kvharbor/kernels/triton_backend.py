@@ -16,6 +16,13 @@ from .store_kv import store_kv
 MIN_KEYS_PER_SPLIT = 512
 """A split shorter than this costs more in the reduce than it gains in parallelism."""
 MAX_SPLITS = 32
+TARGET_WAVES = 4
+"""Split-K aims at this many waves of (sequence, KV head, split) programs over the SMs, and
+splits only batches under :data:`SPLIT_BELOW_WAVES` waves unsplit. From a sweep on an H200
+(docs/benchmarks.md, "Decode attention on an H200"): at batch 16 x 8 KV heads (128 programs)
+4-16 splits ran 1.2-1.8x faster than the 2 that a two-wave target gave; at batch 64 (512
+programs, ~3.9 waves) no split was within 1-3% of the best."""
+SPLIT_BELOW_WAVES = 3
 DEFAULT_NUM_SMS = 132
 """H100 SXM; used when the device reports no SM count (CPU under the interpreter)."""
 
@@ -30,13 +37,14 @@ def choose_num_splits(num_tokens: int, num_seqs: int, num_kv_heads: int, max_seq
                       num_sms: int = DEFAULT_NUM_SMS) -> int:
     """Number of key splits per (sequence, KV head) for this batch; 1 means no split-K.
 
-    Split only a decode-only batch (``num_tokens == num_seqs``) with fewer programs than two
-    waves of SMs, and never below :data:`MIN_KEYS_PER_SPLIT` keys per split. A power of 2.
+    Split only a decode-only batch (``num_tokens == num_seqs``) with fewer programs than
+    :data:`SPLIT_BELOW_WAVES` waves of SMs, towards :data:`TARGET_WAVES` waves, and never below
+    :data:`MIN_KEYS_PER_SPLIT` keys per split. A power of 2.
     """
     programs = num_seqs * num_kv_heads
-    if num_tokens != num_seqs or programs >= 2 * num_sms:
+    if num_tokens != num_seqs or programs >= SPLIT_BELOW_WAVES * num_sms:
         return 1
-    by_parallelism = triton.cdiv(2 * num_sms, programs)
+    by_parallelism = triton.cdiv(TARGET_WAVES * num_sms, programs)
     by_length = max_seq_len // MIN_KEYS_PER_SPLIT
     splits = min(by_parallelism, by_length, MAX_SPLITS)
     if splits < 2:
@@ -48,6 +56,7 @@ class TritonBackend:
     """Triton kernels (CUDA, or the CPU interpreter under ``TRITON_INTERPRET=1``)."""
 
     name = "triton"
+    strided = True          # q/k/v may be strided views (head_dim contiguous): no copies
 
     @staticmethod
     def store_kv(key, value, cache, slot_mapping) -> None:

@@ -81,6 +81,19 @@ def test_split_k_matches_single_pass(window):
     torch.testing.assert_close(split, single, atol=2e-6, rtol=2e-6)
 
 
+@pytest.mark.parametrize("dtype, head_dim, num_splits", [(torch.float16, 64, 1), (torch.bfloat16, 128, 4)],
+                         ids=["fp16-d64", "bf16-d128-split4"])
+def test_decode_with_128_key_tiles_matches_reference(dtype, head_dim, num_splits):
+    """The wide decode tile (128 keys per step, 16-bit caches when split or heads <= 64)."""
+    from kvharbor.kernels.paged_attention import default_tile
+
+    assert default_tile(3, 3, 4, head_dim, 2, num_splits)[1] == 128
+    assert default_tile(3, 3, 4, head_dim, 4, num_splits)[1] == 64         # fp32 caches stay at 64
+    batch = make_batch([1, 1, 1], [700, 129, 300], heads=8, kv_heads=2, head_dim=head_dim,
+                       block_size=16, dtype=dtype, seed=23)
+    check(batch, num_splits=num_splits)
+
+
 def test_split_k_on_a_mixed_batch():
     """Split-K is correct with prefills in the batch too (the backend splits only decodes)."""
     batch = make_batch([1, 5, 20], [500, 5, 120], heads=4, kv_heads=1, head_dim=32,

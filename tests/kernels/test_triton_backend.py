@@ -86,3 +86,6 @@ def test_split_k_heuristic():
             assert s & (s - 1) == 0 and 1 <= s <= MAX_SPLITS
             assert s == 1 or ctx // s >= MIN_KEYS_PER_SPLIT
     assert choose_num_splits(1, 1, 8, 16384, num_sms=132) >= 16
+    # the H200 sweep's points: batch 16 x 8 KV heads splits 4 ways, batch 64 not at all
+    assert choose_num_splits(16, 16, 8, 4096, num_sms=132) == 4
+    assert choose_num_splits(64, 64, 8, 16384, num_sms=132) == 1
