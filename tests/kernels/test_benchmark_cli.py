@@ -1,4 +1,5 @@
-"""benchmarks/kernels.py without a GPU: a clear message, exit status 0, nothing written."""
+"""benchmarks/kernels.py and gpu_decode.py without a GPU: a clear message, exit status 0,
+nothing written."""
 
 from __future__ import annotations
 
@@ -8,19 +9,20 @@ import pathlib
 import pytest
 import torch
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "kernels.py"
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("kvharbor_bench_kernels", SCRIPT)
+def _load(name: str = "kernels"):
+    spec = importlib.util.spec_from_file_location(f"kvharbor_bench_{name}", BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: the benchmark runs")
-def test_benchmark_without_gpu_writes_nothing(tmp_path, capsys):
-    bench = _load()
+@pytest.mark.parametrize("name", ["kernels", "gpu_decode"])
+def test_benchmark_without_gpu_writes_nothing(name, tmp_path, capsys):
+    bench = _load(name)
     assert bench.main(["--out", str(tmp_path / "results")]) == 0
     assert "no CUDA GPU" in capsys.readouterr().err
     assert not (tmp_path / "results").exists()

@@ -1,0 +1,297 @@
+"""Decode on a GPU against its roofline: kvharbor's engine on a >= 0.5B random-weight model.
+
+``--batch`` sequences (default 64) with ``--prompt``-token prompts (default 512) are prefilled,
+then decode steps (every sequence one token) are timed two ways:
+
+- forward: the model's step alone (``ModelRunner.forward_logits``, batch upload included),
+  between CUDA events on the stream: GPU time including the gaps while the host launches;
+- step:    ``Engine.step()`` wall time (scheduling, upload, forward, sampling, detokenizing).
+
+::
+
+    roofline = (weight bytes + KV bytes the step reads) / HBM bandwidth
+
+with the bandwidth measured in the same run (a device-to-device copy of 2 GiB, bytes read plus
+written over the median time) and the datasheet peak beside it. Each mode (``--modes``:
+``graphs``, kvharbor's default on CUDA: decode batches replayed from CUDA graphs of the fused
+Triton layer path; ``graphs-modules``: the same graphs over transformers' modules op by op;
+``eager``: ``enforce_eager=True``, the fused path launched op by op) builds its own engine on
+the same checkpoint; their greedy tokens are checked to be the same length and reported with
+how many agree with the first mode's. For graph modes the captured full-batch graph is also
+replayed alone (``graph_replay_ms``: GPU time with no host work between steps).
+
+Models (random weights, real shapes; a checkpoint is written once under ``--checkpoints``):
+``llama-1b`` (Llama-3.2-1B: hidden 2048, 16 layers, 32/8 heads, vocab 128,256, 1.24B) and
+``qwen2-0.5b`` (Qwen2.5-0.5B: hidden 896, 24 layers, 14/2 heads, vocab 151,936, 0.49B).
+
+Needs a CUDA GPU: without one it says so and exits (status 0) without writing anything.
+
+Run:  python benchmarks/gpu_decode.py --model llama-1b qwen2-0.5b --out benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+RESULTS = Path(__file__).resolve().parent / "results"
+HBM_PEAK_GBPS = (("H200", 4800.0), ("H100 NVL", 3900.0), ("H100 PCIe", 2000.0), ("H100", 3350.0))
+SHAPES = {
+    "llama-1b": ("llama", dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                               num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                               head_dim=64, rope_theta=500000.0, tie_word_embeddings=True)),
+    "qwen2-0.5b": ("qwen2", dict(vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                                 num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                                 head_dim=64, rope_theta=1000000.0, tie_word_embeddings=True)),
+}
+
+
+def export_checkpoint(name: str, root: Path) -> Path:
+    """A transformers checkpoint (bf16 random weights, a word-level tokenizer) of shape ``name``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
+
+    out = root / name
+    if (out / "config.json").is_file():
+        return out
+    family, shape = SHAPES[name]
+    cls = LlamaConfig if family == "llama" else Qwen2Config
+    cfg = cls(**shape, max_position_embeddings=8192, rms_norm_eps=1e-5, bos_token_id=1,
+              eos_token_id=2, pad_token_id=0, initializer_range=0.02)
+    with torch.random.fork_rng(devices=[]), torch.device("cuda"):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    vocab = shape["vocab_size"]
+    wl = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    wl.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=wl, unk_token="t0", pad_token="t0",
+                                  bos_token="t1", eos_token="t2")
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
+def copy_bandwidth_gbps(nbytes: int = 2 << 30, reps: int = 20) -> float:
+    """Device-to-device copy, bytes read plus written over the median of ``reps`` copies."""
+    x = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    times = []
+    for i in range(reps + 3):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        y.copy_(x)
+        e.record()
+        e.synchronize()
+        if i >= 3:
+            times.append(s.elapsed_time(e) / 1e3)
+    del x, y
+    torch.cuda.empty_cache()
+    return 2 * nbytes / statistics.median(times) / 1e9
+
+
+def run_mode(ckpt: Path, mode: str, args, prompts: list[list[int]]) -> dict:
+    """Prefill ``prompts``, then time ``args.steps`` decode steps of the whole batch."""
+    from kvharbor import LLM, SamplingParams
+    from kvharbor.config import EngineConfig
+
+    from kvharbor.engine.decode_graphs import DecodeGraphs
+    from kvharbor.engine.fast_model import FastCausalLM
+
+    kw = {}
+    if "enforce_eager" in EngineConfig.model_fields:
+        kw["enforce_eager"] = mode == "eager"
+    elif mode != "eager":
+        return {"mode": mode, "skipped": "this kvharbor has no CUDA graphs (enforce_eager)"}
+    need = len(prompts) * (args.prompt + args.warmup + args.steps + 2)
+    t0 = time.perf_counter()
+    llm = LLM(model=str(ckpt), device="cuda", dtype="bfloat16", block_size=16,
+              num_kv_blocks=need // 16 + 64 + len(prompts), max_num_seqs=len(prompts),
+              max_num_batched_tokens=args.budget or len(prompts) * args.prompt, **kw)
+    engine, runner = llm.engine, llm.engine.runner
+    if mode == "graphs-modules":     # transformers' modules per op instead of the fused Triton ops
+        runner.fast = FastCausalLM(runner.model, triton=False)
+        runner.graphs = DecodeGraphs(runner, len(prompts), engine.max_model_len)
+    setup_s = time.perf_counter() - t0
+    fused = getattr(runner.fast, "triton", False)
+    weight_bytes = sum(p.nbytes for p in runner.model.parameters())
+    kv_per_token = runner.kv_bytes_per_token
+    events: list = []
+
+    forward = runner.forward_logits
+
+    def timed_forward(batch):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        out = forward(batch)
+        e.record()
+        decode = all(item.num_new_tokens == 1 for item in batch)
+        kv_tokens = sum(item.request.num_computed_tokens + 1 for item in batch)
+        events.append((s, e, decode, len(batch), kv_tokens))
+        return out
+
+    runner.forward_logits = timed_forward
+    execute, execute_s = runner.execute, []
+
+    def timed_execute(batch):                 # forward + sampling (its host sync) on the host clock
+        t = time.perf_counter()
+        out = execute(batch)
+        execute_s.append(time.perf_counter() - t)
+        return out
+
+    runner.execute = timed_execute
+    sp = SamplingParams(max_tokens=args.warmup + args.steps, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, sp)
+    step_s, outside_s, outputs = [], [], {}
+    decode_steps = 0
+    while engine.has_unfinished():
+        n_before = len(events)
+        t = time.perf_counter()
+        for out in engine.step():
+            if out.finish_reason is not None:
+                outputs[out.request_id] = list(out.token_ids)
+        dt = time.perf_counter() - t
+        if len(events) > n_before and events[-1][2] and events[-1][3] == len(prompts):
+            decode_steps += 1
+            if decode_steps > args.warmup:
+                step_s.append(dt)
+                outside_s.append(dt - execute_s[-1])
+    torch.cuda.synchronize()
+    replay_ms = None
+    if runner.graphs is not None:     # the captured full-batch graph alone: GPU time, no host work
+        graph = next((g for (b, _), (g, _) in runner.graphs.graphs.items() if b == len(prompts)), None)
+        if graph is not None:
+            times = []
+            for i in range(23):
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                graph.replay()
+                e.record()
+                e.synchronize()
+                if i >= 3:
+                    times.append(s.elapsed_time(e))
+            replay_ms = statistics.median(times)
+    full = [(s.elapsed_time(e) / 1e3, kv) for s, e, dec, n, kv in events if dec and n == len(prompts)]
+    full = full[args.warmup:]
+    fwd_s = [t for t, _ in full]
+    kv_bytes = statistics.median(kv for _, kv in full) * kv_per_token
+    row = {"mode": mode, "fused_triton_ops": fused, "graph_replay_ms_p50": replay_ms,
+           "setup_s": setup_s, "steps_timed": len(step_s),
+           "weight_bytes": weight_bytes, "kv_bytes_per_step": kv_bytes,
+           "forward_ms_p50": 1e3 * statistics.median(fwd_s), "forward_ms_min": 1e3 * min(fwd_s),
+           "step_ms_p50": 1e3 * statistics.median(step_s), "step_ms_min": 1e3 * min(step_s),
+           "outside_execute_ms_p50": 1e3 * statistics.median(outside_s),
+           "graph_replays": runner.graphs.replays if runner.graphs is not None else 0,
+           "tokens": [outputs[f"r{i}"] for i in range(len(prompts))]}
+    del llm, engine, runner
+    torch.cuda.empty_cache()
+    return row
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", nargs="+", choices=sorted(SHAPES), default=["llama-1b"])
+    p.add_argument("--modes", nargs="+", choices=["graphs", "graphs-modules", "eager"],
+                   default=["graphs", "graphs-modules", "eager"])
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--prompt", type=int, default=512)
+    p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--budget", type=int, default=None,
+                   help="max_num_batched_tokens (default: batch x prompt, one prefill step, so "
+                        "every sequence decodes in the same steps)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoints", type=Path, default=Path("/tmp/kvh-gpu-checkpoints"))
+    p.add_argument("--peak-gbps", type=float, default=None)
+    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--tag", default="", help="suffix of the result file names")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks/gpu_decode.py: no CUDA GPU on this machine. Nothing was measured or written.",
+              file=sys.stderr)
+        return 0
+    name = torch.cuda.get_device_name(0)
+    peak = args.peak_gbps or next((p for k, p in HBM_PEAK_GBPS if k in name), None)
+    bw = copy_bandwidth_gbps()
+    rows = []
+    for model in args.model:
+        ckpt = export_checkpoint(model, args.checkpoints)
+        vocab = SHAPES[model][1]["vocab_size"]
+        rng = random.Random(args.seed)
+        prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt)] for _ in range(args.batch)]
+        results = [run_mode(ckpt, mode, args, prompts) for mode in args.modes]
+        ran = [r for r in results if "skipped" not in r]
+        ref = ran[0]["tokens"] if ran else None
+        for r in results:
+            r["model"] = model
+            if "skipped" in r:
+                rows.append(r)
+                continue
+            toks = r.pop("tokens")
+            assert all(len(t) == args.warmup + args.steps for t in toks), "an output has the wrong length"
+            r["tokens_agree_with_first_mode"] = sum(a == b for t, u in zip(toks, ref) for a, b in zip(t, u))
+            r["tokens_total"] = sum(len(t) for t in toks)
+            moved = r["weight_bytes"] + r["kv_bytes_per_step"]
+            r["roofline_ms_measured_bw"] = 1e3 * moved / (bw * 1e9)
+            r["roofline_ms_peak"] = 1e3 * moved / (peak * 1e9) if peak else None
+            r["forward_x_roofline"] = r["forward_ms_p50"] / r["roofline_ms_measured_bw"]
+            r["step_x_roofline"] = r["step_ms_p50"] / r["roofline_ms_measured_bw"]
+            rows.append(r)
+    print(f"{name}; copy bandwidth {bw:.0f} GB/s (datasheet {peak} GB/s); batch {args.batch}, "
+          f"prompt {args.prompt}, {args.steps} timed decode steps after {args.warmup}")
+    cols = ("model", "mode", "graph_replay_ms_p50", "forward_ms_p50", "step_ms_p50", "outside_execute_ms_p50",
+            "roofline_ms_measured_bw",
+            "forward_x_roofline", "step_x_roofline", "tokens_agree_with_first_mode", "setup_s")
+    print(" | ".join(cols))
+    for r in rows:
+        print(" | ".join(f"{r.get(c):.3f}" if isinstance(r.get(c), float) else str(r.get(c, r.get("skipped")))
+                         for c in cols))
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = dict(device=name, copy_gbps=bw, peak_gbps=peak, batch=args.batch, prompt=args.prompt,
+                steps=args.steps, warmup=args.warmup, torch=torch.__version__,
+                triton=__import__("triton").__version__, date=time.strftime("%Y-%m-%d %H:%M:%S"))
+    stem = f"gpu_decode{args.tag}"
+    (args.out / f"{stem}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))
+    plot(rows, args.out / f"{stem}.png", name)
+    print(f"wrote {args.out / stem}.json and {stem}.png")
+    return 0
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if "skipped" not in r]
+    labels = [f"{r['model']}\n{r['mode']}" for r in rows]
+    x = range(len(rows))
+    fig, ax = plt.subplots(figsize=(max(5, 2.2 * len(rows)), 4))
+    ax.bar([i - 0.27 for i in x], [r["roofline_ms_measured_bw"] for r in rows], 0.27, label="roofline")
+    ax.bar(list(x), [r["forward_ms_p50"] for r in rows], 0.27, label="forward (CUDA events)")
+    ax.bar([i + 0.27 for i in x], [r["step_ms_p50"] for r in rows], 0.27, label="engine step (wall)")
+    ax.set_xticks(list(x), labels, fontsize=8)
+    ax.set(ylabel="ms per decode step", title=f"decode step, batch 64, {title}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

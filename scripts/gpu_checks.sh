@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The checks that need a CUDA GPU, as one call on a lent device machine: the Triton kernel,
+# fused-op and CUDA engine tests, then benchmarks/gpu_decode.py and benchmarks/kernels.py.
+# Each stage has its own time limit so a slow one cannot starve the rest; everything is logged
+# to $OUT/log.txt and the benchmarks write their JSON/PNG to $OUT.
+#   usage: bash scripts/gpu_checks.sh [stage ...]   (stages: tests decode kernels; default all)
+# The CPU kernels' tests (test_cpu_*.py) are not run here: they are CPU code, tested in CI.
+set -u
+OUT=${OUT:-/tmp/kvh-gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+stages=${*:-tests decode kernels}
+PYTEST=(python3 -m pytest -v -rfEw --tb=short -p no:cacheprovider -p no:benchmark --durations=12
+        -o filterwarnings=ignore::DeprecationWarning -o addopts= -n 16 --timeout 100)
+GPU_TESTS=(tests/engine/test_greedy_exact.py::test_cuda_fp32_greedy_matches_transformers
+           tests/engine/test_greedy_exact.py::test_cuda_bf16_greedy_agrees_with_transformers_bf16
+           tests/kernels/test_triton_ops.py
+           tests/kernels/test_paged_attention.py tests/kernels/test_store_kv.py
+           tests/kernels/test_triton_backend.py tests/kernels/test_engine_kernels.py
+           tests/kernels/test_compile_sm90.py)
+SWEEP=(--batch 16 64 --context 4096 16384 --sweep-splits 1 4 8 16 --sweep-block-n 64 128
+       --sweep-warps 4 8)
+{
+  nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,clocks.mem,temperature.gpu --format=csv
+  python3 -c "import sys, torch, triton, transformers; print(sys.version.split()[0], torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name(0))"
+  for s in $stages; do
+    echo "=== $s $(date +%T)"
+    case $s in
+      tests) timeout ${TESTS_TIMEOUT:-130} "${PYTEST[@]}" ${TESTS:-"${GPU_TESTS[@]}"} \
+               | grep -v "PASSED\|SKIPPED" ;;
+      decode)
+        for m in ${DECODE_MODELS:-llama-1b qwen2-0.5b}; do
+          timeout ${DECODE_TIMEOUT:-55} python3 benchmarks/gpu_decode.py --model "$m" --tag "_$m" \
+            --out "$OUT" ${DECODE_ARGS:-} 2>&1 | grep -v "it/s\]"
+        done ;;
+      kernels)
+        timeout ${KERNELS_TIMEOUT:-50} python3 benchmarks/kernels.py --out "$OUT" "${SWEEP[@]}"
+        timeout ${KERNELS_TIMEOUT:-50} python3 benchmarks/kernels.py --out "$OUT" --head-dim 64 \
+          --tag _hd64 "${SWEEP[@]}" && rm -f "$OUT/kernels_decode_hd64.png" ;;
+    esac
+    echo "=== $s done $(date +%T)"
+  done
+} 2>&1 | tee "$OUT/log.txt"
