@@ -328,7 +328,7 @@ class Engine:
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
         sp = req.sampling
-        n_out = len(req.output_token_ids)
+        n_out = req.num_tokens - len(req.prompt_token_ids)        # no copy of the output
         if n_out >= sp.min_tokens:
             if not sp.ignore_eos and token in self.eos_ids:
                 return "stop"

@@ -16,15 +16,17 @@ from kvharbor.engine.sampling import sample
 from kvharbor.engine.tokenizer import byte_tokenizer
 
 
-def _metaspace_tokenizer() -> PreTrainedTokenizerFast:
+def _metaspace_tokenizer(clean_up: bool = False) -> PreTrainedTokenizerFast:
     """A SentencePiece-style word-level tokenizer: '▁' marks a word start, and decode drops
-    the first word's leading space, so a window decoded alone spells it differently."""
-    words = ["<unk>", "<s>", "</s>"] + [f"▁{w}" for w in ("the", "harbor", "kv", "café", "a")] + ["s", "é"]
+    the first word's leading space, so a window decoded alone spells it differently.
+    ``clean_up``: transformers' clean-up of spaces before punctuation (' .' -> '.')."""
+    words = ["<unk>", "<s>", "</s>"] + [f"▁{w}" for w in ("the", "harbor", "kv", "café", "a", ".")] + ["s", "é"]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.decoder = decoders.Metaspace()
     tok.add_special_tokens(["<s>", "</s>"])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   clean_up_tokenization_spaces=clean_up)
 
 
 def _stream(tokenizer, prompt: list[int], output: list[int]) -> tuple[list[str], Request]:
@@ -53,9 +55,14 @@ def test_incremental_text_equals_a_full_decode_after_every_token(seed):
         assert got == tok.decode(ids[:n], skip_special_tokens=True), f"after {n} tokens"
 
 
-def test_incremental_text_with_a_metaspace_tokenizer():
-    tok = _metaspace_tokenizer()
-    ids = [3, 4, 8, 5, 6, 9, 1, 7, 3, 2, 4]
+@pytest.mark.parametrize("clean_up", [False, True], ids=["rust_decode", "transformers_clean_up"])
+def test_incremental_text_with_a_metaspace_tokenizer(clean_up):
+    """Without clean-up the detokenizer calls the Rust tokenizer directly; with it, through
+    transformers' decode (which removes the space before '.'): both equal a full decode."""
+    tok = _metaspace_tokenizer(clean_up)
+    ids = [3, 4, 8, 5, 9, 6, 10, 1, 7, 3, 8, 2, 4, 8]
+    if clean_up:
+        assert "." in tok.decode(ids) and " ." not in tok.decode(ids)
     texts, _ = _stream(tok, [3], ids)
     for n, got in enumerate(texts, start=1):
         assert got == tok.decode(ids[:n], skip_special_tokens=True), f"after {n} tokens"

@@ -1,0 +1,67 @@
+"""Host time of one engine decode step with the model stubbed out (what a GPU waits for).
+
+64 requests (``--requests``) are prefilled, then the model runner's ``execute`` is replaced by
+a stub that returns a token per request at once, so ``Engine.step()`` measures only the host:
+scheduling, block bookkeeping, hashing, detokenizing, outputs. On a GPU these run while the
+GPU idles (the H200 run in docs/benchmarks.md: ~1.0 ms of a 2.99 ms step).
+
+    python scripts/host_step.py [--requests 64] [--steps 200] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--profile", action="store_true", help="also print a cProfile of 100 steps")
+    args = ap.parse_args(argv)
+    from kvharbor import LLM, SamplingParams
+
+    llm = LLM(device="cpu", num_kv_blocks=8192, max_num_batched_tokens=args.requests * args.prompt)
+    engine, runner = llm.engine, llm.engine.runner
+    rng = random.Random(0)
+    sp = SamplingParams(max_tokens=args.steps + 200, temperature=0.0, ignore_eos=True)
+    for i in range(args.requests):
+        engine.add_request(f"r{i}", [rng.randrange(3, 250) for _ in range(args.prompt)], sp)
+    engine.step()                                       # every prompt in one prefill step
+
+    def stub(batch):
+        runner.last_logprobs = [None] * len(batch)
+        return [65] * len(batch)
+
+    runner.execute = stub
+    for _ in range(20):
+        engine.step()
+    times = []
+    for _ in range(args.steps):
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    print(f"{args.requests} decoding requests: host step p50 {1e3 * statistics.median(times):.3f} ms, "
+          f"min {1e3 * min(times):.3f} ms")
+    if args.profile:
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(100):
+            engine.step()
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(15)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
