@@ -99,6 +99,7 @@ class PlatformConfig(BaseModel):
     eviction_policy: str = Field("lru", pattern="^(lru|lfu)$", description="Device KV eviction policy: 'lru' or 'lfu'.")
     host_kv_blocks: int = Field(0, ge=0, description="Host-memory KV blocks per replica for evicted prefixes (0: off).")
     preemption_mode: str = Field("recompute", pattern="^(recompute|swap|auto)$", description="Engine preemption: 'recompute', 'swap' or 'auto'.")
+    enforce_eager: bool = Field(False, description="GPU replicas never replay CUDA graphs (see EngineConfig).")
     router: str = Field("kv", description="Request router: 'kv' (KV-aware), 'pow2' (Serve default) or 'round_robin'.")
     replica_cpus: float = Field(0.5, gt=0, description="num_cpus per LLM replica when on CPU.")
     cpu_threads: int | None = Field(1, ge=1, description="torch threads per CPU replica (None: torch default).")

@@ -19,7 +19,7 @@ from ray.serve.config import RequestRouterConfig
 
 from kvharbor.actors.prefix_directory import get_or_create_directory
 from kvharbor.actors.replica import LLMReplica
-from kvharbor.config import PlatformConfig
+from kvharbor.config import EngineConfig, PlatformConfig
 from kvharbor.platform.gateway import Gateway
 from kvharbor.platform.ingress import starting_cluster
 from kvharbor.tenants import default_tenants_path, load_tenants_file
@@ -61,6 +61,15 @@ def _gpus() -> int:
         return 0
 
 
+def engine_kwargs(cfg: PlatformConfig, on_gpu: bool) -> dict:
+    """The ``EngineConfig`` fields every replica gets: each field the two configs share, with
+    the device resolved to 'cuda' or 'cpu'."""
+    shared = [name for name in PlatformConfig.model_fields if name in EngineConfig.model_fields]
+    engine = {name: getattr(cfg, name) for name in shared}
+    engine["device"] = "cuda" if on_gpu else "cpu"
+    return engine
+
+
 def build_app(args: dict | None = None):
     """Build the kvharbor application from ``PlatformConfig`` fields (strings are parsed)."""
     cfg = PlatformConfig(**(args or {}))
@@ -71,13 +80,7 @@ def build_app(args: dict | None = None):
     gpus = _gpus() if cfg.device in ("auto", "cuda") else 0
     on_gpu = gpus > 0 and cfg.device != "cpu"
     replicas = cfg.replicas or (gpus if on_gpu else 2)
-    engine = {"model": cfg.model, "block_size": cfg.block_size, "num_kv_blocks": cfg.num_kv_blocks,
-              "pinned_kv_blocks": cfg.pinned_kv_blocks, "device": "cuda" if on_gpu else "cpu",
-              "dtype": cfg.dtype, "attention_backend": cfg.attention_backend,
-              "kv_cache_dtype": cfg.kv_cache_dtype, "max_num_batched_tokens": cfg.max_num_batched_tokens,
-              "low_priority_prefill_cap": cfg.low_priority_prefill_cap,
-              "scheduling": cfg.scheduling, "host_kv_blocks": cfg.host_kv_blocks,
-              "preemption_mode": cfg.preemption_mode, "eviction_policy": cfg.eviction_policy}
+    engine = engine_kwargs(cfg, on_gpu)
     get_or_create_directory(cfg.directory_name, namespace="kvharbor", detached=True)
     router_class = ROUTERS.get(cfg.router, "missing")
     if router_class == "missing":

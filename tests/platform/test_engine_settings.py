@@ -1,0 +1,18 @@
+"""`serve run kvharbor:build_app key=value` reaches every replica's engine (no Ray needed)."""
+
+from __future__ import annotations
+
+from kvharbor.config import EngineConfig, PlatformConfig
+from kvharbor.platform.app import engine_kwargs
+
+
+def test_replicas_get_the_engine_settings_the_app_is_given():
+    cfg = PlatformConfig(enforce_eager=True, eviction_policy="lfu", block_size=32,
+                         preemption_mode="swap", host_kv_blocks=64, device="cuda")
+    on_gpu = engine_kwargs(cfg, on_gpu=True)
+    assert on_gpu["enforce_eager"] is True and on_gpu["device"] == "cuda"
+    assert (on_gpu["eviction_policy"], on_gpu["block_size"], on_gpu["preemption_mode"],
+            on_gpu["host_kv_blocks"]) == ("lfu", 32, "swap", 64)
+    assert engine_kwargs(cfg, on_gpu=False)["device"] == "cpu"      # no GPU found: CPU replicas
+    engine = EngineConfig(**on_gpu)                                   # every key is a valid field
+    assert engine.enforce_eager and engine.eviction_policy == "lfu"
