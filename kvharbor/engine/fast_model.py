@@ -20,6 +20,8 @@ of one sum). Elsewhere the modules run.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -163,6 +165,28 @@ def _packable(model) -> bool:
 RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")
 
 
+@dataclass(frozen=True, slots=True)
+class _FusedOps:
+    """The fused per-layer ops of one device: ``rms_norm(x, w, eps)``,
+    ``add_rms_norm(x, residual, w, eps)`` (residual += x in place) and
+    ``rotary_qk(q, k, cos, sin)`` (both rotated in place, returned)."""
+
+    rms_norm: Callable
+    add_rms_norm: Callable
+    rotary_qk: Callable
+
+    @staticmethod
+    def cpu() -> "_FusedOps":
+        return _FusedOps(cpu_ops.rms_norm, cpu_ops.add_rms_norm,
+                         lambda q, k, cos, sin: (cpu_ops.rotary_(q, cos, sin), cpu_ops.rotary_(k, cos, sin)))
+
+    @staticmethod
+    def triton() -> "_FusedOps":
+        from ..kernels import triton_ops  # noqa: PLC0415 - Triton loads only where it runs
+
+        return _FusedOps(triton_ops.rms_norm, triton_ops.add_rms_norm, triton_ops.rotary_)
+
+
 class FastCausalLM:
     """Forward over one flattened step (batch 1) with the paged attention of ``attention``."""
 
@@ -205,6 +229,7 @@ class FastCausalLM:
                       and cpu_ops.available())
         self.norm_args = ([(n.weight.detach(), float(n.variance_epsilon)) for n in norms]
                           if self.fused or self.triton else [])
+        self.ops = _FusedOps.triton() if self.triton else _FusedOps.cpu() if self.fused else None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -215,10 +240,8 @@ class FastCausalLM:
         cos, sin = cos[0], sin[0]
         t, d = input_ids.shape[0], self.head_dim
         h = h[0]
-        if self.fused:
+        if self.ops is not None:
             return self._forward_fused(h, cos.contiguous(), sin.contiguous(), ctx, logit_rows)
-        if self.triton:
-            return self._forward_triton(h, cos.contiguous(), sin.contiguous(), ctx, logit_rows)
         for layer, window, p in zip(self.layers, self.windows, self.projections):
             a = layer.self_attn
             q, k, v = p.qkv(layer.input_layernorm(h))
@@ -233,49 +256,25 @@ class FastCausalLM:
 
     def _forward_fused(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        ctx: attention.AttentionContext, logit_rows: torch.Tensor) -> torch.Tensor:
-        """The forward above with each norm, residual add and rotary embedding one C++ pass
-        (:mod:`..kernels.cpu_ops`); ``h`` ``[T, hidden]`` is the residual stream, added to in
-        place."""
+        """The forward above with each norm (the residual add folded in) and the rotary
+        embedding of q and k one pass each: :mod:`..kernels.cpu_ops` (C++) on the CPU,
+        :mod:`..kernels.triton_ops` on a GPU (there with the SiLU gate fused into ``p.mlp``).
+        ``h`` ``[T, hidden]`` is the residual stream, added to in place."""
+        ops = self.ops
         t, d, args = h.shape[0], self.head_dim, self.norm_args
-        x = cpu_ops.rms_norm(h, *args[0])
+        x = ops.rms_norm(h, *args[0])
         last = len(self.layers) - 1
         for i, (layer, window, p) in enumerate(zip(self.layers, self.windows, self.projections)):
             a = layer.self_attn
             q, k, v = p.qkv(x)
-            q = cpu_ops.rotary_(q.view(t, -1, d), cos, sin)          # [T, H, D], in place
-            k = cpu_ops.rotary_(k.view(t, -1, d), cos, sin)          # [T, Hkv, D]
+            q, k = ops.rotary_qk(q.view(t, -1, d), k.view(t, -1, d), cos, sin)  # in place
             o = attention.paged_step(q, k, v.view(t, -1, d), ctx, a.layer_idx, a.scaling, window)
-            x = cpu_ops.add_rms_norm(p.o(o.view(t, -1)), h, *args[2 * i + 1])
+            x = ops.add_rms_norm(p.o(o.view(t, -1)), h, *args[2 * i + 1])
             m = p.mlp(x)
             if i < last:
-                x = cpu_ops.add_rms_norm(m, h, *args[2 * i + 2])
+                x = ops.add_rms_norm(m, h, *args[2 * i + 2])
             else:
                 h.add_(m)
         if not logit_rows.numel():
             return h.new_empty(0, self.lm_head.out_features)
-        return self.lm_head(cpu_ops.rms_norm(h.index_select(0, logit_rows), *args[-1]))
-
-    def _forward_triton(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                        ctx: attention.AttentionContext, logit_rows: torch.Tensor) -> torch.Tensor:
-        """The fused forward on a GPU: per layer one kernel for each norm (the residual add
-        folded in), one for the rotary embedding of q and k, one for the SiLU gate, and the
-        packed products; ``h`` ``[T, hidden]`` is the residual stream, added to in place."""
-        from ..kernels import triton_ops  # noqa: PLC0415 - Triton loads only where it runs
-
-        t, d, args = h.shape[0], self.head_dim, self.norm_args
-        x = triton_ops.rms_norm(h, *args[0])
-        last = len(self.layers) - 1
-        for i, (layer, window, p) in enumerate(zip(self.layers, self.windows, self.projections)):
-            a = layer.self_attn
-            q, k, v = p.qkv(x)
-            q, k = triton_ops.rotary_(q.view(t, -1, d), k.view(t, -1, d), cos, sin)
-            o = attention.paged_step(q, k, v.view(t, -1, d), ctx, a.layer_idx, a.scaling, window)
-            x = triton_ops.add_rms_norm(p.o(o.view(t, -1)), h, *args[2 * i + 1])
-            m = p.mlp(x)
-            if i < last:
-                x = triton_ops.add_rms_norm(m, h, *args[2 * i + 2])
-            else:
-                h.add_(m)
-        if not logit_rows.numel():
-            return h.new_empty(0, self.lm_head.out_features)
-        return self.lm_head(triton_ops.rms_norm(h.index_select(0, logit_rows), *args[-1]))
+        return self.lm_head(ops.rms_norm(h.index_select(0, logit_rows), *args[-1]))
