@@ -8,7 +8,11 @@ wider earlier step are checked here; the replay itself is checked on a GPU by
 
 from __future__ import annotations
 
+import random
+
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvharbor import LLM
 from kvharbor.engine.decode_graphs import DecodeGraphs
@@ -73,3 +77,52 @@ def test_a_padded_step_writes_kv_only_at_its_requests_slots():
         c.key.copy_(k0)
         c.value.copy_(v0)
     assert torch.allclose(logits, runner.forward_logits(batch), atol=1e-4, rtol=1e-4)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(prompts=st.lists(st.integers(1, 60), min_size=1, max_size=8),
+       max_batch=st.integers(1, 8), max_tokens=st.integers(2, 6))
+def test_graph_steps_write_only_their_slots_and_match_the_ordinary_path(prompts, max_batch, max_tokens):
+    """Random batches through a whole generation: at every graph step the KV cache changes at
+    exactly the batch's own slots (padding touches only the null block) and the logits equal
+    the ordinary path's on the same inputs."""
+    import torch
+
+    from kvharbor import SamplingParams
+
+    llm = LLM(device="cpu", num_kv_blocks=128, max_num_batched_tokens=64)
+    engine, runner = llm.engine, llm.engine.runner
+    graphs = DecodeGraphs(runner, max_batch=max_batch, max_model_len=256, capture=False)
+    graph_forward, bs = graphs.forward_logits, runner.block_size
+
+    def checked(batch):
+        before = [(c.key.clone(), c.value.clone()) for c in runner.caches]
+        runner.graphs = None
+        want = runner.forward_logits(batch)                    # the ordinary path, same step
+        runner.graphs = graphs
+        for (k0, v0), c in zip(before, runner.caches):
+            c.key.copy_(k0)
+            c.value.copy_(v0)
+        got = graph_forward(batch)
+        expected = {r.blocks[r.num_computed_tokens // bs].block_id * bs + r.num_computed_tokens % bs
+                    for r in (item.request for item in batch)}
+        for (k0, v0), c in zip(before, runner.caches):
+            changed = ((c.key != k0) | (c.value != v0)).flatten(2).any(-1).flatten().nonzero().flatten()
+            assert {s for s in changed.tolist() if s // bs != runner.null_block_id} == expected
+        assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+        return got
+
+    graphs.forward_logits = checked
+    runner.graphs = graphs
+    rng = random.Random(len(prompts) * 100 + max_batch)
+    for i, n in enumerate(prompts):
+        engine.add_request(f"r{i}", [rng.randrange(3, 250) for _ in range(n)],
+                           SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    outs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finish_reason is not None:
+                outs[out.request_id] = out
+    assert all(len(o.token_ids) == max_tokens for o in outs.values()) and len(outs) == len(prompts)
+    assert graphs.steps > 0 or len(prompts) > max_batch     # decode steps of the whole batch fit
+    llm.check_integrity()
