@@ -6,15 +6,19 @@ order, so its numbers are the ones transformers computes; what it drops is the p
 machinery around them: ``[1, H, T, D]`` transposes and ``.contiguous()`` copies, the mask
 interface, kwargs plumbing through every layer, toggling the attention implementation, and
 the final norm over rows nobody samples. Tensors stay token-major (``[T, H, D]``), which is
-what the paged cache and the CPU attention want. ``llm.hf_model`` is left untouched (still
-the tests' oracle); the greedy-exact tests compare the two token for token.
+what the paged cache and the CPU attention want. ``llm.hf_model`` still computes transformers'
+own forward (the tests' oracle; on a GPU its q/k/v and gate/up weights become views of the
+packed ones, same values); the greedy-exact tests compare the two token for token.
 
 On the CPU in float32 the projections run on weights packed once for oneDNN
 (:mod:`kvharbor.kernels.cpu_linear`): q, k and v as one matrix, then o, gate, up, down and
 the LM head; the same products up to float rounding. There
 the RMSNorms, residual adds and rotary embedding also run as fused C++ passes
 (:mod:`kvharbor.kernels.cpu_ops`: rotary and residual bit-identical, the norms up to the order
-of one sum). Elsewhere the modules run.
+of one sum). On a GPU (CUDA, the standard norms and a SiLU gate/up MLP) q/k/v and gate/up
+run as one product each, and the norms (residual add folded in), rotary embedding and SiLU gate
+as fused Triton kernels (:mod:`kvharbor.kernels.triton_ops`: within a few ulps of
+transformers', measured on an H200). Elsewhere the modules run.
 """
 
 from __future__ import annotations
