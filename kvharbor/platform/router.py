@@ -62,6 +62,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from typing import Any
 
+import ray
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from kvharbor.actors.calls import start_background
@@ -322,7 +323,10 @@ class KVAwareRouter(RequestRouter):
         self._first_poll.set()
 
     async def _follow(self) -> None:
-        while True:
+        # Until this process's Ray is shut down: a router left in a driver (a test, a script
+        # holding a handle) would otherwise call an actor after ray.shutdown(), and Ray's
+        # auto-init would start a new local cluster while the interpreter exits.
+        while ray.is_initialized():
             await self.follower.poll_once()
             self._first_poll.set()
             self.metrics.router_index_lag(min(self.follower.lag_s(), 1e6))

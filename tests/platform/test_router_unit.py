@@ -369,3 +369,26 @@ def test_real_directory_actor_feeds_the_router_index(ray_cluster):
         assert md(pr)["router_predicted_by_replica"] == {"c": 480}
     finally:
         ray_cluster.kill(handle)
+
+
+def test_the_index_follower_stops_once_ray_is_shut_down(monkeypatch):
+    """A router left in a driver after ray.shutdown() stops polling the directory instead of
+    calling an actor (which makes Ray start a new local cluster while the interpreter exits)."""
+    import kvharbor.platform.router as router_module
+
+    shard = FakeShard()
+    router = make_router(shard, synced=False)
+    router._first_poll = asyncio.Event()
+
+    async def follow_for(seconds: float) -> None:
+        task = asyncio.ensure_future(router._follow())
+        await asyncio.sleep(seconds)
+        done = task.done()
+        task.cancel()
+        return done
+
+    monkeypatch.setattr(router_module.ray, "is_initialized", lambda: True)
+    assert asyncio.run(follow_for(0.05)) is False and shard.polls >= 1      # polls while Ray is up
+    polls = shard.polls
+    monkeypatch.setattr(router_module.ray, "is_initialized", lambda: False)
+    assert asyncio.run(follow_for(0.05)) is True and shard.polls == polls   # returns, no call
