@@ -323,14 +323,18 @@ class KVAwareRouter(RequestRouter):
         self._first_poll.set()
 
     async def _follow(self) -> None:
-        # Until this process's Ray is shut down: a router left in a driver (a test, a script
-        # holding a handle) would otherwise call an actor after ray.shutdown(), and Ray's
-        # auto-init would start a new local cluster while the interpreter exits.
-        while ray.is_initialized():
+        while not self._ray_shut_down():
             await self.follower.poll_once()
             self._first_poll.set()
             self.metrics.router_index_lag(min(self.follower.lag_s(), 1e6))
             await asyncio.sleep(self.follower.poll_interval_s)
+
+    def _ray_shut_down(self) -> bool:
+        """The shards are Ray actors and this process's Ray is shut down: a router left in a
+        driver (a test, a script holding a handle) must stop polling then, or its actor call
+        makes Ray start a new local cluster while the interpreter exits."""
+        return (any(isinstance(s, ActorShard) for s in self.follower.shards)
+                and not ray.is_initialized())
 
     def _forget(self, uid: str) -> None:
         self._stats_sessions.pop(uid, None)

@@ -372,15 +372,26 @@ def test_real_directory_actor_feeds_the_router_index(ray_cluster):
 
 
 def test_the_index_follower_stops_once_ray_is_shut_down(monkeypatch):
-    """A router left in a driver after ray.shutdown() stops polling the directory instead of
-    calling an actor (which makes Ray start a new local cluster while the interpreter exits)."""
+    """A router left in a driver after ray.shutdown() stops polling its directory actors
+    instead of calling one (which makes Ray start a new local cluster while the interpreter
+    exits); routers over in-process shards (these tests) never depend on Ray."""
     import kvharbor.platform.router as router_module
+    from kvharbor.platform.index_follower import ActorShard
 
-    shard = FakeShard()
+    class CountingActorShard(ActorShard):
+        def __init__(self) -> None:
+            super().__init__("kvh-test-shard", None, timeout_s=1.0)
+            self.polls, self.inner = 0, DirectoryShard()
+
+        async def poll(self, epoch, cursor, max_entries):
+            self.polls += 1
+            return self.inner.poll(epoch, cursor, max_entries)
+
+    shard = CountingActorShard()
     router = make_router(shard, synced=False)
     router._first_poll = asyncio.Event()
 
-    async def follow_for(seconds: float) -> None:
+    async def follow_for(seconds: float) -> bool:
         task = asyncio.ensure_future(router._follow())
         await asyncio.sleep(seconds)
         done = task.done()
@@ -392,3 +403,5 @@ def test_the_index_follower_stops_once_ray_is_shut_down(monkeypatch):
     polls = shard.polls
     monkeypatch.setattr(router_module.ray, "is_initialized", lambda: False)
     assert asyncio.run(follow_for(0.05)) is True and shard.polls == polls   # returns, no call
+    fake = make_router(FakeShard(), synced=False)
+    assert not fake._ray_shut_down()                       # in-process shards: Ray never matters
