@@ -268,12 +268,12 @@ def main(argv=None) -> int:
                 triton=__import__("triton").__version__, date=time.strftime("%Y-%m-%d %H:%M:%S"))
     stem = f"gpu_decode{args.tag}"
     (args.out / f"{stem}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))
-    plot(rows, args.out / f"{stem}.png", name)
+    plot(rows, args.out / f"{stem}.png", name, args.batch)
     print(f"wrote {args.out / stem}.json and {stem}.png")
     return 0
 
 
-def plot(rows: list[dict], path: Path, title: str) -> None:
+def plot(rows: list[dict], path: Path, title: str, batch: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -287,7 +287,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     ax.bar(list(x), [r["forward_ms_p50"] for r in rows], 0.27, label="forward (CUDA events)")
     ax.bar([i + 0.27 for i in x], [r["step_ms_p50"] for r in rows], 0.27, label="engine step (wall)")
     ax.set_xticks(list(x), labels, fontsize=8)
-    ax.set(ylabel="ms per decode step", title=f"decode step, batch 64, {title}")
+    ax.set(ylabel="ms per decode step", title=f"decode step, batch {batch}, {title}")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
