@@ -38,10 +38,13 @@ class DecodeGraphs:
     """The decode-step graphs of one :class:`~kvharbor.engine.model_runner.ModelRunner`."""
 
     def __init__(self, runner, max_batch: int, max_model_len: int, capture: bool = True) -> None:
+        """``max_batch``: the most requests a step may hold (capped at ``BUCKETS[-1]``; larger
+        decode steps run eagerly)."""
         if runner.fast is None:
             raise ValueError("decode graphs need kvharbor's model path (model_path='kvharbor')")
         self.runner = runner
         self.capture = capture
+        max_batch = min(max_batch, BUCKETS[-1])
         self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
         m, bs = self.buckets[-1], runner.block_size
         self.max_batch = m
@@ -110,10 +113,8 @@ class DecodeGraphs:
         return logits[:n]
 
     def _splits(self, b: int, max_len: int) -> int:
-        from kvharbor.kernels.triton_backend import _num_sms, choose_num_splits  # noqa: PLC0415
-
-        kv_heads = self.runner.num_kv_heads
-        return choose_num_splits(b, b, kv_heads, max_len, _num_sms(self.runner.device))
+        r = self.runner
+        return r.backend.decode_splits(b, r.num_kv_heads, max_len, r.device)
 
     def _forward(self, b: int, max_len: int) -> torch.Tensor:
         r = self.runner

@@ -13,7 +13,7 @@ from kvharbor.config import EngineConfig
 from kvharbor.kernels import KV_CACHE_DTYPES
 
 from .block_pool import BlockPool
-from .decode_graphs import BUCKETS as GRAPH_BUCKETS, DecodeGraphs
+from .decode_graphs import DecodeGraphs
 from .detokenizer import Detokenizer
 from . import host_memory
 from .engine_stats import engine_stats
@@ -101,7 +101,7 @@ class Engine:
         r = self.runner
         if (self.device.type == "cuda" and not config.enforce_eager and r.fast is not None
                 and r.backend.name == "triton"):
-            r.graphs = DecodeGraphs(r, min(config.max_num_seqs, GRAPH_BUCKETS[-1]), self.max_model_len)
+            r.graphs = DecodeGraphs(r, config.max_num_seqs, self.max_model_len)
         self.host, self.transfer = self._make_host_tier()
         self.sliding_window = uniform_sliding_window(self.model.config)
         self.kv = KVCacheManager(self.pool, self.block_size, self.host, self.transfer,

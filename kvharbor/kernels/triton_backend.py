@@ -59,6 +59,13 @@ class TritonBackend:
     strided = True          # q/k/v may be strided views (head_dim contiguous): no copies
 
     @staticmethod
+    def decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
+                      device: torch.device) -> int:
+        """The split-K count this backend launches for a decode-only batch (one token per
+        sequence): what a CUDA graph of that step must be captured with."""
+        return choose_num_splits(num_seqs, num_seqs, num_kv_heads, max_seq_len, _num_sms(device))
+
+    @staticmethod
     def store_kv(key, value, cache, slot_mapping) -> None:
         """Write ``key``/``value`` ``[T, Hkv, D]`` into ``cache`` at ``slot_mapping`` (int64)."""
         store_kv(key, value, cache.key, cache.value, slot_mapping, cache.k_scale, cache.v_scale)
@@ -72,8 +79,8 @@ class TritonBackend:
         if num_tokens == num_seqs and num_seqs > 0:
             if max_seq_len is None:
                 max_seq_len = int(seq_lens.max())
-            splits = choose_num_splits(num_tokens, num_seqs, cache.key.shape[2], max_seq_len,
-                                       _num_sms(query.device))
+            splits = TritonBackend.decode_splits(num_seqs, cache.key.shape[2], max_seq_len,
+                                                 query.device)
         return paged_attention(query, cache.key, cache.value, block_tables, seq_lens,
                                query_start_loc, scale, sliding_window, cache.k_scale,
                                cache.v_scale, num_splits=splits)

@@ -36,6 +36,9 @@ def test_only_decode_steps_are_eligible():
     llm = LLM(device="cpu", num_kv_blocks=64)
     graphs = DecodeGraphs(llm.engine.runner, max_batch=4, max_model_len=256, capture=False)
     assert graphs.buckets == [1, 2, 4]
+    # more requests per step than the largest bucket: those steps run eagerly
+    assert DecodeGraphs(llm.engine.runner, max_batch=1000, max_model_len=256,
+                        capture=False).buckets[-1] == 256
 
     class Item:
         def __init__(self, n, samples=True):
