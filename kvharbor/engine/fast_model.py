@@ -81,7 +81,7 @@ class PackedLayer:
         # rounds each in one process: 33.1-35.0 s separate vs 33.8-37.0 s fused). Gate and up
         # stay two products: slicing one [T, 2 * inter] output made the activation read strided
         # rows, 3x slower than contiguous (measured).
-        silu = type(mlp.act_fn).__name__ in ("SiLU", "SiLUActivation")
+        silu = type(mlp.act_fn).__name__ in SILU_ACTIVATIONS
         self.gate = cpu_linear.PackedLinear.stack(mlp.gate_proj)
         self.up = cpu_linear.PackedLinear.stack(mlp.up_proj)
         self.down = cpu_linear.PackedLinear.stack(mlp.down_proj)
@@ -98,6 +98,17 @@ class PackedLayer:
         x = cpu_linear.pad_rows(x)
         h = self.act(self.gate(x))
         return self.down(h.mul_(self.up(x)))[:rows]
+
+
+SILU_ACTIVATIONS = ("SiLU", "SiLUActivation")     # transformers' names of the SiLU act_fn
+MLP_PARTS = ("gate_proj", "up_proj", "down_proj", "act_fn")
+
+
+def norms_in_order(inner) -> list:
+    """The RMSNorms of decoder ``inner`` in the order the fused forwards use their
+    ``norm_args``: ``[input_0, post_0, input_1, ..., final]``."""
+    return [n for layer in inner.layers
+            for n in (layer.input_layernorm, layer.post_attention_layernorm)] + [inner.norm]
 
 
 def _pack_rows(*linears) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -143,26 +154,24 @@ class TritonLayer:
 def _triton_fusable(model) -> bool:
     """The standard RMSNorms, a bias-free SiLU gate/up/down MLP, q/k/v biases all or none."""
     inner = model.model
-    norms = [n for layer in inner.layers
-             for n in (layer.input_layernorm, layer.post_attention_layernorm)] + [inner.norm]
     for layer in inner.layers:
         mlp, a = layer.mlp, layer.self_attn
-        if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+        if not all(hasattr(mlp, n) for n in MLP_PARTS):
             return False
-        if type(mlp.act_fn).__name__ not in ("SiLU", "SiLUActivation"):
+        if type(mlp.act_fn).__name__ not in SILU_ACTIVATIONS:
             return False
         if mlp.gate_proj.bias is not None or mlp.up_proj.bias is not None:
             return False
         if len({p.bias is None for p in (a.q_proj, a.k_proj, a.v_proj)}) != 1:
             return False
-    return all(type(n).__name__ in RMS_NORMS for n in norms)
+    return all(type(n).__name__ in RMS_NORMS for n in norms_in_order(inner))
 
 
 def _packable(model) -> bool:
     """CPU float32 weights, oneDNN present, and the gate/up/down MLP layout."""
     mlp = model.model.layers[0].mlp
     return (cpu_linear.available(model.lm_head.weight)
-            and all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")))
+            and all(hasattr(mlp, n) for n in MLP_PARTS))
 
 
 # transformers' RMSNorms that compute w * (x * rsqrt(mean(x^2) + eps)), as cpu_ops does.
@@ -227,8 +236,7 @@ class FastCausalLM:
             self.lm_head = model.lm_head
         # The fused ops (packed CPU float32 weights, the standard RMSNorms, the ops built) take
         # each norm's weight and epsilon: [input_0, post_0, input_1, ..., final].
-        norms = [n for layer in self.layers
-                 for n in (layer.input_layernorm, layer.post_attention_layernorm)] + [self.norm]
+        norms = norms_in_order(inner)
         self.fused = (packed and all(type(n).__name__ in RMS_NORMS for n in norms)
                       and cpu_ops.available())
         self.norm_args = ([(n.weight.detach(), float(n.variance_epsilon)) for n in norms]
