@@ -63,9 +63,20 @@ def export_checkpoint(model: str, root: Path) -> Path:
     return out
 
 
-def _llama_135m():
+def word_level_tokenizer(vocab: int):
+    """Token ``i`` spelled ``t{i}``, split on whitespace (pad/unk t0, bos t1, eos t2): a
+    tokenizer for random-weight checkpoints whose benchmarks feed token ids."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
+
+    wl = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    wl.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=wl, unk_token="t0", pad_token="t0",
+                                   bos_token="t1", eos_token="t2")
+
+
+def _llama_135m():
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
     vocab = 49152
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -76,12 +87,7 @@ def _llama_135m():
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    words = {f"t{i}": i for i in range(vocab)}
-    wl = Tokenizer(models.WordLevel(vocab=words, unk_token="t0"))
-    wl.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=wl, unk_token="t0", pad_token="t0",
-                                  bos_token="t1", eos_token="t2")
-    return model, tok
+    return model, word_level_tokenizer(vocab)
 
 
 def workload(n: int, vocab: int, seed: int, lo: int = 64, hi: int = 512) -> list[list[int]]:

@@ -44,7 +44,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 RESULTS = Path(__file__).resolve().parent / "results"
-HBM_PEAK_GBPS = (("H200", 4800.0), ("H100 NVL", 3900.0), ("H100 PCIe", 2000.0), ("H100", 3350.0))
 SHAPES = {
     "llama-1b": ("llama", dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
                                num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
@@ -57,8 +56,9 @@ SHAPES = {
 
 def export_checkpoint(name: str, root: Path) -> Path:
     """A transformers checkpoint (bf16 random weights, a word-level tokenizer) of shape ``name``."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    from benchmarks.engine_peers import word_level_tokenizer
 
     out = root / name
     if (out / "config.json").is_file():
@@ -70,11 +70,7 @@ def export_checkpoint(name: str, root: Path) -> Path:
     with torch.random.fork_rng(devices=[]), torch.device("cuda"):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    vocab = shape["vocab_size"]
-    wl = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(vocab)}, unk_token="t0"))
-    wl.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=wl, unk_token="t0", pad_token="t0",
-                                  bos_token="t1", eos_token="t2")
+    tok = word_level_tokenizer(shape["vocab_size"])
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tok.save_pretrained(out)
@@ -221,13 +217,15 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    from benchmarks.kernels import detect_peak_gbps
+
     args = parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/gpu_decode.py: no CUDA GPU on this machine. Nothing was measured or written.",
               file=sys.stderr)
         return 0
     name = torch.cuda.get_device_name(0)
-    peak = args.peak_gbps or next((p for k, p in HBM_PEAK_GBPS if k in name), None)
+    peak = args.peak_gbps or detect_peak_gbps(name)
     bw = copy_bandwidth_gbps()
     rows = []
     for model in args.model:
