@@ -20,6 +20,28 @@ from kvharbor.engine.decode_graphs import DecodeGraphs
 from .test_greedy_exact import run_and_compare
 
 
+def snapshot(runner) -> list:
+    """A copy of every layer's K and V cache."""
+    return [(c.key.clone(), c.value.clone()) for c in runner.caches]
+
+
+def restore(runner, before: list) -> None:
+    for (k0, v0), c in zip(before, runner.caches):
+        c.key.copy_(k0)
+        c.value.copy_(v0)
+
+
+def assert_wrote_only_the_batch_slots(runner, before: list, batch) -> None:
+    """Since ``before``, every layer's cache changed at exactly the slots of the decode
+    positions of ``batch``'s requests, apart from the null block (where padding rows write)."""
+    bs = runner.block_size
+    expected = {r.blocks[r.num_computed_tokens // bs].block_id * bs + r.num_computed_tokens % bs
+                for r in (item.request for item in batch)}
+    for (k0, v0), c in zip(before, runner.caches):
+        changed = ((c.key != k0) | (c.value != v0)).flatten(2).any(-1).flatten().nonzero().flatten()
+        assert {s for s in changed.tolist() if s // bs != runner.null_block_id} == expected
+
+
 @pytest.mark.parametrize("model", ["kvharbor/tiny-llama", "kvharbor/tiny-mistral"])
 def test_padded_decode_buffers_match_transformers(model, oracle_cache):
     # A small prefill budget staggers the requests, so decode batches of many sizes occur;
@@ -67,18 +89,11 @@ def test_a_padded_step_writes_kv_only_at_its_requests_slots():
     batch = [ScheduledRequest(r, 1) for r in engine.requests.values()]
     assert all(item.samples for item in batch)
     graphs = DecodeGraphs(runner, max_batch=4, max_model_len=256, capture=False)
-    before = [(c.key.clone(), c.value.clone()) for c in runner.caches]
+    before = snapshot(runner)
     logits = graphs.forward_logits(batch).clone()
     assert graphs.padded_steps == 1
-    bs = runner.block_size
-    expected = {r.blocks[r.num_computed_tokens // bs].block_id * bs + r.num_computed_tokens % bs
-                for r in (item.request for item in batch)}
-    for (k0, v0), c in zip(before, runner.caches):
-        changed = ((c.key != k0) | (c.value != v0)).flatten(2).any(-1).flatten().nonzero().flatten()
-        slots = {s for s in changed.tolist() if s // bs != runner.null_block_id}
-        assert slots == expected
-        c.key.copy_(k0)
-        c.value.copy_(v0)
+    assert_wrote_only_the_batch_slots(runner, before, batch)
+    restore(runner, before)
     assert torch.allclose(logits, runner.forward_logits(batch), atol=1e-4, rtol=1e-4)
 
 
@@ -96,22 +111,16 @@ def test_graph_steps_write_only_their_slots_and_match_the_ordinary_path(prompts,
     llm = LLM(device="cpu", num_kv_blocks=128, max_num_batched_tokens=64)
     engine, runner = llm.engine, llm.engine.runner
     graphs = DecodeGraphs(runner, max_batch=max_batch, max_model_len=256, capture=False)
-    graph_forward, bs = graphs.forward_logits, runner.block_size
+    graph_forward = graphs.forward_logits
 
     def checked(batch):
-        before = [(c.key.clone(), c.value.clone()) for c in runner.caches]
+        before = snapshot(runner)
         runner.graphs = None
         want = runner.forward_logits(batch)                    # the ordinary path, same step
         runner.graphs = graphs
-        for (k0, v0), c in zip(before, runner.caches):
-            c.key.copy_(k0)
-            c.value.copy_(v0)
+        restore(runner, before)
         got = graph_forward(batch)
-        expected = {r.blocks[r.num_computed_tokens // bs].block_id * bs + r.num_computed_tokens % bs
-                    for r in (item.request for item in batch)}
-        for (k0, v0), c in zip(before, runner.caches):
-            changed = ((c.key != k0) | (c.value != v0)).flatten(2).any(-1).flatten().nonzero().flatten()
-            assert {s for s in changed.tolist() if s // bs != runner.null_block_id} == expected
+        assert_wrote_only_the_batch_slots(runner, before, batch)
         assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
         return got
 
