@@ -70,6 +70,7 @@ BASE = f"http://127.0.0.1:{PORT}"
 MIX = (("premium", 0.2), ("standard", 0.4), ("batch", 0.4))
 MAX_TOKENS = {"premium": 16, "standard": 24, "batch": 32}
 MODEL = "kvharbor/tiny-llama"
+ADMIN_KEY = "kvh-demo-admin"         # tenants.yaml's demo admin key (kept in the lifted copy)
 DOCS, DOC_SENTENCES = 8, 12          # 8 shared documents of ~750 tokens
 
 
@@ -203,9 +204,11 @@ def steady_rate(ends: list[float]) -> float:
     return (hi - lo) / span if span > 0 else len(ends) / max(ends)
 
 
-async def burst_capacity(base: str, size: int, info, timeout_s: float = 240.0) -> float:
+async def burst_capacity(base: str, size: int, info, timeout_s: float = 240.0) -> tuple[float, int]:
     """Requests per second to complete a burst of ``size`` MIX requests sent at once: the
-    saturated completion rate of this deployment on this machine (``steady_rate``)."""
+    saturated completion rate of this deployment on this machine (``steady_rate``); and how
+    many of the burst were refused (429: the overload guard shed them, so the rate is of the
+    rest)."""
     rng = random.Random(99)
     qos = rng.choices([q for q, _ in MIX], [w for _, w in MIX], k=size)
     jobs = [make_job(q, 0.0, rng, info) for q in qos]
@@ -213,7 +216,7 @@ async def burst_capacity(base: str, size: int, info, timeout_s: float = 240.0) -
     ends = [o.end for o in outcomes if o.end is not None and o.error is None]
     if not ends:
         raise RuntimeError(f"no request of the capacity burst completed in {timeout_s:.0f} s")
-    return steady_rate(ends)
+    return steady_rate(ends), sum(o.error == "HTTP 429" for o in outcomes)
 
 
 # ---- statistics ----------------------------------------------------------------------------
@@ -237,6 +240,7 @@ def phase_stats(chunks: list[tuple[list[Outcome], float, float]]) -> dict:
         mine = [o for o in outcomes if o.qos == qos]
         first = [(o.first - o.sent) * 1000.0 for o in mine if o.first is not None]
         per_class[qos] = {"sent": len(mine), "completed": sum(o.end is not None for o in mine),
+                          "http_429": sum(o.error == "HTTP 429" for o in mine),
                           "ttft_p50_ms": _r(percentile(first, 50)), "ttft_p99_ms": _r(percentile(first, 99)),
                           "phases_p50_ms": _phases(mine)}
     return {"premium_ttft_ms": {"p50": _r(percentile(ttfts, 50)), "p90": _r(percentile(ttfts, 90)),
@@ -275,7 +279,7 @@ def lifted_tenants(folder: Path, stream_interval: int | None = None, max_queue: 
 
 
 def deploy(mode: str, tenants: Path, replicas: int, step_tokens: int | None,
-           replica_nice: int | None = None) -> None:
+           replica_nice: int | None = None, overload_lag_ms: str | None = None) -> None:
     from ray import serve  # noqa: PLC0415
 
     from kvharbor.platform.app import build_app  # noqa: PLC0415
@@ -289,6 +293,8 @@ def deploy(mode: str, tenants: Path, replicas: int, step_tokens: int | None,
         config["max_num_batched_tokens"] = step_tokens
     if replica_nice is not None:
         config["cpu_replica_nice"] = replica_nice
+    if overload_lag_ms is not None:                # "off": the gateway's overload guard is off
+        config["overload_lag_ms"] = None if overload_lag_ms == "off" else float(overload_lag_ms)
     app = build_app(config)
     serve.run(app, name=f"qos-{mode}", route_prefix=f"/{mode}", blocking=False)
 
@@ -327,6 +333,51 @@ def replica_stats(mode: str, calls: int = 8) -> dict:
     return seen
 
 
+class GuardSampler:
+    """Samples the gateway's overload guard (``/admin/tenants/status``) once a second while a
+    phase runs, in a thread of its own: loop lag, limit, in flight, requests shed."""
+
+    def __init__(self, base: str, period_s: float = 1.0) -> None:
+        import threading  # noqa: PLC0415
+
+        self.base, self.period_s, self.samples = base, period_s, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "GuardSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+        with httpx.Client(base_url=self.base, timeout=5.0, headers=headers) as client:
+            while not self._stop.wait(self.period_s):
+                try:
+                    guard = client.get("/admin/tenants/status").json().get("overload_guard")
+                except (httpx.HTTPError, ValueError):
+                    continue
+                if guard:
+                    self.samples.append(guard)
+
+    def summary(self) -> dict:
+        """Medians and extremes over the samples (None when the guard was off or unsampled)."""
+        on = [g for g in self.samples if g.get("enabled")]
+        if not on:
+            return {"enabled": False, "samples": len(self.samples)}
+        lags = [g["loop_lag_ms"] for g in on]
+        limits = [g["limit"] for g in on if g["limit"] is not None]
+        return {"enabled": True, "samples": len(on), "loop_lag_ms_p50": _r(percentile(lags, 50)),
+                "loop_lag_ms_max": _r(max(lags)),
+                "limit_min": min(limits) if limits else None,
+                "limit_p50": _r(percentile(limits, 50)) if limits else None,
+                "limited_samples": len(limits), "in_flight_p50": _r(percentile([g["in_flight"] for g in on], 50)),
+                "shed_in_phase": on[-1]["shed_total"] - on[0]["shed_total"]}
+
+
 # ---- orchestration -------------------------------------------------------------------------
 def base_url(mode: str) -> str:
     return f"{BASE}/{mode}"
@@ -344,28 +395,35 @@ def run_all(args, info, tenants: Path) -> tuple[dict, float, dict]:
 
     t0 = time.perf_counter()
     for mode in args.modes:
-        deploy(mode, tenants, args.replicas, args.step_tokens, args.replica_nice)
+        deploy(mode, tenants, args.replicas, args.step_tokens, args.replica_nice, args.overload_lag_ms)
     stats = {m: {"ready_s": round(asyncio.run(warm_up(base_url(m), info)), 1)} for m in args.modes}
     print(f"deployed and warmed up {args.modes} in {time.perf_counter() - t0:.0f} s", flush=True)
     rate = args.rate
     if rate is None:
-        capacity = asyncio.run(burst_capacity(base_url(args.modes[0]), args.burst, info))
+        capacity, shed = asyncio.run(burst_capacity(base_url(args.modes[0]), args.burst, info))
         stats[args.modes[0]]["capacity_req_per_s"] = round(capacity, 3)
+        stats[args.modes[0]]["capacity_burst_429"] = shed
         rate = args.load * capacity
-        print(f"capacity {capacity:.2f} req/s -> offered rate {rate:.2f} req/s", flush=True)
+        print(f"capacity {capacity:.2f} req/s ({shed} of the burst shed) -> offered rate "
+              f"{rate:.2f} req/s", flush=True)
         time.sleep(3.0)                    # let the burst's stragglers drain
     order = args.modes + args.modes[::-1]
     chunks: dict = {m: {"idle": [], "overload": []} for m in args.modes}
+    guards: dict = {m: {"idle": [], "overload": []} for m in args.modes}
     for phase, window, only in (("idle", args.idle_s, "premium"), ("overload", args.window_s, None)):
         for i, mode in enumerate(order):
             jobs = poisson_jobs(rate, window, args.seed + i // len(args.modes), info, only)
-            outcomes, cutoff = asyncio.run(open_loop(base_url(mode), jobs, window, args.grace_s))
+            with GuardSampler(base_url(mode)) as sampler:
+                outcomes, cutoff = asyncio.run(open_loop(base_url(mode), jobs, window, args.grace_s))
             chunks[mode][phase].append((outcomes, window, cutoff))
+            guards[mode][phase].append(sampler.summary())
             print(f"  {phase:8} {mode:8} pass {i // len(args.modes)}: {len(jobs)} requests", flush=True)
             time.sleep(2.0)
     series = {}
     for mode in args.modes:
         stats[mode].update({p: phase_stats(chunks[mode][p]) for p in ("idle", "overload")})
+        for p in ("idle", "overload"):
+            stats[mode][p]["overload_guard_by_pass"] = guards[mode][p]
         stats[mode]["engine"] = replica_stats(mode)
         series[mode] = [(round(o.sent, 3), round(o.ttft(cut)[0] * 1000.0, 1), o.first is None)
                         for outcomes, _, cut in chunks[mode]["overload"]
@@ -419,7 +477,12 @@ def table(modes: dict, ver: dict, rate: float) -> str:
     rows.append("where the TTFT went under overload (p50 per phase, ms, from the app's usage chunk):")
     for mode, res in modes.items():
         for qos, c in res["overload"]["per_class"].items():
-            rows.append(f"  {mode:9} {qos:9} " + " ".join(f"{k} {v}" for k, v in c["phases_p50_ms"].items()))
+            rows.append(f"  {mode:9} {qos:9} " + " ".join(f"{k} {v}" for k, v in c["phases_p50_ms"].items())
+                        + f"  (429: {c['http_429']} of {c['sent']})")
+    rows.append("the gateway's overload guard under overload, per pass (sampled once a second):")
+    for mode, res in modes.items():
+        for i, g in enumerate(res["overload"]["overload_guard_by_pass"]):
+            rows.append(f"  {mode:9} pass {i}: " + " ".join(f"{k} {v}" for k, v in g.items()))
     rows += [f"{k}: {v}" for k, v in ver.items()]
     return "\n".join(rows)
 
@@ -480,6 +543,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--stream-interval", type=int, default=None,
                    help="every class's stream_interval (default: tenants.yaml's; 1 streams every token)")
     p.add_argument("--name", default=None, help="results file stem (default: qos[_step<N>][_nice<N>])")
+    p.add_argument("--overload-lag-ms", default=None,
+                   help="the gateway's overload_lag_ms (a number, or 'off'; default: the platform's)")
     p.add_argument("--replica-nice", type=int, default=None,
                    help="cpu_replica_nice of the app (default: the platform's, 10)")
     args = p.parse_args(argv)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class QoSSpec(BaseModel):
@@ -82,6 +82,15 @@ class PlatformConfig(BaseModel):
     """Arguments of ``build_app`` (``serve run kvharbor:build_app key=value ...``)."""
 
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_strings(cls, data):
+        """``key=null`` (or ``none``) on the ``serve run`` command line means None."""
+        if isinstance(data, dict):
+            return {k: None if isinstance(v, str) and v.lower() in ("null", "none") else v
+                    for k, v in data.items()}
+        return data
     model: str = Field("kvharbor/tiny-llama", description="Model served by every replica.")
     tenants: str | None = Field(None, description="tenants.yaml path (None: ./tenants.yaml or the packaged example).")
     replicas: int | None = Field(None, ge=1, description="LLM replicas (None: one per GPU, or 2 on CPU).")
@@ -108,3 +117,8 @@ class PlatformConfig(BaseModel):
                                   "10 cut premium p99 4x in benchmarks/qos.py).")
     directory_name: str = Field("kvharbor-prefix-directory", description="Named PrefixDirectory actor.")
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Largest accepted HTTP request body.")
+    overload_lag_ms: float | None = Field(10.0, gt=0, description="Gateway overload guard: while the "
+                                          "gateway's event loop lags more than this (median over 0.25 s), "
+                                          "it lowers how many requests of non-pinned classes it lets in, "
+                                          "shedding the lowest classes first (429 overloaded); None: off. "
+                                          "See kvharbor.platform.overload_guard.")

@@ -58,7 +58,7 @@ MetricKind = Literal["counter", "gauge", "histogram"]
 STATUSES = ("ok", "error", "rejected", "rate_limited", "aborted", "timeout", "replica_failed")
 # The ``limit`` names of kvharbor.tenants.limits.Admission, plus the QoS class queue cap.
 RATE_LIMIT_REASONS = ("requests_per_minute", "tokens_per_minute", "max_concurrent_requests",
-                      "daily_token_budget", "max_tokens_per_request", "queue_full")
+                      "daily_token_budget", "max_tokens_per_request", "queue_full", "overloaded")
 ADMISSION_PATHS = ("fast_lane", "actor")
 REGIONS = ("pinned", "shared")
 MEMORY_LOCATIONS = ("device", "host")
@@ -116,6 +116,12 @@ METRICS: tuple[MetricSpec, ...] = (
                "Requests judged against their QoS class latency SLO (outcome met|missed)."),
     MetricSpec("kvharbor_rate_limited", "counter", ("tenant", "reason"),
                "Requests refused by admission control, by limit that refused them."),
+    MetricSpec("kvharbor_gateway_loop_lag_seconds", "gauge", (),
+               "Median event-loop lag of a gateway over its last 0.25 s (one series per gateway "
+               "process); the overload guard sheds lower classes while it exceeds overload_lag_ms."),
+    MetricSpec("kvharbor_overload_limit", "gauge", (),
+               "A gateway's overload guard limit on requests of non-pinned classes in flight "
+               "through it (-1: no limit); the lowest classes shed first when it binds."),
     MetricSpec("kvharbor_admissions", "counter", ("tenant", "qos", "path"),
                "Requests admitted, by path: fast_lane (from the gateway's grant, no actor "
                "call) or actor (the admission and class-queue calls)."),
@@ -280,6 +286,11 @@ class KvharborMetrics:
         """One request refused by admission; ``reason`` in :data:`RATE_LIMIT_REASONS`."""
         self._inc("kvharbor_rate_limited", 1,
                   {"tenant": tenant, "reason": _bounded(reason, RATE_LIMIT_REASONS)})
+
+    def overload_guard(self, lag_s: float, limit: float, in_flight: int) -> None:
+        """A gateway's overload guard after one window (``limit`` inf: no limit)."""
+        self._set("kvharbor_gateway_loop_lag_seconds", lag_s, {})
+        self._set("kvharbor_overload_limit", -1 if limit == float("inf") else limit, {})
 
     def admitted(self, tenant: str, qos: str, path: str) -> None:
         """One request admitted; ``path`` in :data:`ADMISSION_PATHS`."""

@@ -5,13 +5,15 @@ Order per request (``Admitter``)::
     early(principal, rid)            before the prompt is tokenized
       1. a tenant this gateway saw refused for a limit that cannot have cleared yet
          (requests_per_minute, daily_token_budget) -> 429 at once, no actor call
-      2. class queue place (max_queue)                  -> 429 queue_full
+      2. the gateway's overload guard (non-pinned classes, ``overload_guard``)
+                                                        -> 429 overloaded, no actor call
+      3. class queue place (max_queue)                  -> 429 queue_full
     ...tokenize, length checks (400; the place is given back)...
     admit(principal, rid, prompt, max_tokens)
-      3. tenant limits: rate, tokens, budget, concurrency -> 429 / 400
+      4. tenant limits: rate, tokens, budget, concurrency -> 429 / 400
 
 Requests of ``pinned`` classes (premium) first try the gateway's fast lane
-(``kvharbor.platform.fast_lane``): steps 2 and 3 from this gateway's grants of the class's
+(``kvharbor.platform.fast_lane``): steps 3 and 4 from this gateway's grants of the class's
 places and the tenant's limits, no actor call. What does not fit there takes the calls.
 
 Step 1 is exact in one direction: refills only happen with time, and other gateways only
@@ -35,6 +37,7 @@ from ray.exceptions import RayActorError
 from kvharbor.actors.calls import await_or_undo
 from kvharbor.platform.fast_lane import RECALL_WAIT_S, FastLane, LocalTicket
 from kvharbor.platform.openai_protocol import APIError
+from kvharbor.platform.overload_guard import OverloadGuard
 from kvharbor.tenants.admission_actor import CALL_TIMEOUT_S
 from kvharbor.tenants.leases import DEFAULT_LEASE_S, LeaseKeeper
 
@@ -50,8 +53,10 @@ def unavailable(what: str) -> APIError:
 class Admitter:
     """One per gateway replica. ``admission``: ``ActorAdmission``; ``class_queue``: actor handle."""
 
-    def __init__(self, admission, class_queue, registry, metrics, lease_s: float = DEFAULT_LEASE_S) -> None:
+    def __init__(self, admission, class_queue, registry, metrics, lease_s: float = DEFAULT_LEASE_S,
+                 guard: OverloadGuard | None = None) -> None:
         self.admission, self.class_queue, self.registry, self.metrics = admission, class_queue, registry, metrics
+        self.guard = guard or OverloadGuard(None)
         self.tickets = LeaseKeeper(admission.renew, lease_s / 3)
         self.places = LeaseKeeper(lambda ids: class_queue.renew.remote(ids), lease_s / 3)
         self._refused: dict[str, tuple[float, int, APIError]] = {}   # tenant -> (until, version, 429)
@@ -62,7 +67,7 @@ class Admitter:
 
     # ---- before tokenization -----------------------------------------------------------------
     async def early(self, principal, rid: str) -> None:
-        """Steps 1 and 2; on success the caller owns a queue place (``leave`` gives it back)."""
+        """Steps 1 to 3; on success the caller owns a queue place (``leave`` gives it back)."""
         refused = self._refused.get(principal.tenant)
         if refused is not None:
             until, version, error = refused
@@ -71,11 +76,20 @@ class Admitter:
                 raise APIError(429, error.message, error.code,
                                headers={"Retry-After": str(max(1, round(until - time.time())))})
             self._refused.pop(principal.tenant, None)
-        epoch = self.lane.take_place(principal)
-        if epoch is not None:
-            self._lane_places[rid] = epoch
-            return
-        await self._enter_queue(principal, rid)
+        try:
+            self.guard.enter(rid, principal.qos, self.registry.config.qos_classes)
+        except APIError as error:
+            self.metrics.rate_limited(principal.tenant, error.code)
+            raise
+        try:
+            epoch = self.lane.take_place(principal)
+            if epoch is not None:
+                self._lane_places[rid] = epoch
+                return
+            await self._enter_queue(principal, rid)
+        except BaseException:
+            self.guard.leave(rid)
+            raise
 
     async def _enter_queue(self, principal, rid: str) -> None:
         classes = self.registry.config.qos_classes
@@ -101,6 +115,7 @@ class Admitter:
 
     def leave(self, qos: str, rid: str) -> None:
         """Give the queue place back (exactly once per place taken)."""
+        self.guard.leave(rid)
         epoch = self._lane_places.pop(rid, None)
         if epoch is not None:
             self.lane.leave_place(qos, epoch)

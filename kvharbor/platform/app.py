@@ -101,7 +101,8 @@ def build_app(args: dict | None = None):
         name="Gateway", num_replicas=cfg.gateway_replicas, max_ongoing_requests=1024,
         ray_actor_options={"num_cpus": 0.25})
     return gateway.bind(replica, {"model": cfg.model, "tenants": tenants, "block_size": cfg.block_size,
-                                  "max_body_bytes": cfg.max_body_bytes})
+                                  "max_body_bytes": cfg.max_body_bytes,
+                                  "overload_lag_ms": cfg.overload_lag_ms})
 
 
 def __getattr__(name: str):

@@ -10,7 +10,8 @@ does not check the key again. Paths outside the prefixes (``/healthz``, ``/opena
 pass untouched, as does everything when no ``authenticate`` is set (the app outside Serve).
 
 This middleware sits outside ``BodyLimitMiddleware``: a wrong key gets 401 even for a body
-over the size limit.
+over the size limit. A 429 (the gateway's overload guard refusing the key's QoS class) drains
+a body within the size limit first, so the client keeps its connection.
 """
 
 from __future__ import annotations
@@ -27,6 +28,24 @@ def bearer_key(headers) -> str | None:
     else:
         header = headers.get("authorization", "")
     return header[7:].strip() if header.lower().startswith("bearer ") else None
+
+
+def _body_limit(scope) -> int:
+    return getattr(getattr(scope.get("app"), "state", None), "max_body_bytes", 0) or 0
+
+
+async def _drained(receive, limit: int) -> bool:
+    """Read and drop a request body of at most ``limit`` bytes (False: it is bigger, or the
+    client left), so that an authenticated client refused for load keeps its connection."""
+    seen = 0
+    while seen <= limit:
+        message = await receive()
+        if message["type"] != "http.request":
+            return False
+        seen += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return seen <= limit
+    return False
 
 
 class AuthGateMiddleware:
@@ -47,8 +66,10 @@ class AuthGateMiddleware:
             status = getattr(exc, "status", None)
             if not isinstance(status, int):
                 raise
-            response = error_response(status, getattr(exc, "message", str(exc)), getattr(exc, "code", None))
-            if scope.get("method") in ("POST", "PUT", "PATCH"):
+            response = error_response(status, getattr(exc, "message", str(exc)), getattr(exc, "code", None),
+                                      headers=getattr(exc, "headers", None))
+            if scope.get("method") in ("POST", "PUT", "PATCH") and not (
+                    status == 429 and await _drained(receive, _body_limit(scope))):
                 response.headers["connection"] = "close"       # the unread body is not drained
             await response(scope, receive, send)
             return

@@ -3,8 +3,8 @@
 Per request: API key -> tenant (401, before any byte of the body is read; ``auth_gate``) ->
 body size (413, before parsing) -> JSON schema (400: unknown fields and OpenAI fields kvharbor
 does not implement are refused by name, ``openai_protocol``) -> model check (404/403) ->
-tenant refused earlier for a limit not yet cleared, class queue (429; both before tokenizing,
-``admission_flow``) -> tokenize and length checks (400) -> tenant limits: rate limits,
+tenant refused earlier for a limit not yet cleared, overload guard, class queue (429; all
+before tokenizing, ``admission_flow``, ``overload_guard``) -> tokenize and length checks (400) -> tenant limits: rate limits,
 budgets, concurrency (429) -> block hashes salted by the tenant's cache scope ->
 ``LLMReplica.generate`` through the KV-aware router -> JSON or SSE back, with
 ``usage.prompt_tokens_details.cached_tokens``.
@@ -49,6 +49,7 @@ from kvharbor.platform.ingress import running_mode, running_preset
 from kvharbor.platform.openai_protocol import (APIError, ChatRequest, ChatResponse,
                                                CompletionRequest, CompletionResponse, ModelCard,
                                                ModelList, error_response, error_responses)
+from kvharbor.platform.overload_guard import DEFAULT_LAG_TARGET_MS, OverloadGuard
 from kvharbor.platform.protocol import GenerateRequest
 from kvharbor.platform.sessions_api import (SESSION_HEADER, ForkRequest, check_session_id,
                                             FlushRequest, end_session_everywhere,
@@ -66,6 +67,7 @@ api.add_middleware(AuthGateMiddleware)     # added last: runs first, before the 
 SSE = {"text/event-stream": {"schema": {
     "type": "object", "required": ["data"], "description": "with `stream: true`: one event per chunk",
     "properties": {"data": {"type": "string", "description": "a JSON chunk, or `[DONE]` last"}}}}}
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 GENERATE_ERRORS = error_responses(400, 401, 403, 404, 413, 429, 500, 503)
 
 
@@ -242,7 +244,10 @@ class Gateway:
         # Control-plane calls are no request's children: a client that goes away must not
         # cancel a leave (kvharbor.actors.calls).
         self.class_queue = detached(get_or_create_class_queue())
-        self.admitter = Admitter(self.admission, self.class_queue, self.registry, self.metrics)
+        self.guard = OverloadGuard(config.get("overload_lag_ms", DEFAULT_LAG_TARGET_MS),
+                                   metrics=self.metrics)
+        self.admitter = Admitter(self.admission, self.class_queue, self.registry, self.metrics,
+                                 guard=self.guard)
         self._watcher: asyncio.Task | None = None
         self.caller = _own_actor_name()       # replicas abort our streams if this actor dies
         demo = self.registry.active_demo_keys()
@@ -260,7 +265,10 @@ class Gateway:
         self._start_watcher()
         if path.startswith("/admin/") and self.registry.is_admin(key):
             return ADMIN
-        return self.registry.authenticate(key)
+        principal = self.registry.authenticate(key)
+        if path in GENERATION_PATHS:         # 429 overloaded before the body is read
+            self.guard.check(principal.qos, self.registry.config.qos_classes)
+        return principal
 
     def _authenticate(self, request: Request):
         """The principal the middleware found (or, outside it, the key checked now)."""
@@ -393,7 +401,7 @@ class Gateway:
         except (TimeoutError, RayActorError):
             raise unavailable("class queue") from None
         return {**self.registry.status(), "demo_keys_active": self.registry.active_demo_keys(),
-                "in_flight_by_qos": in_flight}
+                "in_flight_by_qos": in_flight, "overload_guard": self.guard.state()}
 
     @api.post("/admin/cache/flush", responses=error_responses(400, 401, 403, 404, 503))
     async def admin_cache_flush(self, request: Request, body: FlushRequest | None = None) -> dict:

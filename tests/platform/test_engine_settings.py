@@ -16,3 +16,10 @@ def test_replicas_get_the_engine_settings_the_app_is_given():
     assert engine_kwargs(cfg, on_gpu=False)["device"] == "cpu"      # no GPU found: CPU replicas
     engine = EngineConfig(**on_gpu)                                   # every key is a valid field
     assert engine.enforce_eager and engine.eviction_policy == "lfu"
+
+
+def test_null_on_the_command_line_means_none():
+    cfg = PlatformConfig(overload_lag_ms="null", low_priority_prefill_cap="None", replicas="3")
+    assert cfg.overload_lag_ms is None and cfg.low_priority_prefill_cap is None and cfg.replicas == 3
+    assert PlatformConfig(overload_lag_ms="5").overload_lag_ms == 5.0
+    assert PlatformConfig().overload_lag_ms == 10.0                   # the guard is on by default

@@ -1,0 +1,211 @@
+"""The gateway's overload guard: lower classes shed first when the gateway's loop lags, premium
+never; a shed request costs no control-plane call; the limit recovers when the lag goes."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from kvharbor.platform.openai_protocol import APIError
+from kvharbor.platform.overload_guard import MIN_LIMIT, RELAX_WINDOWS, OverloadGuard
+from tests.tenants.fast_lane_harness import Cluster, request, run
+
+CLASSES = {"premium": SimpleNamespace(priority=100, pinned=True, max_queue=10_000),
+           "standard": SimpleNamespace(priority=50, pinned=False, max_queue=10_000),
+           "batch": SimpleNamespace(priority=10, pinned=False, max_queue=10_000)}
+LAGGING, ON_TIME = 0.05, 0.001      # window medians against the 10 ms target
+
+
+def fill(guard: OverloadGuard, qos: str, n: int, prefix: str) -> list[str]:
+    """Enter ``n`` requests of ``qos``; the ids that got in."""
+    ids = []
+    for i in range(n):
+        try:
+            guard.enter(f"{prefix}{i}", CLASSES[qos], CLASSES)
+            ids.append(f"{prefix}{i}")
+        except APIError:
+            pass
+    return ids
+
+
+def window(guard: OverloadGuard, lag_s: float) -> None:
+    guard.observe(lag_s)
+    guard.adjust()
+
+
+@pytest.fixture
+def guard(monkeypatch):
+    g = OverloadGuard(10.0)
+    monkeypatch.setattr(g, "_ensure_running", lambda: None)   # windows are driven by the test
+    return g
+
+
+def test_nothing_is_shed_before_the_loop_lags(guard):
+    assert len(fill(guard, "batch", 1000, "b")) == 1000
+    window(guard, ON_TIME)
+    assert guard.limit == math.inf and len(fill(guard, "batch", 10, "c")) == 10
+
+
+def test_a_lagging_loop_sheds_the_lowest_class_first_and_never_premium(guard):
+    standard = fill(guard, "standard", 40, "s")
+    window(guard, LAGGING)
+    assert guard.limit == 32                          # 40 in flight x 0.8
+    with pytest.raises(APIError) as refused:
+        guard.enter("s-more", CLASSES["standard"], CLASSES)
+    assert refused.value.status == 429 and refused.value.code == "overloaded"
+    assert refused.value.headers["Retry-After"] == "1"
+    assert len(fill(guard, "premium", 50, "p")) == 50 and guard.in_flight == 40
+    for rid in standard[:15]:                         # 25 in flight: standard fits, batch not
+        guard.leave(rid)
+    assert fill(guard, "standard", 1, "x") == ["x0"]
+    assert fill(guard, "batch", 1, "b") == []         # batch sheds at 32 x 10/50 -> MIN_LIMIT
+    for rid in standard[15:]:
+        guard.leave(rid)
+    guard.leave("x0")
+    assert guard.in_flight == 0
+    assert len(fill(guard, "batch", 10, "b2")) == MIN_LIMIT
+    assert guard.shed == 1 + 1 + (10 - MIN_LIMIT)
+
+
+def test_the_limit_has_a_floor_grows_while_binding_and_lifts_when_demand_falls(guard):
+    held = fill(guard, "standard", 100, "s")
+    for _ in range(20):
+        window(guard, LAGGING)
+    assert guard.limit == MIN_LIMIT
+    for rid in held[MIN_LIMIT:]:
+        guard.leave(rid)
+    window(guard, ON_TIME)                            # 8 in flight >= 8/2: binding, so it grows
+    assert guard.limit == MIN_LIMIT + 1
+    for rid in held[:MIN_LIMIT]:
+        guard.leave(rid)
+    for _ in range(RELAX_WINDOWS - 1):
+        window(guard, ON_TIME)
+    assert guard.limit == MIN_LIMIT + 1               # not yet
+    window(guard, ON_TIME)
+    assert guard.limit == math.inf
+
+
+def test_leave_is_idempotent_and_ignores_requests_it_never_counted(guard):
+    [rid] = fill(guard, "standard", 1, "s")
+    fill(guard, "premium", 1, "p")
+    guard.leave(rid)
+    guard.leave(rid)
+    guard.leave("p0")
+    guard.leave("never")
+    assert guard.in_flight == 0
+
+
+def test_off_means_off():
+    guard = OverloadGuard(None)
+    assert not guard.enabled
+    assert len(fill(guard, "batch", 500, "b")) == 500 and guard.in_flight == 0
+
+
+def test_the_monitor_measures_a_blocked_loop_and_sets_the_limit():
+    guard = OverloadGuard(10.0)
+
+    async def scenario():
+        held = fill(guard, "standard", 20, "s")       # starts the monitor on this loop
+        assert held and guard._task is not None
+        deadline = time.perf_counter() + 1.0
+        while time.perf_counter() < deadline:
+            time.sleep(0.03)                          # handlers that hog the loop
+            await asyncio.sleep(0)
+        guard._task.cancel()
+
+    run(scenario())
+    assert guard.last_lag_s > 0.01 and MIN_LIMIT <= guard.limit <= 16   # 20 in flight x 0.8
+
+
+def test_a_shed_request_makes_no_actor_call_and_its_slot_is_never_held():
+    cluster = Cluster()
+    cluster.registry.config.qos_classes = CLASSES
+    gw = cluster.gateway()
+    gw.guard = guard = OverloadGuard(10.0)
+    guard._ensure_running = lambda: None
+    standard = cluster.principal("globex", "standard")
+
+    async def scenario():
+        tickets = [await request(gw, standard, f"s{i}") for i in range(10)]
+        assert not any(isinstance(t, APIError) for t in tickets)
+        window(guard, LAGGING)                        # limit 8
+        calls = dict(cluster.calls)
+        refused = await request(gw, standard, "s-shed")
+        assert isinstance(refused, APIError) and refused.code == "overloaded"
+        assert cluster.calls == calls                 # no class-queue or admission call
+        for i in range(10):
+            gw.leave("standard", f"s{i}")
+        assert guard.in_flight == 0
+        cluster.registry.config.qos_classes = {**CLASSES, "standard": SimpleNamespace(
+            priority=50, pinned=False, max_queue=0)}     # the class queue refuses everything
+        refused = await request(gw, cluster.principal("globex", "standard"), "s-q")
+        assert isinstance(refused, APIError) and refused.code == "queue_full"
+        assert guard.in_flight == 0                   # the guard's count was given back
+
+    run(scenario())
+
+
+# ---- over HTTP: the key check refuses before the body is read ------------------------------
+def _gated_app(guard: OverloadGuard, qos: str, reached: list):
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from kvharbor.platform.auth_gate import AuthGateMiddleware
+
+    async def completions(request):
+        reached.append(await request.body())
+        return JSONResponse({"ok": True})
+
+    app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
+    app.state.max_body_bytes = 1 << 20
+
+    def authenticate(key, path):                    # what Gateway._gate does for generation paths
+        guard.check(CLASSES[qos], CLASSES)
+        return SimpleNamespace(qos=CLASSES[qos])
+
+    app.state.authenticate = authenticate
+    app.add_middleware(AuthGateMiddleware)            # as the gateway's FastAPI app does
+    return app
+
+
+@pytest.mark.parametrize("qos", ["batch", "premium"])
+def test_an_overloaded_gateway_answers_429_with_retry_after_and_keeps_the_connection(guard, qos):
+    import httpx
+
+    fill(guard, "standard", 40, "s")
+    window(guard, LAGGING)                            # limit 32: batch sheds, premium never
+    reached: list = []
+
+    async def scenario():
+        transport = httpx.ASGITransport(app=_gated_app(guard, qos, reached))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            return await client.post("/v1/completions", json={"prompt": "x" * 5000},
+                                     headers={"Authorization": "Bearer k"})
+
+    resp = run(scenario())
+    if qos == "premium":
+        assert resp.status_code == 200 and len(reached) == 1
+        return
+    assert resp.status_code == 429 and reached == []
+    assert resp.json()["error"]["code"] == "overloaded" and "retry later" in resp.json()["error"]["message"]
+    assert resp.headers["retry-after"] == "1" and resp.headers.get("connection") != "close"
+
+
+def test_the_gateway_checks_the_guard_only_on_generation_paths():
+    from kvharbor.platform.gateway import GENERATION_PATHS, Gateway
+
+    checked = []
+    principal = SimpleNamespace(qos=CLASSES["batch"])
+    gw = SimpleNamespace(_start_watcher=lambda: None,
+                         registry=SimpleNamespace(is_admin=lambda key: False,
+                                                  authenticate=lambda key: principal,
+                                                  config=SimpleNamespace(qos_classes=CLASSES)),
+                         guard=SimpleNamespace(check=lambda qos, classes: checked.append(qos)))
+    for path in (*GENERATION_PATHS, "/v1/models", "/v1/sessions/abc"):
+        assert Gateway._gate(gw, "k", path) is principal
+    assert checked == [CLASSES["batch"]] * len(GENERATION_PATHS)
