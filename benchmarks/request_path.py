@@ -101,7 +101,7 @@ def http_ttfts(base: str, texts: list[str]) -> tuple[list[float], list[dict], li
     return times, timings, texts_out
 
 
-def serve_app(tenants: Path, ingress: str) -> str:
+def serve_app(tenants: Path, ingress: str, overload_lag_ms: str | None = None) -> str:
     """Start Ray with ``ingress`` (``kvharbor.platform.ingress``) and the app on it."""
     import ray  # noqa: PLC0415
     from ray import serve  # noqa: PLC0415
@@ -114,8 +114,10 @@ def serve_app(tenants: Path, ingress: str) -> str:
             raise SystemExit(f"ingress {ingress!r} is not available here")
         ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-    serve.run(build_app({"tenants": str(tenants), "directory_name": "request-path-directory"}),
-              name="kvharbor", route_prefix="/", blocking=False)
+    config = {"tenants": str(tenants), "directory_name": "request-path-directory"}
+    if overload_lag_ms is not None:                 # "off": the gateway's overload guard is off
+        config["overload_lag_ms"] = None if overload_lag_ms == "off" else float(overload_lag_ms)
+    serve.run(build_app(config), name="kvharbor", route_prefix="/", blocking=False)
     base = f"http://127.0.0.1:{PORT}"
     wait_until_healthy(base, timeout_s=300)
     if httpx.get(base + "/healthz").json().get("ingress") != ingress:
@@ -154,6 +156,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ingress", default="haproxy,proxy",
                     help="ingresses to measure, in this order (kvharbor.platform.ingress): haproxy, proxy")
     ap.add_argument("--name", default="request_path", help="results file stem")
+    ap.add_argument("--overload-lag-ms", default=None,
+                    help="the gateway's overload_lag_ms (a number, or 'off'; default: the platform's)")
     args = ap.parse_args(argv)
     info = machine()
     texts = prompts(args.requests, args.seed)
@@ -163,12 +167,13 @@ def main(argv=None) -> int:
 
     tok = load_tokenizer("kvharbor/tiny-llama")
     report = {"machine": info, "seed": args.seed, "requests": args.requests, "goal_ms": 15.0,
+              "overload_lag_ms": args.overload_lag_ms,
               "engine_p50_ms": round(pct(engine_ms, 50), 2), "engine_1thread_p50_ms": round(pct(engine_1t_ms, 50), 2),
               "ingress": {}, "raw": {"engine_ms": engine_ms, "engine_1thread_ms": engine_1t_ms}}
     ok = True
     for ingress in args.ingress.split(","):
         with tempfile.TemporaryDirectory() as folder:
-            base = serve_app(lifted_tenants(Path(folder)), ingress)
+            base = serve_app(lifted_tenants(Path(folder)), ingress, args.overload_lag_ms)
             try:
                 http_ms, timings, http_texts = http_ttfts(base, texts)
             finally:
