@@ -4,8 +4,9 @@ Per request: API key -> tenant (401, before any byte of the body is read; ``auth
 body size (413, before parsing) -> JSON schema (400: unknown fields and OpenAI fields kvharbor
 does not implement are refused by name, ``openai_protocol``) -> model check (404/403) ->
 tenant refused earlier for a limit not yet cleared, overload guard, class queue (429; all
-before tokenizing, ``admission_flow``, ``overload_guard``) -> tokenize and length checks (400) -> tenant limits: rate limits,
-budgets, concurrency (429) -> block hashes salted by the tenant's cache scope ->
+before tokenizing, ``admission_flow``, ``overload_guard``; the guard is also asked with the
+key check, before the body is read) -> tokenize and length checks (400) -> tenant limits:
+rate limits, budgets, concurrency (429) -> block hashes salted by the tenant's cache scope ->
 ``LLMReplica.generate`` through the KV-aware router -> JSON or SSE back, with
 ``usage.prompt_tokens_details.cached_tokens``.
 
@@ -267,7 +268,11 @@ class Gateway:
             return ADMIN
         principal = self.registry.authenticate(key)
         if path in GENERATION_PATHS:         # 429 overloaded before the body is read
-            self.guard.check(principal.qos, self.registry.config.qos_classes)
+            try:
+                self.guard.check(principal.qos, self.registry.config.qos_classes)
+            except APIError as error:
+                self.metrics.rate_limited(principal.tenant, error.code)
+                raise
         return principal
 
     def _authenticate(self, request: Request):

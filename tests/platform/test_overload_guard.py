@@ -199,13 +199,21 @@ def test_an_overloaded_gateway_answers_429_with_retry_after_and_keeps_the_connec
 def test_the_gateway_checks_the_guard_only_on_generation_paths():
     from kvharbor.platform.gateway import GENERATION_PATHS, Gateway
 
-    checked = []
-    principal = SimpleNamespace(qos=CLASSES["batch"])
+    checked, limited = [], []
+    principal = SimpleNamespace(qos=CLASSES["batch"], tenant="initech")
     gw = SimpleNamespace(_start_watcher=lambda: None,
                          registry=SimpleNamespace(is_admin=lambda key: False,
                                                   authenticate=lambda key: principal,
                                                   config=SimpleNamespace(qos_classes=CLASSES)),
-                         guard=SimpleNamespace(check=lambda qos, classes: checked.append(qos)))
+                         guard=SimpleNamespace(check=lambda qos, classes: checked.append(qos)),
+                         metrics=SimpleNamespace(rate_limited=lambda *a: limited.append(a)))
     for path in (*GENERATION_PATHS, "/v1/models", "/v1/sessions/abc"):
         assert Gateway._gate(gw, "k", path) is principal
-    assert checked == [CLASSES["batch"]] * len(GENERATION_PATHS)
+    assert checked == [CLASSES["batch"]] * len(GENERATION_PATHS) and limited == []
+    gw.guard = OverloadGuard(10.0)                   # one that sheds batch now
+    gw.guard._ensure_running = lambda: None
+    fill(gw.guard, "standard", 40, "s")
+    window(gw.guard, LAGGING)
+    with pytest.raises(APIError):
+        Gateway._gate(gw, "k", "/v1/completions")
+    assert limited == [("initech", "overloaded")]    # counted on the dashboard's panel
