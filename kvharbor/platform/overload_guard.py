@@ -26,7 +26,9 @@ Pinned classes (premium) are never shed or counted here (their tenants' limits a
 places bound them). The limit starts unbounded, so nothing is shed until the loop has lagged;
 the check is one comparison, made with the API key check before the request body is read
 (``Gateway._gate``), and again when the request is counted, before tokenization and before any
-control-plane call: a shed request costs the gateway no body parsing and no call. ``lag_target_ms`` None turns the guard off.
+control-plane call: a shed request costs the gateway no body parsing and no call.
+``lag_target_ms`` None turns the guard off. The tick runs only while non-pinned requests come
+(it stops ``IDLE_STOP_S`` after the last one, with nothing in flight and no limit).
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ half of it) after which the limit is lifted."""
 MIN_LIMIT = 8
 """Any non-pinned class may have this many requests in flight at this gateway (counting all
 non-pinned classes), however far the limit falls."""
+IDLE_STOP_S = 10.0
+"""The tick stops after this long without a request (nothing in flight, no limit); the next
+request starts it again."""
 DEFAULT_LAG_TARGET_MS = 10.0
 """A premium request crosses a handful of loop turns (handler, control flow, first chunk); at
 10 ms each they stay within an idle premium request's time to first token."""
@@ -69,6 +74,7 @@ class OverloadGuard:
         self._held: set[str] = set()
         self._lags: list[float] = []
         self._quiet = 0
+        self._last_request = 0.0
         self._classes: dict | None = None
         self._top = 1.0
         self._task: asyncio.Task | None = None
@@ -83,6 +89,7 @@ class OverloadGuard:
         gateway's key check calls this before the body is read)."""
         if not self.enabled or qos.pinned:
             return
+        self._last_request = time.perf_counter()
         self._ensure_running()
         threshold = max(self.min_limit, self.limit * qos.priority / self._top_priority(qos_classes))
         if self.in_flight >= threshold:
@@ -149,6 +156,9 @@ class OverloadGuard:
             if now >= window_end:
                 self.adjust()
                 window_end = now + WINDOW_S
+                if (now - self._last_request > IDLE_STOP_S and self.in_flight == 0
+                        and self.limit == math.inf):
+                    return                     # idle: no wake-ups until the next request
 
     def state(self) -> dict:
         """For /admin/status."""

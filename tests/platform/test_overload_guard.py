@@ -121,6 +121,29 @@ def test_the_monitor_measures_a_blocked_loop_and_sets_the_limit():
     assert guard.last_lag_s > 0.01 and MIN_LIMIT <= guard.limit <= 16   # 20 in flight x 0.8
 
 
+def test_the_tick_stops_when_the_gateway_is_idle_and_the_next_request_restarts_it(monkeypatch):
+    import kvharbor.platform.overload_guard as og
+
+    monkeypatch.setattr(og, "IDLE_STOP_S", 0.3)
+    guard = OverloadGuard(10.0)
+
+    async def scenario():
+        [rid] = fill(guard, "standard", 1, "s")
+        first = guard._task
+        await asyncio.sleep(0.8)
+        assert not first.done()                       # a request is in flight
+        guard.leave(rid)
+        await asyncio.sleep(0.9)
+        assert first.done()                           # idle: stopped by itself
+        fill(guard, "premium", 1, "p")                # pinned requests do not start it
+        assert guard._task is first
+        fill(guard, "batch", 1, "b")
+        assert guard._task is not first and not guard._task.done()
+        guard._task.cancel()
+
+    run(scenario())
+
+
 def test_a_shed_request_makes_no_actor_call_and_its_slot_is_never_held():
     cluster = Cluster()
     cluster.registry.config.qos_classes = CLASSES
