@@ -53,6 +53,7 @@ replica can compare predicted and observed prefix hits:
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import logging
 import random
@@ -375,11 +376,9 @@ class KVAwareRouter(RequestRouter):
         at = stats.get("at")
         if not at or time.time() - at > STATS_FRESH_S:
             return serve
-        bound = int(stats.get("num_running", 0)) + int(stats.get("num_waiting", 0))
-        for t in reversed(self._sent.get(replica.replica_id.unique_id, ())):   # newest first
-            if t <= at:
-                break
-            bound += 1
+        sent = self._sent.get(replica.replica_id.unique_id, ())            # send times, in order
+        bound = (int(stats.get("num_running", 0)) + int(stats.get("num_waiting", 0))
+                 + len(sent) - bisect.bisect_right(sent, at))
         return bound if serve is None else min(serve, bound)
 
     def _route_request(self, request: GenerateRequest | None,

@@ -216,6 +216,9 @@ def test_fresh_routing_stats_outweigh_a_leaked_in_flight_count():
         routed(router, pr, replicas[0])
     assert router._in_flight(replicas[0]) == 3
     assert uids(route(router, replicas, rid="r3")[0])[0] == ["x"]     # now it is busy
+    replicas[0].routing_stats.update(at=time.time(), num_running=2)   # a report after the sends
+    assert router._in_flight(replicas[0]) == 2                         # they are in it, not added
+    replicas[0].routing_stats.update(at=now, num_running=0)
     replicas[0].routing_stats["at"] = now - 10                         # stale stats: Serve's count
     assert router._in_flight(replicas[0]) == 3 and router._in_flight(replicas[1]) == 0
 
