@@ -278,6 +278,14 @@ def lifted_tenants(folder: Path, stream_interval: int | None = None, max_queue: 
     return path
 
 
+def guard_config(overload_lag_ms: str | None) -> dict:
+    """``build_app`` fields for ``--overload-lag-ms``: none (the platform's default), or
+    ``overload_lag_ms`` (``off``: the gateway's overload guard is off)."""
+    if overload_lag_ms is None:
+        return {}
+    return {"overload_lag_ms": None if overload_lag_ms == "off" else float(overload_lag_ms)}
+
+
 def deploy(mode: str, tenants: Path, replicas: int, step_tokens: int | None,
            replica_nice: int | None = None, overload_lag_ms: str | None = None) -> None:
     from ray import serve  # noqa: PLC0415
@@ -293,9 +301,7 @@ def deploy(mode: str, tenants: Path, replicas: int, step_tokens: int | None,
         config["max_num_batched_tokens"] = step_tokens
     if replica_nice is not None:
         config["cpu_replica_nice"] = replica_nice
-    if overload_lag_ms is not None:                # "off": the gateway's overload guard is off
-        config["overload_lag_ms"] = None if overload_lag_ms == "off" else float(overload_lag_ms)
-    app = build_app(config)
+    app = build_app({**config, **guard_config(overload_lag_ms)})
     serve.run(app, name=f"qos-{mode}", route_prefix=f"/{mode}", blocking=False)
 
 

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import machine, pct, table, write_json  # noqa: E402
-from benchmarks.qos import lifted_tenants  # noqa: E402
+from benchmarks.qos import guard_config, lifted_tenants  # noqa: E402
 
 PORT = 18600
 PHASES = ["queue", "tokenize", "admit", "first_token", "replica", "hops"]
@@ -114,9 +114,8 @@ def serve_app(tenants: Path, ingress: str, overload_lag_ms: str | None = None) -
             raise SystemExit(f"ingress {ingress!r} is not available here")
         ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-    config = {"tenants": str(tenants), "directory_name": "request-path-directory"}
-    if overload_lag_ms is not None:                 # "off": the gateway's overload guard is off
-        config["overload_lag_ms"] = None if overload_lag_ms == "off" else float(overload_lag_ms)
+    config = {"tenants": str(tenants), "directory_name": "request-path-directory",
+              **guard_config(overload_lag_ms)}
     serve.run(build_app(config), name="kvharbor", route_prefix="/", blocking=False)
     base = f"http://127.0.0.1:{PORT}"
     wait_until_healthy(base, timeout_s=300)

@@ -76,11 +76,7 @@ class Admitter:
                 raise APIError(429, error.message, error.code,
                                headers={"Retry-After": str(max(1, round(until - time.time())))})
             self._refused.pop(principal.tenant, None)
-        try:
-            self.guard.enter(rid, principal.qos, self.registry.config.qos_classes)
-        except APIError as error:
-            self.metrics.rate_limited(principal.tenant, error.code)
-            raise
+        self.guard.enter(rid, principal.qos, self.registry.config.qos_classes, principal.tenant)
         try:
             epoch = self.lane.take_place(principal)
             if epoch is not None:

@@ -268,11 +268,7 @@ class Gateway:
             return ADMIN
         principal = self.registry.authenticate(key)
         if path in GENERATION_PATHS:         # 429 overloaded before the body is read
-            try:
-                self.guard.check(principal.qos, self.registry.config.qos_classes)
-            except APIError as error:
-                self.metrics.rate_limited(principal.tenant, error.code)
-                raise
+            self.guard.check(principal.qos, self.registry.config.qos_classes, principal.tenant)
         return principal
 
     def _authenticate(self, request: Request):

@@ -68,10 +68,9 @@ class OverloadGuard:
         self.min_limit = min_limit
         self.metrics = metrics
         self.limit = math.inf
-        self.in_flight = 0
         self.shed = 0
         self.last_lag_s = 0.0
-        self._held: set[str] = set()
+        self._held: set[str] = set()        # non-pinned requests in flight here
         self._lags: list[float] = []
         self._quiet = 0
         self._last_request = 0.0
@@ -83,10 +82,15 @@ class OverloadGuard:
     def enabled(self) -> bool:
         return self.target_s is not None
 
+    @property
+    def in_flight(self) -> int:
+        return len(self._held)
+
     # ---- requests ------------------------------------------------------------------------
-    def check(self, qos, qos_classes: dict) -> None:
-        """Raise the 429 if a request of class ``qos`` would be shed now (counts nothing: the
-        gateway's key check calls this before the body is read)."""
+    def check(self, qos, qos_classes: dict, tenant: str = "") -> None:
+        """Raise the 429 if a request of ``tenant``, class ``qos``, would be shed now (counted
+        in ``kvharbor_rate_limited``, not in flight: the gateway's key check calls this before
+        the body is read)."""
         if not self.enabled or qos.pinned:
             return
         self._last_request = time.perf_counter()
@@ -94,24 +98,23 @@ class OverloadGuard:
         threshold = max(self.min_limit, self.limit * qos.priority / self._top_priority(qos_classes))
         if self.in_flight >= threshold:
             self.shed += 1
+            if self.metrics is not None:
+                self.metrics.rate_limited(tenant, "overloaded")
             raise APIError(429, f"the server is overloaded: {self.in_flight} requests of classes "
                            f"that are not pinned are in flight here and the limit for QoS "
                            f"priority {qos.priority} is {threshold:.0f} now; retry later",
                            "overloaded", headers={"Retry-After": "1"})
 
-    def enter(self, rid: str, qos, qos_classes: dict) -> None:
-        """Count ``rid`` (a request of class ``qos`` among ``qos_classes``, tenants.yaml's)
-        or raise the 429."""
-        self.check(qos, qos_classes)
+    def enter(self, rid: str, qos, qos_classes: dict, tenant: str = "") -> None:
+        """Count ``rid`` (a request of ``tenant``, class ``qos`` among ``qos_classes``,
+        tenants.yaml's) or raise the 429."""
+        self.check(qos, qos_classes, tenant)
         if self.enabled and not qos.pinned:
-            self.in_flight += 1
             self._held.add(rid)
 
     def leave(self, rid: str) -> None:
         """``rid`` ended (idempotent; requests never counted are ignored)."""
-        if rid in self._held:
-            self._held.discard(rid)
-            self.in_flight -= 1
+        self._held.discard(rid)
 
     def _top_priority(self, qos_classes: dict) -> float:
         """Highest priority of the non-pinned classes (kept until tenants.yaml reloads)."""

@@ -228,12 +228,13 @@ def test_the_gateway_checks_the_guard_only_on_generation_paths():
                          registry=SimpleNamespace(is_admin=lambda key: False,
                                                   authenticate=lambda key: principal,
                                                   config=SimpleNamespace(qos_classes=CLASSES)),
-                         guard=SimpleNamespace(check=lambda qos, classes: checked.append(qos)),
-                         metrics=SimpleNamespace(rate_limited=lambda *a: limited.append(a)))
+                         guard=SimpleNamespace(check=lambda qos, classes, tenant: checked.append(qos)),
+                         metrics=SimpleNamespace(rate_limited=lambda *a: limited.append(a),
+                                                 overload_guard=lambda *a: None))
     for path in (*GENERATION_PATHS, "/v1/models", "/v1/sessions/abc"):
         assert Gateway._gate(gw, "k", path) is principal
     assert checked == [CLASSES["batch"]] * len(GENERATION_PATHS) and limited == []
-    gw.guard = OverloadGuard(10.0)                   # one that sheds batch now
+    gw.guard = OverloadGuard(10.0, metrics=gw.metrics)   # one that sheds batch now
     gw.guard._ensure_running = lambda: None
     fill(gw.guard, "standard", 40, "s")
     window(gw.guard, LAGGING)
