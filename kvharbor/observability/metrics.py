@@ -122,6 +122,13 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kvharbor_overload_limit", "gauge", (),
                "A gateway's overload guard limit on requests of non-pinned classes in flight "
                "through it (-1: no limit); the lowest classes shed first when it binds."),
+    MetricSpec("kvharbor_proxy_loop_lag_seconds", "gauge", (),
+               "Median event-loop lag of Serve's HTTP proxy over its last 0.25 s (one series per "
+               "proxy); its overload guard sheds lower classes before any gateway call while it "
+               "exceeds the lag target."),
+    MetricSpec("kvharbor_proxy_overload_limit", "gauge", (),
+               "The proxy's overload guard limit on requests of non-pinned classes in flight "
+               "through it (-1: no limit)."),
     MetricSpec("kvharbor_admissions", "counter", ("tenant", "qos", "path"),
                "Requests admitted, by path: fast_lane (from the gateway's grant, no actor "
                "call) or actor (the admission and class-queue calls)."),
@@ -287,10 +294,13 @@ class KvharborMetrics:
         self._inc("kvharbor_rate_limited", 1,
                   {"tenant": tenant, "reason": _bounded(reason, RATE_LIMIT_REASONS)})
 
-    def overload_guard(self, lag_s: float, limit: float, in_flight: int) -> None:
-        """A gateway's overload guard after one window (``limit`` inf: no limit)."""
-        self._set("kvharbor_gateway_loop_lag_seconds", lag_s, {})
-        self._set("kvharbor_overload_limit", -1 if limit == float("inf") else limit, {})
+    def overload_guard(self, lag_s: float, limit: float, in_flight: int, where: str = "gateway") -> None:
+        """An overload guard after one window (``limit`` inf: no limit); ``where`` is
+        ``gateway`` or ``proxy`` (Serve's HTTP proxy, ``kvharbor.platform.proxy_guard``)."""
+        proxy = where == "proxy"
+        self._set("kvharbor_proxy_loop_lag_seconds" if proxy else "kvharbor_gateway_loop_lag_seconds", lag_s, {})
+        self._set("kvharbor_proxy_overload_limit" if proxy else "kvharbor_overload_limit",
+                  -1 if limit == float("inf") else limit, {})
 
     def admitted(self, tenant: str, qos: str, path: str) -> None:
         """One request admitted; ``path`` in :data:`ADMISSION_PATHS`."""

@@ -32,14 +32,15 @@ ROUTERS = {"kv": "kvharbor.platform.router:KVAwareRouter",
            "round_robin": "kvharbor.platform.router:RoundRobinRouter", "pow2": None}
 
 
-def _init_ray_on_loopback() -> None:
+def _init_ray_on_loopback(overload_lag_ms: float | None) -> None:
     """Start a local Ray bound to 127.0.0.1 when nothing started one (``serve run``), with
     kvharbor's ingress (``kvharbor.platform.ingress``: Serve's proxy, HAProxy with ``KVHARBOR_INGRESS=haproxy``)
     and Serve's HTTP on 127.0.0.1:``KVHARBOR_HTTP_PORT`` (8000). With HAProxy, Serve's own
-    default host is every interface; kvharbor keeps it on loopback."""
+    default host is every interface; kvharbor keeps it on loopback. Serve's proxy gets the
+    gateways' overload lag target (``overload_lag_ms``; None: no guard there either)."""
     if ray.is_initialized():
         return
-    with starting_cluster() as mode:
+    with starting_cluster(overload_lag_ms=overload_lag_ms) as mode:
         ray.init(namespace="serve", include_dashboard=False, _node_ip_address="127.0.0.1",
                  _metrics_export_port=METRICS_PORT, log_to_driver=True)
     serve.start(http_options={"host": "127.0.0.1", "port": HTTP_PORT})
@@ -73,7 +74,7 @@ def engine_kwargs(cfg: PlatformConfig, on_gpu: bool) -> dict:
 def build_app(args: dict | None = None):
     """Build the kvharbor application from ``PlatformConfig`` fields (strings are parsed)."""
     cfg = PlatformConfig(**(args or {}))
-    _init_ray_on_loopback()
+    _init_ray_on_loopback(cfg.overload_lag_ms)
     tenants = Path(cfg.tenants) if cfg.tenants else default_tenants_path()
     load_tenants_file(tenants)                          # fail fast, with file/line/field
     tenants = str(tenants.resolve())

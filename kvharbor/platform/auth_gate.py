@@ -9,6 +9,10 @@ principal is left in ``scope["state"]["principal"]`` for the route handler, whic
 does not check the key again. Paths outside the prefixes (``/healthz``, ``/openapi.json``)
 pass untouched, as does everything when no ``authenticate`` is set (the app outside Serve).
 
+A request that Serve's proxy guard forwarded (``HINT_REQUEST``) gets ``HINT_RESPONSE`` on its
+answer, from ``scope["app"].state.guard_hint(key, path)``: the proxy learns the key's class
+from it (``proxy_guard``).
+
 This middleware sits outside ``BodyLimitMiddleware``: a wrong key gets 401 even for a body
 over the size limit. A 429 (the gateway's overload guard refusing the key's QoS class) drains
 a body within the size limit first, so the client keeps its connection.
@@ -19,6 +23,30 @@ from __future__ import annotations
 from kvharbor.platform.openai_protocol import error_response
 
 PROTECTED_PREFIXES = ("/v1/", "/admin/")
+HINT_REQUEST = b"x-kvharbor-proxy-guard"
+"""Request header of Serve's proxy guard (``proxy_guard``): answer with ``HINT_RESPONSE``."""
+HINT_RESPONSE = b"x-kvharbor-guard"
+"""Response header ``<share>;<tenant>`` for the proxy guard (share: the key's class's share
+of the overload limit, a float in (0, 1], or ``pinned``); the proxy removes it."""
+
+
+def encode_hint(share: float | None, tenant: str) -> bytes:
+    """``HINT_RESPONSE``'s value for a class with ``share`` (None: pinned) and ``tenant``."""
+    return f"{'pinned' if share is None else f'{share:.6g}'};{tenant}".encode("latin-1")
+
+
+def decode_hint(value: bytes) -> tuple[float | None, str] | None:
+    """(share or None for pinned, tenant), or None if ``value`` is not a hint."""
+    share, sep, tenant = value.decode("latin-1").partition(";")
+    if not sep:
+        return None
+    if share == "pinned":
+        return None, tenant
+    try:
+        number = float(share)
+    except ValueError:
+        return None
+    return (number, tenant) if 0.0 < number <= 1.0 else None
 
 
 def bearer_key(headers) -> str | None:
@@ -30,11 +58,18 @@ def bearer_key(headers) -> str | None:
     return header[7:].strip() if header.lower().startswith("bearer ") else None
 
 
+def route_path(scope) -> str:
+    """The request's path inside the app: without the ``root_path`` the app is mounted at
+    (Serve's ``route_prefix``; Starlette >= 0.35 keeps it in ``path``)."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
+
+
 def _body_limit(scope) -> int:
     return getattr(getattr(scope.get("app"), "state", None), "max_body_bytes", 0) or 0
 
 
-async def _drained(receive, limit: int) -> bool:
+async def drained(receive, limit: int) -> bool:
     """Read and drop a request body of at most ``limit`` bytes (False: it is bigger, or the
     client left), so that an authenticated client refused for load keeps its connection."""
     seen = 0
@@ -56,22 +91,38 @@ class AuthGateMiddleware:
 
     async def __call__(self, scope, receive, send) -> None:
         authenticate = getattr(getattr(scope.get("app"), "state", None), "authenticate", None)
-        if (scope["type"] != "http" or authenticate is None
-                or not scope.get("path", "").startswith(PROTECTED_PREFIXES)):
+        path = route_path(scope)
+        if scope["type"] != "http" or authenticate is None or not path.startswith(PROTECTED_PREFIXES):
             await self.app(scope, receive, send)
             return
+        key = bearer_key(scope.get("headers", ()))
+        hint = None
+        if any(name == HINT_REQUEST for name, _ in scope.get("headers", ())):
+            hint_for = getattr(scope["app"].state, "guard_hint", None)
+            hint = hint_for(key, path) if hint_for is not None else None
         try:
-            principal = authenticate(bearer_key(scope.get("headers", ())), scope["path"])
+            principal = authenticate(key, path)
         except Exception as exc:  # noqa: BLE001 - only errors that carry a status are answers
             status = getattr(exc, "status", None)
             if not isinstance(status, int):
                 raise
             response = error_response(status, getattr(exc, "message", str(exc)), getattr(exc, "code", None),
                                       headers=getattr(exc, "headers", None))
+            if hint is not None:
+                response.headers[HINT_RESPONSE.decode()] = hint.decode("latin-1")
             if scope.get("method") in ("POST", "PUT", "PATCH") and not (
-                    status == 429 and await _drained(receive, _body_limit(scope))):
+                    status == 429 and await drained(receive, _body_limit(scope))):
                 response.headers["connection"] = "close"       # the unread body is not drained
             await response(scope, receive, send)
             return
         scope.setdefault("state", {})["principal"] = principal
-        await self.app(scope, receive, send)
+        if hint is None:
+            await self.app(scope, receive, send)
+            return
+
+        async def hinted(message) -> None:
+            if message["type"] == "http.response.start":
+                message = dict(message, headers=[*message.get("headers", ()), (HINT_RESPONSE, hint)])
+            await send(message)
+
+        await self.app(scope, receive, hinted)

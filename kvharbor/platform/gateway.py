@@ -41,7 +41,7 @@ from kvharbor.engine.model_identity import model_identity
 from kvharbor.engine.models import load_tokenizer, model_context_length
 from kvharbor.observability.metrics import get_metrics
 from kvharbor.platform.admission_flow import Admitter, unavailable
-from kvharbor.platform.auth_gate import AuthGateMiddleware, bearer_key
+from kvharbor.platform.auth_gate import AuthGateMiddleware, bearer_key, encode_hint
 from kvharbor.platform.body_limit import BodyLimitMiddleware
 from kvharbor.platform.class_queue import get_or_create_class_queue
 from kvharbor.platform.context_overflow import TRUNCATED_HEADER, truncate_oldest
@@ -240,6 +240,7 @@ class Gateway:
         self.max_body_bytes = config["max_body_bytes"]
         api.state.max_body_bytes = self.max_body_bytes          # read by BodyLimitMiddleware
         api.state.authenticate = self._gate                     # read by AuthGateMiddleware
+        api.state.guard_hint = self._guard_hint                 # for Serve's proxy guard too
         self.admission = ActorAdmission(get_or_create_admission_actor())   # detaches its calls
         self.metrics = get_metrics()
         # Control-plane calls are no request's children: a client that goes away must not
@@ -270,6 +271,19 @@ class Gateway:
         if path in GENERATION_PATHS:         # 429 overloaded before the body is read
             self.guard.check(principal.qos, self.registry.config.qos_classes, principal.tenant)
         return principal
+
+    def _guard_hint(self, key: str | None, path: str) -> bytes | None:
+        """The class hint for Serve's proxy guard (``kvharbor.platform.proxy_guard``): the
+        share of the overload limit of ``key``'s class, and its tenant; None off generation
+        paths or for a key that is not a tenant's."""
+        if path not in GENERATION_PATHS:
+            return None
+        try:
+            principal = self.registry.authenticate(key)
+        except TenantError:
+            return None
+        return encode_hint(self.guard.share(principal.qos, self.registry.config.qos_classes),
+                           principal.tenant)
 
     def _authenticate(self, request: Request):
         """The principal the middleware found (or, outside it, the key checked now)."""

@@ -26,6 +26,11 @@ code keeps its defaults (with the preset below, a driver that imported Serve aft
 could no longer call a handle outside an event loop). A cluster started earlier
 (``ray start``) keeps what it was started with: set the variables there.
 
+Through Serve's proxy, the proxy process also runs kvharbor's overload guard
+(``proxy_guard``): ``apply_ingress`` names its middleware in
+``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`` (a callback of the caller's own there wins, and
+the proxy then has no guard) and its lag target in ``KVHARBOR_PROXY_OVERLOAD_LAG_MS``.
+
 HAProxy's stats, metrics and fallback-proxy ports are fixed by default (8404, 9101, 8500):
 two clusters on one host (a test session beside a benchmark) would fight over them, so each
 cluster gets free ones unless the caller set them. (Ray already puts each node's HAProxy
@@ -60,6 +65,9 @@ MODES = ("haproxy", "proxy")
 FLAGS = ("RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_ENABLE_DIRECT_INGRESS")
 DRAIN_VAR, DRAIN_WINDOW_S = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", 2.0
 PRESET = "RAY_SERVE_THROUGHPUT_OPTIMIZED"
+PROXY_CALLBACK = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
+PROXY_GUARD = "kvharbor.platform.proxy_guard:proxy_middlewares"
+PROXY_LAG_VAR = "KVHARBOR_PROXY_OVERLOAD_LAG_MS"
 PORTS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
          "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT")
 
@@ -89,15 +97,21 @@ def requested_mode(environ: MutableMapping[str, str] = os.environ) -> str:
     return mode
 
 
-def apply_ingress(mode: str | None = None, environ: MutableMapping[str, str] | None = None) -> str:
+def apply_ingress(mode: str | None = None, environ: MutableMapping[str, str] | None = None,
+                  overload_lag_ms: float | None | str = "default") -> str:
     """Set up ``environ`` (default: this process's) so the Ray cluster about to start here
     uses ``mode`` (default: ``requested_mode``); returns the mode it will run.
 
     ``haproxy`` falls back to ``proxy`` when HAProxy is not available. With Serve's
-    throughput preset asked for (``PRESET`` = 1), replica logs stay on stderr. Variables the
-    caller already set win, except the two ingress flags, which follow ``mode``.
+    throughput preset asked for (``PRESET`` = 1), replica logs stay on stderr. Through Serve's
+    proxy, the proxy runs kvharbor's overload guard (``proxy_guard``; ``PROXY_CALLBACK``)
+    with lag target ``overload_lag_ms`` (None: off; ``"default"``: the guard's default or
+    ``PROXY_LAG_VAR`` if set). Variables the caller already set win, except the two ingress
+    flags, which follow ``mode``.
     """
     environ = os.environ if environ is None else environ
+    if overload_lag_ms != "default":
+        environ.setdefault(PROXY_LAG_VAR, "off" if overload_lag_ms is None else str(overload_lag_ms))
     mode = requested_mode(environ) if mode is None else mode
     if mode not in MODES:
         raise ValueError(f"ingress must be one of {', '.join(MODES)}, got {mode!r}")
@@ -108,6 +122,7 @@ def apply_ingress(mode: str | None = None, environ: MutableMapping[str, str] | N
     if mode == "proxy":
         for flag in FLAGS:
             environ[flag] = "0"
+        environ.setdefault(PROXY_CALLBACK, PROXY_GUARD)
         return mode
     for flag in FLAGS:
         environ[flag] = "1"
@@ -118,12 +133,12 @@ def apply_ingress(mode: str | None = None, environ: MutableMapping[str, str] | N
 
 
 @contextlib.contextmanager
-def starting_cluster(mode: str | None = None) -> Iterator[str]:
+def starting_cluster(mode: str | None = None, overload_lag_ms: float | None | str = "default") -> Iterator[str]:
     """``with starting_cluster() as mode: ray.init(...)``: the Ray processes started inside
     inherit ``apply_ingress``'s environment; this process's is restored on exit."""
     saved = dict(os.environ)
     try:
-        yield apply_ingress(mode)
+        yield apply_ingress(mode, overload_lag_ms=overload_lag_ms)
     finally:
         os.environ.clear()
         os.environ.update(saved)

@@ -54,6 +54,9 @@ non-pinned classes), however far the limit falls."""
 IDLE_STOP_S = 10.0
 """The tick stops after this long without a request (nothing in flight, no limit); the next
 request starts it again."""
+SHED_HEADER = "X-KVHarbor-Shed"
+"""On a 429 of the guard (value ``overloaded``): the request was shed for load, not refused for
+its tenant's limits."""
 DEFAULT_LAG_TARGET_MS = 10.0
 """A premium request crosses a handful of loop turns (handler, control flow, first chunk); at
 10 ms each they stay within an idle premium request's time to first token."""
@@ -63,7 +66,8 @@ class OverloadGuard:
     """One per gateway replica; ``enter``/``leave`` around each non-pinned request."""
 
     def __init__(self, lag_target_ms: float | None = DEFAULT_LAG_TARGET_MS,
-                 min_limit: int = MIN_LIMIT, metrics=None) -> None:
+                 min_limit: int = MIN_LIMIT, metrics=None, where: str = "gateway") -> None:
+        self.where = where                   # "gateway" or "proxy" (its metrics' names)
         self.target_s = None if lag_target_ms is None else lag_target_ms / 1000.0
         self.min_limit = min_limit
         self.metrics = metrics
@@ -87,32 +91,51 @@ class OverloadGuard:
         return len(self._held)
 
     # ---- requests ------------------------------------------------------------------------
+    def share(self, qos, qos_classes: dict) -> float | None:
+        """Class ``qos``'s share of the limit (priority / top non-pinned priority among
+        ``qos_classes``, tenants.yaml's); None for a pinned class (never shed)."""
+        return None if qos.pinned else qos.priority / self._top_priority(qos_classes)
+
     def check(self, qos, qos_classes: dict, tenant: str = "") -> None:
         """Raise the 429 if a request of ``tenant``, class ``qos``, would be shed now (counted
         in ``kvharbor_rate_limited``, not in flight: the gateway's key check calls this before
         the body is read)."""
-        if not self.enabled or qos.pinned:
+        self.check_share(self.share(qos, qos_classes), tenant)
+
+    def check_share(self, share: float | None, tenant: str = "") -> None:
+        """``check`` for a class known by its ``share`` (None: pinned, never shed)."""
+        if not self.enabled or share is None:
             return
         self._last_request = time.perf_counter()
         self._ensure_running()
-        threshold = max(self.min_limit, self.limit * qos.priority / self._top_priority(qos_classes))
+        threshold = max(self.min_limit, self.limit * share)
         if self.in_flight >= threshold:
-            self.shed += 1
-            if self.metrics is not None:
-                self.metrics.rate_limited(tenant, "overloaded")
-            raise APIError(429, f"the server is overloaded: {self.in_flight} requests of classes "
-                           f"that are not pinned are in flight here and the limit for QoS "
-                           f"priority {qos.priority} is {threshold:.0f} now; retry later",
-                           "overloaded", headers={"Retry-After": "1"})
+            raise self.refusal(f"{self.in_flight} requests of classes that are not pinned are in "
+                               f"flight here and the limit for this QoS class is {threshold:.0f} now",
+                               tenant)
+
+    def refusal(self, why: str, tenant: str = "") -> APIError:
+        """Count one request shed (``kvharbor_rate_limited{reason="overloaded"}``) and return
+        its 429, which carries ``SHED_HEADER`` so that Serve's proxy (``proxy_guard``) can
+        shed the class itself for a while."""
+        self.shed += 1
+        if self.metrics is not None:
+            self.metrics.rate_limited(tenant, "overloaded")
+        return APIError(429, f"the server is overloaded: {why}; retry later", "overloaded",
+                        headers={"Retry-After": "1", SHED_HEADER: "overloaded"})
 
     def enter(self, rid: str, qos, qos_classes: dict, tenant: str = "") -> None:
         """Count ``rid`` (a request of ``tenant``, class ``qos`` among ``qos_classes``,
         tenants.yaml's) or raise the 429."""
-        self.check(qos, qos_classes, tenant)
-        if self.enabled and not qos.pinned:
+        self.enter_share(rid, self.share(qos, qos_classes), tenant)
+
+    def enter_share(self, rid, share: float | None, tenant: str = "") -> None:
+        """``enter`` for a class known by its ``share`` (None: pinned, not counted)."""
+        self.check_share(share, tenant)
+        if self.enabled and share is not None:
             self._held.add(rid)
 
-    def leave(self, rid: str) -> None:
+    def leave(self, rid) -> None:
         """``rid`` ended (idempotent; requests never counted are ignored)."""
         self._held.discard(rid)
 
@@ -143,7 +166,7 @@ class OverloadGuard:
         elif self._quiet >= RELAX_WINDOWS:
             self.limit = math.inf            # demand fell well under the limit: forget it
         if self.metrics is not None:
-            self.metrics.overload_guard(lag, self.limit, self.in_flight)
+            self.metrics.overload_guard(lag, self.limit, self.in_flight, self.where)
 
     def _ensure_running(self) -> None:
         if self._task is None or self._task.done():
@@ -171,4 +194,4 @@ class OverloadGuard:
                 "in_flight": self.in_flight, "shed_total": self.shed}
 
 
-__all__ = ["OverloadGuard", "DEFAULT_LAG_TARGET_MS"]
+__all__ = ["OverloadGuard", "DEFAULT_LAG_TARGET_MS", "SHED_HEADER", "WINDOW_S"]

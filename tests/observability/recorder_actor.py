@@ -64,6 +64,7 @@ class Recorder:
         m.router_mode("pow2", "no_hashes")
         m.router_index_lag(0.02 * scale)
         m.overload_guard(0.003 * scale, 40 * scale, 12 * scale)
+        m.overload_guard(0.004 * scale, 20 * scale, 6 * scale, where="proxy")
         m.directory_resync("replica_resync")
 
 

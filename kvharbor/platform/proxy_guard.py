@@ -1,0 +1,172 @@
+"""The overload guard in Serve's HTTP proxy: shed lower classes before the gateway call.
+
+Through Serve's proxy (kvharbor's default ingress), every request crosses one Python process
+before any gateway sees it: the proxy parses the HTTP request, calls a gateway replica over
+Ray and relays every response chunk. At twice the capacity of the engines the gateways'
+guard (``overload_guard``) refuses most lower-class arrivals, but each refusal has already
+cost the proxy a Ray round trip to a gateway, and premium requests wait behind those in the
+proxy's event loop (on 2 cores at 86-90 req/s, hundreds of milliseconds: docs/benchmarks.md,
+"QoS").
+
+This module sheds in the proxy, as an ASGI middleware that Serve installs there
+(``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`` names ``proxy_middlewares``;
+``kvharbor.platform.ingress`` sets it when the cluster starts). A request is refused with
+429 ``overloaded`` by the proxy, without a call to any gateway, when
+
+- a gateway's guard shed a request of its class, or of a class with a larger share, less
+  than ``ECHO_S`` ago (the gateway's 429 carries ``SHED_HEADER``): the gateways' signal, and
+  the one that binds on a 2-core host; or
+- the proxy's own guard (an ``OverloadGuard`` on the proxy's event-loop lag, the same rule as
+  a gateway's) is at its limit for the class.
+
+The proxy does not read tenants.yaml. It learns each API key's class from the gateway: a
+request the proxy forwards carries ``HINT_REQUEST`` and the gateway's answer carries
+``HINT_RESPONSE`` (the class's share of the limit, or ``pinned``, and the tenant), which the
+proxy removes before the client sees it. A key not seen yet, or one whose class changed in
+tenants.yaml since, is forwarded (the gateway still checks everything and its own guard still
+applies); keys are held as digests, at most ``MAX_KEYS`` of them, least recently used first
+out. Only generation paths (completions and chat completions, under any route prefix) are
+considered; everything else passes untouched.
+
+``KVHARBOR_PROXY_OVERLOAD_LAG_MS`` (read when the proxy starts) sets the lag target, default
+the gateway's default; ``off`` turns the proxy's guard off (``build_app``'s
+``overload_lag_ms=null`` does, for a cluster it starts).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+import os
+import time
+from collections import OrderedDict
+
+from kvharbor.platform.auth_gate import HINT_REQUEST, HINT_RESPONSE, bearer_key, decode_hint, drained
+from kvharbor.platform.openai_protocol import APIError
+from kvharbor.platform.ingress import PROXY_LAG_VAR as LAG_VAR
+from kvharbor.platform.overload_guard import DEFAULT_LAG_TARGET_MS, SHED_HEADER, WINDOW_S, OverloadGuard
+
+logger = logging.getLogger("kvharbor")
+
+GENERATION_SUFFIXES = ("/v1/completions", "/v1/chat/completions")
+SHED = SHED_HEADER.lower().encode("latin-1")
+ECHO_S = WINDOW_S
+"""After a gateway sheds a class, the proxy sheds that class and those below it for this long
+(one window of the gateway's guard, in which its limit does not move): those requests then
+cost no gateway call. The first request after it goes to a gateway again."""
+MAX_KEYS = 10_000
+MAX_DRAIN_BYTES = 1 << 20
+"""A refused request's body up to this size is read and dropped so the client keeps its
+connection; a bigger one gets ``connection: close``."""
+
+
+def lag_target_ms(environ=os.environ) -> float | None:
+    """The proxy guard's lag target from ``LAG_VAR`` (None: off).
+
+    Raises:
+        ValueError: the variable is neither a positive number nor ``off``.
+    """
+    raw = environ.get(LAG_VAR, "").strip().lower()
+    if not raw:
+        return DEFAULT_LAG_TARGET_MS
+    if raw in ("off", "none", "null"):
+        return None
+    value = float(raw)
+    if value <= 0:
+        raise ValueError(f"{LAG_VAR} must be a positive number of ms or 'off', got {raw!r}")
+    return value
+
+
+class ProxyGuardMiddleware:
+    """Pure ASGI middleware around Serve's proxy app; one guard per proxy process."""
+
+    def __init__(self, app, lag_ms: float | None = DEFAULT_LAG_TARGET_MS, metrics=None) -> None:
+        self.app = app
+        self.guard = OverloadGuard(lag_ms, metrics=metrics, where="proxy")
+        self.hints: OrderedDict[bytes, tuple[float | None, str]] = OrderedDict()
+        self._ids = itertools.count()
+        self.echo_share = 0.0          # classes of share <= this are shed here ...
+        self.echo_until = 0.0          # ... until then (time.monotonic())
+
+    async def __call__(self, scope, receive, send) -> None:
+        if (not self.guard.enabled or scope["type"] != "http" or scope.get("method") != "POST"
+                or not scope.get("path", "").endswith(GENERATION_SUFFIXES)):
+            await self.app(scope, receive, send)
+            return
+        key = bearer_key(scope.get("headers", ()))
+        if key is None:
+            await self.app(scope, receive, send)
+            return
+        digest = hashlib.blake2b(key.encode(), digest_size=16).digest()
+        hint = self.hints.get(digest)
+        rid = next(self._ids)
+        if hint is not None:
+            self.hints.move_to_end(digest)
+            share, tenant = hint
+            try:
+                if share is not None and share <= self.echo_share and time.monotonic() < self.echo_until:
+                    raise self.guard.refusal("a gateway is shedding this QoS class", tenant)
+                self.guard.enter_share(rid, share, tenant)
+            except APIError as refused:
+                await self._refuse(refused, scope, receive, send)
+                return
+        scope = dict(scope, headers=[*scope.get("headers", ()), (HINT_REQUEST, b"1")])
+
+        async def relay(message) -> None:
+            if message["type"] == "http.response.start":
+                message = self._learn(digest, message)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, relay)
+        finally:
+            self.guard.leave(rid)
+
+    def _learn(self, digest: bytes, message: dict) -> dict:
+        """Take the gateway's hint out of the response headers and remember it; a 429 the
+        gateway's guard answered (``SHED_HEADER``) sheds the class here for ``ECHO_S``."""
+        headers, hint, shed = [], None, False
+        for name, value in message.get("headers", ()):
+            name = name.lower()
+            if name == HINT_RESPONSE:
+                hint = decode_hint(value)
+                continue
+            shed = shed or name == SHED
+            headers.append((name, value))
+        if hint is None:
+            return message
+        self.hints[digest] = hint
+        self.hints.move_to_end(digest)
+        while len(self.hints) > MAX_KEYS:
+            self.hints.popitem(last=False)
+        share = hint[0]
+        if shed and message.get("status") == 429 and share is not None:
+            now = time.monotonic()
+            self.echo_share = share if now >= self.echo_until else max(self.echo_share, share)
+            self.echo_until = now + ECHO_S
+        return dict(message, headers=headers)
+
+    @staticmethod
+    async def _refuse(refused: APIError, scope, receive, send) -> None:
+        response = refused.response()
+        if not await drained(receive, MAX_DRAIN_BYTES):
+            response.headers["connection"] = "close"     # the unread body is not drained
+        await response(scope, receive, send)
+
+
+def proxy_middlewares() -> list:
+    """What Serve's proxy calls at start (``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH``):
+    the guard middleware, or nothing when ``LAG_VAR`` turns it off."""
+    from starlette.middleware import Middleware  # noqa: PLC0415
+
+    from kvharbor.observability.metrics import get_metrics  # noqa: PLC0415
+
+    lag_ms = lag_target_ms()
+    if lag_ms is None:
+        return []
+    logger.info("kvharbor: overload guard in Serve's proxy, lag target %.1f ms", lag_ms)
+    return [Middleware(ProxyGuardMiddleware, lag_ms=lag_ms, metrics=get_metrics())]
+
+
+__all__ = ["ProxyGuardMiddleware", "proxy_middlewares", "lag_target_ms"]

@@ -1,0 +1,253 @@
+"""The overload guard in Serve's HTTP proxy (kvharbor.platform.proxy_guard): it learns each
+key's class from the gateway, sheds lower classes with a 429 before any gateway call, never
+premium, and the gateway tells it the class only when asked."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from kvharbor.platform.auth_gate import (HINT_REQUEST, HINT_RESPONSE, AuthGateMiddleware,
+                                         decode_hint, encode_hint)
+from kvharbor.platform.ingress import PROXY_CALLBACK, PROXY_GUARD, PROXY_LAG_VAR, apply_ingress
+from kvharbor.platform.overload_guard import SHED_HEADER
+from kvharbor.platform.proxy_guard import ECHO_S, ProxyGuardMiddleware, lag_target_ms
+
+HINTS = {"premium-key": encode_hint(None, "acme"), "standard-key": encode_hint(1.0, "globex"),
+         "batch-key": encode_hint(0.2, "initech")}
+
+
+class Gateway:
+    """Stands for the gateway behind the proxy: answers after ``release`` is set, with the
+    key's hint when the proxy asked for it; records what reached it."""
+
+    def __init__(self) -> None:
+        self.reached: list[tuple[str, bool]] = []
+        self.release = asyncio.Event()
+        self.shedding: set[str] = set()      # keys its own guard refuses (429 overloaded)
+        self.limiting: set[str] = set()      # keys over their tenant's rate limit (429)
+
+    async def __call__(self, scope, receive, send) -> None:
+        headers = dict(scope["headers"])
+        key = headers.get(b"authorization", b"").decode()[7:]
+        self.reached.append((key, HINT_REQUEST in headers))
+        while (await receive()).get("more_body"):
+            pass
+        await self.release.wait()
+        out = [(b"content-type", b"application/json")]
+        if HINT_REQUEST in headers and key in HINTS:
+            out.append((HINT_RESPONSE, HINTS[key]))
+        status = 200
+        if key in self.shedding:
+            status, out = 429, [*out, (b"retry-after", b"1"), (SHED_HEADER.lower().encode(), b"overloaded")]
+        elif key in self.limiting:
+            status, out = 429, [*out, (b"retry-after", b"7")]
+        await send({"type": "http.response.start", "status": status, "headers": out})
+        await send({"type": "http.response.body", "body": b'{"ok": true}'})
+
+
+def proxy(gateway: Gateway) -> ProxyGuardMiddleware:
+    mw = ProxyGuardMiddleware(gateway, lag_ms=10.0)
+    mw.guard._ensure_running = lambda: None          # the test drives the limit
+    return mw
+
+
+async def until(condition, timeout_s: float = 5.0) -> None:
+    """Wait for ``condition()`` (fails the test after ``timeout_s`` rather than hanging)."""
+    async def poll():
+        while not condition():
+            await asyncio.sleep(0.001)
+    await asyncio.wait_for(poll(), timeout_s)
+
+
+async def post(client: httpx.AsyncClient, key: str, path: str = "/app/v1/completions") -> httpx.Response:
+    return await client.post(path, json={"prompt": "x" * 3000}, headers={"Authorization": f"Bearer {key}"})
+
+
+def test_hints_round_trip_and_garbage_is_no_hint():
+    assert decode_hint(encode_hint(None, "acme")) == (None, "acme")
+    assert decode_hint(encode_hint(0.2, "initech")) == (0.2, "initech")
+    for bad in (b"", b"0.5", b"zero;t", b"0;t", b"1.5;t", b"-1;t"):
+        assert decode_hint(bad) is None
+
+
+def test_the_proxy_learns_classes_and_sheds_lower_ones_before_the_gateway_never_premium():
+    gateway = Gateway()
+    mw = proxy(gateway)
+
+    async def scenario():
+        transport = httpx.ASGITransport(app=mw)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            gateway.release.set()
+            first = [await post(client, k) for k in HINTS]          # learn every key's class
+            assert all(HINT_RESPONSE.decode() not in r.headers for r in first)   # removed
+            assert all(asked for _, asked in gateway.reached)
+            assert mw.guard.in_flight == 0
+            gateway.release.clear()
+            mw.guard.min_limit, mw.guard.limit = 1, 4                # batch may hold 1, standard 4
+            held = [asyncio.create_task(post(client, "standard-key")) for _ in range(2)]
+            await until(lambda: len(gateway.reached) == 5)
+            before = len(gateway.reached)
+            refused = await asyncio.wait_for(post(client, "batch-key"), 5.0)
+            assert len(gateway.reached) == before                    # no gateway call at all
+            third = asyncio.create_task(post(client, "standard-key"))
+            premium = [asyncio.create_task(post(client, "premium-key")) for _ in range(6)]
+            await until(lambda: len(gateway.reached) == before + 7)
+            assert mw.guard.in_flight == 3                            # premium is not counted
+            gateway.release.set()
+            done = await asyncio.gather(*held, third, *premium)
+            return refused, done
+
+    refused, done = asyncio.run(scenario())
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+    assert refused.json()["error"]["code"] == "overloaded"
+    assert refused.headers.get("connection") != "close"              # its body was drained
+    assert [r.status_code for r in done] == [200] * 9
+    assert mw.guard.in_flight == 0 and mw.guard.shed == 1
+
+
+def test_a_class_the_gateway_sheds_is_shed_at_the_proxy_for_one_window_and_no_higher_class():
+    gateway = Gateway()
+    mw = proxy(gateway)
+
+    async def scenario():
+        transport = httpx.ASGITransport(app=mw)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            gateway.release.set()
+            for key in HINTS:                                        # classes learned, limit unbounded
+                assert (await post(client, key)).status_code == 200
+            gateway.limiting.add("batch-key")                        # a tenant limit is no load
+            assert (await post(client, "batch-key")).status_code == 429
+            gateway.limiting.clear()
+            assert (await post(client, "batch-key")).status_code == 200
+            gateway.shedding.add("batch-key")
+            first = await post(client, "batch-key")                  # the gateway's 429
+            reached = len(gateway.reached)
+            echoed = [await post(client, "batch-key") for _ in range(3)]
+            assert len(gateway.reached) == reached                   # none reached a gateway
+            others = [await post(client, k) for k in ("standard-key", "premium-key")]
+            assert len(gateway.reached) == reached + 2
+            mw.echo_until -= ECHO_S                                  # the window has passed
+            gateway.shedding.clear()
+            after = await post(client, "batch-key")
+            assert len(gateway.reached) == reached + 3               # forwarded again
+            return first, echoed, others, after
+
+    first, echoed, others, after = asyncio.run(scenario())
+    assert first.status_code == 429 and first.headers[SHED_HEADER] == "overloaded"
+    assert [r.status_code for r in echoed] == [429] * 3
+    assert all(r.json()["error"]["code"] == "overloaded" and r.headers["retry-after"] == "1" for r in echoed)
+    assert [r.status_code for r in others] == [200, 200] and after.status_code == 200
+    assert mw.guard.shed == 3 and mw.guard.in_flight == 0
+
+
+def test_unknown_keys_other_paths_and_failures_pass_through_and_release_their_slot():
+    gateway = Gateway()
+    mw = proxy(gateway)
+
+    async def broken(scope, receive, send):
+        raise RuntimeError("gateway call failed")
+
+    async def scenario():
+        transport = httpx.ASGITransport(app=mw)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            gateway.release.set()
+            mw.guard.min_limit, mw.guard.limit = 0, 0                # everything would shed
+            unknown = await post(client, "batch-key")                # class not learned yet
+            models = await client.get("/app/v1/models", headers={"Authorization": "Bearer batch-key"})
+            other = await post(client, "batch-key", "/app/v1/sessions")
+            return unknown, models, other
+
+    unknown, models, other = asyncio.run(scenario())
+    assert unknown.status_code == 200                               # forwarded, then learned
+    assert [asked for _, asked in gateway.reached] == [True, False, False]
+    assert mw.hints and other.status_code == 200 and models.status_code == 200
+    mw.app = broken                                                  # the next call raises
+    mw.guard.limit = 10
+
+    async def failing():
+        transport = httpx.ASGITransport(app=mw)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            with pytest.raises(RuntimeError):
+                await post(client, "batch-key")
+
+    asyncio.run(failing())
+    assert mw.guard.in_flight == 0
+
+
+def test_the_gateway_sends_the_hint_only_when_the_proxy_asks():
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    async def completions(request):
+        return JSONResponse({"ok": True})
+
+    app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
+    app.state.max_body_bytes = 1 << 20
+    refuse: list = []
+
+    def authenticate(key, path):
+        if refuse:
+            raise _Refused()
+        return SimpleNamespace(tenant="initech")
+
+    app.state.authenticate = authenticate
+    app.state.guard_hint = lambda key, path: (encode_hint(0.2, "initech")
+                                              if key == "k" and path == "/v1/completions" else None)
+    app.add_middleware(AuthGateMiddleware)
+
+    async def scenario(asked: bool, prefix: str = ""):
+        headers = {"Authorization": "Bearer k", **({HINT_REQUEST.decode(): "1"} if asked else {})}
+        transport = httpx.ASGITransport(app=app, root_path=prefix)      # Serve's route_prefix
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            return await client.post(f"{prefix}/v1/completions", json={}, headers=headers)
+
+    assert HINT_RESPONSE.decode() not in asyncio.run(scenario(False)).headers
+    assert asyncio.run(scenario(True)).headers[HINT_RESPONSE.decode()] == "0.2;initech"
+    mounted = asyncio.run(scenario(True, "/priority"))     # the gate sees the app's own path
+    assert mounted.status_code == 200 and mounted.headers[HINT_RESPONSE.decode()] == "0.2;initech"
+    refuse.append(1)                                                 # the gateway's own 429
+    refused = asyncio.run(scenario(True))
+    assert refused.status_code == 429 and refused.headers[HINT_RESPONSE.decode()] == "0.2;initech"
+
+
+class _Refused(Exception):
+    status, message, code, headers = 429, "overloaded", "overloaded", {"Retry-After": "1"}
+
+
+def test_the_cluster_env_names_the_proxy_guard_through_serves_proxy_only():
+    env: dict = {}
+    assert apply_ingress("proxy", env, overload_lag_ms=None) == "proxy"
+    assert env[PROXY_CALLBACK] == PROXY_GUARD and lag_target_ms(env) is None
+    env = {PROXY_CALLBACK: "mine:callback"}
+    apply_ingress("proxy", env, overload_lag_ms=25.0)
+    assert env[PROXY_CALLBACK] == "mine:callback" and lag_target_ms(env) == 25.0
+    env = {}
+    apply_ingress("proxy", env)
+    assert lag_target_ms(env) == 10.0 and PROXY_LAG_VAR not in env
+    with pytest.raises(ValueError):
+        lag_target_ms({PROXY_LAG_VAR: "-3"})
+    env = {}
+    if apply_ingress("haproxy", env) == "haproxy":          # no Serve proxy on the path
+        assert PROXY_CALLBACK not in env
+
+
+def test_the_running_app_has_the_guard_in_serves_proxy(kvharbor_app):
+    """Through Serve's proxy (the default ingress) the proxy runs the guard: once a key's
+    class is known its gauges appear (limit -1: none yet; the metrics recorder test never
+    sets -1); the hint never reaches the client."""
+    from tests.conftest import DEMO, INGRESS
+    from tests.observability.recorder_actor import scrape_until
+
+    body = {"model": kvharbor_app.model, "prompt": "hello", "max_tokens": 1}
+    with kvharbor_app.client(DEMO["batch"]) as client:
+        answers = [client.post("/v1/completions", json=body) for _ in range(2)]
+    assert [r.status_code for r in answers] == [200, 200]
+    assert all(HINT_RESPONSE.decode() not in r.headers for r in answers)
+    if INGRESS[0] == "proxy":
+        scrape_until([r"^ray_kvharbor_proxy_overload_limit\{.*\} -1(\.0)?$",
+                      r"^ray_kvharbor_proxy_loop_lag_seconds\{.*"])
