@@ -22,9 +22,9 @@ This module sheds in the proxy, as an ASGI middleware that Serve installs there
 The proxy does not read tenants.yaml. It learns each API key's class from the gateway: a
 request the proxy forwards carries ``HINT_REQUEST`` and the gateway's answer carries
 ``HINT_RESPONSE`` (the class's share of the limit, or ``pinned``, and the tenant), which the
-proxy removes before the client sees it. A key not seen yet, or one whose class changed in
-tenants.yaml since, is forwarded (the gateway still checks everything and its own guard still
-applies); keys are held as digests, at most ``MAX_KEYS`` of them, least recently used first
+proxy removes before the client sees it; it asks again ``HINT_TTL_S`` after (a class changed
+in tenants.yaml applies here by then). A key not seen yet is forwarded (the gateway still
+checks everything and its own guard still applies); keys are held as digests, at most ``MAX_KEYS`` of them, least recently used first
 out. Only generation paths (completions and chat completions, under any route prefix) are
 considered; everything else passes untouched.
 
@@ -55,6 +55,10 @@ ECHO_S = WINDOW_S
 """After a gateway sheds a class, the proxy sheds that class and those below it for this long
 (one window of the gateway's guard, in which its limit does not move): those requests then
 cost no gateway call. The first request after it goes to a gateway again."""
+HINT_TTL_S = 5.0
+"""A key's class is asked of the gateway again this long after it was learned (a class
+changed in tenants.yaml applies here within that; a gateway's answer costs it a second key
+lookup and a header)."""
 MAX_KEYS = 10_000
 MAX_DRAIN_BYTES = 1 << 20
 """A refused request's body up to this size is read and dropped so the client keeps its
@@ -84,7 +88,7 @@ class ProxyGuardMiddleware:
     def __init__(self, app, lag_ms: float | None = DEFAULT_LAG_TARGET_MS, metrics=None) -> None:
         self.app = app
         self.guard = OverloadGuard(lag_ms, metrics=metrics, where="proxy")
-        self.hints: OrderedDict[bytes, tuple[float | None, str]] = OrderedDict()
+        self.hints: OrderedDict[bytes, tuple[float | None, str, float]] = OrderedDict()
         self._ids = itertools.count()
         self.echo_share = 0.0          # classes of share <= this are shed here ...
         self.echo_until = 0.0          # ... until then (time.monotonic())
@@ -100,22 +104,23 @@ class ProxyGuardMiddleware:
             return
         digest = hashlib.blake2b(key.encode(), digest_size=16).digest()
         hint = self.hints.get(digest)
-        rid = next(self._ids)
+        rid, now = next(self._ids), time.monotonic()
         if hint is not None:
             self.hints.move_to_end(digest)
-            share, tenant = hint
+            share, tenant, _ = hint
             try:
-                if share is not None and share <= self.echo_share and time.monotonic() < self.echo_until:
+                if share is not None and share <= self.echo_share and now < self.echo_until:
                     raise self.guard.refusal("a gateway is shedding this QoS class", tenant)
                 self.guard.enter_share(rid, share, tenant)
             except APIError as refused:
                 await self._refuse(refused, scope, receive, send)
                 return
-        scope = dict(scope, headers=[*scope.get("headers", ()), (HINT_REQUEST, b"1")])
+        if hint is None or now - hint[2] > HINT_TTL_S:       # ask the gateway (again)
+            scope = dict(scope, headers=[*scope.get("headers", ()), (HINT_REQUEST, b"1")])
 
         async def relay(message) -> None:
             if message["type"] == "http.response.start":
-                message = self._learn(digest, message)
+                message = self._learn(digest, hint, message)
             await send(message)
 
         try:
@@ -123,9 +128,11 @@ class ProxyGuardMiddleware:
         finally:
             self.guard.leave(rid)
 
-    def _learn(self, digest: bytes, message: dict) -> dict:
-        """Take the gateway's hint out of the response headers and remember it; a 429 the
-        gateway's guard answered (``SHED_HEADER``) sheds the class here for ``ECHO_S``."""
+    def _learn(self, digest: bytes, known, message: dict) -> dict:
+        """Take the gateway's hint, if any, out of the response headers and remember it; a
+        429 the gateway's guard answered (``SHED_HEADER``) for a key whose class is known
+        (``known``: the hint held when the request came) sheds the class here for
+        ``ECHO_S``."""
         headers, hint, shed = [], None, False
         for name, value in message.get("headers", ()):
             name = name.lower()
@@ -134,18 +141,18 @@ class ProxyGuardMiddleware:
                 continue
             shed = shed or name == SHED
             headers.append((name, value))
-        if hint is None:
-            return message
-        self.hints[digest] = hint
-        self.hints.move_to_end(digest)
-        while len(self.hints) > MAX_KEYS:
-            self.hints.popitem(last=False)
-        share = hint[0]
-        if shed and message.get("status") == 429 and share is not None:
-            now = time.monotonic()
-            self.echo_share = share if now >= self.echo_until else max(self.echo_share, share)
+        now = time.monotonic()
+        if hint is not None:
+            known = (*hint, now)
+            self.hints[digest] = known
+            self.hints.move_to_end(digest)
+            while len(self.hints) > MAX_KEYS:
+                self.hints.popitem(last=False)
+            message = dict(message, headers=headers)
+        if shed and message.get("status") == 429 and known is not None and known[0] is not None:
+            self.echo_share = known[0] if now >= self.echo_until else max(self.echo_share, known[0])
             self.echo_until = now + ECHO_S
-        return dict(message, headers=headers)
+        return message
 
     @staticmethod
     async def _refuse(refused: APIError, scope, receive, send) -> None:

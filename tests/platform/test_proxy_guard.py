@@ -14,7 +14,7 @@ from kvharbor.platform.auth_gate import (HINT_REQUEST, HINT_RESPONSE, AuthGateMi
                                          decode_hint, encode_hint)
 from kvharbor.platform.ingress import PROXY_CALLBACK, PROXY_GUARD, PROXY_LAG_VAR, apply_ingress
 from kvharbor.platform.overload_guard import SHED_HEADER
-from kvharbor.platform.proxy_guard import ECHO_S, ProxyGuardMiddleware, lag_target_ms
+from kvharbor.platform.proxy_guard import ECHO_S, HINT_TTL_S, ProxyGuardMiddleware, lag_target_ms
 
 HINTS = {"premium-key": encode_hint(None, "acme"), "standard-key": encode_hint(1.0, "globex"),
          "batch-key": encode_hint(0.2, "initech")}
@@ -142,6 +142,29 @@ def test_a_class_the_gateway_sheds_is_shed_at_the_proxy_for_one_window_and_no_hi
     assert all(r.json()["error"]["code"] == "overloaded" and r.headers["retry-after"] == "1" for r in echoed)
     assert [r.status_code for r in others] == [200, 200] and after.status_code == 200
     assert mw.guard.shed == 3 and mw.guard.in_flight == 0
+
+
+def test_a_known_class_is_asked_again_after_its_ttl_and_a_change_applies():
+    gateway = Gateway()
+    mw = proxy(gateway)
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=mw), base_url="http://t") as client:
+            gateway.release.set()
+            for _ in range(3):
+                await post(client, "batch-key")
+            HINTS["batch-key"] = encode_hint(None, "initech")        # tenants.yaml: now pinned
+            await post(client, "batch-key")                          # within the TTL: not asked
+            for digest, (share, tenant, learned) in list(mw.hints.items()):
+                mw.hints[digest] = (share, tenant, learned - HINT_TTL_S - 1)
+            await post(client, "batch-key")                          # aged: asked again
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        HINTS["batch-key"] = encode_hint(0.2, "initech")
+    assert [asked for _, asked in gateway.reached] == [True, False, False, False, True]
+    assert [share for share, _, _ in mw.hints.values()] == [None]
 
 
 def test_unknown_keys_other_paths_and_failures_pass_through_and_release_their_slot():
