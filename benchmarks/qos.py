@@ -35,7 +35,10 @@ null with a note) when both modes' overload phases were saturated: delivered tok
 temporary copy of tenants.yaml so admission control does not shape the offered load.
 HTTP enters through ``--ingress`` (default ``proxy``: Serve's Python proxy actor, what
 ``serve run kvharbor.app`` runs; ``haproxy``: HAProxy to the gateway replicas); the JSON's
-``args`` record which.
+``args`` record which. ``--overload-lag-ms`` sets the overload guards of the gateways and of
+Serve's proxy (``off``: both off); ``--proxy-guard off`` turns the proxy's alone off. The
+client's own event-loop lag is recorded per pass (``client_loop_lag_ms_by_pass``): a TTFT
+measured by a client whose loop is late would include that wait.
 
 Run:  python benchmarks/qos.py            (about 7 minutes on 2 shared cores)
       python benchmarks/qos.py --quick    (shorter phases; numbers are noisier)
@@ -171,21 +174,46 @@ def _client(base: str) -> httpx.AsyncClient:
     return httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(300.0), limits=limits)
 
 
-async def open_loop(base: str, jobs: list[Job], window_s: float, grace_s: float) -> tuple[list[Outcome], float]:
-    """Send ``jobs`` on schedule; cancel what is left ``grace_s`` after the window.
+async def open_loop(base: str, jobs: list[Job], window_s: float, grace_s: float,
+                    t0: float | None = None) -> tuple[list[Outcome], float, list[float]]:
+    """Send ``jobs`` on schedule from ``t0`` (a ``time.perf_counter()`` value, the same clock
+    in every process on this host; default: now); cancel what is left ``grace_s`` after the
+    window.
 
-    Returns (outcomes in job order, cutoff seconds since start).
+    Returns (outcomes in job order, cutoff seconds since ``t0``, this client's event-loop lag
+    samples in ms: how late a 10 ms sleep woke, a send or a chunk read here waits as long).
     """
     outcomes = [Outcome(job.qos, job.at_s) for job in jobs]
+    lags: list[float] = []
+
+    async def tick() -> None:
+        while True:
+            before = time.perf_counter()
+            await asyncio.sleep(0.01)
+            lags.append((time.perf_counter() - before - 0.01) * 1000.0)
+
     async with _client(base) as client:
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() if t0 is None else t0
+        ticker = asyncio.create_task(tick())
         tasks = [asyncio.create_task(send(client, job, t0, out)) for job, out in zip(jobs, outcomes)]
-        _, pending = await asyncio.wait(tasks, timeout=window_s + grace_s) if tasks else (set(), set())
+        timeout = max(0.0, t0 + window_s + grace_s - time.perf_counter())
+        _, pending = await asyncio.wait(tasks, timeout=timeout) if tasks else (set(), set())
         cutoff = time.perf_counter() - t0
-        for task in pending:
+        for task in [*pending, ticker]:
             task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-    return outcomes, cutoff
+        await asyncio.gather(*pending, ticker, return_exceptions=True)
+    return outcomes, cutoff, lags
+
+
+def run_phase(base: str, jobs: list[Job], window_s: float, grace_s: float) -> tuple[list[Outcome], float, dict]:
+    """One phase's arrivals -> (outcomes in job order, cutoff, the client's loop lag)."""
+    outcomes, cutoff, lags = asyncio.run(open_loop(base, jobs, window_s, grace_s))
+    return outcomes, cutoff, lag_summary(lags)
+
+
+def lag_summary(lags: list[float]) -> dict:
+    return {"p50": _r(percentile(lags, 50)), "p99": _r(percentile(lags, 99)),
+            "max": _r(max(lags)) if lags else None, "n": len(lags)}
 
 
 def steady_rate(ends: list[float]) -> float:
@@ -212,7 +240,7 @@ async def burst_capacity(base: str, size: int, info, timeout_s: float = 240.0) -
     rng = random.Random(99)
     qos = rng.choices([q for q, _ in MIX], [w for _, w in MIX], k=size)
     jobs = [make_job(q, 0.0, rng, info) for q in qos]
-    outcomes, _ = await open_loop(base, jobs, timeout_s, 0.0)
+    outcomes, _, _ = await open_loop(base, jobs, timeout_s, 0.0)
     ends = [o.end for o in outcomes if o.end is not None and o.error is None]
     if not ends:
         raise RuntimeError(f"no request of the capacity burst completed in {timeout_s:.0f} s")
@@ -284,6 +312,15 @@ def guard_config(overload_lag_ms: str | None) -> dict:
     if overload_lag_ms is None:
         return {}
     return {"overload_lag_ms": None if overload_lag_ms == "off" else float(overload_lag_ms)}
+
+
+def proxy_lag(overload_lag_ms: str | None, proxy_guard: str = "on"):
+    """``starting_cluster``'s ``overload_lag_ms`` for Serve's proxy guard: it follows
+    ``--overload-lag-ms`` (the platform's default when that is not given) unless
+    ``proxy_guard`` is ``off``."""
+    if proxy_guard == "off":
+        return None
+    return "default" if overload_lag_ms is None else guard_config(overload_lag_ms)["overload_lag_ms"]
 
 
 def deploy(mode: str, tenants: Path, replicas: int, step_tokens: int | None,
@@ -416,13 +453,15 @@ def run_all(args, info, tenants: Path) -> tuple[dict, float, dict]:
     order = args.modes + args.modes[::-1]
     chunks: dict = {m: {"idle": [], "overload": []} for m in args.modes}
     guards: dict = {m: {"idle": [], "overload": []} for m in args.modes}
+    client_lag: dict = {m: {"idle": [], "overload": []} for m in args.modes}
     for phase, window, only in (("idle", args.idle_s, "premium"), ("overload", args.window_s, None)):
         for i, mode in enumerate(order):
             jobs = poisson_jobs(rate, window, args.seed + i // len(args.modes), info, only)
             with GuardSampler(base_url(mode)) as sampler:
-                outcomes, cutoff = asyncio.run(open_loop(base_url(mode), jobs, window, args.grace_s))
+                outcomes, cutoff, lag = run_phase(base_url(mode), jobs, window, args.grace_s)
             chunks[mode][phase].append((outcomes, window, cutoff))
             guards[mode][phase].append(sampler.summary())
+            client_lag[mode][phase].append(lag)
             print(f"  {phase:8} {mode:8} pass {i // len(args.modes)}: {len(jobs)} requests", flush=True)
             time.sleep(2.0)
     series = {}
@@ -430,6 +469,7 @@ def run_all(args, info, tenants: Path) -> tuple[dict, float, dict]:
         stats[mode].update({p: phase_stats(chunks[mode][p]) for p in ("idle", "overload")})
         for p in ("idle", "overload"):
             stats[mode][p]["overload_guard_by_pass"] = guards[mode][p]
+            stats[mode][p]["client_loop_lag_ms_by_pass"] = client_lag[mode][p]
         stats[mode]["engine"] = replica_stats(mode)
         series[mode] = [(round(o.sent, 3), round(o.ttft(cut)[0] * 1000.0, 1), o.first is None)
                         for outcomes, _, cut in chunks[mode]["overload"]
@@ -553,6 +593,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the gateway's overload_lag_ms (a number, or 'off'; default: the platform's)")
     p.add_argument("--replica-nice", type=int, default=None,
                    help="cpu_replica_nice of the app (default: the platform's, 10)")
+    p.add_argument("--proxy-guard", choices=("on", "off"), default="on",
+                   help="the overload guard in Serve's proxy (kvharbor.platform.proxy_guard; "
+                        "--ingress proxy only): on follows --overload-lag-ms, off turns it off")
     args = p.parse_args(argv)
     args.idle_s, args.window_s, args.grace_s = (10, 20, 6) if args.quick else (30, 35, 10)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -570,7 +613,7 @@ def main(argv=None) -> int:
     info = workload.read_tenants(ROOT / "tenants.yaml")
     from kvharbor.platform.ingress import starting_cluster  # noqa: PLC0415
 
-    with starting_cluster(args.ingress) as mode:
+    with starting_cluster(args.ingress, proxy_lag(args.overload_lag_ms, args.proxy_guard)) as mode:
         if mode != args.ingress:
             raise SystemExit(f"ingress {args.ingress!r} is not available here")
         ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", namespace="serve", num_cpus=8,

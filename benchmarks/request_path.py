@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import machine, pct, table, write_json  # noqa: E402
-from benchmarks.qos import guard_config, lifted_tenants  # noqa: E402
+from benchmarks.qos import guard_config, lifted_tenants, proxy_lag  # noqa: E402
 
 PORT = 18600
 PHASES = ["queue", "tokenize", "admit", "first_token", "replica", "hops"]
@@ -101,7 +101,7 @@ def http_ttfts(base: str, texts: list[str]) -> tuple[list[float], list[dict], li
     return times, timings, texts_out
 
 
-def serve_app(tenants: Path, ingress: str, overload_lag_ms: str | None = None) -> str:
+def serve_app(tenants: Path, ingress: str, overload_lag_ms: str | None = None, proxy_guard: str = "on") -> str:
     """Start Ray with ``ingress`` (``kvharbor.platform.ingress``) and the app on it."""
     import ray  # noqa: PLC0415
     from ray import serve  # noqa: PLC0415
@@ -109,7 +109,7 @@ def serve_app(tenants: Path, ingress: str, overload_lag_ms: str | None = None) -
     from kvharbor.platform.app import build_app, wait_until_healthy  # noqa: PLC0415
     from kvharbor.platform.ingress import starting_cluster  # noqa: PLC0415
 
-    with starting_cluster(ingress) as mode:
+    with starting_cluster(ingress, proxy_lag(overload_lag_ms, proxy_guard)) as mode:
         if mode != ingress:
             raise SystemExit(f"ingress {ingress!r} is not available here")
         ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
@@ -156,7 +156,10 @@ def main(argv=None) -> int:
                     help="ingresses to measure, in this order (kvharbor.platform.ingress): haproxy, proxy")
     ap.add_argument("--name", default="request_path", help="results file stem")
     ap.add_argument("--overload-lag-ms", default=None,
-                    help="the gateway's overload_lag_ms (a number, or 'off'; default: the platform's)")
+                    help="overload_lag_ms of the gateway and of Serve's proxy (a number, or 'off'; "
+                         "default: the platform's)")
+    ap.add_argument("--proxy-guard", choices=("on", "off"), default="on",
+                    help="the overload guard in Serve's proxy (proxy ingress): off turns it alone off")
     args = ap.parse_args(argv)
     info = machine()
     texts = prompts(args.requests, args.seed)
@@ -166,13 +169,13 @@ def main(argv=None) -> int:
 
     tok = load_tokenizer("kvharbor/tiny-llama")
     report = {"machine": info, "seed": args.seed, "requests": args.requests, "goal_ms": 15.0,
-              "overload_lag_ms": args.overload_lag_ms,
+              "overload_lag_ms": args.overload_lag_ms, "proxy_guard": args.proxy_guard,
               "engine_p50_ms": round(pct(engine_ms, 50), 2), "engine_1thread_p50_ms": round(pct(engine_1t_ms, 50), 2),
               "ingress": {}, "raw": {"engine_ms": engine_ms, "engine_1thread_ms": engine_1t_ms}}
     ok = True
     for ingress in args.ingress.split(","):
         with tempfile.TemporaryDirectory() as folder:
-            base = serve_app(lifted_tenants(Path(folder)), ingress, args.overload_lag_ms)
+            base = serve_app(lifted_tenants(Path(folder)), ingress, args.overload_lag_ms, args.proxy_guard)
             try:
                 http_ms, timings, http_texts = http_ttfts(base, texts)
             finally:
