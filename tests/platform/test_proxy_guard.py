@@ -67,6 +67,20 @@ async def post(client: httpx.AsyncClient, key: str, path: str = "/app/v1/complet
     return await client.post(path, json={"prompt": "x" * 3000}, headers={"Authorization": f"Bearer {key}"})
 
 
+def drive(mw: ProxyGuardMiddleware, scenario):
+    """``scenario(client)`` against ``mw`` through an in-process HTTP client."""
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=mw), base_url="http://t") as client:
+            return await scenario(client)
+    return asyncio.run(main())
+
+
+async def learn_all(client: httpx.AsyncClient, gateway: Gateway) -> list[httpx.Response]:
+    """One answered request per key, so the proxy knows every key's class."""
+    gateway.release.set()
+    return [await post(client, key) for key in HINTS]
+
+
 def test_hints_round_trip_and_garbage_is_no_hint():
     assert decode_hint(encode_hint(None, "acme")) == (None, "acme")
     assert decode_hint(encode_hint(0.2, "initech")) == (0.2, "initech")
@@ -78,30 +92,27 @@ def test_the_proxy_learns_classes_and_sheds_lower_ones_before_the_gateway_never_
     gateway = Gateway()
     mw = proxy(gateway)
 
-    async def scenario():
-        transport = httpx.ASGITransport(app=mw)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
-            gateway.release.set()
-            first = [await post(client, k) for k in HINTS]          # learn every key's class
-            assert all(HINT_RESPONSE.decode() not in r.headers for r in first)   # removed
-            assert all(asked for _, asked in gateway.reached)
-            assert mw.guard.in_flight == 0
-            gateway.release.clear()
-            mw.guard.min_limit, mw.guard.limit = 1, 4                # batch may hold 1, standard 4
-            held = [asyncio.create_task(post(client, "standard-key")) for _ in range(2)]
-            await until(lambda: len(gateway.reached) == 5)
-            before = len(gateway.reached)
-            refused = await asyncio.wait_for(post(client, "batch-key"), 5.0)
-            assert len(gateway.reached) == before                    # no gateway call at all
-            third = asyncio.create_task(post(client, "standard-key"))
-            premium = [asyncio.create_task(post(client, "premium-key")) for _ in range(6)]
-            await until(lambda: len(gateway.reached) == before + 7)
-            assert mw.guard.in_flight == 3                            # premium is not counted
-            gateway.release.set()
-            done = await asyncio.gather(*held, third, *premium)
-            return refused, done
+    async def scenario(client):
+        first = await learn_all(client, gateway)
+        assert all(HINT_RESPONSE.decode() not in r.headers for r in first)   # removed
+        assert all(asked for _, asked in gateway.reached)
+        assert mw.guard.in_flight == 0
+        gateway.release.clear()
+        mw.guard.min_limit, mw.guard.limit = 1, 4                # batch may hold 1, standard 4
+        held = [asyncio.create_task(post(client, "standard-key")) for _ in range(2)]
+        await until(lambda: len(gateway.reached) == 5)
+        before = len(gateway.reached)
+        refused = await asyncio.wait_for(post(client, "batch-key"), 5.0)
+        assert len(gateway.reached) == before                    # no gateway call at all
+        third = asyncio.create_task(post(client, "standard-key"))
+        premium = [asyncio.create_task(post(client, "premium-key")) for _ in range(6)]
+        await until(lambda: len(gateway.reached) == before + 7)
+        assert mw.guard.in_flight == 3                            # premium is not counted
+        gateway.release.set()
+        done = await asyncio.gather(*held, third, *premium)
+        return refused, done
 
-    refused, done = asyncio.run(scenario())
+    refused, done = drive(mw, scenario)
     assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
     assert refused.json()["error"]["code"] == "overloaded"
     assert refused.headers.get("connection") != "close"              # its body was drained
@@ -113,30 +124,26 @@ def test_a_class_the_gateway_sheds_is_shed_at_the_proxy_for_one_window_and_no_hi
     gateway = Gateway()
     mw = proxy(gateway)
 
-    async def scenario():
-        transport = httpx.ASGITransport(app=mw)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
-            gateway.release.set()
-            for key in HINTS:                                        # classes learned, limit unbounded
-                assert (await post(client, key)).status_code == 200
-            gateway.limiting.add("batch-key")                        # a tenant limit is no load
-            assert (await post(client, "batch-key")).status_code == 429
-            gateway.limiting.clear()
-            assert (await post(client, "batch-key")).status_code == 200
-            gateway.shedding.add("batch-key")
-            first = await post(client, "batch-key")                  # the gateway's 429
-            reached = len(gateway.reached)
-            echoed = [await post(client, "batch-key") for _ in range(3)]
-            assert len(gateway.reached) == reached                   # none reached a gateway
-            others = [await post(client, k) for k in ("standard-key", "premium-key")]
-            assert len(gateway.reached) == reached + 2
-            mw.echo_until -= ECHO_S                                  # the window has passed
-            gateway.shedding.clear()
-            after = await post(client, "batch-key")
-            assert len(gateway.reached) == reached + 3               # forwarded again
-            return first, echoed, others, after
+    async def scenario(client):
+        assert [r.status_code for r in await learn_all(client, gateway)] == [200] * 3
+        gateway.limiting.add("batch-key")                        # a tenant limit is no load
+        assert (await post(client, "batch-key")).status_code == 429
+        gateway.limiting.clear()
+        assert (await post(client, "batch-key")).status_code == 200
+        gateway.shedding.add("batch-key")
+        first = await post(client, "batch-key")                  # the gateway's 429
+        reached = len(gateway.reached)
+        echoed = [await post(client, "batch-key") for _ in range(3)]
+        assert len(gateway.reached) == reached                   # none reached a gateway
+        others = [await post(client, k) for k in ("standard-key", "premium-key")]
+        assert len(gateway.reached) == reached + 2
+        mw.echo_until -= ECHO_S                                  # the window has passed
+        gateway.shedding.clear()
+        after = await post(client, "batch-key")
+        assert len(gateway.reached) == reached + 3               # forwarded again
+        return first, echoed, others, after
 
-    first, echoed, others, after = asyncio.run(scenario())
+    first, echoed, others, after = drive(mw, scenario)
     assert first.status_code == 429 and first.headers[SHED_HEADER] == "overloaded"
     assert [r.status_code for r in echoed] == [429] * 3
     assert all(r.json()["error"]["code"] == "overloaded" and r.headers["retry-after"] == "1" for r in echoed)
@@ -148,19 +155,18 @@ def test_a_known_class_is_asked_again_after_its_ttl_and_a_change_applies():
     gateway = Gateway()
     mw = proxy(gateway)
 
-    async def scenario():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=mw), base_url="http://t") as client:
-            gateway.release.set()
-            for _ in range(3):
-                await post(client, "batch-key")
-            HINTS["batch-key"] = encode_hint(None, "initech")        # tenants.yaml: now pinned
-            await post(client, "batch-key")                          # within the TTL: not asked
-            for digest, (share, tenant, learned) in list(mw.hints.items()):
-                mw.hints[digest] = (share, tenant, learned - HINT_TTL_S - 1)
-            await post(client, "batch-key")                          # aged: asked again
+    async def scenario(client):
+        gateway.release.set()
+        for _ in range(3):
+            await post(client, "batch-key")
+        HINTS["batch-key"] = encode_hint(None, "initech")        # tenants.yaml: now pinned
+        await post(client, "batch-key")                          # within the TTL: not asked
+        for digest, (share, tenant, learned) in list(mw.hints.items()):
+            mw.hints[digest] = (share, tenant, learned - HINT_TTL_S - 1)
+        await post(client, "batch-key")                          # aged: asked again
 
     try:
-        asyncio.run(scenario())
+        drive(mw, scenario)
     finally:
         HINTS["batch-key"] = encode_hint(0.2, "initech")
     assert [asked for _, asked in gateway.reached] == [True, False, False, False, True]
@@ -174,30 +180,26 @@ def test_unknown_keys_other_paths_and_failures_pass_through_and_release_their_sl
     async def broken(scope, receive, send):
         raise RuntimeError("gateway call failed")
 
-    async def scenario():
-        transport = httpx.ASGITransport(app=mw)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
-            gateway.release.set()
-            mw.guard.min_limit, mw.guard.limit = 0, 0                # everything would shed
-            unknown = await post(client, "batch-key")                # class not learned yet
-            models = await client.get("/app/v1/models", headers={"Authorization": "Bearer batch-key"})
-            other = await post(client, "batch-key", "/app/v1/sessions")
-            return unknown, models, other
+    async def scenario(client):
+        gateway.release.set()
+        mw.guard.min_limit, mw.guard.limit = 0, 0                # everything would shed
+        unknown = await post(client, "batch-key")                # class not learned yet
+        models = await client.get("/app/v1/models", headers={"Authorization": "Bearer batch-key"})
+        other = await post(client, "batch-key", "/app/v1/sessions")
+        return unknown, models, other
 
-    unknown, models, other = asyncio.run(scenario())
+    unknown, models, other = drive(mw, scenario)
     assert unknown.status_code == 200                               # forwarded, then learned
     assert [asked for _, asked in gateway.reached] == [True, False, False]
     assert mw.hints and other.status_code == 200 and models.status_code == 200
     mw.app = broken                                                  # the next call raises
     mw.guard.limit = 10
 
-    async def failing():
-        transport = httpx.ASGITransport(app=mw)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
-            with pytest.raises(RuntimeError):
-                await post(client, "batch-key")
+    async def failing(client):
+        with pytest.raises(RuntimeError):
+            await post(client, "batch-key")
 
-    asyncio.run(failing())
+    drive(mw, failing)
     assert mw.guard.in_flight == 0
 
 
