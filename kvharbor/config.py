@@ -121,4 +121,6 @@ class PlatformConfig(BaseModel):
                                           "gateway's event loop lags more than this (median over 0.25 s), "
                                           "it lowers how many requests of non-pinned classes it lets in, "
                                           "shedding the lowest classes first (429 overloaded); None: off. "
+                                          "Serve's proxy, in a cluster build_app starts, sheds with the "
+                                          "same target (kvharbor.platform.proxy_guard). "
                                           "See kvharbor.platform.overload_guard.")

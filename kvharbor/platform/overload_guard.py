@@ -63,7 +63,8 @@ DEFAULT_LAG_TARGET_MS = 10.0
 
 
 class OverloadGuard:
-    """One per gateway replica; ``enter``/``leave`` around each non-pinned request."""
+    """One per gateway replica (and one in Serve's proxy: ``proxy_guard``);
+    ``enter``/``leave`` around each non-pinned request."""
 
     def __init__(self, lag_target_ms: float | None = DEFAULT_LAG_TARGET_MS,
                  min_limit: int = MIN_LIMIT, metrics=None, where: str = "gateway") -> None:
