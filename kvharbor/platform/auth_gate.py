@@ -23,6 +23,8 @@ from __future__ import annotations
 from kvharbor.platform.openai_protocol import error_response
 
 PROTECTED_PREFIXES = ("/v1/", "/admin/")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+"""The routes that generate (the overload guards shed only these)."""
 HINT_REQUEST = b"x-kvharbor-proxy-guard"
 """Request header of Serve's proxy guard (``proxy_guard``): answer with ``HINT_RESPONSE``."""
 HINT_RESPONSE = b"x-kvharbor-guard"

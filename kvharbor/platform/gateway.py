@@ -41,7 +41,7 @@ from kvharbor.engine.model_identity import model_identity
 from kvharbor.engine.models import load_tokenizer, model_context_length
 from kvharbor.observability.metrics import get_metrics
 from kvharbor.platform.admission_flow import Admitter, unavailable
-from kvharbor.platform.auth_gate import AuthGateMiddleware, bearer_key, encode_hint
+from kvharbor.platform.auth_gate import GENERATION_PATHS, AuthGateMiddleware, bearer_key, encode_hint
 from kvharbor.platform.body_limit import BodyLimitMiddleware
 from kvharbor.platform.class_queue import get_or_create_class_queue
 from kvharbor.platform.context_overflow import TRUNCATED_HEADER, truncate_oldest
@@ -68,7 +68,6 @@ api.add_middleware(AuthGateMiddleware)     # added last: runs first, before the 
 SSE = {"text/event-stream": {"schema": {
     "type": "object", "required": ["data"], "description": "with `stream: true`: one event per chunk",
     "properties": {"data": {"type": "string", "description": "a JSON chunk, or `[DONE]` last"}}}}}
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 GENERATE_ERRORS = error_responses(400, 401, 403, 404, 413, 429, 500, 503)
 
 

@@ -42,14 +42,14 @@ import os
 import time
 from collections import OrderedDict
 
-from kvharbor.platform.auth_gate import HINT_REQUEST, HINT_RESPONSE, bearer_key, decode_hint, drained
+from kvharbor.platform.auth_gate import (GENERATION_PATHS, HINT_REQUEST, HINT_RESPONSE, bearer_key,
+                                         decode_hint, drained)
 from kvharbor.platform.openai_protocol import APIError
 from kvharbor.platform.ingress import PROXY_LAG_VAR as LAG_VAR
 from kvharbor.platform.overload_guard import DEFAULT_LAG_TARGET_MS, SHED_HEADER, WINDOW_S, OverloadGuard
 
 logger = logging.getLogger("kvharbor")
 
-GENERATION_SUFFIXES = ("/v1/completions", "/v1/chat/completions")
 SHED = SHED_HEADER.lower().encode("latin-1")
 ECHO_S = WINDOW_S
 """After a gateway sheds a class, the proxy sheds that class and those below it for this long
@@ -95,7 +95,7 @@ class ProxyGuardMiddleware:
 
     async def __call__(self, scope, receive, send) -> None:
         if (not self.guard.enabled or scope["type"] != "http" or scope.get("method") != "POST"
-                or not scope.get("path", "").endswith(GENERATION_SUFFIXES)):
+                or not scope.get("path", "").endswith(GENERATION_PATHS)):
             await self.app(scope, receive, send)
             return
         key = bearer_key(scope.get("headers", ()))
