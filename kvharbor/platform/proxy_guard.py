@@ -24,9 +24,9 @@ request the proxy forwards carries ``HINT_REQUEST`` and the gateway's answer car
 ``HINT_RESPONSE`` (the class's share of the limit, or ``pinned``, and the tenant), which the
 proxy removes before the client sees it; it asks again ``HINT_TTL_S`` after (a class changed
 in tenants.yaml applies here by then). A key not seen yet is forwarded (the gateway still
-checks everything and its own guard still applies); keys are held as digests, at most ``MAX_KEYS`` of them, least recently used first
-out. Only generation paths (completions and chat completions, under any route prefix) are
-considered; everything else passes untouched.
+checks everything and its own guard still applies); keys are held as digests, at most
+``MAX_KEYS`` of them, least recently used first out. Only generation paths (completions and
+chat completions, under any route prefix) are considered; everything else passes untouched.
 
 ``KVHARBOR_PROXY_OVERLOAD_LAG_MS`` (read when the proxy starts) sets the lag target, default
 the gateway's default; ``off`` turns the proxy's guard off (``build_app``'s
