@@ -55,7 +55,6 @@ import random
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -64,190 +63,26 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.qos_load import (MAX_TOKENS, MIX, Outcome, burst_capacity, http_client,  # noqa: E402
+                                  make_job, open_loop, poisson_jobs, rounded, run_phase, send)
 from loadtests import workload  # noqa: E402
 from loadtests.summary import percentile  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PORT = 18500
 BASE = f"http://127.0.0.1:{PORT}"
-MIX = (("premium", 0.2), ("standard", 0.4), ("batch", 0.4))
-MAX_TOKENS = {"premium": 16, "standard": 24, "batch": 32}
-MODEL = "kvharbor/tiny-llama"
 ADMIN_KEY = "kvh-demo-admin"         # tenants.yaml's demo admin key (kept in the lifted copy)
-DOCS, DOC_SENTENCES = 8, 12          # 8 shared documents of ~750 tokens
 
 
-@dataclass(slots=True)
-class Job:
-    """One request to send ``at_s`` seconds after the phase starts."""
-
-    at_s: float
-    qos: str
-    path: str
-    body: dict
-
-
-@dataclass(slots=True)
-class Outcome:
-    """What happened to one job; times are seconds since the phase started."""
-
-    qos: str
-    sent: float
-    first: float | None = None
-    end: float | None = None
-    token_times: list[float] = field(default_factory=list)
-    error: str | None = None
-    timings: dict | None = None        # the app's breakdown of its TTFT (usage chunk)
-
-    def ttft(self, cutoff: float) -> tuple[float, bool]:
-        """(TTFT seconds, censored): censored means no token by ``cutoff`` (a lower bound)."""
-        return (self.first - self.sent, False) if self.first is not None else (cutoff - self.sent, True)
-
-
-# ---- workload ------------------------------------------------------------------------------
-def make_job(qos: str, at_s: float, rng: random.Random, info: workload.TenantsInfo) -> Job:
-    base = {"model": MODEL, "max_tokens": MAX_TOKENS[qos], "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-    if qos == "premium":
-        return Job(at_s, qos, "/v1/chat/completions", {**base, "messages": workload.premium_messages(info, rng)})
-    if qos == "standard":
-        return Job(at_s, qos, "/v1/chat/completions",
-                   {**base, "messages": workload.document_question(rng, DOCS, DOC_SENTENCES)})
-    return Job(at_s, qos, "/v1/completions", {**base, "prompt": workload.batch_prompt(rng, DOCS, DOC_SENTENCES)})
-
-
-def poisson_jobs(rate: float, duration_s: float, seed: int, info, only: str | None = None) -> list[Job]:
-    """Open-loop arrivals at ``rate``/s with the MIX; ``only`` keeps one class (same times)."""
-    rng, jobs, t = random.Random(seed), [], 0.0
-    while True:
-        t += rng.expovariate(rate)
-        if t >= duration_s:
-            return jobs
-        qos = rng.choices([q for q, _ in MIX], [w for _, w in MIX])[0]
-        job = make_job(qos, t, rng, info)
-        if only is None or qos == only:
-            jobs.append(job)
-
-
+# ---- statistics ----------------------------------------------------------------------------
 def _phases(outcomes: list[Outcome]) -> dict[str, float | None]:
     """Median of each phase of the app's TTFT breakdown (queue, tokenize, admit, first_token,
     replica, hops: see ``Generation.timings_ms``) over the requests that reported one."""
     timed = [o.timings for o in outcomes if o.timings]
     keys = sorted({k for t in timed for k in t})
-    return {k: _r(percentile([t[k] for t in timed if k in t], 50)) for k in keys}
+    return {k: rounded(percentile([t[k] for t in timed if k in t], 50)) for k in keys}
 
 
-# ---- client --------------------------------------------------------------------------------
-async def send(client: httpx.AsyncClient, job: Job, t0: float, out: Outcome) -> None:
-    """Send ``job`` at its time, streaming into ``out`` (so a cancelled job keeps what it got)."""
-    await asyncio.sleep(max(0.0, t0 + job.at_s - time.perf_counter()))
-    out.sent = time.perf_counter() - t0
-    headers = {"Authorization": f"Bearer {workload.api_key(job.qos)}"}
-    chat, seen = "messages" in job.body, 0
-    try:
-        async with client.stream("POST", job.path, json=job.body, headers=headers) as resp:
-            if resp.status_code != 200:
-                out.error = f"HTTP {resp.status_code}"
-                return
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                data = json.loads(line[6:])
-                if "error" in data:
-                    out.error = data["error"].get("message", "stream error")
-                    return
-                seen += 1
-                out.timings = (data.get("kvharbor") or {}).get("timings_ms", out.timings)
-                if data.get("choices") and not (chat and seen == 1):   # chat chunk 1: role only
-                    # a chunk holds its class's stream_interval tokens; usage says how many
-                    now = time.perf_counter() - t0
-                    count = data["usage"]["completion_tokens"]
-                    out.token_times += [now] * (count - len(out.token_times))
-                    out.first = now if out.first is None else out.first
-            out.end = time.perf_counter() - t0
-    except httpx.HTTPError as e:
-        out.error = f"{type(e).__name__}: {e}"
-
-
-def _client(base: str) -> httpx.AsyncClient:
-    limits = httpx.Limits(max_connections=2000, max_keepalive_connections=2000)
-    return httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(300.0), limits=limits)
-
-
-async def open_loop(base: str, jobs: list[Job], window_s: float, grace_s: float,
-                    t0: float | None = None) -> tuple[list[Outcome], float, list[float]]:
-    """Send ``jobs`` on schedule from ``t0`` (a ``time.perf_counter()`` value, the same clock
-    in every process on this host; default: now); cancel what is left ``grace_s`` after the
-    window.
-
-    Returns (outcomes in job order, cutoff seconds since ``t0``, this client's event-loop lag
-    samples in ms: how late a 10 ms sleep woke, a send or a chunk read here waits as long).
-    """
-    outcomes = [Outcome(job.qos, job.at_s) for job in jobs]
-    lags: list[float] = []
-
-    async def tick() -> None:
-        while True:
-            before = time.perf_counter()
-            await asyncio.sleep(0.01)
-            lags.append((time.perf_counter() - before - 0.01) * 1000.0)
-
-    async with _client(base) as client:
-        t0 = time.perf_counter() if t0 is None else t0
-        ticker = asyncio.create_task(tick())
-        tasks = [asyncio.create_task(send(client, job, t0, out)) for job, out in zip(jobs, outcomes)]
-        timeout = max(0.0, t0 + window_s + grace_s - time.perf_counter())
-        _, pending = await asyncio.wait(tasks, timeout=timeout) if tasks else (set(), set())
-        cutoff = time.perf_counter() - t0
-        for task in [*pending, ticker]:
-            task.cancel()
-        await asyncio.gather(*pending, ticker, return_exceptions=True)
-    return outcomes, cutoff, lags
-
-
-def run_phase(base: str, jobs: list[Job], window_s: float, grace_s: float) -> tuple[list[Outcome], float, dict]:
-    """One phase's arrivals -> (outcomes in job order, cutoff, the client's loop lag)."""
-    outcomes, cutoff, lags = asyncio.run(open_loop(base, jobs, window_s, grace_s))
-    return outcomes, cutoff, lag_summary(lags)
-
-
-def lag_summary(lags: list[float]) -> dict:
-    return {"p50": _r(percentile(lags, 50)), "p99": _r(percentile(lags, 99)),
-            "max": _r(max(lags)) if lags else None, "n": len(lags)}
-
-
-def steady_rate(ends: list[float]) -> float:
-    """Completions per second while the pipeline is full: the rate between the first and
-    the third quartile of completion times.
-
-    A burst's first completions wait for the prompts' prefill and its last ones run nearly
-    alone (the longest outputs), so ``len(ends) / max(ends)`` counts both edges and reads
-    low; the middle half is the service rate a sustained load gets.
-    """
-    ends = sorted(ends)
-    if len(ends) < 8:
-        return len(ends) / max(ends)
-    lo, hi = len(ends) // 4, (3 * len(ends)) // 4
-    span = ends[hi] - ends[lo]
-    return (hi - lo) / span if span > 0 else len(ends) / max(ends)
-
-
-async def burst_capacity(base: str, size: int, info, timeout_s: float = 240.0) -> tuple[float, int]:
-    """Requests per second to complete a burst of ``size`` MIX requests sent at once: the
-    saturated completion rate of this deployment on this machine (``steady_rate``); and how
-    many of the burst were refused (429: the overload guard shed them, so the rate is of the
-    rest)."""
-    rng = random.Random(99)
-    qos = rng.choices([q for q, _ in MIX], [w for _, w in MIX], k=size)
-    jobs = [make_job(q, 0.0, rng, info) for q in qos]
-    outcomes, _, _ = await open_loop(base, jobs, timeout_s, 0.0)
-    ends = [o.end for o in outcomes if o.end is not None and o.error is None]
-    if not ends:
-        raise RuntimeError(f"no request of the capacity burst completed in {timeout_s:.0f} s")
-    return steady_rate(ends), sum(o.error == "HTTP 429" for o in outcomes)
-
-
-# ---- statistics ----------------------------------------------------------------------------
 def phase_stats(chunks: list[tuple[list[Outcome], float, float]]) -> dict:
     """Premium TTFT percentiles (ms), throughput, errors, per-class counts over phase chunks.
 
@@ -269,10 +104,10 @@ def phase_stats(chunks: list[tuple[list[Outcome], float, float]]) -> dict:
         first = [(o.first - o.sent) * 1000.0 for o in mine if o.first is not None]
         per_class[qos] = {"sent": len(mine), "completed": sum(o.end is not None for o in mine),
                           "http_429": sum(o.error == "HTTP 429" for o in mine),
-                          "ttft_p50_ms": _r(percentile(first, 50)), "ttft_p99_ms": _r(percentile(first, 99)),
+                          "ttft_p50_ms": rounded(percentile(first, 50)), "ttft_p99_ms": rounded(percentile(first, 99)),
                           "phases_p50_ms": _phases(mine)}
-    return {"premium_ttft_ms": {"p50": _r(percentile(ttfts, 50)), "p90": _r(percentile(ttfts, 90)),
-                                "p99": _r(p99), "n": len(ttfts), "censored": len(censored),
+    return {"premium_ttft_ms": {"p50": rounded(percentile(ttfts, 50)), "p90": rounded(percentile(ttfts, 90)),
+                                "p99": rounded(p99), "n": len(ttfts), "censored": len(censored),
                                 "p99_is_lower_bound": bool(censored and p99 is not None and p99 >= censored[0])},
             "throughput_tokens_per_s": round(tokens / total_window, 2),
             "offered_tokens_per_s": round(offered / total_window, 2),
@@ -281,9 +116,6 @@ def phase_stats(chunks: list[tuple[list[Outcome], float, float]]) -> dict:
             "error_examples": sorted({o.error for o in outcomes if o.error})[:5],
             "per_class": per_class, "windows_s": [w for _, w, _ in chunks]}
 
-
-def _r(v: float | None) -> float | None:
-    return None if v is None else round(v, 1)
 
 
 # ---- deployment ----------------------------------------------------------------------------
@@ -348,7 +180,7 @@ async def warm_up(base: str, info, timeout_s: float = 300.0) -> float:
     probe = make_job("premium", 0.0, random.Random(0), info)
     while True:
         out = Outcome("premium", 0.0)
-        async with _client(base) as client:
+        async with http_client(base) as client:
             await send(client, probe, time.perf_counter(), out)
         if out.end is not None and out.error is None:
             break
@@ -413,11 +245,11 @@ class GuardSampler:
             return {"enabled": False, "samples": len(self.samples)}
         lags = [g["loop_lag_ms"] for g in on]
         limits = [g["limit"] for g in on if g["limit"] is not None]
-        return {"enabled": True, "samples": len(on), "loop_lag_ms_p50": _r(percentile(lags, 50)),
-                "loop_lag_ms_max": _r(max(lags)),
+        return {"enabled": True, "samples": len(on), "loop_lag_ms_p50": rounded(percentile(lags, 50)),
+                "loop_lag_ms_max": rounded(max(lags)),
                 "limit_min": min(limits) if limits else None,
-                "limit_p50": _r(percentile(limits, 50)) if limits else None,
-                "limited_samples": len(limits), "in_flight_p50": _r(percentile([g["in_flight"] for g in on], 50)),
+                "limit_p50": rounded(percentile(limits, 50)) if limits else None,
+                "limited_samples": len(limits), "in_flight_p50": rounded(percentile([g["in_flight"] for g in on], 50)),
                 "shed_in_phase": on[-1]["shed_total"] - on[0]["shed_total"]}
 
 
