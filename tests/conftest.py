@@ -114,7 +114,13 @@ class RunningApp:
         return httpx.Client(base_url=self.base_url, timeout=timeout,
                             headers={"Authorization": f"Bearer {key}"})
 
-    def replica_handle(self):
+    def replica_handle(self, fresh: bool = False):
+        """Serve's cached handle of this process (one router for the session), or with
+        ``fresh`` a new one whose router syncs the replica set from the controller anew."""
+        if fresh:
+            from ray.serve.handle import DeploymentHandle
+
+            return DeploymentHandle("LLMReplica", "kvharbor")
         from ray import serve
 
         return serve.get_deployment_handle("LLMReplica", app_name="kvharbor")

@@ -116,9 +116,7 @@ def replica_call(app, method: str, timeout_s: float = 60.0) -> dict[str, dict]:
         handle = _FRESH_HANDLES[-1] if _FRESH_HANDLES else app.replica_handle()
         result = getattr(handle, method).remote(replica_id=rid).result(timeout_s=timeout_s)
         if result["replica_id"] != rid and len(_FRESH_HANDLES) < MAX_FRESH_HANDLES:
-            from ray.serve.handle import DeploymentHandle
-
-            _FRESH_HANDLES.append(DeploymentHandle("LLMReplica", "kvharbor"))
+            _FRESH_HANDLES.append(app.replica_handle(fresh=True))
             result = getattr(_FRESH_HANDLES[-1], method).remote(replica_id=rid).result(timeout_s=timeout_s)
         assert result["replica_id"] == rid, (rid, result["replica_id"])
         out[rid] = result
