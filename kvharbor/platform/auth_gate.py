@@ -13,12 +13,20 @@ A request that Serve's proxy guard forwarded (``HINT_REQUEST``) gets ``HINT_RESP
 answer, from ``scope["app"].state.guard_hint(key, path)``: the proxy learns the key's class
 from it (``proxy_guard``).
 
+Where a request's time went before the route handler (``Generation.timings_ms``): this
+middleware leaves in ``scope["state"]`` the ``perf_counter()`` instant it saw the request
+(``received_at``) and, for a request that Serve's proxy stamped (``PROXY_AT``, wall-clock
+seconds, written by ``proxy_guard``), the same clock's instant the proxy received it
+(``proxied_at``). A stamp in the future or older than ``MAX_PROXY_STAMP_S`` is ignored.
+
 This middleware sits outside ``BodyLimitMiddleware``: a wrong key gets 401 even for a body
 over the size limit. A 429 (the gateway's overload guard refusing the key's QoS class) drains
 a body within the size limit first, so the client keeps its connection.
 """
 
 from __future__ import annotations
+
+import time
 
 from kvharbor.platform.openai_protocol import error_response
 
@@ -30,6 +38,28 @@ HINT_REQUEST = b"x-kvharbor-proxy-guard"
 HINT_RESPONSE = b"x-kvharbor-guard"
 """Response header ``<share>;<tenant>`` for the proxy guard (share: the key's class's share
 of the overload limit, a float in (0, 1], or ``pinned``); the proxy removes it."""
+
+
+PROXY_AT = b"x-kvharbor-proxy-at"
+"""Request header Serve's proxy guard sets (replacing any a client sent): ``time.time()`` when
+the proxy received the request, as text."""
+MAX_PROXY_STAMP_S = 60.0
+
+
+def ingress_marks(headers) -> dict[str, float]:
+    """``received_at`` (now, ``perf_counter``) and, when ``headers`` carry a valid ``PROXY_AT``,
+    ``proxied_at`` on the same clock."""
+    received = time.perf_counter()
+    marks = {"received_at": received}
+    stamp = next((v for k, v in headers if k == PROXY_AT), None)
+    if stamp is not None:
+        try:
+            waited = time.time() - float(stamp)
+        except ValueError:
+            return marks
+        if 0.0 <= waited <= MAX_PROXY_STAMP_S:
+            marks["proxied_at"] = received - waited
+    return marks
 
 
 def encode_hint(share: float | None, tenant: str) -> bytes:
@@ -97,6 +127,8 @@ class AuthGateMiddleware:
         if scope["type"] != "http" or authenticate is None or not path.startswith(PROTECTED_PREFIXES):
             await self.app(scope, receive, send)
             return
+        state = scope.setdefault("state", {})
+        state.update(ingress_marks(scope.get("headers", ())))
         key = bearer_key(scope.get("headers", ()))
         hint = None
         if any(name == HINT_REQUEST for name, _ in scope.get("headers", ())):
@@ -117,7 +149,7 @@ class AuthGateMiddleware:
                 response.headers["connection"] = "close"       # the unread body is not drained
             await response(scope, receive, send)
             return
-        scope.setdefault("state", {})["principal"] = principal
+        state["principal"] = principal
         if hint is None:
             await self.app(scope, receive, send)
             return

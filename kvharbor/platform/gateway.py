@@ -181,6 +181,13 @@ def _bearer(request: Request) -> str | None:
     return bearer_key(request.headers)
 
 
+def ingress_of(request: Request) -> dict[str, float]:
+    """``received`` (the gateway's middleware saw the request) and ``proxied`` (Serve's proxy
+    received it), as ``perf_counter()`` instants, where ``AuthGateMiddleware`` left them."""
+    state = request.scope.get("state") or {}
+    return {name: state[f"{name}_at"] for name in ("proxied", "received") if f"{name}_at" in state}
+
+
 ADMIN = "admin"
 """The principal ``AuthGateMiddleware`` leaves for an admin key on an /admin route."""
 
@@ -329,8 +336,8 @@ class Gateway:
         principal = self._authenticate(request)
         session_id = session_header(request.headers)
         self._check_model(principal, body.model)
-        return await self._serve(principal, body, lambda: self._prompt_ids(body), False, arrived,
-                                 session_id=session_id)
+        return await self._serve(principal, body, lambda: self._prompt_ids(body), False,
+                                 {**ingress_of(request), "arrived": arrived}, session_id=session_id)
 
     @api.post("/v1/chat/completions", response_model=ChatResponse,
               responses={200: {"content": SSE}, **GENERATE_ERRORS})
@@ -346,7 +353,8 @@ class Gateway:
             truncated["tokens"] = fitted.dropped_tokens
             return fitted.token_ids
 
-        return await self._serve(principal, body, tokenize, True, arrived, session_id=session_id,
+        return await self._serve(principal, body, tokenize, True,
+                                 {**ingress_of(request), "arrived": arrived}, session_id=session_id,
                                  truncated=truncated)
 
     @api.delete("/v1/sessions/{session_id}", responses=error_responses(400, 401, 404, 503))
@@ -430,11 +438,12 @@ class Gateway:
         return {"object": "cache.flush", **filt, **await flush_everywhere(self.llm, salts, tenants)}
 
     # ---- generation ----------------------------------------------------------------------
-    async def _serve(self, principal, body, tokenize, chat: bool, arrived: float,
+    async def _serve(self, principal, body, tokenize, chat: bool, marks: dict[str, float],
                      session_id: str | None = None, truncated: dict | None = None):
-        """Queue place (before tokenizing), prompt ids, tenant limits, then the generation."""
+        """Queue place (before tokenizing), prompt ids, tenant limits, then the generation.
+        ``marks``: the ``perf_counter()`` instants so far (``arrived`` at the handler, and
+        ``received`` / ``proxied`` when known, see ``ingress_of``)."""
         tenant, qos = principal.tenant, principal.qos_name
-        marks = {"arrived": arrived}
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         await self.admitter.early(principal, rid)
         marks["queued"] = time.perf_counter()

@@ -112,8 +112,9 @@ class GenerationRun:
         self.req = requests[0]
         self.chat, self.model, self.want_logprobs = chat, model, logprobs is not None
         self.created = int(time.time())
-        # perf_counter() marks of the gateway's phases ("arrived", "queued", "tokenized",
-        # "admitted"); TTFT and latency count from "arrived", the handler's first line.
+        # perf_counter() marks of the gateway's phases ("proxied", "received", "arrived",
+        # "queued", "tokenized", "admitted"); TTFT and latency count from "arrived", the
+        # handler's first line.
         self.marks = dict(marks or {})
         self.start = self.marks.setdefault("arrived", time.perf_counter())
         self.replica_ms: float | None = None
@@ -278,15 +279,21 @@ class GenerationRun:
     def timings_ms(self) -> dict[str, float]:
         """Where this request's time to first token went, in ms (only the phases it reached).
 
-        ``queue`` (class-queue place), ``tokenize`` (prompt ids and length checks), ``admit``
-        (tenant limits), ``first_token`` (admitted -> first token at the gateway: routing, the
-        replica call and the engine), ``replica`` (the replica's share of it: its inbox,
-        scheduling and prefill), ``hops`` (``first_token`` - ``replica``: router and Ray).
+        ``proxy`` (Serve's proxy received the request -> the gateway did: the proxy's queue and
+        its call to a gateway; only behind Serve's proxy), ``parse`` (the gateway received it ->
+        its route handler ran: reading, parsing and validating the body), ``queue``
+        (class-queue place), ``tokenize`` (prompt ids and length checks), ``admit`` (tenant
+        limits), ``first_token`` (admitted -> first token at the gateway: routing, the replica
+        call and the engine), ``replica`` (the replica's share of it: its inbox, scheduling and
+        prefill), ``hops`` (``first_token`` - ``replica``: router and Ray).
         """
-        m, out, prev = self.marks, {}, self.marks["arrived"]
-        for phase, mark in (("queue", "queued"), ("tokenize", "tokenized"), ("admit", "admitted")):
+        m, out, prev = self.marks, {}, None
+        for mark, phase in (("proxied", None), ("received", "proxy"), ("arrived", "parse"),
+                            ("queued", "queue"), ("tokenized", "tokenize"), ("admitted", "admit")):
             if mark in m:
-                out[phase], prev = round((m[mark] - prev) * 1000, 3), m[mark]
+                if prev is not None:                 # a phase ends at each mark after the first
+                    out[phase] = round((m[mark] - prev) * 1000, 3)
+                prev = m[mark]
         if self.first_token_at is not None and "admitted" in m:
             out["first_token"] = round((self.first_token_at - m["admitted"]) * 1000, 3)
             if self.replica_ms is not None:

@@ -241,7 +241,9 @@ class Usage(BaseModel):
 class KvharborInfo(BaseModel):
     replica_id: str | None = Field(description="The LLM replica that served the request.")
     timings_ms: dict[str, float] | None = Field(
-        None, description="Where the time to first token went, in ms: queue (class-queue place), "
+        None, description="Where the time to first token went, in ms: proxy (Serve's proxy -> "
+                          "the gateway, behind Serve's proxy only), parse (reading and validating "
+                          "the body), queue (class-queue place), "
                           "tokenize, admit (tenant limits), first_token (admitted -> first token), "
                           "replica (the replica's share of first_token), hops (router and Ray calls). "
                           "On the response, or the usage chunk of a stream.")

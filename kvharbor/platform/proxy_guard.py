@@ -28,6 +28,10 @@ checks everything and its own guard still applies); keys are held as digests, at
 ``MAX_KEYS`` of them, least recently used first out. Only generation paths (completions and
 chat completions, under any route prefix) are considered; everything else passes untouched.
 
+Every generation request the proxy forwards carries ``PROXY_AT`` (when the proxy received
+it; a client's own value is replaced), guard on or off: the gateway reports the wait between
+the proxy and itself as the ``proxy`` phase of ``kvharbor.timings_ms``.
+
 ``KVHARBOR_PROXY_OVERLOAD_LAG_MS`` (read when the proxy starts) sets the lag target, default
 the gateway's default; ``off`` turns the proxy's guard off (``build_app``'s
 ``overload_lag_ms=null`` does, for a cluster it starts).
@@ -42,8 +46,8 @@ import os
 import time
 from collections import OrderedDict
 
-from kvharbor.platform.auth_gate import (GENERATION_PATHS, HINT_REQUEST, HINT_RESPONSE, bearer_key,
-                                         decode_hint, drained)
+from kvharbor.platform.auth_gate import (GENERATION_PATHS, HINT_REQUEST, HINT_RESPONSE, PROXY_AT,
+                                         bearer_key, decode_hint, drained)
 from kvharbor.platform.openai_protocol import APIError
 from kvharbor.platform.ingress import PROXY_LAG_VAR as LAG_VAR
 from kvharbor.platform.overload_guard import DEFAULT_LAG_TARGET_MS, SHED_HEADER, WINDOW_S, OverloadGuard
@@ -82,6 +86,12 @@ def lag_target_ms(environ=os.environ) -> float | None:
     return value
 
 
+def stamped(scope: dict) -> dict:
+    """``scope`` with its ``PROXY_AT`` header set to now (any other value removed)."""
+    headers = [(k, v) for k, v in scope.get("headers", ()) if k != PROXY_AT]
+    return dict(scope, headers=[*headers, (PROXY_AT, f"{time.time():.6f}".encode())])
+
+
 class ProxyGuardMiddleware:
     """Pure ASGI middleware around Serve's proxy app; one guard per proxy process."""
 
@@ -94,8 +104,12 @@ class ProxyGuardMiddleware:
         self.echo_until = 0.0          # ... until then (time.monotonic())
 
     async def __call__(self, scope, receive, send) -> None:
-        if (not self.guard.enabled or scope["type"] != "http" or scope.get("method") != "POST"
+        if (scope["type"] != "http" or scope.get("method") != "POST"
                 or not scope.get("path", "").endswith(GENERATION_PATHS)):
+            await self.app(scope, receive, send)
+            return
+        scope = stamped(scope)
+        if not self.guard.enabled:
             await self.app(scope, receive, send)
             return
         key = bearer_key(scope.get("headers", ()))

@@ -5,13 +5,14 @@ premium, and the gateway tells it the class only when asked."""
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 import httpx
 import pytest
 
-from kvharbor.platform.auth_gate import (HINT_REQUEST, HINT_RESPONSE, AuthGateMiddleware,
-                                         decode_hint, encode_hint)
+from kvharbor.platform.auth_gate import (HINT_REQUEST, HINT_RESPONSE, PROXY_AT, AuthGateMiddleware,
+                                         decode_hint, encode_hint, ingress_marks)
 from kvharbor.platform.ingress import PROXY_CALLBACK, PROXY_GUARD, PROXY_LAG_VAR, apply_ingress
 from kvharbor.platform.overload_guard import SHED_HEADER
 from kvharbor.platform.proxy_guard import ECHO_S, HINT_TTL_S, ProxyGuardMiddleware, lag_target_ms
@@ -26,6 +27,7 @@ class Gateway:
 
     def __init__(self) -> None:
         self.reached: list[tuple[str, bool]] = []
+        self.stamps: list[list[bytes]] = []   # the PROXY_AT values of each request that reached it
         self.release = asyncio.Event()
         self.shedding: set[str] = set()      # keys its own guard refuses (429 overloaded)
         self.limiting: set[str] = set()      # keys over their tenant's rate limit (429)
@@ -34,6 +36,7 @@ class Gateway:
         headers = dict(scope["headers"])
         key = headers.get(b"authorization", b"").decode()[7:]
         self.reached.append((key, HINT_REQUEST in headers))
+        self.stamps.append([v for k, v in scope["headers"] if k == PROXY_AT])
         while (await receive()).get("more_body"):
             pass
         await self.release.wait()
@@ -201,6 +204,40 @@ def test_unknown_keys_other_paths_and_failures_pass_through_and_release_their_sl
 
     drive(mw, failing)
     assert mw.guard.in_flight == 0
+
+
+@pytest.mark.parametrize("guard_on", [True, False])
+def test_the_proxy_stamps_when_it_received_each_generation_request(guard_on):
+    """One ``PROXY_AT`` per forwarded generation request, the proxy's own clock (a client's
+    value is dropped), with the guard on or off; other paths are not stamped."""
+    gateway = Gateway()
+    mw = proxy(gateway) if guard_on else ProxyGuardMiddleware(gateway, lag_ms=None)
+    assert mw.guard.enabled is guard_on
+
+    async def scenario(client):
+        gateway.release.set()
+        before = time.time()
+        await client.post("/app/v1/completions", json={}, headers={
+            "Authorization": "Bearer standard-key", PROXY_AT.decode(): "1.0"})
+        await client.get("/app/v1/models", headers={"Authorization": "Bearer standard-key"})
+        return before, time.time()
+
+    before, after = drive(mw, scenario)
+    generation, models = gateway.stamps
+    assert len(generation) == 1 and before <= float(generation[0]) <= after
+    assert models == []
+
+
+def test_the_gateway_marks_when_the_proxy_and_it_received_the_request():
+    """``ingress_marks``: ``proxied_at`` a stamp's age before ``received_at``, on the
+    perf_counter clock; no stamp, a garbled, future or stale one gives no ``proxied_at``."""
+    now = time.time()
+    marks = ingress_marks([(PROXY_AT, f"{now - 0.25:.6f}".encode())])
+    assert 0.25 <= marks["received_at"] - marks["proxied_at"] < 0.35
+    assert abs(marks["received_at"] - time.perf_counter()) < 0.1
+    for headers in ([], [(PROXY_AT, b"soon")], [(PROXY_AT, f"{now + 5:.6f}".encode())],
+                    [(PROXY_AT, f"{now - 120:.6f}".encode())]):
+        assert set(ingress_marks(headers)) == {"received_at"}, headers
 
 
 def test_the_gateway_sends_the_hint_only_when_the_proxy_asks():
