@@ -13,6 +13,13 @@ A request that Serve's proxy guard forwarded (``HINT_REQUEST``) gets ``HINT_RESP
 answer, from ``scope["app"].state.guard_hint(key, path)``: the proxy learns the key's class
 from it (``proxy_guard``).
 
+A request's body can come inside its scope: Serve's proxy guard reads a small body itself
+and sends it with the request (``scope["extensions"][BODY_IN_SCOPE]``), so the gateway does
+not call the proxy back for it (Serve's replica fetches a body from the proxy actor with one
+more Ray call, which waits behind everything else a busy proxy does). This middleware then
+answers the handler's first ``receive()`` with that body and drops the empty
+``http.request`` the proxy still forwards; a disconnect comes through as before.
+
 Where a request's time went before the route handler (``Generation.timings_ms``): this
 middleware leaves in ``scope["state"]`` the ``perf_counter()`` instant it saw the request
 (``received_at``) and, for a request that Serve's proxy stamped (``PROXY_AT``, wall-clock
@@ -44,6 +51,28 @@ PROXY_AT = b"x-kvharbor-proxy-at"
 """Request header Serve's proxy guard sets (replacing any a client sent): ``time.time()`` when
 the proxy received the request, as text."""
 MAX_PROXY_STAMP_S = 60.0
+BODY_IN_SCOPE = "kvharbor.body"
+"""``scope["extensions"]`` key of a request body that Serve's proxy guard read (bytes)."""
+
+
+def body_from_scope(scope, receive):
+    """``receive``, or, when ``scope`` carries the body (``BODY_IN_SCOPE``), a receive that
+    gives that body first and then only what is not a body message (a disconnect)."""
+    body = (scope.get("extensions") or {}).get(BODY_IN_SCOPE)
+    if body is None:
+        return receive
+    pending = True
+
+    async def receive_body():
+        nonlocal pending
+        if pending:
+            pending = False
+            return {"type": "http.request", "body": body, "more_body": False}
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return message
+    return receive_body
 
 
 def ingress_marks(headers) -> dict[str, float]:
@@ -122,6 +151,8 @@ class AuthGateMiddleware:
         self.app = app
 
     async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            receive = body_from_scope(scope, receive)
         authenticate = getattr(getattr(scope.get("app"), "state", None), "authenticate", None)
         path = route_path(scope)
         if scope["type"] != "http" or authenticate is None or not path.startswith(PROTECTED_PREFIXES):

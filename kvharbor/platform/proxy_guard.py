@@ -28,6 +28,11 @@ checks everything and its own guard still applies); keys are held as digests, at
 ``MAX_KEYS`` of them, least recently used first out. Only generation paths (completions and
 chat completions, under any route prefix) are considered; everything else passes untouched.
 
+A generation request's body (up to ``MAX_BODY_IN_SCOPE``, with a Content-Length) is read here
+and sent inside the request's scope (``auth_gate.BODY_IN_SCOPE``): otherwise the gateway
+fetches it with a Ray call back to this proxy, which under load waits behind the proxy's
+other work (50-200 ms for premium requests in a 2x flood here, ``timings_ms.parse``).
+
 Every generation request the proxy forwards carries ``PROXY_AT`` (when the proxy received
 it; a client's own value is replaced), guard on or off: the gateway reports the wait between
 the proxy and itself as the ``proxy`` phase of ``kvharbor.timings_ms``.
@@ -46,8 +51,8 @@ import os
 import time
 from collections import OrderedDict
 
-from kvharbor.platform.auth_gate import (GENERATION_PATHS, HINT_REQUEST, HINT_RESPONSE, PROXY_AT,
-                                         bearer_key, decode_hint, drained)
+from kvharbor.platform.auth_gate import (BODY_IN_SCOPE, GENERATION_PATHS, HINT_REQUEST, HINT_RESPONSE,
+                                         PROXY_AT, bearer_key, decode_hint, drained)
 from kvharbor.platform.openai_protocol import APIError
 from kvharbor.platform.ingress import PROXY_LAG_VAR as LAG_VAR
 from kvharbor.platform.overload_guard import DEFAULT_LAG_TARGET_MS, SHED_HEADER, WINDOW_S, OverloadGuard
@@ -86,6 +91,49 @@ def lag_target_ms(environ=os.environ) -> float | None:
     return value
 
 
+MAX_BODY_IN_SCOPE = 1 << 20
+"""Bodies up to this many bytes travel in the scope; larger or chunked ones stream as before."""
+
+
+def content_length(scope: dict) -> int | None:
+    value = next((v for k, v in scope.get("headers", ()) if k == b"content-length"), None)
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+async def with_body_in_scope(scope: dict, receive):
+    """(scope, receive) for the downstream app: a body of at most ``MAX_BODY_IN_SCOPE`` bytes
+    read now and put in the scope, and a receive that gives an empty body, then the
+    client's messages (its disconnect). Anything else is passed on untouched."""
+    length = content_length(scope)
+    if length is None or length > MAX_BODY_IN_SCOPE:
+        return scope, receive
+    chunks, first = [], None
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":            # the client left mid-body
+            first = message
+            break
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            break
+    if first is None:
+        extensions = {**(scope.get("extensions") or {}), BODY_IN_SCOPE: b"".join(chunks)}
+        scope = dict(scope, extensions=extensions)
+        first = {"type": "http.request", "body": b"", "more_body": False}
+    pending = True
+
+    async def replay():
+        nonlocal pending
+        if pending:
+            pending = False
+            return first
+        return await receive()
+    return scope, replay
+
+
 def stamped(scope: dict) -> dict:
     """``scope`` with its ``PROXY_AT`` header set to now (any other value removed)."""
     headers = [(k, v) for k, v in scope.get("headers", ()) if k != PROXY_AT]
@@ -109,12 +157,9 @@ class ProxyGuardMiddleware:
             await self.app(scope, receive, send)
             return
         scope = stamped(scope)
-        if not self.guard.enabled:
-            await self.app(scope, receive, send)
-            return
         key = bearer_key(scope.get("headers", ()))
-        if key is None:
-            await self.app(scope, receive, send)
+        if not self.guard.enabled or key is None:
+            await self.app(*await with_body_in_scope(scope, receive), send)
             return
         digest = hashlib.blake2b(key.encode(), digest_size=16).digest()
         hint = self.hints.get(digest)
@@ -138,7 +183,7 @@ class ProxyGuardMiddleware:
             await send(message)
 
         try:
-            await self.app(scope, receive, relay)
+            await self.app(*await with_body_in_scope(scope, receive), relay)
         finally:
             self.guard.leave(rid)
 

@@ -11,8 +11,9 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from kvharbor.platform.auth_gate import (HINT_REQUEST, HINT_RESPONSE, PROXY_AT, AuthGateMiddleware,
-                                         decode_hint, encode_hint, ingress_marks)
+from kvharbor.platform.auth_gate import (BODY_IN_SCOPE, HINT_REQUEST, HINT_RESPONSE, PROXY_AT,
+                                         AuthGateMiddleware, body_from_scope, decode_hint, encode_hint,
+                                         ingress_marks)
 from kvharbor.platform.ingress import PROXY_CALLBACK, PROXY_GUARD, PROXY_LAG_VAR, apply_ingress
 from kvharbor.platform.overload_guard import SHED_HEADER
 from kvharbor.platform.proxy_guard import ECHO_S, HINT_TTL_S, ProxyGuardMiddleware, lag_target_ms
@@ -238,6 +239,103 @@ def test_the_gateway_marks_when_the_proxy_and_it_received_the_request():
     for headers in ([], [(PROXY_AT, b"soon")], [(PROXY_AT, f"{now + 5:.6f}".encode())],
                     [(PROXY_AT, f"{now - 120:.6f}".encode())]):
         assert set(ingress_marks(headers)) == {"received_at"}, headers
+
+
+class Downstream:
+    """Stands for Serve's proxy app behind the guard: records the scope and every message
+    its receive gives until the body ends, answers 200."""
+
+    def __init__(self) -> None:
+        self.scopes: list[dict] = []
+        self.messages: list[dict] = []
+
+    async def __call__(self, scope, receive, send) -> None:
+        self.scopes.append(scope)
+        while True:
+            message = await receive()
+            self.messages.append(message)
+            if not message.get("more_body"):
+                break
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+
+@pytest.mark.parametrize("guard_on", [True, False])
+def test_the_proxy_sends_a_small_body_inside_the_scope(guard_on, monkeypatch):
+    """A generation body up to MAX_BODY_IN_SCOPE rides in the scope and the downstream
+    receive gives an empty body (no call back to the proxy for it); a bigger one streams as
+    before; other paths are untouched."""
+    import kvharbor.platform.proxy_guard as pg
+
+    down = Downstream()
+    mw = proxy(down) if guard_on else ProxyGuardMiddleware(down, lag_ms=None)
+    monkeypatch.setattr(pg, "MAX_BODY_IN_SCOPE", 4000)
+    small, big = b'{"prompt": "' + b"x" * 100 + b'"}', b'{"prompt": "' + b"y" * 5000 + b'"}'
+
+    async def scenario(client):
+        auth = {"Authorization": "Bearer standard-key", "content-type": "application/json"}
+        for body, path in ((small, "/app/v1/completions"), (big, "/app/v1/chat/completions"),
+                           (small, "/app/v1/sessions")):
+            assert (await client.post(path, content=body, headers=auth)).status_code == 200
+
+    drive(mw, scenario)
+    inside, streamed, other = down.scopes
+    assert inside["extensions"][BODY_IN_SCOPE] == small
+    assert down.messages[0] == {"type": "http.request", "body": b"", "more_body": False}
+    assert BODY_IN_SCOPE not in (streamed.get("extensions") or {})
+    assert BODY_IN_SCOPE not in (other.get("extensions") or {})
+    assert b"".join(m.get("body", b"") for m in down.messages[1:]) == big + small
+
+
+def test_the_gateway_reads_a_body_from_the_scope_and_still_sees_a_disconnect():
+    """``body_from_scope``: the scope's body first, the proxy's empty body dropped, then the
+    client's disconnect; without a body in the scope, receive is left as it is."""
+    sent = [{"type": "http.request", "body": b"", "more_body": False}, {"type": "http.disconnect"}]
+
+    async def receive():
+        return sent.pop(0)
+
+    async def scenario():
+        wrapped = body_from_scope({"extensions": {BODY_IN_SCOPE: b'{"a": 1}'}}, receive)
+        return await wrapped(), await wrapped()
+
+    body, after = asyncio.run(scenario())
+    assert body == {"type": "http.request", "body": b'{"a": 1}', "more_body": False}
+    assert after == {"type": "http.disconnect"} and sent == []
+    assert body_from_scope({"extensions": {}}, receive) is receive
+    assert body_from_scope({}, receive) is receive
+
+
+def test_a_body_in_the_scope_reaches_the_handler_through_the_gateway():
+    """Proxy guard -> AuthGateMiddleware -> a Starlette handler that reads JSON: the handler
+    gets the client's body, which came in the scope (the downstream receive's body is empty)."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    bodies: list = []
+
+    async def completions(request):
+        bodies.append(await request.json())
+        return JSONResponse({"ok": True})
+
+    app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
+    app.state.authenticate = lambda key, path: SimpleNamespace(tenant="globex")
+    app.add_middleware(AuthGateMiddleware)
+    received: list = []
+
+    async def serve_like(scope, receive, send):          # Serve's proxy + replica, no Ray
+        async def recorded():
+            message = await receive()
+            received.append(message)
+            return message
+        await app(scope, recorded, send)
+
+    mw = ProxyGuardMiddleware(serve_like, lag_ms=None)
+    answer = drive(mw, lambda client: client.post("/v1/completions", json={"prompt": "hello"},
+                                                  headers={"Authorization": "Bearer k"}))
+    assert answer.status_code == 200 and bodies == [{"prompt": "hello"}]
+    assert all(m.get("body", b"") == b"" for m in received)
 
 
 def test_the_gateway_sends_the_hint_only_when_the_proxy_asks():
