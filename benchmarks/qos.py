@@ -83,6 +83,28 @@ def _phases(outcomes: list[Outcome]) -> dict[str, float | None]:
     return {k: rounded(percentile([t[k] for t in timed if k in t], 50)) for k in keys}
 
 
+APP_PHASES = ("proxy", "parse", "queue", "tokenize", "admit", "first_token")
+"""The phases of ``timings_ms`` that follow one another from Serve's proxy to the first token
+at the gateway (``replica`` and ``hops`` split ``first_token``)."""
+
+
+def _tail_phases(outcomes: list[Outcome]) -> dict[str, float | None]:
+    """Mean of each phase over the requests whose client TTFT is at or above its p90, plus
+    ``outside``: the client's TTFT minus the app's phases (HTTP, the ingress before it
+    stamps, the first token's way back)."""
+    timed = [o for o in outcomes if o.timings and o.first is not None]
+    if not timed:
+        return {}
+    cut = percentile([o.first - o.sent for o in timed], 90)
+    tail = [o for o in timed if o.first - o.sent >= cut]
+    keys = sorted({k for o in tail for k in o.timings})
+    out = {k: rounded(sum(o.timings.get(k, 0.0) for o in tail) / len(tail)) for k in keys}
+    out["outside"] = rounded(sum((o.first - o.sent) * 1000.0 - sum(o.timings.get(k, 0.0) for k in APP_PHASES)
+                                 for o in tail) / len(tail))
+    out["n"] = len(tail)
+    return out
+
+
 def phase_stats(chunks: list[tuple[list[Outcome], float, float]]) -> dict:
     """Premium TTFT percentiles (ms), throughput, errors, per-class counts over phase chunks.
 
@@ -105,7 +127,8 @@ def phase_stats(chunks: list[tuple[list[Outcome], float, float]]) -> dict:
         per_class[qos] = {"sent": len(mine), "completed": sum(o.end is not None for o in mine),
                           "http_429": sum(o.error == "HTTP 429" for o in mine),
                           "ttft_p50_ms": rounded(percentile(first, 50)), "ttft_p99_ms": rounded(percentile(first, 99)),
-                          "phases_p50_ms": _phases(mine)}
+                          "phases_p50_ms": _phases(mine),
+                          "phases_slowest_10pct_mean_ms": _tail_phases(mine)}
     return {"premium_ttft_ms": {"p50": rounded(percentile(ttfts, 50)), "p90": rounded(percentile(ttfts, 90)),
                                 "p99": rounded(p99), "n": len(ttfts), "censored": len(censored),
                                 "p99_is_lower_bound": bool(censored and p99 is not None and p99 >= censored[0])},
@@ -220,12 +243,27 @@ class GuardSampler:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def __enter__(self) -> "GuardSampler":
+        self._admitted_before = self._admitted()
         self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
+        time.sleep(0.5)                 # the gateways' next grant sync reports their fast lane
+        after = self._admitted()
+        self.admissions = {t: {k: n - self._admitted_before.get(t, {}).get(k, 0) for k, n in c.items()}
+                           for t, c in after.items()}
+
+    def _admitted(self) -> dict:
+        """Per tenant: requests admitted so far, and of them by a gateway's fast lane."""
+        try:
+            tenants = httpx.get(f"{self.base}/admin/tenants", timeout=10.0,
+                                headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()["tenants"]
+        except (httpx.HTTPError, ValueError, KeyError):
+            return {}
+        return {t: {"total": v["usage"].get("admitted_total", 0),
+                    "fast_lane": v["usage"].get("admitted_fast_lane", 0)} for t, v in tenants.items()}
 
     def _run(self) -> None:
         headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -292,7 +330,7 @@ def run_all(args, info, tenants: Path) -> tuple[dict, float, dict]:
             with GuardSampler(base_url(mode)) as sampler:
                 outcomes, cutoff, lag = run_phase(base_url(mode), jobs, window, args.grace_s)
             chunks[mode][phase].append((outcomes, window, cutoff))
-            guards[mode][phase].append(sampler.summary())
+            guards[mode][phase].append({**sampler.summary(), "admitted": sampler.admissions})
             client_lag[mode][phase].append(lag)
             print(f"  {phase:8} {mode:8} pass {i // len(args.modes)}: {len(jobs)} requests", flush=True)
             time.sleep(2.0)
@@ -357,6 +395,8 @@ def table(modes: dict, ver: dict, rate: float) -> str:
         for qos, c in res["overload"]["per_class"].items():
             rows.append(f"  {mode:9} {qos:9} " + " ".join(f"{k} {v}" for k, v in c["phases_p50_ms"].items())
                         + f"  (429: {c['http_429']} of {c['sent']})")
+            rows.append(f"  {'':9} {'':9} slowest 10 %, mean: "
+                        + " ".join(f"{k} {v}" for k, v in c["phases_slowest_10pct_mean_ms"].items()))
     rows.append("the gateway's overload guard under overload, per pass (sampled once a second):")
     for mode, res in modes.items():
         for i, g in enumerate(res["overload"]["overload_guard_by_pass"]):
