@@ -28,10 +28,12 @@ checks everything and its own guard still applies); keys are held as digests, at
 ``MAX_KEYS`` of them, least recently used first out. Only generation paths (completions and
 chat completions, under any route prefix) are considered; everything else passes untouched.
 
-A generation request's body (up to ``MAX_BODY_IN_SCOPE``, with a Content-Length) is read here
-and sent inside the request's scope (``auth_gate.BODY_IN_SCOPE``): otherwise the gateway
-fetches it with a Ray call back to this proxy, which under load waits behind the proxy's
-other work (50-200 ms for premium requests in a 2x flood here, ``timings_ms.parse``).
+The body of a generation request whose key a gateway has vouched for (a hint is held; up to
+``MAX_BODY_IN_SCOPE``, with a Content-Length) is read here and sent inside the request's scope
+(``auth_gate.BODY_IN_SCOPE``): otherwise the gateway fetches it with a Ray call back to this
+proxy, which under load waits behind the proxy's other work (50-200 ms for premium requests in
+a 2x flood here, ``timings_ms.parse``). Any other request streams its body as before, so a
+wrong key still gets its 401 before a byte of its body is read.
 
 Every generation request the proxy forwards carries ``PROXY_AT`` (when the proxy received
 it; a client's own value is replaced), guard on or off: the gateway reports the wait between
@@ -159,7 +161,7 @@ class ProxyGuardMiddleware:
         scope = stamped(scope)
         key = bearer_key(scope.get("headers", ()))
         if not self.guard.enabled or key is None:
-            await self.app(*await with_body_in_scope(scope, receive), send)
+            await self.app(scope, receive, send)
             return
         digest = hashlib.blake2b(key.encode(), digest_size=16).digest()
         hint = self.hints.get(digest)
@@ -183,7 +185,9 @@ class ProxyGuardMiddleware:
             await send(message)
 
         try:
-            await self.app(*await with_body_in_scope(scope, receive), relay)
+            if hint is not None:             # a gateway knows this key: its body can come along
+                scope, receive = await with_body_in_scope(scope, receive)
+            await self.app(scope, receive, relay)
         finally:
             self.guard.leave(rid)
 

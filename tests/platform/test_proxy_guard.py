@@ -243,7 +243,7 @@ def test_the_gateway_marks_when_the_proxy_and_it_received_the_request():
 
 class Downstream:
     """Stands for Serve's proxy app behind the guard: records the scope and every message
-    its receive gives until the body ends, answers 200."""
+    its receive gives until the body ends, answers 200 (with the key's hint when asked)."""
 
     def __init__(self) -> None:
         self.scopes: list[dict] = []
@@ -256,35 +256,43 @@ class Downstream:
             self.messages.append(message)
             if not message.get("more_body"):
                 break
-        await send({"type": "http.response.start", "status": 200, "headers": []})
+        headers = dict(scope["headers"])
+        key = headers.get(b"authorization", b"").decode()[7:]
+        hint = [(HINT_RESPONSE, HINTS[key])] if HINT_REQUEST in headers and key in HINTS else []
+        await send({"type": "http.response.start", "status": 200, "headers": hint})
         await send({"type": "http.response.body", "body": b"{}"})
 
 
 @pytest.mark.parametrize("guard_on", [True, False])
-def test_the_proxy_sends_a_small_body_inside_the_scope(guard_on, monkeypatch):
-    """A generation body up to MAX_BODY_IN_SCOPE rides in the scope and the downstream
-    receive gives an empty body (no call back to the proxy for it); a bigger one streams as
-    before; other paths are untouched."""
+def test_the_proxy_sends_a_small_body_of_a_known_key_inside_the_scope(guard_on, monkeypatch):
+    """Once a gateway has vouched for the key (its hint), a generation body up to
+    MAX_BODY_IN_SCOPE rides in the scope and the downstream receive gives an empty body (no
+    call back to the proxy for it). A key not known yet, a bigger body, another path, or the
+    guard turned off: the body streams as before (the gateway checks the key first)."""
     import kvharbor.platform.proxy_guard as pg
 
     down = Downstream()
     mw = proxy(down) if guard_on else ProxyGuardMiddleware(down, lag_ms=None)
     monkeypatch.setattr(pg, "MAX_BODY_IN_SCOPE", 4000)
     small, big = b'{"prompt": "' + b"x" * 100 + b'"}', b'{"prompt": "' + b"y" * 5000 + b'"}'
+    sends = ((small, "/app/v1/completions"), (small, "/app/v1/completions"),
+             (big, "/app/v1/chat/completions"), (small, "/app/v1/sessions"))
 
     async def scenario(client):
         auth = {"Authorization": "Bearer standard-key", "content-type": "application/json"}
-        for body, path in ((small, "/app/v1/completions"), (big, "/app/v1/chat/completions"),
-                           (small, "/app/v1/sessions")):
+        for body, path in sends:
             assert (await client.post(path, content=body, headers=auth)).status_code == 200
 
     drive(mw, scenario)
-    inside, streamed, other = down.scopes
-    assert inside["extensions"][BODY_IN_SCOPE] == small
-    assert down.messages[0] == {"type": "http.request", "body": b"", "more_body": False}
-    assert BODY_IN_SCOPE not in (streamed.get("extensions") or {})
-    assert BODY_IN_SCOPE not in (other.get("extensions") or {})
-    assert b"".join(m.get("body", b"") for m in down.messages[1:]) == big + small
+    in_scope = [BODY_IN_SCOPE in (scope.get("extensions") or {}) for scope in down.scopes]
+    streamed = b"".join(m.get("body", b"") for m in down.messages)
+    if guard_on:
+        assert in_scope == [False, True, False, False]
+        assert down.scopes[1]["extensions"][BODY_IN_SCOPE] == small
+        assert down.messages[1] == {"type": "http.request", "body": b"", "more_body": False}
+        assert streamed == small + big + small
+    else:
+        assert in_scope == [False] * 4 and streamed == b"".join(body for body, _ in sends)
 
 
 def test_the_gateway_reads_a_body_from_the_scope_and_still_sees_a_disconnect():
@@ -321,6 +329,7 @@ def test_a_body_in_the_scope_reaches_the_handler_through_the_gateway():
 
     app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
     app.state.authenticate = lambda key, path: SimpleNamespace(tenant="globex")
+    app.state.guard_hint = lambda key, path: encode_hint(1.0, "globex")
     app.add_middleware(AuthGateMiddleware)
     received: list = []
 
@@ -331,11 +340,20 @@ def test_a_body_in_the_scope_reaches_the_handler_through_the_gateway():
             return message
         await app(scope, recorded, send)
 
-    mw = ProxyGuardMiddleware(serve_like, lag_ms=None)
-    answer = drive(mw, lambda client: client.post("/v1/completions", json={"prompt": "hello"},
-                                                  headers={"Authorization": "Bearer k"}))
-    assert answer.status_code == 200 and bodies == [{"prompt": "hello"}]
-    assert all(m.get("body", b"") == b"" for m in received)
+    mw = proxy(serve_like)
+
+    async def scenario(client):
+        answers = []
+        for prompt in ("learn", "hello"):          # the first answer teaches the proxy the key
+            received.clear()
+            answers.append(await client.post("/v1/completions", json={"prompt": prompt},
+                                             headers={"Authorization": "Bearer k"}))
+        return answers
+
+    learn, answer = drive(mw, scenario)
+    assert learn.status_code == answer.status_code == 200
+    assert bodies == [{"prompt": "learn"}, {"prompt": "hello"}]
+    assert all(m.get("body", b"") == b"" for m in received)       # the second came in the scope
 
 
 def test_the_gateway_sends_the_hint_only_when_the_proxy_asks():
