@@ -112,6 +112,7 @@ class _TenantState:
     admitted_fast_lane: int = 0  # of admitted_total: admitted by a gateway from its grant
     granted_requests: int = 0   # request units held by gateways' grants (sum over holders)
     granted_tokens: int = 0     # token units held by gateways' grants
+    top_up_after: float = 0.0   # no grant top-ups before this (a recall's retry comes first)
 
 
 @dataclass(slots=True)
@@ -169,6 +170,10 @@ class GrantAnswer:
 
 
 GRANT_SHARE = 2
+RECALL_HOLD_S = 1.0
+"""After a refusal recalled idle grants, no grant of that tenant is topped up for this long, so
+the units given back are still there when the refused request retries (the gateway's
+``RECALL_WAIT_S`` later) instead of going straight back into a grant."""
 """A grant takes at most 1/GRANT_SHARE of what a limit has left, so a gateway never holds a
 limit's last units: near a limit every admission goes through the controller (exact)."""
 
@@ -228,6 +233,7 @@ class AdmissionController:
             if denial is not None:
                 st.rejected[denial.limit] = st.rejected.get(denial.limit, 0) + 1
                 if denial.status == 429 and self._recall(tenant, st, lim, cost):
+                    st.top_up_after = now + RECALL_HOLD_S
                     denial = replace(denial, recalled=True)
                 return denial
             st.in_flight += 1
@@ -346,7 +352,12 @@ class AdmissionController:
             if grant.requests == grant.tokens == grant.slots == 0:
                 del grants[r.tenant]
             return GrantAnswer(r.tenant, recall=True)
-        # Top-up.
+        # Top-up (none while a recalled request has yet to retry).
+        if now < st.top_up_after:
+            grant.idle = r.idle
+            if grant.requests == grant.tokens == grant.slots == 0:
+                del grants[r.tenant]
+            return GrantAnswer(r.tenant)
         add_r = _share(r.want_requests, None if st.requests is None else st.requests.level)
         budget_left = (None if lim.daily_token_budget is None
                        else lim.daily_token_budget - st.tokens_today)

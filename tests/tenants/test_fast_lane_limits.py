@@ -221,3 +221,28 @@ def test_premiums_idle_places_neither_shed_nor_are_recalled_by_a_lower_class():
         assert_books_balance(cluster, [a, b])
 
     run(scenario())
+
+
+def test_units_a_recall_brought_back_wait_for_the_refused_request():
+    """A refusal that recalls a gateway's idle grant holds that tenant's top-ups for
+    RECALL_HOLD_S: the gateway's give-back and its next ask come in one sync round, and the
+    ask must not take back half of what the refused request's retry needs."""
+    from kvharbor.tenants.limits import RECALL_HOLD_S, AdmissionController, GrantReport, TenantLimits
+
+    clock = [1000.0]
+    ctl = AdmissionController(clock=lambda: clock[0])
+    lim = TenantLimits(tokens_per_minute=100)
+    first = ctl.sync_grants("g1", [GrantReport("acme", lim, want_tokens=50)], seq=1)
+    assert first[0].tokens == 50                                 # half of the bucket
+    assert ctl.try_admit("acme", lim, 40, 0).ok                      # 10 left in the bucket
+    refused = ctl.try_admit("acme", lim, 40, 0)
+    assert not refused.ok and refused.recalled                       # g1 holds 50 idle
+    back = ctl.sync_grants("g1", [GrantReport("acme", lim, back_tokens=50, held=True)], seq=2)
+    assert back[0].recall
+    # g1 holds nothing now (held False, as its lane reports then) and asks again
+    ask = ctl.sync_grants("g1", [GrantReport("acme", lim, want_tokens=50)], seq=3)
+    assert ask[0].known and ask[0].tokens == 0                       # held for the retry
+    assert ctl.try_admit("acme", lim, 40, 0).ok                      # the retry: 60 >= 40
+    clock[0] += RECALL_HOLD_S
+    later = ctl.sync_grants("g1", [GrantReport("acme", lim, want_tokens=50)], seq=4)
+    assert later[0].known and later[0].tokens == 10                  # half of what is left
