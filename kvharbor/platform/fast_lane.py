@@ -22,8 +22,9 @@ grant does not make another gateway refuse what the limit allows: grants never t
 half of what a limit has left, and a request the actors refuse while some gateway kept units
 idle at its last sync *recalls* them. That gateway's next sync (at most ``SYNC_PERIOD_S``
 away) gives every free unit back, and the refused request retries once after
-``RECALL_WAIT_S`` (``Admitter._after_recall``). Only requests at the edge of a limit pay that
-wait. Grants are leased like tickets: a gateway that dies gives back its slots and places
+``RECALL_WAIT_S`` (``Admitter._after_recall``); meanwhile no grant of that tenant is topped
+up (``limits.RECALL_HOLD_S``), so the units given back are there for the retry. Only requests
+at the edge of a limit pay that wait. Grants are leased like tickets: a gateway that dies gives back its slots and places
 within the lease; the actors forget grants when they restart, and the next sync tells the
 gateway (``known`` False) to drop its free units.
 
@@ -54,8 +55,13 @@ from kvharbor.tenants.limits import GrantReport, TenantLimits, too_big
 logger = logging.getLogger("kvharbor.fast_lane")
 
 SYNC_PERIOD_S = 0.25
-MIN_TARGET = 4
-"""Free units a busy tenant's grant is topped up to at least (2x its arrivals per period)."""
+HEADROOM = 4
+"""A busy tenant's (or class's) free units are topped up to this many times its arrivals
+since the last sync. Premium arrivals come in Poisson bursts and a sync's answer comes one
+actor call later: at 2x, 12-15 % of premium requests missed their gateway's grant in a 2x
+flood on the 2-core VM (``benchmarks/qos.py``); at 4x, 3-7 %."""
+MIN_TARGET = 8
+"""Free units a busy tenant's grant is topped up to at least."""
 QUIET_SYNCS = 2
 """Syncs with no arrival after which a tenant's or class's free units are all given back."""
 RECALL_WAIT_S = SYNC_PERIOD_S + 0.1
@@ -321,7 +327,7 @@ class FastLane:
         arrivals, a.arrivals = a.arrivals, 0
         a.quiet = 0 if arrivals else a.quiet + 1
         need_r, need_t, need_s = a.needs()
-        target = 0 if a.quiet >= QUIET_SYNCS else max(MIN_TARGET, 2 * arrivals)
+        target = 0 if a.quiet >= QUIET_SYNCS else max(MIN_TARGET, HEADROOM * arrivals)
         t_r = target if need_r else 0
         t_t = target * a.max_cost if need_t else 0
         t_s = target if need_s else 0
@@ -382,7 +388,7 @@ class FastLane:
         for qos, p in self.places.items():
             arrivals, p.arrivals = p.arrivals, 0
             p.quiet = 0 if arrivals else p.quiet + 1
-            target = 0 if p.quiet >= QUIET_SYNCS else max(MIN_TARGET, 2 * arrivals)
+            target = 0 if p.quiet >= QUIET_SYNCS else max(MIN_TARGET, HEADROOM * arrivals)
             back = p.free - target if p.free > 2 * target else 0
             p.free -= back
             back, p.void = back + p.void, 0
