@@ -24,9 +24,9 @@ idle at its last sync *recalls* them. That gateway's next sync (at most ``SYNC_P
 away) gives every free unit back, and the refused request retries once after
 ``RECALL_WAIT_S`` (``Admitter._after_recall``); meanwhile no grant of that tenant is topped
 up (``limits.RECALL_HOLD_S``), so the units given back are there for the retry. Only requests
-at the edge of a limit pay that wait. Grants are leased like tickets: a gateway that dies gives back its slots and places
-within the lease; the actors forget grants when they restart, and the next sync tells the
-gateway (``known`` False) to drop its free units.
+at the edge of a limit pay that wait. Grants are leased like tickets: a gateway that dies
+gives back its slots and places within the lease; the actors forget grants when they
+restart, and the next sync tells the gateway (``known`` False) to drop its free units.
 
 The admission actor's usage (``/admin/tenants``) counts a tenant's granted slots in its
 ``in_flight`` and reports ``admitted_fast_lane`` (admitted from grants, part of

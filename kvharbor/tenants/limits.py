@@ -170,12 +170,12 @@ class GrantAnswer:
 
 
 GRANT_SHARE = 2
+"""A grant takes at most 1/GRANT_SHARE of what a limit has left, so a gateway never holds a
+limit's last units: near a limit every admission goes through the controller (exact)."""
 RECALL_HOLD_S = 1.0
 """After a refusal recalled idle grants, no grant of that tenant is topped up for this long, so
 the units given back are still there when the refused request retries (the gateway's
 ``RECALL_WAIT_S`` later) instead of going straight back into a grant."""
-"""A grant takes at most 1/GRANT_SHARE of what a limit has left, so a gateway never holds a
-limit's last units: near a limit every admission goes through the controller (exact)."""
 
 
 def _sync_bucket(bucket: _Bucket | None, capacity: int | None, now: float,
@@ -347,17 +347,12 @@ class AdmissionController:
         _move(st, grant, -min(r.back_requests, grant.requests), -min(r.back_tokens, grant.tokens),
               -min(r.back_slots, grant.slots))
         recall, grant.recall = grant.recall, False
-        if recall:                        # give back first: no top-up this round
-            grant.idle = r.idle
+        if recall or now < st.top_up_after:   # give back first; no top-up while a recalled
+            grant.idle = r.idle               # request has yet to retry
             if grant.requests == grant.tokens == grant.slots == 0:
                 del grants[r.tenant]
-            return GrantAnswer(r.tenant, recall=True)
-        # Top-up (none while a recalled request has yet to retry).
-        if now < st.top_up_after:
-            grant.idle = r.idle
-            if grant.requests == grant.tokens == grant.slots == 0:
-                del grants[r.tenant]
-            return GrantAnswer(r.tenant)
+            return GrantAnswer(r.tenant, recall=recall)
+        # Top-up.
         add_r = _share(r.want_requests, None if st.requests is None else st.requests.level)
         budget_left = (None if lim.daily_token_budget is None
                        else lim.daily_token_budget - st.tokens_today)
