@@ -42,7 +42,7 @@ class BodyLimitMiddleware:
             await self.app(scope, receive, send)
             return
         limit = self._limit(scope)
-        declared = _content_length(scope)
+        declared = content_length(scope)
         if declared is not None and declared > limit:
             await _too_large(scope, receive, send, f"request body is {declared} bytes; "
                              f"the limit is {limit} bytes: send a smaller request")
@@ -72,7 +72,8 @@ class BodyLimitMiddleware:
             await _too_large(scope, receive, send, exc.detail)
 
 
-def _content_length(scope) -> int | None:
+def content_length(scope) -> int | None:
+    """The request's Content-Length, or None (absent or not a number)."""
     for name, value in scope.get("headers", ()):
         if name == b"content-length":
             try:

@@ -55,6 +55,7 @@ from collections import OrderedDict
 
 from kvharbor.platform.auth_gate import (BODY_IN_SCOPE, GENERATION_PATHS, HINT_REQUEST, HINT_RESPONSE,
                                          PROXY_AT, bearer_key, decode_hint, drained)
+from kvharbor.platform.body_limit import content_length
 from kvharbor.platform.openai_protocol import APIError
 from kvharbor.platform.ingress import PROXY_LAG_VAR as LAG_VAR
 from kvharbor.platform.overload_guard import DEFAULT_LAG_TARGET_MS, SHED_HEADER, WINDOW_S, OverloadGuard
@@ -95,14 +96,6 @@ def lag_target_ms(environ=os.environ) -> float | None:
 
 MAX_BODY_IN_SCOPE = 1 << 20
 """Bodies up to this many bytes travel in the scope; larger or chunked ones stream as before."""
-
-
-def content_length(scope: dict) -> int | None:
-    value = next((v for k, v in scope.get("headers", ()) if k == b"content-length"), None)
-    try:
-        return int(value) if value is not None else None
-    except ValueError:
-        return None
 
 
 async def with_body_in_scope(scope: dict, receive):
