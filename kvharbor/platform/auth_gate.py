@@ -21,10 +21,10 @@ answers the handler's first ``receive()`` with that body and drops the empty
 ``http.request`` the proxy still forwards; a disconnect comes through as before.
 
 Where a request's time went before the route handler (``Generation.timings_ms``): this
-middleware leaves in ``scope["state"]`` the ``perf_counter()`` instant it saw the request
-(``received_at``) and, for a request that Serve's proxy stamped (``PROXY_AT``, wall-clock
+middleware leaves in ``scope["state"]["ingress"]`` the ``perf_counter()`` instant it saw the
+request (``received``) and, for a request that Serve's proxy stamped (``PROXY_AT``, wall-clock
 seconds, written by ``proxy_guard``), the same clock's instant the proxy received it
-(``proxied_at``). A stamp in the future or older than ``MAX_PROXY_STAMP_S`` is ignored.
+(``proxied``). A stamp in the future or older than ``MAX_PROXY_STAMP_S`` is ignored.
 
 This middleware sits outside ``BodyLimitMiddleware``: a wrong key gets 401 even for a body
 over the size limit. A 429 (the gateway's overload guard refusing the key's QoS class) drains
@@ -76,10 +76,10 @@ def body_from_scope(scope, receive):
 
 
 def ingress_marks(headers) -> dict[str, float]:
-    """``received_at`` (now, ``perf_counter``) and, when ``headers`` carry a valid ``PROXY_AT``,
-    ``proxied_at`` on the same clock."""
+    """``received`` (now, ``perf_counter``) and, when ``headers`` carry a valid ``PROXY_AT``,
+    ``proxied`` on the same clock."""
     received = time.perf_counter()
-    marks = {"received_at": received}
+    marks = {"received": received}
     stamp = next((v for k, v in headers if k == PROXY_AT), None)
     if stamp is not None:
         try:
@@ -87,7 +87,7 @@ def ingress_marks(headers) -> dict[str, float]:
         except ValueError:
             return marks
         if 0.0 <= waited <= MAX_PROXY_STAMP_S:
-            marks["proxied_at"] = received - waited
+            marks["proxied"] = received - waited
     return marks
 
 
@@ -159,7 +159,7 @@ class AuthGateMiddleware:
             await self.app(scope, receive, send)
             return
         state = scope.setdefault("state", {})
-        state.update(ingress_marks(scope.get("headers", ())))
+        state["ingress"] = ingress_marks(scope.get("headers", ()))
         key = bearer_key(scope.get("headers", ()))
         hint = None
         if any(name == HINT_REQUEST for name, _ in scope.get("headers", ())):

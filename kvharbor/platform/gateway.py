@@ -184,8 +184,7 @@ def _bearer(request: Request) -> str | None:
 def ingress_of(request: Request) -> dict[str, float]:
     """``received`` (the gateway's middleware saw the request) and ``proxied`` (Serve's proxy
     received it), as ``perf_counter()`` instants, where ``AuthGateMiddleware`` left them."""
-    state = request.scope.get("state") or {}
-    return {name: state[f"{name}_at"] for name in ("proxied", "received") if f"{name}_at" in state}
+    return dict((request.scope.get("state") or {}).get("ingress", {}))
 
 
 ADMIN = "admin"
