@@ -140,7 +140,6 @@ def phase_stats(chunks: list[tuple[list[Outcome], float, float]]) -> dict:
             "per_class": per_class, "windows_s": [w for _, w, _ in chunks]}
 
 
-
 # ---- deployment ----------------------------------------------------------------------------
 def lifted_tenants(folder: Path, stream_interval: int | None = None, max_queue: int = 100_000) -> Path:
     """A copy of tenants.yaml without rate, token or concurrency limits, every class's

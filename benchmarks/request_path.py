@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import machine, pct, table, write_json  # noqa: E402
-from benchmarks.qos import guard_config, lifted_tenants, proxy_lag  # noqa: E402
+from benchmarks.qos import APP_PHASES, guard_config, lifted_tenants, proxy_lag  # noqa: E402
 
 PORT = 18600
 PHASES = ["proxy", "parse", "queue", "tokenize", "admit", "first_token", "replica", "hops"]
@@ -144,8 +144,7 @@ def summarize(engine_ms, http_ms, timings, engine_1t_ms=None) -> list[dict]:
     for phase in PHASES:
         values = [t[phase] for t in timings if phase in t]
         rows.append({"phase": f"  {phase}", "p50_ms": pct(values, 50), "p90_ms": pct(values, 90)})
-    outside = [h - sum(t.get(p, 0.0) for p in ("proxy", "parse", "queue", "tokenize", "admit", "first_token"))
-               for h, t in zip(http_ms, timings)]
+    outside = [h - sum(t.get(p, 0.0) for p in APP_PHASES) for h, t in zip(http_ms, timings)]
     rows.append({"phase": "  outside (HTTP in and out, the ingress until it forwards, the response's way back)",
                  "p50_ms": pct(outside, 50), "p90_ms": pct(outside, 90)})
     return [{k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()} for row in rows]
