@@ -120,6 +120,7 @@ class KVAwareRouter(RequestRouter):
     def initialize_state(self, directory_name: str = DEFAULT_DIRECTORY_NAME,
                          directory_namespace: str | None = None, num_directory_shards: int = 1,
                          poll_interval_s: float = 0.02, stale_after_s: float = 2.0,
+                         idle_poll_interval_s: float = 0.2,
                          control_timeout_s: float = 2.0, lookup_retry_s: float = 5.0,
                          max_index_blocks: int = DEFAULT_MAX_BLOCKS, active_ttl_s: float = 5.0,
                          num_single_ranks: int = 2, default_block_size: int = 16,
@@ -130,6 +131,8 @@ class KVAwareRouter(RequestRouter):
             directory_name / directory_namespace: the named PrefixDirectory actor(s).
             num_directory_shards: shards of the directory (``shard_name`` names them).
             poll_interval_s: pause between polls of the directory's event log.
+            idle_poll_interval_s: the pause once the log has been quiet and this router has
+                routed nothing for a second (``IndexFollower``); a decision resets it.
             stale_after_s: log not reached for this long -> approximate mode.
             control_timeout_s: longest wait for any directory call (lookup, poll, remove).
             lookup_retry_s: how long to wait before looking a missing directory up again.
@@ -144,10 +147,10 @@ class KVAwareRouter(RequestRouter):
             raise ValueError(f"unknown KVAwareRouter kwargs {sorted(unknown)}; see "
                              "KVAwareRouter.initialize_state for the accepted names")
         if (num_single_ranks < 1 or default_block_size < 1 or num_directory_shards < 1
-                or poll_interval_s <= 0 or stale_after_s <= 0 or control_timeout_s <= 0):
+                or min(poll_interval_s, idle_poll_interval_s, stale_after_s, control_timeout_s) <= 0):
             raise ValueError("num_single_ranks, default_block_size and num_directory_shards "
-                             "must be >= 1; poll_interval_s, stale_after_s and "
-                             "control_timeout_s must be > 0")
+                             "must be >= 1; poll_interval_s, idle_poll_interval_s, "
+                             "stale_after_s and control_timeout_s must be > 0")
         old = getattr(self, "_follow_task", None)
         if old is not None:
             old.cancel()
@@ -163,7 +166,8 @@ class KVAwareRouter(RequestRouter):
                        for i in range(num_directory_shards)]
         self.follower = IndexFollower(self.shards, max_index_blocks, poll_interval_s,
                                       stale_after_s, on_stored=self._confirmed,
-                                      on_resync=self.metrics.directory_resync)
+                                      on_resync=self.metrics.directory_resync,
+                                      idle_poll_interval_s=idle_poll_interval_s)
         self._sessions: OrderedDict[str, str] = OrderedDict()    # session key -> replica
         self._stats_sessions: dict[str, tuple[list, frozenset]] = {}   # replica -> (list, keys)
         self.policy: RoutingPolicy = KVAwarePolicy(**(policy or {}))
@@ -222,6 +226,7 @@ class KVAwareRouter(RequestRouter):
         if not candidate_replicas:
             return []
         self._ensure_following()
+        self.follower.hurry()                 # this request's KV events follow within steps
         if self._first_poll is not None and not self._first_poll.is_set():
             await self._await_first_poll()
         target = pinned_replica(pending_request, candidate_replicas)
@@ -328,7 +333,7 @@ class KVAwareRouter(RequestRouter):
             await self.follower.poll_once()
             self._first_poll.set()
             self.metrics.router_index_lag(min(self.follower.lag_s(), 1e6))
-            await asyncio.sleep(self.follower.poll_interval_s)
+            await self.follower.pause()
 
     def _ray_shut_down(self) -> bool:
         """The shards are Ray actors and this process's Ray is shut down: a router left in a

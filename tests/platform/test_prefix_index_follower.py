@@ -153,3 +153,54 @@ def test_event_log_keeps_its_bounds_and_refuses_readers_behind_it():
     assert EventLog().epoch != log.epoch
     with pytest.raises(ValueError):
         EventLog(max_entries=0)
+
+
+def test_an_idle_follower_polls_slower_and_hurry_brings_the_next_events_at_once():
+    """Polls are actor calls: with nothing arriving, the follower slows from
+    ``poll_interval_s`` to ``idle_poll_interval_s``; ``hurry()`` (a routed request) cuts the
+    idle pause short, so the request's events arrive at full pace."""
+    shard = DirectoryShard()
+    local = LocalShard(shard)
+    follower = IndexFollower([local], poll_interval_s=0.01, idle_poll_interval_s=1.0,
+                             idle_after_s=0.1, stale_after_s=5.0)
+
+    async def go():
+        task = asyncio.create_task(follower.run())
+        await asyncio.sleep(1.15)                  # 0.1 s at full pace, then one idle pause
+        idle_polls = local.calls
+        assert follower.idle()
+        calls = local.calls
+        while local.calls == calls:                 # an idle pause has just begun
+            await asyncio.sleep(0.005)
+        shard.apply_events("a", 0, chain(2, "a"))
+        follower.hurry()
+        start = asyncio.get_running_loop().time()
+        while not follower.index.replicas():
+            await asyncio.sleep(0.005)
+        waited = asyncio.get_running_loop().time() - start
+        task.cancel()
+        return idle_polls, waited
+
+    idle_polls, waited = asyncio.run(go())
+    assert idle_polls <= 16, f"{idle_polls} polls in 1.15 s (at full pace: ~100)"
+    assert waited < 0.2, f"the event took {waited:.3f} s after hurry() (idle pause: 1 s)"
+    assert not follower.idle()
+
+
+def test_an_idle_follower_still_sees_other_routers_events_within_its_idle_interval():
+    shard = DirectoryShard()
+    follower = IndexFollower([LocalShard(shard)], poll_interval_s=0.01,
+                             idle_poll_interval_s=0.2, idle_after_s=0.05)
+
+    async def go():
+        task = asyncio.create_task(follower.run())
+        await asyncio.sleep(0.4)
+        assert follower.idle()
+        shard.apply_events("b", 0, chain(2, "b"))            # nobody hurries this one
+        start = asyncio.get_running_loop().time()
+        while not follower.index.replicas():
+            await asyncio.sleep(0.005)
+        task.cancel()
+        return asyncio.get_running_loop().time() - start
+
+    assert asyncio.run(go()) < 0.35

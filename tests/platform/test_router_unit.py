@@ -335,6 +335,19 @@ def test_dead_replica_is_forgotten_here_and_in_the_directory():
     assert "b" not in router._sent                    # its send times go too
 
 
+def test_a_decision_brings_an_idle_follower_back_to_full_pace():
+    """The request's KV events follow within a step or two: a router whose follower slowed
+    down while nothing happened polls at full pace again from its next decision on."""
+    shard = FakeShard()
+    shard.shard.apply_events("b", 0, stored=HASHES[:40])
+    router = make_router(shard, idle_poll_interval_s=0.5)
+    assert router.follower.idle_poll_interval_s == 0.5
+    router.follower._active_at -= 60.0                 # a minute of nothing
+    assert router.follower.idle()
+    route(router, [FakeReplica(x) for x in "ab"])
+    assert not router.follower.idle()
+
+
 def test_unknown_router_kwargs_are_rejected():
     with pytest.raises(ValueError, match="unknown KVAwareRouter kwargs"):
         make_router(match_timout_s=1)
