@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -40,6 +41,16 @@ def machine() -> dict:
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "load_avg_at_start": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def result_name(value: str) -> str:
+    """``argparse`` type of a results name or tag: a plain file stem (``x`` is written as
+    ``benchmarks/results/x.json``). A path or a file name is refused when the arguments are
+    parsed, not after the run when the results are written."""
+    if "/" in value or os.sep in value or value.endswith((".json", ".png")):
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is a path or a file name; give a name (results go to {RESULTS}/<name>.json)")
+    return value
 
 
 def write_json(name: str, payload: dict) -> Path:

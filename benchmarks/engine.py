@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS, bar_panels, machine, median, table, write_json  # noqa: E402
+from benchmarks.common import RESULTS, bar_panels, machine, median, result_name, table, write_json  # noqa: E402
 from benchmarks.engine_peers import (MODELS, Limits, VllmPeer, agreement,  # noqa: E402
                                      export_checkpoint, kvharbor_cold_ttft, kvharbor_llm,
                                      kvharbor_round, kvharbor_summary, run_transformers_cb, workload)
@@ -90,7 +90,7 @@ def parse(argv):
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--ttft", action="store_true", help="also cold TTFT of 1,024-token prompts")
     ap.add_argument("--checkpoints", default="/tmp/kvh-bench-checkpoints")
-    ap.add_argument("--tag", default="", help="suffix of the result file names")
+    ap.add_argument("--tag", type=result_name, default="", help="suffix of the result file names")
     ap.add_argument("--settle-s", type=float, default=2.0,
                     help="pause before every timed round and TTFT, either system: vLLM's worker "
                          "busy-polls a core for ~1 s after each call, which would land on "

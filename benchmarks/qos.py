@@ -65,6 +65,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.qos_load import (MAX_TOKENS, MIX, Outcome, burst_capacity, http_client,  # noqa: E402
                                   make_job, open_loop, poisson_jobs, rounded, run_phase, send)
+from benchmarks.common import result_name  # noqa: E402
 from loadtests import workload  # noqa: E402
 from loadtests.summary import percentile  # noqa: E402
 
@@ -459,7 +460,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "default) or HAProxy to the gateway replicas")
     p.add_argument("--stream-interval", type=int, default=None,
                    help="every class's stream_interval (default: tenants.yaml's; 1 streams every token)")
-    p.add_argument("--name", default=None, help="results file stem (default: qos[_step<N>][_nice<N>])")
+    p.add_argument("--name", type=result_name, default=None,
+                   help="results file stem (default: qos[_step<N>][_nice<N>])")
     p.add_argument("--overload-lag-ms", default=None,
                    help="the gateway's overload_lag_ms (a number, or 'off'; default: the platform's)")
     p.add_argument("--replica-nice", type=int, default=None,

@@ -44,7 +44,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import RESULTS, bar_panels, machine, pct, table, write_json  # noqa: E402
+from benchmarks.common import RESULTS, bar_panels, machine, pct, result_name, table, write_json  # noqa: E402
 from loadtests import workload  # noqa: E402
 
 MIX = (("premium", 0.2), ("standard", 0.4), ("batch", 0.4))
@@ -225,7 +225,8 @@ def main() -> None:
     p.add_argument("--burst-blocks", type=int, default=192, help="KV blocks of the burst check "
                    "(small, so the flood fills the shared region)")
     p.add_argument("--skip-burst", action="store_true")
-    p.add_argument("--name", default="qos_engine", help="results file name (without extension)")
+    p.add_argument("--name", type=result_name, default="qos_engine",
+                   help="results file name (without extension)")
     args = p.parse_args()
     info = workload.read_tenants(ROOT / "tenants.yaml")
     engines = {pol: make_engine(pol, args.prefill_cap, args.blocks, args.max_num_seqs,

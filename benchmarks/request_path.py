@@ -35,7 +35,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import machine, pct, table, write_json  # noqa: E402
+from benchmarks.common import machine, pct, result_name, table, write_json  # noqa: E402
 from benchmarks.qos import APP_PHASES, guard_config, lifted_tenants, proxy_lag  # noqa: E402
 
 PORT = 18600
@@ -156,7 +156,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ingress", default="haproxy,proxy",
                     help="ingresses to measure, in this order (kvharbor.platform.ingress): haproxy, proxy")
-    ap.add_argument("--name", default="request_path", help="results file stem")
+    ap.add_argument("--name", type=result_name, default="request_path", help="results file stem")
     ap.add_argument("--overload-lag-ms", default=None,
                     help="overload_lag_ms of the gateway and of Serve's proxy (a number, or 'off'; "
                          "default: the platform's)")

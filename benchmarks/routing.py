@@ -42,7 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS, bar_panels, machine, pct, table, write_json  # noqa: E402
+from benchmarks.common import RESULTS, bar_panels, machine, pct, result_name, table, write_json  # noqa: E402
 
 MODES = {"kv": "kvharbor KV-aware", "ray_prefix": "Ray PrefixCacheAffinityRouter",
          "pow2": "power of two (Serve default)", "round_robin": "round robin"}
@@ -321,7 +321,7 @@ def parse(argv):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--modes", nargs="+", default=list(MODES))
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default="routing")
+    ap.add_argument("--out", type=result_name, default="routing", help="results name")
     args = ap.parse_args(argv)
     if args.quick:
         args.conversations, args.tenants, args.system_tokens = 12, 6, 600

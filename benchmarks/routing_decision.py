@@ -39,7 +39,7 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import machine, pct, table, write_json  # noqa: E402
+from benchmarks.common import machine, pct, result_name, table, write_json  # noqa: E402
 
 REPLICAS = [f"replica-{i}" for i in range(4)]
 
@@ -202,7 +202,7 @@ def parse(argv=None):
     ap.add_argument("--kv-blocks", type=int, default=800)
     ap.add_argument("--cold-mib", type=int, default=64,
                     help="MiB written between two decisions in the cold state")
-    ap.add_argument("--out", default="routing_decision")
+    ap.add_argument("--out", type=result_name, default="routing_decision", help="results name")
     return ap.parse_args(argv)
 
 

@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from benchmarks.common import RESULTS, machine, pct, table, write_json
+from benchmarks.common import RESULTS, machine, pct, result_name, table, write_json
 from kvharbor.config import EngineConfig
 from kvharbor.engine.engine import Engine
 from kvharbor.engine.request import SamplingParams
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--flood-len", type=int, default=512)
     ap.add_argument("--flood-out", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (like a replica)")
-    ap.add_argument("--name", default="sessions")
+    ap.add_argument("--name", type=result_name, default="sessions")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     info = machine()
