@@ -63,9 +63,9 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import result_name  # noqa: E402
 from benchmarks.qos_load import (MAX_TOKENS, MIX, Outcome, burst_capacity, http_client,  # noqa: E402
                                   make_job, open_loop, poisson_jobs, rounded, run_phase, send)
-from benchmarks.common import result_name  # noqa: E402
 from loadtests import workload  # noqa: E402
 from loadtests.summary import percentile  # noqa: E402
 

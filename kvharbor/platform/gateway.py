@@ -181,10 +181,11 @@ def _bearer(request: Request) -> str | None:
     return bearer_key(request.headers)
 
 
-def ingress_of(request: Request) -> dict[str, float]:
-    """``received`` (the gateway's middleware saw the request) and ``proxied`` (Serve's proxy
-    received it), as ``perf_counter()`` instants, where ``AuthGateMiddleware`` left them."""
-    return dict((request.scope.get("state") or {}).get("ingress", {}))
+def marks_of(request: Request, arrived: float) -> dict[str, float]:
+    """The request's ``perf_counter()`` instants so far: ``received`` (the gateway's middleware
+    saw it) and ``proxied`` (Serve's proxy received it), where ``AuthGateMiddleware`` left
+    them, and ``arrived`` (the route handler's first line)."""
+    return {**(request.scope.get("state") or {}).get("ingress", {}), "arrived": arrived}
 
 
 ADMIN = "admin"
@@ -336,7 +337,7 @@ class Gateway:
         session_id = session_header(request.headers)
         self._check_model(principal, body.model)
         return await self._serve(principal, body, lambda: self._prompt_ids(body), False,
-                                 {**ingress_of(request), "arrived": arrived}, session_id=session_id)
+                                 marks_of(request, arrived), session_id=session_id)
 
     @api.post("/v1/chat/completions", response_model=ChatResponse,
               responses={200: {"content": SSE}, **GENERATE_ERRORS})
@@ -353,7 +354,7 @@ class Gateway:
             return fitted.token_ids
 
         return await self._serve(principal, body, tokenize, True,
-                                 {**ingress_of(request), "arrived": arrived}, session_id=session_id,
+                                 marks_of(request, arrived), session_id=session_id,
                                  truncated=truncated)
 
     @api.delete("/v1/sessions/{session_id}", responses=error_responses(400, 401, 404, 503))
@@ -441,7 +442,7 @@ class Gateway:
                      session_id: str | None = None, truncated: dict | None = None):
         """Queue place (before tokenizing), prompt ids, tenant limits, then the generation.
         ``marks``: the ``perf_counter()`` instants so far (``arrived`` at the handler, and
-        ``received`` / ``proxied`` when known, see ``ingress_of``)."""
+        ``received`` / ``proxied`` when known, see ``marks_of``)."""
         tenant, qos = principal.tenant, principal.qos_name
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         await self.admitter.early(principal, rid)
