@@ -227,6 +227,13 @@ def _serve_namespace() -> str:
     return SERVE_NAMESPACE
 
 
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
 # Defined above the class: serve.ingress copies the methods with the globals of this moment.
 @serve.ingress(api)
 class Gateway:
@@ -257,6 +264,8 @@ class Gateway:
         self.admitter = Admitter(self.admission, self.class_queue, self.registry, self.metrics,
                                  guard=self.guard)
         self._watcher: asyncio.Task | None = None
+        if _running_loop() is not None:       # Serve runs constructors on the replica's loop
+            self._start_watcher()
         self.caller = _own_actor_name()       # replicas abort our streams if this actor dies
         demo = self.registry.active_demo_keys()
         if demo:
@@ -265,7 +274,13 @@ class Gateway:
 
     # ---- plumbing ------------------------------------------------------------------------
     def _start_watcher(self) -> None:
+        """Keep tenants.yaml current from now on (once; at construction under Serve).
+
+        The first call also reloads now: an edit made since the registry was loaded (a key
+        revoked, a limit raised) applies to the request that called, not a watch period later.
+        """
         if self._watcher is None:
+            self.registry.reload_if_changed()
             self._watcher = start_background(self.registry.watch(1.0))
 
     def _gate(self, key: str | None, path: str):
@@ -310,6 +325,7 @@ class Gateway:
     async def healthz(self) -> dict:
         self._start_watcher()                # tenants.yaml reloads even before the first call
         return {"status": "ok", "model": self.model, "tenants_version": self.registry.version,
+                "tenants_sha256": self.registry.sha256,
                 "ingress": running_mode(), "throughput_preset": running_preset()}
 
     @api.get("/v1/models", response_model=ModelList, responses=error_responses(401))

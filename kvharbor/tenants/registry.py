@@ -215,10 +215,18 @@ class TenantRegistry:
                    if not e.is_revoked() and not e.is_expired(now)]
         return sorted({owner for h, owner in usable if h in DEMO_KEY_HASHES})
 
+    @property
+    def sha256(self) -> str:
+        """SHA-256 (hex) of the file text the active configuration came from. Unlike
+        ``version`` (this process's count of reloads) it is the same in every process that
+        applied the same file: compare it with ``sha256sum tenants.yaml``."""
+        return self._content_hash
+
     def status(self) -> dict:
-        """``{"path", "version", "loaded_at", "last_error", "last_error_at"}`` (times: Unix s)."""
+        """``{"path", "version", "sha256", "loaded_at", "last_error", "last_error_at"}``
+        (times: Unix s)."""
         with self._lock:
-            return {"path": str(self.path), "version": self._snap.version,
+            return {"path": str(self.path), "version": self._snap.version, "sha256": self._content_hash,
                     "loaded_at": self._loaded_at, "last_error": self._last_error,
                     "last_error_at": self._last_error_at}
 

@@ -11,6 +11,7 @@ import httpx
 import yaml
 
 from tests.conftest import DEMO, TEST_KEYS
+from tests.reliability.helpers import wait_tenants_applied
 
 
 def _post(app, key: str, prompt: str = "hi", max_tokens: int = 2, **extra) -> httpx.Response:
@@ -27,12 +28,6 @@ def _wait_until(predicate, timeout: float = 20.0, interval: float = 0.3):
             return value
         time.sleep(interval)
     raise AssertionError("condition not met in time")
-
-
-def _both_gateways_at(app, version: int) -> bool:
-    """Both gateway replicas answer with this tenants version (8 probes in a row)."""
-    return all(httpx.get(app.base_url + "/healthz").json()["tenants_version"] >= version
-               for _ in range(8))
 
 
 def test_expired_and_unknown_keys_are_401(kvharbor_app):
@@ -85,11 +80,11 @@ def test_hot_reload_under_traffic_fails_nothing(kvharbor_app):
         w.start()
     try:
         time.sleep(2)
-        version = httpx.get(kvharbor_app.base_url + "/healthz").json()["tenants_version"]
         data = yaml.safe_load(original)
         data["tenants"]["newcomer"] = {"qos": "batch", "keys": [{"hash": _hash("kvh-test-newcomer")}]}
-        path.write_text(yaml.safe_dump(data, sort_keys=False))
-        _wait_until(lambda: _both_gateways_at(kvharbor_app, version + 1))
+        edited = yaml.safe_dump(data, sort_keys=False)
+        path.write_text(edited)
+        wait_tenants_applied(kvharbor_app, edited)          # by both gateways
         assert _post(kvharbor_app, "kvh-test-newcomer").status_code == 200
         time.sleep(2)
     finally:
@@ -97,6 +92,7 @@ def test_hot_reload_under_traffic_fails_nothing(kvharbor_app):
         for w in workers:
             w.join()
         path.write_text(original)
+        wait_tenants_applied(kvharbor_app, original)
     assert len(results) >= 6
     assert set(results) == {200}, results
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import random
 import time
@@ -36,25 +37,35 @@ def assert_openai_error(r: httpx.Response, status: int, code: str | None = None,
     return err
 
 
-def tenants_version(app) -> int:
-    return httpx.get(app.base_url + "/healthz", timeout=10).json()["tenants_version"]
+def tenants_sha256(app) -> str:
+    return httpx.get(app.base_url + "/healthz", timeout=10).json()["tenants_sha256"]
 
 
-def _wait_version(app, above: int, timeout_s: float = 15.0) -> int:
-    deadline = time.time() + timeout_s
+def wait_tenants_applied(app, text: str, timeout_s: float = 15.0, in_a_row: int = 8) -> None:
+    """Wait until ``in_a_row`` ``/healthz`` answers in a row (each from any gateway: the test
+    app runs two) report the active tenants file to be ``text``. (By its SHA-256: a gateway's
+    ``tenants_version`` counts its own reloads, so a restarted gateway's is lower.)"""
+    want = hashlib.sha256(text.encode()).hexdigest()
+    deadline, streak, seen = time.time() + timeout_s, 0, []
     while time.time() < deadline:
-        version = tenants_version(app)
-        if version > above:
-            return version
-        time.sleep(0.2)
-    raise AssertionError(f"the gateway did not reload the tenants file within {timeout_s} s")
+        try:
+            digest = tenants_sha256(app)
+        except (httpx.HTTPError, KeyError, ValueError) as e:   # a gateway restarting (killed by a test)
+            digest = type(e).__name__
+        seen.append(digest[:8])
+        streak = streak + 1 if digest == want else 0
+        if streak >= in_a_row:
+            return
+        time.sleep(0.05 if streak else 0.2)
+    raise AssertionError(f"the gateways did not apply the tenants file within {timeout_s} s "
+                         f"(sha256 {want[:8]} wanted; answers: {seen[-30:]})")
 
 
 @contextlib.contextmanager
 def edited_tenants(app, mutate):
     """Apply ``mutate(doc)`` to the session's tenants file; restore the original at exit.
 
-    Waits until the gateway has reloaded it (``/healthz`` tenants_version), both ways.
+    Waits until both gateways have applied it, both ways (``wait_tenants_applied``).
     Replicas reload the same file within about a second.
     """
     from ruamel.yaml import YAML
@@ -66,16 +77,14 @@ def edited_tenants(app, mutate):
     mutate(doc)
     out = io.StringIO()
     yaml.dump(doc, out)
-    before = tenants_version(app)
     try:
         path.write_text(out.getvalue(), encoding="utf-8")
-        _wait_version(app, before)
+        wait_tenants_applied(app, out.getvalue())
         time.sleep(1.2)                      # replicas poll the file every second
         yield
     finally:
-        now = tenants_version(app)
         path.write_text(original, encoding="utf-8")
-        _wait_version(app, now)
+        wait_tenants_applied(app, original)
         time.sleep(1.2)
 
 
@@ -145,4 +154,4 @@ def complete(client: httpx.Client, model: str, prompt: str, **kw) -> httpx.Respo
 
 
 __all__ = ["DEMO", "assert_openai_error", "complete", "edited_tenants", "rand_text", "replica_call",
-           "replica_ids", "replica_stats", "tenants_version", "wait_idle"]
+           "replica_ids", "replica_stats", "tenants_sha256", "wait_idle", "wait_tenants_applied"]

@@ -219,3 +219,23 @@ def test_watch_task_reloads_in_the_background(registry):
         return registry.authenticate(KEYS["bob"]).limits.requests_per_minute
 
     assert asyncio.run(scenario()) == 77
+
+
+def test_sha256_names_the_applied_file_the_same_in_every_process(registry, tmp_path, clock):
+    import hashlib
+
+    def digest() -> str:
+        return hashlib.sha256(registry.path.read_bytes()).hexdigest()
+
+    first = digest()
+    assert registry.sha256 == first == TenantRegistry(registry.path, clock=clock).sha256
+    write(registry.path, bob_rpm=99)
+    assert registry.sha256 == first                     # not applied yet
+    registry.reload_if_changed()
+    assert registry.sha256 == digest() != first
+    assert registry.status()["sha256"] == registry.sha256
+    later = TenantRegistry(registry.path, clock=clock)   # a process started after: version 1
+    assert later.sha256 == registry.sha256 and later.version == 1 != registry.version
+    registry.path.write_text("tenants: [unclosed")
+    registry.reload_if_changed()                        # rejected: the applied file stays named
+    assert registry.sha256 == later.sha256
