@@ -33,9 +33,9 @@ throughput (priority) >= 0.95x throughput (fcfs). They are only evaluated (true/
 null with a note) when both modes' overload phases were saturated: delivered tokens/s below
 90 % of offered tokens/s. Tenants' rate limits are lifted in a
 temporary copy of tenants.yaml so admission control does not shape the offered load.
-HTTP enters through ``--ingress`` (default ``proxy``: Serve's Python proxy actor, what
-``serve run kvharbor.app`` runs; ``haproxy``: HAProxy to the gateway replicas); the JSON's
-``args`` record which. ``--overload-lag-ms`` sets the overload guards of the gateways and of
+HTTP enters through ``--ingress`` (default ``direct``: the one gateway replica serves HTTP
+itself, what ``serve run kvharbor.app`` runs; ``proxy``: Serve's Python proxy actor in front;
+``haproxy``: HAProxy to the gateway replicas); the JSON's ``args`` record which. ``--overload-lag-ms`` sets the overload guards of the gateways and of
 Serve's proxy (``off``: both off); ``--proxy-guard off`` turns the proxy's alone off. The
 client's own event-loop lag is recorded per pass (``client_loop_lag_ms_by_pass``): a TTFT
 measured by a client whose loop is late would include that wait.
@@ -455,7 +455,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-queue", type=int, default=100_000,
                    help="every class's max_queue (in flight, all gateways, before 429s); the default "
                         "sheds nothing, so the offered load reaches the replicas")
-    p.add_argument("--ingress", choices=("haproxy", "proxy"), default="proxy",
+    p.add_argument("--ingress", choices=("haproxy", "proxy", "direct"), default="direct",
                    help="HTTP ingress (kvharbor.platform.ingress): Serve's Python proxy (kvharbor's "
                         "default) or HAProxy to the gateway replicas")
     p.add_argument("--stream-interval", type=int, default=None,
@@ -484,16 +484,16 @@ def main(argv=None) -> int:
 
     started = time.time()
     info = workload.read_tenants(ROOT / "tenants.yaml")
-    from kvharbor.platform.ingress import starting_cluster  # noqa: PLC0415
+    from kvharbor.platform.ingress import http_options, starting_cluster  # noqa: PLC0415
 
-    with starting_cluster(args.ingress, proxy_lag(args.overload_lag_ms, args.proxy_guard)) as mode:
+    with starting_cluster(args.ingress, proxy_lag(args.overload_lag_ms, args.proxy_guard), port=PORT) as mode:
         if mode != args.ingress:
             raise SystemExit(f"ingress {args.ingress!r} is not available here")
         ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", namespace="serve", num_cpus=8,
                  log_to_driver=False)
     modes, series, rate = {}, {}, args.rate
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+        serve.start(http_options=http_options(mode, PORT))
         with tempfile.TemporaryDirectory() as tmp:
             modes, rate, series = run_all(args, info, lifted_tenants(Path(tmp), args.stream_interval,
                                                                      args.max_queue))

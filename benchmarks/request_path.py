@@ -11,9 +11,10 @@ what none of those phases cover: the HTTP round trip, the ingress until it forwa
 first token's way back to the client.
 Outputs are checked: the token each path produced must match.
 
-The HTTP side runs once per ingress (``--ingress``, default both, in one run: a fresh Ray
-each): ``haproxy`` (HAProxy straight to the gateway replicas, ``KVHARBOR_INGRESS=haproxy``) and
-``proxy`` (Serve's Python proxy actor in front of the gateway, kvharbor's default).
+The HTTP side runs once per ingress (``--ingress``, default ``direct,proxy``, in one run: a
+fresh Ray each): ``direct`` (the one gateway replica serves HTTP itself, kvharbor's default),
+``proxy`` (Serve's Python proxy actor in front of the gateway, ``KVHARBOR_INGRESS=proxy``) and
+``haproxy`` (HAProxy straight to the gateway replicas, ``KVHARBOR_INGRESS=haproxy``).
 
 Goal (issue #16): idle premium TTFT through HTTP <= engine TTFT + 15 ms on this machine.
 Run:  python benchmarks/request_path.py [--requests 60] [--seed 0]    (about 4 minutes)
@@ -109,13 +110,13 @@ def serve_app(tenants: Path, ingress: str, overload_lag_ms: str | None = None, p
     from ray import serve  # noqa: PLC0415
 
     from kvharbor.platform.app import build_app, wait_until_healthy  # noqa: PLC0415
-    from kvharbor.platform.ingress import starting_cluster  # noqa: PLC0415
+    from kvharbor.platform.ingress import http_options, starting_cluster  # noqa: PLC0415
 
-    with starting_cluster(ingress, proxy_lag(overload_lag_ms, proxy_guard)) as mode:
+    with starting_cluster(ingress, proxy_lag(overload_lag_ms, proxy_guard), port=PORT) as mode:
         if mode != ingress:
             raise SystemExit(f"ingress {ingress!r} is not available here")
         ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    serve.start(http_options=http_options(mode, PORT))
     config = {"tenants": str(tenants), "directory_name": "request-path-directory",
               **guard_config(overload_lag_ms)}
     serve.run(build_app(config), name="kvharbor", route_prefix="/", blocking=False)
@@ -154,8 +155,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=60)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--ingress", default="haproxy,proxy",
-                    help="ingresses to measure, in this order (kvharbor.platform.ingress): haproxy, proxy")
+    ap.add_argument("--ingress", default="direct,proxy",
+                    help="ingresses to measure, in this order (kvharbor.platform.ingress): haproxy, proxy, direct")
     ap.add_argument("--name", type=result_name, default="request_path", help="results file stem")
     ap.add_argument("--overload-lag-ms", default=None,
                     help="overload_lag_ms of the gateway and of Serve's proxy (a number, or 'off'; "

@@ -21,7 +21,7 @@ from kvharbor.actors.prefix_directory import get_or_create_directory
 from kvharbor.actors.replica import LLMReplica
 from kvharbor.config import EngineConfig, PlatformConfig
 from kvharbor.platform.gateway import Gateway
-from kvharbor.platform.ingress import starting_cluster
+from kvharbor.platform.ingress import http_options, requested_mode, starting_cluster
 from kvharbor.tenants import default_tenants_path, load_tenants_file
 
 logger = logging.getLogger("kvharbor")
@@ -32,25 +32,46 @@ ROUTERS = {"kv": "kvharbor.platform.router:KVAwareRouter",
            "round_robin": "kvharbor.platform.router:RoundRobinRouter", "pow2": None}
 
 
-def _init_ray_on_loopback(overload_lag_ms: float | None) -> None:
+INGRESS_NAMES = {"haproxy": "HAProxy to the gateway replicas", "proxy": "Serve's proxy",
+                 "direct": "the gateway replica itself"}
+
+
+def _init_ray_on_loopback(overload_lag_ms: float | None, mode: str) -> str | None:
     """Start a local Ray bound to 127.0.0.1 when nothing started one (``serve run``), with
-    kvharbor's ingress (``kvharbor.platform.ingress``: Serve's proxy, HAProxy with ``KVHARBOR_INGRESS=haproxy``)
-    and Serve's HTTP on 127.0.0.1:``KVHARBOR_HTTP_PORT`` (8000). With HAProxy, Serve's own
-    default host is every interface; kvharbor keeps it on loopback. Serve's proxy gets the
-    gateways' overload lag target (``overload_lag_ms``; None: no guard there either)."""
+    ingress ``mode`` (``kvharbor.platform.ingress``: ``direct``, the gateway itself; ``proxy``,
+    Serve's proxy; ``haproxy``) and HTTP on 127.0.0.1:``KVHARBOR_HTTP_PORT`` (8000). With
+    HAProxy, Serve's own default host is every interface; kvharbor keeps it on loopback.
+    Serve's proxy gets the gateways' overload lag target (``overload_lag_ms``; None: no guard
+    there either). Returns the ingress, or None when Ray was already running."""
     if ray.is_initialized():
-        return
-    with starting_cluster(overload_lag_ms=overload_lag_ms) as mode:
+        return None
+    with starting_cluster(mode, overload_lag_ms=overload_lag_ms, port=HTTP_PORT) as mode:
         ray.init(namespace="serve", include_dashboard=False, _node_ip_address="127.0.0.1",
                  _metrics_export_port=METRICS_PORT, log_to_driver=True)
-    serve.start(http_options={"host": "127.0.0.1", "port": HTTP_PORT})
-    logger.info("kvharbor: HTTP on 127.0.0.1:%d through %s", HTTP_PORT,
-                "HAProxy to the gateway replicas" if mode == "haproxy" else "Serve's proxy")
+    serve.start(http_options=http_options(mode, HTTP_PORT))
+    logger.info("kvharbor: HTTP on 127.0.0.1:%d through %s", HTTP_PORT, INGRESS_NAMES[mode])
     if mode == "haproxy":
         logger.warning("kvharbor: through HAProxy, a non-streaming request whose client gives up "
                        "may run to max_tokens (HAProxy misses the close when the request's body "
                        "came in its own TCP segment; see scripts/haproxy_client_abort.py). "
                        "Streaming requests are aborted.")
+    return mode
+
+
+def ingress_for(gateway_replicas: int) -> str:
+    """The ingress a cluster started here runs: ``KVHARBOR_INGRESS``, else ``direct`` for one
+    gateway replica (nothing between the client and the gateway) and Serve's proxy for more
+    (it balances over them).
+
+    Raises:
+        ValueError: ``direct`` asked for with more than one gateway replica.
+    """
+    mode = requested_mode(default="direct" if gateway_replicas == 1 else "proxy")
+    if mode == "direct" and gateway_replicas != 1:
+        raise ValueError(f"KVHARBOR_INGRESS=direct serves one gateway replica on the port, and "
+                         f"gateway_replicas is {gateway_replicas}: set it to 1, or use "
+                         "KVHARBOR_INGRESS=haproxy (or proxy) to balance over several")
+    return mode
 
 
 def _gpus() -> int:
@@ -74,7 +95,7 @@ def engine_kwargs(cfg: PlatformConfig, on_gpu: bool) -> dict:
 def build_app(args: dict | None = None):
     """Build the kvharbor application from ``PlatformConfig`` fields (strings are parsed)."""
     cfg = PlatformConfig(**(args or {}))
-    _init_ray_on_loopback(cfg.overload_lag_ms)
+    _init_ray_on_loopback(cfg.overload_lag_ms, ingress_for(cfg.gateway_replicas))
     tenants = Path(cfg.tenants) if cfg.tenants else default_tenants_path()
     load_tenants_file(tenants)                          # fail fast, with file/line/field
     tenants = str(tenants.resolve())

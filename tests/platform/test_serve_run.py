@@ -18,16 +18,23 @@ from kvharbor.platform.ingress import DRAIN_VAR, FLAGS, PORTS, PRESET, haproxy_a
 from tests.conftest import assert_served_on_loopback_by
 
 
-@pytest.mark.parametrize("exported", [False, True], ids=["fresh-shell", "ray-flags-exported"])
-def test_serve_run_from_a_clean_directory(tmp_path, exported):
-    """``exported``: the user asked for HAProxy and the shell already has Ray's HAProxy flags
-    (as the README tells config-file users to set); Serve's own default HTTP host is then
-    every interface, and kvharbor must still serve on loopback only."""
+@pytest.mark.parametrize("shell", ["fresh", "ray-flags-exported", "proxy"],
+                         ids=["fresh-shell", "ray-flags-exported", "serve-proxy"])
+def test_serve_run_from_a_clean_directory(tmp_path, shell):
+    """``fresh``: the default, the one gateway replica serves port 8000 itself (``direct``);
+    a client that gives up on a non-streaming request gets it aborted.
+    ``ray-flags-exported``: the user asked for HAProxy and the shell already has Ray's
+    HAProxy flags (as the README tells config-file users to set); Serve's own default HTTP
+    host is then every interface, and kvharbor must still serve on loopback only.
+    ``proxy``: ``KVHARBOR_INGRESS=proxy``, Serve's proxy in front."""
     # As from a fresh terminal: none of this session's cluster settings (its ingress ports).
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith("RAY_ADDRESS") and k not in (*FLAGS, *PORTS, DRAIN_VAR, PRESET)}
-    if exported:                # and HAProxy asked for, so Serve's default host applies
+           if not k.startswith(("RAY_ADDRESS", "RAY_SERVE_", "KVHARBOR_INGRESS"))
+           and k not in (*FLAGS, *PORTS, DRAIN_VAR, PRESET)}
+    if shell == "ray-flags-exported":     # and HAProxy asked for, so Serve's default host applies
         env.update({flag: "1" for flag in FLAGS}, KVHARBOR_INGRESS="haproxy")
+    elif shell == "proxy":
+        env["KVHARBOR_INGRESS"] = "proxy"
     env["KVHARBOR_METRICS_PORT"] = "18185"
     serve_bin = Path(sys.executable).parent / "serve"
     # As from a fresh terminal: SIGINT neither ignored nor blocked. A child inherits an ignored
@@ -68,11 +75,14 @@ def test_serve_run_from_a_clean_directory(tmp_path, exported):
         assert proc.poll() is None, "".join(lines)[-3000:]
         assert body is not None, "no completion within 300 s"
         assert body["usage"]["completion_tokens"] >= 1
-        # kvharbor's ingress (Serve's proxy unless KVHARBOR_INGRESS=haproxy), on loopback only: with
+        # kvharbor's ingress (the gateway itself unless KVHARBOR_INGRESS says otherwise), on loopback only: with
         # HAProxy, Serve's own default would be every interface.
         health = httpx.get("http://127.0.0.1:8000/healthz", timeout=10).json()
-        assert health["ingress"] == (requested_mode(env) if haproxy_available() else "proxy")
+        wanted = requested_mode(env, default="direct")       # the default app: one gateway
+        assert health["ingress"] == ("proxy" if wanted == "haproxy" and not haproxy_available() else wanted)
         assert_served_on_loopback_by(8000, health["ingress"])
+        if health["ingress"] == "direct":
+            _assert_a_client_timeout_aborts_the_request()
         # Ctrl-C once `serve run` says the app is up (the proxy may answer a moment before:
         # a SIGINT that lands while the CLI still deploys is Ray's to handle, not tested here).
         assert ready.wait(60), "`serve run` never printed that the app is ready"
@@ -88,6 +98,30 @@ def test_serve_run_from_a_clean_directory(tmp_path, exported):
     assert proc.returncode == 0, f"exit code {proc.returncode}:\n{out[-3000:]}"
     assert not _accepts_connections("127.0.0.1", 8000), "port 8000 still served after Ctrl-C"
     assert "demo API keys are active" in out
+
+
+def _in_flight(key: str) -> int:
+    """The requests in flight of ``key``'s tenant (a tenant's key sees its own usage)."""
+    tenants = httpx.get("http://127.0.0.1:8000/admin/tenants", timeout=10,
+                        headers={"Authorization": f"Bearer {key}"}).json()["tenants"]
+    (usage,) = [t["usage"] for t in tenants.values()]
+    return usage["in_flight"]
+
+
+def _assert_a_client_timeout_aborts_the_request() -> None:
+    """A 3,000-token completion whose client gives up after 1.5 s: its tenant's request
+    leaves flight within 5 s (run to its end it would take far longer)."""
+    key = "kvh-demo-standard"
+    assert _in_flight(key) == 0
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post("http://127.0.0.1:8000/v1/completions", timeout=1.5,
+                   headers={"Authorization": f"Bearer {key}"},
+                   json={"model": "kvharbor/tiny-llama", "prompt": "a" * 64, "max_tokens": 3000,
+                         "ignore_eos": True, "temperature": 0})
+    gave_up = time.monotonic()
+    while _in_flight(key) and time.monotonic() - gave_up < 5.0:
+        time.sleep(0.1)
+    assert _in_flight(key) == 0, "the request ran on after its client gave up"
 
 
 def _ctrl_c(proc: subprocess.Popen, presses: int, every_s: float) -> bool:
