@@ -83,6 +83,7 @@ def test_serve_run_from_a_clean_directory(tmp_path, shell):
         assert_served_on_loopback_by(8000, health["ingress"])
         if health["ingress"] == "direct":
             _assert_a_client_timeout_aborts_the_request()
+            _assert_a_killed_gateway_serves_the_port_again(within_s=60)
         # Ctrl-C once `serve run` says the app is up (the proxy may answer a moment before:
         # a SIGINT that lands while the CLI still deploys is Ray's to handle, not tested here).
         assert ready.wait(60), "`serve run` never printed that the app is ready"
@@ -122,6 +123,34 @@ def _assert_a_client_timeout_aborts_the_request() -> None:
     while _in_flight(key) and time.monotonic() - gave_up < 5.0:
         time.sleep(0.1)
     assert _in_flight(key) == 0, "the request ran on after its client gave up"
+
+
+def _assert_a_killed_gateway_serves_the_port_again(within_s: float) -> None:
+    """SIGKILL the process serving port 8000 (the gateway replica, with direct ingress): Serve
+    starts another that takes the port again and serves (11.8 s here; Serve's default port
+    quarantine, meant for HAProxy, would hold the port back 150 s)."""
+    import psutil
+
+    owners = {c.pid for c in psutil.net_connections(kind="tcp")
+              if c.status == psutil.CONN_LISTEN and c.laddr.port == 8000 and c.pid}
+    assert owners and all("Gateway" in " ".join(psutil.Process(pid).cmdline()) for pid in owners), owners
+    for pid in owners:
+        os.kill(pid, signal.SIGKILL)
+    killed, outcomes = time.monotonic(), []
+    while time.monotonic() - killed < within_s:
+        try:
+            r = httpx.post("http://127.0.0.1:8000/v1/completions", timeout=10,
+                           headers={"Authorization": "Bearer kvh-demo-premium"},
+                           json={"model": "kvharbor/tiny-llama", "prompt": "Hello", "max_tokens": 2})
+            outcomes.append(r.status_code)
+            if r.status_code == 200:
+                print(f"a new gateway served {time.monotonic() - killed:.1f} s after the kill")
+                return
+        except httpx.HTTPError as e:
+            outcomes.append(type(e).__name__)
+        time.sleep(0.5)
+    raise AssertionError(f"port 8000 not served again {within_s} s after the gateway was killed: "
+                         f"{outcomes[:3]} ... {outcomes[-3:]}")
 
 
 def _ctrl_c(proc: subprocess.Popen, presses: int, every_s: float) -> bool:
