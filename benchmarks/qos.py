@@ -33,9 +33,11 @@ throughput (priority) >= 0.95x throughput (fcfs). They are only evaluated (true/
 null with a note) when both modes' overload phases were saturated: delivered tokens/s below
 90 % of offered tokens/s. Tenants' rate limits are lifted in a
 temporary copy of tenants.yaml so admission control does not shape the offered load.
-HTTP enters through ``--ingress`` (default ``direct``: the one gateway replica serves HTTP
-itself, what ``serve run kvharbor.app`` runs; ``proxy``: Serve's Python proxy actor in front;
-``haproxy``: HAProxy to the gateway replicas); the JSON's ``args`` record which. ``--overload-lag-ms`` sets the overload guards of the gateways and of
+HTTP enters through ``--ingress`` (default ``proxy``: Serve's Python proxy actor in front of
+each mode's gateway; ``direct``: the gateway serves HTTP itself, what ``serve run
+kvharbor.app`` runs, for one mode only, since the modes run side by side as apps of their own
+and a direct gateway holds the one port; ``haproxy``: HAProxy to the gateway replicas); the
+JSON's ``args`` record which. ``--overload-lag-ms`` sets the overload guards of the gateways and of
 Serve's proxy (``off``: both off); ``--proxy-guard off`` turns the proxy's alone off. The
 client's own event-loop lag is recorded per pass (``client_loop_lag_ms_by_pass``): a TTFT
 measured by a client whose loop is late would include that wait.
@@ -455,7 +457,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-queue", type=int, default=100_000,
                    help="every class's max_queue (in flight, all gateways, before 429s); the default "
                         "sheds nothing, so the offered load reaches the replicas")
-    p.add_argument("--ingress", choices=("haproxy", "proxy", "direct"), default="direct",
+    p.add_argument("--ingress", choices=("haproxy", "proxy", "direct"), default="proxy",
                    help="HTTP ingress (kvharbor.platform.ingress): Serve's Python proxy (kvharbor's "
                         "default) or HAProxy to the gateway replicas")
     p.add_argument("--stream-interval", type=int, default=None,
@@ -472,6 +474,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.idle_s, args.window_s, args.grace_s = (10, 20, 6) if args.quick else (30, 35, 10)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if args.ingress == "direct" and len(args.modes) > 1:
+        p.error("--ingress direct serves one app (its gateway holds the port) and the modes run "
+                "side by side as apps of their own: pass one mode (--modes priority), or "
+                "--ingress proxy")
     return args
 
 

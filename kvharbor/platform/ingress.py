@@ -11,7 +11,9 @@ nothing in front: no proxy process on the way in or out, and the gateway's HTTP 
 runs uvicorn in it) sees a client close at once. It serves one gateway replica (Serve gives
 each replica its own port; more need a balancer: HAProxy). Serve's proxy then listens on a
 free port, unused. ``KVHARBOR_INGRESS=haproxy`` puts HAProxy in front of any number of
-gateway replicas. The default is Serve's proxy (``proxy``): HAProxy
+gateway replicas. Without ``KVHARBOR_INGRESS``, an app of one gateway replica runs ``direct``
+and one of more runs Serve's proxy (``kvharbor.platform.app.ingress_for``; ``requested_mode``
+alone defaults to ``proxy``, as the test session's cluster of two gateways does). HAProxy
 does not notice that a client gave up on a request still waiting for its response headers
 when the request's headers and body reached it in separate TCP segments (httpx sends them
 with two writes, so about half of its requests). A non-streaming completion whose client
