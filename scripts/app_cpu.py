@@ -1,12 +1,13 @@
 """CPU each process of the running app uses, idle and while it serves requests one at a time.
 
-Starts the default app (Serve's proxy, the builtin model, ``benchmarks/request_path.py``'s
-setup), then measures every process's CPU time (``psutil``) over ``--idle-s`` seconds of no
+Starts the default app (the builtin model, ``benchmarks/request_path.py``'s setup, behind
+``--ingress``: default ``direct``, as ``serve run kvharbor.app`` runs it), then measures every process's CPU time (``psutil``) over ``--idle-s`` seconds of no
 traffic and over ``--requests`` premium completions sent one after another, and prints each
 process's share of one core in both windows, busiest first. What an idle platform costs, and
 where a request's CPU goes.
 
-    python scripts/app_cpu.py [--idle-s 10] [--requests 60]     (psutil: the test extras)
+    python scripts/app_cpu.py [--idle-s 10] [--requests 60] [--ingress direct|proxy]
+    (psutil: the test extras)
 """
 
 from __future__ import annotations
@@ -44,11 +45,12 @@ def main(argv=None) -> int:
     ap.add_argument("--idle-s", type=float, default=10.0)
     ap.add_argument("--requests", type=int, default=60)
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--ingress", choices=("direct", "proxy", "haproxy"), default="direct")
     args = ap.parse_args(argv)
     from benchmarks import request_path as rp  # noqa: PLC0415
     from kvharbor.platform.app import default_tenants_path  # noqa: PLC0415
 
-    base = rp.serve_app(default_tenants_path(), "proxy")
+    base = rp.serve_app(default_tenants_path(), args.ingress)
     try:
         rp.http_ttfts(base, rp.prompts(8, 101))            # warm-up
         time.sleep(3.0)
