@@ -111,7 +111,8 @@ def _in_flight(key: str) -> int:
 
 def _assert_a_client_timeout_aborts_the_request() -> None:
     """A 3,000-token completion whose client gives up after 1.5 s: its tenant's request
-    leaves flight within 5 s (run to its end it would take far longer)."""
+    leaves flight within 5 s. (Through HAProxy, which misses that close, it was still in
+    flight after 5 s in 3 of 3 runs: the check can fail.)"""
     key = "kvh-demo-standard"
     assert _in_flight(key) == 0
     with pytest.raises(httpx.TimeoutException):
