@@ -82,3 +82,13 @@ def start_background(coro, loop: asyncio.AbstractEventLoop | None = None) -> asy
     actor calls it makes later."""
     loop = loop or asyncio.get_running_loop()
     return loop.create_task(coro, context=contextvars.Context())
+
+
+def on_event_loop() -> bool:
+    """Whether this thread runs an asyncio loop now (so ``start_background`` can start a task
+    here): true in a Serve constructor, false where an object is built outside any loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True

@@ -35,7 +35,7 @@ from ray import serve
 from ray.exceptions import RayActorError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvharbor.actors.calls import detached, start_background
+from kvharbor.actors.calls import detached, on_event_loop, start_background
 from kvharbor.engine.hashing import hash_prompt_blocks, model_root
 from kvharbor.engine.model_identity import model_identity
 from kvharbor.engine.models import load_tokenizer, model_context_length
@@ -227,13 +227,6 @@ def _serve_namespace() -> str:
     return SERVE_NAMESPACE
 
 
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
-
-
 # Defined above the class: serve.ingress copies the methods with the globals of this moment.
 @serve.ingress(api)
 class Gateway:
@@ -264,7 +257,7 @@ class Gateway:
         self.admitter = Admitter(self.admission, self.class_queue, self.registry, self.metrics,
                                  guard=self.guard)
         self._watcher: asyncio.Task | None = None
-        if _running_loop() is not None:       # Serve runs constructors on the replica's loop
+        if on_event_loop():                   # Serve runs constructors on the replica's loop
             self._start_watcher()
         self.caller = _own_actor_name()       # replicas abort our streams if this actor dies
         demo = self.registry.active_demo_keys()

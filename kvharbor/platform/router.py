@@ -66,7 +66,7 @@ from typing import Any
 import ray
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from kvharbor.actors.calls import start_background
+from kvharbor.actors.calls import on_event_loop, start_background
 from kvharbor.actors.prefix_directory import DEFAULT_DIRECTORY_NAME, DEFAULT_MAX_BLOCKS, shard_name
 from kvharbor.observability.metrics import get_metrics
 from kvharbor.platform.active_blocks import ActiveBlocks, RoutingHistory, with_active
@@ -174,11 +174,8 @@ class KVAwareRouter(RequestRouter):
         self.fallback = PowerOfTwoPolicy(random.Random())
         self.num_single_ranks = num_single_ranks
         self.default_block_size = default_block_size
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:             # not on the router's loop: start on the first decision
-            return
-        self._ensure_following()         # follow from the start, not from the first request
+        if on_event_loop():              # else not on the router's loop: start on the first decision
+            self._ensure_following()     # follow from the start, not from the first request
 
     # ---- Serve hooks -----------------------------------------------------------------------
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
