@@ -28,6 +28,17 @@ def fresh_gateway(path, clock) -> SimpleNamespace:
     return gw
 
 
+def first_call(gw: SimpleNamespace, key: str):
+    """The gateway's first call's key check (``_gate``), on a loop (its watcher starts there)."""
+    async def call():
+        try:
+            return Gateway._gate(gw, key, "/v1/models")
+        finally:
+            gw._watcher.cancel()
+
+    return asyncio.run(call())
+
+
 def test_a_key_revoked_before_a_gateways_first_call_is_refused_by_it(tmp_path, clock):
     path = tmp_path / "t.yaml"
     write(path)
@@ -36,14 +47,8 @@ def test_a_key_revoked_before_a_gateways_first_call_is_refused_by_it(tmp_path, c
     text = path.read_text().replace(hash_key(KEYS["bob"]), hash_key("kvh-test-bob-rotated"))
     path.write_text(text)                        # another mtime than the load's (``write``)
 
-    async def first_call():
-        try:
-            return Gateway._gate(gw, KEYS["bob"], "/v1/models")
-        finally:
-            gw._watcher.cancel()
-
     with pytest.raises(AuthError):
-        asyncio.run(first_call())
+        first_call(gw, KEYS["bob"])
     assert gw.registry.version == 2
 
 
@@ -53,10 +58,4 @@ def test_a_limit_raised_before_a_gateways_first_call_applies_to_it(tmp_path, clo
     gw = fresh_gateway(path, clock)
     write(path, bob_rpm=99)
 
-    async def first_call():
-        try:
-            return Gateway._gate(gw, KEYS["bob"], "/v1/models")
-        finally:
-            gw._watcher.cancel()
-
-    assert asyncio.run(first_call()).limits.requests_per_minute == 99
+    assert first_call(gw, KEYS["bob"]).limits.requests_per_minute == 99
