@@ -112,9 +112,11 @@ class PlatformConfig(BaseModel):
     router: str = Field("kv", description="Request router: 'kv' (KV-aware), 'pow2' (Serve default) or 'round_robin'.")
     replica_cpus: float = Field(0.5, gt=0, description="num_cpus per LLM replica when on CPU.")
     cpu_threads: int | None = Field(1, ge=1, description="torch threads per CPU replica (None: torch default).")
-    cpu_replica_nice: int = Field(10, ge=0, le=19, description="OS nice increment of CPU replicas, so the "
-                                  "request path (proxy, gateway) gets the cores before engine steps (0: off; "
-                                  "10 cut premium p99 4x in benchmarks/qos.py).")
+    cpu_replica_nice: int = Field(10, ge=0, le=19, description="OS nice increment of the thread that runs a CPU "
+                                  "replica's engine steps, so the request path (proxy, gateway, the replica's own "
+                                  "event loop) gets the cores before engine compute (0: off; 10 cut premium p99 4x "
+                                  "in benchmarks/qos.py). Ray starts its worker processes at nice 15, and Linux "
+                                  "caps nice at 19, so the steps run at min(15 + this, 19).")
     directory_name: str = Field("kvharbor-prefix-directory", description="Named PrefixDirectory actor.")
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Largest accepted HTTP request body.")
     overload_lag_ms: float | None = Field(10.0, gt=0, description="Gateway overload guard: while the "

@@ -31,6 +31,7 @@ import logging
 import os
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator
 
 from ray import serve
@@ -61,15 +62,19 @@ class LLMReplica:
         tenants_path: tenants.yaml to read QoS classes, pinned prefixes and reservations from.
         directory_name: named PrefixDirectory actor to send KV events to (None: no directory).
         cpu_threads: torch threads (CPU replicas).
-        nice: OS nice increment of this process (CPU replicas): the proxy and gateway, which
-            every request crosses before it reaches an engine, then get the cores first.
+        nice: OS nice increment of the thread that runs engine steps (CPU replicas): the
+            gateway and proxy, which every request crosses before it reaches an engine, and
+            this replica's own event loop (which takes requests in and streams tokens out) then
+            get the cores before the steps' compute.
     """
 
     def __init__(self, engine_config: dict, tenants_path: str | None = None,
                  directory_name: str | None = None, cpu_threads: int | None = None,
                  nice: int = 0) -> None:
-        if nice:        # on a CPU host the request path (proxy, gateway) preempts engine steps
-            os.nice(nice)
+        # Engine steps run on a thread of their own, niced on a CPU host: the request path
+        # (gateway, proxy, this replica's loop) preempts their compute, not the other way round.
+        self._step_pool = ThreadPoolExecutor(1, "kvharbor-step", initializer=_lower_priority,
+                                             initargs=(nice,))
         if cpu_threads:
             import torch  # noqa: PLC0415
 
@@ -231,6 +236,9 @@ class LLMReplica:
 
     def __del__(self) -> None:
         """Graceful shutdown (scale-down): the directory forgets this replica's blocks."""
+        pool = getattr(self, "_step_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False)
         directory = getattr(self, "directory", None)
         if directory is not None:
             try:
@@ -288,7 +296,8 @@ class LLMReplica:
     async def _step(self) -> tuple[list, list]:
         """One step boundary + step. A step that raises fails the requests in it, not the replica."""
         try:
-            return await asyncio.to_thread(self._step_in_thread)
+            return await asyncio.get_running_loop().run_in_executor(self._step_pool,
+                                                                     self._step_in_thread)
         except Exception as e:  # noqa: BLE001 - isolate the failure, keep serving
             suspects = self._suspects()
             logger.exception("engine step failed; failing %d of its %d requests", len(suspects),
@@ -466,3 +475,10 @@ def _actor_alive(namespace: str, name: str) -> bool:
     except Exception:  # noqa: BLE001 - GCS unreachable: assume alive, check again later
         return True
     return True
+
+
+def _lower_priority(nice: int) -> None:
+    """Step-thread initializer: raise this thread's nice value by ``nice`` (on Linux a nice
+    value belongs to a thread; threads it starts later, e.g. torch's OpenMP workers, inherit it)."""
+    if nice:
+        os.nice(nice)

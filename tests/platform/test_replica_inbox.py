@@ -133,15 +133,32 @@ def test_actor_alive_is_false_only_for_a_dead_named_actor(ray_cluster):
     assert not _actor_alive("kvharbor-test", "kvh-test-caller")
 
 
-def test_a_cpu_replica_lowers_its_own_cpu_priority(monkeypatch):
-    """``nice``: the proxy and gateway must get the cores before engine steps on a CPU host."""
-    import kvharbor.actors.replica as replica_module
+def test_a_cpu_replica_lowers_the_priority_of_its_engine_steps_only():
+    """``nice``: engine steps run on a thread whose nice value is ``nice`` higher, so the gateway
+    and this replica's own event loop (requests in, tokens out) get the cores before the steps'
+    compute; the thread that built the replica and runs its loop keeps its priority."""
+    import os
 
-    calls = []
-    monkeypatch.setattr(replica_module.os, "nice", calls.append)
-    LLMReplica({"device": "cpu", "num_kv_blocks": 16}, nice=7)
-    LLMReplica({"device": "cpu", "num_kv_blocks": 16})
-    assert calls == [7]
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    replica = LLMReplica({"device": "cpu", "num_kv_blocks": 16}, nice=3)
+    stepped_on, step = [], replica.engine.step
+
+    def spy():
+        stepped_on.append(threading.get_native_id())
+        return step()
+
+    replica.engine.step = spy
+    events = asyncio.run(_collect(replica, _req("a", 8)))
+    assert events[-1]["finish_reason"] == "length"
+    assert stepped_on and all(os.getpriority(os.PRIO_PROCESS, tid) == min(own + 3, 19)
+                              for tid in set(stepped_on))
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own, \
+        "the replica lowered the priority of the thread that runs its event loop"
+    plain = LLMReplica({"device": "cpu", "num_kv_blocks": 16})
+    tid = plain._step_pool.submit(threading.get_native_id).result()
+    assert os.getpriority(os.PRIO_PROCESS, tid) == own
+    replica.__del__()
+    plain.__del__()
 
 
 def test_a_premium_arrival_cuts_the_lower_class_step_in_flight():
