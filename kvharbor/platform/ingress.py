@@ -53,6 +53,17 @@ against 846.4 without it, and the FCFS mode collapsed to 83.2 tokens/s with HTTP
 ingress on by default, so the ``proxy`` mode sets both ingress flags to 0 rather than
 leaving them unset.
 
+User code runs on each Serve replica's main event loop (``USER_CODE_THREAD`` = 0, one of the
+preset's settings, set alone): by default Serve runs a deployment's code on a second event
+loop in a thread of its own and hands every request, and every streamed item back, across
+the two loops. Nothing kvharbor runs on those loops blocks for long (engine steps run on a
+thread of their own; the gateway's tokenizing and parsing take under a millisecond), so it
+takes the shorter path. Under a 2x flood (``qos.py --quick --modes priority --rate 60
+--ingress direct``, seeds 12 and 13, ABBA) premium's median time to first token fell from
+128-156 to 97-140 ms and its median router and Ray hops from 59-70 to 35-57 ms; its p99 was
+lower in 3 of the 4 pairs (``docs/benchmarks.md``). Serve's other loop flag
+(``RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP``) keeps its default.
+
 A gateway replica that stops stays reachable for a deregistration window before it closes
 its port and drains its requests; Ray's default window is 30 s, sized for external load
 balancers. Here the HAProxy in front is told by the Serve controller (0.1 s coalescing plus
@@ -74,6 +85,7 @@ DIRECT_PORTS = ("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", "RAY_SERVE_DIRECT_INGR
 QUARANTINE_VAR = "RAY_SERVE_PORT_QUARANTINE_S"
 DRAIN_VAR, DRAIN_WINDOW_S = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", 2.0
 PRESET = "RAY_SERVE_THROUGHPUT_OPTIMIZED"
+USER_CODE_THREAD = "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"
 PROXY_CALLBACK = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 PROXY_GUARD = "kvharbor.platform.proxy_guard:proxy_middlewares"
 PROXY_LAG_VAR = "KVHARBOR_PROXY_OVERLOAD_LAG_MS"
@@ -117,10 +129,12 @@ def apply_ingress(mode: str | None = None, environ: MutableMapping[str, str] | N
     throughput preset asked for (``PRESET`` = 1), replica logs stay on stderr. Through Serve's
     proxy, the proxy runs kvharbor's overload guard (``proxy_guard``; ``PROXY_CALLBACK``)
     with lag target ``overload_lag_ms`` (None: off; ``"default"``: the guard's default or
-    ``PROXY_LAG_VAR`` if set). Variables the caller already set win, except the two ingress
+    ``PROXY_LAG_VAR`` if set). User code runs on each replica's main loop
+    (``USER_CODE_THREAD``). Variables the caller already set win, except the two ingress
     flags, which follow ``mode``.
     """
     environ = os.environ if environ is None else environ
+    environ.setdefault(USER_CODE_THREAD, "0")
     if overload_lag_ms != "default":
         environ.setdefault(PROXY_LAG_VAR, "off" if overload_lag_ms is None else str(overload_lag_ms))
     mode = requested_mode(environ) if mode is None else mode

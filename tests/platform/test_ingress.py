@@ -14,8 +14,8 @@ import pytest
 
 from kvharbor.platform import ingress
 from kvharbor.platform.ingress import (DIRECT_PORTS, DRAIN_VAR, FLAGS, PORTS, PRESET, PROXY_CALLBACK,
-                                       QUARANTINE_VAR, apply_ingress, http_options, requested_mode,
-                                       running_mode, starting_cluster)
+                                       QUARANTINE_VAR, USER_CODE_THREAD, apply_ingress, http_options,
+                                       requested_mode, running_mode, starting_cluster)
 from tests.conftest import APP_PORT, DEMO, INGRESS, assert_served_on_loopback_by
 
 
@@ -73,6 +73,19 @@ def test_the_throughput_preset_is_opt_in_and_keeps_the_replica_logs():
     env = {PRESET: "1"}
     apply_ingress("proxy", env)
     assert env[PRESET] == "1" and env["RAY_SERVE_LOG_TO_STDERR"] == "1"
+
+
+def test_every_ingress_runs_user_code_on_the_replicas_main_loop_unless_told_otherwise(monkeypatch):
+    """Serve's default hands each request and each streamed item between two event loops per
+    replica; the cluster is started without that hop, and a caller's own choice wins."""
+    monkeypatch.setattr(ingress, "haproxy_available", lambda: True)
+    for mode in ("proxy", "direct", "haproxy"):
+        env = {}
+        apply_ingress(mode, env)
+        assert env[USER_CODE_THREAD] == "0", mode
+        env = {USER_CODE_THREAD: "1"}
+        apply_ingress(mode, env)
+        assert env[USER_CODE_THREAD] == "1", mode
 
 
 def test_the_cluster_gets_the_settings_and_this_process_keeps_its_environment(monkeypatch):
