@@ -31,8 +31,8 @@ import logging
 import os
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 from ray import serve
 
