@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 import time
 
+import pytest
 import ray
 from ray import serve
 
@@ -53,7 +54,8 @@ def _call(app, method: str) -> dict:
 
 class _Follower:
     """The router's index component (``IndexFollower`` over the app's directory) on its own
-    event loop thread in this process, for as long as the module runs."""
+    event loop thread in this process, until the module ends (``stop``): a poll after the
+    session's Ray shut down would make Ray start a new local cluster while pytest exits."""
 
     def __init__(self) -> None:
         import asyncio
@@ -62,11 +64,33 @@ class _Follower:
         self.loop = asyncio.new_event_loop()
         shard = ActorShard("kvharbor-prefix-directory", "kvharbor", timeout_s=2.0, retry_s=0.5)
         self.follower = IndexFollower([shard], poll_interval_s=0.02)
-        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
         asyncio.run_coroutine_threadsafe(self.follower.run(), self.loop)
+
+    def stop(self) -> None:
+        import asyncio
+
+        async def cancel_tasks() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(cancel_tasks(), self.loop).result(timeout=10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+        self.loop.close()
 
 
 _FOLLOWERS: list = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_followers():
+    yield
+    while _FOLLOWERS:
+        _FOLLOWERS.pop().stop()
 
 
 def _router(app):
