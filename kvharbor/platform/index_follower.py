@@ -161,10 +161,20 @@ class IndexFollower:
 
     # ---- polling -----------------------------------------------------------------------
     async def run(self) -> None:
-        """Poll every shard forever (run as a task on the router's event loop)."""
-        while True:
+        """Poll every shard until ``ray_shut_down()`` (run as a task on an event loop)."""
+        while not self.ray_shut_down():
             await self.poll_once()
             await self.pause()
+
+    def ray_shut_down(self) -> bool:
+        """Some shard is a Ray actor and this process's Ray is shut down: a follower left in a
+        driver (a test, a script holding a handle) must stop polling then, or its actor call
+        makes Ray start a new local cluster while the interpreter exits."""
+        if not any(isinstance(s, ActorShard) for s in self.shards):
+            return False
+        import ray  # noqa: PLC0415 - in-process shards never need Ray
+
+        return not ray.is_initialized()
 
     def idle(self) -> bool:
         """No entries and no ``hurry()`` for ``idle_after_s``: polls slow down."""

@@ -63,7 +63,6 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from typing import Any
 
-import ray
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from kvharbor.actors.calls import on_event_loop, start_background
@@ -326,18 +325,11 @@ class KVAwareRouter(RequestRouter):
         self._first_poll.set()
 
     async def _follow(self) -> None:
-        while not self._ray_shut_down():
+        while not self.follower.ray_shut_down():
             await self.follower.poll_once()
             self._first_poll.set()
             self.metrics.router_index_lag(min(self.follower.lag_s(), 1e6))
             await self.follower.pause()
-
-    def _ray_shut_down(self) -> bool:
-        """The shards are Ray actors and this process's Ray is shut down: a router left in a
-        driver (a test, a script holding a handle) must stop polling then, or its actor call
-        makes Ray start a new local cluster while the interpreter exits."""
-        return (any(isinstance(s, ActorShard) for s in self.follower.shards)
-                and not ray.is_initialized())
 
     def _forget(self, uid: str) -> None:
         self._stats_sessions.pop(uid, None)

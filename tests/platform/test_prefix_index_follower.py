@@ -11,7 +11,20 @@ import pytest
 from kvharbor.actors.directory_log import EventLog
 from kvharbor.actors.prefix_directory import DirectoryShard, PrefixIndex
 from kvharbor.engine.hashing import hash_prompt_blocks
-from kvharbor.platform.index_follower import IndexFollower
+from kvharbor.platform.index_follower import ActorShard, IndexFollower
+
+
+class CountingActorShard(ActorShard):
+    """A shard that is a Ray actor to the follower (``ActorShard``), answered in-process,
+    counting its polls."""
+
+    def __init__(self) -> None:
+        super().__init__("kvh-test-shard", None, timeout_s=1.0)
+        self.polls, self.inner = 0, DirectoryShard()
+
+    async def poll(self, epoch, cursor, max_entries):
+        self.polls += 1
+        return self.inner.poll(epoch, cursor, max_entries)
 
 
 def chain(n: int, salt: str) -> list:
@@ -204,3 +217,25 @@ def test_an_idle_follower_still_sees_other_routers_events_within_its_idle_interv
         return asyncio.get_running_loop().time() - start
 
     assert asyncio.run(go()) < 0.35
+
+
+def test_a_follower_over_directory_actors_stops_once_ray_is_shut_down(monkeypatch):
+    """``run`` left in a driver (a test, a script) after ray.shutdown() returns instead of
+    polling an actor: that call would make Ray start a new local cluster at interpreter exit."""
+    import ray
+
+    shard = CountingActorShard()
+    follower = IndexFollower([shard], poll_interval_s=0.01)
+
+    async def run_for(seconds: float) -> bool:
+        task = asyncio.ensure_future(follower.run())
+        await asyncio.sleep(seconds)
+        done = task.done()
+        task.cancel()
+        return done
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    assert asyncio.run(run_for(0.05)) is False and shard.polls >= 1
+    polls = shard.polls
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    assert asyncio.run(run_for(0.05)) is True and shard.polls == polls

@@ -12,7 +12,6 @@ from __future__ import annotations
 import random
 import time
 
-import pytest
 import ray
 from ray import serve
 
@@ -54,8 +53,8 @@ def _call(app, method: str) -> dict:
 
 class _Follower:
     """The router's index component (``IndexFollower`` over the app's directory) on its own
-    event loop thread in this process, until the module ends (``stop``): a poll after the
-    session's Ray shut down would make Ray start a new local cluster while pytest exits."""
+    event loop thread in this process, for as long as the module runs (``run`` returns once
+    the session's Ray has shut down)."""
 
     def __init__(self) -> None:
         import asyncio
@@ -64,33 +63,11 @@ class _Follower:
         self.loop = asyncio.new_event_loop()
         shard = ActorShard("kvharbor-prefix-directory", "kvharbor", timeout_s=2.0, retry_s=0.5)
         self.follower = IndexFollower([shard], poll_interval_s=0.02)
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
         asyncio.run_coroutine_threadsafe(self.follower.run(), self.loop)
-
-    def stop(self) -> None:
-        import asyncio
-
-        async def cancel_tasks() -> None:
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-        asyncio.run_coroutine_threadsafe(cancel_tasks(), self.loop).result(timeout=10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10)
-        self.loop.close()
 
 
 _FOLLOWERS: list = []
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _stop_followers():
-    yield
-    while _FOLLOWERS:
-        _FOLLOWERS.pop().stop()
 
 
 def _router(app):

@@ -391,17 +391,9 @@ def test_the_index_follower_stops_once_ray_is_shut_down(monkeypatch):
     """A router left in a driver after ray.shutdown() stops polling its directory actors
     instead of calling one (which makes Ray start a new local cluster while the interpreter
     exits); routers over in-process shards (these tests) never depend on Ray."""
-    import kvharbor.platform.router as router_module
-    from kvharbor.platform.index_follower import ActorShard
+    import ray
 
-    class CountingActorShard(ActorShard):
-        def __init__(self) -> None:
-            super().__init__("kvh-test-shard", None, timeout_s=1.0)
-            self.polls, self.inner = 0, DirectoryShard()
-
-        async def poll(self, epoch, cursor, max_entries):
-            self.polls += 1
-            return self.inner.poll(epoch, cursor, max_entries)
+    from tests.platform.test_prefix_index_follower import CountingActorShard
 
     shard = CountingActorShard()
     router = make_router(shard, synced=False)
@@ -414,10 +406,10 @@ def test_the_index_follower_stops_once_ray_is_shut_down(monkeypatch):
         task.cancel()
         return done
 
-    monkeypatch.setattr(router_module.ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
     assert asyncio.run(follow_for(0.05)) is False and shard.polls >= 1      # polls while Ray is up
     polls = shard.polls
-    monkeypatch.setattr(router_module.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
     assert asyncio.run(follow_for(0.05)) is True and shard.polls == polls   # returns, no call
     fake = make_router(FakeShard(), synced=False)
-    assert not fake._ray_shut_down()                       # in-process shards: Ray never matters
+    assert not fake.follower.ray_shut_down()               # in-process shards: Ray never matters
