@@ -2,8 +2,9 @@
 
 Starts the default app (the builtin model, ``benchmarks/request_path.py``'s setup, behind
 ``--ingress``: default ``direct``, as ``serve run kvharbor.app`` runs it), then measures
-every process's CPU time (``psutil``) over ``--idle-s`` seconds of no traffic and over ``--requests`` premium completions sent one after another, and prints each
-process's share of one core in both windows, busiest first. What an idle platform costs, and
+every process's CPU time (``psutil``) over ``--idle-s`` seconds of no traffic and over
+``--requests`` premium completions sent one after another, and prints each process's share
+of one core in both windows, busiest first. What an idle platform costs, and
 where a request's CPU goes.
 
     python scripts/app_cpu.py [--idle-s 10] [--requests 60] [--ingress direct|proxy]
