@@ -27,6 +27,15 @@ class CountingActorShard(ActorShard):
         return self.inner.poll(epoch, cursor, max_entries)
 
 
+
+async def returns_within(loop_fn, seconds: float) -> bool:
+    """Whether the coroutine ``loop_fn()`` returned within ``seconds`` (cancelled if not)."""
+    task = asyncio.ensure_future(loop_fn())
+    await asyncio.sleep(seconds)
+    done = task.done()
+    task.cancel()
+    return done
+
 def chain(n: int, salt: str) -> list:
     return hash_prompt_blocks(list(range(n * 4)), 4, salt=salt)
 
@@ -227,15 +236,8 @@ def test_a_follower_over_directory_actors_stops_once_ray_is_shut_down(monkeypatc
     shard = CountingActorShard()
     follower = IndexFollower([shard], poll_interval_s=0.01)
 
-    async def run_for(seconds: float) -> bool:
-        task = asyncio.ensure_future(follower.run())
-        await asyncio.sleep(seconds)
-        done = task.done()
-        task.cancel()
-        return done
-
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
-    assert asyncio.run(run_for(0.05)) is False and shard.polls >= 1
+    assert asyncio.run(returns_within(follower.run, 0.05)) is False and shard.polls >= 1
     polls = shard.polls
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
-    assert asyncio.run(run_for(0.05)) is True and shard.polls == polls
+    assert asyncio.run(returns_within(follower.run, 0.05)) is True and shard.polls == polls

@@ -393,23 +393,16 @@ def test_the_index_follower_stops_once_ray_is_shut_down(monkeypatch):
     exits); routers over in-process shards (these tests) never depend on Ray."""
     import ray
 
-    from tests.platform.test_prefix_index_follower import CountingActorShard
+    from tests.platform.test_prefix_index_follower import CountingActorShard, returns_within
 
     shard = CountingActorShard()
     router = make_router(shard, synced=False)
     router._first_poll = asyncio.Event()
 
-    async def follow_for(seconds: float) -> bool:
-        task = asyncio.ensure_future(router._follow())
-        await asyncio.sleep(seconds)
-        done = task.done()
-        task.cancel()
-        return done
-
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
-    assert asyncio.run(follow_for(0.05)) is False and shard.polls >= 1      # polls while Ray is up
+    assert asyncio.run(returns_within(router._follow, 0.05)) is False and shard.polls >= 1  # polls
     polls = shard.polls
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
-    assert asyncio.run(follow_for(0.05)) is True and shard.polls == polls   # returns, no call
+    assert asyncio.run(returns_within(router._follow, 0.05)) is True and shard.polls == polls  # no call
     fake = make_router(FakeShard(), synced=False)
     assert not fake.follower.ray_shut_down()               # in-process shards: Ray never matters
