@@ -5,12 +5,20 @@ phases, deploys the app and judges the goals).
 Every request is streamed with ``temperature 0, ignore_eos``; TTFT is from sending the
 request to the first token chunk, measured at the client, whose own event-loop lag is
 recorded beside it (``open_loop``).
+
+The client's cyclic garbage collector is paused for each timed phase (``client_gc_paused``):
+this process holds every outcome and Ray's driver state, and a full collection of it took
+355-452 ms under the flood (measured with ``gc.callbacks``, 2026-11-26), a stall of the client's
+loop that the TTFT of every request whose first chunk arrived meanwhile counted as the app's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import json
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -147,9 +155,41 @@ async def open_loop(base: str, jobs: list[Job], window_s: float, grace_s: float,
 
 
 def run_phase(base: str, jobs: list[Job], window_s: float, grace_s: float) -> tuple[list[Outcome], float, dict]:
-    """One phase's arrivals -> (outcomes in job order, cutoff, the client's loop lag)."""
-    outcomes, cutoff, lags = asyncio.run(open_loop(base, jobs, window_s, grace_s))
-    return outcomes, cutoff, lag_summary(lags)
+    """One phase's arrivals -> (outcomes in job order, cutoff, the client's loop lag and the
+    garbage collections it made, which stall that loop: ``gc_runs`` and ``gc_ms_max``)."""
+    with client_gc_paused() as collections:
+        outcomes, cutoff, lags = asyncio.run(open_loop(base, jobs, window_s, grace_s))
+    return outcomes, cutoff, {**lag_summary(lags), "gc_runs": len(collections),
+                              "gc_ms_max": rounded(max(collections, default=0.0))}
+
+
+@contextlib.contextmanager
+def client_gc_paused():
+    """Collect, then keep this process's cyclic GC off until the block ends (memory grows by
+    the phase's cyclic garbage, collected right after). Yields the list of collections made
+    meanwhile (ms each): empty unless something calls ``gc.collect``. ``KVH_CLIENT_GC=on``
+    leaves the GC running, to measure what it costs."""
+    paused = os.environ.get("KVH_CLIENT_GC", "paused") != "on"
+    pauses: list[float] = []
+    started: list[float] = []
+
+    def timer(phase: str, info: dict) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            pauses.append((time.perf_counter() - started.pop()) * 1000.0)
+
+    gc.collect()
+    if paused:
+        gc.disable()
+    gc.callbacks.append(timer)
+    try:
+        yield pauses
+    finally:
+        gc.callbacks.remove(timer)
+        if paused:
+            gc.enable()
+        gc.collect()
 
 
 def lag_summary(lags: list[float]) -> dict:

@@ -1,6 +1,9 @@
-"""The QoS benchmark's capacity estimate (benchmarks/qos_load.py): the service rate of a full pipeline, not a burst's makespan."""
+"""The QoS benchmark's client (benchmarks/qos_load.py): its capacity estimate is the service rate
+of a full pipeline, not a burst's makespan; its timed phases run without the client's GC."""
 
 from __future__ import annotations
+
+import gc
 
 import pytest
 
@@ -16,3 +19,20 @@ def test_the_capacity_of_a_burst_is_its_steady_completion_rate():
 
 def test_a_tiny_burst_falls_back_to_its_makespan():
     assert qos_load.steady_rate([1.0, 2.0, 4.0]) == pytest.approx(0.75)
+
+
+def test_a_timed_phase_pauses_the_clients_garbage_collector_and_restores_it():
+    assert gc.isenabled()
+    with qos_load.client_gc_paused() as collections:
+        assert not gc.isenabled()          # no collection can stall the client mid-phase
+        assert collections == []
+    assert gc.isenabled()
+
+
+def test_with_the_gc_left_on_the_phase_records_each_collection(monkeypatch):
+    monkeypatch.setenv("KVH_CLIENT_GC", "on")
+    with qos_load.client_gc_paused() as collections:
+        assert gc.isenabled()
+        gc.collect()
+    assert len(collections) == 1 and collections[0] >= 0.0
+    assert gc.isenabled()
