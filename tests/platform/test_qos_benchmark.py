@@ -36,3 +36,44 @@ def test_with_the_gc_left_on_the_phase_records_each_collection(monkeypatch):
         gc.collect()
     assert len(collections) == 1 and collections[0] >= 0.0
     assert gc.isenabled()
+
+
+def test_the_client_keeps_one_connection_per_tenant_when_it_is_refused():
+    """Refused (429) requests leave their connection open for the next one, and each tenant
+    sends through a pool of its own: 4 refused requests of 2 tenants use 2 connections."""
+    import asyncio
+    import socket
+    import threading
+
+    import uvicorn
+
+    peers: list[tuple[str, int]] = []
+
+    async def refuse(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        peers.append(tuple(scope["client"]))
+        while (await receive()).get("more_body"):
+            pass
+        body = b'{"error": {"message": "over the limit", "code": "rate_limited"}}'
+        await send({"type": "http.response.start", "status": 429,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": body})
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(refuse, log_level="error", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            threading.Event().wait(0.01)
+        jobs = [qos_load.Job(at, qos, "/v1/completions", {"prompt": "hi"})
+                for at, qos in ((0.0, "premium"), (0.1, "batch"), (0.2, "premium"), (0.3, "batch"))]
+        outcomes, _, _ = asyncio.run(qos_load.open_loop(
+            f"http://127.0.0.1:{sock.getsockname()[1]}", jobs, window_s=0.4, grace_s=5.0))
+    finally:
+        server.should_exit = True
+        thread.join(10)
+    assert [o.error for o in outcomes] == ["HTTP 429"] * 4
+    assert len(peers) == 4 and len(set(peers)) == 2
