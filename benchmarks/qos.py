@@ -40,7 +40,9 @@ and a direct gateway holds the one port; ``haproxy``: HAProxy to the gateway rep
 JSON's ``args`` record which. ``--overload-lag-ms`` sets the overload guards of the gateways and of
 Serve's proxy (``off``: both off); ``--proxy-guard off`` turns the proxy's alone off. The
 client's own event-loop lag is recorded per pass (``client_loop_lag_ms_by_pass``): a TTFT
-measured by a client whose loop is late would include that wait.
+measured by a client whose loop is late would include that wait. Its garbage collector is off
+during each timed phase (``qos_load.client_gc_paused``; ``gc_runs`` and ``gc_ms_max`` in the same
+record), and each tenant sends through a connection pool of its own (``qos_load.open_loop``).
 
 Run:  python benchmarks/qos.py            (about 7 minutes on 2 shared cores)
       python benchmarks/qos.py --quick    (shorter phases; numbers are noisier)
