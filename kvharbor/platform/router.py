@@ -101,10 +101,20 @@ def generate_request_of(pending_request: PendingRequest | None) -> GenerateReque
     return None
 
 
+class _LiveRouters(weakref.WeakSet):
+    """The routers alive in this process. Ray Serve pickles a request router's class *by
+    value* (its module registered with cloudpickle) whenever it serializes the deployment's
+    config, e.g. in ``serve.status()``; a pickled copy starts empty instead of carrying the
+    live routers, whose asyncio tasks cannot be pickled."""
+
+    def __reduce__(self):
+        return type(self), ()
+
+
 class KVAwareRouter(RequestRouter):
     """Prefix-cache-aware, load-balanced routing for ``LLMReplica`` (see module doc)."""
 
-    _instances: "weakref.WeakSet[KVAwareRouter]" = weakref.WeakSet()
+    _instances: "_LiveRouters" = _LiveRouters()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

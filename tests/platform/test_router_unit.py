@@ -406,3 +406,25 @@ def test_the_index_follower_stops_once_ray_is_shut_down(monkeypatch):
     assert asyncio.run(returns_within(router._follow, 0.05)) is True and shard.polls == polls  # no call
     fake = make_router(FakeShard(), synced=False)
     assert not fake.follower.ray_shut_down()               # in-process shards: Ray never matters
+
+
+def test_serve_can_pickle_the_router_class_while_routers_are_alive():
+    """Serve pickles the router class by value (``RequestRouterConfig``, e.g. in
+    ``serve.status()``); a live router with a running follower task must not break that."""
+    import kvharbor.platform.router as router_module
+    from ray import cloudpickle
+
+    async def scenario():
+        router = KVAwareRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN)
+        router._follow_task = asyncio.get_running_loop().create_task(asyncio.sleep(10))
+        assert router in KVAwareRouter.instances()
+        cloudpickle.register_pickle_by_value(router_module)
+        try:
+            copy = cloudpickle.loads(cloudpickle.dumps(KVAwareRouter))
+        finally:
+            cloudpickle.unregister_pickle_by_value(router_module)
+            router._follow_task.cancel()
+        return copy
+
+    copy = asyncio.run(scenario())
+    assert copy.__name__ == "KVAwareRouter" and copy.instances() == []
