@@ -160,10 +160,13 @@ class IndexFollower:
                    for s in self.state) if self.state else 0.0
 
     # ---- polling -----------------------------------------------------------------------
-    async def run(self) -> None:
-        """Poll every shard until ``ray_shut_down()`` (run as a task on an event loop)."""
+    async def run(self, after_poll: Callable[[], None] | None = None) -> None:
+        """Poll every shard until ``ray_shut_down()`` (run as a task on an event loop);
+        ``after_poll`` is called after each poll (a router marks its first poll, records lag)."""
         while not self.ray_shut_down():
             await self.poll_once()
+            if after_poll is not None:
+                after_poll()
             await self.pause()
 
     def ray_shut_down(self) -> bool:

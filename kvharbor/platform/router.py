@@ -335,11 +335,11 @@ class KVAwareRouter(RequestRouter):
         self._first_poll.set()
 
     async def _follow(self) -> None:
-        while not self.follower.ray_shut_down():
-            await self.follower.poll_once()
-            self._first_poll.set()
-            self.metrics.router_index_lag(min(self.follower.lag_s(), 1e6))
-            await self.follower.pause()
+        await self.follower.run(after_poll=self._polled)
+
+    def _polled(self) -> None:
+        self._first_poll.set()
+        self.metrics.router_index_lag(min(self.follower.lag_s(), 1e6))
 
     def _forget(self, uid: str) -> None:
         self._stats_sessions.pop(uid, None)

@@ -428,3 +428,13 @@ def test_serve_can_pickle_the_router_class_while_routers_are_alive():
 
     copy = asyncio.run(scenario())
     assert copy.__name__ == "KVAwareRouter" and copy.instances() == []
+
+
+def test_the_first_poll_of_the_follower_releases_a_waiting_first_decision():
+    """``_follow`` marks the router's first poll (a new router's first decision waits for it)."""
+    from tests.platform.test_prefix_index_follower import returns_within
+
+    router = make_router(FakeShard(), synced=False)
+    router._first_poll = asyncio.Event()
+    assert asyncio.run(returns_within(router._follow, 0.05)) is False   # follows until cancelled
+    assert router._first_poll.is_set()
