@@ -11,30 +11,9 @@ import pytest
 from kvharbor.actors.directory_log import EventLog
 from kvharbor.actors.prefix_directory import DirectoryShard, PrefixIndex
 from kvharbor.engine.hashing import hash_prompt_blocks
-from kvharbor.platform.index_follower import ActorShard, IndexFollower
+from kvharbor.platform.index_follower import IndexFollower
+from tests.platform.follower_helpers import CountingActorShard, returns_within
 
-
-class CountingActorShard(ActorShard):
-    """A shard that is a Ray actor to the follower (``ActorShard``), answered in-process,
-    counting its polls."""
-
-    def __init__(self) -> None:
-        super().__init__("kvh-test-shard", None, timeout_s=1.0)
-        self.polls, self.inner = 0, DirectoryShard()
-
-    async def poll(self, epoch, cursor, max_entries):
-        self.polls += 1
-        return self.inner.poll(epoch, cursor, max_entries)
-
-
-
-async def returns_within(loop_fn, seconds: float) -> bool:
-    """Whether the coroutine ``loop_fn()`` returned within ``seconds`` (cancelled if not)."""
-    task = asyncio.ensure_future(loop_fn())
-    await asyncio.sleep(seconds)
-    done = task.done()
-    task.cancel()
-    return done
 
 def chain(n: int, salt: str) -> list:
     return hash_prompt_blocks(list(range(n * 4)), 4, salt=salt)

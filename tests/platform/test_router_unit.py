@@ -393,7 +393,7 @@ def test_the_index_follower_stops_once_ray_is_shut_down(monkeypatch):
     exits); routers over in-process shards (these tests) never depend on Ray."""
     import ray
 
-    from tests.platform.test_prefix_index_follower import CountingActorShard, returns_within
+    from tests.platform.follower_helpers import CountingActorShard, returns_within
 
     shard = CountingActorShard()
     router = make_router(shard, synced=False)
@@ -432,7 +432,7 @@ def test_serve_can_pickle_the_router_class_while_routers_are_alive():
 
 def test_the_first_poll_of_the_follower_releases_a_waiting_first_decision():
     """``_follow`` marks the router's first poll (a new router's first decision waits for it)."""
-    from tests.platform.test_prefix_index_follower import returns_within
+    from tests.platform.follower_helpers import returns_within
 
     router = make_router(FakeShard(), synced=False)
     router._first_poll = asyncio.Event()
