@@ -55,6 +55,10 @@ class EngineConfig(BaseModel):
                                 "On CUDA with the Triton backend and kvharbor's model path, decode steps "
                                 "(every request one token) are otherwise captured once per batch bucket "
                                 "and replayed (see engine/decode_graphs.py).")
+    async_scheduling: bool = Field(True, description="Where decode steps replay CUDA graphs: launch "
+                                   "a decode step whose requests all continue before reading the "
+                                   "tokens of the one in flight, so the host's bookkeeping overlaps "
+                                   "the GPU's work (see Engine.step). Off: every step waits for its tokens.")
     low_priority_prefill_cap: int | None = Field(
         256, ge=0, description="While requests of a higher class are unfinished (or were in the "
         "last 2 s), lower classes get at most this many prefill tokens per step (their decodes "
@@ -109,6 +113,8 @@ class PlatformConfig(BaseModel):
     host_kv_blocks: int = Field(0, ge=0, description="Host-memory KV blocks per replica for evicted prefixes (0: off).")
     preemption_mode: str = Field("recompute", pattern="^(recompute|swap|auto)$", description="Engine preemption: 'recompute', 'swap' or 'auto'.")
     enforce_eager: bool = Field(False, description="GPU replicas never replay CUDA graphs (see EngineConfig).")
+    async_scheduling: bool = Field(True, description="GPU replicas launch a decode step before reading the "
+                                   "previous one's tokens (see EngineConfig).")
     router: str = Field("kv", description="Request router: 'kv' (KV-aware), 'pow2' (Serve default) or 'round_robin'.")
     replica_cpus: float = Field(0.5, gt=0, description="num_cpus per LLM replica when on CPU.")
     cpu_threads: int | None = Field(1, ge=1, description="torch threads per CPU replica (None: torch default).")

@@ -4,8 +4,11 @@
 # Each stage has its own time limit so a slow one cannot starve the rest; everything is logged
 # to $OUT/log.txt and the benchmarks write their JSON/PNG to $OUT.
 #   usage: bash scripts/gpu_checks.sh [stage ...]
-#   stages: tests decode kernels rule; default: tests decode kernels. `rule` runs the decode
-#   attention with its default launch rule (no sweep) on points the rule was not read off.
+#   stages: tests decode kernels rule profile shapes heldout; default: tests decode kernels.
+#   `rule` runs the decode attention with its default launch rule (no sweep) on points the
+#   rule was not read off; `profile` times each kernel inside the replayed decode graph;
+#   `shapes` sweeps the attention at the decode benchmark's shapes; `heldout` sweeps head dim
+#   128 at points no earlier sweep had.
 # The CPU kernels' tests (test_cpu_*.py) and test_engine_kernels.py's quantized-cache tests
 # (device="cpu") are not run here: they are CPU code, tested in CI. On the H200 (2026-11-26
 # 15:04) those CPU tests did not finish their setup in 120 s under 16 workers, while every GPU
@@ -35,7 +38,7 @@ GPU_TESTS=(tests/engine/test_greedy_exact.py::test_cuda_fp32_greedy_matches_tran
            tests/kernels/test_paged_attention.py tests/kernels/test_store_kv.py
            tests/kernels/test_triton_backend.py
            tests/kernels/test_engine_kernels.py::test_triton_backend_generates_the_reference_tokens
-           tests/kernels/test_compile_sm90.py)
+           tests/kernels/test_compile_sm90.py tests/engine/test_async_scheduling.py)
 # The default rule on (batch, context) points the sweep below did not include (32, 48, 8192).
 HELD_OUT=(--batch 16 32 48 --context 4096 8192 16384)
 SWEEP=(--batch 16 64 --context 4096 16384 --sweep-splits 1 4 8 16 --sweep-block-n 64 128
@@ -59,6 +62,25 @@ SWEEP=(--batch 16 64 --context 4096 16384 --sweep-splits 1 4 8 16 --sweep-block-
         timeout ${KERNELS_TIMEOUT:-50} python3 benchmarks/kernels.py --out "$OUT" "${SWEEP[@]}"
         timeout ${KERNELS_TIMEOUT:-50} python3 benchmarks/kernels.py --out "$OUT" --head-dim 64 \
           --tag _hd64 "${SWEEP[@]}" && rm -f "$OUT/kernels_decode_hd64.png" ;;
+      # GPU time per kernel inside the replayed batch-64 decode graph (torch.profiler).
+      profile)
+        timeout ${PROFILE_TIMEOUT:-150} python3 benchmarks/gpu_decode.py --model llama-1b qwen2-0.5b \
+          --modes graphs --profile-replays 20 --tag _profile --out "$OUT" 2>&1 | grep -v "it/s\]" ;;
+      # The decode attention at the decode benchmark's own shapes (batch 64, ~550 keys, head
+      # dim 64): llama-1b's 32/8 heads and qwen2-0.5b's 14/2.
+      shapes)
+        timeout ${KERNELS_TIMEOUT:-50} python3 benchmarks/kernels.py --out "$OUT" --head-dim 64 \
+          --batch 64 --context 576 --sweep-splits 1 2 4 --sweep-block-n 64 128 --sweep-warps 4 \
+          --tag _shape_llama1b && rm -f "$OUT/kernels_decode_shape_llama1b.png"
+        timeout ${KERNELS_TIMEOUT:-50} python3 benchmarks/kernels.py --out "$OUT" --head-dim 64 \
+          --q-heads 14 --kv-heads 2 --batch 64 --context 576 --sweep-splits 1 2 4 8 \
+          --sweep-block-n 64 128 --sweep-warps 4 --tag _shape_qwen05b \
+          && rm -f "$OUT/kernels_decode_shape_qwen05b.png" ;;
+      # Head dim 128 at batch sizes and contexts that no earlier sweep had, every split count.
+      heldout)
+        timeout ${KERNELS_TIMEOUT:-80} python3 benchmarks/kernels.py --out "$OUT" --tag _heldout \
+          --batch 8 24 40 --context 6144 12288 --sweep-splits 1 2 4 8 16 --sweep-block-n 64 128 \
+          --sweep-warps 4 && rm -f "$OUT/kernels_decode_heldout.png" ;;
       rule)
         timeout ${KERNELS_TIMEOUT:-50} python3 benchmarks/kernels.py --out "$OUT" --tag _rule \
           "${HELD_OUT[@]}"

@@ -26,12 +26,31 @@ eagerly, which is how the padding is tested on a CPU.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from . import attention
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 """Batch sizes captured: a step of ``n`` requests replays the smallest bucket >= ``n``."""
+
+
+@dataclass(slots=True)
+class Launched:
+    """A decode step launched and not yet collected: ``batch`` (``ScheduledRequest``s), the
+    sampled ids on the device (``tokens``) and their host copy, complete once ``done`` fires."""
+
+    batch: list
+    tokens: torch.Tensor
+    host: torch.Tensor
+    done: object                 # torch.cuda.Event, or None on the CPU (already complete)
+
+    def tokens_on_host(self) -> list[int]:
+        """The sampled ids, waiting for the step to finish (the host's one sync per step)."""
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.tolist()
 
 
 class DecodeGraphs:
@@ -52,18 +71,21 @@ class DecodeGraphs:
         self.null_block = runner.null_block_id
         dev, pin = runner.device, runner.device.type == "cuda"
 
-        def pair(shape, dtype, fill):
-            host = torch.full(shape, fill, dtype=dtype, pin_memory=pin)
-            return host, host.to(dev, copy=True)      # a copy on the CPU too (tests)
-
-        self.h_ids, self.d_ids = pair((m,), torch.int64, 0)
-        self.h_pos, self.d_pos = pair((m,), torch.int64, 0)
-        self.h_slots, self.d_slots = pair((m,), torch.int64, self.null_block * bs)
-        self.h_lens, self.d_lens = pair((m,), torch.int32, 1)
-        self.h_table, self.d_table = pair((m, self.max_blocks), torch.int32, self.null_block)
+        shapes = {"ids": ((m,), torch.int64, 0), "pos": ((m,), torch.int64, 0),
+                  "slots": ((m,), torch.int64, self.null_block * bs), "lens": ((m,), torch.int32, 1),
+                  "table": ((m, self.max_blocks), torch.int32, self.null_block),
+                  "prev_rows": ((m,), torch.int64, 0), "tokens": ((m,), torch.int64, 0)}
+        # Two sets of pinned host buffers, used by alternate steps: a step launched ahead
+        # (``launch``) stages its inputs while the copies of the step before it may still be
+        # queued behind the GPU's work; the step two back has always been collected.
+        self.host = [{k: torch.full(shape, fill, dtype=dt, pin_memory=pin)
+                      for k, (shape, dt, fill) in shapes.items()} for _ in range(2)]
+        self.np = [{k: t.numpy() for k, t in h.items()} for h in self.host]
+        self.d_ids, self.d_pos, self.d_slots, self.d_lens, self.d_table = (
+            self.host[0][k].to(dev, copy=True) for k in ("ids", "pos", "slots", "lens", "table"))
+        self.d_prev_rows = torch.zeros(m, dtype=torch.int64, device=dev)
         self.d_qsl = torch.arange(m + 1, dtype=torch.int32, device=dev)       # one token each
         self.d_rows = torch.arange(m, dtype=torch.int64, device=dev)          # every row samples
-        self.np = {name: getattr(self, f"h_{name}").numpy() for name in ("ids", "pos", "slots", "lens", "table")}
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.replays = 0                  # graph replays (capture=True)
@@ -78,19 +100,26 @@ class DecodeGraphs:
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
-    def forward_logits(self, batch) -> torch.Tensor:
-        """Logits ``[len(batch), vocab]`` of a decode step (``eligible(batch)`` holds)."""
+    def forward_logits(self, batch, ahead: int = 0, prev: "Launched | None" = None) -> torch.Tensor:
+        """Logits ``[len(batch), vocab]`` of a decode step (``eligible(batch)`` holds).
+
+        ``ahead`` = 1, ``prev``: the step computes each request's position
+        ``num_computed_tokens + 1``, whose token ``prev`` (the launched step before it, which
+        computes ``num_computed_tokens``) sampled and still holds on the device: the ids are
+        gathered there, not read from the host."""
         n, bs = len(batch), self.runner.block_size
         b = self.bucket(n)
+        host, arrays = self.host[self.steps % 2], self.np[self.steps % 2]
         self.steps += 1
         self.padded_steps += n < b
-        ids, pos, slots, lens, table = (self.np[k] for k in ("ids", "pos", "slots", "lens", "table"))
+        ids, pos, slots, lens, table = (arrays[k] for k in ("ids", "pos", "slots", "lens", "table"))
         width = 1
         for i, item in enumerate(batch):
             r = item.request
-            p = r.num_computed_tokens
+            p = r.num_computed_tokens + ahead
             blocks = [blk.block_id for blk in r.blocks]
-            ids[i], pos[i], lens[i] = r.all_token_ids[p], p, p + 1
+            ids[i] = r.all_token_ids[p] if prev is None else 0
+            pos[i], lens[i] = p, p + 1
             slots[i] = blocks[p // bs] * bs + p % bs
             table[i, :len(blocks)] = blocks
             width = max(width, len(blocks))
@@ -99,8 +128,13 @@ class DecodeGraphs:
             slots[n:b] = self.null_block * bs
             table[n:b, 0] = self.null_block
         for name in ("ids", "pos", "slots", "lens"):
-            getattr(self, f"d_{name}")[:b].copy_(getattr(self, f"h_{name}")[:b], non_blocking=True)
-        self.d_table[:b, :width].copy_(self.h_table[:b, :width], non_blocking=True)
+            getattr(self, f"d_{name}")[:b].copy_(host[name][:b], non_blocking=True)
+        self.d_table[:b, :width].copy_(host["table"][:b, :width], non_blocking=True)
+        if prev is not None:                   # this step's ids: the tokens prev sampled
+            index = {id(item.request): j for j, item in enumerate(prev.batch)}
+            arrays["prev_rows"][:n] = [index[id(item.request)] for item in batch]
+            self.d_prev_rows[:n].copy_(host["prev_rows"][:n], non_blocking=True)
+            torch.index_select(prev.tokens, 0, self.d_prev_rows[:n], out=self.d_ids[:n])
         max_len = int(lens[:n].max())
         if not self.capture:
             return self._forward(b, max_len)[:n]
@@ -111,6 +145,23 @@ class DecodeGraphs:
         graph.replay()
         self.replays += 1
         return logits[:n]
+
+    def launch(self, batch, sample, ahead: int = 0, prev: "Launched | None" = None) -> "Launched":
+        """Stage, replay and sample a decode step without waiting for it: ``sample(logits,
+        requests)`` picks the tokens on the device, and they are copied to pinned host memory
+        behind an event that :meth:`Launched.tokens_on_host` waits for. ``ahead``/``prev`` as
+        in :meth:`forward_logits`. The logits are not kept (the next replay overwrites them)."""
+        parity = self.steps % 2
+        logits = self.forward_logits(batch, ahead, prev)
+        tokens = sample(logits, [item.request for item in batch])
+        n = len(batch)
+        if self.runner.device.type != "cuda":
+            return Launched(batch, tokens, tokens, None)
+        out = self.host[parity]["tokens"][:n]
+        out.copy_(tokens, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return Launched(batch, tokens, out, done)
 
     def _splits(self, b: int, max_len: int) -> int:
         r = self.runner

@@ -28,7 +28,7 @@ from .models import load_model, uniform_sliding_window
 from .preemption import PreemptionPolicy
 from .request import Request, RequestOutput, SamplingParams, Status
 from .scheduler import Scheduler
-from .step_budget import StepInterrupt, StepInterrupted
+from .step_budget import NO_PRIORITY, StepInterrupt, StepInterrupted
 from .sessions import SessionLimits, SessionManager
 
 
@@ -118,6 +118,10 @@ class Engine:
         self.sessions = SessionManager(self.pool, self.block_size,
                                        SessionLimits(config.session_ttl_s, max_blocks))
         self.requests: dict[str, Request] = {}
+        # Decode steps run ahead (see ``_runs_ahead``): where the decode graphs run (CUDA).
+        self.async_scheduling = config.async_scheduling and r.graphs is not None
+        self._inflight = None          # the decode step launched and not yet collected
+        self.steps_ahead = 0           # decode steps launched before the previous one's tokens were read
         self._arrivals = itertools.count()
         self._event_seq = 0
         self.pinned_prefixes: list[list] = []
@@ -273,24 +277,41 @@ class Engine:
     # ---- stepping -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample; return outputs of requests that advanced
-        (none when an announced higher-class arrival cut the step short: see ``announce``)."""
+        (none when an announced higher-class arrival cut the step short: see ``announce``).
+
+        With decode steps run ahead (``async_scheduling``), a step may return the outputs of
+        the decode step launched by the call before it instead of its own."""
         self.sessions.expire()
+        outputs = []
+        if self._inflight is not None:
+            nxt = self._continuation()
+            if nxt is not None:      # launch the next decode step, then collect this one
+                launched = self.runner.launch(nxt, ahead=1, prev=self._inflight)
+                self.steps_ahead += 1
+                outputs = self._collect(self._inflight)
+                self._inflight = launched
+                return outputs
+            outputs = self._collect(self._inflight)
+            self._inflight = None
         plan = self.scheduler.schedule()
         self._flush_transfers()
         if not plan.scheduled:
             if self.scheduler.waiting and not self.scheduler.running:
                 self.sessions.release_oldest_idle()     # retention must never starve the engine
-            return []
+            return outputs
+        if self._runs_ahead(plan.scheduled):
+            self.scheduler.untimed()
+            self._inflight = self.runner.launch(plan.scheduled)
+            return outputs
         self.interrupt.arm(plan.scheduled)
         try:
             with flush_denormals(self.device.type == "cpu"):
                 tokens = self.runner.execute(plan.scheduled)
         except StepInterrupted:
             self.scheduler.abandon(plan)        # the next step takes the announced arrival
-            return []
+            return outputs
         finally:
             self.interrupt.disarm()
-        outputs = []
         sampled, logprobs = iter(tokens), iter(self.runner.last_logprobs)
         for item in plan.scheduled:
             req = item.request
@@ -300,6 +321,69 @@ class Engine:
             self.kv.free_outside_window(req)
             if samples:
                 outputs.append(self._append_token(req, next(sampled), next(logprobs)))
+        return outputs
+
+    # ---- decode steps run ahead ------------------------------------------------------------
+    # On a GPU the host's part of a step (scheduling, staging, detokenizing, finish checks)
+    # otherwise runs while the GPU idles. With ``async_scheduling``, a decode step whose
+    # requests all continue is launched before the tokens of the one in flight are read: its
+    # input ids are gathered on the device from the tokens the step in flight sampled, and the
+    # host collects those (appends, detokenizes, checks for stops) while the GPU computes.
+    # A request that stops at the collected token had one more token computed for it, which
+    # is dropped: its K/V went to its own next slot, never to a cached (full) block. Any other
+    # situation (a waiting or announced request, a mixed class, logprobs, a block that cannot
+    # be allocated) collects the step in flight and schedules normally.
+
+    def _runs_ahead(self, batch: list[ScheduledRequest]) -> bool:
+        """Launch ``batch`` (just scheduled) without waiting for its tokens?"""
+        graphs = self.runner.graphs
+        return (self.async_scheduling and graphs is not None and graphs.eligible(batch)
+                and self._continuable([item.request for item in batch]))
+
+    def _continuable(self, reqs: list[Request]) -> bool:
+        """No request waits or was announced, every running request is in ``reqs``, all of one
+        class (so no step budget trims them), none asks for logprobs."""
+        sched = self.scheduler
+        if sched.waiting or self.interrupt.announced != NO_PRIORITY:
+            return False
+        if len(reqs) != len(sched.running) or len({r.priority for r in reqs}) != 1:
+            return False
+        return all(r.sampling.logprobs is None for r in reqs)
+
+    def _continuation(self) -> list[ScheduledRequest] | None:
+        """The decode step after the one in flight, of the same requests less those that
+        stop at its token for certain (length); None when it cannot be run ahead."""
+        reqs = [item.request for item in self._inflight.batch
+                if self.requests.get(item.request.request_id) is item.request]
+        if not reqs or not self._continuable(reqs):
+            return None
+        self.scheduler.size_pinned_region(self.scheduler.clock())   # as every schedule does
+        nxt = []
+        for r in reqs:        # after the token in flight: num_tokens + 1 tokens
+            if (r.num_tokens + 1 - len(r.prompt_token_ids) >= r.sampling.max_tokens
+                    or r.num_tokens + 1 >= self.max_model_len):
+                continue
+            if not self.kv.can_allocate(r, 2):          # a slot for position computed + 1
+                return None
+            self.kv.allocate(r, 2)
+            nxt.append(ScheduledRequest(r, 1))
+        if not nxt:
+            return None
+        for item in nxt:
+            self.scheduler.fair.charge(item.request, 1)
+        return nxt
+
+    def _collect(self, launched) -> list[RequestOutput]:
+        """Wait for ``launched``'s tokens and account for them as ``step`` does for its own."""
+        outputs = []
+        for item, token in zip(launched.batch, launched.tokens_on_host()):
+            req = item.request
+            if self.requests.get(req.request_id) is not req:
+                continue                          # finished or aborted meanwhile: dropped
+            req.num_computed_tokens += 1
+            self.kv.cache_full_blocks(req)
+            self.kv.free_outside_window(req)
+            outputs.append(self._append_token(req, token, None))
         return outputs
 
     def _flush_transfers(self) -> None:

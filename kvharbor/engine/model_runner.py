@@ -20,7 +20,7 @@ from . import attention, fast_model
 from .models import uniform_sliding_window
 from .request import Request
 from .logprobs import token_logprobs
-from .sampling import sample
+from .sampling import sample, sample_on_device
 
 
 @dataclass(slots=True)
@@ -165,6 +165,12 @@ class ModelRunner:
         finally:
             self.model.config._attn_implementation = self._hf_attention
         return out.logits[0] if rows.numel() else out.logits[0, :0]
+
+    @torch.inference_mode()
+    def launch(self, batch: list[ScheduledRequest], ahead: int = 0, prev=None):
+        """Run a decode step from the graphs without waiting for its tokens (see
+        ``DecodeGraphs.launch``); the caller collects them with ``tokens_on_host()``."""
+        return self.graphs.launch(batch, sample_on_device, ahead, prev)
 
     def execute(self, batch: list[ScheduledRequest]) -> list[int]:
         """Run the step and sample one token per request whose tokens are all computed."""

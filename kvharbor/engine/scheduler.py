@@ -163,6 +163,11 @@ class Scheduler:
         self._last = (now, out.num_tokens, len(out.scheduled)) if out.scheduled else None
         return out
 
+    def untimed(self) -> None:
+        """The step just planned runs ahead of others (the engine's ``async_scheduling``): the
+        time to the next ``schedule`` is not its duration, so it is no sample of the cost model."""
+        self._last = None
+
     def abandon(self, out: SchedulerOutput) -> None:
         """The step ``out`` planned was cut short (``StepInterrupted``) and kept nothing: its
         requests keep their seats and blocks, their fairness charge is refunded, and the step

@@ -86,6 +86,7 @@ def test_cuda_fp32_greedy_matches_transformers(model):
     for i, (out, ref) in enumerate(zip(outs, want)):
         assert out.token_ids == ref, f"prompt {i} diverged"
     assert runner.graphs.replays > 0 and runner.graphs.padded_steps > 0
+    assert llm.engine.steps_ahead > 0          # decode steps ran ahead (async_scheduling)
     llm.check_integrity()
 
 
