@@ -265,6 +265,7 @@ def run_mode(ckpt: Path, mode: str, args, prompts: list[list[int]]) -> dict:
            "weight_bytes": weight_bytes, "kv_bytes_per_step": kv_bytes,
            "forward_ms_p50": ms(statistics.median, fwd_s), "forward_ms_min": ms(min, fwd_s),
            "step_ms_p50": ms(statistics.median, step_s), "step_ms_min": ms(min, step_s),
+           "step_ms_mean": ms(statistics.fmean, step_s),
            "outside_execute_ms_p50": ms(statistics.median, outside_s),
            "graph_replays": runner.graphs.replays if runner.graphs is not None else 0,
            "replay_kernels": kernel_profile,
@@ -335,7 +336,8 @@ def main(argv=None) -> int:
             rows.append(r)
     print(f"{name}; copy bandwidth {bw:.0f} GB/s (datasheet {peak} GB/s); batch {args.batch}, "
           f"prompt {args.prompt}, {args.steps} timed decode steps after {args.warmup}")
-    cols = ("model", "mode", "steps_run_ahead", "graph_replay_ms_p50", "forward_ms_p50", "step_ms_p50", "outside_execute_ms_p50",
+    cols = ("model", "mode", "steps_run_ahead", "graph_replay_ms_p50", "forward_ms_p50", "step_ms_p50",
+            "step_ms_mean", "outside_execute_ms_p50",
             "roofline_ms_measured_bw",
             "forward_x_roofline", "step_x_roofline", "tokens_agree_with_first_mode", "setup_s")
     print(" | ".join(cols))

@@ -121,13 +121,17 @@ def measure_point(batch: int, context: int, args, device, num_sms: int) -> dict:
         from kvharbor.kernels.paged_attention import paged_attention  # noqa: PLC0415
 
         cache = c["cache"]
-        for n, bn, w, st in itertools.product(args.sweep_splits, args.sweep_block_n,
-                                              args.sweep_warps, args.sweep_stages):
-            def fn(n=n, bn=bn, w=w, st=st):
+        decode_paths = args.sweep_decode_only or [0]
+        for n, bn, w, st, dec in itertools.product(args.sweep_splits, args.sweep_block_n,
+                                                   args.sweep_warps, args.sweep_stages, decode_paths):
+            def fn(n=n, bn=bn, w=w, st=st, dec=dec):
                 return paged_attention(c["query"], cache.key, cache.value, c["tables"],
                                        c["seq_lens"], c["qsl"], scale, num_splits=n,
-                                       block_n=bn, num_warps=w, num_stages=st)
+                                       block_n=bn, num_warps=w, num_stages=st,
+                                       decode_only=bool(dec))
             key = f"s{n}_n{bn or 'd'}_w{w or 'd'}_st{st or 'd'}"
+            if args.sweep_decode_only:
+                key += f"_dec{dec}"
             try:
                 sweep[key] = 1e3 * bench_ms(fn)
             except Exception as e:  # noqa: BLE001 - a config that does not fit (shared memory)
@@ -193,6 +197,9 @@ def parse_args(argv=None):
     p.add_argument("--sweep-block-n", type=int, nargs="*", default=[0])
     p.add_argument("--sweep-warps", type=int, nargs="*", default=[0])
     p.add_argument("--sweep-stages", type=int, nargs="*", default=[0])
+    p.add_argument("--sweep-decode-only", type=int, nargs="*", default=None,
+                   help="also cross the sweep with the kernel's decode path off (0) / on (1); "
+                        "the default run (the backend) takes it for these decode batches")
     p.add_argument("--tag", default="", help="suffix of the result file names")
     return p.parse_args(argv)
 

@@ -40,24 +40,34 @@ def _paged_attn_kernel(
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
         BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        USE_WINDOW: tl.constexpr, FP32_DOT: tl.constexpr, DOT_UPCAST: tl.constexpr):
+        USE_WINDOW: tl.constexpr, FP32_DOT: tl.constexpr, DOT_UPCAST: tl.constexpr,
+        DECODE_ONLY: tl.constexpr):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    # Binary search: the largest b with qsl[b] // BLOCK_Q + b <= tile. (Helpers are inlined
-    # in this kernel: each nested @triton.jit call costs ~5 ms under the interpreter.)
-    b = 0
-    b_hi = num_seqs - 1
-    while b < b_hi:
-        mid = (b + b_hi + 1) // 2
-        if tl.load(qsl_ptr + mid) // BLOCK_Q + mid <= tile:
-            b = mid
-        else:
-            b_hi = mid - 1
-    q_begin = tl.load(qsl_ptr + b)
-    q_len = tl.load(qsl_ptr + b + 1) - q_begin
-    q0 = (tile - (q_begin // BLOCK_Q + b)) * BLOCK_Q
+    if DECODE_ONLY:
+        # One query token per sequence: tile b is sequence b's token b. No search, no loads
+        # of query_start_loc: at short contexts those dependent loads were most of a program.
+        b = tile
+        q_begin = tile
+        q_len = tile * 0 + 1
+        q0 = tile * 0
+    else:
+        # Binary search: the largest b with qsl[b] // BLOCK_Q + b <= tile. (Helpers are
+        # inlined in this kernel: each nested @triton.jit call costs ~5 ms under the
+        # interpreter.)
+        b = 0
+        b_hi = num_seqs - 1
+        while b < b_hi:
+            mid = (b + b_hi + 1) // 2
+            if tl.load(qsl_ptr + mid) // BLOCK_Q + mid <= tile:
+                b = mid
+            else:
+                b_hi = mid - 1
+        q_begin = tl.load(qsl_ptr + b)
+        q_len = tl.load(qsl_ptr + b + 1) - q_begin
+        q0 = (tile - (q_begin // BLOCK_Q + b)) * BLOCK_Q
     if q0 < q_len:
         kv_len = tl.load(seq_lens_ptr + b)
         ctx = kv_len - q_len                                   # cached prefix length
@@ -212,10 +222,14 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     sliding_window: int | None = None, k_scale: torch.Tensor | None = None,
                     v_scale: torch.Tensor | None = None, num_splits: int = 1,
                     block_q: int | None = None, block_n: int | None = None,
-                    num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+                    num_warps: int | None = None, num_stages: int | None = None,
+                    decode_only: bool = False) -> torch.Tensor:
     """Triton twin of :func:`kvharbor.kernels.reference.paged_attention_ref`.
 
-    Extra args: ``num_splits`` > 1 selects split-K (flash decoding) plus a reduce kernel;
+    Extra args: ``decode_only``: the caller guarantees one query token per sequence
+    (``query_start_loc`` = 0, 1, ..., B; not just T == B: a batch may hold a 2-token and an
+    empty sequence), so each program knows its sequence without searching for it;
+    ``num_splits`` > 1 selects split-K (flash decoding) plus a reduce kernel;
     ``block_q``/``block_n`` override the tile (query tokens per tile, keys per step);
     ``num_warps``/``num_stages`` Triton's launch defaults (benchmarks/kernels.py sweeps them).
     Returns ``[T, H, D]`` in ``query.dtype``.
@@ -236,7 +250,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if t == 0 or nseq == 0:
         return out
-    grid = (t // block_q + nseq, hkv, num_splits)
+    assert not decode_only or t == nseq, f"decode_only needs one token per sequence: {t} tokens, {nseq} sequences"
+    grid = (nseq if decode_only else t // block_q + nseq, hkv, num_splits)
     if num_splits == 1:
         part, lse = out, out                                   # lse unused
         part_strides = (out.stride(0), out.stride(1), 0)
@@ -258,7 +273,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_SIZE=key_cache.shape[1],
         QUANT=quant, NUM_SPLITS=num_splits, USE_WINDOW=bool(sliding_window),
         FP32_DOT=query.dtype == torch.float32,
-        DOT_UPCAST=query.dtype == torch.bfloat16 and INTERPRETED,
+        DOT_UPCAST=query.dtype == torch.bfloat16 and INTERPRETED, DECODE_ONLY=decode_only,
         **{k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v})
     if num_splits > 1:
         _reduce_splits_kernel[(t, h)](

@@ -73,14 +73,19 @@ class TritonBackend:
     @staticmethod
     def paged_attention(query, cache, block_tables, seq_lens, query_start_loc,
                         scale, sliding_window=None, max_seq_len=None):
-        """Paged attention of the flattened batch; ``max_seq_len`` avoids a host sync."""
+        """Paged attention of the flattened batch; ``max_seq_len`` avoids a host sync.
+
+        An engine step gives every sequence it holds at least one query token, so a batch
+        with as many tokens as sequences is decode-only (one each): split-K and the kernel's
+        decode path (no search for each program's sequence) apply to it."""
         num_tokens, num_seqs = query.shape[0], block_tables.shape[0]
         splits = 1
-        if num_tokens == num_seqs and num_seqs > 0:
+        decode = num_tokens == num_seqs and num_seqs > 0
+        if decode:
             if max_seq_len is None:
                 max_seq_len = int(seq_lens.max())
             splits = TritonBackend.decode_splits(num_seqs, cache.key.shape[2], max_seq_len,
                                                  query.device)
         return paged_attention(query, cache.key, cache.value, block_tables, seq_lens,
                                query_start_loc, scale, sliding_window, cache.k_scale,
-                               cache.v_scale, num_splits=splits)
+                               cache.v_scale, num_splits=splits, decode_only=decode)

@@ -18,12 +18,12 @@ MIXED_Q = [1, 5, 129, 1]          # decode, prefill over a prefix, long prefill,
 MIXED_KV = [1328, 5, 463, 40]     # the 5-token prefill has no cached prefix
 
 
-def check(batch, sliding_window=None, num_splits=1, tol=None):
+def check(batch, sliding_window=None, num_splits=1, tol=None, decode_only=False):
     """Run both implementations on ``batch`` and compare with an explicit tolerance."""
     q, c = batch.query, batch.cache
     scale = q.shape[-1] ** -0.5
     out = paged_attention(q, *batch.args, scale, sliding_window, c.k_scale, c.v_scale,
-                          num_splits=num_splits)
+                          num_splits=num_splits, decode_only=decode_only)
     ref = paged_attention_ref(q, *batch.args, scale, sliding_window, c.k_scale, c.v_scale)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert torch.isfinite(out).all(), "kernel read poisoned (unowned) cache memory"
@@ -92,6 +92,34 @@ def test_decode_with_128_key_tiles_matches_reference(dtype, head_dim, num_splits
     batch = make_batch([1, 1, 1], [700, 129, 300], heads=8, kv_heads=2, head_dim=head_dim,
                        block_size=16, dtype=dtype, seed=23)
     check(batch, num_splits=num_splits)
+
+
+@pytest.mark.parametrize(
+    "heads, kv_heads, dtype, cache_dtype, window, num_splits",
+    [(14, 2, torch.bfloat16, None, None, 1), (8, 2, torch.float16, None, 200, 4),
+     (4, 2, torch.float32, torch.int8, None, 1), (8, 8, torch.float32, None, 64, 2)],
+    ids=["gqa7-bf16", "gqa4-fp16-window-split4", "gqa2-fp32-int8", "mha-fp32-window-split2"],
+)
+def test_decode_only_path_equals_the_searching_path(heads, kv_heads, dtype, cache_dtype, window,
+                                                    num_splits):
+    """``decode_only``: each program takes sequence ``tile`` without the search; the output
+    is the reference's and bit for bit the searching path's (qwen2's GQA group of 7 too)."""
+    batch = make_batch([1] * 5, [700, 1, 129, 33, 300], heads=heads, kv_heads=kv_heads,
+                       head_dim=32, block_size=16, dtype=dtype, cache_dtype=cache_dtype or dtype,
+                       seed=29)
+    searched = check(batch, sliding_window=window, num_splits=num_splits)
+    direct = check(batch, sliding_window=window, num_splits=num_splits, decode_only=True)
+    assert torch.equal(direct, searched)
+
+
+def test_decode_only_refuses_a_batch_with_other_than_one_token_per_sequence():
+    """T == B is not enough: a 2-token and an empty sequence also make 2 tokens for 2."""
+    batch = make_batch([2, 0], [10, 20], heads=2, kv_heads=1, head_dim=16, block_size=16,
+                       dtype=torch.float32, seed=31)
+    check(batch)                                   # the searching path handles it
+    with pytest.raises(AssertionError, match="one token per sequence"):
+        check(make_batch([2, 1], [10, 20], heads=2, kv_heads=1, head_dim=16, block_size=16,
+                         dtype=torch.float32, seed=31), decode_only=True)
 
 
 def test_split_k_on_a_mixed_batch():

@@ -75,6 +75,29 @@ def test_long_context_decode_uses_split_k_and_matches_reference(monkeypatch):
     torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
 
 
+def test_the_backend_takes_the_decode_path_for_decode_only_batches(monkeypatch):
+    """One token per sequence (every engine step gives each sequence >= 1 token): the
+    kernel's decode path; a batch with a prefill: the searching path. Same results."""
+    used = []
+    real = pa_module.paged_attention
+
+    def spy(*args, **kwargs):
+        used.append(kwargs["decode_only"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr("kvharbor.kernels.triton_backend.paged_attention", spy)
+    for q_lens in ([1, 1, 1], [1, 4, 1]):
+        batch = make_batch(q_lens, [90, 40, 17], heads=4, kv_heads=2, head_dim=32,
+                           block_size=16, dtype=torch.float32, seed=37)
+        args = (batch.query, batch.cache, batch.block_tables, batch.seq_lens,
+                batch.query_start_loc, 32 ** -0.5)
+        out = TritonBackend.paged_attention(*args)
+        ref = ReferenceBackend.paged_attention(*args)
+        tol = TOLERANCE[torch.float32]
+        torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+    assert used == [True, False]
+
+
 def test_split_k_heuristic():
     """Split only decode-only, under-occupied, long-context batches; powers of 2, bounded."""
     assert choose_num_splits(5, 2, 8, 16384) == 1                     # has a prefill
