@@ -358,14 +358,16 @@ class Engine:
         if not reqs or not self._continuable(reqs):
             return None
         self.scheduler.size_pinned_region(self.scheduler.clock())   # as every schedule does
-        nxt = []
-        for r in reqs:        # after the token in flight: num_tokens + 1 tokens
-            if (r.num_tokens + 1 - len(r.prompt_token_ids) >= r.sampling.max_tokens
-                    or r.num_tokens + 1 >= self.max_model_len):
+        nxt, kv = [], self.kv
+        for r in reqs:
+            n = r.num_tokens + 1                        # tokens after the one in flight
+            if n - len(r.prompt_token_ids) >= r.sampling.max_tokens or n >= self.max_model_len:
                 continue
-            if not self.kv.can_allocate(r, 2):          # a slot for position computed + 1
-                return None
-            self.kv.allocate(r, 2)
+            need = kv.blocks_needed(r, 2)               # a slot for position computed + 1
+            if need:
+                if need > self.pool.num_free(r.pinned):
+                    return None
+                kv.allocate(r, 2)
             nxt.append(ScheduledRequest(r, 1))
         if not nxt:
             return None

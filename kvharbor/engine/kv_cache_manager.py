@@ -175,8 +175,6 @@ class KVCacheManager:
 
     def cache_full_blocks(self, req: Request) -> None:
         """Register every computed, full block of ``req`` in the prefix cache."""
-        req.update_block_hashes(self.block_size)
-        num_full = min(req.num_computed_tokens // self.block_size, len(req.block_hashes))
         null = self.pool.null_block
         # The cursor skips blocks cached by earlier steps. It is trusted only while the block
         # before it is still cached (or null): after a free / preemption it restarts at 0.
@@ -184,6 +182,11 @@ class KVCacheManager:
         if start > len(req.blocks) or (start and req.blocks[start - 1].block_hash is None
                                        and req.blocks[start - 1] is not null):
             start = 0
+        if req.num_computed_tokens // self.block_size <= start:
+            req.cached_blocks_cursor = start
+            return                 # no block filled up since the cursor (most decode steps)
+        req.update_block_hashes(self.block_size)
+        num_full = min(req.num_computed_tokens // self.block_size, len(req.block_hashes))
         for i in range(max(req.window_start, start), num_full):
             block = req.blocks[i]
             if block.block_hash is None and block is not null:
