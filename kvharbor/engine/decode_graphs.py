@@ -81,6 +81,11 @@ class DecodeGraphs:
         self.host = [{k: torch.full(shape, fill, dtype=dt, pin_memory=pin)
                       for k, (shape, dt, fill) in shapes.items()} for _ in range(2)]
         self.np = [{k: t.numpy() for k, t in h.items()} for h in self.host]
+        # Per set and row: (the request's block list, its window start, entries written).
+        # ``KVCacheManager`` only appends to a request's list, except when it frees it (a new
+        # list) or releases blocks behind the sliding window (window start moves), so while
+        # both match, the row already holds that prefix and only new blocks are written.
+        self.written: list[list] = [[None] * m for _ in range(2)]
         self.d_ids, self.d_pos, self.d_slots, self.d_lens, self.d_table = (
             self.host[0][k].to(dev, copy=True) for k in ("ids", "pos", "slots", "lens", "table"))
         self.d_prev_rows = torch.zeros(m, dtype=torch.int64, device=dev)
@@ -109,7 +114,8 @@ class DecodeGraphs:
         gathered there, not read from the host."""
         n, bs = len(batch), self.runner.block_size
         b = self.bucket(n)
-        host, arrays = self.host[self.steps % 2], self.np[self.steps % 2]
+        parity = self.steps % 2
+        host, arrays, written = self.host[parity], self.np[parity], self.written[parity]
         self.steps += 1
         self.padded_steps += n < b
         ids, pos, slots, lens, table = (arrays[k] for k in ("ids", "pos", "slots", "lens", "table"))
@@ -117,16 +123,21 @@ class DecodeGraphs:
         for i, item in enumerate(batch):
             r = item.request
             p = r.num_computed_tokens + ahead
-            blocks = [blk.block_id for blk in r.blocks]
+            blocks, nb = r.blocks, len(r.blocks)
             ids[i] = r.all_token_ids[p] if prev is None else 0
             pos[i], lens[i] = p, p + 1
-            slots[i] = blocks[p // bs] * bs + p % bs
-            table[i, :len(blocks)] = blocks
-            width = max(width, len(blocks))
+            slots[i] = blocks[p // bs].block_id * bs + p % bs
+            w = written[i]
+            done = w[2] if w is not None and w[0] is blocks and w[1] == r.window_start and w[2] <= nb else 0
+            if done < nb:
+                table[i, done:nb] = [blk.block_id for blk in blocks[done:]]
+            written[i] = (blocks, r.window_start, nb)
+            width = max(width, nb)
         if n < b:                              # padding rows: one token on the null block
             ids[n:b], pos[n:b], lens[n:b] = 0, 0, 1
             slots[n:b] = self.null_block * bs
             table[n:b, 0] = self.null_block
+            written[n:b] = [None] * (b - n)
         for name in ("ids", "pos", "slots", "lens"):
             getattr(self, f"d_{name}")[:b].copy_(host[name][:b], non_blocking=True)
         self.d_table[:b, :width].copy_(host["table"][:b, :width], non_blocking=True)

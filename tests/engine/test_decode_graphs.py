@@ -138,3 +138,37 @@ def test_graph_steps_write_only_their_slots_and_match_the_ordinary_path(prompts,
     assert all(len(o.token_ids) == max_tokens for o in outs.values()) and len(outs) == len(prompts)
     assert graphs.steps > 0 or len(prompts) > max_batch     # decode steps of the whole batch fit
     llm.check_integrity()
+
+
+@pytest.mark.parametrize("run_ahead", [False, True], ids=["waiting", "ahead"])
+def test_staged_block_tables_equal_the_requests_blocks(run_ahead):
+    """Rows are written incrementally (only blocks added since the row's last write): after
+    staging, each row still equals its request's block ids, as requests finish and rows
+    shift and as the sliding window replaces released blocks with the null block."""
+    from kvharbor import SamplingParams
+
+    llm = LLM(model="kvharbor/tiny-mistral", device="cpu", num_kv_blocks=256,
+              max_num_batched_tokens=64, block_size=8)
+    engine, runner = llm.engine, llm.engine.runner
+    graphs = DecodeGraphs(runner, max_batch=8, max_model_len=engine.max_model_len, capture=False)
+    runner.graphs, engine.async_scheduling = graphs, run_ahead
+    stage, checked = graphs.forward_logits, []
+
+    def staged(batch, *args):
+        out = stage(batch, *args)
+        table = graphs.np[(graphs.steps - 1) % 2]["table"]
+        for i, item in enumerate(batch):
+            want = [blk.block_id for blk in item.request.blocks]
+            assert table[i, :len(want)].tolist() == want, f"row {i}"
+        checked.append(len(batch))
+        return out
+
+    graphs.forward_logits = staged
+    rng = random.Random(41)
+    for i in range(6):
+        engine.add_request(f"r{i}", [rng.randrange(3, 250) for _ in range(rng.randrange(5, 40))],
+                           SamplingParams(max_tokens=40 + 12 * i, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.kv.window_freed > 0 and len(set(checked)) > 2
+    assert (engine.steps_ahead > 0) == run_ahead
