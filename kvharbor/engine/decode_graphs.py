@@ -19,6 +19,10 @@ replays; the logits are the first ``len(batch)`` rows of the graph's output. The
 is part of the key because the attention kernel's grid depends on it (it follows the longest
 sequence of the step).
 
+Host buffers come in two sets, used by alternate steps, so a step launched ahead stages into
+the set the step in flight does not read; each set's copies are followed by an event that is
+waited for before the set is written again.
+
 What a graphed step does not do: check the engine's step interrupt before each layer (a decode
 step is a few milliseconds on a GPU). ``capture=False`` runs the same static-buffer forward
 eagerly, which is how the padding is tested on a CPU.
@@ -86,6 +90,12 @@ class DecodeGraphs:
         # list) or releases blocks behind the sliding window (window start moves), so while
         # both match, the row already holds that prefix and only new blocks are written.
         self.written: list[list] = [[None] * m for _ in range(2)]
+        # Per set: an event after the copies that read it (None on a CPU or before any),
+        # waited for before the set is written again. A decode step that the engine runs
+        # between two launched ones (e.g. ``pin_prefix`` of one token) could otherwise make a
+        # launched step's set come round again before its copies ran.
+        self.copied: list = [None, None]
+        self.launches = 0
         self.d_ids, self.d_pos, self.d_slots, self.d_lens, self.d_table = (
             self.host[0][k].to(dev, copy=True) for k in ("ids", "pos", "slots", "lens", "table"))
         self.d_prev_rows = torch.zeros(m, dtype=torch.int64, device=dev)
@@ -116,6 +126,8 @@ class DecodeGraphs:
         b = self.bucket(n)
         parity = self.steps % 2
         host, arrays, written = self.host[parity], self.np[parity], self.written[parity]
+        if self.copied[parity] is not None:    # its last copies out have run (at once, in
+            self.copied[parity].synchronize()  # steady state: that step was collected)
         self.steps += 1
         self.padded_steps += n < b
         ids, pos, slots, lens, table = (arrays[k] for k in ("ids", "pos", "slots", "lens", "table"))
@@ -146,6 +158,9 @@ class DecodeGraphs:
             arrays["prev_rows"][:n] = [index[id(item.request)] for item in batch]
             self.d_prev_rows[:n].copy_(host["prev_rows"][:n], non_blocking=True)
             torch.index_select(prev.tokens, 0, self.d_prev_rows[:n], out=self.d_ids[:n])
+        if self.capture:
+            self.copied[parity] = torch.cuda.Event()
+            self.copied[parity].record()
         max_len = int(lens[:n].max())
         if not self.capture:
             return self._forward(b, max_len)[:n]
@@ -162,13 +177,14 @@ class DecodeGraphs:
         requests)`` picks the tokens on the device, and they are copied to pinned host memory
         behind an event that :meth:`Launched.tokens_on_host` waits for. ``ahead``/``prev`` as
         in :meth:`forward_logits`. The logits are not kept (the next replay overwrites them)."""
-        parity = self.steps % 2
         logits = self.forward_logits(batch, ahead, prev)
         tokens = sample(logits, [item.request for item in batch])
         n = len(batch)
+        self.launches += 1
         if self.runner.device.type != "cuda":
             return Launched(batch, tokens, tokens, None)
-        out = self.host[parity]["tokens"][:n]
+        # Alternate by launch: launch k's copy is read (collected) before launch k + 2.
+        out = self.host[self.launches % 2]["tokens"][:n]
         out.copy_(tokens, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
