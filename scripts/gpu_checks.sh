@@ -37,7 +37,9 @@ ASYNC=("test_stops_at_tokens_strings_and_lengths_match_steps_that_wait[cuda-kvha
        "test_arrivals_and_aborts_mid_decode_match_steps_that_wait[cuda]"
        "test_a_full_pool_falls_back_to_scheduling_with_preemption[cuda]"
        "test_seeded_sampling_matches_steps_that_wait[cuda]"
-       "test_logprobs_and_mixed_classes_are_not_run_ahead[cuda]"
+       "test_logprobs_are_not_run_ahead[cuda]"
+       "test_two_classes_decode_ahead_together_and_match_steps_that_wait[cuda-no-step-target]"
+       "test_two_classes_decode_ahead_together_and_match_steps_that_wait[cuda-step-target-trims]"
        "test_the_next_step_is_launched_before_the_tokens_in_flight_are_read[cuda]")
 GPU_TESTS=(tests/engine/test_greedy_exact.py::test_cuda_fp32_greedy_matches_transformers
            tests/engine/test_greedy_exact.py::test_cuda_bf16_greedy_agrees_with_transformers_bf16

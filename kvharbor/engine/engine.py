@@ -331,8 +331,9 @@ class Engine:
     # host collects those (appends, detokenizes, checks for stops) while the GPU computes.
     # A request that stops at the collected token had one more token computed for it, which
     # is dropped: its K/V went to its own next slot, never to a cached (full) block. Any other
-    # situation (a waiting or announced request, a mixed class, logprobs, a block that cannot
-    # be allocated) collects the step in flight and schedules normally.
+    # situation (a waiting or announced request, logprobs, a decode that a higher class's
+    # step budget would trim, a block that cannot be allocated) collects the step in flight
+    # and schedules normally.
 
     def _runs_ahead(self, batch: list[ScheduledRequest]) -> bool:
         """Launch ``batch`` (just scheduled) without waiting for its tokens?"""
@@ -341,14 +342,14 @@ class Engine:
                 and self._continuable([item.request for item in batch]))
 
     def _continuable(self, reqs: list[Request]) -> bool:
-        """No request waits or was announced, every running request is in ``reqs``, all of one
-        class (so no step budget trims them), none asks for logprobs."""
+        """No request waits or was announced, every running request is in ``reqs``, none asks
+        for logprobs, and the step budget of a higher class would trim none of them."""
         sched = self.scheduler
         if sched.waiting or self.interrupt.announced != NO_PRIORITY:
             return False
-        if len(reqs) != len(sched.running) or len({r.priority for r in reqs}) != 1:
+        if len(reqs) != len(sched.running) or any(r.sampling.logprobs is not None for r in reqs):
             return False
-        return all(r.sampling.logprobs is None for r in reqs)
+        return not sched.trims_decodes(reqs)
 
     def _continuation(self) -> list[ScheduledRequest] | None:
         """The decode step after the one in flight, of the same requests less those that

@@ -163,6 +163,21 @@ class Scheduler:
         self._last = (now, out.num_tokens, len(out.scheduled)) if out.scheduled else None
         return out
 
+    def trims_decodes(self, reqs: list[Request]) -> bool:
+        """Would ``schedule`` leave out one of ``reqs`` (the whole running set, each decoding
+        one token) for a lower class's step budget? The same limits and budget ``schedule``
+        applies, without scheduling (the engine asks before it runs a decode step ahead)."""
+        pending = sorted(reqs, key=lambda r: (-r.priority, r.arrival_seq))
+        limits = self._limits(pending, self.clock())
+        if limits.budget is None:
+            return False
+        for req in pending:
+            lower = req.priority < limits.top
+            if lower and limits.budget.room(1) < 1:
+                return True
+            limits.budget.add(1, lower)
+        return False
+
     def untimed(self) -> None:
         """The step just planned runs ahead of others (the engine's ``async_scheduling``): the
         time to the next ``schedule`` is not its duration, so it is no sample of the cost model."""

@@ -158,9 +158,8 @@ def test_seeded_sampling_matches_steps_that_wait(device):
     assert ahead["steps_ahead"] >= 5
 
 
-def test_logprobs_and_mixed_classes_are_not_run_ahead(device):
-    """Logprobs need the step's logits, which the next replay overwrites; requests of two
-    classes may be trimmed by the step budget, which only the scheduler applies."""
+def test_logprobs_are_not_run_ahead(device):
+    """Logprobs need the step's logits, which the next replay overwrites."""
     ps = prompts(5, 4)
     llm = make_llm("kvharbor/tiny-llama", True, device, num_kv_blocks=512)
     for i, p in enumerate(ps):
@@ -172,13 +171,67 @@ def test_logprobs_and_mixed_classes_are_not_run_ahead(device):
             outs.setdefault(out.request_id, []).extend(out.new_logprobs or [])
     assert llm.engine.steps_ahead == 0 and len(outs["r0"]) == 8
 
-    llm = make_llm("kvharbor/tiny-llama", True, device, num_kv_blocks=512)
-    for i, p in enumerate(ps):
-        llm.engine.add_request(f"r{i}", p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
-                               qos="premium" if i == 0 else "standard")
-    while llm.engine.has_unfinished():
-        llm.engine.step()
-    assert llm.engine.steps_ahead == 0
+
+@pytest.mark.parametrize("target_s", [None, 1e-9], ids=["no-step-target", "step-target-trims"])
+def test_two_classes_decode_ahead_together_and_match_steps_that_wait(device, target_s):
+    """Premium and standard requests decoding together run ahead when the premium step
+    budget would leave every decode in (no target); with a target that trims, the
+    scheduler trims as it does when steps wait. Outputs equal steps that wait either way.
+    (Which steps may run ahead under a budget: ``trims_decodes``, tested below.)"""
+    ps = prompts(8, 4)
+    sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    results = []
+    for ahead in (True, False):
+        llm = make_llm("kvharbor/tiny-llama", ahead, device, num_kv_blocks=512)
+        engine, sched = llm.engine, llm.engine.scheduler
+        top = engine.config.qos_classes["premium"].priority
+        sched.step_target_s = {} if target_s is None else {top: target_s}
+        mixed_ahead = []
+        launch = engine.runner.launch
+
+        def spy(batch, ahead=0, prev=None, launch=launch, mixed_ahead=mixed_ahead):
+            if ahead:
+                mixed_ahead.append(len({item.request.qos for item in batch}) > 1)
+            return launch(batch, ahead, prev)
+
+        engine.runner.launch = spy
+        for i, p in enumerate(ps):
+            engine.add_request(f"r{i}", p, sp, qos="premium" if i == 0 else "standard")
+        final = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    final[out.request_id] = out.token_ids
+        results.append((final, any(mixed_ahead), sched.num_trimmed))
+    (ahead_out, mixed, trimmed), (wait_out, _, wait_trimmed) = results
+    assert ahead_out == wait_out and len(ahead_out) == 4
+    if target_s is None:
+        assert mixed and trimmed == 0
+    else:
+        assert trimmed > 0 and wait_trimmed > 0
+
+
+def test_the_engines_trim_check_agrees_with_the_scheduler():
+    """``trims_decodes`` (asked before a step runs ahead) is True exactly when ``schedule``
+    leaves out a running decode, over step targets and class mixes."""
+    outcomes = set()
+    for n_std in (1, 3, 6):
+        for target in (1e-9, 1e-3, 3e-3, 5e-3, 2e-2, 1.0):
+            llm = make_llm("kvharbor/tiny-llama", False, "cpu", num_kv_blocks=512)
+            engine, sched = llm.engine, llm.engine.scheduler
+            for i, p in enumerate(prompts(9, n_std + 1)):
+                engine.add_request(f"r{i}", p, SamplingParams(max_tokens=20, temperature=0.0),
+                                   qos="premium" if i == 0 else "standard")
+            engine.step()                                  # every prompt prefilled
+            engine.step()
+            sched.step_target_s = {engine.config.qos_classes["premium"].priority: target}
+            running = list(sched.running)
+            assert len(running) == n_std + 1
+            predicted = sched.trims_decodes(running)
+            plan = sched.schedule()
+            assert predicted == (len(plan.scheduled) < len(running)), (n_std, target)
+            outcomes.add(predicted)
+    assert outcomes == {True, False}                      # both cases occurred
 
 
 def test_the_next_step_is_launched_before_the_tokens_in_flight_are_read(monkeypatch, device):
