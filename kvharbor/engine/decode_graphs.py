@@ -158,7 +158,7 @@ class DecodeGraphs:
             arrays["prev_rows"][:n] = [index[id(item.request)] for item in batch]
             self.d_prev_rows[:n].copy_(host["prev_rows"][:n], non_blocking=True)
             torch.index_select(prev.tokens, 0, self.d_prev_rows[:n], out=self.d_ids[:n])
-        if self.capture:
+        if self.runner.device.type == "cuda":
             self.copied[parity] = torch.cuda.Event()
             self.copied[parity].record()
         max_len = int(lens[:n].max())
