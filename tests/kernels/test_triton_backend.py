@@ -54,47 +54,42 @@ def test_store_then_attend_matches_reference_backend(cache_dtype):
     torch.testing.assert_close(results[0].float(), results[1].float(), atol=tol, rtol=tol)
 
 
-def test_long_context_decode_uses_split_k_and_matches_reference(monkeypatch):
-    """A 2-sequence decode over 1300 keys goes through split-K and the reduce kernel."""
-    batch = make_batch([1, 1], [1300, 700], heads=4, kv_heads=1, head_dim=32, block_size=16,
-                       dtype=torch.float32, seed=23)
-    used = []
-    real = pa_module.paged_attention
+def launches(monkeypatch, kwarg: str) -> list:
+    """The ``kwarg`` of every kernel launch the backend makes from now on (the kernel runs)."""
+    used, real = [], pa_module.paged_attention
 
     def spy(*args, **kwargs):
-        used.append(kwargs["num_splits"])
+        used.append(kwargs[kwarg])
         return real(*args, **kwargs)
 
     monkeypatch.setattr("kvharbor.kernels.triton_backend.paged_attention", spy)
+    return used
+
+
+def backend_matches_reference(batch) -> None:
     args = (batch.query, batch.cache, batch.block_tables, batch.seq_lens,
             batch.query_start_loc, 32 ** -0.5)
     out = TritonBackend.paged_attention(*args)
     ref = ReferenceBackend.paged_attention(*args)
-    assert used and used[0] > 1
     tol = TOLERANCE[torch.float32]
     torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+
+
+def test_long_context_decode_uses_split_k_and_matches_reference(monkeypatch):
+    """A 2-sequence decode over 1300 keys goes through split-K and the reduce kernel."""
+    used = launches(monkeypatch, "num_splits")
+    backend_matches_reference(make_batch([1, 1], [1300, 700], heads=4, kv_heads=1, head_dim=32,
+                                         block_size=16, dtype=torch.float32, seed=23))
+    assert used and used[0] > 1
 
 
 def test_the_backend_takes_the_decode_path_for_decode_only_batches(monkeypatch):
     """One token per sequence (every engine step gives each sequence >= 1 token): the
     kernel's decode path; a batch with a prefill: the searching path. Same results."""
-    used = []
-    real = pa_module.paged_attention
-
-    def spy(*args, **kwargs):
-        used.append(kwargs["decode_only"])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr("kvharbor.kernels.triton_backend.paged_attention", spy)
+    used = launches(monkeypatch, "decode_only")
     for q_lens in ([1, 1, 1], [1, 4, 1]):
-        batch = make_batch(q_lens, [90, 40, 17], heads=4, kv_heads=2, head_dim=32,
-                           block_size=16, dtype=torch.float32, seed=37)
-        args = (batch.query, batch.cache, batch.block_tables, batch.seq_lens,
-                batch.query_start_loc, 32 ** -0.5)
-        out = TritonBackend.paged_attention(*args)
-        ref = ReferenceBackend.paged_attention(*args)
-        tol = TOLERANCE[torch.float32]
-        torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+        backend_matches_reference(make_batch(q_lens, [90, 40, 17], heads=4, kv_heads=2, head_dim=32,
+                                             block_size=16, dtype=torch.float32, seed=37))
     assert used == [True, False]
 
 
