@@ -1,4 +1,5 @@
-"""The engine process's host memory: freed buffers kept (CPU), startup objects out of the GC.
+"""The engine process's host memory: freed buffers kept (CPU), startup objects out of the GC,
+and host lists uploaded through pinned memory (``upload``).
 
 **Freed buffers.** A CPU step allocates activations of a few to tens of MB (``[T, intermediate]`` for a
 2,048-token prefill is 12 MB) and frees them at its end. glibc serves blocks that large with
@@ -30,6 +31,18 @@ import ctypes.util
 import functools
 import gc
 import os
+
+import torch
+
+def upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on ``device``: on CUDA staged in pinned memory and copied
+    without blocking the host (ordered before later kernels on the stream; a plain
+    ``torch.tensor(..., device=...)`` would wait for the stream, stalling a step launched
+    ahead of the previous one's results)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
 
 # glibc's mallopt parameters (malloc.h).
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3

@@ -20,6 +20,7 @@ from . import attention, fast_model
 from .models import uniform_sliding_window
 from .request import Request
 from .logprobs import token_logprobs
+from .host_memory import upload
 from .sampling import sample, sample_on_device
 
 
@@ -138,11 +139,7 @@ class ModelRunner:
                 self._upload(logit_rows, torch.int64))
 
     def _upload(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        """A host list as a device tensor: on CUDA staged in pinned memory and copied without
-        blocking the host (the copy is ordered before the step's kernels on the stream)."""
-        if self.device.type != "cuda":
-            return torch.tensor(values, dtype=dtype)
-        return torch.tensor(values, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
+        return upload(values, dtype, self.device)
 
     @torch.inference_mode()
     def forward_logits(self, batch: list[ScheduledRequest]) -> torch.Tensor:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from .host_memory import upload
 from .request import Request
 
 _TINY = torch.finfo(torch.float32).tiny
@@ -33,37 +34,28 @@ def sample_on_device(logits: torch.Tensor, requests: list[Request]) -> torch.Ten
     if not sampled:
         return chosen
     reqs = [requests[i] for i in sampled]
-    rows = _tensor(sampled, torch.int64, logits.device)
+    rows = upload(sampled, torch.int64, logits.device)
     probs = _filtered_probs(logits.index_select(0, rows), reqs)
     chosen.index_copy_(0, rows, (probs / _exponentials(probs, reqs)).argmax(dim=-1))
     return chosen
 
 
-def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``values`` on ``device``; on CUDA through pinned memory without blocking the host (a
-    plain ``torch.tensor(..., device=...)`` waits for the stream, which would stall a step
-    launched ahead of the previous one's results)."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
-
-
 def _filtered_probs(x: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     """Softmax of ``x`` ``[S, V]`` after temperature, top-k and top-p of each row's request."""
     dev, vocab = x.device, x.shape[-1]
-    x = x / _tensor([r.sampling.temperature for r in reqs], torch.float32, dev)[:, None]
+    x = x / upload([r.sampling.temperature for r in reqs], torch.float32, dev)[:, None]
     ks = [r.sampling.top_k if 0 < r.sampling.top_k < vocab else 0 for r in reqs]
     ps = [r.sampling.top_p for r in reqs]
     if not any(ks) and all(p >= 1.0 for p in ps):
         return torch.softmax(x, dim=-1)
     sorted_x, order = torch.sort(x, dim=-1, descending=True)
     if any(ks):
-        k = _tensor([k or vocab for k in ks], torch.int64, dev)
+        k = upload([k or vocab for k in ks], torch.int64, dev)
         kth = sorted_x.gather(1, (k - 1)[:, None])
         sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
     if any(p < 1.0 for p in ps):
         probs = torch.softmax(sorted_x, dim=-1)
-        drop = probs.cumsum(-1) - probs >= _tensor(ps, torch.float32, dev)[:, None]
+        drop = probs.cumsum(-1) - probs >= upload(ps, torch.float32, dev)[:, None]
         drop[:, 0] = False               # a top_p below float32's resolution still keeps one
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
     x = torch.empty_like(x).scatter_(1, order, sorted_x)
@@ -78,7 +70,7 @@ def _exponentials(probs: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     if len(unseeded) == len(reqs):
         return noise.exponential_().clamp_min_(_TINY)
     if unseeded:
-        idx = _tensor(unseeded, torch.int64, probs.device)
+        idx = upload(unseeded, torch.int64, probs.device)
         noise.index_copy_(0, idx, torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_())
     for i, r in enumerate(reqs):
         if r.sampling.seed is not None:
