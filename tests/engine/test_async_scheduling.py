@@ -225,6 +225,9 @@ def test_the_engines_trim_check_agrees_with_the_scheduler():
             engine.step()                                  # every prompt prefilled
             engine.step()
             sched.step_target_s = {engine.config.qos_classes["premium"].priority: target}
+            # The next schedule() would first learn the last step's duration (the time since
+            # it, spent here) into the cost model: both sides judge with the same model.
+            sched.untimed()
             running = list(sched.running)
             assert len(running) == n_std + 1
             predicted = sched.trims_decodes(running)
