@@ -314,14 +314,18 @@ class Engine:
             self.interrupt.disarm()
         sampled, logprobs = iter(tokens), iter(self.runner.last_logprobs)
         for item in plan.scheduled:
-            req = item.request
             samples = item.samples
-            req.num_computed_tokens += item.num_new_tokens
-            self.kv.cache_full_blocks(req)
-            self.kv.free_outside_window(req)
+            self._advance(item.request, item.num_new_tokens)
             if samples:
-                outputs.append(self._append_token(req, next(sampled), next(logprobs)))
+                outputs.append(self._append_token(item.request, next(sampled), next(logprobs)))
         return outputs
+
+    def _advance(self, req: Request, num_new: int) -> None:
+        """``num_new`` more tokens of ``req`` are computed: cache its filled blocks, release
+        those the sliding window left behind."""
+        req.num_computed_tokens += num_new
+        self.kv.cache_full_blocks(req)
+        self.kv.free_outside_window(req)
 
     # ---- decode steps run ahead ------------------------------------------------------------
     # On a GPU the host's part of a step (scheduling, staging, detokenizing, finish checks)
@@ -364,9 +368,8 @@ class Engine:
             n = r.num_tokens + 1                        # tokens after the one in flight
             if n - len(r.prompt_token_ids) >= r.sampling.max_tokens or n >= self.max_model_len:
                 continue
-            need = kv.blocks_needed(r, 2)               # a slot for position computed + 1
-            if need:
-                if need > self.pool.num_free(r.pinned):
+            if kv.blocks_needed(r, 2):                  # a slot for position computed + 1
+                if not kv.can_allocate(r, 2):
                     return None
                 kv.allocate(r, 2)
             nxt.append(ScheduledRequest(r, 1))
@@ -383,9 +386,7 @@ class Engine:
             req = item.request
             if self.requests.get(req.request_id) is not req:
                 continue                          # finished or aborted meanwhile: dropped
-            req.num_computed_tokens += 1
-            self.kv.cache_full_blocks(req)
-            self.kv.free_outside_window(req)
+            self._advance(req, 1)
             outputs.append(self._append_token(req, token, None))
         return outputs
 

@@ -169,13 +169,10 @@ class Scheduler:
         applies, without scheduling (the engine asks before it runs a decode step ahead)."""
         pending = sorted(reqs, key=lambda r: (-r.priority, r.arrival_seq))
         limits = self._limits(pending, self.clock())
-        if limits.budget is None:
-            return False
         for req in pending:
-            lower = req.priority < limits.top
-            if lower and limits.budget.room(1) < 1:
+            if self._trim(req, 1, req.num_computed_tokens, limits, count=False) < 1:
                 return True
-            limits.budget.add(1, lower)
+            self._charge(req, 1, req.num_computed_tokens, limits)
         return False
 
     def untimed(self) -> None:
@@ -214,14 +211,16 @@ class Scheduler:
         return StepLimits(top, self.max_num_batched_tokens if cap is None else cap,
                           StepBudget(self.cost, target))
 
-    def _trim(self, req: Request, num_new: int, computed: int, limits: StepLimits) -> int:
-        """Tokens ``req`` may compute this step after trimming (0: skip it this step)."""
+    def _trim(self, req: Request, num_new: int, computed: int, limits: StepLimits,
+              count: bool = True) -> int:
+        """Tokens ``req`` may compute this step after trimming (0: skip it this step);
+        ``count``: a trim counts in ``num_trimmed`` (not when only asked, ``trims_decodes``)."""
         if req.priority >= limits.top or limits.budget is None:
             return num_new
         if in_prefill(req, computed):
             num_new = min(num_new, limits.prefill_left)
         room = limits.budget.room(num_new)
-        if room < num_new:
+        if room < num_new and count:
             self.num_trimmed += 1
         return room
 
