@@ -75,6 +75,7 @@ from loadtests.summary import percentile  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PORT = 18500
+LANE_PORT = 18510                    # + the mode's index: each app's premium lane (--premium-lane)
 BASE = f"http://127.0.0.1:{PORT}"
 ADMIN_KEY = "kvh-demo-admin"         # tenants.yaml's demo admin key (kept in the lifted copy)
 
@@ -183,7 +184,8 @@ def proxy_lag(overload_lag_ms: str | None, proxy_guard: str = "on"):
 
 
 def deploy(mode: str, tenants: Path, replicas: int, step_tokens: int | None,
-           replica_nice: int | None = None, overload_lag_ms: str | None = None) -> None:
+           replica_nice: int | None = None, overload_lag_ms: str | None = None,
+           premium_port: int | None = None) -> None:
     from ray import serve  # noqa: PLC0415
 
     from kvharbor.platform.app import build_app  # noqa: PLC0415
@@ -197,17 +199,20 @@ def deploy(mode: str, tenants: Path, replicas: int, step_tokens: int | None,
         config["max_num_batched_tokens"] = step_tokens
     if replica_nice is not None:
         config["cpu_replica_nice"] = replica_nice
+    if premium_port is not None:
+        config["premium_port"] = premium_port
     app = build_app({**config, **guard_config(overload_lag_ms)})
     serve.run(app, name=f"qos-{mode}", route_prefix=f"/{mode}", blocking=False)
 
 
-async def warm_up(base: str, info, timeout_s: float = 300.0) -> float:
-    """Wait until the app answers, then send 8 document requests (fills caches). -> seconds."""
+async def warm_up(base: str, info, bases: dict[str, str] | None = None, timeout_s: float = 300.0) -> float:
+    """Wait until the app answers a premium request (where ``bases`` sends premium), then send
+    8 document requests (fills caches). -> seconds."""
     t0 = time.perf_counter()
     probe = make_job("premium", 0.0, random.Random(0), info)
     while True:
         out = Outcome("premium", 0.0)
-        async with http_client(base) as client:
+        async with http_client((bases or {}).get("premium", base)) as client:
             await send(client, probe, time.perf_counter(), out)
         if out.end is not None and out.error is None:
             break
@@ -300,6 +305,19 @@ def base_url(mode: str) -> str:
     return f"{BASE}/{mode}"
 
 
+def lane_port(args, mode: str) -> int | None:
+    """The premium lane's port of ``mode``'s app (None: ``--premium-lane off``)."""
+    return None if args.premium_lane == "off" else LANE_PORT + args.modes.index(mode)
+
+
+def premium_bases(args, mode: str) -> dict[str, str] | None:
+    """Where premium requests go: the premium lane with ``--premium-lane lane``, else the
+    main port (None)."""
+    if args.premium_lane != "lane":
+        return None
+    return {"premium": f"http://127.0.0.1:{lane_port(args, mode)}"}
+
+
 def run_all(args, info, tenants: Path) -> tuple[dict, float, dict]:
     """Deploy every mode side by side, warm up, (measure capacity), then run the phases ABBA.
 
@@ -312,8 +330,10 @@ def run_all(args, info, tenants: Path) -> tuple[dict, float, dict]:
 
     t0 = time.perf_counter()
     for mode in args.modes:
-        deploy(mode, tenants, args.replicas, args.step_tokens, args.replica_nice, args.overload_lag_ms)
-    stats = {m: {"ready_s": round(asyncio.run(warm_up(base_url(m), info)), 1)} for m in args.modes}
+        deploy(mode, tenants, args.replicas, args.step_tokens, args.replica_nice, args.overload_lag_ms,
+               lane_port(args, mode))
+    stats = {m: {"ready_s": round(asyncio.run(warm_up(base_url(m), info, premium_bases(args, m))), 1)}
+             for m in args.modes}
     print(f"deployed and warmed up {args.modes} in {time.perf_counter() - t0:.0f} s", flush=True)
     rate = args.rate
     if rate is None:
@@ -332,7 +352,8 @@ def run_all(args, info, tenants: Path) -> tuple[dict, float, dict]:
         for i, mode in enumerate(order):
             jobs = poisson_jobs(rate, window, args.seed + i // len(args.modes), info, only)
             with GuardSampler(base_url(mode)) as sampler:
-                outcomes, cutoff, lag = run_phase(base_url(mode), jobs, window, args.grace_s)
+                outcomes, cutoff, lag = run_phase(base_url(mode), jobs, window, args.grace_s,
+                                                  premium_bases(args, mode))
             chunks[mode][phase].append((outcomes, window, cutoff))
             guards[mode][phase].append({**sampler.summary(), "admitted": sampler.admissions})
             client_lag[mode][phase].append(lag)
@@ -473,6 +494,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--proxy-guard", choices=("on", "off"), default="on",
                    help="the overload guard in Serve's proxy (kvharbor.platform.proxy_guard; "
                         "--ingress proxy only): on follows --overload-lag-ms, off turns it off")
+    p.add_argument("--premium-lane", choices=("off", "main", "lane"), default="off",
+                   help="off: no premium lane (the default app); main: deploy the premium lane "
+                        "(build_app premium_port) but send premium requests to the main port; "
+                        "lane: send them to the lane (kvharbor.platform.premium_lane)")
     args = p.parse_args(argv)
     args.idle_s, args.window_s, args.grace_s = (10, 20, 6) if args.quick else (30, 35, 10)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]

@@ -125,10 +125,11 @@ def http_client(base: str) -> httpx.AsyncClient:
 
 
 async def open_loop(base: str, jobs: list[Job], window_s: float, grace_s: float,
-                    t0: float | None = None) -> tuple[list[Outcome], float, list[float]]:
+                    t0: float | None = None, bases: dict[str, str] | None = None
+                    ) -> tuple[list[Outcome], float, list[float]]:
     """Send ``jobs`` on schedule from ``t0`` (a ``time.perf_counter()`` value, the same clock
     in every process on this host; default: now); cancel what is left ``grace_s`` after the
-    window.
+    window. ``bases``: another base URL for some classes (e.g. premium to the premium lane).
 
     Each class (one tenant each) sends through a connection pool of its own, as separate
     client services would: a premium request never waits for a connection that a flood of
@@ -147,7 +148,7 @@ async def open_loop(base: str, jobs: list[Job], window_s: float, grace_s: float,
             lags.append((time.perf_counter() - before - 0.01) * 1000.0)
 
     async with contextlib.AsyncExitStack() as stack:
-        clients = {qos: await stack.enter_async_context(http_client(base))    # one pool per tenant
+        clients = {qos: await stack.enter_async_context(http_client((bases or {}).get(qos, base)))  # a pool per tenant
                    for qos in sorted({job.qos for job in jobs})}
         t0 = time.perf_counter() if t0 is None else t0
         ticker = asyncio.create_task(tick())
@@ -161,11 +162,13 @@ async def open_loop(base: str, jobs: list[Job], window_s: float, grace_s: float,
     return outcomes, cutoff, lags
 
 
-def run_phase(base: str, jobs: list[Job], window_s: float, grace_s: float) -> tuple[list[Outcome], float, dict]:
-    """One phase's arrivals -> (outcomes in job order, cutoff, the client's loop lag and the
-    garbage collections it made, which stall that loop: ``gc_runs`` and ``gc_ms_max``)."""
+def run_phase(base: str, jobs: list[Job], window_s: float, grace_s: float,
+              bases: dict[str, str] | None = None) -> tuple[list[Outcome], float, dict]:
+    """One phase's arrivals (``bases`` as in ``open_loop``) -> (outcomes in job order, cutoff,
+    the client's loop lag and the garbage collections it made, which stall that loop:
+    ``gc_runs`` and ``gc_ms_max``)."""
     with client_gc_paused() as collections:
-        outcomes, cutoff, lags = asyncio.run(open_loop(base, jobs, window_s, grace_s))
+        outcomes, cutoff, lags = asyncio.run(open_loop(base, jobs, window_s, grace_s, bases=bases))
     return outcomes, cutoff, {**lag_summary(lags), "gc_runs": len(collections),
                               "gc_ms_max": rounded(max(collections, default=0.0))}
 

@@ -13,8 +13,10 @@ Outputs are checked: the token each path produced must match.
 
 The HTTP side runs once per ingress (``--ingress``, default ``direct,proxy``, in one run: a
 fresh Ray each): ``direct`` (the one gateway replica serves HTTP itself, kvharbor's default),
-``proxy`` (Serve's Python proxy actor in front of the gateway, ``KVHARBOR_INGRESS=proxy``) and
-``haproxy`` (HAProxy straight to the gateway replicas, ``KVHARBOR_INGRESS=haproxy``).
+``proxy`` (Serve's Python proxy actor in front of the gateway, ``KVHARBOR_INGRESS=proxy``),
+``haproxy`` (HAProxy straight to the gateway replicas, ``KVHARBOR_INGRESS=haproxy``) and
+``lane`` (``direct``, with ``premium_port`` set, and the requests sent to the premium lane's
+port: ``kvharbor.platform.premium_lane``).
 
 Goal (issue #16): idle premium TTFT through HTTP <= engine TTFT + 15 ms on this machine.
 Run:  python benchmarks/request_path.py [--requests 60] [--seed 0]    (about 4 minutes)
@@ -40,6 +42,7 @@ from benchmarks.common import machine, pct, result_name, table, write_json  # no
 from benchmarks.qos import APP_PHASES, guard_config, lifted_tenants, proxy_lag  # noqa: E402
 
 PORT = 18600
+LANE_PORT = 18601
 PHASES = ["proxy", "parse", "queue", "tokenize", "admit", "first_token", "replica", "hops"]
 WORDS = "harbor premium tenant cache block replica route token prefix engine".split()
 
@@ -105,7 +108,11 @@ def http_ttfts(base: str, texts: list[str]) -> tuple[list[float], list[dict], li
 
 
 def serve_app(tenants: Path, ingress: str, overload_lag_ms: str | None = None, proxy_guard: str = "on") -> str:
-    """Start Ray with ``ingress`` (``kvharbor.platform.ingress``) and the app on it."""
+    """Start Ray with ``ingress`` (``kvharbor.platform.ingress``) and the app on it. -> the base
+    URL the requests go to. ``lane``: the direct ingress with the premium lane deployed
+    (``build_app premium_port``), and the lane's URL."""
+    lane = ingress == "lane"
+    ingress = "direct" if lane else ingress
     import ray  # noqa: PLC0415
     from ray import serve  # noqa: PLC0415
 
@@ -118,12 +125,15 @@ def serve_app(tenants: Path, ingress: str, overload_lag_ms: str | None = None, p
         ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     serve.start(http_options=http_options(mode, PORT))
     config = {"tenants": str(tenants), "directory_name": "request-path-directory",
-              **guard_config(overload_lag_ms)}
+              **guard_config(overload_lag_ms), **({"premium_port": LANE_PORT} if lane else {})}
     serve.run(build_app(config), name="kvharbor", route_prefix="/", blocking=False)
     base = f"http://127.0.0.1:{PORT}"
     wait_until_healthy(base, timeout_s=300)
     if httpx.get(base + "/healthz").json().get("ingress") != ingress:
         raise SystemExit(f"the app does not run behind {ingress!r}")
+    if lane:
+        base = f"http://127.0.0.1:{LANE_PORT}"
+        wait_until_healthy(base, timeout_s=60)
     return base
 
 
@@ -156,7 +166,8 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=60)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ingress", default="direct,proxy",
-                    help="ingresses to measure, in this order (kvharbor.platform.ingress): haproxy, proxy, direct")
+                    help="ingresses to measure, in this order (kvharbor.platform.ingress): haproxy, proxy, "
+                         "direct, lane (direct, with the requests sent to the premium lane)")
     ap.add_argument("--name", type=result_name, default="request_path", help="results file stem")
     ap.add_argument("--overload-lag-ms", default=None,
                     help="overload_lag_ms of the gateway and of Serve's proxy (a number, or 'off'; "

@@ -123,6 +123,11 @@ class PlatformConfig(BaseModel):
                                   "event loop) gets the cores before engine compute (0: off; 10 cut premium p99 4x "
                                   "in benchmarks/qos.py). Ray starts its worker processes at nice 15, and Linux "
                                   "caps nice at 19, so the steps run at min(15 + this, 19).")
+    premium_port: int | None = Field(None, ge=1, le=65535, description="A second HTTP port for tenants of "
+                                     "pinned QoS classes, served by a gateway process of its own "
+                                     "(PremiumGateway) on KVHARBOR_PREMIUM_HOST (default 127.0.0.1), so "
+                                     "their requests never wait in the main gateway's event loop behind "
+                                     "other tenants' traffic (None: off). See kvharbor.platform.premium_lane.")
     directory_name: str = Field("kvharbor-prefix-directory", description="Named PrefixDirectory actor.")
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Largest accepted HTTP request body.")
     overload_lag_ms: float | None = Field(10.0, gt=0, description="Gateway overload guard: while the "

@@ -68,6 +68,7 @@ def pytest_configure(config):
 
 
 APP_PORT = int(os.environ.get("KVHARBOR_TEST_APP_PORT") or free_port())
+LANE_PORT = free_port()        # the session app's premium lane (build_app premium_port)
 DEMO = {"premium": "kvh-demo-premium", "standard": "kvh-demo-standard",
         "batch": "kvh-demo-batch", "admin": "kvh-demo-admin"}
 
@@ -103,15 +104,17 @@ def add_test_tenants(path) -> None:
 class RunningApp:
     """The kvharbor app deployed once per test session on 127.0.0.1:APP_PORT."""
 
-    def __init__(self, tenants_path, base_url: str, model: str) -> None:
+    def __init__(self, tenants_path, base_url: str, model: str, lane_url: str | None = None) -> None:
         self.tenants_path = tenants_path
         self.base_url = base_url
+        self.lane_url = lane_url        # the premium lane (PremiumGateway), when deployed
         self.model = model
 
-    def client(self, key: str = DEMO["premium"], timeout: float = 120.0):
+    def client(self, key: str = DEMO["premium"], timeout: float = 120.0, lane: bool = False):
+        """An httpx client with ``key``, to the main port or (``lane``) the premium lane."""
         import httpx
 
-        return httpx.Client(base_url=self.base_url, timeout=timeout,
+        return httpx.Client(base_url=self.lane_url if lane else self.base_url, timeout=timeout,
                             headers={"Authorization": f"Bearer {key}"})
 
     def replica_handle(self, fresh: bool = False):
@@ -175,7 +178,8 @@ class RunningApp:
 
 @pytest.fixture(scope="session")
 def kvharbor_app(ray_cluster, tmp_path_factory):
-    """Gateway + 2 LLM replicas (tiny-llama, CPU) + directory, with a writable tenants.yaml."""
+    """2 gateways + the premium lane + 2 LLM replicas (tiny-llama, CPU) + directory, with a
+    writable tenants.yaml."""
     import shutil
     from pathlib import Path
 
@@ -188,9 +192,10 @@ def kvharbor_app(ray_cluster, tmp_path_factory):
     add_test_tenants(tenants)
     serve.start(http_options={"host": "127.0.0.1", "port": APP_PORT})
     app = build_app({"replicas": 2, "tenants": str(tenants), "num_kv_blocks": 768,
-                     "gateway_replicas": 2})
+                     "gateway_replicas": 2, "premium_port": LANE_PORT})
     serve.run(app, name="kvharbor", route_prefix="/", blocking=False)
-    base = f"http://127.0.0.1:{APP_PORT}"
+    base, lane = f"http://127.0.0.1:{APP_PORT}", f"http://127.0.0.1:{LANE_PORT}"
     wait_until_healthy(base, timeout_s=240)
-    yield RunningApp(tenants, base, "kvharbor/tiny-llama")
+    wait_until_healthy(lane, timeout_s=60)
+    yield RunningApp(tenants, base, "kvharbor/tiny-llama", lane)
     serve.delete("kvharbor")

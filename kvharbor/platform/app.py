@@ -1,7 +1,7 @@
 """The Serve application: ``serve run kvharbor.app`` or ``serve run kvharbor:build_app k=v ...``.
 
     Gateway (FastAPI ingress) ──handle──▶ LLMReplica x N  (KVAwareRouter picks one)
-                                            └─ KV events ─▶ PrefixDirectory actor
+    PremiumGateway (premium_port) ─handle─┘      └─ KV events ─▶ PrefixDirectory actor
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from ray.serve.config import RequestRouterConfig
 from kvharbor.actors.prefix_directory import get_or_create_directory
 from kvharbor.actors.replica import LLMReplica
 from kvharbor.config import EngineConfig, PlatformConfig
-from kvharbor.platform.gateway import Gateway
+from kvharbor.platform import premium_lane
+from kvharbor.platform.gateway import Gateway, PremiumGateway
 from kvharbor.platform.ingress import http_options, requested_mode, starting_cluster
 from kvharbor.tenants import default_tenants_path, load_tenants_file
 
@@ -119,12 +120,19 @@ def build_app(args: dict | None = None):
     replica = serve.deployment(LLMReplica).options(**options).bind(
         engine, tenants, cfg.directory_name, None if on_gpu else cfg.cpu_threads,
         0 if on_gpu else cfg.cpu_replica_nice)
+    config = {"model": cfg.model, "tenants": tenants, "block_size": cfg.block_size,
+              "max_body_bytes": cfg.max_body_bytes, "overload_lag_ms": cfg.overload_lag_ms,
+              "premium_port": cfg.premium_port}
+    lane = None
+    if cfg.premium_port is not None:           # a gateway of its own for pinned classes
+        lane = serve.deployment(PremiumGateway).options(
+            name=premium_lane.DEPLOYMENT, num_replicas=1, max_ongoing_requests=1024,
+            ray_actor_options={"num_cpus": 0.25}).bind(
+                replica, {**config, "lane_port": cfg.premium_port, "lane_host": premium_lane.lane_host()})
     gateway = serve.deployment(Gateway).options(
         name="Gateway", num_replicas=cfg.gateway_replicas, max_ongoing_requests=1024,
         ray_actor_options={"num_cpus": 0.25})
-    return gateway.bind(replica, {"model": cfg.model, "tenants": tenants, "block_size": cfg.block_size,
-                                  "max_body_bytes": cfg.max_body_bytes,
-                                  "overload_lag_ms": cfg.overload_lag_ms})
+    return gateway.bind(replica, config, lane)
 
 
 def __getattr__(name: str):

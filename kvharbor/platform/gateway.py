@@ -51,6 +51,7 @@ from kvharbor.platform.openai_protocol import (APIError, ChatRequest, ChatRespon
                                                CompletionRequest, CompletionResponse, ModelCard,
                                                ModelList, error_response, error_responses)
 from kvharbor.platform.overload_guard import DEFAULT_LAG_TARGET_MS, OverloadGuard
+from kvharbor.platform.premium_lane import check_lane, lane_host, listening_socket, start_server
 from kvharbor.platform.protocol import GenerateRequest
 from kvharbor.platform.sessions_api import (SESSION_HEADER, ForkRequest, check_session_id,
                                             FlushRequest, end_session_everywhere,
@@ -230,11 +231,15 @@ def _serve_namespace() -> str:
 # Defined above the class: serve.ingress copies the methods with the globals of this moment.
 @serve.ingress(api)
 class Gateway:
-    """Serve ingress deployment (options are set in ``kvharbor.platform.app``)."""
+    """Serve ingress deployment (options are set in ``kvharbor.platform.app``); ``PremiumGateway``
+    serves the same routes on the premium lane's port."""
 
-    def __init__(self, llm, config: dict) -> None:
+    is_lane = False
+
+    def __init__(self, llm, config: dict, lane=None) -> None:
         self.llm = llm
         self.config = config
+        self.lane = lane                      # the PremiumGateway's handle (main gateway only)
         self.model = config["model"]
         self.registry = TenantRegistry(config["tenants"])
         self.tokenizer = load_tokenizer(self.model)
@@ -244,6 +249,9 @@ class Gateway:
         # loaded), so the routing hashes here equal the hashes replicas report.
         self.hash_root = model_root(model_identity(self.model, config.get("seed", 0)))
         self.max_body_bytes = config["max_body_bytes"]
+        # serve.ingress gave this class's methods a copy of ``api`` (the app Serve serves): the
+        # premium lane serves that copy too (``served_api``), state and routes included.
+        self.served_api = api
         api.state.max_body_bytes = self.max_body_bytes          # read by BodyLimitMiddleware
         api.state.authenticate = self._gate                     # read by AuthGateMiddleware
         api.state.guard_hint = self._guard_hint                 # for Serve's proxy guard too
@@ -276,13 +284,17 @@ class Gateway:
             self.registry.reload_if_changed()
             self._watcher = start_background(self.registry.watch(1.0))
 
+    def _check_lane(self, principal) -> None:
+        """Nothing here: the premium lane (``PremiumGateway``) refuses classes not pinned."""
+
     def _gate(self, key: str | None, path: str):
         """The key check ``AuthGateMiddleware`` runs before the body is read (raises 401)."""
         self._start_watcher()
         if path.startswith("/admin/") and self.registry.is_admin(key):
             return ADMIN
         principal = self.registry.authenticate(key)
-        if path in GENERATION_PATHS:         # 429 overloaded before the body is read
+        if path in GENERATION_PATHS:         # 403 off the lane, 429 overloaded: before the body
+            self._check_lane(principal)
             self.guard.check(principal.qos, self.registry.config.qos_classes, principal.tenant)
         return principal
 
@@ -319,7 +331,8 @@ class Gateway:
         self._start_watcher()                # tenants.yaml reloads even before the first call
         return {"status": "ok", "model": self.model, "tenants_version": self.registry.version,
                 "tenants_sha256": self.registry.sha256,
-                "ingress": running_mode(), "throughput_preset": running_preset()}
+                "ingress": running_mode(), "throughput_preset": running_preset(),
+                "premium_port": self.config.get("premium_port"), "premium_lane": self.is_lane}
 
     @api.get("/v1/models", response_model=ModelList, responses=error_responses(401))
     async def models(self, request: Request) -> dict:
@@ -452,6 +465,7 @@ class Gateway:
         """Queue place (before tokenizing), prompt ids, tenant limits, then the generation.
         ``marks``: the ``perf_counter()`` instants so far (``arrived`` at the handler, and
         ``received`` / ``proxied`` when known, see ``marks_of``)."""
+        self._check_lane(principal)
         tenant, qos = principal.tenant, principal.qos_name
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         await self.admitter.early(principal, rid)
@@ -514,4 +528,27 @@ class Gateway:
         self.admitter.leave(qos, rid)
 
 
-__all__ = ["Gateway", "api"]
+class PremiumGateway(Gateway.__bases__[0]):         # the class serve.ingress wrapped
+    """The premium lane (``kvharbor.platform.premium_lane``): the same routes, served by a
+    uvicorn server of this replica's own on ``config["lane_port"]`` (Serve allows one FastAPI
+    ingress per app, so this deployment is a plain one that serves HTTP itself)."""
+
+    is_lane = True
+
+    async def __init__(self, llm, config: dict) -> None:     # async: Serve runs it on the loop
+        super().__init__(llm, config)
+        host = config.get("lane_host") or lane_host()
+        sock = listening_socket(host, config["lane_port"])      # a busy port fails the start
+        self.server_task, self.server = start_server(lambda: self.served_api, sock)
+        logger.info("premium lane on %s:%d", host, config["lane_port"])
+
+    def _check_lane(self, principal) -> None:
+        check_lane(principal.qos, principal.qos_name)
+
+    def check_health(self) -> None:
+        """Serve's health check: a lane whose server stopped is restarted."""
+        if self.server_task.done():
+            raise RuntimeError("the premium lane's HTTP server stopped")
+
+
+__all__ = ["Gateway", "PremiumGateway", "api"]

@@ -1,0 +1,64 @@
+"""The premium lane (``build_app premium_port``): pinned classes get a gateway of their own."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvharbor.platform.openai_protocol import APIError
+from kvharbor.platform.premium_lane import check_lane
+from kvharbor.tenants.schema import QoSClassConfig
+from tests.conftest import DEMO
+
+PROMPT = {"prompt": "The lighthouse keeper counted the ships", "max_tokens": 8, "temperature": 0,
+          "ignore_eos": True}
+
+
+def test_only_pinned_classes_pass_the_lane_check():
+    check_lane(QoSClassConfig(priority=100, pinned=True), "premium")
+    with pytest.raises(APIError) as err:
+        check_lane(QoSClassConfig(priority=50), "standard")
+    assert err.value.status == 403 and err.value.code == "wrong_endpoint"
+    assert "'standard' is not pinned" in err.value.message
+
+
+def test_the_lane_serves_premium_the_same_tokens_as_the_main_port(kvharbor_app):
+    body = {"model": kvharbor_app.model, **PROMPT}
+    with kvharbor_app.client(DEMO["premium"]) as main, kvharbor_app.client(DEMO["premium"], lane=True) as lane:
+        on_main = main.post("/v1/completions", json=body)
+        on_lane = lane.post("/v1/completions", json=body)
+        assert on_main.status_code == 200, on_main.text
+        assert on_lane.status_code == 200, on_lane.text
+        assert on_lane.json()["choices"][0]["text"] == on_main.json()["choices"][0]["text"]
+        assert on_lane.json()["usage"]["completion_tokens"] == 8
+        with lane.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            assert r.status_code == 200
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        text = "".join(c["choices"][0]["text"] for c in map(json.loads, events[:-1]) if c["choices"])
+        assert text == on_main.json()["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("key", [DEMO["standard"], DEMO["batch"]])
+def test_the_lane_refuses_other_classes_before_reading_the_body(kvharbor_app, key):
+    with kvharbor_app.client(key, lane=True) as lane:
+        r = lane.post("/v1/completions", json={"model": kvharbor_app.model, **PROMPT})
+        assert r.status_code == 403
+        assert r.json()["error"]["code"] == "wrong_endpoint"
+        # a body over the size limit: refused for the port (403), not for its size (413)
+        big = lane.post("/v1/completions", content=b"x" * (5 * 1024 * 1024),
+                        headers={"content-type": "application/json"})
+        assert big.status_code == 403 and big.json()["error"]["code"] == "wrong_endpoint"
+    with kvharbor_app.client(key) as main:                         # the main port serves them
+        assert main.post("/v1/completions", json={"model": kvharbor_app.model, **PROMPT}).status_code == 200
+
+
+def test_the_lane_answers_the_other_routes_and_says_what_it_is(kvharbor_app):
+    with kvharbor_app.client(DEMO["standard"], lane=True) as lane, kvharbor_app.client(DEMO["standard"]) as main:
+        assert lane.get("/v1/models").json()["data"][0]["id"] == kvharbor_app.model
+        assert lane.post("/v1/completions", json={"model": kvharbor_app.model}).status_code == 403
+        on_lane, on_main = lane.get("/healthz").json(), main.get("/healthz").json()
+    port = int(kvharbor_app.lane_url.rsplit(":", 1)[1])
+    assert on_lane["premium_lane"] is True and on_main["premium_lane"] is False
+    assert on_lane["premium_port"] == on_main["premium_port"] == port
