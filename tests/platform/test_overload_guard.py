@@ -224,7 +224,7 @@ def test_the_gateway_checks_the_guard_only_on_generation_paths():
 
     checked, limited = [], []
     principal = SimpleNamespace(qos=CLASSES["batch"], tenant="initech")
-    gw = SimpleNamespace(_start_watcher=lambda: None,
+    gw = SimpleNamespace(_start_watcher=lambda: None, _check_lane=lambda principal: None,
                          registry=SimpleNamespace(is_admin=lambda key: False,
                                                   authenticate=lambda key: principal,
                                                   config=SimpleNamespace(qos_classes=CLASSES)),
