@@ -239,7 +239,9 @@ class Gateway:
     def __init__(self, llm, config: dict, lane=None) -> None:
         self.llm = llm
         self.config = config
-        self.lane = lane                      # the PremiumGateway's handle (main gateway only)
+        # The PremiumGateway's handle (main gateway, premium_port set): bound here so that Serve
+        # deploys the lane with the app; never called.
+        self.lane = lane
         self.model = config["model"]
         self.registry = TenantRegistry(config["tenants"])
         self.tokenizer = load_tokenizer(self.model)
