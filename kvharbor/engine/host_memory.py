@@ -34,6 +34,7 @@ import os
 
 import torch
 
+
 def upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host list as a tensor on ``device``: on CUDA staged in pinned memory and copied
     without blocking the host (ordered before later kernels on the stream; a plain

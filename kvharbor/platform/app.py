@@ -128,7 +128,7 @@ def build_app(args: dict | None = None):
         lane = serve.deployment(PremiumGateway).options(
             name=premium_lane.DEPLOYMENT, num_replicas=1, max_ongoing_requests=1024,
             ray_actor_options={"num_cpus": 0.25}).bind(
-                replica, {**config, "lane_port": cfg.premium_port, "lane_host": premium_lane.lane_host()})
+                replica, {**config, "lane_host": premium_lane.lane_host()})
     gateway = serve.deployment(Gateway).options(
         name="Gateway", num_replicas=cfg.gateway_replicas, max_ongoing_requests=1024,
         ray_actor_options={"num_cpus": 0.25})

@@ -51,7 +51,7 @@ from kvharbor.platform.openai_protocol import (APIError, ChatRequest, ChatRespon
                                                CompletionRequest, CompletionResponse, ModelCard,
                                                ModelList, error_response, error_responses)
 from kvharbor.platform.overload_guard import DEFAULT_LAG_TARGET_MS, OverloadGuard
-from kvharbor.platform.premium_lane import check_lane, lane_host, listening_socket, start_server
+from kvharbor.platform.premium_lane import check_lane, listening_socket, start_server
 from kvharbor.platform.protocol import GenerateRequest
 from kvharbor.platform.sessions_api import (SESSION_HEADER, ForkRequest, check_session_id,
                                             FlushRequest, end_session_everywhere,
@@ -287,7 +287,8 @@ class Gateway:
             self._watcher = start_background(self.registry.watch(1.0))
 
     def _check_lane(self, principal) -> None:
-        """Nothing here: the premium lane (``PremiumGateway``) refuses classes not pinned."""
+        """Nothing here: the premium lane (``PremiumGateway``) refuses classes not pinned, in
+        ``_gate``, before a generation request's body is read."""
 
     def _gate(self, key: str | None, path: str):
         """The key check ``AuthGateMiddleware`` runs before the body is read (raises 401)."""
@@ -467,7 +468,6 @@ class Gateway:
         """Queue place (before tokenizing), prompt ids, tenant limits, then the generation.
         ``marks``: the ``perf_counter()`` instants so far (``arrived`` at the handler, and
         ``received`` / ``proxied`` when known, see ``marks_of``)."""
-        self._check_lane(principal)
         tenant, qos = principal.tenant, principal.qos_name
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         await self.admitter.early(principal, rid)
@@ -532,17 +532,18 @@ class Gateway:
 
 class PremiumGateway(Gateway.__bases__[0]):         # the class serve.ingress wrapped
     """The premium lane (``kvharbor.platform.premium_lane``): the same routes, served by a
-    uvicorn server of this replica's own on ``config["lane_port"]`` (Serve allows one FastAPI
-    ingress per app, so this deployment is a plain one that serves HTTP itself)."""
+    uvicorn server of this replica's own on ``config["premium_port"]`` at ``config["lane_host"]``
+    (Serve allows one FastAPI ingress per app, so this deployment is a plain one that serves
+    HTTP itself)."""
 
     is_lane = True
 
     async def __init__(self, llm, config: dict) -> None:     # async: Serve runs it on the loop
         super().__init__(llm, config)
-        host = config.get("lane_host") or lane_host()
-        sock = listening_socket(host, config["lane_port"])      # a busy port fails the start
+        host, port = config["lane_host"], config["premium_port"]
+        sock = listening_socket(host, port)                     # a busy port fails the start
         self.server_task, self.server = start_server(lambda: self.served_api, sock)
-        logger.info("premium lane on %s:%d", host, config["lane_port"])
+        logger.info("premium lane on %s:%d", host, port)
 
     def _check_lane(self, principal) -> None:
         check_lane(principal.qos, principal.qos_name)
