@@ -22,6 +22,9 @@ def _overview() -> DashboardSpec:
                   (Query(rate_sum(req, "status", TQ), "{{status}}"),), stacked=True),
         PanelSpec("Requests by tenant", "Finished requests per second.", "reqps",
                   (Query(rate_sum(req, "tenant", TQ), "{{tenant}}"),), stacked=True),
+        PanelSpec("Requests by ingress", "Finished requests per second by where they entered: "
+                  "the app's port (main) or the premium lane (build_app premium_port).", "reqps",
+                  (Query(rate_sum(req, "ingress", TQ), "{{ingress}}"),), stacked=True),
         PanelSpec("Error ratio", "Share of requests not finished ok.", "percentunit",
                   (Query(f"1 - {ratio(rate_sum(req, 'qos', ok), rate_sum(req, 'qos', TQ))}",
                          "{{qos}}"),)),
@@ -31,6 +34,9 @@ def _overview() -> DashboardSpec:
     latency = (
         latency_panel("Time to first token by QoS", "kvharbor_ttft_seconds", "qos", TQ,
                       "Arrival at the gateway to first streamed token."),
+        latency_panel("Time to first token by ingress", "kvharbor_ttft_seconds", "ingress", TQ,
+                      "The app's port (main) against the premium lane (premium_port), for the "
+                      "tenants and classes selected above."),
         latency_panel("Inter-token latency by QoS", "kvharbor_inter_token_latency_seconds",
                       "qos", TQ, "Gap between consecutive streamed tokens."),
         latency_panel("End-to-end latency by QoS", "kvharbor_request_latency_seconds", "qos",

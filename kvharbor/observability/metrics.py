@@ -28,6 +28,7 @@ label        values
 ``status``   :data:`STATUSES`; anything else is recorded as ``other``
 ``reason``   :data:`RATE_LIMIT_REASONS`; anything else is recorded as ``other``
 ``path``     :data:`ADMISSION_PATHS` (``fast_lane``, ``actor``)
+``ingress``  :data:`INGRESSES` (``main``: the app's port; ``premium_lane``: ``premium_port``)
 ``outcome``  ``met`` | ``missed``
 ``location`` :data:`MEMORY_LOCATIONS` (``device``, ``host``)
 ``kind``     :data:`MEMORY_KINDS` (``kv_cache``, ``model_weights``); for router metrics
@@ -60,6 +61,8 @@ STATUSES = ("ok", "error", "rejected", "rate_limited", "aborted", "timeout", "re
 RATE_LIMIT_REASONS = ("requests_per_minute", "tokens_per_minute", "max_concurrent_requests",
                       "daily_token_budget", "max_tokens_per_request", "queue_full", "overloaded")
 ADMISSION_PATHS = ("fast_lane", "actor")
+# Where a request entered: the app's HTTP port, or the premium lane (build_app premium_port).
+INGRESSES = ("main", "premium_lane")
 REGIONS = ("pinned", "shared")
 MEMORY_LOCATIONS = ("device", "host")
 MEMORY_KINDS = ("kv_cache", "model_weights")
@@ -98,10 +101,11 @@ class MetricSpec:
 
 
 METRICS: tuple[MetricSpec, ...] = (
-    MetricSpec("kvharbor_requests", "counter", ("tenant", "qos", "status"),
-               "Finished requests by final status."),
-    MetricSpec("kvharbor_ttft_seconds", "histogram", ("tenant", "qos"),
-               "Time from arrival at the gateway to the first streamed token.", LATENCY_BUCKETS_S),
+    MetricSpec("kvharbor_requests", "counter", ("tenant", "qos", "status", "ingress"),
+               "Finished requests by final status and ingress (main port or premium lane)."),
+    MetricSpec("kvharbor_ttft_seconds", "histogram", ("tenant", "qos", "ingress"),
+               "Time from arrival at the gateway to the first streamed token, by ingress (main "
+               "port or premium lane).", LATENCY_BUCKETS_S),
     MetricSpec("kvharbor_inter_token_latency_seconds", "histogram", ("tenant", "qos"),
                "Time between consecutive streamed tokens of one request.", ITL_BUCKETS_S),
     MetricSpec("kvharbor_request_latency_seconds", "histogram", ("tenant", "qos"),
@@ -258,14 +262,17 @@ class KvharborMetrics:
             self._m[name].inc(value, tags=tags)
 
     # --- gateway -------------------------------------------------------------------------
-    def request_finished(self, tenant: str, qos: str, status: str) -> None:
-        """Count one finished request; ``status`` in :data:`STATUSES` (else ``other``)."""
+    def request_finished(self, tenant: str, qos: str, status: str, ingress: str = "main") -> None:
+        """Count one finished request; ``status`` in :data:`STATUSES` (else ``other``),
+        ``ingress`` in :data:`INGRESSES` (else ``other``)."""
         self._inc("kvharbor_requests", 1,
-                  {"tenant": tenant, "qos": qos, "status": _bounded(status, STATUSES)})
+                  {"tenant": tenant, "qos": qos, "status": _bounded(status, STATUSES),
+                   "ingress": _bounded(ingress, INGRESSES)})
 
-    def ttft(self, tenant: str, qos: str, seconds: float) -> None:
-        """Time to first token of one request, in seconds."""
-        self._m["kvharbor_ttft_seconds"].observe(seconds, tags={"tenant": tenant, "qos": qos})
+    def ttft(self, tenant: str, qos: str, seconds: float, ingress: str = "main") -> None:
+        """Time to first token of one request, in seconds, by where it entered."""
+        self._m["kvharbor_ttft_seconds"].observe(
+            seconds, tags={"tenant": tenant, "qos": qos, "ingress": _bounded(ingress, INGRESSES)})
 
     def inter_token_latency(self, tenant: str, qos: str, seconds: float) -> None:
         """Gap between two consecutive streamed tokens, in seconds."""

@@ -236,6 +236,11 @@ class Gateway:
 
     is_lane = False
 
+    @property
+    def ingress(self) -> str:
+        """The metrics' ``ingress`` label of the requests served here."""
+        return "premium_lane" if self.is_lane else "main"
+
     def __init__(self, llm, config: dict, lane=None) -> None:
         self.llm = llm
         self.config = config

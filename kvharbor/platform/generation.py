@@ -243,12 +243,12 @@ class GenerationRun:
         self._finished = True
         m, tenant, qos = self.gw.metrics, self.req.tenant, self.req.qos
         prompt = len(self.req.prompt_token_ids)
-        m.request_finished(tenant, qos, self.status)
+        m.request_finished(tenant, qos, self.status, self.gw.ingress)
         m.request_latency(tenant, qos, time.perf_counter() - self.start)
         m.tokens(tenant, qos, prompt, self.choices[0].cached_tokens, self.completion_tokens)
         if self.first_token_at is not None:
             ttft = self.first_token_at - self.start
-            m.ttft(tenant, qos, ttft)
+            m.ttft(tenant, qos, ttft, self.gw.ingress)
             slo_ms = self.principal.qos.ttft_slo_ms
             if slo_ms:
                 m.slo(tenant, qos, ttft * 1000.0 <= slo_ms)

@@ -35,8 +35,9 @@ class Recorder:
 
         m = get_metrics()
         for qos, status in (("premium", "ok"), ("batch", "rate_limited"), ("batch", "error")):
-            m.request_finished(tenant, qos, status)
-            m.ttft(tenant, qos, 0.004 * scale)
+            ingress = "premium_lane" if qos == "premium" else "main"
+            m.request_finished(tenant, qos, status, ingress)
+            m.ttft(tenant, qos, 0.004 * scale, ingress)
             m.inter_token_latency(tenant, qos, 0.002)
             m.request_latency(tenant, qos, 0.3)
             m.tokens(tenant, qos, prompt=64 * scale, cached=32 * scale, generated=8 * scale)
@@ -45,6 +46,7 @@ class Recorder:
             m.queue_length(replica, qos, 2 * scale)
             m.running(replica, qos, scale)
         m.rate_limited(tenant, "tokens_per_minute")
+        m.admitted(tenant, "premium", "fast_lane")
         for region in ("pinned", "shared"):
             for state in ("used", "cached", "free", "reserved"):
                 m.kv_blocks(replica, region, state, 10 * scale)

@@ -40,8 +40,11 @@ def test_actor_records_every_metric_with_expected_names_and_labels(ray_cluster):
         for name in scraped_names(spec):
             assert re.search(rf"^{name}\{{", text, re.MULTILINE), f"{name} not exported"
 
-    ok = _line(text, "ray_kvharbor_requests_total", tenant=TENANT, qos="premium", status="ok")
+    ok = _line(text, "ray_kvharbor_requests_total", tenant=TENANT, qos="premium", status="ok",
+               ingress="premium_lane")
     assert ok.endswith(" 1.0")
+    assert _line(text, "ray_kvharbor_requests_total", tenant=TENANT, qos="batch", status="error",
+                 ingress="main").endswith(" 1.0")
     limited = _line(text, "ray_kvharbor_rate_limited_total", tenant=TENANT,
                     reason="tokens_per_minute")
     assert limited.endswith(" 1.0")
@@ -50,7 +53,7 @@ def test_actor_records_every_metric_with_expected_names_and_labels(ray_cluster):
     assert _line(text, "ray_kvharbor_kv_blocks", replica=REPLICA, region="pinned",
                  state="reserved").endswith(" 10.0")
     assert _line(text, "ray_kvharbor_ttft_seconds_bucket", tenant=TENANT, qos="premium",
-                 le="0.005").endswith(" 1.0")
+                 ingress="premium_lane", le="0.005").endswith(" 1.0")
     assert _line(text, "ray_kvharbor_ttft_seconds_bucket", tenant=TENANT, qos="premium",
                  le="0.0025").endswith(" 0.0")
     assert _line(text, "ray_kvharbor_slo_requests_total", tenant=TENANT, qos="batch",

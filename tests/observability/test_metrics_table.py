@@ -7,7 +7,7 @@ import pytest
 from kvharbor.observability import metrics as m
 
 ALLOWED_LABELS = {"tenant", "qos", "status", "outcome", "reason", "replica", "region", "state",
-                  "location", "kind", "path"}
+                  "location", "kind", "path", "ingress"}
 
 
 def test_names_are_unique_prefixed_and_ray_valid():

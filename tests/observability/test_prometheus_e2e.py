@@ -48,8 +48,8 @@ def _one_request(client, model: str, key: str, index: int) -> tuple[int, str]:
     return resp.status_code, resp.text[:200]
 
 
-def _load(app, keys: tuple[str, ...], requests_per_key: int) -> list[tuple[int, str]]:
-    with app.client() as client:
+def _load(app, keys: tuple[str, ...], requests_per_key: int, lane: bool = False) -> list[tuple[int, str]]:
+    with app.client(lane=lane) as client:
         jobs = [(key, i) for i in range(requests_per_key) for key in keys]
         with ThreadPoolExecutor(max_workers=6) as pool:
             return list(pool.map(lambda job: _one_request(client, app.model, *job), jobs))
@@ -85,10 +85,19 @@ def test_every_dashboard_query_returns_series_under_load(kvharbor_app, prometheu
     failed = [r for r in results if r[0] != 200]
     assert len(failed) <= len(results) // 3, failed
     assert 429 in [status for status, _ in _load(kvharbor_app, (TEST_KEYS["limited"],), 10)]
+    lane = _load(kvharbor_app, (DEMO["premium"],), 4, lane=True)     # premium via its own port
+    assert [status for status, _ in lane] == [200] * 4, lane
     wait_all_return_series(prometheus, ['ray_kvharbor_requests_total{tenant!~"obs-.*"}',
                                         'ray_kvharbor_kv_blocks{replica!~"obs-.*"}'], 60)
-    tenants = _app_values(prometheus, "ray_kvharbor_requests_total", "tenant")
-    replicas = _app_values(prometheus, "ray_kvharbor_kv_blocks", "replica")
+    # Each process's series reach Prometheus at its own export and scrape: poll until the
+    # three tenants' and both replicas' have.
+    deadline = time.monotonic() + 60
+    while True:
+        tenants = _app_values(prometheus, "ray_kvharbor_requests_total", "tenant")
+        replicas = _app_values(prometheus, "ray_kvharbor_kv_blocks", "replica")
+        if (len(tenants.split("|")) >= 3 and len(replicas.split("|")) >= 2) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
     assert len(tenants.split("|")) >= 3 and len(replicas.split("|")) >= 2, (tenants, replicas)
 
     models = load_dashboards(CHECKED_IN)
@@ -101,5 +110,11 @@ def test_every_dashboard_query_returns_series_under_load(kvharbor_app, prometheu
                                     tenant=tenants, replica=replicas)
     empty = [expr for expr, n in counts.items() if n == 0]
     assert not empty, f"{len(empty)} of {len(exprs)} queries returned nothing: {empty}"
+    # The two ingresses are told apart: the lane's requests and TTFTs carry its label.
+    lane_series = ['ray_kvharbor_requests_total{ingress="premium_lane", qos="premium"}',
+                   'ray_kvharbor_ttft_seconds_count{ingress="premium_lane", qos="premium"}',
+                   'ray_kvharbor_ttft_seconds_count{ingress="main", qos="premium"}']
+    counts = wait_all_return_series(prometheus, lane_series, timeout_s=60)
+    assert all(counts.values()), counts
     assert _grows(prometheus, DECISIONS, decisions_before), "router decisions not recorded"
     assert _grows(prometheus, LIMITED, limited_before), "429s not counted as rate-limited"
