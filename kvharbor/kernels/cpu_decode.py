@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .inline_cpp import InlineExtension
+from .inline_cpp import AVX2_MATH, InlineExtension
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -31,11 +31,7 @@ _SOURCE = r"""
 #include <cmath>
 #include <limits>
 #include <vector>
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define KVH_AVX2 1
-#endif
-
+@AVX2_MATH@
 namespace {
 
 // One (sequence, KV head): the G query heads that share it, over keys [pos, len).
@@ -82,27 +78,6 @@ void decode_scalar(const float* qb, const float* kp, const float* vp, const int6
 }
 
 #ifdef KVH_AVX2
-// exp for x <= 0 (scores minus their running max): Cody-Waite reduction to r in
-// [-ln2/2, ln2/2], a degree-7 Taylor polynomial (relative error < 1e-8 there), times 2^n.
-// Inputs below -87 give ~1e-38 instead of a denormal or 0.
-inline __m256 exp_nonpos(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.f / 5040);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 720));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
 // The 8 sums of a[0..8), one per lane.
 inline __m256 sum8(const __m256* a) {
   const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
@@ -115,20 +90,6 @@ inline __m256 sum8(const __m256* a) {
 inline __m256 lanes_below(int64_t cnt) {
   return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(cnt)),
                                                 _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
-}
-
-inline float hmax8(__m256 v) {
-  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
-  x = _mm_max_ss(x, _mm_shuffle_ps(x, x, 1));
-  return _mm_cvtss_f32(x);
-}
-
-inline float hsum8(__m256 v) {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  x = _mm_add_ss(x, _mm_shuffle_ps(x, x, 1));
-  return _mm_cvtss_f32(x);
 }
 
 // One sequence, all its heads, block by block (each K and V block is read once, whole, and
@@ -317,7 +278,8 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc,
 }
 """
 
-_EXT = InlineExtension("kvharbor_cpu_decode", _SOURCE, ["paged_decode", "threaded"], "KVH_CPU_DECODE")
+_EXT = InlineExtension("kvharbor_cpu_decode", _SOURCE.replace("@AVX2_MATH@", AVX2_MATH), ["paged_decode", "threaded"],
+                     "KVH_CPU_DECODE")
 
 
 def available() -> bool:

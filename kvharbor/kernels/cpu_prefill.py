@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .inline_cpp import InlineExtension
+from .inline_cpp import AVX2_MATH, InlineExtension
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -33,11 +33,7 @@ _SOURCE = r"""
 #include <cmath>
 #include <limits>
 #include <vector>
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define KVH_AVX2 1
-#endif
-
+@AVX2_MATH@
 // The Fortran BLAS sgemm that torch's CPU build exports (MKL on x86).
 extern "C" void sgemm_(const char* ta, const char* tb, const int* m, const int* n, const int* k,
                        const float* alpha, const float* a, const int* lda, const float* b,
@@ -54,41 +50,6 @@ inline void gemm(char ta, char tb, int64_t m, int64_t n, int64_t k, float alpha,
 
 constexpr int64_t BQ = 64;    // query tokens per block
 constexpr int64_t BK = 256;   // keys per score chunk
-
-#ifdef KVH_AVX2
-// exp for x <= 0: Cody-Waite reduction, degree-7 polynomial, times 2^n (as in cpu_decode).
-inline __m256 exp_nonpos(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.f / 5040);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 720));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
-inline float hmax8(__m256 v) {
-  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
-  x = _mm_max_ss(x, _mm_shuffle_ps(x, x, 1));
-  return _mm_cvtss_f32(x);
-}
-
-inline float hsum8(__m256 v) {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  x = _mm_add_ss(x, _mm_shuffle_ps(x, x, 1));
-  return _mm_cvtss_f32(x);
-}
-#endif
 
 // Row max of s[0, n).
 inline float row_max(const float* s, int64_t n) {
@@ -212,7 +173,8 @@ void causal_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::
 }
 """
 
-_EXT = InlineExtension("kvharbor_cpu_prefill", _SOURCE, ["causal_attention"], "KVH_CPU_PREFILL")
+_EXT = InlineExtension("kvharbor_cpu_prefill", _SOURCE.replace("@AVX2_MATH@", AVX2_MATH), ["causal_attention"],
+                     "KVH_CPU_PREFILL")
 
 
 def available() -> bool:
