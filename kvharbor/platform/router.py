@@ -91,16 +91,6 @@ def pinned_replica(pending_request: PendingRequest | None,
     return next((r for r in candidates if r.replica_id.unique_id == wanted), None)
 
 
-def _waits_for_named_replica(pending_request: PendingRequest | None) -> bool:
-    """True for an admin or test call (not ``generate``) naming a ``replica_id=`` this router
-    does not know (yet): it must reach that replica, not another one, so it waits until the
-    router's replica set holds it (or the caller's timeout). A ``generate`` call naming a
-    replica (a sibling choice of ``n`` > 1, sent where the first choice ran) routes as usual
-    when that replica is gone."""
-    return (pending_request is not None and pending_request.kwargs.get("replica_id") is not None
-            and generate_request_of(pending_request) is None)
-
-
 def generate_request_of(pending_request: PendingRequest | None) -> GenerateRequest | None:
     """The ``GenerateRequest`` a handle call carries, or None if it carries none."""
     if pending_request is None:
@@ -248,9 +238,6 @@ class KVAwareRouter(RequestRouter):
         target = pinned_replica(pending_request, candidate_replicas)
         if target is not None:
             return [[target]]
-        if _waits_for_named_replica(pending_request):
-            pending_request.routing_context.should_backoff = True   # retried as the set updates
-            return []
         start, start_cpu = time.perf_counter(), time.thread_time()
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True  # sleep between attempts

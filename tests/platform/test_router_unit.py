@@ -438,33 +438,3 @@ def test_the_first_poll_of_the_follower_releases_a_waiting_first_decision():
     router._first_poll = asyncio.Event()
     assert asyncio.run(returns_within(router._follow, 0.05)) is False   # follows until cancelled
     assert router._first_poll.is_set()
-
-
-def _named_call(router, replicas, method_kwargs):
-    """One choose_replicas call for a handle call with ``method_kwargs`` (no GenerateRequest
-    unless given), in a fresh event loop."""
-    async def go():
-        pr = PendingRequest(args=[], kwargs=method_kwargs,
-                            metadata=RequestMetadata(request_id="adm", internal_request_id="i-adm"))
-        return await router.choose_replicas(replicas, pr), pr
-    return asyncio.run(go())
-
-
-def test_a_call_naming_a_replica_reaches_that_replica_or_waits_for_it():
-    """``stats(replica_id=...)`` and the other per-replica calls must run on the replica they
-    name. While this router does not know it yet (Serve has not told it about a replacement
-    replica), the call waits (no candidates, Serve backs off and retries) instead of running
-    on another replica and answering for the wrong one. A sibling choice's ``generate`` naming
-    a replica that is gone is routed as usual."""
-    router = make_router(FakeShard())
-    replicas = [FakeReplica("a"), FakeReplica("b")]
-    ranks, _ = _named_call(router, replicas, {"replica_id": "b"})
-    assert uids(ranks) == [["b"]]
-    ranks, pr = _named_call(router, replicas, {"replica_id": "new"})
-    assert ranks == [] and pr.routing_context.should_backoff
-
-    async def sibling():
-        pr = pending(as_kwarg=True)
-        pr.kwargs["replica_id"] = "gone"
-        return await router.choose_replicas(replicas, pr)
-    assert sorted(u for rank in uids(asyncio.run(sibling())) for u in rank) == ["a", "b"]
