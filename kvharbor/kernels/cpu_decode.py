@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .inline_cpp import AVX2_MATH, InlineExtension
+from .inline_cpp import InlineExtension
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -278,8 +278,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc,
 }
 """
 
-_EXT = InlineExtension("kvharbor_cpu_decode", _SOURCE.replace("@AVX2_MATH@", AVX2_MATH), ["paged_decode", "threaded"],
-                     "KVH_CPU_DECODE")
+_EXT = InlineExtension("kvharbor_cpu_decode", _SOURCE, ["paged_decode", "threaded"], "KVH_CPU_DECODE")
 
 
 def available() -> bool:

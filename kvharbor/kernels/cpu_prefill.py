@@ -4,9 +4,9 @@ PyTorch's CPU flash attention (``F.scaled_dot_product_attention`` with ``is_caus
 long prompt in 256-query by 512-key blocks and skips only whole blocks above the diagonal, so
 a 1,024-token prompt computes about 1.5x the causal scores; its score and value products ran at
 ~85 GFLOP/s on this project's 2-core EPYC VM, where the packed linears reach ~195. This kernel
-cuts each KV head's queries into blocks of ``BQ`` tokens, and for each query head sharing that
-KV head walks the keys in chunks of ``BK`` up to the block's last visible key: the scores of a
-chunk are one ``sgemm`` (``Q K^T``), an online softmax (running max and sum per row, a vector
+cuts each KV head's queries into blocks of ``BQ`` tokens, stacks the rows of the query heads
+sharing that KV head into one matrix, and walks the keys in chunks of ``BK`` up to the block's
+last visible key: the scores of a chunk are one ``sgemm`` (``Q K^T``), an online softmax (running max and sum per row, a vector
 ``exp`` with AVX2) masks the keys past each row's causal limit, and the values are one more
 ``sgemm`` accumulated into the block's output. Blocks are spread over torch's intra-op threads
 in equal shares of the score work (the last blocks see the most keys).
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .inline_cpp import AVX2_MATH, InlineExtension
+from .inline_cpp import InlineExtension
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -173,8 +173,7 @@ void causal_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::
 }
 """
 
-_EXT = InlineExtension("kvharbor_cpu_prefill", _SOURCE.replace("@AVX2_MATH@", AVX2_MATH), ["causal_attention"],
-                     "KVH_CPU_PREFILL")
+_EXT = InlineExtension("kvharbor_cpu_prefill", _SOURCE, ["causal_attention"], "KVH_CPU_PREFILL")
 
 
 def available() -> bool:

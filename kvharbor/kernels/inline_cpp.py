@@ -13,8 +13,8 @@ import os
 import threading
 
 
-# AVX2 helpers shared by the attention kernels (spliced in where a source says @AVX2_MATH@,
-# after its includes): KVH_AVX2 is defined when the compiler targets AVX2 and FMA.
+# AVX2 helpers shared by the attention kernels (InlineExtension splices them in where a source
+# says @AVX2_MATH@, after its includes): KVH_AVX2 is defined when the compiler targets AVX2 and FMA.
 AVX2_MATH = r"""
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -64,7 +64,8 @@ class InlineExtension:
 
     def __init__(self, name: str, source: str, functions: list[str], env: str,
                  extra_cflags: tuple[str, ...] = ()) -> None:
-        self.name, self.source, self.functions, self.env = name, source, functions, env
+        self.name, self.functions, self.env = name, functions, env
+        self.source = source.replace("@AVX2_MATH@", AVX2_MATH)
         self.cflags = ["-O3", "-march=native", "-fopenmp", *extra_cflags]
         self.module = None
         self.failed: str | None = None
