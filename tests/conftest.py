@@ -104,11 +104,14 @@ def add_test_tenants(path) -> None:
 class RunningApp:
     """The kvharbor app deployed once per test session on 127.0.0.1:APP_PORT."""
 
+    MAX_FRESH_HANDLES = 5
+
     def __init__(self, tenants_path, base_url: str, model: str, lane_url: str | None = None) -> None:
         self.tenants_path = tenants_path
         self.base_url = base_url
         self.lane_url = lane_url        # the premium lane (PremiumGateway), when deployed
         self.model = model
+        self._fresh: list = []          # handles made anew by replica_call, newest last
 
     def client(self, key: str = DEMO["premium"], timeout: float = 120.0, lane: bool = False):
         """An httpx client with ``key``, to the main port or (``lane``) the premium lane."""
@@ -137,13 +140,27 @@ class RunningApp:
         return sorted(n[len(prefix):] for n in names if n.startswith(prefix))
 
     def replica_call(self, method: str, timeout: float = 60.0) -> dict:
-        """``{replica_id: result}`` of ``LLMReplica.<method>()`` on every replica.
+        """``{replica_id: result}`` of ``LLMReplica.<method>(replica_id=id)`` on every live
+        replica; a result from another replica is an error.
 
-        The KV-aware router sends a call with ``replica_id=`` to that replica.
+        The KV-aware router sends a call that names ``replica_id`` to that replica, if it
+        knows it. ``replica_handle()`` is Serve's cached handle of this process, with one
+        router for the session; in full runs (clean-clone CI 2026-11-25, -26 and -27) that
+        router kept a replica list without the replacement of a killed replica for minutes,
+        while Serve and the app's own routers had it, and the call was answered by the other
+        replica. So such a call is asked once more through a new handle (a router synced
+        from the controller afresh; at most ``MAX_FRESH_HANDLES`` per session).
         """
-        handle = self.replica_handle()
-        return {rid: getattr(handle, method).remote(replica_id=rid).result(timeout_s=timeout)
-                for rid in self.replica_ids()}
+        out = {}
+        for rid in self.replica_ids():
+            handle = self._fresh[-1] if self._fresh else self.replica_handle()
+            result = getattr(handle, method).remote(replica_id=rid).result(timeout_s=timeout)
+            if result["replica_id"] != rid and len(self._fresh) < self.MAX_FRESH_HANDLES:
+                self._fresh.append(self.replica_handle(fresh=True))
+                result = getattr(self._fresh[-1], method).remote(replica_id=rid).result(timeout_s=timeout)
+            assert result["replica_id"] == rid, f"{method} for replica {rid} answered by {result['replica_id']}"
+            out[rid] = result
+        return out
 
     def directory(self):
         import ray

@@ -103,33 +103,10 @@ def replica_ids() -> list[str]:
                   if a["namespace"] == "serve" and a["name"].startswith(REPLICA_PREFIX))
 
 
-_FRESH_HANDLES: list = []
-MAX_FRESH_HANDLES = 5
-
-
 def replica_call(app, method: str, timeout_s: float = 60.0) -> dict[str, dict]:
-    """``{replica id: LLMReplica.<method>(replica_id=id)}`` for every live replica.
-
-    The KV-aware router sends a call that names ``replica_id`` to that replica; a result
-    from another replica (the named one just died) is an error.
-
-    ``app.replica_handle()`` is Serve's cached handle of this process, with one router for
-    the session. Twice, in slow clean-clone CI runs (2026-11-25 and 2026-11-26, 787 and 806
-    s), that router kept a replica list without the replacement of a killed replica for
-    minutes, while Serve and the app's own routers had it. So a call answered by another
-    replica is asked once more through a new handle (a router synced from the controller
-    afresh; at most ``MAX_FRESH_HANDLES`` per session) before it counts as an error.
-    """
-    out = {}
-    for rid in replica_ids():
-        handle = _FRESH_HANDLES[-1] if _FRESH_HANDLES else app.replica_handle()
-        result = getattr(handle, method).remote(replica_id=rid).result(timeout_s=timeout_s)
-        if result["replica_id"] != rid and len(_FRESH_HANDLES) < MAX_FRESH_HANDLES:
-            _FRESH_HANDLES.append(app.replica_handle(fresh=True))
-            result = getattr(_FRESH_HANDLES[-1], method).remote(replica_id=rid).result(timeout_s=timeout_s)
-        assert result["replica_id"] == rid, (rid, result["replica_id"])
-        out[rid] = result
-    return out
+    """``{replica id: LLMReplica.<method>(replica_id=id)}`` for every live replica
+    (``RunningApp.replica_call``: a result from another replica is an error)."""
+    return app.replica_call(method, timeout=timeout_s)
 
 
 def replica_stats(app) -> list[dict]:
