@@ -14,7 +14,8 @@ import threading
 
 
 # AVX2 helpers shared by the attention kernels (InlineExtension splices them in where a source
-# says @AVX2_MATH@, after its includes): KVH_AVX2 is defined when the compiler targets AVX2 and FMA.
+# says @AVX2_MATH@, after its includes): KVH_AVX2 is defined when the compiler targets AVX2 and FMA,
+# KVH_AVX512 when it also targets AVX-512F (16-lane exp_nonpos16; KVH_NO_AVX512 opts out).
 AVX2_MATH = r"""
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -54,6 +55,27 @@ inline float hsum8(__m256 v) {
   x = _mm_add_ss(x, _mm_shuffle_ps(x, x, 1));
   return _mm_cvtss_f32(x);
 }
+
+#if defined(__AVX512F__) && !defined(KVH_NO_AVX512)
+#define KVH_AVX512 1
+// exp_nonpos on 16 lanes: the same reduction and polynomial, 2^n applied by scalef.
+inline __m512 exp_nonpos16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
 }  // namespace
 #endif
 """
