@@ -58,14 +58,10 @@ inline float row_max(const float* s, int64_t n) {
   float mx = -std::numeric_limits<float>::infinity();
   int64_t j = 0;
 #ifdef KVH_AVX512
-  __m512 w = _mm512_set1_ps(mx);
-  for (; j + 16 <= n; j += 16) w = _mm512_max_ps(w, _mm512_loadu_ps(s + j));
-  mx = _mm512_reduce_max_ps(w);
+  mx = max_run<V16>(s, j, n, mx);
 #endif
 #ifdef KVH_AVX2
-  __m256 v = _mm256_set1_ps(mx);
-  for (; j + 8 <= n; j += 8) v = _mm256_max_ps(v, _mm256_loadu_ps(s + j));
-  mx = hmax8(v);
+  mx = max_run<V8>(s, j, n, mx);
 #endif
   for (; j < n; ++j) mx = std::max(mx, s[j]);
   return mx;
@@ -76,24 +72,10 @@ inline float exp_row(float* s, int64_t n, int64_t w, float mx) {
   float sum = 0.f;
   int64_t j = 0;
 #ifdef KVH_AVX512
-  const __m512 m16 = _mm512_set1_ps(mx);
-  __m512 acc16 = _mm512_setzero_ps();
-  for (; j + 16 <= n; j += 16) {
-    const __m512 p = exp_nonpos16(_mm512_sub_ps(_mm512_loadu_ps(s + j), m16));
-    _mm512_storeu_ps(s + j, p);
-    acc16 = _mm512_add_ps(acc16, p);
-  }
-  sum = _mm512_reduce_add_ps(acc16);
+  sum += exp_run<V16>(s, j, n, mx);
 #endif
 #ifdef KVH_AVX2
-  const __m256 m = _mm256_set1_ps(mx);
-  __m256 acc = _mm256_setzero_ps();
-  for (; j + 8 <= n; j += 8) {
-    const __m256 p = exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(s + j), m));
-    _mm256_storeu_ps(s + j, p);
-    acc = _mm256_add_ps(acc, p);
-  }
-  sum += hsum8(acc);
+  sum += exp_run<V8>(s, j, n, mx);
 #endif
   for (; j < n; ++j) {
     s[j] = std::exp(s[j] - mx);

@@ -13,69 +13,113 @@ import os
 import threading
 
 
-# AVX2 helpers shared by the attention kernels (InlineExtension splices them in where a source
-# says @AVX2_MATH@, after its includes): KVH_AVX2 is defined when the compiler targets AVX2 and FMA,
-# KVH_AVX512 when it also targets AVX-512F (16-lane exp_nonpos16; KVH_NO_AVX512 opts out).
+# SIMD helpers shared by the attention kernels (InlineExtension splices them in where a source
+# says @AVX2_MATH@, after its includes). KVH_AVX2 is defined when the compiler targets AVX2 and
+# FMA (``V8``: 8 lanes), KVH_AVX512 when it also targets AVX-512F (``V16``: 16 lanes;
+# KVH_NO_AVX512 opts out). Each lane width is a struct of the same few operations, so the
+# exp polynomial and the row loops built on them are written once, as templates.
 AVX2_MATH = r"""
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define KVH_AVX2 1
 namespace {
-// exp for x <= 0 (scores minus their running max): Cody-Waite reduction to r in
-// [-ln2/2, ln2/2], a degree-7 Taylor polynomial (relative error < 1e-8 there), times 2^n.
-// Inputs below -87 give ~1e-38 instead of a denormal or 0.
-inline __m256 exp_nonpos(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.f / 5040);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 720));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
-inline float hmax8(__m256 v) {
-  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
-  x = _mm_max_ss(x, _mm_shuffle_ps(x, x, 1));
-  return _mm_cvtss_f32(x);
-}
-
-inline float hsum8(__m256 v) {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  x = _mm_add_ss(x, _mm_shuffle_ps(x, x, 1));
-  return _mm_cvtss_f32(x);
-}
+struct V8 {
+  using T = __m256;
+  static constexpr int L = 8;
+  static T set(float x) { return _mm256_set1_ps(x); }
+  static T load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, T v) { _mm256_storeu_ps(p, v); }
+  static T add(T a, T b) { return _mm256_add_ps(a, b); }
+  static T sub(T a, T b) { return _mm256_sub_ps(a, b); }
+  static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
+  static T max(T a, T b) { return _mm256_max_ps(a, b); }
+  static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  static T fnma(T a, T b, T c) { return _mm256_fnmadd_ps(a, b, c); }
+  static T round(T x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  // p * 2^n for integral n in [-126, 127]: n + 127 shifted into the exponent bits.
+  static T scale2(T p, T n) {
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  }
+  static float hmax(T v) {
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_max_ss(x, _mm_shuffle_ps(x, x, 1));
+    return _mm_cvtss_f32(x);
+  }
+  static float hsum(T v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_shuffle_ps(x, x, 1));
+    return _mm_cvtss_f32(x);
+  }
+};
 
 #if defined(__AVX512F__) && !defined(KVH_NO_AVX512)
 #define KVH_AVX512 1
-// exp_nonpos on 16 lanes: the same reduction and polynomial, 2^n applied by scalef.
-inline __m512 exp_nonpos16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
+struct V16 {
+  using T = __m512;
+  static constexpr int L = 16;
+  static T set(float x) { return _mm512_set1_ps(x); }
+  static T load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, T v) { _mm512_storeu_ps(p, v); }
+  static T add(T a, T b) { return _mm512_add_ps(a, b); }
+  static T sub(T a, T b) { return _mm512_sub_ps(a, b); }
+  static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
+  static T max(T a, T b) { return _mm512_max_ps(a, b); }
+  static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  static T fnma(T a, T b, T c) { return _mm512_fnmadd_ps(a, b, c); }
+  static T round(T x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static T scale2(T p, T n) { return _mm512_scalef_ps(p, n); }
+  static float hmax(T v) { return _mm512_reduce_max_ps(v); }
+  static float hsum(T v) { return _mm512_reduce_add_ps(v); }
+};
 #endif
+
+// exp for x <= 0 (scores minus their running max): Cody-Waite reduction to r in
+// [-ln2/2, ln2/2], a degree-7 Taylor polynomial (relative error < 1e-8 there), times 2^n.
+// Inputs below -87 give ~1e-38 instead of a denormal or 0.
+template <class V>
+inline typename V::T exp_nonpos_v(typename V::T x) {
+  x = V::max(x, V::set(-87.0f));
+  const typename V::T n = V::round(V::mul(x, V::set(1.44269504088896341f)));
+  typename V::T r = V::fnma(n, V::set(0.693359375f), x);
+  r = V::fnma(n, V::set(-2.12194440e-4f), r);
+  typename V::T p = V::set(1.f / 5040);
+  p = V::fma(p, r, V::set(1.f / 720));
+  p = V::fma(p, r, V::set(1.f / 120));
+  p = V::fma(p, r, V::set(1.f / 24));
+  p = V::fma(p, r, V::set(1.f / 6));
+  p = V::fma(p, r, V::set(0.5f));
+  p = V::fma(p, r, V::set(1.f));
+  p = V::fma(p, r, V::set(1.f));
+  return V::scale2(p, n);
+}
+
+inline __m256 exp_nonpos(__m256 x) { return exp_nonpos_v<V8>(x); }
+inline float hmax8(__m256 v) { return V8::hmax(v); }
+inline float hsum8(__m256 v) { return V8::hsum(v); }
+
+// max(mx, s[j..]) over the whole vectors of s[j, n), advancing j past them.
+template <class V>
+inline float max_run(const float* s, int64_t& j, int64_t n, float mx) {
+  typename V::T v = V::set(mx);
+  for (; j + V::L <= n; j += V::L) v = V::max(v, V::load(s + j));
+  return V::hmax(v);
+}
+
+// s = exp(s - mx) over the whole vectors of s[j, n), advancing j past them; returns their sum.
+template <class V>
+inline float exp_run(float* s, int64_t& j, int64_t n, float mx) {
+  const typename V::T m = V::set(mx);
+  typename V::T acc = V::set(0.f);
+  for (; j + V::L <= n; j += V::L) {
+    const typename V::T p = exp_nonpos_v<V>(V::sub(V::load(s + j), m));
+    V::store(s + j, p);
+    acc = V::add(acc, p);
+  }
+  return V::hsum(acc);
+}
 }  // namespace
 #endif
 """
