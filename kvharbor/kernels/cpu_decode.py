@@ -31,7 +31,7 @@ _SOURCE = r"""
 #include <cmath>
 #include <limits>
 #include <vector>
-@AVX2_MATH@
+@SIMD_MATH@
 namespace {
 
 // One (sequence, KV head): the G query heads that share it, over keys [pos, len).
@@ -160,12 +160,12 @@ void decode_avx2(const float* qseq, const float* kp, const float* vp, const int6
           _mm256_storeu_ps(s + j8 * 8, sv);
           vmax = _mm256_max_ps(vmax, sv);
         }
-        const float mx = std::max(m[hg], hmax8(vmax));
+        const float mx = std::max(m[hg], V8::hmax(vmax));
         const float c0 = std::exp(m[hg] - mx);
         const __m256 mxv = _mm256_set1_ps(mx);
         __m256 psum = _mm256_setzero_ps();
         for (int64_t j8 = 0; j8 < n8; ++j8) {
-          const __m256 p = exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(s + j8 * 8), mxv));
+          const __m256 p = exp_nonpos<V8>(_mm256_sub_ps(_mm256_loadu_ps(s + j8 * 8), mxv));
           const __m256 pm = _mm256_and_ps(p, lanes_below(n - j8 * 8));
           _mm256_storeu_ps(s + j8 * 8, pm);
           psum = _mm256_add_ps(psum, pm);
@@ -180,7 +180,7 @@ void decode_avx2(const float* qseq, const float* kp, const float* vp, const int6
           for (int c = 0; c < DC; ++c) o[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + c * 8), o[c]);
         }
         for (int c = 0; c < DC; ++c) _mm256_storeu_ps(a + c * 8, o[c]);
-        l[hg] = l[hg] * c0 + hsum8(psum);
+        l[hg] = l[hg] * c0 + V8::hsum(psum);
         m[hg] = mx;
       }
     }

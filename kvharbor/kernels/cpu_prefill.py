@@ -35,7 +35,7 @@ _SOURCE = r"""
 #include <cmath>
 #include <limits>
 #include <vector>
-@AVX2_MATH@
+@SIMD_MATH@
 // The Fortran BLAS sgemm that torch's CPU build exports (MKL on x86).
 extern "C" void sgemm_(const char* ta, const char* tb, const int* m, const int* n, const int* k,
                        const float* alpha, const float* a, const int* lda, const float* b,

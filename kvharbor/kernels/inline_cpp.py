@@ -14,11 +14,11 @@ import threading
 
 
 # SIMD helpers shared by the attention kernels (InlineExtension splices them in where a source
-# says @AVX2_MATH@, after its includes). KVH_AVX2 is defined when the compiler targets AVX2 and
+# says @SIMD_MATH@, after its includes). KVH_AVX2 is defined when the compiler targets AVX2 and
 # FMA (``V8``: 8 lanes), KVH_AVX512 when it also targets AVX-512F (``V16``: 16 lanes;
 # KVH_NO_AVX512 opts out). Each lane width is a struct of the same few operations, so the
 # exp polynomial and the row loops built on them are written once, as templates.
-AVX2_MATH = r"""
+SIMD_MATH = r"""
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define KVH_AVX2 1
@@ -80,7 +80,7 @@ struct V16 {
 // [-ln2/2, ln2/2], a degree-7 Taylor polynomial (relative error < 1e-8 there), times 2^n.
 // Inputs below -87 give ~1e-38 instead of a denormal or 0.
 template <class V>
-inline typename V::T exp_nonpos_v(typename V::T x) {
+inline typename V::T exp_nonpos(typename V::T x) {
   x = V::max(x, V::set(-87.0f));
   const typename V::T n = V::round(V::mul(x, V::set(1.44269504088896341f)));
   typename V::T r = V::fnma(n, V::set(0.693359375f), x);
@@ -96,10 +96,6 @@ inline typename V::T exp_nonpos_v(typename V::T x) {
   return V::scale2(p, n);
 }
 
-inline __m256 exp_nonpos(__m256 x) { return exp_nonpos_v<V8>(x); }
-inline float hmax8(__m256 v) { return V8::hmax(v); }
-inline float hsum8(__m256 v) { return V8::hsum(v); }
-
 // max(mx, s[j..]) over the whole vectors of s[j, n), advancing j past them.
 template <class V>
 inline float max_run(const float* s, int64_t& j, int64_t n, float mx) {
@@ -114,7 +110,7 @@ inline float exp_run(float* s, int64_t& j, int64_t n, float mx) {
   const typename V::T m = V::set(mx);
   typename V::T acc = V::set(0.f);
   for (; j + V::L <= n; j += V::L) {
-    const typename V::T p = exp_nonpos_v<V>(V::sub(V::load(s + j), m));
+    const typename V::T p = exp_nonpos<V>(V::sub(V::load(s + j), m));
     V::store(s + j, p);
     acc = V::add(acc, p);
   }
@@ -131,7 +127,7 @@ class InlineExtension:
     def __init__(self, name: str, source: str, functions: list[str], env: str,
                  extra_cflags: tuple[str, ...] = ()) -> None:
         self.name, self.functions, self.env = name, functions, env
-        self.source = source.replace("@AVX2_MATH@", AVX2_MATH)
+        self.source = source.replace("@SIMD_MATH@", SIMD_MATH)
         self.cflags = ["-O3", "-march=native", "-fopenmp", *extra_cflags]
         self.module = None
         self.failed: str | None = None
