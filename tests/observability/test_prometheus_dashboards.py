@@ -59,10 +59,16 @@ def test_every_dashboard_query_returns_series_and_ratios_are_right(ray_cluster, 
     assert not empty, f"{len(empty)} of {len(exprs)} queries returned nothing: {empty}"
 
     # 32 of 64 prompt tokens cached; 32 observed of 48 predicted; 1 of 3 requests ok.
+    # These are ratios of two rate()s, and Prometheus extrapolates each series' rate over its
+    # own sampled span: when Ray exports one counter a scrape before its partner (the two are
+    # incremented one after the other), the ratio is off by a percent or two (CI saw 0.675
+    # for 2/3). 5% still tells the right ratio from the swapped or wrong-label ones (1.5,
+    # 1, 0.5), which are 25% or more away.
     hit = _dashboard_value(prometheus, models, "Prefix hit rate", tenant=TENANT)
     acc = _dashboard_value(prometheus, models, "Prediction accuracy by replica",
                            replica=REPLICA)
-    assert math.isclose(hit, 0.5) and math.isclose(acc, 2 / 3), (hit, acc)
+    assert math.isclose(hit, 0.5, rel_tol=0.05), hit
+    assert math.isclose(acc, 2 / 3, rel_tol=0.05), acc
     p99 = _dashboard_value(prometheus, models, "Router decision time")
     assert 0.0001 <= p99 <= 0.00025, p99    # both observations were 0.2 ms
 
