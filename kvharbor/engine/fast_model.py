@@ -254,17 +254,21 @@ class FastCausalLM:
         h = h[0]
         if self.ops is not None:
             return self._forward_fused(h, cos.contiguous(), sin.contiguous(), ctx, logit_rows)
-        for layer, window, p in zip(self.layers, self.windows, self.projections):
+        last = len(self.layers) - 1
+        for i, (layer, window, p) in enumerate(zip(self.layers, self.windows, self.projections)):
             a = layer.self_attn
             q, k, v = p.qkv(layer.input_layernorm(h))
             q, k = self.apply_rotary(q.view(t, -1, d), k.view(t, -1, d), cos, sin,
                                      unsqueeze_dim=1)                 # [T, H, D], [T, Hkv, D]
             o = attention.paged_step(q, k, v.view(t, -1, d), ctx, a.layer_idx, a.scaling, window)
-            h = h + p.o(o.view(t, -1))
+            o = o.view(t, -1)
+            if i == last:
+                if not logit_rows.numel():
+                    return h.new_empty(0, self.lm_head.out_features)
+                o, h = _sampled_rows(o, h, logit_rows)
+            h = h + p.o(o)
             h = h + p.mlp(layer.post_attention_layernorm(h))
-        if not logit_rows.numel():
-            return h.new_empty(0, self.lm_head.out_features)
-        return self.lm_head(self.norm(h.index_select(0, logit_rows)))
+        return self.lm_head(self.norm(h))
 
     def _forward_fused(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        ctx: attention.AttentionContext, logit_rows: torch.Tensor) -> torch.Tensor:
@@ -281,12 +285,29 @@ class FastCausalLM:
             q, k, v = p.qkv(x)
             q, k = ops.rotary_qk(q.view(t, -1, d), k.view(t, -1, d), cos, sin)  # in place
             o = attention.paged_step(q, k, v.view(t, -1, d), ctx, a.layer_idx, a.scaling, window)
-            x = ops.add_rms_norm(p.o(o.view(t, -1)), h, *args[2 * i + 1])
+            o = o.view(t, -1)
+            if i == last:
+                if not logit_rows.numel():
+                    return h.new_empty(0, self.lm_head.out_features)
+                o, h = _sampled_rows(o, h, logit_rows)
+            x = ops.add_rms_norm(p.o(o), h, *args[2 * i + 1])
             m = p.mlp(x)
             if i < last:
                 x = ops.add_rms_norm(m, h, *args[2 * i + 2])
             else:
                 h.add_(m)
-        if not logit_rows.numel():
-            return h.new_empty(0, self.lm_head.out_features)
-        return self.lm_head(ops.rms_norm(h.index_select(0, logit_rows), *args[-1]))
+        return self.lm_head(ops.rms_norm(h, *args[-1]))
+
+
+def _sampled_rows(o: torch.Tensor, h: torch.Tensor,
+                  rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last layer's attention output ``o`` and residual ``h`` at the rows the step samples.
+
+    Past the last layer's attention, nothing of the other rows is needed: their K/V are in the
+    cache by then, and only sampled rows reach the LM head. So a prefill's last layer runs its
+    output projection and MLP for one row instead of the whole chunk (30 layers: ~3% of a
+    1,024-token prefill's products). Row-wise, so the sampled rows' values are unchanged.
+    """
+    if rows.numel() == o.shape[0]:                   # every row samples (decode)
+        return o, h
+    return o.index_select(0, rows), h.index_select(0, rows)

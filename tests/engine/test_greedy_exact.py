@@ -131,3 +131,46 @@ def test_cuda_bf16_greedy_agrees_with_transformers_bf16(model, enforce_eager):
     if runner.graphs is not None:
         assert runner.graphs.replays > 0 and runner.graphs.padded_steps > 0
     llm.check_integrity()
+
+
+class _RowCounter:
+    """Stands in for one layer's projections; records the rows its o and mlp get."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.rows = inner, []
+
+    def qkv(self, x):
+        return self.inner.qkv(x)
+
+    def o(self, x):
+        self.rows.append(("o", x.shape[0]))
+        return self.inner.o(x)
+
+    def mlp(self, x):
+        self.rows.append(("mlp", x.shape[0]))
+        return self.inner.mlp(x)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_ops", "module_norms"])
+def test_last_layer_projects_only_the_sampled_rows(fused, oracle_cache):
+    """Past the last layer's attention only sampled rows matter (their K/V are cached by then):
+    a prefill's last layer runs o_proj and the MLP on its one sampled row, a chunk that samples
+    nothing skips them, and the tokens stay transformers' (so the skipped rows' K/V were kept)."""
+    model = "kvharbor/tiny-llama"
+    llm = LLM(model=model, device="cpu", num_kv_blocks=1024, max_num_batched_tokens=96)
+    fast = llm.engine.runner.fast
+    assert fast is not None and fast.fused
+    if not fused:
+        fast.ops = None
+    counter = _RowCounter(fast.projections[-1])
+    fast.projections[-1] = counter
+    prompts = mixed_prompts()
+    long = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+    out = llm.generate([prompts[long]], GREEDY)[0]          # 310+ tokens: 4 chunks of <= 96
+    assert out.token_ids == expected(llm, model, oracle_cache)[long]
+    # One o/mlp call (of 1 row) per step that samples: the last chunk and each decode step.
+    assert counter.rows == [("o", 1), ("mlp", 1)] * NEW_TOKENS, counter.rows
+    # Every row's K/V of the last layer is still stored: a second request with the same
+    # prompt is served from the cache and gives the same tokens.
+    again = llm.generate([prompts[long]], GREEDY)[0]
+    assert again.token_ids == out.token_ids and llm.stats()["prefix_hit_tokens"] > 0
