@@ -92,6 +92,26 @@ inline float exp_row(float* s, int64_t n, int64_t w, float mx) {
   return sum;
 }
 
+// One row's online-softmax step over a key chunk: s[0, n) = exp(s - running max), s[n, w) = 0,
+// the running max m and sum l updated, the row's output o [D] zeroed on the first chunk and
+// rescaled to the new max after it. n <= 0: the whole chunk is past the row's last key.
+inline void softmax_row(float* s, int64_t n, int64_t w, bool first, float& m, float& l, float* o,
+                        int64_t D) {
+  if (n <= 0) {
+    std::fill(s, s + w, 0.f);
+    return;
+  }
+  const float mx = std::max(m, row_max(s, n));
+  const float c = first ? 0.f : std::exp(m - mx);
+  l = l * c + exp_row(s, n, w, mx);
+  m = mx;
+  if (first) {
+    std::fill(o, o + D, 0.f);
+  } else if (c != 1.f) {
+    for (int64_t d = 0; d < D; ++d) o[d] *= c;
+  }
+}
+
 // Query block [q0, q1) of the G query heads that share one KV head: their rows stacked
 // (head-major) in one matrix, so each key chunk is one product for all of them. q, out point
 // at the first of the G heads; sq/sk/sv/so: token strides (floats).
@@ -109,22 +129,8 @@ void block(const float* q, const float* k, const float* v, float* out, int64_t s
     // S [R, N] (row-major, ld N) = scale * Q [R, D] K[c0:c0+N]^T; column-major: S^T = K Q^T.
     gemm('T', 'N', N, R, D, scale, k + c0 * sk, sk, Q, D, 0.f, S, N);
     for (int64_t i = 0; i < R; ++i) {
-      float* s = S + i * N;
       const int64_t n = std::min<int64_t>(N, past + q0 + i % M + 1 - c0);   // visible keys
-      float* o = O + i * D;
-      if (n <= 0) {                    // the whole chunk is past this row's last key
-        std::fill(s, s + N, 0.f);
-        continue;
-      }
-      const float mx = std::max(m[i], row_max(s, n));
-      const float c = c0 == 0 ? 0.f : std::exp(m[i] - mx);
-      l[i] = l[i] * c + exp_row(s, n, N, mx);
-      m[i] = mx;
-      if (c0 == 0) {
-        std::fill(o, o + D, 0.f);
-      } else if (c != 1.f) {
-        for (int64_t d = 0; d < D; ++d) o[d] *= c;
-      }
+      softmax_row(S + i * N, n, N, c0 == 0, m[i], l[i], O + i * D, D);
     }
     // O [R, D] += P [R, N] V[c0:c0+N]; column-major: O^T += V^T P^T.
     gemm('N', 'N', D, R, N, 1.f, v + c0 * sv, sv, S, N, 1.f, O, D);
@@ -232,21 +238,8 @@ void block16(const float* q, const float* kt, int64_t ldk, const float* v, float
           tile_n(nv, Q + gi * MR * D, D, kt + c0 + j0, ldk, D, S + gi * MR * BK + j0, BK, false);
     }
     for (int64_t i = 0; i < R; ++i) {
-      float* s = S + i * BK;
       const int64_t n = std::min<int64_t>(N, past + q0 + i % M + 1 - c0);   // visible keys
-      const int64_t w = reach[i / MR];
-      if (n <= 0) {
-        std::fill(s, s + w, 0.f);
-        continue;
-      }
-      const float mx = std::max(m[i], row_max(s, n));
-      const float c = c0 == 0 ? 0.f : std::exp(m[i] - mx);
-      l[i] = l[i] * c + exp_row(s, n, w, mx);
-      m[i] = mx;
-      if (c0 != 0 && c != 1.f) {
-        float* o = O + i * D;
-        for (int64_t d = 0; d < D; ++d) o[d] *= c;
-      }
+      softmax_row(S + i * BK, n, reach[i / MR], c0 == 0, m[i], l[i], O + i * D, D);
     }
     // O [Rp, D] += P [Rp, reach] V[c0:c0+reach], 64 dims at a time.
     for (int64_t gi = 0; gi < groups; ++gi) {
