@@ -41,6 +41,7 @@ _SOURCE = r"""
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <vector>
 @SIMD_MATH@
 // The Fortran BLAS sgemm that torch's CPU build exports (MKL on x86).
@@ -112,6 +113,18 @@ inline void softmax_row(float* s, int64_t n, int64_t w, bool first, float& m, fl
   }
 }
 
+// out rows [q0, q0 + M) of the G heads = O / l: O's rows stacked head-major (row g * M + r is
+// head g's query q0 + r), l each row's softmax sum.
+inline void write_rows(const float* O, const float* l, float* out, int64_t so, int64_t q0,
+                       int64_t M, int64_t G, int64_t D) {
+  for (int64_t i = 0; i < G * M; ++i) {
+    const float inv = 1.f / l[i];
+    float* dst = out + (q0 + i % M) * so + i / M * D;
+    const float* o = O + i * D;
+    for (int64_t d = 0; d < D; ++d) dst[d] = o[d] * inv;
+  }
+}
+
 // Query block [q0, q1) of the G query heads that share one KV head: their rows stacked
 // (head-major) in one matrix, so each key chunk is one product for all of them. q, out point
 // at the first of the G heads; sq/sk/sv/so: token strides (floats).
@@ -135,12 +148,7 @@ void block(const float* q, const float* k, const float* v, float* out, int64_t s
     // O [R, D] += P [R, N] V[c0:c0+N]; column-major: O^T += V^T P^T.
     gemm('N', 'N', D, R, N, 1.f, v + c0 * sv, sv, S, N, 1.f, O, D);
   }
-  for (int64_t i = 0; i < R; ++i) {
-    const float inv = 1.f / l[i];
-    float* dst = out + (q0 + i % M) * so + i / M * D;
-    const float* o = O + i * D;
-    for (int64_t d = 0; d < D; ++d) dst[d] = o[d] * inv;
-  }
+  write_rows(O, l, out, so, q0, M, G, D);
 }
 
 #ifdef KVH_AVX512
@@ -251,12 +259,7 @@ void block16(const float* q, const float* kt, int64_t ldk, const float* v, float
       }
     }
   }
-  for (int64_t i = 0; i < R; ++i) {
-    const float inv = 1.f / l[i];
-    float* dst = out + (q0 + i % M) * so + i / M * D;
-    const float* o = O + i * D;
-    for (int64_t d = 0; d < D; ++d) dst[d] = o[d] * inv;
-  }
+  write_rows(O, l, out, so, q0, M, G, D);
 }
 #endif
 
@@ -294,14 +297,15 @@ void causal_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::
   // Keys transposed once per call (all KV heads, 16-key padded), at most 64 MiB of them.
   const int64_t L = past + T, ldk = (L + 15) / 16 * 16;
   if (D % 16 == 0 && Hkv * D * ldk <= (int64_t{16} << 20)) {
-    std::vector<float> kt(Hkv * D * ldk);
+    // Every element is written by pack_keys (padding included): no zero-fill first.
+    std::unique_ptr<float[]> kt(new float[Hkv * D * ldk]);
     const int64_t pieces = (ldk + 255) / 256;
     at::parallel_for(0, Hkv * pieces, 1, [&](int64_t begin, int64_t end) {
       for (int64_t u = begin; u < end; ++u) {
         const int64_t hk = u / pieces, j0 = u % pieces * 256;
         const int64_t w = std::min<int64_t>(256, ldk - j0);
         pack_keys(kp + hk * D + j0 * sk, sk, std::min(w, L - j0), w, D,
-                  kt.data() + hk * D * ldk + j0, ldk);
+                  kt.get() + hk * D * ldk + j0, ldk);
       }
     });
     const int64_t Rp = (G * BQ + MR - 1) / MR * MR;
@@ -310,7 +314,7 @@ void causal_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::
       std::vector<int64_t> reach(Rp / MR);
       for (int64_t u = cut[begin]; u < cut[end]; ++u) {
         const int64_t hk = u / nb, b = u % nb;
-        block16(qp + hk * G * D, kt.data() + hk * D * ldk, ldk, vp + hk * D, op + hk * G * D, sq,
+        block16(qp + hk * G * D, kt.get() + hk * D * ldk, ldk, vp + hk * D, op + hk * G * D, sq,
                 sv, so, b * BQ, std::min(T, (b + 1) * BQ), past, G, D, sc, Q.data(), S.data(),
                 O.data(), m.data(), l.data(), reach.data());
       }
