@@ -39,12 +39,6 @@ def _send(app, n: int, seed: int) -> list[int]:
     return codes
 
 
-def _call(app, method: str) -> dict:
-    """``{replica_id: result}`` of ``method`` on every replica (``RunningApp.replica_call``:
-    through this process's handle, whose router then exists; checked to be the right one)."""
-    return app.replica_call(method)
-
-
 class _Follower:
     """The router's index component (``IndexFollower`` over the app's directory) on its own
     event loop thread in this process, for as long as the module runs (``run`` returns once
@@ -67,7 +61,7 @@ _FOLLOWERS: list = []
 def _router(app):
     """A live router's view: a KVAwareRouter of this process when Serve still keeps one,
     else the same index component run standalone (routers live as long as Serve keeps them)."""
-    _call(app, "stats")                             # makes this process's router exist
+    app.replica_call("stats")                             # makes this process's router exist
     routers = [r for r in KVAwareRouter.instances() if r.follower.status() is None]
     if routers:
         return routers[-1]
@@ -77,7 +71,7 @@ def _router(app):
 
 
 def _caches(app) -> dict[str, set]:
-    return {rid: set(r["cached"]) for rid, r in _call(app, "check_integrity").items()}
+    return {rid: set(r["cached"]) for rid, r in app.replica_call("check_integrity").items()}
 
 
 def _index_equals_caches(app, timeout_s: float = 30.0) -> dict[str, set]:

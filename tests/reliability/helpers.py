@@ -103,14 +103,8 @@ def replica_ids() -> list[str]:
                   if a["namespace"] == "serve" and a["name"].startswith(REPLICA_PREFIX))
 
 
-def replica_call(app, method: str, timeout_s: float = 60.0) -> dict[str, dict]:
-    """``{replica id: LLMReplica.<method>(replica_id=id)}`` for every live replica
-    (``RunningApp.replica_call``: a result from another replica is an error)."""
-    return app.replica_call(method, timeout=timeout_s)
-
-
 def replica_stats(app) -> list[dict]:
-    return list(replica_call(app, "stats").values())
+    return list(app.replica_call("stats").values())
 
 
 def wait_idle(app, timeout_s: float = 30.0) -> list[dict]:
@@ -130,5 +124,5 @@ def complete(client: httpx.Client, model: str, prompt: str, **kw) -> httpx.Respo
     return client.post("/v1/completions", json={"model": model, "prompt": prompt, **kw})
 
 
-__all__ = ["DEMO", "assert_openai_error", "complete", "edited_tenants", "rand_text", "replica_call",
+__all__ = ["DEMO", "assert_openai_error", "complete", "edited_tenants", "rand_text",
            "replica_ids", "replica_stats", "tenants_sha256", "wait_idle", "wait_tenants_applied"]

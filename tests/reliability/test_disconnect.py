@@ -6,7 +6,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-from tests.reliability.helpers import DEMO, rand_text, replica_call, replica_stats, wait_idle
+from tests.reliability.helpers import DEMO, rand_text, replica_stats, wait_idle
 
 LONG = {"max_tokens": 3000, "ignore_eos": True, "temperature": 0}
 
@@ -43,7 +43,7 @@ def _assert_back_to_baseline(app, baseline: dict[str, int], outcomes: tuple[int,
     assert _used(stats) == baseline, (_used(stats), baseline)
     aborted, finished = _outcomes(stats)
     assert (aborted - outcomes[0], finished - outcomes[1]) == (dropped, 0)
-    for report in replica_call(app, "check_integrity").values():
+    for report in app.replica_call("check_integrity").values():
         assert report["running"] == 0, report
         assert report["blocks_used"] == baseline[report["replica_id"]]
 

@@ -21,7 +21,7 @@ import ray
 from kvharbor.actors.replica_sync import system_prompt_tokens
 from kvharbor.engine.models import load_tokenizer
 from kvharbor.tenants import TenantRegistry
-from tests.reliability.helpers import DEMO, edited_tenants, replica_call, wait_idle
+from tests.reliability.helpers import DEMO, edited_tenants, wait_idle
 
 N_REQUESTS = 2400
 CONCURRENCY = 32
@@ -85,7 +85,7 @@ def _directory_matches_replicas(app, timeout_s: float = 8.0) -> None:
     directory = app.directory()
     deadline = time.time() + timeout_s
     while True:
-        reports = replica_call(app, "check_integrity")
+        reports = app.replica_call("check_integrity")
         listed = set(ray.get(directory.replicas.remote(), timeout=10))
         held = {rid: set(ray.get(directory.replica_hashes.remote(rid), timeout=10)) for rid in reports}
         diff = {rid: (len(held[rid] ^ set(r["cached"])), len(r["cached"])) for rid, r in reports.items()}
