@@ -32,7 +32,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, TaskCancelledError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvharbor.actors.calls import detached, on_event_loop, start_background
@@ -164,6 +164,11 @@ class RunStream(StreamingResponse):
     If the client goes away, even before the first chunk was produced, the replica call is
     cancelled (the engine aborts the request and frees its blocks) and the run's accounting
     (metrics, admission ticket, class queue) is released exactly once.
+
+    Behind Serve's proxy a client's close can reach the stream as ``TaskCancelledError`` from
+    ``receive`` (the proxy cancels the gateway's pending call for the client's next message)
+    instead of an ``http.disconnect`` message. That is the same disconnect, not a server
+    error: the stream ends quietly rather than through the 500 handler's stack trace.
     """
 
     def __init__(self, run: GenerationRun, chunks) -> None:
@@ -173,6 +178,9 @@ class RunStream(StreamingResponse):
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
+        except TaskCancelledError:
+            logger.debug("client went away during %s (the proxy cancelled the call)",
+                         scope.get("path"))
         finally:
             self.run.cancel()
             await self.run.finish()

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
+import pytest
 from tests.reliability.helpers import DEMO, rand_text, replica_stats, wait_idle
 
 LONG = {"max_tokens": 3000, "ignore_eos": True, "temperature": 0}
@@ -28,6 +30,22 @@ def _drop_stream_after(app, key: str, prompt: str, events: int) -> int:
                 if seen >= events:
                     break
     return seen
+
+
+def _server_errors_logged() -> int:
+    """How many times this Ray session's processes logged the gateway's 500 handler."""
+    import ray
+
+    logs = Path(ray._private.worker.global_worker.node.get_logs_dir_path())
+    return sum(p.read_bytes().count(b"unexpected error on ") for p in logs.rglob("*.err") if p.is_file())
+
+
+@pytest.fixture(autouse=True)
+def _no_server_error_logged(kvharbor_app):
+    """A client's close is not a server error: no test here adds a 500-handler log line."""
+    before = _server_errors_logged()
+    yield
+    assert _server_errors_logged() == before, "a client's close was logged as a server error"
 
 
 def _outcomes(stats: list[dict]) -> tuple[int, int]:
