@@ -101,6 +101,23 @@ def add_test_tenants(path) -> None:
     path.write_text(yaml.safe_dump(data, sort_keys=False))
 
 
+REPLICA_PREFIX = "SERVE_REPLICA::kvharbor#LLMReplica#"
+"""Ray actor name of an LLMReplica replica, before its unique id."""
+
+
+def live_replica_ids() -> list[str]:
+    """Unique ids of the live LLMReplica replicas, from Ray's named actors (a replica still
+    starting is listed too).
+
+    (Not ``ray.util.state.list_actors``: it finds the cluster by scanning the host and fails
+    when other Ray clusters run beside this one.)
+    """
+    import ray
+
+    return sorted(a["name"][len(REPLICA_PREFIX):] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["namespace"] == "serve" and a["name"].startswith(REPLICA_PREFIX))
+
+
 class RunningApp:
     """The kvharbor app deployed once per test session on 127.0.0.1:APP_PORT."""
 
@@ -133,11 +150,7 @@ class RunningApp:
 
     def replica_ids(self) -> list[str]:
         """Unique ids of the running LLMReplica replicas (as the router and directory use them)."""
-        import ray
-
-        prefix = "SERVE_REPLICA::kvharbor#LLMReplica#"
-        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
-        return sorted(n[len(prefix):] for n in names if n.startswith(prefix))
+        return live_replica_ids()
 
     def replica_call(self, method: str, timeout: float = 60.0) -> dict:
         """``{replica_id: result}`` of ``LLMReplica.<method>(replica_id=id)`` on every live

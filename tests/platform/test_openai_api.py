@@ -168,13 +168,13 @@ def test_models_retrieve(client, kvharbor_app):
 
 def test_server_side_abort_is_finish_reason_abort_not_stop(client, kvharbor_app):
     """A request stopped by the server (LLMReplica.abort) ends with "abort", as vLLM reports it."""
-    from tests.reliability.helpers import replica_ids
+    from tests.conftest import live_replica_ids
 
     stream = client.completions.create(model=kvharbor_app.model, prompt="Long story", max_tokens=3000,
                                        stream=True, extra_body={"ignore_eos": True})
     chunks = [next(stream)]
     handle = kvharbor_app.replica_handle()
-    stopped = [handle.abort.remote(chunks[0].id, replica_id=rid).result(timeout_s=30) for rid in replica_ids()]
+    stopped = [handle.abort.remote(chunks[0].id, replica_id=rid).result(timeout_s=30) for rid in live_replica_ids()]
     assert sum(stopped) == 1, stopped
     chunks += list(stream)
     reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]

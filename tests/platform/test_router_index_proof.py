@@ -17,9 +17,7 @@ from ray import serve
 
 from kvharbor.platform.index_follower import ActorShard, IndexFollower
 from kvharbor.platform.router import KVAwareRouter
-from tests.conftest import DEMO
-
-REPLICA_PREFIX = "SERVE_REPLICA::kvharbor#LLMReplica#"
+from tests.conftest import DEMO, REPLICA_PREFIX
 
 
 def _text(n: int, seed: int) -> str:

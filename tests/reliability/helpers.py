@@ -88,21 +88,6 @@ def edited_tenants(app, mutate):
         time.sleep(1.2)
 
 
-REPLICA_PREFIX = "SERVE_REPLICA::kvharbor#LLMReplica#"
-
-
-def replica_ids() -> list[str]:
-    """Unique ids of the live LLMReplica replicas, from Ray's named actors.
-
-    (Not ``ray.util.state.list_actors``: it finds the cluster by scanning the host and fails
-    when other Ray clusters run beside this one.)
-    """
-    import ray
-
-    return sorted(a["name"][len(REPLICA_PREFIX):] for a in ray.util.list_named_actors(all_namespaces=True)
-                  if a["namespace"] == "serve" and a["name"].startswith(REPLICA_PREFIX))
-
-
 def replica_stats(app) -> list[dict]:
     return list(app.replica_call("stats").values())
 
@@ -125,4 +110,4 @@ def complete(client: httpx.Client, model: str, prompt: str, **kw) -> httpx.Respo
 
 
 __all__ = ["DEMO", "assert_openai_error", "complete", "edited_tenants", "rand_text",
-           "replica_ids", "replica_stats", "tenants_sha256", "wait_idle", "wait_tenants_applied"]
+           "replica_stats", "tenants_sha256", "wait_idle", "wait_tenants_applied"]

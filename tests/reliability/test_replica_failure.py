@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import ray
 from ray import serve
 
-from tests.reliability.helpers import DEMO, REPLICA_PREFIX, rand_text, replica_ids, wait_idle
+from tests.conftest import REPLICA_PREFIX, live_replica_ids
+from tests.reliability.helpers import DEMO, rand_text, wait_idle
 
 N_REQUESTS = 32
 GEN = {"max_tokens": 48, "ignore_eos": True, "temperature": 0}
@@ -95,7 +96,7 @@ def _wait_healthy(app, dead: str, timeout_s: float = 240.0) -> list[str]:
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         deployment = serve.status().applications["kvharbor"].deployments["LLMReplica"]
-        ids = replica_ids()
+        ids = live_replica_ids()
         if deployment.replica_states == {"RUNNING": 2} and len(ids) == 2 and dead not in ids:
             try:
                 wait_idle(app, timeout_s=10)
