@@ -285,11 +285,17 @@ class TenantRegistry:
         return True
 
     async def watch(self, interval_s: float = 2.0) -> None:
-        """Poll ``reload_if_changed`` forever (run as an asyncio task; cancel to stop)."""
+        """Poll ``reload_if_changed`` until cancelled, or until the loop's thread pool is shut
+        down (the process is exiting: Serve stops a replica that way), then return quietly."""
         while True:
             await asyncio.sleep(interval_s)
             try:
                 await asyncio.to_thread(self.reload_if_changed)
+            except RuntimeError as exc:
+                if "after shutdown" in str(exc) or "after interpreter shutdown" in str(exc):
+                    log.debug("tenants watcher stops: the thread pool is shut down")
+                    return
+                log.exception("tenants reload listener failed")
             except Exception:  # noqa: BLE001 - a listener bug must not kill the watcher
                 log.exception("tenants reload listener failed")
 

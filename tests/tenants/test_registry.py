@@ -221,6 +221,53 @@ def test_watch_task_reloads_in_the_background(registry):
     assert asyncio.run(scenario()) == 77
 
 
+def test_watch_stops_quietly_once_the_thread_pool_is_shut_down(registry, caplog):
+    """A process that is exiting (Serve stopping a gateway) shuts its loop's thread pool down;
+    the watcher then returns instead of logging a stack trace every interval until exit."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    async def scenario() -> None:
+        pool = ThreadPoolExecutor(1)
+        asyncio.get_running_loop().set_default_executor(pool)
+        pool.shutdown()
+        await asyncio.wait_for(registry.watch(interval_s=0.01), timeout=5)
+
+    with caplog.at_level(logging.DEBUG, logger="kvharbor"):
+        asyncio.run(scenario())
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
+def test_watch_still_logs_a_failing_listener_and_goes_on(registry, caplog):
+    import asyncio
+
+    calls = []
+
+    def broken(config, version) -> None:
+        calls.append(version)
+        raise RuntimeError("listener bug")
+
+    registry.add_listener(broken)
+
+    async def scenario() -> None:
+        task = asyncio.create_task(registry.watch(interval_s=0.01))
+        write(registry.path, bob_rpm=78)
+        for _ in range(500):
+            if calls:
+                break
+            await asyncio.sleep(0.01)
+        write(registry.path, bob_rpm=79)
+        for _ in range(500):
+            if registry.version == 3:
+                break
+            await asyncio.sleep(0.01)
+        task.cancel()
+
+    asyncio.run(scenario())
+    assert registry.version == 3 and calls[:2] == [2, 3]
+    assert "tenants reload listener failed" in caplog.text
+
+
 def test_sha256_names_the_applied_file_the_same_in_every_process(registry, tmp_path, clock):
     import hashlib
 
