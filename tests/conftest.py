@@ -163,6 +163,13 @@ class RunningApp:
         while Serve and the app's own routers had it, and the call was answered by the other
         replica. So such a call is asked once more through a new handle (a router synced
         from the controller afresh; at most ``MAX_FRESH_HANDLES`` per session).
+
+        What is known of the cause (2026-11-27: 2 of 3 full local runs hit it; the one whose
+        test was recorded, in ``test_killed_replica_loses_nothing_and_the_app_heals``'s wait
+        for health): when the stale answer came, this process's ``SharedRouterLongPollClient``
+        was running with a ``listen_for_change`` call in flight, no update callback had raised
+        (each was wrapped to record one), and the router still listed the *killed* replica,
+        not its replacement: it had received neither update. Not established further.
         """
         out = {}
         for rid in self.replica_ids():
