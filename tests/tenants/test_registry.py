@@ -205,16 +205,23 @@ def test_keys_never_appear_in_logs(registry, caplog):
         assert key not in caplog.text
 
 
+async def _until(condition, timeout_s: float = 5.0) -> None:
+    """Yield to the watcher until ``condition()`` holds (the test's assertions say if it did)."""
+    import asyncio
+
+    for _ in range(int(timeout_s / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+
+
 def test_watch_task_reloads_in_the_background(registry):
     import asyncio
 
     async def scenario() -> int:
         task = asyncio.create_task(registry.watch(interval_s=0.01))
         write(registry.path, bob_rpm=77)
-        for _ in range(500):
-            if registry.version == 2:
-                break
-            await asyncio.sleep(0.01)
+        await _until(lambda: registry.version == 2)
         task.cancel()
         return registry.authenticate(KEYS["bob"]).limits.requests_per_minute
 
@@ -252,15 +259,9 @@ def test_watch_still_logs_a_failing_listener_and_goes_on(registry, caplog):
     async def scenario() -> None:
         task = asyncio.create_task(registry.watch(interval_s=0.01))
         write(registry.path, bob_rpm=78)
-        for _ in range(500):
-            if calls:
-                break
-            await asyncio.sleep(0.01)
+        await _until(lambda: calls)
         write(registry.path, bob_rpm=79)
-        for _ in range(500):
-            if registry.version == 3:
-                break
-            await asyncio.sleep(0.01)
+        await _until(lambda: registry.version == 3)
         task.cancel()
 
     asyncio.run(scenario())
