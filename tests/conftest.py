@@ -121,14 +121,11 @@ def live_replica_ids() -> list[str]:
 class RunningApp:
     """The kvharbor app deployed once per test session on 127.0.0.1:APP_PORT."""
 
-    MAX_FRESH_HANDLES = 5
-
     def __init__(self, tenants_path, base_url: str, model: str, lane_url: str | None = None) -> None:
         self.tenants_path = tenants_path
         self.base_url = base_url
         self.lane_url = lane_url        # the premium lane (PremiumGateway), when deployed
         self.model = model
-        self._fresh: list = []          # handles made anew by replica_call, newest last
 
     def client(self, key: str = DEMO["premium"], timeout: float = 120.0, lane: bool = False):
         """An httpx client with ``key``, to the main port or (``lane``) the premium lane."""
@@ -137,13 +134,8 @@ class RunningApp:
         return httpx.Client(base_url=self.lane_url if lane else self.base_url, timeout=timeout,
                             headers={"Authorization": f"Bearer {key}"})
 
-    def replica_handle(self, fresh: bool = False):
-        """Serve's cached handle of this process (one router for the session), or with
-        ``fresh`` a new one whose router syncs the replica set from the controller anew."""
-        if fresh:
-            from ray.serve.handle import DeploymentHandle
-
-            return DeploymentHandle("LLMReplica", "kvharbor")
+    def replica_handle(self):
+        """Serve's cached handle of this process (one router for the session)."""
         from ray import serve
 
         return serve.get_deployment_handle("LLMReplica", app_name="kvharbor")
@@ -152,33 +144,34 @@ class RunningApp:
         """Unique ids of the running LLMReplica replicas (as the router and directory use them)."""
         return live_replica_ids()
 
-    def replica_call(self, method: str, timeout: float = 60.0) -> dict:
+    def replica_call(self, method: str, timeout: float = 60.0, learn_s: float = 15.0) -> dict:
         """``{replica_id: result}`` of ``LLMReplica.<method>(replica_id=id)`` on every live
         replica; a result from another replica is an error.
 
-        The KV-aware router sends a call that names ``replica_id`` to that replica, if it
-        knows it. ``replica_handle()`` is Serve's cached handle of this process, with one
-        router for the session; in full runs (clean-clone CI 2026-11-25, -26 and -27) that
-        router kept a replica list without the replacement of a killed replica for minutes,
-        while Serve and the app's own routers had it, and the call was answered by the other
-        replica. So such a call is asked once more through a new handle (a router synced
-        from the controller afresh; at most ``MAX_FRESH_HANDLES`` per session).
+        The KV-aware router sends a call that names ``replica_id`` to that replica if it knows
+        it, and this process's router learns of a new replica (one replacing a killed one)
+        through Serve's long poll, a moment after ``serve.status()`` lists it. So a call
+        answered by another replica is asked again for up to ``learn_s``.
 
-        What is known of the cause (2026-11-27: 2 of 3 full local runs hit it; the one whose
-        test was recorded, in ``test_killed_replica_loses_nothing_and_the_app_heals``'s wait
-        for health): when the stale answer came, this process's ``SharedRouterLongPollClient``
-        was running with a ``listen_for_change`` call in flight, no update callback had raised
-        (each was wrapped to record one), and the router still listed the *killed* replica,
-        not its replacement: it had received neither update. Not established further.
+        (Until 2026-11-27 this process's router sometimes never learned of a replacement:
+        two unit tests patched ``ray.is_initialized`` to False for 50 ms, every actor call
+        another thread made meanwhile tried ``ray.init()`` and raised, and Serve's shared
+        long-poll client in this process died on that error in its next poll. The tests now
+        patch ``index_follower.ray_initialized``; this helper no longer works around it with
+        fresh handles.)
         """
         out = {}
+        handle = self.replica_handle()
         for rid in self.replica_ids():
-            handle = self._fresh[-1] if self._fresh else self.replica_handle()
-            result = getattr(handle, method).remote(replica_id=rid).result(timeout_s=timeout)
-            if result["replica_id"] != rid and len(self._fresh) < self.MAX_FRESH_HANDLES:
-                self._fresh.append(self.replica_handle(fresh=True))
-                result = getattr(self._fresh[-1], method).remote(replica_id=rid).result(timeout_s=timeout)
-            assert result["replica_id"] == rid, f"{method} for replica {rid} answered by {result['replica_id']}"
+            deadline = time.monotonic() + learn_s
+            while True:
+                result = getattr(handle, method).remote(replica_id=rid).result(timeout_s=timeout)
+                if result["replica_id"] == rid or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            assert result["replica_id"] == rid, (
+                f"{method} for replica {rid} answered by {result['replica_id']}: this process's "
+                f"router did not learn of {rid} within {learn_s} s")
             out[rid] = result
         return out
 

@@ -110,6 +110,18 @@ class ActorShard:
         return ray.get_actor(self.name, namespace=self.namespace)
 
 
+
+def ray_initialized() -> bool:
+    """Whether this process's Ray is up. A function of this module so that tests stand in for
+    it here: patching ``ray.is_initialized`` itself, even for 50 ms, makes every actor call
+    another thread of the process makes meanwhile try ``ray.init()`` and raise, and Serve's
+    shared long-poll client dies on that error (its handles then never learn of a replaced
+    replica again)."""
+    import ray  # noqa: PLC0415 - in-process shards never need Ray
+
+    return ray.is_initialized()
+
+
 class IndexFollower:
     """Local ``PrefixIndex`` fed by polling each directory shard (see module doc)."""
 
@@ -175,9 +187,7 @@ class IndexFollower:
         makes Ray start a new local cluster while the interpreter exits."""
         if not any(isinstance(s, ActorShard) for s in self.shards):
             return False
-        import ray  # noqa: PLC0415 - in-process shards never need Ray
-
-        return not ray.is_initialized()
+        return not ray_initialized()
 
     def idle(self) -> bool:
         """No entries and no ``hurry()`` for ``idle_after_s``: polls slow down."""

@@ -209,14 +209,16 @@ def test_an_idle_follower_still_sees_other_routers_events_within_its_idle_interv
 
 def test_a_follower_over_directory_actors_stops_once_ray_is_shut_down(monkeypatch):
     """``run`` left in a driver (a test, a script) after ray.shutdown() returns instead of
-    polling an actor: that call would make Ray start a new local cluster at interpreter exit."""
-    import ray
+    polling an actor: that call would make Ray start a new local cluster at interpreter exit.
+    (Ray's state is stood in for in kvharbor's module, never by patching ``ray.is_initialized``:
+    see ``index_follower.ray_initialized``.)"""
+    from kvharbor.platform import index_follower
 
     shard = CountingActorShard()
     follower = IndexFollower([shard], poll_interval_s=0.01)
 
-    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(index_follower, "ray_initialized", lambda: True)
     assert asyncio.run(returns_within(follower.run, 0.05)) is False and shard.polls >= 1
     polls = shard.polls
-    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(index_follower, "ray_initialized", lambda: False)
     assert asyncio.run(returns_within(follower.run, 0.05)) is True and shard.polls == polls

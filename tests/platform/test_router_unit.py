@@ -391,7 +391,7 @@ def test_the_index_follower_stops_once_ray_is_shut_down(monkeypatch):
     """A router left in a driver after ray.shutdown() stops polling its directory actors
     instead of calling one (which makes Ray start a new local cluster while the interpreter
     exits); routers over in-process shards (these tests) never depend on Ray."""
-    import ray
+    from kvharbor.platform import index_follower
 
     from tests.platform.follower_helpers import CountingActorShard, returns_within
 
@@ -399,10 +399,10 @@ def test_the_index_follower_stops_once_ray_is_shut_down(monkeypatch):
     router = make_router(shard, synced=False)
     router._first_poll = asyncio.Event()
 
-    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(index_follower, "ray_initialized", lambda: True)
     assert asyncio.run(returns_within(router._follow, 0.05)) is False and shard.polls >= 1  # polls
     polls = shard.polls
-    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(index_follower, "ray_initialized", lambda: False)
     assert asyncio.run(returns_within(router._follow, 0.05)) is True and shard.polls == polls  # no call
     fake = make_router(FakeShard(), synced=False)
     assert not fake.follower.ray_shut_down()               # in-process shards: Ray never matters
