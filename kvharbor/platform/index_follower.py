@@ -110,7 +110,6 @@ class ActorShard:
         return ray.get_actor(self.name, namespace=self.namespace)
 
 
-
 def ray_initialized() -> bool:
     """Whether this process's Ray is up. A function of this module so that tests stand in for
     it here: patching ``ray.is_initialized`` itself, even for 50 ms, makes every actor call

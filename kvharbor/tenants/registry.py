@@ -291,12 +291,11 @@ class TenantRegistry:
             await asyncio.sleep(interval_s)
             try:
                 await asyncio.to_thread(self.reload_if_changed)
-            except RuntimeError as exc:
-                if "after shutdown" in str(exc) or "after interpreter shutdown" in str(exc):
+            except Exception as exc:  # noqa: BLE001 - a listener bug must not kill the watcher
+                if isinstance(exc, RuntimeError) and ("after shutdown" in str(exc)
+                                                      or "after interpreter shutdown" in str(exc)):
                     log.debug("tenants watcher stops: the thread pool is shut down")
                     return
-                log.exception("tenants reload listener failed")
-            except Exception:  # noqa: BLE001 - a listener bug must not kill the watcher
                 log.exception("tenants reload listener failed")
 
     def _reject(self, message: str, content_id: str) -> bool:

@@ -59,7 +59,7 @@ _FOLLOWERS: list = []
 def _router(app):
     """A live router's view: a KVAwareRouter of this process when Serve still keeps one,
     else the same index component run standalone (routers live as long as Serve keeps them)."""
-    app.replica_call("stats")                             # makes this process's router exist
+    app.replica_call("stats")                       # makes this process's router exist
     routers = [r for r in KVAwareRouter.instances() if r.follower.status() is None]
     if routers:
         return routers[-1]

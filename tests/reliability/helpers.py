@@ -7,6 +7,7 @@ import hashlib
 import io
 import random
 import time
+from pathlib import Path
 
 import httpx
 
@@ -88,6 +89,14 @@ def edited_tenants(app, mutate):
         time.sleep(1.2)
 
 
+def ray_log_files(suffixes: tuple[str, ...] = (".log", ".out", ".err", "")) -> list[Path]:
+    """This Ray session's log files with these suffixes (every process's, driver included)."""
+    import ray
+
+    logs = Path(ray._private.worker.global_worker.node.get_logs_dir_path())
+    return [p for p in logs.rglob("*") if p.is_file() and p.suffix in suffixes]
+
+
 def replica_stats(app) -> list[dict]:
     return list(app.replica_call("stats").values())
 
@@ -110,4 +119,4 @@ def complete(client: httpx.Client, model: str, prompt: str, **kw) -> httpx.Respo
 
 
 __all__ = ["DEMO", "assert_openai_error", "complete", "edited_tenants", "rand_text",
-           "replica_stats", "tenants_sha256", "wait_idle", "wait_tenants_applied"]
+           "ray_log_files", "replica_stats", "tenants_sha256", "wait_idle", "wait_tenants_applied"]

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
-from tests.reliability.helpers import DEMO, rand_text, replica_stats, wait_idle
+from tests.reliability.helpers import DEMO, rand_text, ray_log_files, replica_stats, wait_idle
 
 LONG = {"max_tokens": 3000, "ignore_eos": True, "temperature": 0}
 
@@ -34,10 +33,7 @@ def _drop_stream_after(app, key: str, prompt: str, events: int) -> int:
 
 def _server_errors_logged() -> int:
     """How many times this Ray session's processes logged the gateway's 500 handler."""
-    import ray
-
-    logs = Path(ray._private.worker.global_worker.node.get_logs_dir_path())
-    return sum(p.read_bytes().count(b"unexpected error on ") for p in logs.rglob("*.err") if p.is_file())
+    return sum(p.read_bytes().count(b"unexpected error on ") for p in ray_log_files((".err",)))
 
 
 @pytest.fixture(autouse=True)

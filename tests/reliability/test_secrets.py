@@ -13,7 +13,7 @@ from kvharbor.tenants import AuthError, TenantRegistry
 from kvharbor.tenants import keys as keys_module
 from kvharbor.tenants import registry as registry_module
 from kvharbor.tenants.keys import DEMO_KEYS, hash_key, key_matches
-from tests.reliability.helpers import DEMO
+from tests.reliability.helpers import DEMO, ray_log_files
 
 REPO = Path(__file__).resolve().parents[2]
 CANARY = "kvh-canary-Zq8vW3xLr0Pa9SeCr3T"          # a wrong key we look for in every log
@@ -74,11 +74,8 @@ def test_http_errors_never_echo_the_key(kvharbor_app):
 
 def test_no_process_log_contains_a_plaintext_key(kvharbor_app):
     """The gateway, proxy and replica logs of this Ray session never hold a presented key."""
-    import ray
-
     httpx.get(kvharbor_app.base_url + "/v1/models", headers={"Authorization": f"Bearer {CANARY}"})
-    logs = Path(ray._private.worker.global_worker.node.get_logs_dir_path())
-    files = [p for p in logs.rglob("*") if p.is_file() and p.suffix in (".log", ".out", ".err", "")]
+    files = ray_log_files()
     assert any("Gateway" in p.name for p in files), "no gateway log found to inspect"
     secrets = [CANARY, *DEMO.values()]
     for path in files:
