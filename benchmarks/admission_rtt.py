@@ -16,9 +16,11 @@ import ray  # noqa: E402
 
 from benchmarks.common import machine, pct, table, write_json  # noqa: E402
 from kvharbor.platform.class_queue import ClassQueue  # noqa: E402
+from kvharbor.platform.loopback import on_loopback  # noqa: E402
 from kvharbor.tenants.admission_actor import AdmissionActor  # noqa: E402
 
-ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=2, log_to_driver=False)
+with on_loopback() as ip:
+    ray.init(_node_ip_address=ip, include_dashboard=False, num_cpus=2, log_to_driver=False)
 
 @ray.remote(num_cpus=0)
 class OldClassQueue:

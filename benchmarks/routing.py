@@ -334,14 +334,16 @@ def main(argv=None) -> int:
     from ray import serve
 
     from kvharbor.engine.tokenizer import byte_tokenizer
+    from kvharbor.platform.loopback import on_loopback
 
     info = machine()
     demand = args.tenants * (args.system_tokens // 16) / args.kv_blocks
     print(f"workload: {args.conversations} conversations x {args.turns} turns, {args.tenants} "
           f"tenants x {args.system_tokens}-token system prompts = {demand:.2f} x one replica's "
           f"KV cache ({args.kv_blocks} blocks); {args.replicas} replicas", flush=True)
-    ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", num_cpus=4,
-             log_to_driver=False, namespace="serve")
+    with on_loopback() as ip:
+        ray.init(include_dashboard=False, _node_ip_address=ip, num_cpus=4,
+                 log_to_driver=False, namespace="serve")
     serve.start(http_options={"host": "127.0.0.1", "port": 18611})
     tokenizer, convs = byte_tokenizer(), workload(args, args.seed)
     rows = []

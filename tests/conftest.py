@@ -22,6 +22,22 @@ RAY_METRICS_PORT = int(os.environ.get("KVHARBOR_TEST_METRICS_PORT") or free_port
 INGRESS: list[str] = []        # the HTTP ingress this session's cluster was started with
 
 
+def listeners_off_loopback(root_pid: int) -> list[tuple[str, int, str]]:
+    """(address, port, process name) of every TCP port that ``root_pid`` or a process it
+    started listens on at an address other than loopback (Ray's processes are its children:
+    GCS, raylet, workers, agents, Serve's replicas)."""
+    import psutil
+
+    from kvharbor.platform.loopback import is_loopback
+
+    root = psutil.Process(root_pid)
+    pids = {root_pid, *(child.pid for child in root.children(recursive=True))}
+    return [(conn.laddr.ip, conn.laddr.port, psutil.Process(conn.pid).name())
+            for conn in psutil.net_connections(kind="tcp")
+            if conn.status == psutil.CONN_LISTEN and conn.pid in pids
+            and not is_loopback(conn.laddr.ip)]
+
+
 def assert_served_on_loopback_by(port: int, ingress: str) -> None:
     """Only 127.0.0.1 listens on ``port``, and through ``ingress``: an haproxy process for
     ``haproxy``, anything else (Serve's proxy) for ``proxy``."""

@@ -45,6 +45,7 @@ from kvharbor.engine.engine import Engine
 from kvharbor.engine.engine_stats import memory_breakdown
 from kvharbor.engine.request import SamplingParams
 from kvharbor.observability.metrics import get_metrics
+from kvharbor.platform.loopback import serve_grpc_on_node_address
 from kvharbor.platform.protocol import GenerateRequest, RoutingStats, session_key
 
 logger = logging.getLogger("kvharbor.replica")
@@ -71,6 +72,7 @@ class LLMReplica:
     def __init__(self, engine_config: dict, tenants_path: str | None = None,
                  directory_name: str | None = None, cpu_threads: int | None = None,
                  nice: int = 0) -> None:
+        serve_grpc_on_node_address()           # Serve's own gRPC server, on loopback too
         # Engine steps run on a thread of their own, niced on a CPU host: the request path
         # (gateway, proxy, this replica's loop) preempts their compute, not the other way round.
         self._step_pool = ThreadPoolExecutor(1, "kvharbor-step", initializer=_lower_priority,

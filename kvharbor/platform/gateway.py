@@ -47,6 +47,7 @@ from kvharbor.platform.class_queue import get_or_create_class_queue
 from kvharbor.platform.context_overflow import TRUNCATED_HEADER, truncate_oldest
 from kvharbor.platform.generation import GenerationRun, sse
 from kvharbor.platform.ingress import running_mode, running_preset
+from kvharbor.platform.loopback import serve_grpc_on_node_address
 from kvharbor.platform.openai_protocol import (APIError, ChatRequest, ChatResponse,
                                                CompletionRequest, CompletionResponse, ModelCard,
                                                ModelList, error_response, error_responses)
@@ -250,6 +251,7 @@ class Gateway:
         return "premium_lane" if self.is_lane else "main"
 
     def __init__(self, llm, config: dict, lane=None) -> None:
+        serve_grpc_on_node_address()           # Serve's own gRPC server, on loopback too
         self.llm = llm
         self.config = config
         # The PremiumGateway's handle (main gateway, premium_port set): bound here so that Serve

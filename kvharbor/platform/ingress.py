@@ -40,7 +40,10 @@ the proxy then has no guard) and its lag target in ``KVHARBOR_PROXY_OVERLOAD_LAG
 
 HAProxy's stats, metrics and fallback-proxy ports are fixed by default (8404, 9101, 8500):
 two clusters on one host (a test session beside a benchmark) would fight over them, so each
-cluster gets free ones unless the caller set them. (Ray already puts each node's HAProxy
+cluster gets free ones unless the caller set them. Serve's HAProxy config binds the stats and
+metrics pages on every interface (nothing else of the cluster does: ``loopback``), and an
+HAProxy whose cluster was killed (``ray stop --force``) keeps running and holding the app's
+port: stop it (``pkill haproxy``) before the next start. (Ray already puts each node's HAProxy
 config and sockets in a folder of its own.)
 
 Ray Serve's throughput preset (``RAY_SERVE_THROUGHPUT_OPTIMIZED=1``: replica code and its
@@ -78,6 +81,8 @@ import importlib.util
 import os
 import socket
 from collections.abc import Iterator, MutableMapping
+
+from kvharbor.platform.loopback import on_loopback
 
 MODES = ("haproxy", "proxy", "direct")
 FLAGS = ("RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_ENABLE_DIRECT_INGRESS")
@@ -169,12 +174,14 @@ def apply_ingress(mode: str | None = None, environ: MutableMapping[str, str] | N
 @contextlib.contextmanager
 def starting_cluster(mode: str | None = None, overload_lag_ms: float | None | str = "default",
                      port: int = 8000) -> Iterator[str]:
-    """``with starting_cluster() as mode: ray.init(...)``: the Ray processes started inside
-    inherit ``apply_ingress``'s environment; this process's is restored on exit. Then start
-    Serve with ``serve.start(http_options=http_options(mode, port))``."""
+    """``with starting_cluster() as mode: ray.init(_node_ip_address="127.0.0.1", ...)``: the
+    Ray processes started inside inherit ``apply_ingress``'s environment and stay on loopback
+    (``kvharbor.platform.loopback``); this process's environment is restored on exit. Then
+    start Serve with ``serve.start(http_options=http_options(mode, port))``."""
     saved = dict(os.environ)
     try:
-        yield apply_ingress(mode, overload_lag_ms=overload_lag_ms, port=port)
+        with on_loopback():
+            yield apply_ingress(mode, overload_lag_ms=overload_lag_ms, port=port)
     finally:
         os.environ.clear()
         os.environ.update(saved)

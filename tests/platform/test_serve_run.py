@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from kvharbor.platform.ingress import DRAIN_VAR, FLAGS, PORTS, PRESET, haproxy_available, requested_mode
-from tests.conftest import assert_served_on_loopback_by
+from tests.conftest import assert_served_on_loopback_by, listeners_off_loopback
 
 
 @pytest.mark.parametrize("shell", ["fresh", "ray-flags-exported", "proxy"],
@@ -81,6 +81,13 @@ def test_serve_run_from_a_clean_directory(tmp_path, shell):
         wanted = requested_mode(env, default="direct")       # the default app: one gateway
         assert health["ingress"] == ("proxy" if wanted == "haproxy" and not haproxy_available() else wanted)
         assert_served_on_loopback_by(8000, health["ingress"])
+        # and every other port of the cluster (Ray's GCS, raylet, workers, Serve's gRPC), but
+        # HAProxy's stats and metrics pages: Serve's HAProxy config binds them on every interface
+        off = listeners_off_loopback(proc.pid)
+        if health["ingress"] == "haproxy":
+            assert len(off) <= 2 and all(name == "haproxy" and port != 8000 for _, port, name in off), off
+            off = []
+        assert off == []
         if health["ingress"] == "direct":
             _assert_a_client_timeout_aborts_the_request()
             _assert_a_killed_gateway_serves_the_port_again(within_s=60)
