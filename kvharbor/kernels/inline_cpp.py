@@ -1,7 +1,15 @@
 """C++ kernels built on first use with the system compiler (``torch.utils.cpp_extension``).
 
-The build is cached under ``~/.cache/torch_extensions``. A missing compiler, headers or ninja
-leaves the extension unavailable and the caller on its torch fallback. Every extension is built
+The build is cached under ``~/.cache/torch_extensions`` (``TORCH_EXTENSIONS_DIR``), in a folder
+per extension and Python environment (two virtualenvs' include paths differ, and each would
+rebuild the other's copy). A missing compiler, headers or ninja leaves the extension
+unavailable and the caller on its torch fallback.
+
+torch serializes builds of one folder with a lock *file* (``FileBaton``) that a killed builder
+leaves behind, and every later load then waits for it forever: Ctrl-C on the first ``serve
+run`` while replicas compiled left each replica of the next one stuck in ``__init__``. Builds
+here take an ``flock`` on the folder first (the kernel drops it when its holder dies); its
+holder is the only builder, so a lock file it finds is stale and is removed. Every extension is built
 with ``-fopenmp``: ATen's ``parallel_for`` is inlined from headers, and without OpenMP its
 pragma is dropped and every call runs on one thread. At run time the extension shares torch's
 own libgomp, already loaded under the same soname.
@@ -9,8 +17,12 @@ own libgomp, already loaded under the same soname.
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import os
+import sys
 import threading
+from pathlib import Path
 
 
 # SIMD helpers shared by the attention kernels (InlineExtension splices them in where a source
@@ -140,11 +152,27 @@ class InlineExtension:
         with self._lock:
             if self.module is None and self.failed is None:
                 try:
-                    from torch.utils.cpp_extension import load_inline  # noqa: PLC0415
-
-                    self.module = load_inline(self.name, cpp_sources=self.source,
-                                              functions=self.functions, extra_cflags=self.cflags,
-                                              extra_ldflags=["-fopenmp"], verbose=False)
+                    self.module = self._build()
                 except Exception as e:  # noqa: BLE001 - no compiler, headers or ninja
                     self.failed = f"{type(e).__name__}: {e}"
         return self.module is not None
+
+    def build_directory(self) -> Path:
+        """This extension's build folder for this Python environment and torch."""
+        import torch  # noqa: PLC0415
+        from torch.utils.cpp_extension import get_default_build_root  # noqa: PLC0415
+
+        env = hashlib.sha1(f"{sys.prefix}|{torch.__version__}".encode()).hexdigest()[:10]
+        return Path(get_default_build_root()) / f"{self.name}-{env}"
+
+    def _build(self):
+        from torch.utils.cpp_extension import load_inline  # noqa: PLC0415
+
+        folder = self.build_directory()
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / "kvharbor.flock", "a") as guard:
+            fcntl.flock(guard, fcntl.LOCK_EX)         # released on close, or when we die
+            (folder / "lock").unlink(missing_ok=True)  # torch's baton: stale if here now
+            return load_inline(self.name, cpp_sources=self.source, functions=self.functions,
+                               extra_cflags=self.cflags, extra_ldflags=["-fopenmp"],
+                               build_directory=str(folder), verbose=False)
