@@ -22,7 +22,7 @@ from kvharbor.actors.replica import LLMReplica
 from kvharbor.config import EngineConfig, PlatformConfig
 from kvharbor.platform import premium_lane
 from kvharbor.platform.gateway import Gateway, PremiumGateway
-from kvharbor.platform.ingress import http_options, requested_mode, starting_cluster
+from kvharbor.platform.ingress import check_port_free, http_options, requested_mode, starting_cluster
 from kvharbor.tenants import default_tenants_path, load_tenants_file
 
 logger = logging.getLogger("kvharbor")
@@ -46,6 +46,7 @@ def _init_ray_on_loopback(overload_lag_ms: float | None, mode: str) -> str | Non
     there either). Returns the ingress, or None when Ray was already running."""
     if ray.is_initialized():
         return None
+    check_port_free(HTTP_PORT)                  # before a cluster starts that cannot serve it
     with starting_cluster(mode, overload_lag_ms=overload_lag_ms, port=HTTP_PORT) as mode:
         ray.init(namespace="serve", include_dashboard=False, _node_ip_address="127.0.0.1",
                  _metrics_export_port=METRICS_PORT, log_to_driver=True)

@@ -190,8 +190,11 @@ def starting_cluster(mode: str | None = None, overload_lag_ms: float | None | st
 def http_options(mode: str, port: int) -> dict:
     """``serve.start``'s HTTP options for a cluster started in ``mode`` to serve ``port`` on
     loopback: with ``direct`` the gateway replica holds ``port``, so Serve's proxy gets
-    another (free) one."""
-    return {"host": "127.0.0.1", "port": free_port() if mode == "direct" else port}
+    another (free) one, and ``root_url`` names ``port`` (Serve's "Application ... is ready
+    at" line printed the proxy's port, a slower way in)."""
+    if mode != "direct":
+        return {"host": "127.0.0.1", "port": port}
+    return {"host": "127.0.0.1", "port": free_port(), "root_url": f"http://127.0.0.1:{port}"}
 
 
 def running_mode(environ: MutableMapping[str, str] = os.environ) -> str:
@@ -204,6 +207,28 @@ def running_mode(environ: MutableMapping[str, str] = os.environ) -> str:
 def running_preset(environ: MutableMapping[str, str] = os.environ) -> bool:
     """Whether the cluster this process belongs to runs Serve's throughput preset."""
     return environ.get(PRESET) == "1"       # as Serve reads it
+
+
+def check_port_free(port: int, host: str = "127.0.0.1") -> None:
+    """Raise a clear error when something already listens on ``host:port``.
+
+    Serve would otherwise start the whole cluster and then fail the deployment with
+    ``NoAvailablePortError`` (direct ingress) or an HAProxy bind error, deep in its logs. A
+    common holder: an HAProxy left running by a cluster that was killed (``ray stop --force``).
+
+    Raises:
+        RuntimeError: the port is taken; says how to find the holder or move the port.
+    """
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)     # as the servers bind
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            raise RuntimeError(
+                f"kvharbor: cannot serve HTTP on {host}:{port}: {e.strerror}. Another server "
+                f"holds it (`ss -ltnp 'sport = :{port}'` names it; an HAProxy left by a killed "
+                "cluster is a common one): stop it, or set KVHARBOR_HTTP_PORT to another "
+                "port.") from None
 
 
 def free_port() -> int:

@@ -51,6 +51,7 @@ def test_direct_gives_the_apps_port_to_the_gateway_replica_and_moves_serves_prox
     assert PROXY_CALLBACK not in env                      # the gateway guards itself
     assert running_mode(env) == "direct"
     assert http_options("direct", 18123)["port"] != 18123
+    assert http_options("direct", 18123)["root_url"] == "http://127.0.0.1:18123"
     assert http_options("proxy", 18123) == {"host": "127.0.0.1", "port": 18123}
 
 

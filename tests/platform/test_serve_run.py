@@ -27,10 +27,7 @@ def test_serve_run_from_a_clean_directory(tmp_path, shell):
     HAProxy flags (as the README tells config-file users to set); Serve's own default HTTP
     host is then every interface, and kvharbor must still serve on loopback only.
     ``proxy``: ``KVHARBOR_INGRESS=proxy``, Serve's proxy in front."""
-    # As from a fresh terminal: none of this session's cluster settings (its ingress ports).
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("RAY_ADDRESS", "RAY_SERVE_", "KVHARBOR_INGRESS"))
-           and k not in (*FLAGS, *PORTS, DRAIN_VAR, PRESET)}
+    env = _fresh_shell_env()
     if shell == "ray-flags-exported":     # and HAProxy asked for, so Serve's default host applies
         env.update({flag: "1" for flag in FLAGS}, KVHARBOR_INGRESS="haproxy")
     elif shell == "proxy":
@@ -47,12 +44,14 @@ def test_serve_run_from_a_clean_directory(tmp_path, shell):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     lines: list[str] = []
+    ready_lines: list[str] = []
     ready = threading.Event()
 
     def read_output() -> None:
         for line in proc.stdout:
             lines.append(line)
             if "is ready at" in line:
+                ready_lines.append(line)
                 ready.set()
 
     reader = threading.Thread(target=read_output, daemon=True)
@@ -94,6 +93,8 @@ def test_serve_run_from_a_clean_directory(tmp_path, shell):
         # Ctrl-C once `serve run` says the app is up (the proxy may answer a moment before:
         # a SIGINT that lands while the CLI still deploys is Ray's to handle, not tested here).
         assert ready.wait(60), "`serve run` never printed that the app is ready"
+        # ... at the address it serves (with direct ingress Serve's proxy has another port)
+        assert "is ready at http://127.0.0.1:8000/" in ready_lines[0], ready_lines
     finally:
         killed = not _ctrl_c(proc, presses=3, every_s=30)
         if killed:
@@ -106,6 +107,32 @@ def test_serve_run_from_a_clean_directory(tmp_path, shell):
     assert proc.returncode == 0, f"exit code {proc.returncode}:\n{out[-3000:]}"
     assert not _accepts_connections("127.0.0.1", 8000), "port 8000 still served after Ctrl-C"
     assert "demo API keys are active" in out
+
+
+def _fresh_shell_env() -> dict[str, str]:
+    """As from a fresh terminal: none of this session's cluster settings (its ingress ports)."""
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith(("RAY_ADDRESS", "RAY_SERVE_", "KVHARBOR_INGRESS"))
+            and k not in (*FLAGS, *PORTS, DRAIN_VAR, PRESET)}
+
+
+def test_serve_run_on_a_port_already_taken_says_so_before_starting_ray():
+    """Something already listens on the app's port (an HAProxy left by a killed cluster, in
+    the case seen): `serve run` stops at once with a line naming the port and what to do,
+    before any Ray process starts (it used to start the cluster and fail the deployment
+    with Serve's NoAvailablePortError in a 40-line trace)."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        env = {**_fresh_shell_env(), "KVHARBOR_HTTP_PORT": str(port)}
+        done = subprocess.run([str(Path(sys.executable).parent / "serve"), "run", "kvharbor.app"],
+                              env=env, capture_output=True, text=True, timeout=180)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, out[-3000:]
+    assert f"cannot serve HTTP on 127.0.0.1:{port}" in out, out[-3000:]
+    assert "KVHARBOR_HTTP_PORT" in out
+    assert "Started a local Ray instance" not in out, out[-3000:]
 
 
 def _in_flight(key: str) -> int:
