@@ -67,6 +67,7 @@ api = FastAPI(title="kvharbor", version="0.1.0",
 api.add_middleware(BodyLimitMiddleware)
 api.add_middleware(AuthGateMiddleware)     # added last: runs first, before the body limit
 
+HEALTH_STATUS_TTL_S = 2.0      # /healthz asks Serve for the LLM replicas at most this often
 SSE = {"text/event-stream": {"schema": {
     "type": "object", "required": ["data"], "description": "with `stream: true`: one event per chunk",
     "properties": {"data": {"type": "string", "description": "a JSON chunk, or `[DONE]` last"}}}}}
@@ -282,6 +283,7 @@ class Gateway:
         self.admitter = Admitter(self.admission, self.class_queue, self.registry, self.metrics,
                                  guard=self.guard)
         self._watcher: asyncio.Task | None = None
+        self._replicas_seen: tuple[float, int] | None = None   # (when, running LLM replicas)
         if on_event_loop():                   # Serve runs constructors on the replica's loop
             self._start_watcher()
         self.caller = _own_actor_name()       # replicas abort our streams if this actor dies
@@ -344,13 +346,39 @@ class Gateway:
         self.registry.check_model(principal, model)
 
     # ---- routes --------------------------------------------------------------------------
-    @api.get("/healthz")
-    async def healthz(self) -> dict:
+    @api.get("/healthz", responses={503: {"description": "no LLM replica is running (the same "
+                                                         "health object, status unavailable)"}})
+    async def healthz(self) -> JSONResponse:
+        """200 ``ok`` while at least one LLM replica runs; 503 ``unavailable`` while none does
+        (the app still starting, or every replica gone): with direct ingress the gateway serves
+        HTTP before the replicas finish loading, and a request sent then waits for one."""
         self._start_watcher()                # tenants.yaml reloads even before the first call
-        return {"status": "ok", "model": self.model, "tenants_version": self.registry.version,
+        replicas = await self._running_llm_replicas()
+        body = {"status": "ok" if replicas != 0 else "unavailable", "llm_replicas": replicas,
+                "model": self.model, "tenants_version": self.registry.version,
                 "tenants_sha256": self.registry.sha256,
                 "ingress": running_mode(), "throughput_preset": running_preset(),
                 "premium_port": self.config.get("premium_port"), "premium_lane": self.is_lane}
+        if replicas == 0:
+            body["detail"] = ("no LLM replica is running yet (the app is starting, or its "
+                              "replicas failed): requests wait until one is")
+        return JSONResponse(body, status_code=503 if replicas == 0 else 200)
+
+    async def _running_llm_replicas(self) -> int | None:
+        """Running replicas of the LLM deployment, from Serve's status (asked at most every
+        ``HEALTH_STATUS_TTL_S``, off the event loop); None when Serve cannot say (outside
+        Serve, or its controller did not answer in time): health does not flap on that."""
+        now = time.monotonic()
+        if self._replicas_seen is not None and now - self._replicas_seen[0] < HEALTH_STATUS_TTL_S:
+            return self._replicas_seen[1]
+        try:
+            status = await asyncio.wait_for(asyncio.to_thread(serve.status), timeout=5.0)
+            deployment = status.applications[self.llm.app_name].deployments[self.llm.deployment_name]
+            running = deployment.replica_states.get("RUNNING", 0)       # a str enum
+        except Exception:  # noqa: BLE001 - not under Serve, controller slow or restarting
+            return None
+        self._replicas_seen = (now, running)
+        return running
 
     @api.get("/v1/models", response_model=ModelList, responses=error_responses(401))
     async def models(self, request: Request) -> dict:
