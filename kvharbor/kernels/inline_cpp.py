@@ -9,8 +9,9 @@ torch serializes builds of one folder with a lock *file* (``FileBaton``) that a 
 leaves behind, and every later load then waits for it forever: Ctrl-C on the first ``serve
 run`` while replicas compiled left each replica of the next one stuck in ``__init__``. Builds
 here take an ``flock`` on the folder first (the kernel drops it when its holder dies); its
-holder is the only builder, so a lock file it finds is stale and is removed. Every extension is built
-with ``-fopenmp``: ATen's ``parallel_for`` is inlined from headers, and without OpenMP its
+holder is the only builder, so a lock file it finds is stale and is removed.
+
+Every extension is built with ``-fopenmp``: ATen's ``parallel_for`` is inlined from headers, and without OpenMP its
 pragma is dropped and every call runs on one thread. At run time the extension shares torch's
 own libgomp, already loaded under the same soname.
 """
