@@ -23,6 +23,7 @@ from kvharbor.config import EngineConfig, PlatformConfig
 from kvharbor.platform import premium_lane
 from kvharbor.platform.gateway import Gateway, PremiumGateway
 from kvharbor.platform.ingress import check_port_free, http_options, requested_mode, starting_cluster
+from kvharbor.platform.loopback import on_loopback, running_cluster_address
 from kvharbor.tenants import default_tenants_path, load_tenants_file
 
 logger = logging.getLogger("kvharbor")
@@ -43,8 +44,17 @@ def _init_ray_on_loopback(overload_lag_ms: float | None, mode: str) -> str | Non
     Serve's proxy; ``haproxy``) and HTTP on 127.0.0.1:``KVHARBOR_HTTP_PORT`` (8000). With
     HAProxy, Serve's own default host is every interface; kvharbor keeps it on loopback.
     Serve's proxy gets the gateways' overload lag target (``overload_lag_ms``; None: no guard
-    there either). Returns the ingress, or None when Ray was already running."""
+    there either). Returns the ingress, or None when Ray was already running.
+
+    A cluster already running (``ray start``, or ``RAY_ADDRESS``) is joined as it was started:
+    its ingress is what its environment set (Serve's proxy unless the flags were set there),
+    so Serve's HTTP port is ``KVHARBOR_HTTP_PORT``; returns None then too."""
     if ray.is_initialized():
+        return None
+    if running_cluster_address() is not None:
+        with on_loopback() as node_ip:          # a loopback cluster is joined on 127.0.0.1
+            ray.init(namespace="serve", _node_ip_address=node_ip, log_to_driver=True)
+        serve.start(http_options={"host": "127.0.0.1", "port": HTTP_PORT})
         return None
     check_port_free(HTTP_PORT)                  # before a cluster starts that cannot serve it
     with starting_cluster(mode, overload_lag_ms=overload_lag_ms, port=HTTP_PORT) as mode:

@@ -13,11 +13,16 @@ environment) and, for the ``ray.init`` that starts the cluster in this process, 
 constant Ray read from it when it was imported (``serve run`` imports Ray before any
 kvharbor code runs). Both are put back on exit; the driver keeps the node address it got.
 ``kvharbor.platform.ingress.starting_cluster`` enters it, so ``serve run kvharbor.app``, the
-test session and the benchmarks start their clusters on loopback.
+test session and the benchmarks start their clusters on loopback. When ``ray.init`` would
+instead join a running cluster (``RAY_ADDRESS``, or one ``ray start`` started on this host)
+on a routable address, a multi-node cluster, ``on_loopback`` changes nothing: with the
+switch at 0 this driver would call its own node 127.0.0.1 and Ray would find no node of
+that address to join.
 
-Another process that connects to such a cluster (``ray.init(address="auto")``, ``ray
-status``) needs ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` in its environment too; without it
-Ray looks for the cluster on the host's address and times out.
+Another process that connects to such a cluster without ``on_loopback``
+(``ray.init(address="auto")``, ``serve run serve_config.yaml``) needs
+``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` in its environment; without it Ray looks for the
+cluster on the host's address and times out.
 """
 
 from __future__ import annotations
@@ -39,6 +44,9 @@ def on_loopback() -> Iterator[str]:
     whose node address is ``ip`` (127.0.0.1) and whose processes listen on loopback only."""
     from ray._private import ray_constants  # noqa: PLC0415 - Ray's own copy of the switch
 
+    if joins_routable_cluster():
+        yield NODE_IP                    # Ray turns it into this host's address, as it should
+        return
     saved_env, saved_flag = os.environ.get(LOOPBACK_VAR), ray_constants.ENABLE_RAY_CLUSTER
     os.environ[LOOPBACK_VAR] = "0"
     ray_constants.ENABLE_RAY_CLUSTER = False
@@ -50,6 +58,31 @@ def on_loopback() -> Iterator[str]:
             os.environ.pop(LOOPBACK_VAR, None)
         else:
             os.environ[LOOPBACK_VAR] = saved_env
+
+
+def running_cluster_address() -> str | None:
+    """The cluster ``ray.init()`` here would join: the one ``RAY_ADDRESS`` names, else the
+    last one ``ray start`` started on this host (Ray's own lookup,
+    ``services.get_ray_address_from_environment``); None when it would start one."""
+    from ray._private import services  # noqa: PLC0415
+
+    try:
+        address = services.get_ray_address_from_environment(None, None)
+    except Exception:  # noqa: BLE001 - nothing found to join: a new cluster starts
+        return None
+    return None if not address or address in ("auto", "local") else address
+
+
+def joins_routable_cluster() -> bool:
+    """Whether ``ray.init()`` here would join a running cluster on a routable address."""
+    address = running_cluster_address()
+    if address is None:
+        return False
+    host = address.split("://")[-1].rsplit(":", 1)[0].strip("[]")
+    try:
+        return not is_loopback(host)
+    except ValueError:                   # a host name
+        return host != "localhost"
 
 
 def is_loopback(address: str) -> bool:

@@ -71,3 +71,46 @@ def test_serves_grpc_server_binds_the_node_address_only_on_a_loopback_node(monke
                                                ("::", False), ("192.0.2.2", False)])
 def test_is_loopback(address, expected):
     assert loopback.is_loopback(address) is expected
+
+
+@pytest.mark.parametrize("address, changed", [(None, True), ("127.0.0.1:6379", True),
+                                              ("10.1.2.3:6379", False)],
+                         ids=["starts-a-cluster", "joins-a-loopback-one", "joins-a-routable-one"])
+def test_on_loopback_leaves_a_routable_cluster_to_ray(monkeypatch, address, changed):
+    """Joining a running cluster on a routable address (a multi-node one, named by
+    RAY_ADDRESS or left by ``ray start``): Ray's switch is left alone, else this driver would
+    call its node 127.0.0.1 and Ray would find no such node to join ("No node info found
+    matching attributes: '127.0.0.1'", seen with ``ray start --head`` then ``serve run``)."""
+    from ray._private import ray_constants
+
+    if address is None:
+        monkeypatch.setattr(loopback, "running_cluster_address", lambda: None)
+    else:
+        monkeypatch.setenv("RAY_ADDRESS", address)
+    before = ray_constants.ENABLE_RAY_CLUSTER
+    with loopback.on_loopback() as ip:
+        assert ip == "127.0.0.1"
+        assert ray_constants.ENABLE_RAY_CLUSTER is (not changed and before)
+        assert (os.environ.get(loopback.LOOPBACK_VAR) == "0") is changed
+    assert ray_constants.ENABLE_RAY_CLUSTER is before
+
+
+def test_serve_run_joins_a_running_cluster_with_serves_port_on_the_apps(monkeypatch):
+    """``ray start`` then ``serve run kvharbor.app``: the cluster keeps the ingress it was
+    started with (Serve's proxy unless its flags were set there), so Serve's HTTP port must
+    be the app's. It was a free port (kvharbor's direct-ingress default, which only a cluster
+    kvharbor starts has): nothing answered on 8000. No port check either: an app already
+    deployed there may hold it (a redeploy)."""
+    from types import SimpleNamespace
+
+    from kvharbor.platform import app
+
+    calls = []                       # stand-ins for app.py's Ray and Serve (not Ray's modules)
+    monkeypatch.setattr(app, "ray", SimpleNamespace(is_initialized=lambda: False,
+                                                    init=lambda **kw: calls.append(("init", kw))))
+    monkeypatch.setattr(app, "serve", SimpleNamespace(start=lambda **kw: calls.append(("serve.start", kw))))
+    monkeypatch.setattr(app, "check_port_free", lambda port: calls.append(("check", port)))
+    monkeypatch.setattr(app, "running_cluster_address", lambda: "127.0.0.1:6379")
+    assert app._init_ray_on_loopback(None, "direct") is None
+    assert [name for name, _ in calls] == ["init", "serve.start"]
+    assert calls[1][1]["http_options"] == {"host": "127.0.0.1", "port": app.HTTP_PORT}
