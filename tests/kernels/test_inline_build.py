@@ -13,7 +13,7 @@ from kvharbor.kernels import cpu_ops
 
 
 @pytest.mark.skipif(not cpu_ops.available(), reason="no C++ compiler here: nothing is built")
-def test_a_lock_file_left_by_a_killed_build_does_not_stop_the_next_load(tmp_path):
+def test_a_lock_file_left_by_a_killed_build_does_not_stop_the_next_load():
     """torch's lock file (``FileBaton``) in the built extension's folder, as a builder killed
     mid-build leaves it: a new process still loads the extension, in seconds. (Without the
     flock that clears it, the load waited on that file for good: the child timed out.)"""
