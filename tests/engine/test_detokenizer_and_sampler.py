@@ -109,6 +109,15 @@ def test_top_k_and_top_p_keep_only_allowed_tokens():
     assert seen[0] == {0, 1} and seen[1] == {0, 1}
 
 
+def test_top_p_keeps_the_smallest_set_that_reaches_it():
+    """Four equally likely tokens, top_p 0.5: the nucleus is two tokens (their mass reaches
+    0.5 exactly), not three. Probabilities of 0.25 are exact in float32, so the boundary is."""
+    logits = torch.zeros(1, 4)
+    reqs = [_req(0, top_p=0.5)]
+    seen = {sample(logits, reqs)[0] for _ in range(200)}
+    assert len(seen) == 2, seen
+
+
 def test_draws_follow_the_softmax():
     """Exponential-race sampling is an exact draw: frequencies match the probabilities."""
     torch.manual_seed(1)

@@ -72,7 +72,7 @@ def _running(rid: str, blocks, computed: int, priority: int = 0, seq: int = 0) -
 
 
 def test_victim_loses_least_work_within_its_class():
-    pool = BlockPool(16)
+    pool = BlockPool(24)
     shared = pool.allocate(4, False)
     pool.touch(shared)                            # held by another request too
     a = _running("a", shared + pool.allocate(1, False), 70, seq=1)      # loses 6 tokens
@@ -85,3 +85,5 @@ def test_victim_loses_least_work_within_its_class():
     assert policy.should_swap(b) and not policy.should_swap(a)
     assert not PreemptionPolicy("recompute", 16).should_swap(b)
     assert PreemptionPolicy("swap", 16).should_swap(a)
+    d = _running("d", pool.allocate(5, False), 70, seq=3)               # loses 70, came last
+    assert policy.choose_victim([b, d]) is d and policy.choose_victim([d, b]) is d

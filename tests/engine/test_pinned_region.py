@@ -6,6 +6,7 @@ import random
 
 from kvharbor import LLM, SamplingParams
 from kvharbor.engine.block_pool import PINNED
+from kvharbor.engine.pinned_sizer import PinnedSizer
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -109,3 +110,18 @@ def test_pinned_prefix_survives_a_flood_of_other_premium_requests():
     assert out.num_cached_tokens == 96
     assert {b.block_id for b in llm.engine.pinned_prefixes[0]} == pinned_ids
     assert all(llm.engine.pool.blocks[i].region == PINNED for i in pinned_ids)
+
+
+def test_sizer_targets_the_window_peak_with_headroom_and_shrinks_only_after_a_delay():
+    sizer = PinnedSizer(floor=4, ceiling=100, window_s=10.0, headroom=1.25, shrink_after_s=5.0)
+    sizer.observe(40, now=0.0)
+    sizer.observe(8, now=0.5)
+    assert sizer.target() == 50                       # ceil(peak 40 x 1.25)
+    assert sizer.decide(4, now=1.0) == 50             # grows at once
+    sizer.observe(0, now=11.0)                        # the peak left the window
+    assert sizer.target() == 4
+    assert sizer.decide(50, now=11.0) == 50           # below target: keeps its blocks ...
+    assert sizer.decide(50, now=15.9) == 50
+    assert sizer.decide(50, now=16.0) == 4            # ... until shrink_after_s have passed
+    sizer.observe(1000, now=17.0)
+    assert sizer.target() == 100                      # clamped to the ceiling

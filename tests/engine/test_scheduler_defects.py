@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvharbor import LLM
+from kvharbor.config import QoSSpec
 
 from .conftest import greedy as _sp
 from .conftest import random_prompt as _p
@@ -104,6 +105,20 @@ def test_seat_is_not_taken_from_a_class_that_is_not_preemptible():
     assert _run(e) == {"standard": 6, "premium": 2}
 
 
+def test_a_seat_is_never_taken_from_a_request_of_the_same_class():
+    """Only a strictly lower class gives up its seat: two standard requests for one seat
+    run one after the other, with no preemption (else they could take it in turns)."""
+    llm = LLM(device="cpu", num_kv_blocks=256, max_num_seqs=1)
+    e = llm.engine
+    e.add_request("first", _p(30, 0), _sp(6), tenant="a", qos="standard")
+    e.step()
+    e.add_request("second", _p(30, 1), _sp(6), tenant="b", qos="standard")
+    e.step()
+    assert [r.request_id for r in e.scheduler.running] == ["first"]
+    assert _run(e) == {"first": 6, "second": 6}
+    assert e.scheduler.num_preemptions == 0
+
+
 def test_a_tenant_that_went_quiet_earns_no_credit():
     llm = LLM(device="cpu", num_kv_blocks=256, max_num_seqs=1)
     e = llm.engine
@@ -147,6 +162,27 @@ def test_preemption_happens_only_when_it_lets_the_request_in():
         "batch requests were preempted for a request that still did not fit"
     e.check_integrity()
     assert set(_run(e)) == {"premium-a", "premium-b", "batch-0", "batch-1", "batch-2", "batch-3"}
+
+
+def test_preemption_does_not_count_pinned_blocks_for_a_class_that_cannot_use_them():
+    """A pinned class ranked below a shared one (tenants.yaml allows it): its running request
+    holds pinned-region blocks, which a waiting shared-class request can never take, so it is
+    not preempted for one that still would not fit."""
+    classes = {"gold": QoSSpec(priority=10, pinned=True), "standard": QoSSpec(priority=50)}
+    llm = LLM(device="cpu", num_kv_blocks=32, pinned_kv_blocks=16, qos_classes=classes,
+              max_num_batched_tokens=1024)
+    e = llm.engine
+    e.add_request("gold", _p(8 * 16 - 8, 1), _sp(20), qos="gold")        # 8 pinned blocks
+    e.add_request("std-a", _p(12 * 16 - 8, 2), _sp(20), qos="standard")  # 12 shared blocks
+    e.step()
+    assert all(b.region == "pinned" for b in e.requests["gold"].blocks)
+    free = e.pool.num_free(False)
+    e.add_request("std-b", _p((free + 2) * 16 - 8, 3), _sp(4), qos="standard")
+    e.step()
+    assert e.scheduler.num_preemptions == 0, "gold was preempted although its blocks are of no use"
+    assert "gold" in {r.request_id for r in e.scheduler.running}
+    e.check_integrity()
+    assert set(_run(e)) == {"gold", "std-a", "std-b"}
 
 
 def test_check_integrity_catches_a_leaked_reference_and_too_many_running():

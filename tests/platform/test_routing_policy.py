@@ -85,6 +85,15 @@ def test_hot_prefix_spreads_instead_of_taking_all_traffic():
     assert loads["r0"] == max(loads.values())            # affinity kept up to the bound
 
 
+def test_prefill_sent_and_not_yet_confirmed_counts_against_a_replica():
+    """Blocks this router just sent to a replica (no KV event yet) are work it still has
+    ahead: at equal load and no cached prefix, the replica without that backlog goes first."""
+    policy = KVAwarePolicy()
+    busy = Candidate("busy", None, {}, in_flight=1, active_blocks=300)
+    idle = Candidate("idle", None, {}, in_flight=1)
+    assert first(policy, REQ, [busy, idle]) == "idle"
+
+
 def test_replica_without_room_for_the_request_is_penalized():
     policy = KVAwarePolicy()
     full = cand("full", free_shared_blocks=10, total_blocks=4096)
