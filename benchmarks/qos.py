@@ -350,7 +350,8 @@ def run_all(args, info, tenants: Path) -> tuple[dict, float, dict]:
     client_lag: dict = {m: {"idle": [], "overload": []} for m in args.modes}
     for phase, window, only in (("idle", args.idle_s, "premium"), ("overload", args.window_s, None)):
         for i, mode in enumerate(order):
-            jobs = poisson_jobs(rate, window, args.seed + i // len(args.modes), info, only)
+            jobs = poisson_jobs(rate, window, args.seed + i // len(args.modes), info, only,
+                                args.premium_rate)
             with GuardSampler(base_url(mode)) as sampler:
                 outcomes, cutoff, lag = run_phase(base_url(mode), jobs, window, args.grace_s,
                                                   premium_bases(args, mode))
@@ -403,8 +404,9 @@ def verdict(modes: dict) -> dict:
     return out
 
 
-def table(modes: dict, ver: dict, rate: float) -> str:
-    rows = [f"offered load {rate:.2f} req/s (20 % premium)",
+def table(modes: dict, ver: dict, rate: float, premium_rate: float | None = None) -> str:
+    rows = [f"offered load {rate:.2f} req/s (20 % premium)" if premium_rate is None else
+            f"offered load {rate:.2f} req/s without premium's share, premium {premium_rate:g} req/s",
             f"{'mode':9} {'phase':9} {'prem p50':>9} {'prem p90':>9} {'prem p99':>9} {'n':>4} {'cens':>5} "
             f"{'tok/s':>8} {'offered':>8} {'req/s':>6} {'errors':>6}"]
     for mode, res in modes.items():
@@ -494,6 +496,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--proxy-guard", choices=("on", "off"), default="on",
                    help="the overload guard in Serve's proxy (kvharbor.platform.proxy_guard; "
                         "--ingress proxy only): on follows --overload-lag-ms, off turns it off")
+    p.add_argument("--premium-rate", type=float, default=None,
+                   help="premium requests/s as a Poisson stream of their own (default: 20 %% of "
+                        "the offered rate); the other classes keep their share of --rate")
     p.add_argument("--premium-lane", choices=("off", "main", "lane"), default="off",
                    help="off: no premium lane (the default app); main: deploy the premium lane "
                         "(build_app premium_port) but send premium requests to the main port; "
@@ -534,7 +539,7 @@ def main(argv=None) -> int:
         serve.shutdown()
         ray.shutdown()
     ver = verdict(modes)
-    print(table(modes, ver, rate))
+    print(table(modes, ver, rate, args.premium_rate))
     RESULTS.mkdir(exist_ok=True)
     report = {"benchmark": "qos", "args": {k: v for k, v in vars(args).items()}, "offered_req_per_s": round(rate, 3),
               "modes": modes, "verdict": ver, "premium_overload_series": series, "runtime_s": round(time.time() - started, 1),

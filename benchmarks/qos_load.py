@@ -73,17 +73,26 @@ def make_job(qos: str, at_s: float, rng: random.Random, info: workload.TenantsIn
     return Job(at_s, qos, "/v1/completions", {**base, "prompt": workload.batch_prompt(rng, DOCS, DOC_SENTENCES)})
 
 
-def poisson_jobs(rate: float, duration_s: float, seed: int, info, only: str | None = None) -> list[Job]:
-    """Open-loop arrivals at ``rate``/s with the MIX; ``only`` keeps one class (same times)."""
+def poisson_jobs(rate: float, duration_s: float, seed: int, info, only: str | None = None,
+                 premium_rate: float | None = None) -> list[Job]:
+    """Open-loop arrivals at ``rate``/s with the MIX; ``only`` keeps one class (same times).
+    ``premium_rate``: premium arrives as a Poisson stream of its own at that rate instead of
+    as the MIX's share (the other classes' arrivals are the same as without it)."""
     rng, jobs, t = random.Random(seed), [], 0.0
     while True:
         t += rng.expovariate(rate)
         if t >= duration_s:
-            return jobs
+            break
         qos = rng.choices([q for q, _ in MIX], [w for _, w in MIX])[0]
         job = make_job(qos, t, rng, info)
-        if only is None or qos == only:
+        if (only is None or qos == only) and not (premium_rate and qos == "premium"):
             jobs.append(job)
+    if premium_rate and only in (None, "premium"):
+        rng, t = random.Random(seed + 7919), 0.0
+        while (t := t + rng.expovariate(premium_rate)) < duration_s:
+            jobs.append(make_job("premium", t, rng, info))
+        jobs.sort(key=lambda j: j.at_s)
+    return jobs
 
 
 # ---- client --------------------------------------------------------------------------------

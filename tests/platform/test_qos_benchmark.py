@@ -79,3 +79,18 @@ def test_the_client_keeps_one_connection_per_tenant_when_it_is_refused():
         thread.join(10)
     assert [o.error for o in outcomes] == ["HTTP 429"] * 4
     assert len(peers) == 4 and len(set(peers)) == 2
+
+
+def test_a_premium_rate_of_its_own_leaves_the_other_classes_arrivals_as_they_were():
+    from loadtests.workload import TenantsInfo
+
+    info = TenantsInfo()
+    mixed = qos_load.poisson_jobs(20.0, 60.0, 3, info)
+    sparse = qos_load.poisson_jobs(20.0, 60.0, 3, info, premium_rate=0.5)
+    others = [(j.at_s, j.qos) for j in mixed if j.qos != "premium"]
+    assert [(j.at_s, j.qos) for j in sparse if j.qos != "premium"] == others
+    premium = [j.at_s for j in sparse if j.qos == "premium"]
+    assert 15 <= len(premium) <= 50                          # 0.5/s over 60 s: 30 expected
+    assert [j.at_s for j in sparse] == sorted(j.at_s for j in sparse)
+    only = qos_load.poisson_jobs(20.0, 60.0, 3, info, "premium", premium_rate=0.5)
+    assert [j.at_s for j in only] == premium
