@@ -81,6 +81,28 @@ def test_a_first_arrival_gets_its_grant_without_waiting_a_period():
     run(scenario())
 
 
+def test_a_tenant_sending_every_second_keeps_its_grant_between_requests():
+    """A sparse premium tenant (a request every second, four syncs apart at the 0.25 s
+    period) is admitted from its grant every time after the first: the grant outlives the
+    gaps. (Given back after two quiet syncs, each of its requests paid the actor calls.)"""
+    cluster = Cluster()
+    gw = cluster.gateway()
+    acme = cluster.principal("acme", requests_per_minute=1200, tokens_per_minute=200_000,
+                             max_concurrent_requests=64)
+
+    async def scenario():
+        paths = []
+        for i in range(5):
+            t = await request(gw, acme, f"r{i}")
+            paths.append(isinstance(t, LocalTicket))
+            await finish(gw, acme, f"r{i}", t, 15)
+            for _ in range(4):
+                await gw.lane.sync()
+        assert paths == [False, True, True, True, True], paths
+
+    run(scenario())
+
+
 def test_other_classes_keep_the_call_per_request():
     cluster = Cluster()
     gw = cluster.gateway()
