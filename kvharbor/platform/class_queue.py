@@ -170,7 +170,18 @@ class ClassQueue:
         return answers
 
     def snapshot(self) -> dict[str, int]:
+        """Places taken per class: requests in flight and places held in gateways' grants."""
         return dict(self.counts)
+
+    def status(self) -> dict[str, dict[str, int]]:
+        """What an operator reads: ``in_flight`` requests per class (places taken less those
+        the gateways reported idle in their grants at their last sync; approximate by what a
+        grant admitted since) and those ``granted_idle`` places."""
+        idle: dict[str, int] = {}
+        for (_, qos), free in self.idle.items():
+            idle[qos] = idle.get(qos, 0) + free
+        return {"in_flight": {q: max(0, n - idle.get(q, 0)) for q, n in self.counts.items()},
+                "granted_idle": {q: n for q, n in idle.items() if n}}
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, allow_out_of_order_execution=True)
@@ -193,6 +204,10 @@ class ClassQueueActor:
     def snapshot(self) -> dict[str, int]:
         self._queue.expire()
         return self._queue.snapshot()
+
+    def status(self) -> dict[str, dict[str, int]]:
+        self._queue.expire()
+        return self._queue.status()
 
     def enter_or_recall(self, qos: str, priorities: dict[str, int], limit: int,
                         lease_id: str | None = None) -> tuple[int | None, bool]:

@@ -487,11 +487,12 @@ class Gateway:
             self.registry.authenticate(key)          # 401 for bad keys first
             raise APIError(403, "this route needs an admin key", "permission_denied")
         try:
-            in_flight = await asyncio.wait_for(self.class_queue.snapshot.remote(), CALL_TIMEOUT_S)
+            queue = await asyncio.wait_for(self.class_queue.status.remote(), CALL_TIMEOUT_S)
         except (TimeoutError, RayActorError):
             raise unavailable("class queue") from None
         return {**self.registry.status(), "demo_keys_active": self.registry.active_demo_keys(),
-                "in_flight_by_qos": in_flight, "overload_guard": self.guard.state()}
+                "in_flight_by_qos": queue["in_flight"],
+                "granted_idle_places_by_qos": queue["granted_idle"], "overload_guard": self.guard.state()}
 
     @api.post("/admin/cache/flush", responses=error_responses(400, 401, 403, 404, 503))
     async def admin_cache_flush(self, request: Request, body: FlushRequest | None = None) -> dict:

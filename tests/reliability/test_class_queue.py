@@ -31,3 +31,18 @@ def test_leave_frees_room_and_never_goes_negative():
 def test_classes_removed_from_the_config_are_not_counted():
     q = ClassQueue({"gold": 5})
     assert q.enter("batch", PRIORITIES, 1) is None
+
+
+def test_status_counts_requests_not_the_places_a_gateway_holds_idle():
+    """A gateway's grant of premium places counts as taken (max_queue holds across gateways)
+    but the operator's view of requests in flight leaves its idle places out."""
+    q = ClassQueue()
+    assert q.enter("standard", PRIORITIES, 10) is None
+    # (qos, max_queue, back, want, held, free): ask for 4 places, none held yet
+    assert q.sync_places("gw-a", PRIORITIES, [("premium", 10, 0, 4, False, 0)], seq=1) == \
+        [("premium", 4, True, False)]
+    assert q.snapshot() == {"standard": 1, "premium": 4}
+    assert q.status() == {"in_flight": {"standard": 1, "premium": 0}, "granted_idle": {"premium": 4}}
+    # one premium request admitted from the grant, reported at the next sync: 3 idle
+    q.sync_places("gw-a", PRIORITIES, [("premium", 10, 0, 1, True, 3)], seq=2)
+    assert q.status()["in_flight"]["premium"] == 1
