@@ -28,9 +28,11 @@ at the edge of a limit pay that wait. Grants are leased like tickets: a gateway 
 gives back its slots and places within the lease; the actors forget grants when they
 restart, and the next sync tells the gateway (``known`` False) to drop its free units.
 
-The admission actor's usage (``/admin/tenants``) counts a tenant's granted slots in its
-``in_flight`` and reports ``admitted_fast_lane`` (admitted from grants, part of
-``admitted_total``, counted at the gateway's next sync).
+The admission actor's usage (``/admin/tenants``) reports a tenant's requests in flight
+(``in_flight``: its slots taken less those the gateways held idle at their last sync),
+those ``granted_idle_slots``, and ``admitted_fast_lane`` (admitted from grants, part of
+``admitted_total``, counted at the gateway's next sync). ``/admin/tenants/status`` does the
+same per class (``in_flight_by_qos``, ``granted_idle_places_by_qos``).
 
 A higher class's places that a gateway held idle at its last sync do not count against a
 lower class's ``max_queue`` (they are not in flight), and a lower class's refusal never

@@ -419,7 +419,8 @@ class AdmissionController:
                 blank = _TenantState(TenantLimits(), day=int(now // SECONDS_PER_DAY))
                 return _usage_dict(tenant, blank, now)
             self._sync(tenant, st.limits, now)
-            return _usage_dict(tenant, st, now)
+            idle = sum(g[tenant].idle[2] for g in self._grants.values() if tenant in g)
+            return _usage_dict(tenant, st, now, idle)
 
     def usage_all(self, now: float | None = None) -> dict[str, dict]:
         """``usage`` of every tenant seen so far, by tenant name."""
@@ -512,9 +513,13 @@ def _reject(status: int, limit: str, reason: str, retry_after_s: float | None = 
                      limit=limit)
 
 
-def _usage_dict(tenant: str, st: _TenantState, now: float) -> dict:
+def _usage_dict(tenant: str, st: _TenantState, now: float, idle_slots: int = 0) -> dict:
+    """``in_flight``: requests (the slots counted taken less those gateways held idle in their
+    grants at their last sync, ``granted_idle_slots``)."""
     level = (lambda b: None if b is None else max(0.0, b.level))
-    return {"tenant": tenant, "in_flight": st.in_flight, "admitted_total": st.admitted_total,
+    idle_slots = min(idle_slots, st.in_flight)
+    return {"tenant": tenant, "in_flight": st.in_flight - idle_slots, "granted_idle_slots": idle_slots,
+            "admitted_total": st.admitted_total,
             "admitted_fast_lane": st.admitted_fast_lane,
             "rejected": dict(st.rejected), "utc_day": time.strftime(
                 "%Y-%m-%d", time.gmtime(st.day * SECONDS_PER_DAY)),

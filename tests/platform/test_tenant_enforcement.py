@@ -131,19 +131,19 @@ def test_admin_sees_all_tenants_and_a_tenant_only_itself(kvharbor_app):
 def test_premium_requests_take_the_fast_lane_and_are_accounted(kvharbor_app):
     """Through both gateways: premium requests are admitted from the gateways' grants (no
     admission call), the admission actor still counts every one, and once the tenant goes
-    quiet every granted slot is back (in_flight 0)."""
+    quiet every granted slot is back (in_flight and granted_idle_slots 0)."""
     admin = {"Authorization": f"Bearer {DEMO['admin']}"}
 
     def usage() -> dict:                           # a tenant not seen yet has no counters
         seen = httpx.get(kvharbor_app.base_url + "/admin/tenants", headers=admin,
                          timeout=30).json()["tenants"]["acme"]["usage"]
-        return {"in_flight": 0, "admitted_total": 0, "admitted_fast_lane": 0, **seen}
+        return {"in_flight": 0, "granted_idle_slots": 0, "admitted_total": 0, "admitted_fast_lane": 0, **seen}
 
     before = _wait_until(lambda: (u := usage())["in_flight"] == 0 and u)
     for i in range(12):
         r = _post(kvharbor_app, DEMO["premium"], prompt=f"fast lane {i}", max_tokens=1)
         assert r.status_code == 200, r.text
-    after = _wait_until(lambda: (u := usage())["in_flight"] == 0
+    after = _wait_until(lambda: (u := usage())["in_flight"] == u["granted_idle_slots"] == 0
                         and u["admitted_total"] == before["admitted_total"] + 12 and u)
     fast = after["admitted_fast_lane"] - before["admitted_fast_lane"]
     assert 6 <= fast <= 12, (before, after)      # the first request per gateway takes the calls

@@ -99,6 +99,11 @@ def test_a_tenant_sending_every_second_keeps_its_grant_between_requests():
             for _ in range(4):
                 await gw.lane.sync()
         assert paths == [False, True, True, True, True], paths
+        # Nothing runs: the operator's view has no request in flight, the slots the grant
+        # keeps idle are listed apart (and still count against the tenant's limit).
+        usage = cluster.controller.usage("acme")
+        assert usage["in_flight"] == 0 and usage["granted_idle_slots"] > 0, usage
+        assert cluster.controller._tenants["acme"].in_flight == usage["granted_idle_slots"]
 
     run(scenario())
 
