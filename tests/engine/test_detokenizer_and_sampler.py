@@ -83,6 +83,20 @@ def test_each_token_decodes_a_short_window_not_the_whole_output():
     assert max(seen) <= 4, f"decoded windows up to {max(seen)} ids"
 
 
+def test_a_delta_never_ends_in_half_a_character():
+    """Byte-level tokens: after the first byte of 'é' the text ends in U+FFFD; the stream
+    holds it back until the character is whole."""
+    tokenizer = byte_tokenizer()
+    detok = Detokenizer(tokenizer)
+    req = Request("r", [1], SamplingParams(max_tokens=8))
+    deltas = []
+    for t in tokenizer.encode("aé€b", add_special_tokens=False):
+        req.all_token_ids.append(t)
+        detok.update(req)
+        deltas.append(detok.delta(req, final=False))
+    assert "".join(deltas) == "aé€b" and not any("\ufffd" in d for d in deltas), deltas
+
+
 def _req(i: int, **kw) -> Request:
     return Request(f"r{i}", [1], SamplingParams(max_tokens=4, **kw))
 

@@ -57,6 +57,51 @@ def test_stop_string_truncates_text(llm):
     assert stop not in out.text
 
 
+def test_the_earliest_of_several_stop_strings_ends_the_text(llm):
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    text = llm.generate(["The harbor"], sp)[0].text
+    early, late = text[3:5], text[12:15]
+    assert text.find(early) == 3 and text.find(late) > 3
+    out = llm.generate(["The harbor"], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                                                      stop=[late, early]))[0]
+    assert out.finish_reason == "stop" and out.text == text[:3]
+    # Both complete at the same character (one ends the other): the earlier start wins.
+    k = next(i for i in range(3, len(text) - 3)
+             if text.find(text[i:i + 3]) == i and text.find(text[i + 1:i + 3]) == i + 1)
+    both = llm.generate(["The harbor"], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                                                       stop=[text[k + 1:k + 3], text[k:k + 3]]))[0]
+    assert both.text == text[:k]
+
+
+def test_min_tokens_holds_back_stop_tokens_until_reached(llm):
+    base = llm.generate(["hello"], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0]
+    first = base.token_ids[0]
+    held = llm.generate(["hello"], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True,
+                                                  stop_token_ids=[first], min_tokens=6))[0]
+    assert len(held.token_ids) >= 6
+    assert held.token_ids[:6] == base.token_ids[:6]
+    if held.finish_reason == "stop":                   # it stopped at the first later match
+        assert held.token_ids[-1] == first and first not in held.token_ids[6:-1]
+
+
+def test_a_stream_never_sends_text_a_stop_string_later_takes_back(llm):
+    """Deltas hold back the last len(stop) - 1 characters: streamed text that turned out to
+    begin the stop string would otherwise reach the client and then vanish from the answer."""
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    text = llm.generate(["The harbor"], sp)[0].text
+    stop = next(text[i:i + 4] for i in range(4, len(text) - 4) if "\ufffd" not in text[i:i + 4])
+    engine = llm.engine
+    engine.add_request("held", llm.encode("The harbor"),
+                       SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=[stop]))
+    streamed, final = "", None
+    while final is None:
+        for out in engine.step():
+            streamed += out.new_text
+            final = out if out.finished else None
+    assert final.text == text[:text.find(stop)]
+    assert streamed == final.text
+
+
 def test_streamed_deltas_add_up_and_abort_frees_blocks(llm):
     engine = llm.engine
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

@@ -40,6 +40,18 @@ def test_request_that_only_fits_with_pinned_prefix_blocks_is_rejected_at_once():
     llm.check_integrity()
 
 
+def test_a_cached_prefix_that_may_be_evicted_does_not_make_a_request_fit():
+    """Only hits on blocks pinned prefixes hold forever cost nothing: an ordinary cached
+    prefix can be evicted before the request runs, so a request longer than the cache is
+    refused even when its prefix is cached now."""
+    llm = LLM(device="cpu", num_kv_blocks=32)
+    prefix = _p(256, 1)                                              # 16 blocks, cached
+    assert llm.generate([prefix], _sp(1))[0].num_cached_tokens == 0
+    with pytest.raises(ValueError, match=r"needs 40 KV blocks but only 32 exist"):
+        llm.generate([prefix + _p(300, 2)], _sp(84))                 # 640 tokens: 40 blocks
+    llm.check_integrity()
+
+
 def test_request_that_stops_fitting_does_not_block_later_ones():
     """Capacity that shrinks after a request was queued (a prefix pinned meanwhile): the
     request is skipped, later requests run, and it is failed with a clear reason."""
