@@ -245,6 +245,16 @@ def test_401_comes_before_any_byte_of_the_body_is_read(kvharbor_app, key, declar
     assert elapsed < 15
 
 
+def test_a_declared_oversized_body_is_413_before_any_byte_of_it_is_read(kvharbor_app):
+    """A valid key announcing 64 MiB: the answer comes from the head alone (the client need
+    not upload what will be refused); the body never arrives."""
+    status, body, elapsed = _raw_headers_only(kvharbor_app.base_url, "/v1/completions",
+                                              DEMO["standard"], 64 * 1024 * 1024)
+    assert status == 413, body[:300]
+    assert httpx.Response(413, content=body).json()["error"]["code"] == "request_too_large"
+    assert elapsed < 15
+
+
 def test_unauthenticated_4mib_body_is_401_not_400(kvharbor_app):
     """4 MiB of invalid JSON under a wrong key: the answer is about the key, not the body."""
     junk = b"{" + b"x" * (4 * 1024 * 1024 - 1)
