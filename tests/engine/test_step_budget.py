@@ -11,7 +11,7 @@ from kvharbor import LLM
 from .conftest import random_prompt as _p
 from .conftest import greedy as _sp
 from kvharbor.config import DEFAULT_QOS
-from kvharbor.engine.step_budget import StepCostModel
+from kvharbor.engine.step_budget import StepBudget, StepCostModel
 
 
 def _llm(target_ms: float | None) -> LLM:
@@ -116,3 +116,26 @@ def test_a_premium_first_token_step_runs_with_only_the_minimum_lower_share():
     second = _plan(e)
     assert second["premium"] == 1 and len(second) == 9, second   # premium decode: all fit
     e.check_integrity()
+
+
+def _budget(a: float, b: float, target_s: float) -> StepBudget:
+    model = StepCostModel()
+    model.coef = [a, b, 0.0]
+    return StepBudget(model, target_s)
+
+
+def test_a_step_overhead_above_half_the_target_still_leaves_half_of_it_to_lower_classes():
+    """0.1 ms per token, 25 ms target: with 5 ms of overhead 200 tokens fit; with 20 ms of
+    overhead (a slow, contended machine) half the target stays variable, 125 tokens, not 50."""
+    assert 199 <= _budget(0.005, 1e-4, 0.025).room(1000) <= 200        # float rounding
+    assert 124 <= _budget(0.020, 1e-4, 0.025).room(1000) <= 125
+
+
+def test_a_lower_class_prefill_does_not_shrink_the_rest_of_the_step_to_the_minimum():
+    """Only a top-class prefill (its first token is this step) limits lower classes to the
+    minimum share; a trimmed prefill of 100 tokens leaves the rest of the variable room."""
+    budget = _budget(0.005, 1e-4, 0.025)
+    budget.add(100, trimmed=True, prefill=True)
+    assert 99 <= budget.room(1000) <= 100                # (20 ms - 10 ms) / 0.1 ms
+    budget.add(1, trimmed=False, prefill=True)
+    assert budget.room(1000) == 0
