@@ -68,7 +68,7 @@ QUIET_SYNCS = 12
 """Syncs with no arrival after which a tenant's or class's free units are all given back
 (3 s at the sync period; longer when the actors are slow to answer). A premium tenant that
 sends a request every second or two keeps its grant between them: with 2 syncs (0.5 s) only
-17-35 % of such a tenant's requests found one under a 2x flood, each of the others paid two
+26-35 % of such a tenant's requests found one under a 2x flood, each of the others paid two
 actor calls, and its p90 time to first token was 213-263 ms against 129-144 ms with 12 syncs
 (89-95 % from the grant; ``benchmarks/qos.py --premium-rate 1``, seeds 61 and 62). Units held
 idle are what the limits count as taken meanwhile; a refused request elsewhere recalls them."""
