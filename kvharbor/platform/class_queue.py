@@ -66,7 +66,7 @@ class ClassQueue:
         # Places of higher classes that their gateways held idle at the last sync are not in
         # flight: they do not shed this class (their own class still counts them; see
         # enter_or_recall). Approximate for the lower class, by what was used since that sync.
-        ahead -= sum(free for (_, name), free in self.idle.items()
+        ahead -= sum(free for name, free in self._idle_by_class().items()
                      if name in priorities and priorities[name] > mine)
         if ahead >= limit:
             return ahead
@@ -177,11 +177,16 @@ class ClassQueue:
         """What an operator reads: ``in_flight`` requests per class (places taken less those
         the gateways reported idle in their grants at their last sync; approximate by what a
         grant admitted since) and those ``granted_idle`` places."""
+        idle = self._idle_by_class()
+        return {"in_flight": {q: max(0, n - idle.get(q, 0)) for q, n in self.counts.items()},
+                "granted_idle": {q: n for q, n in idle.items() if n}}
+
+    def _idle_by_class(self) -> dict[str, int]:
+        """Places the gateways held idle at their last sync, summed per class."""
         idle: dict[str, int] = {}
         for (_, qos), free in self.idle.items():
             idle[qos] = idle.get(qos, 0) + free
-        return {"in_flight": {q: max(0, n - idle.get(q, 0)) for q, n in self.counts.items()},
-                "granted_idle": {q: n for q, n in idle.items() if n}}
+        return idle
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, allow_out_of_order_execution=True)

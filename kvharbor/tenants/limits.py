@@ -369,8 +369,7 @@ class AdmissionController:
     def _recall(self, tenant: str, st: _TenantState, lim: TenantLimits, cost: int) -> bool:
         """Call back the tenant's grants that were idle at their last sync, if what they hold
         would have admitted the refused request (lock held)."""
-        idle = [g for grants in self._grants.values()
-                if (g := grants.get(tenant)) is not None and any(g.idle)]
+        idle = self._idle_grants(tenant)
         free_r, free_t, free_s = (sum(g.idle[i] for g in idle) for i in range(3))
         helps = (
             (lim.max_concurrent_requests is None
@@ -384,6 +383,11 @@ class AdmissionController:
         for grant in idle:
             grant.recall = True
         return True
+
+    def _idle_grants(self, tenant: str) -> list[Grant]:
+        """The tenant's grants (one per gateway) that held idle units at their last sync (lock held)."""
+        return [g for grants in self._grants.values()
+                if (g := grants.get(tenant)) is not None and any(g.idle)]
 
     def _drop_grant(self, tenant: str, grant: Grant) -> None:
         """A holder that died: its slots come back; its unused units count as used."""
@@ -419,8 +423,8 @@ class AdmissionController:
                 blank = _TenantState(TenantLimits(), day=int(now // SECONDS_PER_DAY))
                 return _usage_dict(tenant, blank, now)
             self._sync(tenant, st.limits, now)
-            idle = sum(g[tenant].idle[2] for g in self._grants.values() if tenant in g)
-            return _usage_dict(tenant, st, now, idle)
+            idle_slots = sum(g.idle[2] for g in self._idle_grants(tenant))
+            return _usage_dict(tenant, st, now, idle_slots)
 
     def usage_all(self, now: float | None = None) -> dict[str, dict]:
         """``usage`` of every tenant seen so far, by tenant name."""
