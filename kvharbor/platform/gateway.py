@@ -46,6 +46,7 @@ from kvharbor.platform.body_limit import BodyLimitMiddleware
 from kvharbor.platform.class_queue import get_or_create_class_queue
 from kvharbor.platform.context_overflow import TRUNCATED_HEADER, truncate_oldest
 from kvharbor.platform.generation import GenerationRun, sse
+from kvharbor.platform.health import RunningReplicas
 from kvharbor.platform.ingress import running_mode, running_preset
 from kvharbor.platform.loopback import serve_grpc_on_node_address
 from kvharbor.platform.openai_protocol import (APIError, ChatRequest, ChatResponse,
@@ -67,7 +68,6 @@ api = FastAPI(title="kvharbor", version="0.1.0",
 api.add_middleware(BodyLimitMiddleware)
 api.add_middleware(AuthGateMiddleware)     # added last: runs first, before the body limit
 
-HEALTH_STATUS_TTL_S = 2.0      # /healthz asks Serve for the LLM replicas at most this often
 SSE = {"text/event-stream": {"schema": {
     "type": "object", "required": ["data"], "description": "with `stream: true`: one event per chunk",
     "properties": {"data": {"type": "string", "description": "a JSON chunk, or `[DONE]` last"}}}}}
@@ -283,7 +283,7 @@ class Gateway:
         self.admitter = Admitter(self.admission, self.class_queue, self.registry, self.metrics,
                                  guard=self.guard)
         self._watcher: asyncio.Task | None = None
-        self._replicas_seen: tuple[float, int] | None = None   # (when, running LLM replicas)
+        self.llm_replicas = RunningReplicas(llm)              # for /healthz
         if on_event_loop():                   # Serve runs constructors on the replica's loop
             self._start_watcher()
         self.caller = _own_actor_name()       # replicas abort our streams if this actor dies
@@ -353,7 +353,7 @@ class Gateway:
         (the app still starting, or every replica gone): with direct ingress the gateway serves
         HTTP before the replicas finish loading, and a request sent then waits for one."""
         self._start_watcher()                # tenants.yaml reloads even before the first call
-        replicas = await self._running_llm_replicas()
+        replicas = await self.llm_replicas.count()
         body = {"status": "ok" if replicas != 0 else "unavailable", "llm_replicas": replicas,
                 "model": self.model, "tenants_version": self.registry.version,
                 "tenants_sha256": self.registry.sha256,
@@ -363,22 +363,6 @@ class Gateway:
             body["detail"] = ("no LLM replica is running yet (the app is starting, or its "
                               "replicas failed): requests wait until one is")
         return JSONResponse(body, status_code=503 if replicas == 0 else 200)
-
-    async def _running_llm_replicas(self) -> int | None:
-        """Running replicas of the LLM deployment, from Serve's status (asked at most every
-        ``HEALTH_STATUS_TTL_S``, off the event loop); None when Serve cannot say (outside
-        Serve, or its controller did not answer in time): health does not flap on that."""
-        now = time.monotonic()
-        if self._replicas_seen is not None and now - self._replicas_seen[0] < HEALTH_STATUS_TTL_S:
-            return self._replicas_seen[1]
-        try:
-            status = await asyncio.wait_for(asyncio.to_thread(serve.status), timeout=5.0)
-            deployment = status.applications[self.llm.app_name].deployments[self.llm.deployment_name]
-            running = deployment.replica_states.get("RUNNING", 0)       # a str enum
-        except Exception:  # noqa: BLE001 - not under Serve, controller slow or restarting
-            return None
-        self._replicas_seen = (now, running)
-        return running
 
     @api.get("/v1/models", response_model=ModelList, responses=error_responses(401))
     async def models(self, request: Request) -> dict:

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import httpx
 
 from kvharbor.platform import gateway
+from kvharbor.platform.health import RunningReplicas
 
 GatewayClass = gateway.Gateway.__bases__[0]          # the class serve.ingress wrapped
 
@@ -24,10 +25,10 @@ def _gateway() -> object:
     """A gateway with just what ``healthz`` reads (no Ray, no tenants file)."""
     gw = object.__new__(GatewayClass)
     gw._watcher = object()                            # the tenants watcher counts as started
-    gw._replicas_seen = None
     gw.registry = SimpleNamespace(version=1, sha256="0" * 64)
     gw.config, gw.model = {}, "kvharbor/tiny-llama"
     gw.llm = SimpleNamespace(app_name="app", deployment_name="LLMReplica")
+    gw.llm_replicas = RunningReplicas(gw.llm)
     return gw
 
 
