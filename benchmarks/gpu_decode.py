@@ -290,6 +290,12 @@ def parse_args(argv=None):
     p.add_argument("--profile-replays", type=int, default=0,
                    help="also trace this many replays of the full-batch graph with "
                         "torch.profiler and report GPU time per kernel and per group")
+    p.add_argument("--blas", nargs="+", choices=["default", "cublas", "cublaslt"],
+                   default=["default"],
+                   help="torch's BLAS library for the products (torch.backends.cuda."
+                        "preferred_blas_library), set before each engine is built so its graphs "
+                        "capture that library's kernels; several values run every mode under "
+                        "each, in the order given (repeat them to alternate)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoints", type=Path, default=Path("/tmp/kvh-gpu-checkpoints"))
     p.add_argument("--peak-gbps", type=float, default=None)
@@ -315,7 +321,12 @@ def main(argv=None) -> int:
         vocab = SHAPES[model][1]["vocab_size"]
         rng = random.Random(args.seed)
         prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt)] for _ in range(args.batch)]
-        results = [run_mode(ckpt, mode, args, prompts) for mode in args.modes]
+        results = []
+        for blas in args.blas:
+            torch.backends.cuda.preferred_blas_library(blas)
+            for mode in args.modes:
+                results.append(dict(run_mode(ckpt, mode, args, prompts), blas=blas))
+        torch.backends.cuda.preferred_blas_library("default")
         ran = [r for r in results if "skipped" not in r]
         ref = ran[0]["tokens"] if ran else None
         for r in results:
@@ -336,7 +347,7 @@ def main(argv=None) -> int:
             rows.append(r)
     print(f"{name}; copy bandwidth {bw:.0f} GB/s (datasheet {peak} GB/s); batch {args.batch}, "
           f"prompt {args.prompt}, {args.steps} timed decode steps after {args.warmup}")
-    cols = ("model", "mode", "steps_run_ahead", "graph_replay_ms_p50", "forward_ms_p50", "step_ms_p50",
+    cols = ("model", "mode", "blas", "steps_run_ahead", "graph_replay_ms_p50", "forward_ms_p50", "step_ms_p50",
             "step_ms_mean", "outside_execute_ms_p50",
             "roofline_ms_measured_bw",
             "forward_x_roofline", "step_x_roofline", "tokens_agree_with_first_mode", "setup_s")
@@ -351,7 +362,7 @@ def main(argv=None) -> int:
         if "error" in prof:
             print(f"{r['model']} {r['mode']}: kernel profile failed: {prof['error']}")
             continue
-        print(f"{r['model']} {r['mode']}: replay {prof['replay_us_under_profiler']:.1f} us under the "
+        print(f"{r['model']} {r['mode']} ({r['blas']}): replay {prof['replay_us_under_profiler']:.1f} us under the "
               f"profiler, kernels {prof['kernel_us_per_step']:.1f} us in "
               f"{prof['kernel_calls_per_step']:.0f} launches, gaps {prof['gaps_us_per_step']:.1f} us")
         for g, v in prof["groups"].items():
@@ -374,7 +385,8 @@ def plot(rows: list[dict], path: Path, title: str, batch: int) -> None:
     import matplotlib.pyplot as plt
 
     rows = [r for r in rows if "skipped" not in r]
-    labels = [f"{r['model']}\n{r['mode']}" for r in rows]
+    labels = [f"{r['model']}\n{r['mode']}" + (f"\n{r['blas']}" if r.get("blas", "default") != "default" else "")
+              for r in rows]
     x = range(len(rows))
     fig, ax = plt.subplots(figsize=(max(5, 2.2 * len(rows)), 4))
     ax.bar([i - 0.27 for i in x], [r["roofline_ms_measured_bw"] for r in rows], 0.27, label="roofline")

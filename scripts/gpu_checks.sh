@@ -4,11 +4,19 @@
 # Each stage has its own time limit so a slow one cannot starve the rest; everything is logged
 # to $OUT/log.txt and the benchmarks write their JSON/PNG to $OUT.
 #   usage: bash scripts/gpu_checks.sh [stage ...]
-#   stages: tests decode kernels rule profile shapes heldout; default: tests decode kernels.
+#   stages: tests decode kernels rule profile shapes heldout blas pipeline splits splitrule grid;
+#   default: tests decode kernels.
 #   `rule` runs the decode attention with its default launch rule (no sweep) on points the
 #   rule was not read off; `profile` times each kernel inside the replayed decode graph;
 #   `shapes` sweeps the attention at the decode benchmark's shapes; `heldout` sweeps head dim
-#   128 at points no earlier sweep had.
+#   128 at points no earlier sweep had; `blas` runs the decode benchmark's graphs under torch's
+#   default BLAS choice and cuBLASLt, alternated; `pipeline` sweeps the attention's pipeline
+#   stages (num_stages 1-4) at head dim 128 on the `heldout` points, decode path on; `splits`
+#   sweeps the split count at head dim 128, batch 16 and 32, 4k and 16k with the decode path
+#   (the batch-16 sweep above ran before it existed); `splitrule` sweeps split counts and key
+#   tiles at points a candidate rule (3 waves; rejected, docs/benchmarks.md) was not read off
+#   (head dim 128 and 64, 32/8 heads; qwen2-0.5b's 14/2); `grid` sweeps them on a grid of
+#   batch sizes and contexts that none of those points share.
 # The CPU kernels' tests (test_cpu_*.py) and test_engine_kernels.py's quantized-cache tests
 # (device="cpu") are not run here: they are CPU code, tested in CI. On the H200 (2026-11-26
 # 15:04) those CPU tests did not finish their setup in 120 s under 16 workers, while every GPU
@@ -93,6 +101,43 @@ SWEEP=(--batch 16 64 --context 4096 16384 --sweep-splits 1 4 8 16 --sweep-block-
         timeout ${KERNELS_TIMEOUT:-80} python3 benchmarks/kernels.py --out "$OUT" --tag _heldout \
           --batch 8 24 40 --context 6144 12288 --sweep-splits 1 2 4 8 16 --sweep-block-n 64 128 \
           --sweep-warps 4 && rm -f "$OUT/kernels_decode_heldout.png" ;;
+      blas)
+        timeout ${BLAS_TIMEOUT:-150} python3 benchmarks/gpu_decode.py --model llama-1b qwen2-0.5b \
+          --modes graphs --blas default cublaslt default cublaslt --profile-replays 10 \
+          --tag _blas --out "$OUT" 2>&1 | grep -v "it/s\]" ;;
+      pipeline)
+        timeout ${KERNELS_TIMEOUT:-100} python3 benchmarks/kernels.py --out "$OUT" --tag _pipeline \
+          --batch 8 24 40 --context 6144 12288 --sweep-splits 1 2 4 8 --sweep-block-n 128 \
+          --sweep-warps 4 --sweep-stages 1 2 3 4 --sweep-decode-only 1 \
+          && rm -f "$OUT/kernels_decode_pipeline.png"
+        timeout ${KERNELS_TIMEOUT:-60} python3 benchmarks/kernels.py --out "$OUT" --tag _pipeline_n64 \
+          --batch 8 24 40 --context 6144 12288 --sweep-splits 1 --sweep-block-n 64 \
+          --sweep-warps 4 --sweep-stages 1 2 3 4 --sweep-decode-only 1 \
+          && rm -f "$OUT/kernels_decode_pipeline_n64.png" ;;
+      splits)
+        timeout ${KERNELS_TIMEOUT:-60} python3 benchmarks/kernels.py --out "$OUT" --tag _splits \
+          --batch 16 32 --context 4096 16384 --sweep-splits 1 2 4 8 16 --sweep-block-n 128 \
+          --sweep-warps 4 --sweep-decode-only 1 && rm -f "$OUT/kernels_decode_splits.png" ;;
+      splitrule)
+        SR=(--sweep-splits 1 2 4 8 16 --sweep-block-n 64 128 --sweep-warps 4 --sweep-decode-only 1)
+        timeout ${KERNELS_TIMEOUT:-110} python3 benchmarks/kernels.py --out "$OUT" --tag _splitrule \
+          --batch 12 20 28 56 64 --context 5120 10240 "${SR[@]}" && rm -f "$OUT/kernels_decode_splitrule.png"
+        timeout ${KERNELS_TIMEOUT:-60} python3 benchmarks/kernels.py --out "$OUT" --head-dim 64 \
+          --tag _splitrule_hd64 --batch 20 48 --context 5120 10240 "${SR[@]}" \
+          && rm -f "$OUT/kernels_decode_splitrule_hd64.png"
+        timeout ${KERNELS_TIMEOUT:-40} python3 benchmarks/kernels.py --out "$OUT" --head-dim 64 \
+          --q-heads 14 --kv-heads 2 --tag _splitrule_qwen --batch 16 32 --context 4096 "${SR[@]}" \
+          && rm -f "$OUT/kernels_decode_splitrule_qwen.png" ;;
+      grid)
+        G=(--batch 4 10 14 22 30 44 60 80 --sweep-warps 4 --sweep-decode-only 1)
+        timeout ${KERNELS_TIMEOUT:-120} python3 benchmarks/kernels.py --out "$OUT" --head-dim 64 \
+          --tag _grid_hd64 --context 3072 8192 20480 --sweep-splits 1 2 4 8 16 --sweep-block-n 128 \
+          "${G[@]}" && rm -f "$OUT/kernels_decode_grid_hd64.png"
+        for c in 3072 8192 20480; do
+          timeout ${KERNELS_TIMEOUT:-120} python3 benchmarks/kernels.py --out "$OUT" --tag _grid_$c \
+            --context $c --sweep-splits 1 2 4 8 16 --sweep-block-n 64 128 "${G[@]}" \
+            && rm -f "$OUT/kernels_decode_grid_$c.png"
+        done ;;
       rule)
         timeout ${KERNELS_TIMEOUT:-50} python3 benchmarks/kernels.py --out "$OUT" --tag _rule \
           "${HELD_OUT[@]}"
