@@ -208,7 +208,9 @@ def default_tile(num_tokens: int, num_seqs: int, group: int, head_dim: int,
 
     A decode step over a 16-bit cache reads 128 keys per step when it is split or its heads
     are at most 64 wide, else 64: measured on an H200 (docs/benchmarks.md), 128 keys ran
-    1.1-1.8x faster at those points and 15% slower unsplit at head dim 128 (batch 64)."""
+    1.1-1.8x faster at those points and 15% slower unsplit at head dim 128 (batch 64). With
+    the decode path: 16-19% slower unsplit at batch 56 and 64, the batches left unsplit at
+    8 KV heads, though 1.14-1.44x faster unsplit at batch 8-40, which the split rule splits."""
     group_pad = triton.next_power_of_2(group)
     if num_tokens == num_seqs:
         wide = cache_bytes == 2 and (num_splits > 1 or head_dim <= 64)

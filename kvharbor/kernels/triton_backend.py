@@ -18,10 +18,13 @@ MIN_KEYS_PER_SPLIT = 512
 MAX_SPLITS = 32
 TARGET_WAVES = 4
 """Split-K aims at this many waves of (sequence, KV head, split) programs over the SMs, and
-splits only batches under :data:`SPLIT_BELOW_WAVES` waves unsplit. From a sweep on an H200
-(docs/benchmarks.md, "Decode attention on an H200"): at batch 16 x 8 KV heads (128 programs)
-4-16 splits ran 1.2-1.8x faster than the 2 that a two-wave target gave; at batch 64 (512
-programs, ~3.9 waves) no split was within 1-3% of the best."""
+splits only batches under :data:`SPLIT_BELOW_WAVES` waves unsplit. Read off a sweep on an H200
+before the kernel had its decode path (docs/benchmarks.md, "Decode attention on an H200"),
+where at batch 16 x 8 KV heads 4-16 splits ran 1.2-1.8x faster than 2. With the decode path
+(fourth GPU session) 2 splits are the fastest there (68.9 against 80.4 us at 4k), and the
+rule's config is up to 28% slower than the best at other points (head dim 64, batch 48); two
+replacement rules were tried on points they were not read off and lost
+(scripts/split_candidates.py)."""
 SPLIT_BELOW_WAVES = 3
 DEFAULT_NUM_SMS = 132
 """H100 SXM; used when the device reports no SM count (CPU under the interpreter)."""
