@@ -77,6 +77,16 @@ def test_bad_keys_are_401(kvharbor_app, key, status, code):
     assert r.json()["error"]["code"] == code
 
 
+@pytest.mark.parametrize("scheme", ["bearer", "BEARER"])
+def test_the_auth_scheme_is_case_insensitive(kvharbor_app, scheme):
+    """RFC 9110: the scheme of ``Authorization`` is case-insensitive; a client that sends
+    ``bearer <key>`` is served."""
+    r = httpx.post(kvharbor_app.base_url + "/v1/completions",
+                   headers={"Authorization": f"{scheme} {DEMO['standard']}"},
+                   json={"model": kvharbor_app.model, "prompt": "x", "max_tokens": 1}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
 def test_unknown_model_is_404_and_context_overflow_is_400(client, kvharbor_app):
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="gpt-4", prompt="x")

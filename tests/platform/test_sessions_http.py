@@ -64,6 +64,27 @@ def test_completions_take_the_header_too(kvharbor_app):
         assert c.delete(f"/v1/sessions/{sid}").status_code == 200
 
 
+def test_a_128_character_session_id_is_accepted(kvharbor_app):
+    sid = "a" * 128                                    # the longest id; 129 is refused below
+    with kvharbor_app.client(DEMO["standard"]) as c:
+        r = c.post("/v1/chat/completions", headers={"X-Session-ID": sid}, json={
+            "model": kvharbor_app.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert r.status_code == 200 and r.headers["x-session-id"] == sid, r.text
+        assert c.delete(f"/v1/sessions/{sid}").status_code == 200
+
+
+def test_two_session_headers_are_a_400(kvharbor_app):
+    """Two X-Session-ID headers name two conversations: the request is refused, not served
+    under either."""
+    with kvharbor_app.client(DEMO["standard"]) as c:
+        r = c.post("/v1/chat/completions", headers=[("X-Session-ID", "one"), ("X-Session-ID", "two")],
+                   json={"model": kvharbor_app.model, "messages": [{"role": "user", "content": "hi"}],
+                         "max_tokens": 2})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["code"] == "invalid_session_id" and "not 2" in err["message"]
+
+
 @pytest.mark.parametrize("value", ["", "has space", "x" * 129, "-leading-dash", "a/b"])
 def test_bad_session_header_is_a_400_json(kvharbor_app, value):
     with kvharbor_app.client(DEMO["standard"]) as c:

@@ -128,3 +128,16 @@ def test_batch_class_streams_in_chunks_and_counts_tokens_per_chunk(kvharbor_app)
         assert all(size >= interval for size in sizes[1:-1]), (qos, sizes)
     assert len(counts["batch"]) <= 4 < len(counts["premium"])
     assert texts["batch"] == texts["premium"]
+
+
+def test_continuous_usage_needs_include_usage(kvharbor_app):
+    """As in vLLM, ``continuous_usage_stats`` adds usage to every chunk only with
+    ``include_usage``: alone it sends no usage at all."""
+    body = {"model": kvharbor_app.model, "prompt": "Tides and ships", "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"continuous_usage_stats": True}}
+    with kvharbor_app.client(DEMO["premium"]) as c:
+        r = c.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    events = _sse(r.text)
+    assert sum(len(d["choices"][0]["text"]) > 0 for d in events if d.get("choices")) >= 1
+    assert not any(d.get("usage") for d in events), events

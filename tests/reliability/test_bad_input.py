@@ -64,6 +64,15 @@ def test_too_many_stop_strings_is_400(client, kvharbor_app):
     assert_openai_error(r, 400, mentions=("stop", "at most 8"))
 
 
+def test_a_stop_string_over_256_characters_is_400(client, kvharbor_app):
+    """The engine checks every stop string against the text of each new token: their length is
+    bounded (256 characters is accepted, 257 is not)."""
+    ok = complete(client, kvharbor_app.model, "hi", stop=["s" * 256], max_tokens=1)
+    assert ok.status_code == 200, ok.text
+    r = complete(client, kvharbor_app.model, "hi", stop=["ok", "s" * 257])
+    assert_openai_error(r, 400, mentions=("stop", "256 characters"))
+
+
 def test_token_ids_outside_the_vocabulary_are_400(client, kvharbor_app):
     r = complete(client, kvharbor_app.model, [1, 2, 10**6])
     assert_openai_error(r, 400, mentions=("prompt", "[0, "))
