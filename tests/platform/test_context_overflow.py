@@ -24,6 +24,23 @@ def chat(turns: int, size: int = 100) -> list[dict]:
 def test_fitting_chat_is_untouched():
     fitted = truncate_oldest(chat(2), render, 10_000)
     assert fitted.dropped_tokens == 0 and len(fitted.token_ids) == len(render(chat(2)))
+    exact = len(render(chat(2)))                     # exactly the limit fits too
+    assert truncate_oldest(chat(2), render, exact).dropped_messages == 0
+
+
+def test_a_truncated_chat_may_fill_the_limit_exactly():
+    messages = chat(5)
+    limit = len(render(messages)) - 2 * 101          # room once u0 and a0 are gone
+    fitted = truncate_oldest(messages, render, limit)
+    assert fitted.dropped_messages == 2 and len(fitted.token_ids) == limit
+
+
+def test_an_assistant_turn_is_not_left_first():
+    """Dropping u0 alone would fit, but the chat would then open with a0: a0 goes too."""
+    messages = chat(5)
+    kept = []
+    fitted = truncate_oldest(messages, lambda m: kept.append(m) or render(m), len(render(messages)) - 101)
+    assert fitted.dropped_messages == 2 and [m["content"][:2] for m in kept[-1][:2]] == ["SS", "u1"]
 
 
 def test_oldest_turns_go_first_and_system_and_last_stay():

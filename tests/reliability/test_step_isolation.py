@@ -115,10 +115,11 @@ class _FakeStream:
 
 
 class _FakeLLM:
-    """Counts ``generate`` calls; every call answers with ``event``."""
+    """Counts ``generate`` calls; every call answers with ``event`` (or the events of a list)."""
 
     def __init__(self, event):
-        self.event, self.calls = event, 0
+        self.events = event if isinstance(event, list) else [event]
+        self.calls = 0
 
     def options(self, **_):
         return self
@@ -129,13 +130,17 @@ class _FakeLLM:
 
     def remote(self, request):
         self.calls += 1
-        return _FakeStream([self.event])
+        return _FakeStream(self.events)
 
 
 @pytest.mark.parametrize("event,status,calls", [
     ({"error": "bad", "status": 400, "retryable": False}, 400, 1),
     ({"error": "step failed on it", "status": 500, "retryable": False, "code": "engine_step_failed"}, 500, 1),
     ({"error": "replica engine failed", "status": 500}, 503, 3),
+    # a failure after a token reached the client is not retried: the retry would stream the
+    # answer again from its start after the text already sent
+    ([{"token_ids": [5], "text": "x", "finish_reason": None},
+      {"error": "replica engine failed", "status": 500}], 503, 1),
 ])
 def test_gateway_retries_only_replica_failures(event, status, calls, monkeypatch):
     from types import SimpleNamespace
