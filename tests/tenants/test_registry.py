@@ -105,6 +105,20 @@ def test_admin_keys_are_separate_from_tenant_keys(registry):
         registry.authenticate(KEYS["admin"])
 
 
+def test_an_admin_key_stops_being_admin_when_it_expires_or_is_revoked(tmp_path, clock):
+    path = tmp_path / "t.yaml"
+    write(path)
+    text = path.read_text().replace(
+        f'admin_keys: ["{hash_key(KEYS["admin"])}"]',
+        f'admin_keys:\n  - hash: "{hash_key(KEYS["admin"])}"\n    expires: 2027-01-15T09:00:00Z\n'
+        f'  - hash: "{hash_key("kvh-test-admin2")}"\n    revoked: rotated')
+    path.write_text(text)
+    registry = TenantRegistry(path, clock=clock)
+    assert registry.is_admin(KEYS["admin"]) and not registry.is_admin("kvh-test-admin2")
+    clock.now = T0 + 3601                            # past 09:00 UTC
+    assert not registry.is_admin(KEYS["admin"])
+
+
 def test_disallowed_model_is_403(registry):
     alice = registry.authenticate(KEYS["live"])
     registry.check_model(alice, "small-model")
