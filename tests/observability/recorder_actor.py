@@ -69,6 +69,14 @@ class Recorder:
         m.overload_guard(0.004 * scale, 20 * scale, 6 * scale, where="proxy")
         m.directory_resync("replica_resync")
 
+    def record_unknown_labels(self, tenant: str) -> None:
+        """Label values outside their fixed sets: a status, an ingress, a rate-limit reason."""
+        from kvharbor.observability.metrics import get_metrics
+
+        m = get_metrics()
+        m.request_finished(tenant, "standard", "teapot", "sideways")
+        m.rate_limited(tenant, "moon_phase")
+
 
 def scrape_until(patterns: list[str], timeout_s: float = 40.0) -> str:
     """Ray's metrics text once every regex in ``patterns`` matches a line; raises on timeout."""

@@ -26,9 +26,12 @@ def test_actor_records_every_metric_with_expected_names_and_labels(ray_cluster):
     try:
         assert ray_cluster.get(actor.recorder_type.remote()) == "KvharborMetrics"
         ray_cluster.get(actor.record_all.remote(TENANT, REPLICA))
+        ray_cluster.get(actor.record_unknown_labels.remote(TENANT))
         recorded_at = time.monotonic()
         text = scrape_until([rf"^{name}\{{.*" for spec in METRICS for name in scraped_names(spec)]
                             + [rf'^ray_kvharbor_requests_total\{{.*tenant="{TENANT}"',
+                               rf'^ray_kvharbor_requests_total\{{.*qos="standard".*tenant="{TENANT}"',
+                               rf'^ray_kvharbor_rate_limited_total\{{.*reason="other".*tenant="{TENANT}"',
                                rf'^ray_kvharbor_kv_blocks\{{.*replica="{REPLICA}"'])
         # Ray forgets a gauge ~20 s after its last set(); ours are re-sent, so they stay.
         time.sleep(max(0.0, recorded_at + GAUGE_TTL_S + 10 - time.monotonic()))
@@ -45,6 +48,11 @@ def test_actor_records_every_metric_with_expected_names_and_labels(ray_cluster):
     assert ok.endswith(" 1.0")
     assert _line(text, "ray_kvharbor_requests_total", tenant=TENANT, qos="batch", status="error",
                  ingress="main").endswith(" 1.0")
+    # label values outside their sets are counted as "other" (a bounded label set)
+    assert _line(text, "ray_kvharbor_requests_total", tenant=TENANT, qos="standard", status="other",
+                 ingress="other").endswith(" 1.0")
+    assert _line(text, "ray_kvharbor_rate_limited_total", tenant=TENANT, reason="other").endswith(" 1.0")
+    assert not any(v in text for v in ("teapot", "sideways", "moon_phase"))
     limited = _line(text, "ray_kvharbor_rate_limited_total", tenant=TENANT,
                     reason="tokens_per_minute")
     assert limited.endswith(" 1.0")
