@@ -105,10 +105,16 @@ def test_daily_budget_resets_at_utc_midnight(adm):
     assert late.status == 429 and late.limit == "daily_token_budget"
     assert late.retry_after_s == pytest.approx(57_600 - 60)
     run(client.release(first.ticket, tokens_used=500, now=T0 + 60))     # 300 refunded
-    assert run(client.try_admit(tenant, lim, 100, 200, now=T0 + 60)).ok  # 500 + 300 <= 1000
+    second = run(client.try_admit(tenant, lim, 100, 200, now=T0 + 60))  # 500 + 300 <= 1000
+    assert second.ok
     assert not run(client.try_admit(tenant, lim, 100, 200, now=T0 + 61)).ok
+    assert not run(client.try_admit(tenant, lim, 100, 101, now=T0 + 61)).ok  # 800 + 201 > 1000
+    assert run(client.try_admit(tenant, lim, 100, 100, now=T0 + 61)).ok  # 800 + 200: exactly 1000
     assert run(client.try_admit(tenant, lim, 100, 200, now=T0 + 57_600)).ok
     assert run(client.usage(tenant, now=T0 + 57_600))["tokens_today"] == 300
+    # yesterday's request ends today: its unused tokens go back to yesterday, not today
+    run(client.release(second.ticket, tokens_used=0, now=T0 + 57_601))
+    assert run(client.usage(tenant, now=T0 + 57_601))["tokens_today"] == 300
 
 
 def test_longest_wait_wins_when_several_limits_refuse(adm):
