@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 
 from kvharbor.tenants.leases import LeaseKeeper, LeaseTable
 
@@ -48,6 +49,33 @@ def test_keeper_renews_what_it_holds_and_forgets_what_the_actor_lost():
     alive, held = asyncio.run(scenario())
     assert alive == ["a", "b"] and len(calls) >= 5
     assert held == set()                          # b forgotten after the actor said so; a dropped
+
+
+def test_a_failed_renewal_is_tried_again_next_period():
+    """An actor call that fails (a timeout, a restarting actor) must not end the renewals:
+    the leases would then run out under requests that are still running."""
+    table = LeaseTable(lease_s=0.35)
+    calls = []
+
+    async def renew(ids):
+        calls.append(list(ids))
+        if len(calls) == 1:
+            raise ConnectionError("actor unreachable")
+        return table.renew(ids)
+
+    async def scenario():
+        keeper = LeaseKeeper(renew, period_s=0.1)
+        table.add("a", "slot-a")
+        keeper.hold("a")
+        await asyncio.sleep(0.8)                  # > 2 lease times after the failed call
+        expired = table.expire()
+        keeper.drop("a")
+        return expired
+
+    expired = asyncio.run(scenario())
+    gc.collect()        # a renewal task that died logs now, not inside pytest's failure report
+    assert expired == [], "the lease ran out: renewals stopped after the failed one"
+    assert len(calls) >= 4, calls
 
 
 class FakeClock:
