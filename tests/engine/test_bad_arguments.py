@@ -54,3 +54,23 @@ def test_bad_engine_options():
         LLM(device="cpu", kv_cache_dtype="int4")
     with pytest.raises(ValueError, match="pinned_kv_blocks"):
         LLM(device="cpu", num_kv_blocks=8, pinned_kv_blocks=9)
+
+
+def test_prompt_and_max_tokens_may_fill_the_context_exactly(llm):
+    """prompt + max_tokens == max_model_len is served; one token more is refused."""
+    out = llm.generate([[1] * 508], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4
+    with pytest.raises(ValueError, match="509 tokens.*= 513 exceeds the model's context of 512"):
+        llm.generate([[1] * 509], SamplingParams(max_tokens=4))
+
+
+def test_empty_prompts_and_reused_request_ids_are_refused(llm):
+    with pytest.raises(ValueError, match="at least one token"):
+        llm.generate([[]], SamplingParams(max_tokens=2))
+    engine = llm.engine
+    engine.add_request("same-id", [1, 2, 3], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="'same-id' is already in use"):
+        engine.add_request("same-id", [4, 5, 6], SamplingParams(max_tokens=2))
+    before = engine.stats()["requests_aborted"]
+    assert engine.abort("same-id") and not engine.abort("same-id")
+    assert engine.stats()["requests_aborted"] == before + 1 and not engine.has_unfinished()

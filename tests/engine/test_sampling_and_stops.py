@@ -137,3 +137,19 @@ def test_denormal_top_p_keeps_the_most_likely_token(llm):
     out = llm.generate(["edge"], SamplingParams(max_tokens=6, temperature=1.0, top_p=5e-324, seed=1,
                                                 ignore_eos=True))[0]
     assert out.token_ids == greedy.token_ids
+
+
+def test_eos_stops_a_request_unless_ignore_eos(llm):
+    """A generated end-of-sequence token ends the request ("stop"); with ``ignore_eos`` it
+    goes on to max_tokens. (The model's EOS id is set to a token its greedy output has.)"""
+    free = llm.generate(["tide"], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    k = next(i for i in range(2, 12) if free.token_ids[i] not in free.token_ids[:i])
+    engine = llm.engine
+    saved, engine.eos_ids = engine.eos_ids, {free.token_ids[k]}
+    try:
+        stopped = llm.generate(["tide"], SamplingParams(max_tokens=12, temperature=0))[0]
+        ignored = llm.generate(["tide"], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    finally:
+        engine.eos_ids = saved
+    assert stopped.finish_reason == "stop" and stopped.token_ids == free.token_ids[:k + 1]
+    assert ignored.finish_reason == "length" and ignored.token_ids == free.token_ids
