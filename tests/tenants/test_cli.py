@@ -91,12 +91,78 @@ def test_untouched_parts_of_the_file_are_byte_identical(tenants_file, capsys):
     (["add", "newco", "--qos", "batch", "--cache-scope", "team"], "cache_scope 'team'"),
     (["rotate-key", "nobody"], "no tenant 'nobody'"),
     (["revoke-key", "acme", "--hash-prefix", "ffffffff"], "no key of tenant 'acme'"),
+    (["revoke-key", "acme", "--hash-prefix", "9cf"], "at least 4 hex characters"),
 ])
 def test_bad_edits_change_nothing(tenants_file, capsys, argv, words):
     before = tenants_file.read_text()
     assert main([*argv, "--file", str(tenants_file)]) == 1
     assert words in capsys.readouterr().err
     assert tenants_file.read_text() == before
+
+
+@pytest.mark.parametrize("argv", [["revoke-key", "--hash-prefix", "9cf0"],
+                                  ["revoke-key", "acme", "--admin", "--hash-prefix", "9cf0"]])
+def test_revoke_needs_a_tenant_or_admin_but_not_both(tenants_file, capsys, argv):
+    before = tenants_file.read_text()
+    assert main([*argv, "--file", str(tenants_file)]) == 2
+    assert "give a tenant NAME, or --admin" in capsys.readouterr().err
+    assert tenants_file.read_text() == before
+
+
+def _with_acme_keys(tenants_file, *entries: str) -> None:
+    """Replace acme's demo key with ``entries`` (YAML lines of key mappings)."""
+    text = tenants_file.read_text()
+    demo = ('      - hash: "9cf0108def0d9414fd22f5bcb7e23806fa423381dad29ce708aa3e1b58db6c43"\n'
+            '        label: demo key (public, see README)\n')
+    assert demo in text
+    tenants_file.write_text(text.replace(demo, "".join(entries)))
+
+
+def test_a_hash_prefix_must_name_one_key_and_any_case_does(tenants_file, capsys):
+    a, b = "abcd" + "0" * 60, "abcd" + "1" * 60
+    _with_acme_keys(tenants_file, f'      - hash: "{a}"\n', f'      - hash: "{b}"\n')
+    f = ["--file", str(tenants_file)]
+    before = tenants_file.read_text()
+    assert main(["revoke-key", "acme", "--hash-prefix", "abcd", *f]) == 1
+    assert "2 keys of tenant 'acme'" in capsys.readouterr().err
+    assert tenants_file.read_text() == before
+    assert main(["revoke-key", "acme", "--hash-prefix", "ABCD1", *f]) == 0    # hex in any case
+    keys = TenantRegistry(tenants_file).config.tenants["acme"].keys
+    assert [k.is_revoked() for k in keys] == [False, True]
+
+
+def test_rotation_never_extends_an_old_key_nor_touches_a_dead_one(tenants_file, capsys):
+    """Old keys get at most the grace period: one that expires sooner keeps its expiry, and
+    an expired or revoked key is left as it is (not listed, not revoked again)."""
+    soon, dead, gone, live = ("a" * 64, "b" * 64, "c" * 64, "d" * 64)
+    _with_acme_keys(tenants_file,
+                    f'      - hash: "{soon}"\n        expires: 2030-01-01T01:00:00Z\n',
+                    f'      - hash: "{dead}"\n        expires: 2020-01-01T00:00:00Z\n',
+                    f'      - hash: "{gone}"\n        revoked: leaked\n',
+                    f'      - hash: "{live}"\n')
+    from datetime import datetime, timezone
+
+    from kvharbor.tenants.edit import TenantsDocument
+
+    doc = TenantsDocument(tenants_file)
+    now = datetime(2030, 1, 1, tzinfo=timezone.utc)
+    _, changes = doc.rotate_key("acme", now=now)                          # 24 h grace
+    assert [c[:8] for c in changes] == ["dddddddd"]                      # only the live key
+    doc.save()
+    keys = {k.hash: k for k in TenantRegistry(tenants_file).config.tenants["acme"].keys}
+    assert keys[soon].expires == datetime(2030, 1, 1, 1, tzinfo=timezone.utc)   # not extended
+    assert keys[live].expires == datetime(2030, 1, 2, tzinfo=timezone.utc)
+    assert keys[dead].expires.year == 2020 and keys[gone].revoked == "leaked"
+    _, changes = TenantsDocument(tenants_file).rotate_key("acme", revoke_old=True, now=now)
+    ids = {c[:8] for c in changes}              # the live ones, and the key rotated in above
+    assert {"aaaaaaaa", "dddddddd"} <= ids and not ids & {"bbbbbbbb", "cccccccc"} and len(ids) == 3
+
+
+def test_an_unknown_limit_is_refused_by_name(tenants_file):
+    from kvharbor.tenants.edit import EditError, TenantsDocument
+
+    with pytest.raises(EditError, match="unknown limit 'rpm'"):
+        TenantsDocument(tenants_file).add_tenant("newco", "batch", limits={"rpm": 3})
 
 
 def test_revoke_admin_key(tenants_file, capsys):
