@@ -11,7 +11,7 @@ import httpx
 import yaml
 
 from tests.conftest import DEMO, TEST_KEYS
-from tests.reliability.helpers import wait_tenants_applied
+from tests.reliability.helpers import edited_tenants, wait_tenants_applied
 
 
 def _post(app, key: str, prompt: str = "hi", max_tokens: int = 2, **extra) -> httpx.Response:
@@ -53,6 +53,24 @@ def test_rate_limit_holds_across_two_gateway_replicas(kvharbor_app):
     assert statuses.count(200) == 6, statuses
     assert statuses.count(429) == 4
     assert all(s >= 1 for s in retry_after)
+    # a refused request gave its class-queue place back: nothing of the class is left in flight
+    status = httpx.get(kvharbor_app.base_url + "/admin/tenants/status",
+                       headers={"Authorization": f"Bearer {DEMO['admin']}"}).json()
+    assert status["in_flight_by_qos"].get("standard", 0) == 0, status["in_flight_by_qos"]
+
+
+def test_a_reload_that_raises_a_limit_ends_the_refusals_at_once(kvharbor_app):
+    """A gateway remembers a requests_per_minute refusal until its Retry-After, but only
+    under the tenants file that refused: raising the limit serves the tenant right away."""
+    def limit(rpm):
+        return lambda doc: doc["tenants"]["limited"].__setitem__("requests_per_minute", rpm)
+
+    with edited_tenants(kvharbor_app, limit(1)):
+        statuses = [_post(kvharbor_app, TEST_KEYS["limited"], max_tokens=1).status_code for _ in range(4)]
+        assert statuses.count(429) >= 3, statuses
+        with edited_tenants(kvharbor_app, limit(10_000)):
+            after = [_post(kvharbor_app, TEST_KEYS["limited"], max_tokens=1).status_code for _ in range(8)]
+    assert after == [200] * 8, after
 
 
 def test_max_tokens_per_request_is_400(kvharbor_app):
