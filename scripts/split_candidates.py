@@ -19,10 +19,16 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvharbor.kernels.paged_attention import default_tile  # noqa: E402
+from kvharbor.kernels.triton_backend import MAX_SPLITS, MIN_KEYS_PER_SPLIT, choose_num_splits  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
-SMS, MIN_KEYS = 132, 512
+SMS = 132                                    # the H200's streaming multiprocessors
 SPLITRULE = ("splitrule", "splitrule_hd64", "splitrule_qwen")
 """The points no sweep had when ``waves3`` was written down (it was read off the other two)."""
 HELD_OUT = SPLITRULE + ("pipeline", "pipeline_n64", "splits_decodepath")
@@ -49,13 +55,14 @@ def sweeps(names):
 
 
 def current(hd, kvh, batch, ctx):
-    p = batch * kvh
-    s = 1 if p >= 3 * SMS else pow2_floor(min(-(-4 * SMS // p), ctx // MIN_KEYS, 32))
-    return s, 128 if s > 1 or hd <= 64 else 64
+    """The shipped rule: the backend's split count and the kernel's decode tile (16-bit cache;
+    the tile's key count does not depend on the query-head group, passed as 1)."""
+    s = choose_num_splits(batch, batch, kvh, ctx, SMS)
+    return s, default_tile(batch, batch, 1, hd, 2, s)[1]
 
 
 def waves3(hd, kvh, batch, ctx):
-    return pow2_floor(min(3 * SMS // (batch * kvh), ctx // MIN_KEYS, 32)), 128
+    return pow2_floor(min(3 * SMS // (batch * kvh), ctx // MIN_KEYS_PER_SPLIT, MAX_SPLITS)), 128
 
 
 def make_table():
@@ -66,7 +73,7 @@ def make_table():
         progs = near(batch * kvh, sorted({p for h, p, _ in best if h == hd}))
         c = near(ctx, sorted({c for h, _, c in best if h == hd}))
         s, n = best[(hd, progs, c)]
-        return min(s, pow2_floor(max(1, ctx // MIN_KEYS))), n
+        return min(s, pow2_floor(max(1, ctx // MIN_KEYS_PER_SPLIT))), n
     return table
 
 
