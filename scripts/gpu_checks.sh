@@ -63,6 +63,14 @@ GPU_TESTS=(tests/engine/test_greedy_exact.py::test_cuda_fp32_greedy_matches_tran
 HELD_OUT=(--batch 16 32 48 --context 4096 8192 16384)
 SWEEP=(--batch 16 64 --context 4096 16384 --sweep-splits 1 4 8 16 --sweep-block-n 64 128
        --sweep-warps 4 8)
+# sweep TAG LIMIT ARGS...: benchmarks/kernels.py with --tag TAG under a time limit; its PNG is
+# dropped (a device call brings back at most 8 files; the JSON holds every timing).
+sweep() {
+  local tag=$1 limit=$2
+  shift 2
+  timeout "$limit" python3 benchmarks/kernels.py --out "$OUT" --tag "$tag" "$@" \
+    && rm -f "$OUT/kernels_decode$tag.png"
+}
 {
   nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,clocks.mem,temperature.gpu --format=csv
   python3 -c "import sys, torch, triton, transformers; print(sys.version.split()[0], torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name(0))"
@@ -80,8 +88,7 @@ SWEEP=(--batch 16 64 --context 4096 16384 --sweep-splits 1 4 8 16 --sweep-block-
         done ;;
       kernels)
         timeout ${KERNELS_TIMEOUT:-50} python3 benchmarks/kernels.py --out "$OUT" "${SWEEP[@]}"
-        timeout ${KERNELS_TIMEOUT:-50} python3 benchmarks/kernels.py --out "$OUT" --head-dim 64 \
-          --tag _hd64 "${SWEEP[@]}" && rm -f "$OUT/kernels_decode_hd64.png" ;;
+        sweep _hd64 ${KERNELS_TIMEOUT:-50} --head-dim 64 "${SWEEP[@]}" ;;
       # GPU time per kernel inside the replayed batch-64 decode graph (torch.profiler).
       profile)
         timeout ${PROFILE_TIMEOUT:-150} python3 benchmarks/gpu_decode.py --model llama-1b qwen2-0.5b \
@@ -89,60 +96,45 @@ SWEEP=(--batch 16 64 --context 4096 16384 --sweep-splits 1 4 8 16 --sweep-block-
       # The decode attention at the decode benchmark's own shapes (batch 64, ~550 keys, head
       # dim 64): llama-1b's 32/8 heads and qwen2-0.5b's 14/2.
       shapes)
-        timeout ${KERNELS_TIMEOUT:-50} python3 benchmarks/kernels.py --out "$OUT" --head-dim 64 \
-          --batch 64 --context 576 --sweep-splits 1 2 4 --sweep-block-n 64 128 --sweep-warps 4 \
-          --tag _shape_llama1b && rm -f "$OUT/kernels_decode_shape_llama1b.png"
-        timeout ${KERNELS_TIMEOUT:-50} python3 benchmarks/kernels.py --out "$OUT" --head-dim 64 \
-          --q-heads 14 --kv-heads 2 --batch 64 --context 576 --sweep-splits 1 2 4 8 \
-          --sweep-block-n 64 128 --sweep-warps 4 --tag _shape_qwen05b \
-          && rm -f "$OUT/kernels_decode_shape_qwen05b.png" ;;
+        sweep _shape_llama1b ${KERNELS_TIMEOUT:-50} --head-dim 64 --batch 64 --context 576 \
+          --sweep-splits 1 2 4 --sweep-block-n 64 128 --sweep-warps 4
+        sweep _shape_qwen05b ${KERNELS_TIMEOUT:-50} --head-dim 64 --q-heads 14 --kv-heads 2 \
+          --batch 64 --context 576 --sweep-splits 1 2 4 8 --sweep-block-n 64 128 --sweep-warps 4 ;;
       # Head dim 128 at batch sizes and contexts that no earlier sweep had, every split count.
       heldout)
-        timeout ${KERNELS_TIMEOUT:-80} python3 benchmarks/kernels.py --out "$OUT" --tag _heldout \
-          --batch 8 24 40 --context 6144 12288 --sweep-splits 1 2 4 8 16 --sweep-block-n 64 128 \
-          --sweep-warps 4 && rm -f "$OUT/kernels_decode_heldout.png" ;;
+        sweep _heldout ${KERNELS_TIMEOUT:-80} --batch 8 24 40 --context 6144 12288 \
+          --sweep-splits 1 2 4 8 16 --sweep-block-n 64 128 --sweep-warps 4 ;;
       blas)
         timeout ${BLAS_TIMEOUT:-150} python3 benchmarks/gpu_decode.py --model llama-1b qwen2-0.5b \
           --modes graphs --blas default cublaslt default cublaslt --profile-replays 10 \
           --tag _blas --out "$OUT" 2>&1 | grep -v "it/s\]" ;;
       pipeline)
-        timeout ${KERNELS_TIMEOUT:-100} python3 benchmarks/kernels.py --out "$OUT" --tag _pipeline \
-          --batch 8 24 40 --context 6144 12288 --sweep-splits 1 2 4 8 --sweep-block-n 128 \
-          --sweep-warps 4 --sweep-stages 1 2 3 4 --sweep-decode-only 1 \
-          && rm -f "$OUT/kernels_decode_pipeline.png"
-        timeout ${KERNELS_TIMEOUT:-60} python3 benchmarks/kernels.py --out "$OUT" --tag _pipeline_n64 \
-          --batch 8 24 40 --context 6144 12288 --sweep-splits 1 --sweep-block-n 64 \
-          --sweep-warps 4 --sweep-stages 1 2 3 4 --sweep-decode-only 1 \
-          && rm -f "$OUT/kernels_decode_pipeline_n64.png" ;;
+        P=(--batch 8 24 40 --context 6144 12288 --sweep-warps 4 --sweep-stages 1 2 3 4
+           --sweep-decode-only 1)
+        sweep _pipeline ${KERNELS_TIMEOUT:-100} --sweep-splits 1 2 4 8 --sweep-block-n 128 "${P[@]}"
+        sweep _pipeline_n64 ${KERNELS_TIMEOUT:-60} --sweep-splits 1 --sweep-block-n 64 "${P[@]}" ;;
       splits)
-        timeout ${KERNELS_TIMEOUT:-60} python3 benchmarks/kernels.py --out "$OUT" --tag _splits \
-          --batch 16 32 --context 4096 16384 --sweep-splits 1 2 4 8 16 --sweep-block-n 128 \
-          --sweep-warps 4 --sweep-decode-only 1 && rm -f "$OUT/kernels_decode_splits.png" ;;
+        sweep _splits ${KERNELS_TIMEOUT:-60} --batch 16 32 --context 4096 16384 \
+          --sweep-splits 1 2 4 8 16 --sweep-block-n 128 --sweep-warps 4 --sweep-decode-only 1 ;;
       splitrule)
         SR=(--sweep-splits 1 2 4 8 16 --sweep-block-n 64 128 --sweep-warps 4 --sweep-decode-only 1)
-        timeout ${KERNELS_TIMEOUT:-110} python3 benchmarks/kernels.py --out "$OUT" --tag _splitrule \
-          --batch 12 20 28 56 64 --context 5120 10240 "${SR[@]}" && rm -f "$OUT/kernels_decode_splitrule.png"
-        timeout ${KERNELS_TIMEOUT:-60} python3 benchmarks/kernels.py --out "$OUT" --head-dim 64 \
-          --tag _splitrule_hd64 --batch 20 48 --context 5120 10240 "${SR[@]}" \
-          && rm -f "$OUT/kernels_decode_splitrule_hd64.png"
-        timeout ${KERNELS_TIMEOUT:-40} python3 benchmarks/kernels.py --out "$OUT" --head-dim 64 \
-          --q-heads 14 --kv-heads 2 --tag _splitrule_qwen --batch 16 32 --context 4096 "${SR[@]}" \
-          && rm -f "$OUT/kernels_decode_splitrule_qwen.png" ;;
+        sweep _splitrule ${KERNELS_TIMEOUT:-110} --batch 12 20 28 56 64 --context 5120 10240 "${SR[@]}"
+        sweep _splitrule_hd64 ${KERNELS_TIMEOUT:-60} --head-dim 64 --batch 20 48 \
+          --context 5120 10240 "${SR[@]}"
+        sweep _splitrule_qwen ${KERNELS_TIMEOUT:-40} --head-dim 64 --q-heads 14 --kv-heads 2 \
+          --batch 16 32 --context 4096 "${SR[@]}" ;;
       grid)
         G=(--batch 4 10 14 22 30 44 60 80 --sweep-warps 4 --sweep-decode-only 1)
-        timeout ${KERNELS_TIMEOUT:-120} python3 benchmarks/kernels.py --out "$OUT" --head-dim 64 \
-          --tag _grid_hd64 --context 3072 8192 20480 --sweep-splits 1 2 4 8 16 --sweep-block-n 128 \
-          "${G[@]}" && rm -f "$OUT/kernels_decode_grid_hd64.png"
+        sweep _grid_hd64 ${KERNELS_TIMEOUT:-120} --head-dim 64 --context 3072 8192 20480 \
+          --sweep-splits 1 2 4 8 16 --sweep-block-n 128 "${G[@]}"
         for c in 3072 8192 20480; do
-          timeout ${KERNELS_TIMEOUT:-120} python3 benchmarks/kernels.py --out "$OUT" --tag _grid_$c \
-            --context $c --sweep-splits 1 2 4 8 16 --sweep-block-n 64 128 "${G[@]}" \
-            && rm -f "$OUT/kernels_decode_grid_$c.png"
+          sweep _grid_$c ${KERNELS_TIMEOUT:-120} --context $c --sweep-splits 1 2 4 8 16 \
+            --sweep-block-n 64 128 "${G[@]}"
         done ;;
       rule)
         timeout ${KERNELS_TIMEOUT:-50} python3 benchmarks/kernels.py --out "$OUT" --tag _rule \
           "${HELD_OUT[@]}"
-        timeout ${KERNELS_TIMEOUT:-50} python3 benchmarks/kernels.py --out "$OUT" --head-dim 64 \
-          --tag _rule_hd64 "${HELD_OUT[@]}" && rm -f "$OUT/kernels_decode_rule_hd64.png" ;;
+        sweep _rule_hd64 ${KERNELS_TIMEOUT:-50} --head-dim 64 "${HELD_OUT[@]}" ;;
     esac
     echo "=== $s done $(date +%T)"
   done
