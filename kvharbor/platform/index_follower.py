@@ -138,7 +138,8 @@ class IndexFollower:
             stale_after_s: a shard not answered for this long makes ``status()`` stale.
             idle_poll_interval_s: the pause instead, once no poll brought entries and no
                 ``hurry()`` came for ``idle_after_s`` (at most ``stale_after_s``).
-            on_stored: ``f(replica, hashes)`` for every replayed store (active-block upkeep).
+            on_stored: ``f(replica, hashes)`` for every store replayed or taken from a
+                snapshot (the router confirms its active blocks with it).
             on_resync: ``f(kind)`` for every snapshot or replay mismatch (metrics).
         """
         self.shards = list(shards)
@@ -286,6 +287,8 @@ class IndexFollower:
             self._drop_shard_replicas(shard, keep=snapshot)
         for replica, (seq_no, tiers) in snapshot.items():
             self.index.resync(replica, seq_no, tiers)
+            if self.on_stored is not None:
+                self.on_stored(replica, [h for hs in tiers.values() for h in hs])
             await asyncio.sleep(0)             # let routing decisions run in between
 
     def _drop_shard_replicas(self, shard: int, keep) -> None:

@@ -222,3 +222,100 @@ def test_a_follower_over_directory_actors_stops_once_ray_is_shut_down(monkeypatc
     polls = shard.polls
     monkeypatch.setattr(index_follower, "ray_initialized", lambda: False)
     assert asyncio.run(returns_within(follower.run, 0.05)) is True and shard.polls == polls
+
+
+def test_a_follower_behind_the_log_forgets_replicas_removed_meanwhile():
+    """The snapshot a lagging follower takes is the whole truth of its shard: a replica the
+    directory forgot while the follower was behind its log is forgotten here too."""
+    shard = DirectoryShard(max_log_entries=4)
+    follower = IndexFollower([LocalShard(shard)])
+    shard.apply_events("a", 0, chain(3, "a"))
+    shard.apply_events("b", 0, chain(3, "b"))
+    asyncio.run(follower.poll_once())
+    assert sorted(follower.index.replicas()) == ["a", "b"]
+    shard.remove_replica("b")
+    for seq in range(1, 8):                          # the "remove" entry leaves the log
+        shard.apply_events("a", seq, chain(3 + seq, "a")[2 + seq:])
+    asyncio.run(follower.poll_once())
+    assert follower.counters.snapshots == 2
+    assert follower.index.replicas() == ["a"]
+    assert views(follower.index) == views(shard._index)
+
+
+def test_every_shard_must_answer_for_the_index_to_be_trusted():
+    now = [100.0]
+    first, second = LocalShard(DirectoryShard()), LocalShard(DirectoryShard())
+    follower = IndexFollower([first, second], stale_after_s=2.0, clock=lambda: now[0])
+    second.fail = True
+    asyncio.run(follower.poll_once())
+    assert follower.status() == "stream_not_started"     # the first shard alone answered
+    second.fail = False
+    asyncio.run(follower.poll_once())
+    assert follower.status() is None
+    first.fail, now[0] = True, 103.0
+    asyncio.run(follower.poll_once())                   # the second shard still answers
+    assert follower.status() == "stream_stale"
+    assert follower.lag_s() == pytest.approx(3.0)       # the shard heard from longest ago
+
+
+def test_entries_keep_the_follower_at_full_pace_without_a_hurry():
+    """Events caused by other routers' traffic keep this follower polling fast while they
+    flow; it slows down only once polls bring nothing for ``idle_after_s``."""
+    now = [10.0]
+    shard = DirectoryShard()
+    follower = IndexFollower([LocalShard(shard)], idle_after_s=1.0, clock=lambda: now[0])
+    asyncio.run(follower.poll_once())                   # the first snapshot: active
+    now[0] = 12.0
+    assert follower.idle()
+    shard.apply_events("b", 0, chain(2, "b"))
+    asyncio.run(follower.poll_once())
+    now[0] = 12.5
+    assert not follower.idle()
+    asyncio.run(follower.poll_once())                   # nothing new
+    now[0] = 13.6
+    assert follower.idle()
+
+
+def test_an_idle_pause_is_between_the_fast_pause_and_the_staleness_limit():
+    """A follower idling longer than ``stale_after_s`` would call its own index stale."""
+    slow = IndexFollower([], poll_interval_s=0.02, idle_poll_interval_s=10.0, stale_after_s=2.0)
+    assert slow.idle_poll_interval_s == 2.0
+    fast = IndexFollower([], poll_interval_s=0.5, idle_poll_interval_s=0.1)
+    assert fast.idle_poll_interval_s == 0.5
+
+
+def test_snapshots_and_replayed_resyncs_confirm_stored_blocks():
+    """``on_stored`` (the router confirms its active blocks with it) hears of every block the
+    index learns a replica holds: batches, resyncs replayed from the log, and snapshots."""
+    shard = DirectoryShard()
+    stored: list = []
+    follower = IndexFollower([LocalShard(shard)], on_stored=lambda r, hs: stored.append((r, set(hs))))
+    shard.apply_events("a", 0, chain(2, "a"))
+    asyncio.run(follower.poll_once())                   # a new follower: a snapshot
+    assert stored == [("a", set(chain(2, "a")))]
+    stored.clear()
+    shard.resync("a", 4, {"device": chain(3, "a"), "host": chain(1, "h")})
+    shard.apply_events("b", 0, chain(1, "b"))
+    asyncio.run(follower.poll_once())
+    assert stored == [("a", set(chain(3, "a")) | set(chain(1, "h"))), ("b", set(chain(1, "b")))]
+
+
+def test_an_actor_shard_looks_the_directory_up_again_after_a_failed_poll():
+    """A directory actor that died and was created anew under its name is a new handle: the
+    failed call drops the old one, so the next poll finds the new actor."""
+    from kvharbor.platform.index_follower import ActorShard
+
+    def handle(reply):
+        async def call(*_):
+            if isinstance(reply, Exception):
+                raise reply
+            return reply
+
+        return type("Handle", (), {"poll": type("Method", (), {"remote": staticmethod(call)})})
+
+    shard = ActorShard("kvh-test", None, timeout_s=1.0, retry_s=0.0,
+                       handle=handle(RuntimeError("actor died")))
+    shard._get_actor = lambda: handle({"epoch": "e2", "cursor": 0, "entries": []})
+    with pytest.raises(RuntimeError):
+        asyncio.run(shard.poll(None, 0, 16))
+    assert asyncio.run(shard.poll(None, 0, 16))["epoch"] == "e2"
