@@ -48,8 +48,10 @@ class _Method:
         fut = asyncio.get_running_loop().create_future()
         if self.owner.hang:
             return fut                          # never answers
-        result = getattr(self.owner.shard, self.name)(*args)
-        fut.set_result(result)
+        try:
+            fut.set_result(getattr(self.owner.shard, self.name)(*args))
+        except Exception as exc:                # as a Ray call: raised where it is awaited
+            fut.set_exception(exc)
         return fut
 
 
@@ -161,3 +163,50 @@ def test_settle_times_out_and_marks_a_resync():
 
     assert asyncio.run(go()) < 1.0
     assert sync._resync_due
+
+
+def test_a_refused_or_failed_batch_makes_the_next_tick_resync_both_tiers():
+    """A batch the directory refused (it saw a gap) or that failed leaves the directory's view
+    of this replica incomplete even while its heartbeat still knows the replica: the next tick
+    sends a snapshot, of the host tier too."""
+    from kvharbor.actors.replica_sync import DirectorySync
+    from kvharbor.config import EngineConfig
+    from kvharbor.engine.engine import Engine
+
+    engine = Engine(EngineConfig(device="cpu", num_kv_blocks=16, host_kv_blocks=64,
+                                 dtype="float32"))
+    handle = FakeDirectoryHandle()
+    sync = DirectorySync("d", "rep")
+    sync._handle = handle
+
+    async def tick():
+        ref = sync.prepare(engine)
+        await sync.settle(ref)
+
+    def publish_losing_every_batch(how):
+        """The directory refuses (it saw a gap) or fails every batch of this publish."""
+        def lost(*args):
+            if how == "fail":
+                raise ConnectionError("the call failed")
+            return False
+
+        apply, handle.shard.apply_events = handle.shard.apply_events, lost
+        sync.publish(engine)
+        handle.shard.apply_events = apply
+
+    async def go():
+        await tick()                                   # start: snapshot
+        for i, how in enumerate(["refuse", "fail"]):
+            for j in range(4):                         # more than the 16 device blocks hold
+                rng = random.Random(10 * i + j)
+                _run_prompt(engine, f"{how}{j}", [rng.randrange(250) for _ in range(96)])
+            publish_losing_every_batch(how)
+            await tick()                               # the loss is seen
+            await tick()                               # the snapshot
+            assert engine.host_block_hashes(), "the host tier should hold evicted blocks"
+            view = handle.shard.snapshot()["snapshot"]["rep"][1]
+            assert set(view["device"]) == engine.cached_block_hashes(), how
+            assert set(view["host"]) == engine.host_block_hashes(), how
+
+    asyncio.run(go())
+    assert sync.resyncs == 3

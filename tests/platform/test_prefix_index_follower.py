@@ -319,3 +319,60 @@ def test_an_actor_shard_looks_the_directory_up_again_after_a_failed_poll():
     with pytest.raises(RuntimeError):
         asyncio.run(shard.poll(None, 0, 16))
     assert asyncio.run(shard.poll(None, 0, 16))["epoch"] == "e2"
+
+
+def test_event_log_counts_every_hash_an_entry_carries_and_keeps_the_newest_entry():
+    log = EventLog(max_entries=100, max_hashes=10)
+    assert [log.append(("events", "a", i, [], [b"h"] * 4, "device")) for i in range(3)] == [0, 1, 2]
+    assert log.first == 1                             # removed hashes count: 12 > 10
+    log.append(("resync", "a", 3, {"device": [b"h"] * 3, "host": [b"h"] * 3}))
+    assert log.first == 2 and log.stats()["log_hashes"] == 10
+    log.append(("resync", "a", 4, {"device": [b"h"] * 50}))    # alone over the bound: kept
+    assert (log.first, log.end) == (4, 5) and len(log.read(log.epoch, 4).entries) == 1
+
+
+def test_event_log_reads_at_most_max_entries_at_a_time():
+    log = EventLog()
+    for i in range(5):
+        log.append(("remove", f"r{i}"))
+    got = log.read(log.epoch, 1, max_entries=2)
+    assert [e[1] for e in got.entries] == ["r1", "r2"] and got.next_cursor == 3
+
+
+def test_the_shard_logs_only_what_changed_its_index():
+    """Followers replay the log batch by batch: a duplicate batch or the removal of a replica
+    the shard does not know must not reach it (a follower would replay it as a mismatch)."""
+    shard = DirectoryShard()
+    assert shard.apply_events("a", 0, chain(2, "a"))
+    assert shard.apply_events("a", 0, chain(2, "a"))          # a duplicate: accepted, not logged
+    shard.remove_replica("nobody")
+    assert shard.stats()["log_end"] == 1
+    follower = IndexFollower([LocalShard(shard)])
+    asyncio.run(follower.poll_once())
+    assert shard.apply_events("a", 1, chain(3, "a")[2:])
+    assert shard.apply_events("a", 1, chain(3, "a")[2:])
+    asyncio.run(follower.poll_once())
+    assert follower.counters.mismatches == 0 and follower.counters.snapshots == 1
+
+
+def test_a_replica_with_a_gap_is_unknown_to_the_heartbeat_and_left_out_of_snapshots():
+    """After a sequence gap the shard's view of the replica is incomplete: its heartbeat says
+    so (the replica then resyncs) and snapshots leave it out until the resync."""
+    shard = DirectoryShard()
+    shard.apply_events("a", 0, chain(2, "a"))
+    shard.apply_events("b", 0, chain(2, "b"))
+    assert shard.heartbeat("a") == (shard.stats()["epoch"], True)
+    assert not shard.apply_events("a", 2, chain(4, "a")[2:])     # batch 1 lost
+    assert shard.heartbeat("a") == (shard.stats()["epoch"], False)
+    assert set(shard.snapshot()["snapshot"]) == {"b"}
+    shard.resync("a", 2, {"device": chain(4, "a")})
+    assert shard.heartbeat("a")[1] and set(shard.snapshot()["snapshot"]) == {"a", "b"}
+
+
+def test_shards_share_the_directorys_block_bound(monkeypatch):
+    from kvharbor.actors import prefix_directory
+
+    monkeypatch.setattr(prefix_directory, "get_or_create_directory",
+                        lambda name, namespace, max_blocks, detached: (name, max_blocks))
+    got = prefix_directory.get_or_create_directories("d", num_shards=4, max_blocks=1000)
+    assert got == [("d/0", 250), ("d/1", 250), ("d/2", 250), ("d/3", 250)]

@@ -62,3 +62,18 @@ def test_the_lane_answers_the_other_routes_and_says_what_it_is(kvharbor_app):
     port = int(kvharbor_app.lane_url.rsplit(":", 1)[1])
     assert on_lane["premium_lane"] is True and on_main["premium_lane"] is False
     assert on_lane["premium_port"] == on_main["premium_port"] == port
+
+
+def test_the_lane_listens_on_loopback_unless_a_host_is_named(monkeypatch):
+    """An empty or blank ``KVHARBOR_PREMIUM_HOST`` (a template left unfilled) is loopback, never
+    "" (every interface)."""
+    from kvharbor.platform.premium_lane import HOST_VAR, lane_host
+
+    for value in (None, "", "  "):
+        if value is None:
+            monkeypatch.delenv(HOST_VAR, raising=False)
+        else:
+            monkeypatch.setenv(HOST_VAR, value)
+        assert lane_host() == "127.0.0.1"
+    monkeypatch.setenv(HOST_VAR, " ::1 ")
+    assert lane_host() == "::1"

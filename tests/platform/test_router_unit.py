@@ -321,7 +321,10 @@ def test_dead_replica_is_forgotten_here_and_in_the_directory():
     router = make_router(shard)
     b = FakeReplica("b")
     routed(router, route(router, [b])[1], b)
-    assert "b" in router._sent
+    other = hash_prompt_blocks(PROMPT, 16, salt="other")       # not cached: active at b
+    routed(router, route(router, [b], hashes=other, session_id="s9", rid="r2")[1], b)
+    assert "b" in router._sent and router.active.count("b") == len(other)
+    assert "b" in router._stats_sessions
 
     async def go():
         router._lazily_fetched_loop = asyncio.get_running_loop()
@@ -334,6 +337,9 @@ def test_dead_replica_is_forgotten_here_and_in_the_directory():
     assert ("remove_replica", "b") in shard.calls
     assert shard.shard.match(HASHES) == {}
     assert "b" not in router._sent                    # its send times go too
+    # and nothing else of it stays behind: routing history, active blocks, reported sessions
+    assert router.history.index.replicas() == [] and router.active.replicas() == []
+    assert "b" not in router._stats_sessions
 
 
 def test_a_decision_brings_an_idle_follower_back_to_full_pace():
@@ -439,3 +445,67 @@ def test_the_first_poll_of_the_follower_releases_a_waiting_first_decision():
     router._first_poll = asyncio.Event()
     assert asyncio.run(returns_within(router._follow, 0.05)) is False   # follows until cancelled
     assert router._first_poll.is_set()
+
+
+def test_a_request_serve_sends_to_a_lower_rank_takes_its_active_blocks_along():
+    """The blocks noted as about to be computed at the top choice move to the replica that
+    took the request when Serve had to fall back to a lower rank (the top one was full)."""
+    router = make_router(FakeShard())
+    replicas = {x: FakeReplica(x) for x in "ab"}
+    ranks, pr = route(router, list(replicas.values()))
+    top, other = uids(ranks)[0][0], uids(ranks)[1][0]
+    assert router.active.count(top) == len(HASHES) and router.active.count(other) == 0
+    routed(router, pr, replicas[other])
+    assert router.active.count(other) == len(HASHES) and router.active.count(top) == 0
+
+
+def test_the_block_size_comes_from_the_replicas_reports():
+    """Hashes are per block of the replicas' size; a router configured for another size still
+    predicts cached tokens in the replicas' blocks."""
+    hashes = hash_prompt_blocks(PROMPT, 32)
+    shard = FakeShard()
+    shard.shard.apply_events("b", 0, stored=hashes[:10])
+    router = make_router(shard, default_block_size=16)
+    replicas = [FakeReplica(x, block_size=32) for x in "ab"]
+    ranks, pr = route(router, replicas, hashes=hashes)
+    assert uids(ranks)[0] == ["b"] and md(pr)["router_predicted_cached_tokens"] == 320
+
+
+def test_a_replica_id_keyword_sends_the_call_to_that_replica():
+    router = make_router(FakeShard())
+    replicas = [FakeReplica(x) for x in "abc"]
+
+    async def go():
+        pr = PendingRequest(args=[], kwargs={"replica_id": "c"},
+                            metadata=RequestMetadata(request_id="x", internal_request_id="i-x"))
+        return await router.choose_replicas(replicas, pr)
+
+    assert uids(asyncio.run(go())) == [["c"]]
+
+
+def test_what_the_router_remembers_per_request_stays_bounded():
+    """A decision notes its guess until Serve reports where the request went; requests that
+    are never routed (cancelled while queued) must not pile up."""
+    router = make_router(FakeShard())
+    replicas = [FakeReplica(x) for x in "ab"]
+
+    async def go():
+        for i in range(4200):
+            await router.choose_replicas(replicas, pending(rid=f"r{i}"))
+
+    asyncio.run(go())
+    assert len(router._guesses) == 4096
+
+
+def test_round_robin_router_ranks_every_replica_once_starting_one_further_each_time():
+    from kvharbor.platform.router import RoundRobinRouter
+
+    router = RoundRobinRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN)
+    router.initialize_state()
+    replicas = [FakeReplica(x) for x in "cab"]
+    firsts = []
+    for _ in range(4):
+        ranks = uids(asyncio.run(router.choose_replicas(replicas, None)))
+        assert sorted(u for rank in ranks for u in rank) == ["a", "b", "c"]
+        firsts.append(ranks[0][0])
+    assert firsts == ["a", "b", "c", "a"]

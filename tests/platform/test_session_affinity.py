@@ -72,3 +72,16 @@ def test_load_guard_applies_to_a_reported_holder():
     busy = FakeReplica("a", sessions=[session_key("acme", "s1")], num_running=12)
     ranks, _ = route(router, [busy, FakeReplica("b"), FakeReplica("c")], session_id="s1")
     assert uids(ranks)[0] != ["a"]
+
+
+def test_a_session_a_replica_reports_later_is_found_in_its_next_stats():
+    """The router caches each replica's reported session keys by stats report: a new report
+    that lists a session it did not list before is read again."""
+    router = _router_with_prefix_on_b()
+    a = FakeReplica("a", sessions=[])
+    replicas = [a, FakeReplica("b"), FakeReplica("c")]
+    ranks, _ = route(router, replicas, session_id="s1", rid="t1")
+    assert uids(ranks)[0] == ["b"]
+    a.routing_stats = {**a.routing_stats, "sessions": [session_key("acme", "s1")]}
+    ranks, _ = route(router, replicas, session_id="s1", rid="t2")
+    assert uids(ranks)[0] == ["a"]
