@@ -85,6 +85,21 @@ def test_omitted_limits_inherit_defaults_and_null_means_unlimited():
     ("  requests_per_minute: 60", "  requests_per_minute: 0", 8,
      "defaults.requests_per_minute", "greater than or equal to 1"),
     ("  a:\n", "  bad name:\n", 11, "tenants.bad name", "pattern"),
+    ("  a:\n", "  _a:\n", 11, "tenants._a", "pattern"),          # a name starts alphanumeric
+    ("qos: bronze", 'qos: bronze\n    pinned_prefixes: ["You are a helpful assistant."]', 17,
+     "tenants.b.pinned_prefixes", "pinned prefixes need a class with `pinned: true`"),
+    ("qos: bronze", 'qos: bronze\n    cache_scope: "shared:"', 17, "tenants.b.cache_scope",
+     "shared:<group>"),
+    ("qos: bronze", 'qos: bronze\n    cache_scope: "shared:a b"', 17, "tenants.b.cache_scope",
+     "shared:<group>"),
+    ("tenants:\n", f'admin_keys:\n  - "{"2" * 64}"\ntenants:\n', 21, "tenants.b.keys.0.hash",
+     "already used at admin_keys.0.hash"),
+    ("    priority: 1\n", "    priority: 1\n    max_queue: -1\n", 7, "qos_classes.bronze.max_queue",
+     "greater than or equal to 0"),
+    ("1" * 64, "A" * 64, 14, "tenants.a.keys.0", "lowercase 64-char SHA-256 hex digest"),
+    (f'      - "{"1" * 64}"\n', f'      - "{"1" * 64}"\n      - "{"3" * 63}"\n', 15,
+     "tenants.a.keys.1", "lowercase 64-char"),                      # the line of the item
+    ("priority: 10", "priority: high", 3, "qos_classes.gold.priority", "valid integer"),
 ])
 def test_mistakes_are_reported_with_line_and_field(old, new, line, path, words):
     issue = only_issue(good_replace(old, new))
@@ -124,3 +139,64 @@ def test_direct_model_validation_runs_cross_checks_too():
     data = {"qos_classes": {"x": {"priority": 1}}, "tenants": {"t": {"qos": "nope"}}}
     with pytest.raises(ValidationError, match="unknown QoS class"):
         TenantsFile.model_validate(data)
+
+
+def test_mistakes_are_listed_in_file_order_whatever_the_order_of_the_sections():
+    text = good().replace("priority: 10", "priority: high").replace(
+        "max_tokens_per_request: 100", "max_tokens_per_request: 0")
+    defaults = text[text.index("defaults:"):text.index("tenants:")]
+    defaults_first = defaults + text.replace(defaults, "")
+    with pytest.raises(TenantsFileError) as info:
+        parse_tenants_text(defaults_first, "t.yaml")
+    lines = [i.line for i in info.value.issues]
+    assert len(lines) == 2 and lines == sorted(lines)
+    assert info.value.issues[0].path == "defaults.max_tokens_per_request"  # above qos_classes
+
+
+def test_a_file_that_is_not_a_mapping_or_cannot_be_read_says_so(tmp_path):
+    assert "expected a mapping" in only_issue("- qos_classes\n- tenants\n").message
+    with pytest.raises(TenantsFileError) as info:
+        load_tenants_file(tmp_path / "missing.yaml")
+    assert "cannot read: No such file or directory" in str(info.value)
+
+
+def test_names_and_classes_are_read_without_surrounding_blanks():
+    config = parse_tenants_text(good_replace("qos: bronze", 'qos: " bronze "'))
+    assert config.tenants["b"].qos == "bronze"
+
+
+def test_a_tenants_session_limits_override_its_classs():
+    from kvharbor.tenants.schema import QoSClassConfig, TenantConfig
+
+    qos = QoSClassConfig(priority=1, session_ttl_s=60, session_max_blocks=100)
+    assert TenantConfig(qos="x").session_limits(qos) == (60, 100)
+    assert TenantConfig(qos="x", session_ttl_s=5, session_max_blocks=0).session_limits(qos) == (5, 0)
+
+
+def test_limits_coerce_from_none_a_dict_or_an_object():
+    from types import SimpleNamespace
+
+    from kvharbor.tenants.schema import LIMIT_FIELDS, TenantLimits
+
+    assert TenantLimits.coerce(None) == TenantLimits() and all(
+        v is None for v in TenantLimits().as_dict().values())
+    assert TenantLimits.coerce({"requests_per_minute": 5}).requests_per_minute == 5
+    obj = SimpleNamespace(**dict.fromkeys(LIMIT_FIELDS, 7))
+    assert TenantLimits.coerce(obj) == TenantLimits(*[7] * len(LIMIT_FIELDS))
+
+
+def test_a_key_expiry_without_a_zone_is_utc_whatever_the_servers_zone(monkeypatch):
+    import time
+    from datetime import datetime, timezone
+
+    from kvharbor.tenants.schema import ApiKeyEntry
+
+    monkeypatch.setenv("TZ", "Asia/Tokyo")
+    time.tzset()
+    try:
+        entry = ApiKeyEntry(hash="1" * 64, expires=datetime(2030, 1, 1))
+        at = datetime(2030, 1, 1, tzinfo=timezone.utc).timestamp()
+        assert entry.is_expired(at) and not entry.is_expired(at - 1)
+    finally:
+        monkeypatch.delenv("TZ")
+        time.tzset()
