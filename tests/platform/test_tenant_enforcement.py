@@ -3,6 +3,7 @@ hot reload under traffic, invalid reloads, pinned prefixes, /admin visibility.""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -195,3 +196,31 @@ def _hash(key: str) -> str:
     return hash_key(key)
 
 
+
+
+def test_a_tenants_tokens_today_are_the_tokens_its_responses_report(kvharbor_app):
+    """The daily budget charges what was used: once a tenant's requests are done (and its
+    gateways' grants are back), ``tokens_today`` grew by exactly the prompt and completion
+    tokens the responses reported, streamed or not, n > 1 included."""
+    admin = {"Authorization": f"Bearer {DEMO['admin']}"}
+
+    def usage() -> dict:
+        seen = httpx.get(kvharbor_app.base_url + "/admin/tenants", headers=admin,
+                         timeout=30).json()["tenants"]["globex"]["usage"]
+        return {"in_flight": 0, "granted_idle_slots": 0, "tokens_today": 0, **seen}
+
+    before = _wait_until(lambda: (u := usage())["in_flight"] == u["granted_idle_slots"] == 0 and u)
+    used = 0
+    for i, extra in enumerate([{}, {"n": 2}, {"stream": True, "stream_options": {"include_usage": True}}]):
+        r = _post(kvharbor_app, DEMO["standard"], prompt=f"count the tokens of request {i}",
+                  max_tokens=5 + i, ignore_eos=True, **extra)
+        assert r.status_code == 200, r.text
+        if extra.get("stream"):
+            chunks = [line[6:] for line in r.text.splitlines() if line.startswith("data: {")]
+            reported = json.loads(chunks[-1])["usage"]
+        else:
+            reported = r.json()["usage"]
+        assert reported["completion_tokens"] == (5 + i) * extra.get("n", 1)
+        used += reported["total_tokens"]
+    _wait_until(lambda: (u := usage())["in_flight"] == u["granted_idle_slots"] == 0
+                and u["tokens_today"] == before["tokens_today"] + used, timeout=30)
