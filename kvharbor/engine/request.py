@@ -35,7 +35,7 @@ class SamplingParams:
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.temperature < 1e-5:
-            self.temperature = 0.0          # below this, softmax overflows: treat as greedy
+            self.temperature = 0.0          # greedy (far below, logits / temperature overflow to inf)
         if self.seed is not None and not -2**63 <= self.seed < 2**63:
             raise ValueError(f"seed must fit in a signed 64-bit integer, got {self.seed}")
         if not 0 < self.top_p <= 1:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from kvharbor import LLM, SamplingParams
@@ -74,3 +76,51 @@ def test_empty_prompts_and_reused_request_ids_are_refused(llm):
     before = engine.stats()["requests_aborted"]
     assert engine.abort("same-id") and not engine.abort("same-id")
     assert engine.stats()["requests_aborted"] == before + 1 and not engine.has_unfinished()
+
+
+def test_one_token_id_prompt_is_one_prompt_and_params_must_match_the_prompts(llm):
+    outs = llm.generate([5, 6, 7, 8], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    assert len(outs) == 1 and outs[0].prompt_token_ids == [5, 6, 7, 8]
+    with pytest.raises(ValueError, match="got 1 sampling params for 2 prompts"):
+        llm.generate(["a", "b"], [SamplingParams(max_tokens=2)])
+
+
+def test_generate_leaves_the_callers_sampling_params_as_they_were(llm):
+    """The engine normalises each request's params (a tiny temperature is greedy, a stop
+    string becomes a list): on its own copy, not the caller's object."""
+    params = SamplingParams(max_tokens=2, temperature=1e-7, stop="zz")
+    llm.generate(["hi", "ho"], params)
+    assert params.temperature == 1e-7 and params.stop == "zz"
+
+
+def test_a_temperature_too_small_to_sample_with_is_greedy(llm):
+    """Below 1e-5 a temperature is greedy: far below, logits / temperature overflow to inf."""
+    greedy = llm.generate(["Once upon"], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    tiny = llm.generate(["Once upon"], SamplingParams(max_tokens=8, temperature=1e-40, seed=3,
+                                                      ignore_eos=True))
+    assert tiny[0].token_ids == greedy[0].token_ids
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("seed", 2**63, "seed must fit in a signed 64-bit integer"),
+    ("seed", -2**63 - 1, "seed must fit in a signed 64-bit integer"),
+    ("top_p", 1.5, "top_p must be in (0, 1]"),
+    ("top_k", -1, "top_k must be >= 0"),
+    ("logprobs", 21, "logprobs must be in [0, 20]"),
+    ("logprobs", -1, "logprobs must be in [0, 20]"),
+    ("max_tokens", 2.5, "max_tokens must be an integer >= 1"),
+])
+def test_sampling_params_out_of_range_are_refused_naming_the_field(llm, field, value, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        llm.generate(["hi"], SamplingParams(**{"max_tokens": 2, field: value}))
+    assert not llm.engine.has_unfinished()
+
+
+def test_a_stop_string_may_be_given_alone(llm):
+    """``stop="ab"`` is the one stop string "ab", not the stop strings "a" and "b"."""
+    greedy = dict(max_tokens=16, temperature=0, ignore_eos=True)
+    text = llm.generate(["The function"], SamplingParams(**greedy))[0].text
+    k = next(k for k in range(2, len(text) - 1) if text.find(text[k:k + 2]) == k
+             and min(text.find(text[k]), text.find(text[k + 1])) < k)
+    out = llm.generate(["The function"], SamplingParams(**greedy, stop=text[k:k + 2]))[0]
+    assert (out.text, out.finish_reason) == (text[:k], "stop")

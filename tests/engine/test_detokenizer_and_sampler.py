@@ -68,6 +68,21 @@ def test_incremental_text_with_a_metaspace_tokenizer(clean_up):
         assert got == tok.decode(ids[:n], skip_special_tokens=True), f"after {n} tokens"
 
 
+def test_a_window_that_spells_its_context_differently_falls_back_to_a_full_decode():
+    """Some tokenizers spell a token differently once the next one follows (here ids 1, 2
+    decode to the ligature "æ", not "a" + "e"): the text is then decoded in full."""
+
+    class Ligature:
+        def decode(self, ids, **kw):
+            return "".join(" aeb"[i] for i in ids).replace("ae", "æ")
+
+    tok = Ligature()
+    ids = [3, 1, 2, 3, 1, 3]
+    texts, _ = _stream(tok, [3], ids)
+    assert texts == [tok.decode(ids[:n]) for n in range(1, len(ids) + 1)]
+    assert texts[-1] == "bæbab"
+
+
 def test_each_token_decodes_a_short_window_not_the_whole_output():
     """The per-token cost does not grow with the output: count the ids decoded."""
     tok = byte_tokenizer()

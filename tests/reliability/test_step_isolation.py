@@ -160,3 +160,62 @@ def test_gateway_retries_only_replica_failures(event, status, calls, monkeypatch
     with pytest.raises(APIError) as info:
         asyncio.run(drain())
     assert info.value.status == status and llm.calls == calls
+
+
+def test_each_retry_avoids_every_replica_that_failed_the_request(monkeypatch):
+    """The router names the replica it sent the request to (``routed_to``); each retry adds it
+    to the replicas the next attempt must avoid."""
+    from types import SimpleNamespace
+
+    from kvharbor.platform import generation
+    from kvharbor.platform.openai_protocol import APIError
+
+    class _RoutingLLM(_FakeLLM):
+        def remote(self, request):
+            stream = super().remote(request)
+            request.metadata["routed_to"] = f"replica-{self.calls}"
+            return stream
+
+    monkeypatch.setattr(generation, "MAX_ATTEMPTS", 3)
+    llm = _RoutingLLM({"error": "replica engine failed", "status": 500})
+    run = generation.GenerationRun(SimpleNamespace(llm=llm, metrics=None), [_request("r", [1, 2], 2)],
+                                   None, None, chat=False, model="m")
+
+    async def drain():
+        async for _ in run.events():
+            pass
+
+    with pytest.raises(APIError):
+        asyncio.run(drain())
+    assert llm.calls == 3 and run.reqs[0].metadata["exclude_replicas"] == ["replica-1", "replica-2"]
+
+
+def test_finish_judges_the_slo_by_the_classs_target_and_releases_what_was_used():
+    """Once a request is done the gateway records whether its TTFT met its class's
+    ``ttft_slo_ms`` (the SLO-attainment panel) and gives the admission ticket back with the
+    prompt and completion tokens it used."""
+    from types import SimpleNamespace
+
+    from kvharbor.platform import generation
+
+    recorded, released = [], []
+
+    class Recorder:
+        def __getattr__(self, name):
+            return lambda *args: recorded.append((name, *args))
+
+    class Admitter:
+        async def release(self, ticket, tokens):
+            released.append((ticket, tokens))
+
+    gw = SimpleNamespace(llm=None, metrics=Recorder(), ingress="main", admitter=Admitter(),
+                         request_done=lambda qos, rid: None)
+    principal = SimpleNamespace(qos=SimpleNamespace(ttft_slo_ms=50.0))
+    for ttft_s, met in ((0.049, True), (0.051, False)):
+        recorded.clear()
+        run = generation.GenerationRun(gw, [_request("r", [1, 2, 3], 4)], principal, "ticket",
+                                       chat=False, model="m", marks={"arrived": 100.0})
+        run.first_token_at, run.choices[0].tokens = 100.0 + ttft_s, 4
+        asyncio.run(run.finish())
+        assert ("slo", "t", "standard", met) in recorded
+        assert released[-1] == ("ticket", 3 + 4)
