@@ -166,3 +166,15 @@ def test_a_seeded_row_does_not_depend_on_its_batch():
     r = _req(0, seed=7)
     together = [sample(logits, [_req(1), r, _req(2, temperature=0.0)])[1] for _ in range(8)]
     assert alone == together
+
+
+def test_a_finished_request_leaves_nothing_in_the_detokenizer():
+    """Per-request cursors live only while the request runs (a replica serves millions)."""
+    from kvharbor import LLM
+
+    llm = LLM(device="cpu", num_kv_blocks=64)
+    llm.generate(["one", "two", "three"], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    llm.engine.add_request("gone", [5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True))
+    llm.engine.step()
+    llm.engine.abort("gone")
+    assert llm.engine.detok._cursors == {} and llm.engine.detok._sent == {}

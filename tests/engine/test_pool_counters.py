@@ -82,3 +82,21 @@ def test_counters_match_a_recount_after_a_workload():
         assert counts["permanent"] == sum(b.pin_cnt > 0 for b in blocks)
     assert llm.stats()["pinned_blocks_used"] == 3
     llm.check_integrity()
+
+
+def test_stats_partition_the_blocks_and_count_cached_ones_as_free():
+    """What ``LLM.stats()`` (and the router, from a replica's stats) reads: used + free is the
+    whole of each region, free includes cached (evictable) blocks, empty does not."""
+    llm = LLM(device="cpu", num_kv_blocks=48, pinned_kv_blocks=8)
+    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    llm.generate([[i % 5] * (40 + 7 * i) for i in range(4)], sp, qos="standard")
+    llm.generate([[9] * 50], sp, qos="premium")
+    pool = llm.engine.pool
+    s = llm.stats()
+    shared, pinned = pool.region_counts("shared"), pool.region_counts("pinned")
+    assert shared["cached"] > 0 and pinned["cached"] > 0, "the workload should leave cached blocks"
+    assert s["shared_blocks_free"] == shared["free"] + shared["cached"]
+    assert s["shared_blocks_empty"] == shared["free"]
+    assert s["shared_blocks_used"] + s["shared_blocks_free"] == s["shared_blocks_total"]
+    assert s["pinned_blocks_used"] + s["pinned_blocks_reserved_idle"] == s["pinned_blocks_total"]
+    assert s["blocks_used"] + s["blocks_free"] == s["blocks_total"] == 48

@@ -112,3 +112,29 @@ def test_memory_breakdown_counts_cache_and_weights():
     assert mem["host"]["kv_cache"] == 8 * per_block
     weights = sum(p.numel() * p.element_size() for p in llm.hf_model.parameters())
     assert mem["device"]["model_weights"] >= weights > 0
+
+
+def test_stats_show_swapped_blocks_while_a_request_is_out():
+    prompts = [_tokens(*p) for p in SWAP_PROMPTS]
+    llm = LLM(device="cpu", num_kv_blocks=16, host_kv_blocks=64, preemption_mode="swap")
+    engine = llm.engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, SWAP_PARAMS)
+    seen_out = 0
+    while engine.has_unfinished():
+        engine.step()
+        s = llm.stats()
+        if s["swap_outs"] > s["swap_ins"]:             # a request's KV is in host memory now
+            assert s["host_blocks_swapped"] > 0 and s["host_blocks_used"] >= s["host_blocks_swapped"]
+            seen_out += 1
+    assert seen_out > 0 and llm.stats()["host_blocks_swapped"] == 0
+
+
+def test_a_full_host_tier_drops_its_oldest_blocks_and_counts_them():
+    llm = LLM(device="cpu", num_kv_blocks=24, host_kv_blocks=8)
+    for seed in range(6):                             # distinct prompts: no host hits
+        llm.generate([_tokens(300, 40 + seed)], GREEDY)
+    s = llm.stats()
+    assert s["host_blocks_used"] == 8 and s["host_blocks_dropped"] > 0
+    assert s["host_blocks_dropped"] == s["host_blocks_offloaded"] - s["host_blocks_used"]
+    llm.check_integrity()
