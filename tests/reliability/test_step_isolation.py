@@ -219,3 +219,21 @@ def test_finish_judges_the_slo_by_the_classs_target_and_releases_what_was_used()
         asyncio.run(run.finish())
         assert ("slo", "t", "standard", met) in recorded
         assert released[-1] == ("ticket", 3 + 4)
+
+
+def test_a_stream_the_replica_ends_without_a_finish_reason_ends_in_abort():
+    """The client always sees a finish_reason: a replica stream that stops short (its request
+    was dropped there) ends with "abort", as a server-side abort does."""
+    from types import SimpleNamespace
+
+    from kvharbor.platform import generation
+
+    llm = _FakeLLM([{"token_ids": [5], "text": "x", "finish_reason": None}])
+    run = generation.GenerationRun(SimpleNamespace(llm=llm, metrics=None), [_request("r", [1, 2], 4)],
+                                   None, None, chat=False, model="m")
+
+    async def drain():
+        return [event async for event in run.events()]
+
+    events = asyncio.run(drain())
+    assert [e["finish_reason"] for e in events] == [None, "abort"] and llm.calls == 1
