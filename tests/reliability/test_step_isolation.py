@@ -10,11 +10,14 @@ request gets a non-retryable error event. The gateway's half: an event marked
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
 from kvharbor.actors.replica import LLMReplica
 from kvharbor.engine.request import SamplingParams
+from kvharbor.platform import generation
+from kvharbor.platform.openai_protocol import APIError
 from kvharbor.platform.protocol import GenerateRequest
 
 POISON = 7
@@ -143,32 +146,16 @@ class _FakeLLM:
       {"error": "replica engine failed", "status": 500}], 503, 1),
 ])
 def test_gateway_retries_only_replica_failures(event, status, calls, monkeypatch):
-    from types import SimpleNamespace
-
-    from kvharbor.platform import generation
-    from kvharbor.platform.openai_protocol import APIError
-
     monkeypatch.setattr(generation, "MAX_ATTEMPTS", 3)
     llm = _FakeLLM(event)
-    gw = SimpleNamespace(llm=llm, metrics=None)
-    run = generation.GenerationRun(gw, [_request("r", [1, 2], 2)], None, None, chat=False, model="m")
-
-    async def drain():
-        async for _ in run.events():
-            pass
-
     with pytest.raises(APIError) as info:
-        asyncio.run(drain())
+        _drain(_gateway_run(llm))
     assert info.value.status == status and llm.calls == calls
 
 
 def test_each_retry_avoids_every_replica_that_failed_the_request(monkeypatch):
     """The router names the replica it sent the request to (``routed_to``); each retry adds it
     to the replicas the next attempt must avoid."""
-    from types import SimpleNamespace
-
-    from kvharbor.platform import generation
-    from kvharbor.platform.openai_protocol import APIError
 
     class _RoutingLLM(_FakeLLM):
         def remote(self, request):
@@ -178,15 +165,9 @@ def test_each_retry_avoids_every_replica_that_failed_the_request(monkeypatch):
 
     monkeypatch.setattr(generation, "MAX_ATTEMPTS", 3)
     llm = _RoutingLLM({"error": "replica engine failed", "status": 500})
-    run = generation.GenerationRun(SimpleNamespace(llm=llm, metrics=None), [_request("r", [1, 2], 2)],
-                                   None, None, chat=False, model="m")
-
-    async def drain():
-        async for _ in run.events():
-            pass
-
+    run = _gateway_run(llm)
     with pytest.raises(APIError):
-        asyncio.run(drain())
+        _drain(run)
     assert llm.calls == 3 and run.reqs[0].metadata["exclude_replicas"] == ["replica-1", "replica-2"]
 
 
@@ -194,10 +175,6 @@ def test_finish_judges_the_slo_by_the_classs_target_and_releases_what_was_used()
     """Once a request is done the gateway records whether its TTFT met its class's
     ``ttft_slo_ms`` (the SLO-attainment panel) and gives the admission ticket back with the
     prompt and completion tokens it used."""
-    from types import SimpleNamespace
-
-    from kvharbor.platform import generation
-
     recorded, released = [], []
 
     class Recorder:
@@ -224,16 +201,22 @@ def test_finish_judges_the_slo_by_the_classs_target_and_releases_what_was_used()
 def test_a_stream_the_replica_ends_without_a_finish_reason_ends_in_abort():
     """The client always sees a finish_reason: a replica stream that stops short (its request
     was dropped there) ends with "abort", as a server-side abort does."""
-    from types import SimpleNamespace
-
-    from kvharbor.platform import generation
-
     llm = _FakeLLM([{"token_ids": [5], "text": "x", "finish_reason": None}])
-    run = generation.GenerationRun(SimpleNamespace(llm=llm, metrics=None), [_request("r", [1, 2], 4)],
-                                   None, None, chat=False, model="m")
+    events = _drain(_gateway_run(llm, max_tokens=4))
+    assert [e["finish_reason"] for e in events] == [None, "abort"] and llm.calls == 1
 
-    async def drain():
+
+def _gateway_run(llm, max_tokens: int = 2) -> generation.GenerationRun:
+    """The gateway's run of one request whose replica calls go to ``llm`` (a fake handle)."""
+    return generation.GenerationRun(SimpleNamespace(llm=llm, metrics=None),
+                                    [_request("r", [1, 2], max_tokens)], None, None,
+                                    chat=False, model="m")
+
+
+def _drain(run: generation.GenerationRun) -> list[dict]:
+    """Every event of the run's first choice (raises what the run raises)."""
+
+    async def go():
         return [event async for event in run.events()]
 
-    events = asyncio.run(drain())
-    assert [e["finish_reason"] for e in events] == [None, "abort"] and llm.calls == 1
+    return asyncio.run(go())
