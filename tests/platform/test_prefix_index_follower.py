@@ -303,15 +303,18 @@ def test_snapshots_and_replayed_resyncs_confirm_stored_blocks():
 def test_an_actor_shard_looks_the_directory_up_again_after_a_failed_poll():
     """A directory actor that died and was created anew under its name is a new handle: the
     failed call drops the old one, so the next poll finds the new actor."""
+    from types import SimpleNamespace
+
     from kvharbor.platform.index_follower import ActorShard
 
     def handle(reply):
-        async def call(*_):
+        """An actor handle whose ``poll.remote(...)`` answers ``reply`` (or raises it)."""
+        async def poll(*_):
             if isinstance(reply, Exception):
                 raise reply
             return reply
 
-        return type("Handle", (), {"poll": type("Method", (), {"remote": staticmethod(call)})})
+        return SimpleNamespace(poll=SimpleNamespace(remote=poll))
 
     shard = ActorShard("kvh-test", None, timeout_s=1.0, retry_s=0.0,
                        handle=handle(RuntimeError("actor died")))
