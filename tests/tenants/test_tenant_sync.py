@@ -94,3 +94,60 @@ def test_region_grows_with_premium_demand_and_shrinks_back_to_its_floor(tenants_
         engine.resize_pinned_region()
     assert engine.pool.num_pinned == 4
     engine.check_integrity()
+
+
+def test_the_engine_takes_each_class_and_the_regions_floor_from_tenants_yaml(tenants_file):
+    def edit(data):
+        _reserve(4)(data)
+        data["qos_classes"]["premium"].update(ttft_slo_ms=100, step_target_ms=20)
+        data["pinned_region"] = {"floor_blocks": 12}
+    _write(tenants_file, edit)
+    sync = TenantSync(str(tenants_file))
+    engine = _engine(sync)
+    classes = sync.registry.config.qos_classes
+    assert any(not q.preemptible for q in classes.values()), "the check needs a class that is not"
+    for name, q in classes.items():
+        spec = engine.config.qos_classes[name]
+        assert (spec.priority, spec.pinned, spec.preemptible, spec.ttft_slo_ms, spec.step_target_ms) \
+            == (q.priority, q.pinned, q.preemptible, q.ttft_slo_ms, q.step_target_ms), name
+    assert engine.pool.num_pinned == 12           # the region's floor beats the reservations (4)
+
+
+def test_a_tenants_pinned_prompt_is_pinned_in_that_tenants_cache_scope(tenants_file):
+    """The prefix is pinned under the tenant's cache salt, so the tenant's own requests (which
+    carry that salt) hit it."""
+    from kvharbor.actors.replica_sync import system_prompt_tokens
+
+    _write(tenants_file, _reserve(16))
+    sync = TenantSync(str(tenants_file))
+    engine = _engine(sync)
+    system = system_prompt_tokens(engine.tokenizer, sync.registry.config.tenants["acme"].pinned_prefixes[0])
+    engine.add_request("turn", system + [5] * 20, SamplingParams(max_tokens=1), tenant="acme",
+                       qos="premium", cache_salt=sync.registry.cache_salt("acme"))
+    out = next(o for o in engine.step() if o.request_id == "turn")
+    assert out.num_cached_tokens == len(system) // 16 * 16 > 0
+
+
+def test_a_reload_reaches_the_classes_sessions_region_bounds_and_prefixes(tenants_file):
+    def before(data):
+        _reserve(4)(data)
+        data["pinned_region"] = {"floor_blocks": 4, "ceiling_blocks": 48, "demand_window_s": 5.0}
+    _write(tenants_file, before)
+    sync = TenantSync(str(tenants_file))
+    engine = _engine(sync)
+    assert len(engine.pinned_prefixes) == 1
+    priority = sync.registry.config.qos_classes["batch"].priority
+
+    def after(data):
+        data["qos_classes"]["batch"]["priority"] = priority + 1
+        data["tenants"]["acme"]["session_ttl_s"] = 7.0
+        data["tenants"]["acme"]["pinned_prefixes"].append("A second system prompt for Acme.")
+        data["pinned_region"] = {"floor_blocks": 4, "demand_window_s": 2.0}   # no ceiling now
+    _write(tenants_file, after)
+    assert sync.maybe_reload(engine)
+    assert engine.config.qos_classes["batch"].priority == priority + 1
+    assert engine.sessions.limits_for("acme").ttl_s == 7.0
+    sizer = engine.scheduler.sizer
+    assert sizer.window_s == 2.0 and sizer.ceiling == engine.config.pinned_kv_blocks_max
+    assert len(engine.pinned_prefixes) == 2       # the new prompt pinned, the old one not again
+    engine.check_integrity()
