@@ -209,6 +209,27 @@ def test_await_or_undo_undoes_only_when_the_caller_was_cancelled():
     assert undone == ["orphan"]
 
 
+def test_await_or_undo_undoes_a_call_that_answers_after_its_timeout():
+    """An actor that answers late (restarting, overloaded): the caller gets TimeoutError, and
+    what the call took is given back once it completes."""
+    from kvharbor.actors.calls import await_or_undo
+
+    undone = []
+
+    async def late(value):
+        await asyncio.sleep(0.05)
+        return value
+
+    async def main():
+        with pytest.raises(TimeoutError):
+            await await_or_undo(late("slot"), undone.append, timeout_s=0.01)
+        assert undone == []                          # not yet: the call has not answered
+        await asyncio.sleep(0.1)
+
+    asyncio.run(main())
+    assert undone == ["slot"]
+
+
 def test_gatekeeper_queue_and_limits_in_one_call_refusals_take_nothing(clock):
     """Queue place + admission in one call: a full queue admits nothing; a limit refusal
     gives the queue place back; release frees both, once."""
