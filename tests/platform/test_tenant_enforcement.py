@@ -31,6 +31,15 @@ def _wait_until(predicate, timeout: float = 20.0, interval: float = 0.3):
     raise AssertionError("condition not met in time")
 
 
+def _usage(app, tenant: str) -> dict:
+    """``tenant``'s usage on ``/admin/tenants``; a counter not reported yet (a tenant not seen
+    yet has none) reads 0."""
+    seen = httpx.get(app.base_url + "/admin/tenants", headers={"Authorization": f"Bearer {DEMO['admin']}"},
+                     timeout=30).json()["tenants"][tenant]["usage"]
+    return {"in_flight": 0, "granted_idle_slots": 0, "admitted_total": 0, "admitted_fast_lane": 0,
+            "tokens_today": 0, **seen}
+
+
 def test_expired_and_unknown_keys_are_401(kvharbor_app):
     r = _post(kvharbor_app, TEST_KEYS["expired"])
     assert r.status_code == 401 and r.json()["error"]["code"] == "expired_api_key"
@@ -151,12 +160,8 @@ def test_premium_requests_take_the_fast_lane_and_are_accounted(kvharbor_app):
     """Through both gateways: premium requests are admitted from the gateways' grants (no
     admission call), the admission actor still counts every one, and once the tenant goes
     quiet every granted slot is back (in_flight and granted_idle_slots 0)."""
-    admin = {"Authorization": f"Bearer {DEMO['admin']}"}
-
-    def usage() -> dict:                           # a tenant not seen yet has no counters
-        seen = httpx.get(kvharbor_app.base_url + "/admin/tenants", headers=admin,
-                         timeout=30).json()["tenants"]["acme"]["usage"]
-        return {"in_flight": 0, "granted_idle_slots": 0, "admitted_total": 0, "admitted_fast_lane": 0, **seen}
+    def usage() -> dict:
+        return _usage(kvharbor_app, "acme")
 
     before = _wait_until(lambda: (u := usage())["in_flight"] == 0 and u)
     for i in range(12):
@@ -196,18 +201,12 @@ def _hash(key: str) -> str:
     return hash_key(key)
 
 
-
-
 def test_a_tenants_tokens_today_are_the_tokens_its_responses_report(kvharbor_app):
     """The daily budget charges what was used: once a tenant's requests are done (and its
     gateways' grants are back), ``tokens_today`` grew by exactly the prompt and completion
     tokens the responses reported, streamed or not, n > 1 included."""
-    admin = {"Authorization": f"Bearer {DEMO['admin']}"}
-
     def usage() -> dict:
-        seen = httpx.get(kvharbor_app.base_url + "/admin/tenants", headers=admin,
-                         timeout=30).json()["tenants"]["globex"]["usage"]
-        return {"in_flight": 0, "granted_idle_slots": 0, "tokens_today": 0, **seen}
+        return _usage(kvharbor_app, "globex")
 
     before = _wait_until(lambda: (u := usage())["in_flight"] == u["granted_idle_slots"] == 0 and u)
     used = 0

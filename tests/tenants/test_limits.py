@@ -187,18 +187,20 @@ def test_a_caller_cancelled_while_being_admitted_does_not_leak_its_slot(actor_ad
     assert again.ok, again.reason
 
 
+async def _answer_later(value):
+    """An actor call that answers ``value`` after 50 ms."""
+    await asyncio.sleep(0.05)
+    return value
+
+
 def test_await_or_undo_undoes_only_when_the_caller_was_cancelled():
     from kvharbor.actors.calls import await_or_undo
 
     undone = []
 
-    async def slow(value):
-        await asyncio.sleep(0.05)
-        return value
-
     async def main():
-        assert await await_or_undo(slow("kept"), undone.append) == "kept"
-        task = asyncio.ensure_future(await_or_undo(slow("orphan"), undone.append))
+        assert await await_or_undo(_answer_later("kept"), undone.append) == "kept"
+        task = asyncio.ensure_future(await_or_undo(_answer_later("orphan"), undone.append))
         await asyncio.sleep(0.01)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -216,13 +218,9 @@ def test_await_or_undo_undoes_a_call_that_answers_after_its_timeout():
 
     undone = []
 
-    async def late(value):
-        await asyncio.sleep(0.05)
-        return value
-
     async def main():
         with pytest.raises(TimeoutError):
-            await await_or_undo(late("slot"), undone.append, timeout_s=0.01)
+            await await_or_undo(_answer_later("slot"), undone.append, timeout_s=0.01)
         assert undone == []                          # not yet: the call has not answered
         await asyncio.sleep(0.1)
 
