@@ -217,7 +217,10 @@ class FastLane:
             a.on_slots -= 1
             a.slots += 1
         if ticket.cost:
-            unused = max(0, ticket.cost - tokens_used)
+            # Negative when the request used more than it reserved (``n`` > 1: the choices
+            # share one reservation of prompt + max_tokens): the overrun is charged, as the
+            # actor path charges it. Free tokens may go below 0 until the next report.
+            unused = ticket.cost - tokens_used
             a.tokens += unused
             a.used_tokens -= unused
 
@@ -334,6 +337,9 @@ class FastLane:
         """What to settle and ask for; takes the reported units out of the local counters."""
         arrivals, a.arrivals = a.arrivals, 0
         a.quiet = 0 if arrivals else a.quiet + 1
+        # Overruns took more than the grant holds: the debt is in ``used_tokens``, which the
+        # actor charges beyond the grant, so the free tokens start again from 0.
+        a.tokens = max(0, a.tokens)
         need_r, need_t, need_s = a.needs()
         target = 0 if a.quiet >= QUIET_SYNCS else max(MIN_TARGET, HEADROOM * arrivals)
         t_r = target if need_r else 0

@@ -136,7 +136,8 @@ class Grant:
 class GrantReport:
     """One tenant's line in a gateway's ``sync_grants`` call.
 
-    ``used_*``: what the gateway admitted since its last report (tokens net of refunds);
+    ``used_*``: what the gateway admitted since its last report (tokens net of refunds, plus
+    what requests used beyond their reservation, which may exceed the grant: that is charged);
     ``back_*``: free units it gives back; ``want_*``: units it asks for on top of what it
     keeps. ``held``: whether it believes it holds a grant (False on its first report).
     """
@@ -340,6 +341,11 @@ class AdmissionController:
         st.granted_tokens -= used_t
         st.admitted_total += r.used_requests
         st.admitted_fast_lane += r.used_requests
+        overrun = r.used_tokens - used_t   # requests that used more than they reserved (n > 1)
+        if overrun > 0:                    # beyond the grant: charged as ``_release`` charges it
+            st.tokens_today += overrun
+            if st.tokens is not None:
+                st.tokens.level -= overrun
         if grant.day != st.day:           # a new UTC day: what is still held is today's
             st.tokens_today += grant.tokens
             grant.day = st.day

@@ -49,31 +49,35 @@ def test_premium_requests_after_the_first_sync_make_no_actor_call():
 def test_a_first_arrival_gets_its_grant_without_waiting_a_period():
     """The gateway's own sync loop (not driven by the test), with a 30 s period: the first
     request of a tenant wakes a sync at once, so the second finds a grant, in the place and in
-    the tenant's limits. A tenant that goes quiet and comes back is hurried the same way."""
+    the tenant's limits. A tenant that goes quiet and comes back is hurried the same way, and
+    so is a second tenant of a class whose places the gateway already holds."""
     cluster = Cluster()
     gw = Admitter(CountedAdmission(cluster.controller, cluster.calls), Counted(cluster.queue, cluster.calls),
                   cluster.registry, Metrics())
     gw.lane.period_s = 30.0
-    acme = cluster.principal("acme", requests_per_minute=1200, tokens_per_minute=200_000,
-                             max_concurrent_requests=64)
+    limits = dict(requests_per_minute=1200, tokens_per_minute=200_000, max_concurrent_requests=64)
+    acme, initech = cluster.principal("acme", **limits), cluster.principal("initech", **limits)
 
-    async def two_requests(first: str, second: str) -> tuple:
-        one = await request(gw, acme, first)
-        await finish(gw, acme, first, one, 15)
+    async def two_requests(principal, first: str, second: str) -> tuple:
+        one = await request(gw, principal, first)
+        await finish(gw, principal, first, one, 15)
         for _ in range(20):                      # the woken sync answers (no Ray: at once)
             await asyncio.sleep(0)
-        two = await request(gw, acme, second)
-        await finish(gw, acme, second, two, 15)
+        two = await request(gw, principal, second)
+        await finish(gw, principal, second, two, 15)
         return one, two
 
     async def scenario():
         try:
-            one, two = await two_requests("r0", "r1")
+            one, two = await two_requests(acme, "r0", "r1")
+            assert not isinstance(one, LocalTicket) and isinstance(two, LocalTicket), (one, two)
+            assert gw.lane.places["premium"].free > 0
+            one, two = await two_requests(initech, "i0", "i1")
             assert not isinstance(one, LocalTicket) and isinstance(two, LocalTicket), (one, two)
             for _ in range(QUIET_SYNCS + 2):     # a quiet spell: everything given back
                 await gw.lane.sync()
             assert "acme" not in gw.lane.tenants
-            _, three = await two_requests("r2", "r3")
+            _, three = await two_requests(acme, "r2", "r3")
             assert isinstance(three, LocalTicket), three
         finally:
             gw.lane._task.cancel()
@@ -120,6 +124,57 @@ def test_other_classes_keep_the_call_per_request():
             await finish(gw, globex, f"s{i}", t, 5)
             await gw.lane.sync()
         assert cluster.calls["try_admit"] == 3 and cluster.calls["enter_or_recall"] == 3
+
+    run(scenario())
+
+
+def test_what_the_grant_cannot_cover_goes_to_the_actor():
+    """The grant admits a request only if its tokens fit in what the gateway holds and no
+    per-request limit refuses it: otherwise the actor decides (admits it from the bucket, or
+    answers the 400), as it would without a grant."""
+    cluster = Cluster()
+    gw = cluster.gateway()
+    acme = cluster.principal("acme", tokens_per_minute=100_000, max_tokens_per_request=64)
+
+    async def scenario():
+        await finish(gw, acme, "r0", await request(gw, acme, "r0"), 20)
+        await gw.lane.sync()                     # a grant sized by r0's 20 tokens
+        assert gw.lane.tenants["acme"].tokens == 160
+        assert isinstance(await request(gw, acme, "small"), LocalTicket)
+        over = await request(gw, acme, "over", max_tokens=65)     # 75 tokens: they fit
+        assert isinstance(over, APIError) and over.status == 400, over
+        assert over.code == "max_tokens_per_request"
+        big = await request(gw, acme, "big", prompt=100, max_tokens=60)    # 160 > 140 free
+        assert not isinstance(big, (LocalTicket, APIError)), big
+        assert gw.lane.tenants["acme"].tokens == 140
+        assert cluster.calls["try_admit"] == 3   # r0, over, big
+
+    run(scenario())
+
+
+def test_a_request_that_used_more_than_it_reserved_is_charged_what_it_used():
+    """A request with ``n`` > 1 reserves prompt + max_tokens once and its choices may use
+    more. From the grant as from the actor, the tenant is charged what its requests used, also
+    when they used more than the grant held."""
+    cluster = Cluster()
+    gw = cluster.gateway()
+    acme = cluster.principal("acme", tokens_per_minute=100_000, daily_token_budget=1_000_000)
+
+    async def scenario():
+        await finish(gw, acme, "r0", await request(gw, acme, "r0"), 30)     # the actor's
+        await gw.lane.sync()
+        burst = [await request(gw, acme, f"b{i}") for i in range(8)]     # all 160 granted tokens
+        assert all(isinstance(t, LocalTicket) for t in burst), burst
+        for i, t in enumerate(burst):            # 10 prompt + 2 x 10 completion tokens each
+            await finish(gw, acme, f"b{i}", t, 30)
+        assert_books_balance(cluster, [gw])
+        await gw.lane.sync()
+        assert_books_balance(cluster, [gw])
+        for _ in range(QUIET_SYNCS + 1):
+            await gw.lane.sync()
+        usage = cluster.controller.usage("acme")           # the clock stood still: no refill
+        assert usage["tokens_today"] == 9 * 30 and usage["tokens_available"] == 100_000 - 9 * 30
+        assert cluster.controller._tenants["acme"].granted_tokens == 0
 
     run(scenario())
 
@@ -200,6 +255,67 @@ def test_an_actor_that_forgot_the_grant_voids_the_free_units():
         assert free() == 0
         await gw.lane.sync()
         assert_books_balance(cluster, [gw])
+
+    run(scenario())
+
+
+def test_places_all_in_use_are_void_when_the_class_queue_forgot_them():
+    """Every place of the grant is in use (none free) when the class-queue actor restarts:
+    the gateway still says it holds a grant, learns it is gone, and the requests that end
+    later give no place back to the new grant."""
+    cluster = Cluster(max_queue=4)
+    gw = cluster.gateway()
+    acme = cluster.principal("acme", max_concurrent_requests=64)
+
+    async def scenario():
+        await finish(gw, acme, "r0", await request(gw, acme, "r0"), 5)
+        await gw.lane.sync()                     # half the room: 2 places
+        running = [await request(gw, acme, f"r{i}") for i in (1, 2)]
+        assert all(isinstance(t, LocalTicket) for t in running), running
+        assert (gw.lane.places["premium"].free, gw.lane.places["premium"].in_use) == (0, 2)
+        cluster.queue = ClassQueue(leases=LeaseTable(10), holders=LeaseTable(10))
+        gw.class_queue._target = cluster.queue
+        await gw.lane.sync()
+        assert_books_balance(cluster, [gw])
+        for i, t in zip((1, 2), running):
+            await finish(gw, acme, f"r{i}", t, 5)
+        assert_books_balance(cluster, [gw])
+
+    run(scenario())
+
+
+def test_a_request_admitted_while_the_actor_forgets_the_grant_gives_nothing_back():
+    """A request admitted from the grant while the sync that learns the actor forgot it is
+    on its way: the grant it came from is gone, so its end gives no slot to the new one."""
+    cluster = Cluster()
+    gw = cluster.gateway()
+    acme = cluster.principal("acme", max_concurrent_requests=16)
+    gate = asyncio.Event()
+    original = gw.lane._sync_grants
+
+    sent = asyncio.Event()
+
+    async def slow(holder, reports, seq=0):
+        sent.set()
+        await gate.wait()
+        return await original(holder, reports, seq)
+
+    async def scenario():
+        await finish(gw, acme, "r0", await request(gw, acme, "r0"), 5)
+        await gw.lane.sync()
+        cluster.controller = AdmissionController(clock=cluster.clock, lease_s=10,
+                                                 lease_clock=cluster.lease_clock)
+        gw.admission.controller = cluster.controller
+        gw.lane._sync_grants = slow
+        syncing = asyncio.create_task(gw.lane.sync())
+        await sent.wait()                        # the report is sent; the answer waits
+        during = await request(gw, acme, "r1")
+        assert isinstance(during, LocalTicket)
+        gate.set()
+        await syncing
+        slots = gw.lane.tenants["acme"].slots
+        await finish(gw, acme, "r1", during, 5)
+        assert gw.lane.tenants["acme"].slots == slots
 
     run(scenario())
 
