@@ -46,3 +46,38 @@ def test_status_counts_requests_not_the_places_a_gateway_holds_idle():
     # one premium request admitted from the grant, reported at the next sync: 3 idle
     q.sync_places("gw-a", PRIORITIES, [("premium", 10, 0, 1, True, 3)], seq=2)
     assert q.status()["in_flight"]["premium"] == 1
+
+
+def test_a_refusal_recalls_idle_places_only_when_they_would_have_admitted_it():
+    """Gateway A holds 4 idle premium places. A premium refusal calls them back when, without
+    them, the request fits; when the class is over the limit even without them (max_queue was
+    lowered) nothing is recalled: A keeps its fast lane."""
+    q = ClassQueue()
+    assert q.sync_places("gw-a", PRIORITIES, [("premium", 10, 0, 4, False, 0)], seq=1) == \
+        [("premium", 4, True, False)]
+    assert [q.enter("premium", PRIORITIES, 10) for _ in range(7)] == [None] * 6 + [10]
+    assert q.enter_or_recall("premium", PRIORITIES, 5) == (10, False)      # 6 in flight > 5
+    assert not q.recall
+    assert q.enter_or_recall("premium", PRIORITIES, 10) == (10, True)      # 6 < 10 without them
+    assert q.recall == {("gw-a", "premium")}
+
+
+def test_a_recalled_grant_is_not_topped_up_in_the_sync_that_gives_it_back():
+    """The places a recall brings back are for the refused request's retry: the sync that
+    gives them back gets none (recall True, added 0), and the retry is admitted."""
+    q = ClassQueue()
+    q.sync_places("gw-a", PRIORITIES, [("premium", 6, 0, 3, False, 0)], seq=1)      # 3 idle
+    assert [q.enter("premium", PRIORITIES, 6) for _ in range(4)] == [None] * 3 + [6]
+    assert q.enter_or_recall("premium", PRIORITIES, 6) == (6, True)
+    # (qos, max_queue, back, want, held, free): A gives its 3 back and asks for 3 again
+    assert q.sync_places("gw-a", PRIORITIES, [("premium", 6, 3, 3, True, 0)], seq=2) == \
+        [("premium", 0, True, True)]
+    assert q.enter_or_recall("premium", PRIORITIES, 6, "retry") == (None, False)
+
+
+def test_a_standard_refusal_leaves_premiums_idle_places_alone():
+    q = ClassQueue()
+    q.sync_places("gw-a", PRIORITIES, [("premium", 10, 0, 4, False, 0)], seq=1)
+    assert [q.enter("standard", PRIORITIES, 3) for _ in range(4)] == [None] * 3 + [3]
+    assert q.enter_or_recall("standard", PRIORITIES, 3) == (3, False)
+    assert not q.recall
