@@ -72,15 +72,75 @@ def test_expired_session_blocks_are_free_again(llm):
     held = llm.stats()
     assert held["session_blocks_held"] == (110 - 1) // BS
     assert held["blocks_used"] == held["session_blocks_held"]
-    llm.engine.sessions.clock.now += 29.0
+    llm.engine.sessions.clock.now += 29.9
     assert llm.engine.expire_sessions() == 0
-    llm.engine.sessions.clock.now += 2.0
+    llm.engine.sessions.clock.now += 0.2         # within the 0.25 s between periodic checks
     assert llm.engine.expire_sessions() == 1
     stats = llm.stats()
     assert stats["blocks_used"] == 0 and stats["blocks_free"] == stats["blocks_total"]
     assert stats["session_blocks_held"] == 0 and stats["sessions_active"] == 0
     assert stats["session_expirations"] == 1
     assert stats["blocks_cached"] == (110 - 1) // BS     # back in the LRU, still reusable
+    llm.check_integrity()
+
+
+def test_the_ttl_counts_from_the_end_of_the_last_turn(llm):
+    """A turn that ran longer than the ttl does not leave a session that expires at once."""
+    llm.engine.set_session_limits("acme", ttl_s=30.0)
+    engine, clock = llm.engine, llm.engine.sessions.clock
+    engine.add_request("long", _tokens(40, 12), _greedy(8), tenant="acme", session_id="s")
+    engine.step()
+    clock.now += 100.0                             # the turn takes 100 s
+    while engine.has_unfinished():
+        engine.step()
+    clock.now += 29.0
+    assert engine.expire_sessions() == 0
+    clock.now += 2.0
+    assert engine.expire_sessions() == 1
+
+
+def test_a_first_turns_hit_is_not_counted_as_session_reuse(llm):
+    """``session_hit_tokens`` counts what later turns reuse; a first turn that hits a prefix
+    some other request cached is not the session's doing."""
+    prompt = _tokens(80, 13)
+    llm.generate([prompt], _greedy(4), tenant="acme")
+    first = llm.generate([prompt], _greedy(4), tenant="acme", session_id="s")[0]
+    assert first.num_cached_tokens == (80 - 1) // BS * BS
+    assert llm.stats()["session_hit_tokens"] == 0
+    assert llm.engine.sessions.describe("acme", "s")["hit_tokens"] == 0
+
+
+@pytest.mark.parametrize("how", ["ended", "next turn on other history"])
+def test_released_session_blocks_are_evicted_tail_first(llm, how):
+    """Blocks a session lets go of return to the free queue last block first, so eviction
+    pressure shortens the cached prefix from its end: the blocks not evicted stay hittable
+    (evicting the first block first would leave nothing)."""
+    prompt = _tokens(100, 14)
+    llm.generate([prompt], _greedy(10), tenant="acme", session_id="s")     # holds 6 blocks
+    if how == "ended":
+        assert llm.engine.end_session("acme", "s") == 6
+    else:
+        llm.generate([_tokens(100, 15)], _greedy(10), tenant="acme", session_id="s")
+    stats = llm.stats()
+    blank = stats["blocks_free"] - (stats["blocks_cached"] - stats["blocks_used"])   # no hash
+    llm.engine.drain_kv_events()
+    llm.generate([_tokens((blank + 2) * BS, 16)], _greedy(1), tenant="other")
+    evicted = sum(len(batch.removed) for batch in llm.engine.drain_kv_events())
+    assert 2 <= evicted <= 3                   # (a turn's partial block may be freed after them)
+    hit = llm.generate([prompt], _greedy(1), tenant="acme")[0].num_cached_tokens
+    assert hit == (6 - evicted) * BS
+    llm.check_integrity()
+
+
+def test_a_stuck_engine_releases_the_oldest_session_that_holds_blocks(llm):
+    """``release_oldest_idle`` frees blocks: an older idle session holding none is kept."""
+    llm.generate([_tokens(10, 17)], _greedy(2), tenant="acme", session_id="short")   # no full block
+    llm.generate([_tokens(70, 18)], _greedy(1), tenant="acme", session_id="long")
+    sessions = llm.engine.sessions
+    assert sessions.describe("acme", "short")["blocks"] == 0
+    assert sessions.release_oldest_idle()
+    assert sessions.describe("acme", "long") is None
+    assert sessions.describe("acme", "short") is not None
     llm.check_integrity()
 
 
@@ -168,6 +228,8 @@ def test_fork_continues_like_recomputing_without_recompute(llm):
     follow = history_prompt + out1.token_ids + _tokens(12, 8)
     forked = llm.generate([follow], _greedy(10), tenant="acme", session_id="b")[0]
     assert forked.num_cached_tokens == (120 - 1) // BS * BS
+    # the fork's first turn reuses the source's turns: counted as session reuse
+    assert llm.engine.sessions.describe("acme", "b")["hit_tokens"] == forked.num_cached_tokens
     fresh = LLM(device="cpu", num_kv_blocks=64, block_size=BS)
     recomputed = fresh.generate([follow], _greedy(10), tenant="acme")[0]
     assert recomputed.num_cached_tokens == 0
