@@ -125,3 +125,18 @@ def test_sizer_targets_the_window_peak_with_headroom_and_shrinks_only_after_a_de
     assert sizer.decide(50, now=16.0) == 4            # ... until shrink_after_s have passed
     sizer.observe(1000, now=17.0)
     assert sizer.target() == 100                      # clamped to the ceiling
+
+
+def test_a_shrink_waits_its_full_delay_after_demand_came_back_in_between():
+    """Demand dips, returns, dips again: the second dip waits ``shrink_after_s`` from its own
+    start, not from the first dip's."""
+    sizer = PinnedSizer(floor=4, ceiling=100, window_s=1.0, headroom=1.0, shrink_after_s=5.0)
+    sizer.observe(40, now=0.0)
+    sizer.observe(0, now=2.0)                         # first dip
+    assert sizer.decide(40, now=2.0) == 40
+    sizer.observe(40, now=3.0)                        # demand is back: the dip is over
+    assert sizer.decide(40, now=3.0) == 40
+    sizer.observe(0, now=6.5)                         # second dip
+    assert sizer.decide(40, now=7.5) == 40            # 5.5 s after the first dip's start
+    assert sizer.decide(40, now=12.4) == 40
+    assert sizer.decide(40, now=12.5) == 4            # 5 s after this one's
