@@ -139,3 +139,25 @@ def test_a_lower_class_prefill_does_not_shrink_the_rest_of_the_step_to_the_minim
     assert 99 <= budget.room(1000) <= 100                # (20 ms - 10 ms) / 0.1 ms
     budget.add(1, trimmed=False, prefill=True)
     assert budget.room(1000) == 0
+
+
+def test_the_room_of_one_more_request_pays_its_own_sequence_cost():
+    """0.5 s per token, 2 s per sequence, 10 s target, no overhead: after a premium decode and
+    one lower-class decode (2 tokens, 2 sequences), a third sequence costs 2 s itself, so
+    10 - 1 - 6 = 3 s are left: 6 tokens."""
+    model = StepCostModel()
+    model.coef = [0.0, 0.5, 2.0]
+    budget = StepBudget(model, 10.0)
+    budget.add(1, trimmed=False)
+    budget.add(1, trimmed=True)
+    assert budget.room(100) == 6
+
+
+def test_the_learned_cost_model_never_has_a_negative_coefficient():
+    """Steps that got faster with more sequences (noise, a warming cache) must not teach a
+    negative cost per sequence: a large batch would then look free."""
+    model = StepCostModel(ridge=1e-6)
+    for seqs in range(1, 40):
+        model.observe(tokens=100, seqs=seqs, seconds=0.05 - 0.001 * seqs)
+    assert all(c >= 0.0 for c in model.coef), model.coef
+    assert model.estimate(100, 1000) > 0.0

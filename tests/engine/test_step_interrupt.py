@@ -91,6 +91,11 @@ def test_no_cut_for_a_peer_prefill_a_lower_class_or_fcfs():
     e.add_request("b0", _p(60, 6), _sp(4), qos="batch")
     assert _one_step_with_announcement(e, "premium") == 0, "cut a step computing a premium prompt"
 
+    e = _engine()
+    e.add_request("p0", _p(20, 5), _sp(8), qos="premium")
+    e.step()                                         # its prompt: the step after only decodes
+    assert _one_step_with_announcement(e, "premium") == 0, "cut a step of premium decodes only"
+
     e = _engine(budgeted=("premium", "standard"))
     e.add_request("b0", _p(60, 6), _sp(4), qos="batch")
     assert _one_step_with_announcement(e, "standard") == 0, \
