@@ -76,9 +76,9 @@ def test_the_limit_has_a_floor_grows_while_binding_and_lifts_when_demand_falls(g
     for _ in range(20):
         window(guard, LAGGING)
     assert guard.limit == MIN_LIMIT
-    for rid in held[MIN_LIMIT:]:
+    for rid in held[5:]:
         guard.leave(rid)
-    window(guard, ON_TIME)                            # 8 in flight >= 8/2: binding, so it grows
+    window(guard, ON_TIME)                            # 5 in flight >= 8/2: binding, so it grows
     assert guard.limit == MIN_LIMIT + 1
     for rid in held[:MIN_LIMIT]:
         guard.leave(rid)
@@ -87,6 +87,30 @@ def test_the_limit_has_a_floor_grows_while_binding_and_lifts_when_demand_falls(g
     assert guard.limit == MIN_LIMIT + 1               # not yet
     window(guard, ON_TIME)
     assert guard.limit == math.inf
+
+
+def test_the_limit_grows_by_an_eighth_and_one_slow_tick_does_not_cut_it(guard):
+    fill(guard, "standard", 40, "s")
+    window(guard, LAGGING)
+    assert guard.limit == 32
+    window(guard, ON_TIME)                            # 40 in flight: binding
+    assert guard.limit == 36                          # + 32 / 8
+    for _ in range(9):                                # one 200 ms pause among ten ticks
+        guard.observe(ON_TIME)
+    window(guard, 0.2)
+    assert guard.limit > 36                           # the median tick was on time
+
+
+def test_shares_follow_the_classes_of_a_reloaded_tenants_file(guard):
+    """The top non-pinned priority is recomputed when tenants.yaml's classes change: a new
+    higher class halves standard's share of the limit."""
+    fill(guard, "standard", 40, "s")
+    window(guard, LAGGING)                            # limit 32; standard alone: share 1
+    assert guard.share(CLASSES["standard"], CLASSES) == 1.0
+    reloaded = {**CLASSES, "gold": SimpleNamespace(priority=100, pinned=False, max_queue=10_000)}
+    assert guard.share(CLASSES["standard"], reloaded) == 0.5
+    with pytest.raises(APIError):                     # 40 in flight >= 32 x 0.5
+        guard.enter("s-more", CLASSES["standard"], reloaded)
 
 
 def test_leave_is_idempotent_and_ignores_requests_it_never_counted(guard):
@@ -241,3 +265,32 @@ def test_the_gateway_checks_the_guard_only_on_generation_paths():
     with pytest.raises(APIError):
         Gateway._gate(gw, "k", "/v1/completions")
     assert limited == [("initech", "overloaded")]    # counted on the dashboard's panel
+
+
+def test_the_tick_runs_on_while_short_requests_keep_coming_or_a_limit_is_set(monkeypatch):
+    """Requests that each end within a tick still count as traffic: the tick stops only
+    ``IDLE_STOP_S`` after the last one. And while a limit is set the tick goes on with nothing
+    in flight, so the limit can be lifted (with the tick stopped it would shed forever)."""
+    import kvharbor.platform.overload_guard as og
+
+    monkeypatch.setattr(og, "IDLE_STOP_S", 0.5)
+    guard = OverloadGuard(10.0)
+
+    async def scenario():
+        for i in range(12):                           # 1.2 s of short requests
+            [rid] = fill(guard, "standard", 1, f"s{i}-")
+            guard.leave(rid)
+            await asyncio.sleep(0.1)
+        assert not guard._task.done()
+        for _ in range(50):                           # a lagging window (outvotes the real
+            guard.observe(LAGGING)                    # ticks observed so far): a limit is set
+        guard.adjust()
+        assert guard.limit == MIN_LIMIT
+        await asyncio.sleep(1.0)                      # idle for 2 x IDLE_STOP_S, 4 windows
+        assert not guard._task.done() and guard.limit == MIN_LIMIT
+        await asyncio.sleep((RELAX_WINDOWS + 2) * og.WINDOW_S)
+        assert guard.limit == math.inf                # lifted; then it stops by itself
+        await asyncio.sleep(og.WINDOW_S * 2)
+        assert guard._task.done()
+
+    run(scenario())
