@@ -290,10 +290,8 @@ def test_a_request_admitted_while_the_actor_forgets_the_grant_gives_nothing_back
     cluster = Cluster()
     gw = cluster.gateway()
     acme = cluster.principal("acme", max_concurrent_requests=16)
-    gate = asyncio.Event()
+    sent, gate = asyncio.Event(), asyncio.Event()
     original = gw.lane._sync_grants
-
-    sent = asyncio.Event()
 
     async def slow(holder, reports, seq=0):
         sent.set()
