@@ -13,13 +13,20 @@ def _req(tenant: str, qos: str = "standard") -> SimpleNamespace:
     return SimpleNamespace(tenant=tenant, qos=qos)
 
 
-def test_tenants_are_ordered_by_tokens_served_not_by_requests():
+def _two_active(served_a: int, served_b: int) -> tuple[FairShare, SimpleNamespace, SimpleNamespace]:
+    """Standard tenants ``a`` and ``b``, both active, served these many tokens."""
     fair = FairShare()
     a, b = _req("a"), _req("b")
     fair.arrive(a)
     fair.arrive(b)
-    fair.charge(a, 500)                               # one long request
-    for _ in range(3):                                # three short ones
+    fair.charge(a, served_a)
+    fair.charge(b, served_b)
+    return fair, a, b
+
+
+def test_tenants_are_ordered_by_tokens_served_not_by_requests():
+    fair, a, b = _two_active(500, 10)                 # one long request against a short one
+    for _ in range(2):                                # and two more short ones
         fair.charge(b, 10)
     assert fair.key(b) < fair.key(a)
 
@@ -27,12 +34,7 @@ def test_tenants_are_ordered_by_tokens_served_not_by_requests():
 def test_a_tenant_already_active_keeps_its_place_when_it_sends_more():
     """``a`` is behind ``b`` (served less) and sends another request while its first is still
     queued: it stays behind, so it still goes first."""
-    fair = FairShare()
-    a, b = _req("a"), _req("b")
-    fair.arrive(a)
-    fair.arrive(b)
-    fair.charge(b, 900)
-    fair.charge(a, 40)
+    fair, a, b = _two_active(40, 900)
     fair.arrive(_req("a"))
     assert fair.key(a) == 40 < fair.key(b)
 
@@ -40,12 +42,7 @@ def test_a_tenant_already_active_keeps_its_place_when_it_sends_more():
 def test_a_returning_tenant_keeps_what_it_was_served_above_the_class_time():
     """Coming back raises a counter to the class's time, never lowers it: a tenant that was
     served more than the others before it paused is not forgiven by pausing."""
-    fair = FairShare()
-    a, b = _req("a"), _req("b")
-    fair.arrive(a)
-    fair.arrive(b)
-    fair.charge(a, 5000)
-    fair.charge(b, 100)
+    fair, a, _ = _two_active(5000, 100)
     fair.leave(a)
     fair.arrive(a)
     assert fair.key(a) == 5000
