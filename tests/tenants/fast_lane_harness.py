@@ -84,9 +84,11 @@ class Cluster:
         self.registry = Registry(max_queue)
         self.calls: dict[str, int] = {}
 
-    def gateway(self) -> Admitter:
+    def gateway(self, **options) -> Admitter:
+        """A gateway's ``Admitter`` over this cluster's actors (``options``: its keyword
+        arguments, e.g. ``guard`` or ``lease_s``)."""
         admitter = Admitter(CountedAdmission(self.controller, self.calls),
-                            Counted(self.queue, self.calls), self.registry, Metrics())
+                            Counted(self.queue, self.calls), self.registry, Metrics(), **options)
         admitter.lane._wake = lambda: None          # syncs are driven by the test
         return admitter
 

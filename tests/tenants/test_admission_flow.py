@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import asyncio
 
-from kvharbor.platform.admission_flow import Admitter
 from kvharbor.platform.class_queue import ClassQueue
 from kvharbor.platform.openai_protocol import APIError
 from kvharbor.platform.overload_guard import OverloadGuard
 from kvharbor.tenants.leases import LeaseTable
-from tests.tenants.fast_lane_harness import (Cluster, Counted, CountedAdmission, Metrics, finish,
-                                             request, run)
+from tests.tenants.fast_lane_harness import Cluster, finish, request, run
 
 
 def test_a_concurrency_refusal_is_not_remembered():
@@ -40,9 +38,7 @@ def test_a_class_queue_refusal_leaves_the_overload_guards_count():
     """A request the class queue refuses (queue_full) is not in flight: the overload guard
     must not count it, or a run of refusals would shed the class for good."""
     cluster = Cluster(max_queue=1)
-    gw = Admitter(CountedAdmission(cluster.controller, cluster.calls), Counted(cluster.queue, cluster.calls),
-                  cluster.registry, Metrics(), guard=OverloadGuard(lag_target_ms=1000.0))
-    gw.lane._wake = lambda: None
+    gw = cluster.gateway(guard=OverloadGuard(lag_target_ms=1000.0))
     globex = cluster.principal("globex", qos="standard")
 
     async def scenario():
@@ -61,8 +57,7 @@ def test_a_running_requests_queue_place_is_renewed_past_its_lease():
     renewed and stays counted however long the request runs."""
     cluster = Cluster()
     cluster.queue = ClassQueue(leases=LeaseTable(0.3), holders=LeaseTable(0.3))
-    gw = Admitter(CountedAdmission(cluster.controller, cluster.calls), Counted(cluster.queue, cluster.calls),
-                  cluster.registry, Metrics(), lease_s=0.3)
+    gw = cluster.gateway(lease_s=0.3)
     globex = cluster.principal("globex", qos="standard")
 
     async def scenario():
