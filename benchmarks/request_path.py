@@ -179,7 +179,7 @@ def main(argv=None) -> int:
     texts = prompts(args.requests, args.seed)
     engine_ms, engine_tokens = engine_ttfts(texts)
     engine_1t_ms, _ = engine_ttfts(texts, threads=1)
-    from kvharbor.engine.models import load_tokenizer  # noqa: PLC0415
+    from kvharbor.engine.model_info import load_tokenizer  # noqa: PLC0415
 
     tok = load_tokenizer("kvharbor/tiny-llama")
     report = {"machine": info, "seed": args.seed, "requests": args.requests, "goal_ms": 15.0,

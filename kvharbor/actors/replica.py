@@ -41,7 +41,6 @@ from kvharbor.actors.replica_sync import DirectorySync
 from kvharbor.actors.stream_events import coalesced, is_last
 from kvharbor.actors.tenant_sync import TenantSync
 from kvharbor.config import EngineConfig
-from kvharbor.engine.engine import Engine
 from kvharbor.engine.engine_stats import memory_breakdown
 from kvharbor.engine.request import SamplingParams
 from kvharbor.observability.metrics import get_metrics
@@ -85,6 +84,9 @@ class LLMReplica:
         config = EngineConfig(**engine_config)
         if self.tenants:
             config = self.tenants.apply_to_config(config)
+        # Imported here: torch loads in the replica's process, not in the one building the app.
+        from kvharbor.engine.engine import Engine  # noqa: PLC0415
+
         self.engine = Engine(config)
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id

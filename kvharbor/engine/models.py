@@ -20,11 +20,12 @@ import torch
 from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MistralConfig,
                           PretrainedConfig, Qwen2Config)
 
+from .model_info import BUILTIN_CONTEXT
 from .tokenizer import VOCAB_SIZE, byte_tokenizer
 
 _COMMON = dict(vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=512,
                num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=32,
-               max_position_embeddings=4096, pad_token_id=256, bos_token_id=257,
+               max_position_embeddings=BUILTIN_CONTEXT, pad_token_id=256, bos_token_id=257,
                eos_token_id=258, tie_word_embeddings=False, initializer_range=0.08)
 
 BUILTIN_MODELS: dict[str, PretrainedConfig] = {
@@ -106,22 +107,3 @@ def uniform_sliding_window(config) -> int | None:
     if layer_types is not None and any(t != "sliding_attention" for t in layer_types):
         return None
     return int(window)
-
-
-def load_tokenizer(name: str):
-    """The tokenizer of ``name`` without loading weights (for the gateway)."""
-    if name in BUILTIN_MODELS:
-        return byte_tokenizer()
-    if name.startswith("kvharbor/"):
-        raise ValueError(f"unknown builtin model {name!r}; choose one of {sorted(BUILTIN_MODELS)}")
-    return AutoTokenizer.from_pretrained(name)
-
-
-def model_context_length(name: str) -> int:
-    """The model's maximum context (``max_position_embeddings``) without loading weights."""
-    if name in BUILTIN_MODELS:
-        return BUILTIN_MODELS[name].max_position_embeddings
-    from transformers import AutoConfig  # noqa: PLC0415
-
-    config = AutoConfig.from_pretrained(name)
-    return int(getattr(config, "max_position_embeddings", None) or 2048)

@@ -87,12 +87,10 @@ def ingress_for(gateway_replicas: int) -> str:
 
 
 def _gpus() -> int:
-    try:
-        import torch  # noqa: PLC0415
-
-        return torch.cuda.device_count()
-    except Exception:  # noqa: BLE001
-        return 0
+    """The GPUs of the Ray cluster, as Ray detected them when its nodes started: each replica
+    asks Ray for ``num_gpus=1``, so Ray's count is the one placement goes by (torch's count
+    would see only this node's, and importing torch here costs seconds before Ray starts)."""
+    return int(ray.cluster_resources().get("GPU", 0))
 
 
 def engine_kwargs(cfg: PlatformConfig, on_gpu: bool) -> dict:

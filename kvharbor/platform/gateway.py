@@ -38,7 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvharbor.actors.calls import detached, on_event_loop, start_background
 from kvharbor.engine.hashing import hash_prompt_blocks, model_root
 from kvharbor.engine.model_identity import model_identity
-from kvharbor.engine.models import load_tokenizer, model_context_length
+from kvharbor.engine.model_info import load_tokenizer, model_context_length
 from kvharbor.observability.metrics import get_metrics
 from kvharbor.platform.admission_flow import Admitter, unavailable
 from kvharbor.platform.auth_gate import GENERATION_PATHS, AuthGateMiddleware, bearer_key, encode_hint

@@ -198,7 +198,8 @@ def reference():
     """The model's raw next-token log-softmax over a token sequence (tiny-llama, float32, CPU)."""
     import torch
 
-    from kvharbor.engine.models import load_model, load_tokenizer
+    from kvharbor.engine.model_info import load_tokenizer
+    from kvharbor.engine.models import load_model
 
     loaded = load_model("kvharbor/tiny-llama", torch.float32, torch.device("cpu"))
     tokenizer = load_tokenizer("kvharbor/tiny-llama")

@@ -19,7 +19,7 @@ import httpx
 import ray
 
 from kvharbor.actors.replica_sync import system_prompt_tokens
-from kvharbor.engine.models import load_tokenizer
+from kvharbor.engine.model_info import load_tokenizer
 from kvharbor.tenants import TenantRegistry
 from tests.reliability.helpers import DEMO, edited_tenants, wait_idle
 
