@@ -397,6 +397,46 @@ class _Refused(Exception):
     status, message, code, headers = 429, "overloaded", "overloaded", {"Retry-After": "1"}
 
 
+class _WrongKey(Exception):
+    status, message, code, headers = 401, "invalid API key", "invalid_api_key", None
+
+
+@pytest.mark.parametrize(("refusal", "chunks", "read", "closes"), [
+    (_WrongKey, 4, 0, True),        # a wrong key: none of the body read, the connection closed
+    (_Refused, 4, 4, False),        # refused for load, body within the limit: drained, kept open
+    (_Refused, 40, 11, True),       # over the limit: reading stops one chunk past it, closed
+], ids=["401", "429-within-limit", "429-over-limit"])
+def test_a_refusal_reads_only_a_load_refusals_body_within_the_limit(refusal, chunks, read, closes):
+    """The gate's refusals, at the ASGI level (what a socket sees): a body the gate leaves
+    unread must end the connection (else its bytes would be read as the client's next
+    request); a 429 drains a body up to ``max_body_bytes`` so the client keeps its connection."""
+    from starlette.applications import Starlette
+
+    app = Starlette()
+    app.state.max_body_bytes = 10_000
+
+    def authenticate(key, path):
+        raise refusal()
+
+    app.state.authenticate = authenticate
+    app.add_middleware(AuthGateMiddleware)
+    body = [{"type": "http.request", "body": b"x" * 1000, "more_body": i < chunks - 1} for i in range(chunks)]
+    taken, sent = [], []
+
+    async def receive():
+        taken.append(body.pop(0))
+        return taken[-1]
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "root_path": "",
+             "query_string": b"", "headers": [(b"authorization", b"Bearer k")]}
+    asyncio.run(app(scope, receive, send))
+    assert sent[0]["status"] == refusal.status and len(taken) == read
+    assert ((b"connection", b"close") in sent[0]["headers"]) == closes, sent[0]["headers"]
+
+
 def test_the_cluster_env_names_the_proxy_guard_through_serves_proxy_only():
     env: dict = {}
     assert apply_ingress("proxy", env, overload_lag_ms=None) == "proxy"
