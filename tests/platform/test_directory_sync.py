@@ -82,6 +82,12 @@ def _run_prompt(engine, rid: str, tokens: list[int]) -> None:
         engine.step()
 
 
+async def tick(sync, engine) -> None:
+    """One tick of the replica's directory sync: prepare a batch, then settle it."""
+    ref = sync.prepare(engine)
+    await sync.settle(ref)
+
+
 def test_sync_resyncs_then_streams_batches_and_recovers_from_a_restarted_directory():
     from kvharbor.actors.replica_sync import DirectorySync
 
@@ -89,21 +95,17 @@ def test_sync_resyncs_then_streams_batches_and_recovers_from_a_restarted_directo
     sync = DirectorySync("d", "rep")
     sync._handle = handle
 
-    async def tick():
-        ref = sync.prepare(engine)
-        await sync.settle(ref)
-
     async def go():
         _run_prompt(engine, "a", list(range(100)))
-        await tick()                                   # start: snapshot
+        await tick(sync, engine)                                   # start: snapshot
         assert handle.shard.replica_hashes("rep") == engine.cached_block_hashes() != set()
         _run_prompt(engine, "b", list(range(50, 150)))
         sync.publish(engine)                           # batches after the snapshot
-        await tick()
+        await tick(sync, engine)
         assert handle.shard.replica_hashes("rep") == engine.cached_block_hashes()
         handle.shard = type(handle.shard)()            # the directory restarted, empty
-        await tick()                                   # heartbeat: unknown -> resync due
-        await tick()
+        await tick(sync, engine)                                   # heartbeat: unknown -> resync due
+        await tick(sync, engine)
         assert handle.shard.replica_hashes("rep") == engine.cached_block_hashes()
 
     asyncio.run(go())
@@ -179,10 +181,6 @@ def test_a_refused_or_failed_batch_makes_the_next_tick_resync_both_tiers():
     sync = DirectorySync("d", "rep")
     sync._handle = handle
 
-    async def tick():
-        ref = sync.prepare(engine)
-        await sync.settle(ref)
-
     def publish_losing_every_batch(how):
         """The directory refuses (it saw a gap) or fails every batch of this publish."""
         def lost(*args):
@@ -195,14 +193,14 @@ def test_a_refused_or_failed_batch_makes_the_next_tick_resync_both_tiers():
         handle.shard.apply_events = apply
 
     async def go():
-        await tick()                                   # start: snapshot
+        await tick(sync, engine)                                   # start: snapshot
         for i, how in enumerate(["refuse", "fail"]):
             for j in range(4):                         # more than the 16 device blocks hold
                 rng = random.Random(10 * i + j)
                 _run_prompt(engine, f"{how}{j}", [rng.randrange(250) for _ in range(96)])
             publish_losing_every_batch(how)
-            await tick()                               # the loss is seen
-            await tick()                               # the snapshot
+            await tick(sync, engine)                               # the loss is seen
+            await tick(sync, engine)                               # the snapshot
             assert engine.host_block_hashes(), "the host tier should hold evicted blocks"
             view = handle.shard.snapshot()["snapshot"]["rep"][1]
             assert set(view["device"]) == engine.cached_block_hashes(), how

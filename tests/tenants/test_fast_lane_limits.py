@@ -200,7 +200,6 @@ def test_a_refund_into_the_grant_does_not_add_to_a_full_bucket():
     run(scenario())
 
 
-
 def test_premiums_idle_places_neither_shed_nor_are_recalled_by_a_lower_class():
     """A standard flood meets its max_queue: premium's places held idle by a gateway do not
     count against standard (they are not in flight), and standard's refusals do not take
