@@ -1,0 +1,71 @@
+"""BodyLimitMiddleware at the ASGI level: the limit is the app's ``max_body_bytes`` (the
+gateway's setting), a body over it is a 413 whether it was announced or streamed, and the
+handler never sees it. (tests/reliability/test_bad_input.py sends the same over a socket to
+the running app, at the default 4 MiB.)"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvharbor.platform.body_limit import BodyLimitMiddleware
+
+
+def _app(limit: int):
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    handled: list[int] = []
+
+    async def completions(request):
+        handled.append(len(await request.body()))
+        return JSONResponse({"ok": True})
+
+    app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
+    app.state.max_body_bytes = limit
+    app.state.handled = handled
+    app.add_middleware(BodyLimitMiddleware)
+    return app
+
+
+def _post(app, chunks: list[bytes], declare: bool) -> tuple[int, str, dict, int]:
+    """POST ``chunks`` as one body (with its Content-Length when ``declare``, else streamed
+    without one); -> (status, response body, response headers, body messages read)."""
+    pending = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1}
+               for i, c in enumerate(chunks)]
+    sent: list[dict] = []
+
+    reads = 0
+
+    async def receive():
+        nonlocal reads
+        reads += 1
+        return pending.pop(0) if pending else {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    headers = [(b"content-type", b"application/json")]
+    if declare:
+        headers.append((b"content-length", str(sum(map(len, chunks))).encode()))
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "root_path": "",
+             "query_string": b"", "headers": headers, "http_version": "1.1"}
+    asyncio.run(app(scope, receive, send))
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return sent[0]["status"], body.decode(), dict(sent[0]["headers"]), reads
+
+
+@pytest.mark.parametrize("declare", [True, False], ids=["content-length", "chunked"])
+def test_the_limit_is_the_apps_and_an_over_limit_body_never_reaches_the_handler(declare):
+    """An announced size is refused before a byte of the body is read; a streamed one when
+    the chunk that crosses the limit arrives. Either way the connection closes (the client's
+    unread bytes must not be taken for its next request)."""
+    app = _app(limit=2000)
+    status, body, _, _ = _post(app, [b"x" * 1000, b"x" * 1000], declare)      # exactly the limit
+    assert status == 200 and app.state.handled == [2000], body
+    status, body, headers, reads = _post(app, [b"x" * 1000, b"x" * 1000, b"x"], declare)
+    assert status == 413 and app.state.handled == [2000], body
+    assert "limit of 2000 bytes" in body or "the limit is 2000 bytes" in body, body
+    assert headers[b"connection"] == b"close" and reads == (0 if declare else 3), (headers, reads)
