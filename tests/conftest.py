@@ -91,7 +91,8 @@ DEMO = {"premium": "kvh-demo-premium", "standard": "kvh-demo-standard",
 
 TEST_KEYS = {"limited": "kvh-test-limited", "restricted": "kvh-test-restricted",
              "expired": "kvh-test-expired", "private2": "kvh-test-private2",
-             "capped": "kvh-test-capped", "truncating": "kvh-test-truncating"}
+             "capped": "kvh-test-capped", "truncating": "kvh-test-truncating",
+             "metered": "kvh-test-metered"}
 
 
 def add_test_tenants(path) -> None:
@@ -110,6 +111,8 @@ def add_test_tenants(path) -> None:
                                                     "expires": "2020-01-01T00:00:00Z"}]}
     tenants["capped"] = {"qos": "standard", "keys": [{"hash": hash_key(TEST_KEYS["capped"])}],
                          "max_tokens_per_request": 32}
+    tenants["metered"] = {"qos": "standard", "keys": [{"hash": hash_key(TEST_KEYS["metered"])}],
+                          "tokens_per_minute": 300}
     tenants["truncating"] = {"qos": "standard", "keys": [{"hash": hash_key(TEST_KEYS["truncating"])}],
                              "context_overflow": "truncate_oldest"}
     tenants["private2"] = {"qos": "standard", "keys": [{"hash": hash_key(TEST_KEYS["private2"])}],

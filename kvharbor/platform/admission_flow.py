@@ -120,21 +120,23 @@ class Admitter:
         self.class_queue.leave.remote(qos, rid)
 
     # ---- after tokenization ------------------------------------------------------------------
-    async def admit(self, principal, rid: str, prompt_tokens: int, max_tokens: int):
-        """Step 3: the ticket (leased), or the 429/400; the queue place is given back on refusal."""
+    async def admit(self, principal, rid: str, prompt_tokens: int, max_tokens: int, n: int = 1):
+        """Step 3: the ticket (leased) reserving ``prompt_tokens + n * max_tokens``, or the
+        429/400; the queue place is given back on refusal."""
         tenant, qos = principal.tenant, principal.qos_name
-        local = self.lane.admit(principal, prompt_tokens, max_tokens)
+        local = self.lane.admit(principal, prompt_tokens, max_tokens, n)
         if local is not None:
             self.metrics.admitted(tenant, qos, "fast_lane")
             return local
         try:
             if self.lane.voided(tenant):      # a reload: give back the old grant first
                 await self.lane.sync()
-            admission = await self.admission.try_admit(tenant, principal.limits, prompt_tokens, max_tokens)
+            admission = await self.admission.try_admit(tenant, principal.limits, prompt_tokens,
+                                                       max_tokens, n=n)
             if admission.recalled:            # fast-lane units idle elsewhere are coming back
                 await self._after_recall()
                 admission = await self.admission.try_admit(tenant, principal.limits, prompt_tokens,
-                                                           max_tokens)
+                                                           max_tokens, n=n)
         except (TimeoutError, RayActorError):
             self.leave(qos, rid)
             raise unavailable("admission service") from None

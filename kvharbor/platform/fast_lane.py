@@ -178,8 +178,9 @@ class FastLane:
             places.in_use -= 1
             places.free += 1
 
-    def admit(self, principal, prompt_tokens: int, max_tokens: int) -> LocalTicket | None:
-        """Admit from the tenant's grant, or None (the actor decides: misses, refusals, 400s)."""
+    def admit(self, principal, prompt_tokens: int, max_tokens: int, n: int = 1) -> LocalTicket | None:
+        """Admit from the tenant's grant (``prompt_tokens + n * max_tokens`` of it), or None (the
+        actor decides: misses, refusals, 400s)."""
         if not principal.qos.pinned:
             return None
         lim = TenantLimits.coerce(principal.limits)
@@ -189,11 +190,11 @@ class FastLane:
             self._hurry()
         elif a.version != self.registry.version:
             a = self._allowance(principal.tenant, lim, a)
-        cost = prompt_tokens + max_tokens
+        cost = prompt_tokens + n * max_tokens
         a.arrivals += 1
         a.max_cost = max(a.max_cost, cost)
         self._wake()
-        if too_big(lim, prompt_tokens, max_tokens) is not None:
+        if too_big(lim, prompt_tokens, max_tokens, n) is not None:
             return None
         need_r, need_t, need_s = a.needs()
         if (need_r and a.requests < 1) or (need_t and a.tokens < cost) or (need_s and a.slots < 1):
@@ -217,9 +218,10 @@ class FastLane:
             a.on_slots -= 1
             a.slots += 1
         if ticket.cost:
-            # Negative when the request used more than it reserved (``n`` > 1: the choices
-            # share one reservation of prompt + max_tokens): the overrun is charged, as the
-            # actor path charges it. Free tokens may go below 0 until the next report.
+            # Negative if the request used more than it reserved (prompt + n x max_tokens
+            # covers what it can generate; the books stay exact whatever a caller reserved):
+            # the overrun is charged, as the actor path charges it. Free tokens may go below
+            # 0 until the next report.
             unused = ticket.cost - tokens_used
             a.tokens += unused
             a.used_tokens -= unused

@@ -507,7 +507,7 @@ class Gateway:
             self.admitter.leave(qos, rid)
             raise
         marks["tokenized"] = time.perf_counter()
-        ticket = await self.admitter.admit(principal, rid, len(ids), max_tokens)
+        ticket = await self.admitter.admit(principal, rid, len(ids), max_tokens, body.n)
         marks["admitted"] = time.perf_counter()
         logprobs = _logprobs(body, chat)
         sampling = {"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,

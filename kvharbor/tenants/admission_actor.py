@@ -101,8 +101,8 @@ class AdmissionActor:
         return self._gate.queue.snapshot()
 
     def try_admit(self, tenant: str, limits: Any, prompt_tokens: int, max_tokens: int | None,
-                  now: float | None = None) -> Admission:
-        return self._ctl.try_admit(tenant, limits, prompt_tokens, max_tokens, now)
+                  now: float | None = None, n: int = 1) -> Admission:
+        return self._ctl.try_admit(tenant, limits, prompt_tokens, max_tokens, now, n)
 
     def release(self, ticket: Ticket, tokens_used: int | None = None,
                 now: float | None = None) -> bool:
@@ -136,9 +136,9 @@ class ActorAdmission:
         self.handle = handle if isinstance(handle, detached) else detached(handle)
 
     async def try_admit(self, tenant: str, limits: Any, prompt_tokens: int,
-                        max_tokens: int | None, now: float | None = None) -> Admission:
+                        max_tokens: int | None, now: float | None = None, n: int = 1) -> Admission:
         """Raises ``TimeoutError`` after ``CALL_TIMEOUT_S`` (the slot, if taken, is given back)."""
-        call = self.handle.try_admit.remote(tenant, limits, prompt_tokens, max_tokens, now)
+        call = self.handle.try_admit.remote(tenant, limits, prompt_tokens, max_tokens, now, n)
         return await await_or_undo(call, self._release_orphan, CALL_TIMEOUT_S)
 
     async def enter_and_admit(self, qos: str, priorities: dict[str, int], max_queue: int,

@@ -212,8 +212,8 @@ class AdmissionController:
         self._holders = LeaseTable(lease_s) if lease_s else None  # holder -> holder
 
     def try_admit(self, tenant: str, limits: Any, prompt_tokens: int, max_tokens: int | None,
-                  now: float | None = None) -> Admission:
-        """Admit one request or say why not.
+                  now: float | None = None, n: int = 1) -> Admission:
+        """Admit one request or say why not; it reserves ``prompt_tokens + n * max_tokens``.
 
         Args:
             tenant: tenant name.
@@ -221,16 +221,17 @@ class AdmissionController:
             prompt_tokens: tokens in the prompt.
             max_tokens: completion tokens requested; None = ``max_tokens_per_request`` (or 0).
             now: Unix seconds; defaults to the controller's clock.
+            n: the request's choices (OpenAI's ``n``): each may generate ``max_tokens``.
         """
         lim = TenantLimits.coerce(limits)
         now = self._clock() if now is None else now
         if max_tokens is None:
             max_tokens = lim.max_tokens_per_request or 0
-        cost = prompt_tokens + max_tokens
+        cost = prompt_tokens + n * max_tokens
         with self._lock:
             self._expire(now)
             st = self._sync(tenant, lim, now)
-            denial = too_big(lim, prompt_tokens, max_tokens) or _denial(st, lim, cost, now)
+            denial = too_big(lim, prompt_tokens, max_tokens, n) or _denial(st, lim, cost, now)
             if denial is not None:
                 st.rejected[denial.limit] = st.rejected.get(denial.limit, 0) + 1
                 if denial.status == 429 and self._recall(tenant, st, lim, cost):
@@ -341,7 +342,7 @@ class AdmissionController:
         st.granted_tokens -= used_t
         st.admitted_total += r.used_requests
         st.admitted_fast_lane += r.used_requests
-        overrun = r.used_tokens - used_t   # requests that used more than they reserved (n > 1)
+        overrun = r.used_tokens - used_t   # requests that used more than they reserved
         if overrun > 0:                    # beyond the grant: charged as ``_release`` charges it
             st.tokens_today += overrun
             if st.tokens is not None:
@@ -451,9 +452,10 @@ class AdmissionController:
         return st
 
 
-def too_big(lim: TenantLimits, prompt_tokens: int, max_tokens: int) -> Admission | None:
-    """400 for a request that no amount of waiting would admit."""
-    cost = prompt_tokens + max_tokens
+def too_big(lim: TenantLimits, prompt_tokens: int, max_tokens: int, n: int = 1) -> Admission | None:
+    """400 for a request (of ``n`` choices) that no amount of waiting would admit."""
+    cost = prompt_tokens + n * max_tokens
+    asked = f"max_tokens {max_tokens}" if n == 1 else f"n {n} x max_tokens {max_tokens}"
     if lim.max_tokens_per_request is not None and max_tokens > lim.max_tokens_per_request:
         return _reject(400, "max_tokens_per_request",
                        f"max_tokens={max_tokens} exceeds this tenant's max_tokens_per_request="
@@ -462,8 +464,8 @@ def too_big(lim: TenantLimits, prompt_tokens: int, max_tokens: int) -> Admission
                       ("daily_token_budget", lim.daily_token_budget)):
         if cap is not None and cost > cap:
             return _reject(400, name, f"request needs {cost} tokens (prompt {prompt_tokens} + "
-                           f"max_tokens {max_tokens}) but this tenant's {name} is {cap}; "
-                           "shorten the prompt or lower max_tokens")
+                           f"{asked}) but this tenant's {name} is {cap}; shorten the prompt or "
+                           f"lower max_tokens{'' if n == 1 else ' or n'}")
     return None
 
 
@@ -544,8 +546,8 @@ class LocalAdmission:
         self.controller = controller or AdmissionController()
 
     async def try_admit(self, tenant: str, limits: Any, prompt_tokens: int,
-                        max_tokens: int | None, now: float | None = None) -> Admission:
-        return self.controller.try_admit(tenant, limits, prompt_tokens, max_tokens, now)
+                        max_tokens: int | None, now: float | None = None, n: int = 1) -> Admission:
+        return self.controller.try_admit(tenant, limits, prompt_tokens, max_tokens, now, n)
 
     async def release(self, ticket: Ticket, tokens_used: int | None = None,
                       now: float | None = None) -> bool:

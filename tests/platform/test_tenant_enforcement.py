@@ -90,6 +90,17 @@ def test_max_tokens_per_request_is_400(kvharbor_app):
     assert _post(kvharbor_app, TEST_KEYS["capped"], max_tokens=32).status_code == 200
 
 
+def test_a_request_reserves_max_tokens_for_each_of_its_n_choices(kvharbor_app):
+    """tokens_per_minute is 300: one or two choices of 64 tokens fit it, eight (512 tokens)
+    never will, and the 400 says what the request needs."""
+    r = _post(kvharbor_app, TEST_KEYS["metered"], max_tokens=64, n=8)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "n 8 x max_tokens 64" in message and "tokens_per_minute is 300" in message, message
+    ok = _post(kvharbor_app, TEST_KEYS["metered"], max_tokens=64, n=2)
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 2, ok.text
+
+
 def test_hot_reload_under_traffic_fails_nothing(kvharbor_app):
     path = kvharbor_app.tenants_path
     original = path.read_text()

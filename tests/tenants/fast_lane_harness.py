@@ -120,11 +120,12 @@ def assert_books_balance(cluster: Cluster, gws: list[Admitter]) -> None:
                 assert p.in_use == sum(e == p.epoch for e in gw._lane_places.values()), qos
 
 
-async def request(gw: Admitter, principal, rid: str, prompt: int = 10, max_tokens: int = 10):
+async def request(gw: Admitter, principal, rid: str, prompt: int = 10, max_tokens: int = 10,
+                  n: int = 1):
     """early + admit, as the gateway does; the ticket, or the APIError."""
     try:
         await gw.early(principal, rid)
-        return await gw.admit(principal, rid, prompt, max_tokens)
+        return await gw.admit(principal, rid, prompt, max_tokens, n)
     except APIError as error:
         return error
 

@@ -179,6 +179,28 @@ def test_a_request_that_used_more_than_it_reserved_is_charged_what_it_used():
     run(scenario())
 
 
+def test_the_grant_reserves_max_tokens_for_each_of_a_requests_choices():
+    """From the grant as from the actor, an ``n``-choice request takes prompt + n x
+    max_tokens; one that no grant could hold goes to the actor, which answers 400."""
+    cluster = Cluster()
+    gw = cluster.gateway()
+    acme = cluster.principal("acme", tokens_per_minute=1_000, daily_token_budget=1_000_000)
+
+    async def scenario():
+        first = await request(gw, acme, "r0", n=3)                             # the actor's
+        assert first.reserved_tokens == 10 + 3 * 10, first
+        await finish(gw, acme, "r0", first, 10)
+        await gw.lane.sync()
+        ticket = await request(gw, acme, "r1", n=3)
+        assert isinstance(ticket, LocalTicket) and ticket.cost == 10 + 3 * 10, ticket
+        refused = await request(gw, acme, "r2", max_tokens=100, n=10)           # 1,010 > 1,000
+        assert isinstance(refused, APIError) and refused.status == 400, refused
+        await finish(gw, acme, "r1", ticket, 40)
+        assert_books_balance(cluster, [gw])
+
+    run(scenario())
+
+
 def test_everything_granted_comes_back_when_the_tenant_goes_quiet():
     cluster = Cluster()
     gw = cluster.gateway()

@@ -74,6 +74,19 @@ def test_request_larger_than_a_bucket_is_400_not_429(adm):
     assert result.status == 400 and "tokens_per_minute is 100" in result.reason
 
 
+def test_a_request_of_n_choices_reserves_max_tokens_for_each(adm):
+    """``n`` choices may each generate ``max_tokens``: the reservation is prompt + n x
+    max_tokens, and a request whose reservation no bucket holds is a 400 naming ``n``;
+    ``max_tokens_per_request`` stays a bound on each choice."""
+    client, tenant = adm
+    lim = TenantLimits(tokens_per_minute=1000, max_tokens_per_request=200)
+    too_many = run(client.try_admit(tenant, lim, 100, 200, now=T0, n=5))     # 1,100 > 1,000
+    assert too_many.status == 400 and too_many.limit == "tokens_per_minute"
+    assert "(prompt 100 + n 5 x max_tokens 200)" in too_many.reason and "or n" in too_many.reason
+    assert run(client.try_admit(tenant, lim, 100, 200, now=T0, n=3)).ok      # reserves 700
+    assert run(client.usage(tenant, now=T0))["tokens_available"] == pytest.approx(300)
+
+
 def test_max_tokens_per_request_is_400_naming_the_limit(adm):
     client, tenant = adm
     lim = TenantLimits(max_tokens_per_request=256)
