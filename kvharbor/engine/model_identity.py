@@ -9,8 +9,11 @@ It is computed from the model's *source*, without loading the weights, so the ga
 loads only the tokenizer) computes the same identity as the replicas and its routing hashes
 match theirs:
 
-* builtin models: the config, plus the digest of the packaged weights file when there is one,
-  else the seed and the torch / transformers versions that generate the random weights;
+* builtin models: the config fields kvharbor sets and the transformers version (which sets
+  every other field's default), plus the digest of the packaged weights file when there is
+  one, else the seed and the torch version that generate the random weights. Read from
+  ``model_info`` and the installed packages' metadata, without importing torch or
+  transformers (the gateway computes it at start);
 * a local checkpoint directory: ``config.json`` plus every weight file (name and content);
 * a hub id: the same over the locally cached snapshot when ``huggingface_hub`` finds one;
   otherwise the config alone (then a changed upload needs a new name or ``POST /admin/cache/flush``).
@@ -24,7 +27,10 @@ import functools
 import hashlib
 import json
 import os
+from importlib.metadata import version as package_version
 from pathlib import Path
+
+from .model_info import BUILTIN_SPECS, TRAINED_WEIGHTS
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
@@ -60,24 +66,19 @@ def _hub_snapshot(name: str) -> Path | None:
 
 
 def _builtin_parts(name: str, seed: int) -> list[str]:
-    from .models import BUILTIN_MODELS, TRAINED_WEIGHTS  # noqa: PLC0415
-
-    parts = ["config:" + json.dumps(BUILTIN_MODELS[name].to_dict(), sort_keys=True, default=str)]
+    kind, fields = BUILTIN_SPECS[name]
+    parts = ["builtin:" + json.dumps([kind, fields], sort_keys=True),
+             f"transformers={package_version('transformers')}"]
     weights = TRAINED_WEIGHTS.get(name)
     if weights is not None and weights.is_file():
         parts.append("weights:" + file_digest(weights))
     else:
-        import torch  # noqa: PLC0415
-        import transformers  # noqa: PLC0415
-
-        parts.append(f"random:seed={seed}:torch={torch.__version__}:transformers={transformers.__version__}")
+        parts.append(f"random:seed={seed}:torch={package_version('torch')}")
     return parts
 
 
 def _source_parts(name: str, seed: int) -> list[str]:
-    from .models import BUILTIN_MODELS  # noqa: PLC0415
-
-    if name in BUILTIN_MODELS:
+    if name in BUILTIN_SPECS:
         return _builtin_parts(name, seed)
     directory = Path(name) if os.path.isdir(name) else _hub_snapshot(name)
     if directory is not None:

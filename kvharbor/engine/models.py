@@ -13,30 +13,19 @@ from __future__ import annotations
 import copy
 import os
 from dataclasses import dataclass
-from importlib.resources import files
 from pathlib import Path
 
 import torch
 from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MistralConfig,
                           PretrainedConfig, Qwen2Config)
 
-from .model_info import BUILTIN_CONTEXT
-from .tokenizer import VOCAB_SIZE, byte_tokenizer
+from .model_info import BUILTIN_SPECS, TRAINED_WEIGHTS
+from .tokenizer import byte_tokenizer
 
-_COMMON = dict(vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=512,
-               num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=32,
-               max_position_embeddings=BUILTIN_CONTEXT, pad_token_id=256, bos_token_id=257,
-               eos_token_id=258, tie_word_embeddings=False, initializer_range=0.08)
-
+_CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
 BUILTIN_MODELS: dict[str, PretrainedConfig] = {
-    "kvharbor/tiny-llama": LlamaConfig(**_COMMON),
-    "kvharbor/tiny-qwen2": Qwen2Config(**{**_COMMON, "num_key_value_heads": 4}),
-    "kvharbor/tiny-mistral": MistralConfig(**{**_COMMON, "sliding_window": 64}),
-}
+    name: _CONFIGS[kind](**fields) for name, (kind, fields) in BUILTIN_SPECS.items()}
 DEFAULT_MODEL = "kvharbor/tiny-llama"
-TRAINED_WEIGHTS: dict[str, Path] = {   # packaged data, found as tenants.yaml's example is
-    "kvharbor/tiny-llama": Path(str(files("kvharbor") / "data" / "tiny-llama.safetensors")),
-}
 
 
 @dataclass(slots=True)

@@ -10,7 +10,6 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
-VOCAB_SIZE = 259
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"

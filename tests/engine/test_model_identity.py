@@ -33,6 +33,28 @@ def test_identity_follows_the_checkpoint_files_not_the_name(tmp_path):
     assert len({first, new_weights, new_config}) == 3
 
 
+def test_a_builtin_models_identity_follows_its_fields_and_the_library_versions(monkeypatch):
+    """Read without transformers' config objects: a field kvharbor sets, the transformers
+    version (every other field's default) and, for random weights, the torch version count."""
+    import kvharbor.engine.model_identity as mi
+
+    trained, random = model_identity("kvharbor/tiny-llama"), model_identity("kvharbor/tiny-qwen2")
+    kind, fields = mi.BUILTIN_SPECS["kvharbor/tiny-qwen2"]
+    with monkeypatch.context() as m:
+        m.setitem(mi.BUILTIN_SPECS, "kvharbor/tiny-qwen2", (kind, {**fields, "num_key_value_heads": 2}))
+        assert model_identity("kvharbor/tiny-qwen2") != random
+    assert model_identity("kvharbor/tiny-qwen2") == random
+    installed = mi.package_version
+    for package in ("transformers", "torch"):
+        def other_version(name, package=package):
+            return "0.0" if name == package else installed(name)
+
+        with monkeypatch.context() as m:
+            m.setattr(mi, "package_version", other_version)
+            changed = model_identity("kvharbor/tiny-llama"), model_identity("kvharbor/tiny-qwen2")
+        assert changed[1] != random and (changed[0] != trained) == (package == "transformers"), package
+
+
 def test_engine_hashes_start_at_the_identity_the_gateway_computes():
     """The gateway computes ``model_root(model_identity(name))`` without loading weights; the
     engine's request hashes and KV events must be exactly the hashes it computes."""

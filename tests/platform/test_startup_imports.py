@@ -1,6 +1,7 @@
-"""`serve run kvharbor.app` builds the app in a process that never runs the model: importing
-the app's and the gateway's modules, and the gateway's tokenizer, do not import torch (seconds
-of CPU before Ray even starts, on the path to the first answer)."""
+"""`serve run kvharbor.app` builds the app in a process that never runs the model, and a
+gateway replica only tokenizes and hashes: importing the app's and the gateway's modules, and
+what a gateway computes at start (tokenizer, context length, model identity), do not import
+torch (seconds of CPU before Ray even starts, then on the cores the LLM replicas load on)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ from kvharbor.engine.model_info import BUILTIN_CONTEXT, BUILTIN_NAMES, load_toke
 from kvharbor.engine.models import BUILTIN_MODELS, byte_tokenizer
 
 
-def test_building_the_app_and_the_gateways_tokenizer_leave_torch_unloaded():
+def test_building_the_app_and_starting_a_gateway_leave_torch_unloaded():
     code = ("import sys\n"
             "import kvharbor.platform.app, kvharbor.platform.gateway\n"
-            "from kvharbor.engine.model_info import load_tokenizer\n"
+            "from kvharbor.engine.model_identity import model_identity\n"
+            "from kvharbor.engine.model_info import load_tokenizer, model_context_length\n"
             "assert load_tokenizer('kvharbor/tiny-llama').encode('hi')\n"
+            "assert model_context_length('kvharbor/tiny-llama') and model_identity('kvharbor/tiny-llama')\n"
             "print(sorted(m for m in ('torch', 'transformers.modeling_utils') if m in sys.modules))\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
