@@ -49,6 +49,33 @@ def assert_served_on_loopback_by(port: int, ingress: str) -> None:
     assert all(("haproxy" in name) == (ingress == "haproxy") for _, name in owners), owners
 
 
+def asgi_post(app, path: str, chunks: list[bytes], headers: list[tuple[bytes, bytes]]
+              ) -> tuple[int, str, dict, int]:
+    """POST ``chunks`` as one body to the ASGI ``app``, one ``http.request`` message each,
+    as a socket would see it -> (status, response body, response headers, receive calls). A
+    receive after the body gets a disconnect."""
+    import asyncio
+
+    pending = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1}
+               for i, c in enumerate(chunks)]
+    sent: list[dict] = []
+    reads = 0
+
+    async def receive():
+        nonlocal reads
+        reads += 1
+        return pending.pop(0) if pending else {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": path, "root_path": "", "query_string": b"",
+             "headers": headers, "http_version": "1.1"}
+    asyncio.run(app(scope, receive, send))
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return sent[0]["status"], body.decode(), dict(sent[0]["headers"]), reads
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """A local Ray cluster on 127.0.0.1 with its metrics endpoint on ``RAY_METRICS_PORT``."""

@@ -5,11 +5,10 @@ the running app, at the default 4 MiB.)"""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from kvharbor.platform.body_limit import BodyLimitMiddleware
+from tests.conftest import asgi_post
 
 
 def _app(limit: int):
@@ -31,30 +30,11 @@ def _app(limit: int):
 
 
 def _post(app, chunks: list[bytes], declare: bool) -> tuple[int, str, dict, int]:
-    """POST ``chunks`` as one body (with its Content-Length when ``declare``, else streamed
-    without one); -> (status, response body, response headers, body messages read)."""
-    pending = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1}
-               for i, c in enumerate(chunks)]
-    sent: list[dict] = []
-
-    reads = 0
-
-    async def receive():
-        nonlocal reads
-        reads += 1
-        return pending.pop(0) if pending else {"type": "http.disconnect"}
-
-    async def send(message):
-        sent.append(message)
-
+    """``asgi_post`` with its Content-Length when ``declare``, else streamed without one."""
     headers = [(b"content-type", b"application/json")]
     if declare:
         headers.append((b"content-length", str(sum(map(len, chunks))).encode()))
-    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "root_path": "",
-             "query_string": b"", "headers": headers, "http_version": "1.1"}
-    asyncio.run(app(scope, receive, send))
-    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
-    return sent[0]["status"], body.decode(), dict(sent[0]["headers"]), reads
+    return asgi_post(app, "/v1/completions", chunks, headers)
 
 
 @pytest.mark.parametrize("declare", [True, False], ids=["content-length", "chunked"])

@@ -17,6 +17,7 @@ from kvharbor.platform.auth_gate import (BODY_IN_SCOPE, HINT_REQUEST, HINT_RESPO
 from kvharbor.platform.ingress import PROXY_CALLBACK, PROXY_GUARD, PROXY_LAG_VAR, apply_ingress
 from kvharbor.platform.overload_guard import SHED_HEADER
 from kvharbor.platform.proxy_guard import ECHO_S, HINT_TTL_S, ProxyGuardMiddleware, lag_target_ms
+from tests.conftest import asgi_post
 
 HINTS = {"premium-key": encode_hint(None, "acme"), "standard-key": encode_hint(1.0, "globex"),
          "batch-key": encode_hint(0.2, "initech")}
@@ -420,21 +421,10 @@ def test_a_refusal_reads_only_a_load_refusals_body_within_the_limit(refusal, chu
 
     app.state.authenticate = authenticate
     app.add_middleware(AuthGateMiddleware)
-    body = [{"type": "http.request", "body": b"x" * 1000, "more_body": i < chunks - 1} for i in range(chunks)]
-    taken, sent = [], []
-
-    async def receive():
-        taken.append(body.pop(0))
-        return taken[-1]
-
-    async def send(message):
-        sent.append(message)
-
-    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "root_path": "",
-             "query_string": b"", "headers": [(b"authorization", b"Bearer k")]}
-    asyncio.run(app(scope, receive, send))
-    assert sent[0]["status"] == refusal.status and len(taken) == read
-    assert ((b"connection", b"close") in sent[0]["headers"]) == closes, sent[0]["headers"]
+    status, _, headers, reads = asgi_post(app, "/v1/completions", [b"x" * 1000] * chunks,
+                                          [(b"authorization", b"Bearer k")])
+    assert status == refusal.status and reads == read
+    assert (headers.get(b"connection") == b"close") == closes, headers
 
 
 def test_the_cluster_env_names_the_proxy_guard_through_serves_proxy_only():
