@@ -388,6 +388,9 @@ class Gateway:
         principal = self._authenticate(request)
         session_id = session_header(request.headers)
         self._check_model(principal, body.model)
+        if session_id and body.batched:
+            raise APIError(400, f"a session ({SESSION_HEADER}) continues one conversation: send one "
+                           "prompt, not a list of prompts", param="prompt")
         return await self._serve(principal, body, lambda: self._prompt_ids(body), False,
                                  marks_of(request, arrived), session_id=session_id)
 
@@ -400,10 +403,10 @@ class Gateway:
         self._check_model(principal, body.model)
         truncated: dict = {}
 
-        def tokenize() -> list[int]:
+        def tokenize() -> list[list[int]]:
             fitted = self._fit_chat(body, principal)
             truncated["tokens"] = fitted.dropped_tokens
-            return fitted.token_ids
+            return [fitted.token_ids]
 
         return await self._serve(principal, body, tokenize, True,
                                  marks_of(request, arrived), session_id=session_id,
@@ -430,13 +433,18 @@ class Gateway:
         blocks = await fork_session_everywhere(self.llm, principal.tenant, session_id, target)
         return {"id": target, "object": "session", "forked_from": session_id, "blocks": blocks}
 
-    def _prompt_ids(self, body: CompletionRequest) -> list[int]:
-        if isinstance(body.prompt, str):
-            return list(self.tokenizer(body.prompt)["input_ids"])
-        vocab = len(self.tokenizer)
-        if not 0 <= min(body.prompt, default=0) <= max(body.prompt, default=0) < vocab:
-            raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
-        return list(body.prompt)
+    def _prompt_ids(self, body: CompletionRequest) -> list[list[int]]:
+        """The token ids of each prompt (one, or each of a batch)."""
+        vocab, out = len(self.tokenizer), []
+        for p, prompt in enumerate(body.prompts()):
+            where = f"prompt.{p}" if body.batched else "prompt"
+            if isinstance(prompt, str):
+                out.append(list(self.tokenizer(prompt)["input_ids"]))
+            elif not 0 <= min(prompt, default=0) <= max(prompt, default=0) < vocab:
+                raise APIError(400, f"{where} token ids must be in [0, {vocab})", param=where)
+            else:
+                out.append(list(prompt))
+        return out
 
     def _render(self, messages: list[dict]) -> list[int]:
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -494,34 +502,41 @@ class Gateway:
     async def _serve(self, principal, body, tokenize, chat: bool, marks: dict[str, float],
                      session_id: str | None = None, truncated: dict | None = None):
         """Queue place (before tokenizing), prompt ids, tenant limits, then the generation.
-        ``marks``: the ``perf_counter()`` instants so far (``arrived`` at the handler, and
-        ``received`` / ``proxied`` when known, see ``marks_of``)."""
+        ``tokenize`` gives the token ids of each prompt (a batch has several; each gets
+        ``body.n`` choices). ``marks``: the ``perf_counter()`` instants so far (``arrived`` at
+        the handler, and ``received`` / ``proxied`` when known, see ``marks_of``)."""
         tenant, qos = principal.tenant, principal.qos_name
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         await self.admitter.early(principal, rid)
         marks["queued"] = time.perf_counter()
         try:
-            ids = tokenize()
-            max_tokens = self._max_tokens(body, ids, chat, principal)
+            prompts = tokenize()
+            max_tokens = self._max_tokens(body, prompts, chat, principal)
         except BaseException:
             self.admitter.leave(qos, rid)
             raise
         marks["tokenized"] = time.perf_counter()
-        ticket = await self.admitter.admit(principal, rid, len(ids), max_tokens, body.n)
+        ticket = await self.admitter.admit(principal, rid, sum(map(len, prompts)), max_tokens,
+                                           len(prompts) * body.n)
         marks["admitted"] = time.perf_counter()
         logprobs = _logprobs(body, chat)
         sampling = {"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
                     "top_k": body.top_k, "seed": body.seed, "stop": body.stop_list(),
                     "ignore_eos": body.ignore_eos, "logprobs": logprobs}
-        hashes = hash_prompt_blocks(ids, self.block_size, principal.cache_salt, parent=self.hash_root)
-        siblings = [GenerateRequest(
-            request_id=rid if i == 0 else f"{rid}-{i}", tenant=tenant, qos=qos, prompt_token_ids=ids,
-            block_hashes=hashes, sampling={**sampling, "seed": _sibling_seed(body.seed, i)},
-            cache_salt=principal.cache_salt, priority=principal.qos.priority, pinned=principal.qos.pinned,
-            session_id=session_id if i == 0 else None, caller=self.caller,
-            stream_interval=principal.qos.stream_interval if body.stream else 0)
-            for i in range(body.n)]
-        run = GenerationRun(self, siblings, principal, ticket, chat, body.model, logprobs, marks)
+        siblings = []
+        for ids in prompts:
+            hashes = hash_prompt_blocks(ids, self.block_size, principal.cache_salt, parent=self.hash_root)
+            for j in range(body.n):          # choice i is prompt i // n's j-th
+                i = len(siblings)
+                siblings.append(GenerateRequest(
+                    request_id=rid if i == 0 else f"{rid}-{i}", tenant=tenant, qos=qos,
+                    prompt_token_ids=ids, block_hashes=hashes,
+                    sampling={**sampling, "seed": _sibling_seed(body.seed, j)},
+                    cache_salt=principal.cache_salt, priority=principal.qos.priority,
+                    pinned=principal.qos.pinned, session_id=session_id if i == 0 else None,
+                    caller=self.caller, stream_interval=principal.qos.stream_interval if body.stream else 0))
+        run = GenerationRun(self, siblings, principal, ticket, chat, body.model, logprobs, marks,
+                            choices_per_prompt=body.n)
         headers = {SESSION_HEADER: session_id} if session_id else {}
         dropped = (truncated or {}).get("tokens", 0)
         if dropped:
@@ -535,21 +550,25 @@ class Gateway:
             answer.setdefault("kvharbor", {})["truncated_prompt_tokens"] = dropped
         return JSONResponse(answer, headers=headers or None)
 
-    def _max_tokens(self, body, ids: list[int], chat: bool, principal) -> int:
+    def _max_tokens(self, body, prompts: list[list[int]], chat: bool, principal) -> int:
+        """``max_tokens`` (or its default), checked against the longest prompt's room."""
+        names = [f"prompt.{p}" if body.batched else "prompt" for p in range(len(prompts))]
+        for name, ids in zip(names, prompts):
+            if not ids:
+                raise APIError(400, f"{name} must contain at least one token", param=name)
+            if len(ids) >= self.context:
+                raise APIError(400, f"{name} is {len(ids)} tokens; the model's context is {self.context} "
+                               "tokens: shorten the prompt", "context_length_exceeded", name)
+        name, ids = max(zip(names, prompts), key=lambda pair: len(pair[1]))
         room = self.context - len(ids)
-        if not ids:
-            raise APIError(400, "prompt must contain at least one token", param="prompt")
-        if room < 1:
-            raise APIError(400, f"prompt is {len(ids)} tokens; the model's context is {self.context} "
-                           "tokens: shorten the prompt", "context_length_exceeded", "prompt")
         if body.max_tokens is None:
             cap = principal.limits.max_tokens_per_request or 256
             return max(1, min(room, 16 if not chat else cap, cap))
         if body.max_tokens < 1:
             raise APIError(400, f"max_tokens must be >= 1, got {body.max_tokens}", param="max_tokens")
         if body.max_tokens > room:
-            raise APIError(400, f"prompt ({len(ids)} tokens) + max_tokens ({body.max_tokens}) exceeds the "
-                           f"model's context of {self.context} tokens; lower max_tokens to at most {room}",
+            raise APIError(400, f"{name} ({len(ids)} tokens) + max_tokens ({body.max_tokens}) exceeds "
+                           f"the model's context of {self.context} tokens; lower max_tokens to at most {room}",
                            "context_length_exceeded", "max_tokens")
         return body.max_tokens
 

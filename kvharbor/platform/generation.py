@@ -13,10 +13,13 @@ the request in the engine and frees its blocks.
 ``n > 1``: the siblings are separate engine requests. The first is sent alone; the others are
 sent once it has produced its first token (its prompt's full blocks are then in that
 replica's prefix cache) and pinned to its replica, so they prefill only the last partial block.
+A batch of prompts (``/v1/completions`` with a list of prompts) is one group of ``n`` siblings
+per prompt, in the order of the prompts (choice ``p * n + j`` is prompt ``p``'s ``j``-th): each
+group's first request is routed on its own, at once, and leads its group as above.
 Each sibling's handle call carries its own Serve request id: calls made inside one HTTP
 request inherit that request's internal id, and Serve's request router matches a routed
 replica to a pending call by that id, so concurrent siblings sharing it were never routed.
-Usage counts the prompt once and the completion tokens of every choice.
+Usage counts each prompt once and the completion tokens of every choice.
 
 Every request ends in exactly one status: ok, error, aborted (client went away) or
 replica_failed, counted in ``kvharbor_requests``.
@@ -102,14 +105,18 @@ class GenerationRun:
     """Drives one HTTP request (``n`` engine requests) through ``LLMReplica.generate``.
 
     Args:
-        requests: the siblings (``n`` of them), the same prompt, distinct request ids.
+        requests: the siblings, distinct request ids; each run of ``choices_per_prompt`` of
+            them shares one prompt (all of them when it is None).
         logprobs: None, or how many alternatives per token (the OpenAI object is built).
     """
 
     def __init__(self, gateway, requests, principal, ticket, chat: bool, model: str,
-                 logprobs: int | None = None, marks: dict[str, float] | None = None) -> None:
+                 logprobs: int | None = None, marks: dict[str, float] | None = None,
+                 choices_per_prompt: int | None = None) -> None:
         self.gw, self.reqs, self.principal, self.ticket = gateway, requests, principal, ticket
         self.req = requests[0]
+        self.per_prompt = choices_per_prompt or len(requests)
+        self.leaders = range(0, len(requests), self.per_prompt)
         self.chat, self.model, self.want_logprobs = chat, model, logprobs is not None
         self.created = int(time.time())
         # perf_counter() marks of the gateway's phases ("proxied", "received", "arrived",
@@ -123,24 +130,32 @@ class GenerationRun:
         self.replica_id: str | None = None
         self.status = "aborted"
         self._streams: dict[int, object] = {}     # replica calls in progress, by choice index
-        self._prefilled = asyncio.Event()          # the first sibling has its first token
+        # leader index -> set once that sibling has its first token (its prompt is cached)
+        self._prefilled = {lead: asyncio.Event() for lead in self.leaders}
+        self._replica_of: dict[int, str] = {}      # leader index -> the replica serving it
         self._finished = False
         self._text_of = shapes.TokenText(gateway.tokenizer) if self.want_logprobs else None
 
     # ---- replica events --------------------------------------------------------------------
+    def _lead(self, index: int) -> int:
+        """The index of the sibling that leads ``index``'s prompt group."""
+        return index - index % self.per_prompt
+
     def _call(self, index: int):
         generate = self.gw.llm.options(stream=True).generate
         if not index:
             return generate.remote(self.reqs[0])
         with own_serve_request_id(f"choice{index}"):
-            if self.replica_id is not None:
-                return generate.remote(self.reqs[index], replica_id=self.replica_id)
+            replica = self._replica_of.get(self._lead(index)) if index % self.per_prompt else None
+            if replica is not None:
+                return generate.remote(self.reqs[index], replica_id=replica)
             return generate.remote(self.reqs[index])
 
     async def events(self, index: int = 0) -> AsyncIterator[dict]:
         """Token events of choice ``index``, retried on replica failure before its first token."""
-        if index:
-            await self._prefilled.wait()
+        lead = self._lead(index)
+        if index != lead:
+            await self._prefilled[lead].wait()
         started = finished = False
         for attempt in range(1, MAX_ATTEMPTS + 1):
             self._streams[index] = self._call(index)
@@ -150,8 +165,8 @@ class GenerationRun:
                         _raise_error_event(event)
                     started = True
                     self._observe(index, event)
-                    if index == 0:
-                        self._prefilled.set()      # its prompt is cached now: siblings go
+                    if index == lead:
+                        self._prefilled[lead].set()    # its prompt is cached now: siblings go
                     finished = finished or event.get("finish_reason") is not None
                     yield event
                 self._streams.pop(index, None)
@@ -168,8 +183,8 @@ class GenerationRun:
                 exclude_failed_replica(self.reqs[index].metadata)
                 await asyncio.sleep(0.2 * attempt)
             finally:
-                if index == 0:
-                    self._prefilled.set()      # failed or done: siblings go on their own
+                if index == lead:
+                    self._prefilled[lead].set()    # failed or done: siblings go on their own
                 self._cancel(index)            # the client went away (or an error event): abort
 
     async def all_events(self) -> AsyncIterator[tuple[int, dict]]:
@@ -228,13 +243,24 @@ class GenerationRun:
             choice.last_token_at = now
         choice.tokens += n
         choice.cached_tokens = event.get("num_cached_tokens", choice.cached_tokens)
-        if index == 0:
-            self.replica_id = event.get("replica_id", self.replica_id)
+        if index % self.per_prompt == 0 and "replica_id" in event:
+            self._replica_of[index] = event["replica_id"]
+            if index == 0:
+                self.replica_id = event["replica_id"]
 
     # ---- accounting ------------------------------------------------------------------------
     @property
     def completion_tokens(self) -> int:
         return sum(c.tokens for c in self.choices)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Each prompt once (its ``n`` choices share it)."""
+        return sum(len(self.reqs[lead].prompt_token_ids) for lead in self.leaders)
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(self.choices[lead].cached_tokens for lead in self.leaders)
 
     async def finish(self) -> None:
         """Record metrics and release the admission ticket; later calls do nothing."""
@@ -242,10 +268,10 @@ class GenerationRun:
             return
         self._finished = True
         m, tenant, qos = self.gw.metrics, self.req.tenant, self.req.qos
-        prompt = len(self.req.prompt_token_ids)
+        prompt = self.prompt_tokens
         m.request_finished(tenant, qos, self.status, self.gw.ingress)
         m.request_latency(tenant, qos, time.perf_counter() - self.start)
-        m.tokens(tenant, qos, prompt, self.choices[0].cached_tokens, self.completion_tokens)
+        m.tokens(tenant, qos, prompt, self.cached_tokens, self.completion_tokens)
         if self.first_token_at is not None:
             ttft = self.first_token_at - self.start
             m.ttft(tenant, qos, ttft, self.gw.ingress)
@@ -259,10 +285,10 @@ class GenerationRun:
             logger.exception("admission release failed")
 
     def usage(self) -> dict:
-        prompt = len(self.req.prompt_token_ids)
+        prompt = self.prompt_tokens
         return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
                 "total_tokens": prompt + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.choices[0].cached_tokens}}
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
     # ---- OpenAI shapes ---------------------------------------------------------------------
     def _event_logprobs(self, index: int, event: dict) -> dict | None:

@@ -12,7 +12,7 @@ import json
 from typing import Annotated, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, field_validator,
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator,
                       model_validator)
 
 MAX_STOP_STRINGS = 8
@@ -40,7 +40,11 @@ MAX_MESSAGES = 512
 MAX_PROMPT_TOKEN_IDS = 131_072
 """Most token ids in one completions prompt (the context check then applies)."""
 MAX_N = 8
-"""Most choices (``n``) per request."""
+"""Most choices (``n``) per prompt."""
+MAX_PROMPTS = 32
+"""Most prompts in one completions request (a batch: a list of texts or of token-id lists)."""
+MAX_CHOICES = 64
+"""Most choices per completions request: prompts x ``n``."""
 MAX_TOP_LOGPROBS = 20
 
 
@@ -108,6 +112,11 @@ class _Common(BaseModel):
     presence_penalty: ZeroFloat = Field(None, description="Not supported: only 0 or null.")
     logit_bias: EmptyBias = Field(None, description="Not supported: only {} or null.")
 
+    @property
+    def batched(self) -> bool:
+        """The request holds a list of prompts (only completions can)."""
+        return False
+
     @field_validator("temperature", mode="after")
     @classmethod
     def _tiny_is_greedy(cls, value: float | None) -> float:
@@ -150,19 +159,61 @@ class _Common(BaseModel):
         return self.include_usage() and bool(self.stream_options.continuous_usage_stats)
 
 
-def _few_token_ids(value):
-    if isinstance(value, list) and len(value) > MAX_PROMPT_TOKEN_IDS:
-        raise ValueError(f"a token-id prompt may have at most {MAX_PROMPT_TOKEN_IDS} ids, got {len(value)}")
+PROMPT_SHAPES = ("a text, a list of token ids, or a batch (a list of texts, or a list of "
+                 "token-id lists)")
+
+
+def _prompt_shape(value):
+    """One message for a prompt of the wrong shape, instead of one per union member."""
+    def kind(v):
+        if isinstance(v, str):
+            return str
+        if isinstance(v, int):
+            return int
+        return list if isinstance(v, list) and all(kind(x) is int for x in v) else None
+    if isinstance(value, str):
+        return value
+    kinds = {kind(v) for v in value} if isinstance(value, list) else {None}
+    if None in kinds or len(kinds) > 1:
+        raise ValueError(f"must be {PROMPT_SHAPES}")
+    if kinds != {int} and len(value) > MAX_PROMPTS:
+        raise ValueError(f"a batch may hold at most {MAX_PROMPTS} prompts, got {len(value)}")
+    for ids in [value] if kinds == {int} else value if kinds == {list} else []:
+        if len(ids) > MAX_PROMPT_TOKEN_IDS:
+            raise ValueError(f"a token-id prompt may have at most {MAX_PROMPT_TOKEN_IDS} ids, got {len(ids)}")
     return value
 
 
+Batch = Field(min_length=1, max_length=MAX_PROMPTS)
+
+
 class CompletionRequest(_Common):
-    prompt: Annotated[Text | list[int], AfterValidator(_few_token_ids)] = Field(
-        description=f"Text, or a list of token ids (each in [0, vocabulary size), at most {MAX_PROMPT_TOKEN_IDS}).")
+    prompt: Annotated[Text | list[int] | Annotated[list[Text], Batch] | Annotated[list[list[int]], Batch],
+                      BeforeValidator(_prompt_shape)] = Field(
+        description=f"Text, a list of token ids (each in [0, vocabulary size), at most "
+                    f"{MAX_PROMPT_TOKEN_IDS}), or a batch: a list of up to {MAX_PROMPTS} texts or of "
+                    f"token-id lists. A batch answers n choices per prompt, in the order of the "
+                    f"prompts (choice p x n + j is prompt p's j-th), at most {MAX_CHOICES} in all.")
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=f"Return the log-probability of each generated token and of the this many most likely tokens (0 to {MAX_TOP_LOGPROBS}).")
     best_of: unsupported(int | None, 1) = Field(None, description="Not supported: only 1 or null.")
     echo: unsupported(bool | None, False) = Field(None, description="Not supported: only false or null.")
     suffix: unsupported(str | None, "") = Field(None, description="Not supported: only \"\" or null.")
+
+    @model_validator(mode="after")
+    def _few_choices(self):
+        if self.batched and len(self.prompt) * self.n > MAX_CHOICES:
+            raise ValueError(f"{len(self.prompt)} prompts x n={self.n} is {len(self.prompt) * self.n} "
+                             f"choices; at most {MAX_CHOICES} per request: send fewer prompts or a lower n")
+        return self
+
+    @property
+    def batched(self) -> bool:
+        """The prompt is a list of prompts (texts or token-id lists)."""
+        return isinstance(self.prompt, list) and bool(self.prompt) and not isinstance(self.prompt[0], int)
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one or a batch."""
+        return list(self.prompt) if self.batched else [self.prompt]
 
 
 class TextPart(BaseModel):

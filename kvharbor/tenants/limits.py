@@ -453,9 +453,10 @@ class AdmissionController:
 
 
 def too_big(lim: TenantLimits, prompt_tokens: int, max_tokens: int, n: int = 1) -> Admission | None:
-    """400 for a request (of ``n`` choices) that no amount of waiting would admit."""
+    """400 for a request (of ``n`` choices: prompts x n for a batch) that no amount of
+    waiting would admit."""
     cost = prompt_tokens + n * max_tokens
-    asked = f"max_tokens {max_tokens}" if n == 1 else f"n {n} x max_tokens {max_tokens}"
+    asked = f"max_tokens {max_tokens}" if n == 1 else f"{n} choices x max_tokens {max_tokens}"
     if lim.max_tokens_per_request is not None and max_tokens > lim.max_tokens_per_request:
         return _reject(400, "max_tokens_per_request",
                        f"max_tokens={max_tokens} exceeds this tenant's max_tokens_per_request="
@@ -465,7 +466,7 @@ def too_big(lim: TenantLimits, prompt_tokens: int, max_tokens: int, n: int = 1) 
         if cap is not None and cost > cap:
             return _reject(400, name, f"request needs {cost} tokens (prompt {prompt_tokens} + "
                            f"{asked}) but this tenant's {name} is {cap}; shorten the prompt or "
-                           f"lower max_tokens{'' if n == 1 else ' or n'}")
+                           f"lower max_tokens{'' if n == 1 else ', n or the number of prompts'}")
     return None
 
 

@@ -292,6 +292,36 @@ def test_n_choices_streamed(client, kvharbor_app):
         client.completions.create(model=kvharbor_app.model, prompt="x", n=9)
 
 
+# ---- a batch of prompts -----------------------------------------------------------------------
+def test_a_batch_of_prompts_answers_each_as_a_request_of_its_own(client, kvharbor_app):
+    """``prompt`` as a list of texts or of token-id lists: one choice per prompt (``n`` per prompt,
+    choice ``p * n + j``), each the same as the prompt sent alone, usage summed over prompts."""
+    from kvharbor.engine.model_info import load_tokenizer
+
+    kw = dict(model=kvharbor_app.model, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    prompts = ["The tide", "A harbor master", "Ships"]
+    alone = [client.completions.create(prompt=p, **kw) for p in prompts]
+    batch = client.completions.create(prompt=prompts, **kw)
+    assert [c.index for c in batch.choices] == [0, 1, 2]
+    assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone]
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batch.usage.completion_tokens == 3 * 6
+    ids = [list(load_tokenizer(kvharbor_app.model)(p)["input_ids"]) for p in prompts]
+    assert [c.text for c in client.completions.create(prompt=ids, **kw).choices] == [c.text for c in batch.choices]
+
+    sampled = dict(model=kvharbor_app.model, max_tokens=6, n=2, seed=11, extra_body={"ignore_eos": True})
+    grouped = client.completions.create(prompt=prompts[:2], **sampled)
+    assert [c.index for c in grouped.choices] == [0, 1, 2, 3]
+    for p in range(2):
+        own = client.completions.create(prompt=prompts[p], **sampled)
+        assert [c.text for c in grouped.choices[2 * p:2 * p + 2]] == [c.text for c in own.choices]
+
+    chunks = list(client.completions.create(prompt=prompts, stream=True, stream_options={"include_usage": True}, **kw))
+    streamed = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in range(3)]
+    assert streamed == [c.text for c in batch.choices]
+    assert chunks[-1].usage.prompt_tokens == batch.usage.prompt_tokens
+
+
 # ---- where the time went ----------------------------------------------------------------------
 PHASES = ["parse", "queue", "tokenize", "admit", "first_token", "replica", "hops"]
 

@@ -64,6 +64,14 @@ def test_completions_take_the_header_too(kvharbor_app):
         assert c.delete(f"/v1/sessions/{sid}").status_code == 200
 
 
+def test_a_session_takes_one_prompt_not_a_batch(kvharbor_app):
+    with kvharbor_app.client(DEMO["standard"]) as c:
+        r = c.post("/v1/completions", headers={"X-Session-ID": "batch-1"}, json={
+            "model": kvharbor_app.model, "prompt": ["one", "two"], "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    assert "one prompt" in r.json()["error"]["message"] and r.json()["error"]["param"] == "prompt"
+
+
 def test_a_128_character_session_id_is_accepted(kvharbor_app):
     sid = "a" * 128                                    # the longest id; 129 is refused below
     with kvharbor_app.client(DEMO["standard"]) as c:

@@ -96,9 +96,12 @@ def test_a_request_reserves_max_tokens_for_each_of_its_n_choices(kvharbor_app):
     r = _post(kvharbor_app, TEST_KEYS["metered"], max_tokens=64, n=8)
     assert r.status_code == 400, r.text
     message = r.json()["error"]["message"]
-    assert "n 8 x max_tokens 64" in message and "tokens_per_minute is 300" in message, message
+    assert "8 choices x max_tokens 64" in message and "tokens_per_minute is 300" in message, message
     ok = _post(kvharbor_app, TEST_KEYS["metered"], max_tokens=64, n=2)
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 2, ok.text
+    batch = _post(kvharbor_app, TEST_KEYS["metered"], prompt=["a", "b", "c", "d"], max_tokens=64, n=2)
+    assert batch.status_code == 400, batch.text            # 4 prompts x 2 choices: 8 x 64 tokens
+    assert "8 choices x max_tokens 64" in batch.json()["error"]["message"], batch.text
 
 
 def test_hot_reload_under_traffic_fails_nothing(kvharbor_app):

@@ -83,6 +83,14 @@ def test_empty_prompt_is_400(client, kvharbor_app):
     assert_openai_error(r, 400, mentions=("prompt",))
 
 
+@pytest.mark.parametrize("prompt,param", [(["hi", ""], "prompt.1"), ([[5, 6], []], "prompt.1"),
+                                          ([[1], [2, 10**6]], "prompt.1"), (["a", "b" * 5000], "prompt.1")])
+def test_a_bad_prompt_in_a_batch_is_400_naming_which(client, kvharbor_app, prompt, param):
+    r = complete(client, kvharbor_app.model, prompt, max_tokens=1)
+    err = assert_openai_error(r, 400, mentions=(param,))
+    assert err["param"] == param
+
+
 @pytest.mark.parametrize("messages,mentions", [
     ([], ("messages", "at least 1")),
     ([{"role": "wizard", "content": "hi"}], ("role",)),

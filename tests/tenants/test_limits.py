@@ -82,7 +82,7 @@ def test_a_request_of_n_choices_reserves_max_tokens_for_each(adm):
     lim = TenantLimits(tokens_per_minute=1000, max_tokens_per_request=200)
     too_many = run(client.try_admit(tenant, lim, 100, 200, now=T0, n=5))     # 1,100 > 1,000
     assert too_many.status == 400 and too_many.limit == "tokens_per_minute"
-    assert "(prompt 100 + n 5 x max_tokens 200)" in too_many.reason and "or n" in too_many.reason
+    assert "(prompt 100 + 5 choices x max_tokens 200)" in too_many.reason and ", n or" in too_many.reason
     assert run(client.try_admit(tenant, lim, 100, 200, now=T0, n=3)).ok      # reserves 700
     assert run(client.usage(tenant, now=T0))["tokens_available"] == pytest.approx(300)
 
