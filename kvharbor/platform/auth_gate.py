@@ -37,9 +37,13 @@ import time
 
 from kvharbor.platform.openai_protocol import error_response
 
-PROTECTED_PREFIXES = ("/v1/", "/admin/")
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
-"""The routes that generate (the overload guards shed only these)."""
+"""The routes that generate (Serve's proxy guard sheds only these)."""
+TOKEN_PATHS = ("/tokenize", "/detokenize")
+SHED_PATHS = GENERATION_PATHS + TOKEN_PATHS
+"""The routes the gateway's overload guard sheds: a token route tokenizes on the gateway's
+event loop as a generation route does."""
+PROTECTED_PREFIXES = ("/v1/", "/admin/", *TOKEN_PATHS)
 HINT_REQUEST = b"x-kvharbor-proxy-guard"
 """Request header of Serve's proxy guard (``proxy_guard``): answer with ``HINT_RESPONSE``."""
 HINT_RESPONSE = b"x-kvharbor-guard"

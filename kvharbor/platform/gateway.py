@@ -41,7 +41,8 @@ from kvharbor.engine.model_identity import model_identity
 from kvharbor.engine.model_info import load_tokenizer, model_context_length
 from kvharbor.observability.metrics import get_metrics
 from kvharbor.platform.admission_flow import Admitter, unavailable
-from kvharbor.platform.auth_gate import GENERATION_PATHS, AuthGateMiddleware, bearer_key, encode_hint
+from kvharbor.platform.auth_gate import (GENERATION_PATHS, SHED_PATHS, AuthGateMiddleware, bearer_key,
+                                         encode_hint)
 from kvharbor.platform.body_limit import BodyLimitMiddleware
 from kvharbor.platform.class_queue import get_or_create_class_queue
 from kvharbor.platform.context_overflow import TRUNCATED_HEADER, truncate_oldest
@@ -50,8 +51,10 @@ from kvharbor.platform.health import RunningReplicas
 from kvharbor.platform.ingress import running_mode, running_preset
 from kvharbor.platform.loopback import serve_grpc_on_node_address
 from kvharbor.platform.openai_protocol import (APIError, ChatRequest, ChatResponse,
-                                               CompletionRequest, CompletionResponse, ModelCard,
-                                               ModelList, error_response, error_responses)
+                                               CompletionRequest, CompletionResponse,
+                                               DetokenizeRequest, DetokenizeResponse, ModelCard,
+                                               ModelList, TokenizeRequest, TokenizeResponse,
+                                               bound_token_ids, error_response, error_responses)
 from kvharbor.platform.overload_guard import DEFAULT_LAG_TARGET_MS, OverloadGuard
 from kvharbor.platform.premium_lane import check_lane, listening_socket, start_server
 from kvharbor.platform.protocol import GenerateRequest
@@ -261,6 +264,7 @@ class Gateway:
         self.model = config["model"]
         self.registry = TenantRegistry(config["tenants"])
         self.tokenizer = load_tokenizer(self.model)
+        bound_token_ids(api.openapi(), len(self.tokenizer))     # /openapi.json: ids < vocabulary
         self.context = min(config.get("max_model_len") or 10**9, model_context_length(self.model))
         self.block_size = config["block_size"]
         # The replicas' chain root, computed the same way from the model's files (no weights
@@ -313,7 +317,7 @@ class Gateway:
         if path.startswith("/admin/") and self.registry.is_admin(key):
             return ADMIN
         principal = self.registry.authenticate(key)
-        if path in GENERATION_PATHS:         # 403 off the lane, 429 overloaded: before the body
+        if path in SHED_PATHS:               # 403 off the lane, 429 overloaded: before the body
             self._check_lane(principal)
             self.guard.check(principal.qos, self.registry.config.qos_classes, principal.tenant)
         return principal
@@ -433,21 +437,46 @@ class Gateway:
         blocks = await fork_session_everywhere(self.llm, principal.tenant, session_id, target)
         return {"id": target, "object": "session", "forked_from": session_id, "blocks": blocks}
 
+    @api.post("/tokenize", response_model=TokenizeResponse, responses=error_responses(400, 401, 403, 404, 413))
+    async def tokenize(self, body: TokenizeRequest, request: Request) -> dict:
+        """The token ids of a completions prompt or of a chat (the model's chat template applied),
+        as the generation routes compute them: ``count`` is their ``usage.prompt_tokens``."""
+        principal = self._authenticate(request)
+        self._check_model(principal, body.model)
+        if body.messages is None:
+            ids = list(self.tokenizer(body.prompt)["input_ids"])
+        else:
+            ids = self._render([{"role": m.role, "content": m.text()} for m in body.messages],
+                               body.add_generation_prompt)
+        return {"count": len(ids), "max_model_len": self.context, "tokens": ids}
+
+    @api.post("/detokenize", response_model=DetokenizeResponse, responses=error_responses(400, 401, 403, 404, 413))
+    async def detokenize(self, body: DetokenizeRequest, request: Request) -> dict:
+        """The text of token ids (special tokens included)."""
+        principal = self._authenticate(request)
+        self._check_model(principal, body.model)
+        self._check_token_ids(body.tokens, "tokens")
+        return {"prompt": self.tokenizer.decode(body.tokens)}
+
+    def _check_token_ids(self, ids: list[int], where: str) -> None:
+        vocab = len(self.tokenizer)
+        if not 0 <= min(ids, default=0) <= max(ids, default=0) < vocab:
+            raise APIError(400, f"{where} token ids must be in [0, {vocab})", param=where)
+
     def _prompt_ids(self, body: CompletionRequest) -> list[list[int]]:
         """The token ids of each prompt (one, or each of a batch)."""
-        vocab, out = len(self.tokenizer), []
+        out = []
         for p, prompt in enumerate(body.prompts()):
-            where = f"prompt.{p}" if body.batched else "prompt"
             if isinstance(prompt, str):
                 out.append(list(self.tokenizer(prompt)["input_ids"]))
-            elif not 0 <= min(prompt, default=0) <= max(prompt, default=0) < vocab:
-                raise APIError(400, f"{where} token ids must be in [0, {vocab})", param=where)
             else:
+                self._check_token_ids(prompt, f"prompt.{p}" if body.batched else "prompt")
                 out.append(list(prompt))
         return out
 
-    def _render(self, messages: list[dict]) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    def _render(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                 tokenize=True)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     def _fit_chat(self, body: ChatRequest, principal):

@@ -181,14 +181,31 @@ def _prompt_shape(value):
     for ids in [value] if kinds == {int} else value if kinds == {list} else []:
         if len(ids) > MAX_PROMPT_TOKEN_IDS:
             raise ValueError(f"a token-id prompt may have at most {MAX_PROMPT_TOKEN_IDS} ids, got {len(ids)}")
+        if min(ids, default=0) < 0:
+            raise ValueError(f"token ids are >= 0, got {min(ids)}")
     return value
 
 
 Batch = Field(min_length=1, max_length=MAX_PROMPTS)
+TokenId = Annotated[int, Field(ge=0, json_schema_extra={"x-token-id": True})]
+"""A token id (``_prompt_shape`` refuses a negative one in a prompt first). The gateway sets the
+served model's bound in its schema (``bound_token_ids``)."""
+
+
+def bound_token_ids(schema, vocab_size: int) -> None:
+    """Give every token id of an OpenAPI ``schema`` the ``maximum`` of a vocabulary this size."""
+    if isinstance(schema, dict):
+        if schema.pop("x-token-id", False):
+            schema["maximum"] = vocab_size - 1
+        for value in schema.values():
+            bound_token_ids(value, vocab_size)
+    elif isinstance(schema, list):
+        for value in schema:
+            bound_token_ids(value, vocab_size)
 
 
 class CompletionRequest(_Common):
-    prompt: Annotated[Text | list[int] | Annotated[list[Text], Batch] | Annotated[list[list[int]], Batch],
+    prompt: Annotated[Text | list[TokenId] | Annotated[list[Text], Batch] | Annotated[list[list[TokenId]], Batch],
                       BeforeValidator(_prompt_shape)] = Field(
         description=f"Text, a list of token ids (each in [0, vocabulary size), at most "
                     f"{MAX_PROMPT_TOKEN_IDS}), or a batch: a list of up to {MAX_PROMPTS} texts or of "
@@ -372,6 +389,44 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = Field(description="Object type.")
     data: list[ModelCard] = Field(description="Served models.")
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's route): the token ids a generation route would compute."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: Text = Field(description="Model id, as listed by /v1/models.")
+    prompt: Text | None = Field(None, description="A completions prompt (text).")
+    messages: list[ChatMessage] | None = Field(
+        None, min_length=1, max_length=MAX_MESSAGES,
+        description=f"A chat (1 to {MAX_MESSAGES} messages), rendered with the model's chat template.")
+    add_generation_prompt: bool = Field(True, description="With messages: end with the assistant "
+                                        "turn's opening, as /v1/chat/completions does.")
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send exactly one of prompt (a text) or messages (a chat)")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int = Field(description="Number of tokens (the generation routes' prompt_tokens).")
+    max_model_len: int = Field(description="Context length in tokens (prompt + completion).")
+    tokens: list[int] = Field(description="The token ids.")
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's route): the text of token ids."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: Text = Field(description="Model id, as listed by /v1/models.")
+    tokens: list[TokenId] = Field(max_length=MAX_PROMPT_TOKEN_IDS,
+                              description=f"Token ids (each in [0, vocabulary size), at most {MAX_PROMPT_TOKEN_IDS}).")
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str = Field(description="The decoded text (special tokens included).")
 
 
 class ErrorBody(BaseModel):

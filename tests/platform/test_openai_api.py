@@ -322,6 +322,42 @@ def test_a_batch_of_prompts_answers_each_as_a_request_of_its_own(client, kvharbo
     assert chunks[-1].usage.prompt_tokens == batch.usage.prompt_tokens
 
 
+# ---- /tokenize and /detokenize ----------------------------------------------------------------
+def test_tokenize_counts_what_the_generation_routes_count(client, kvharbor_app):
+    """``/tokenize`` gives the ids (and count) a completion's prompt or a chat's rendered
+    messages become, so a tenant can size a request against its budget before sending it;
+    ``/detokenize`` turns ids back into text."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tides?"}]
+    with kvharbor_app.client(DEMO["standard"]) as c:
+        text = c.post("/tokenize", json={"model": kvharbor_app.model, "prompt": "Harbor lights"}).json()
+        chat = c.post("/tokenize", json={"model": kvharbor_app.model, "messages": messages}).json()
+        bare = c.post("/tokenize", json={"model": kvharbor_app.model, "messages": messages,
+                                         "add_generation_prompt": False}).json()
+        back = c.post("/detokenize", json={"model": kvharbor_app.model, "tokens": text["tokens"]}).json()
+    kw = dict(model=kvharbor_app.model, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    by_text = client.completions.create(prompt="Harbor lights", **kw)
+    by_ids = client.completions.create(prompt=text["tokens"], **kw)
+    assert text["count"] == len(text["tokens"]) == by_text.usage.prompt_tokens
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    assert text["max_model_len"] == 4096
+    assert chat["count"] == client.chat.completions.create(messages=messages, **kw).usage.prompt_tokens
+    assert bare["tokens"] == chat["tokens"][:bare["count"]] and bare["count"] < chat["count"]
+    assert back == {"prompt": "Harbor lights"}
+
+
+@pytest.mark.parametrize("route,body,status,param", [
+    ("/tokenize", {}, 400, None), ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, 400, None),
+    ("/detokenize", {"tokens": [1, 10**6]}, 400, "tokens"), ("/tokenize", {"model": "nope", "prompt": "a"}, 404, "model"),
+])
+def test_tokenize_and_detokenize_refuse_bad_input_by_name(kvharbor_app, route, body, status, param):
+    with kvharbor_app.client(DEMO["standard"]) as c:
+        r = c.post(route, json={"model": kvharbor_app.model, **body})
+        anonymous = httpx.post(kvharbor_app.base_url + route, json={"model": kvharbor_app.model, "prompt": "a"})
+    assert r.status_code == status and r.json()["error"]["param"] == param, r.text
+    assert status != 400 or "prompt" in r.json()["error"]["message"] or param in r.json()["error"]["message"]
+    assert anonymous.status_code == 401, anonymous.text
+
+
 # ---- where the time went ----------------------------------------------------------------------
 PHASES = ["parse", "queue", "tokenize", "admit", "first_token", "replica", "hops"]
 

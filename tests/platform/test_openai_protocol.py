@@ -45,6 +45,7 @@ def test_a_completions_prompt_is_one_prompt_or_a_batch(prompt, prompts):
     ([1.5], 1, "must be a text, a list of token ids, or a batch"),
     (42, 1, "must be a text, a list of token ids, or a batch"),
     ([[1], [1] * 131_073], 1, "at most 131072 ids, got 131073"),
+    ([3, -1], 1, "token ids are >= 0, got -1"), ([[3], [-2]], 1, "token ids are >= 0, got -2"),
 ])
 def test_a_badly_shaped_prompt_or_batch_is_refused_with_one_message(prompt, n, message):
     """One reason, naming the limit, rather than one complaint per shape ``prompt`` may take."""

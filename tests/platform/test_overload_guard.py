@@ -243,7 +243,7 @@ def test_an_overloaded_gateway_answers_429_with_retry_after_and_keeps_the_connec
     assert resp.headers["retry-after"] == "1" and resp.headers.get("connection") != "close"
 
 
-def test_the_gateway_checks_the_guard_only_on_generation_paths():
+def test_the_gateway_checks_the_guard_only_on_paths_that_tokenize():
     from kvharbor.platform.gateway import GENERATION_PATHS, Gateway
 
     checked, limited = [], []
@@ -255,9 +255,9 @@ def test_the_gateway_checks_the_guard_only_on_generation_paths():
                          guard=SimpleNamespace(check=lambda qos, classes, tenant: checked.append(qos)),
                          metrics=SimpleNamespace(rate_limited=lambda *a: limited.append(a),
                                                  overload_guard=lambda *a: None))
-    for path in (*GENERATION_PATHS, "/v1/models", "/v1/sessions/abc"):
+    for path in (*GENERATION_PATHS, "/tokenize", "/detokenize", "/v1/models", "/v1/sessions/abc"):
         assert Gateway._gate(gw, "k", path) is principal
-    assert checked == [CLASSES["batch"]] * len(GENERATION_PATHS) and limited == []
+    assert checked == [CLASSES["batch"]] * (len(GENERATION_PATHS) + 2) and limited == []
     gw.guard = OverloadGuard(10.0, metrics=gw.metrics)   # one that sheds batch now
     gw.guard._ensure_running = lambda: None
     fill(gw.guard, "standard", 40, "s")

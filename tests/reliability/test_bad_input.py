@@ -262,6 +262,12 @@ def test_401_comes_before_any_byte_of_the_body_is_read(kvharbor_app, key, declar
     assert elapsed < 15
 
 
+@pytest.mark.parametrize("path", ["/tokenize", "/detokenize"])
+def test_the_token_routes_also_refuse_a_wrong_key_before_the_body(kvharbor_app, path):
+    status, body, elapsed = _raw_headers_only(kvharbor_app.base_url, path, "kvh-wrong-key", 1000)
+    assert status == 401 and elapsed < 15, body[:300]
+
+
 def test_a_declared_oversized_body_is_413_before_any_byte_of_it_is_read(kvharbor_app):
     """A valid key announcing 64 MiB: the answer comes from the head alone (the client need
     not upload what will be refused); the body never arrives."""

@@ -48,6 +48,8 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 POSITIVE, NEGATIVE = GenerationMode.POSITIVE, GenerationMode.NEGATIVE
 CASES = [("POST", "/v1/completions", POSITIVE), ("POST", "/v1/completions", NEGATIVE),
          ("POST", "/v1/chat/completions", POSITIVE), ("POST", "/v1/chat/completions", NEGATIVE),
+         ("POST", "/tokenize", POSITIVE), ("POST", "/tokenize", NEGATIVE),
+         ("POST", "/detokenize", POSITIVE), ("POST", "/detokenize", NEGATIVE),
          ("GET", "/v1/models", POSITIVE), ("GET", "/v1/models/{model_id}", POSITIVE),
          ("GET", "/healthz", POSITIVE),
          ("GET", "/admin/tenants", POSITIVE), ("GET", "/admin/tenants/status", POSITIVE)]
@@ -101,7 +103,7 @@ def test_route_conforms_to_its_schema(gateway_schema, method, path, mode):
     run()
     print(f"{method} {path} {mode.value}: statuses {statuses}")
     if mode is POSITIVE and method == "POST":
-        assert statuses.get(200, 0) > 0, statuses       # the generation path was reached
+        assert statuses.get(200, 0) > 0, statuses       # the route's work was reached
 
 
 def _send(case, base_url: str, headers: dict) -> httpx.Response:
@@ -125,3 +127,16 @@ def test_schema_declares_the_openai_error_body(kvharbor_app):
     ref = post["responses"]["400"]["content"]["application/json"]["schema"]["$ref"]
     assert ref.endswith("/ErrorResponse")
     assert "text/event-stream" in post["responses"]["200"]["content"]
+
+
+def test_schema_bounds_token_ids_by_the_served_vocabulary(kvharbor_app):
+    """A client (or a fuzzer) reading /openapi.json learns which token ids the model has."""
+    from kvharbor.engine.model_info import load_tokenizer
+
+    schemas = httpx.get(kvharbor_app.base_url + "/openapi.json").json()["components"]["schemas"]
+    top = len(load_tokenizer(kvharbor_app.model)) - 1
+    prompt = schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]
+    assert prompt[1]["items"] == {"type": "integer", "minimum": 0, "maximum": top}
+    assert prompt[3]["items"]["items"] == prompt[1]["items"]
+    assert schemas["DetokenizeRequest"]["properties"]["tokens"]["items"] == prompt[1]["items"]
+    assert "x-token-id" not in json.dumps(schemas)
