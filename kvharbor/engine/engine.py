@@ -400,8 +400,9 @@ class Engine:
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         self.counters["generated_tokens"] += 1
+        text_before = len(req.output_text)
         self.detok.update(req)
-        reason = self._finish_reason(req, token)
+        reason = self._finish_reason(req, token, text_before)
         new_text = self.detok.delta(req, final=reason is not None)
         if reason is not None:
             req.finish_reason, req.status = reason, Status.FINISHED
@@ -414,13 +415,17 @@ class Engine:
                              req.output_text, req.finish_reason, max(req.num_cached_tokens, 0),
                              [token], new_text, None if logprobs is None else [logprobs])
 
-    def _finish_reason(self, req: Request, token: int) -> str | None:
+    def _finish_reason(self, req: Request, token: int, text_before: int) -> str | None:
+        """Why ``req`` ends with ``token`` (None: it goes on). A stop token's text is left out
+        of the output (as vLLM does; the token stays in the ids); a stop string and what
+        follows it too."""
         sp = req.sampling
         n_out = req.num_tokens - len(req.prompt_token_ids)        # no copy of the output
         if n_out >= sp.min_tokens:
             if not sp.ignore_eos and token in self.eos_ids:
                 return "stop"
             if token in sp.stop_token_ids:
+                req.output_text = req.output_text[:text_before]
                 return "stop"
             if sp.stop and self.detok.truncate_at_stop(req, sp.stop):
                 return "stop"

@@ -541,6 +541,7 @@ class Gateway:
         try:
             prompts = tokenize()
             max_tokens = self._max_tokens(body, prompts, chat, principal)
+            self._check_token_ids(body.stop_token_ids or [], "stop_token_ids")
         except BaseException:
             self.admitter.leave(qos, rid)
             raise
@@ -551,6 +552,7 @@ class Gateway:
         logprobs = _logprobs(body, chat)
         sampling = {"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
                     "top_k": body.top_k, "seed": body.seed, "stop": body.stop_list(),
+                    "stop_token_ids": body.stop_token_ids or [],
                     "ignore_eos": body.ignore_eos, "logprobs": logprobs}
         siblings = []
         for ids in prompts:

@@ -17,6 +17,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
 
 MAX_STOP_STRINGS = 8
 MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
 GREEDY_BELOW = 1e-5
 """Temperatures below this are treated as 0 (greedy): dividing logits by them overflows."""
 
@@ -78,6 +79,23 @@ EmptyBias = unsupported(dict[str, float] | None, {})
 EmptyList = unsupported(list[dict] | None, [])
 
 
+TokenId = Annotated[int, Field(ge=0, json_schema_extra={"x-token-id": True})]
+"""A token id (``_prompt_shape`` refuses a negative one in a prompt first). The gateway sets the
+served model's bound in its schema (``bound_token_ids``)."""
+
+
+def bound_token_ids(schema, vocab_size: int) -> None:
+    """Give every token id of an OpenAPI ``schema`` the ``maximum`` of a vocabulary this size."""
+    if isinstance(schema, dict):
+        if schema.pop("x-token-id", False):
+            schema["maximum"] = vocab_size - 1
+        for value in schema.values():
+            bound_token_ids(value, vocab_size)
+    elif isinstance(schema, list):
+        for value in schema:
+            bound_token_ids(value, vocab_size)
+
+
 def _ignored(what: str) -> str:
     return f"Accepted and ignored: {what}."
 
@@ -105,6 +123,7 @@ class _Common(BaseModel):
     stream: bool | None = Field(False, description="Stream Server-Sent Events ending in `data: [DONE]`.")
     stream_options: StreamOptions | None = Field(None, description="Streaming options.")
     stop: Text | list[Text] | None = Field(None, description=f"Stop strings (up to {MAX_STOP_STRINGS}, each up to {MAX_STOP_CHARS} characters).")
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS, description=f"Stop at any of these token ids (up to {MAX_STOP_TOKEN_IDS}); the stop token's text is left out of the answer, as in vLLM. Not in OpenAI's API.")
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1, description="Seed for reproducible sampling (a signed 64-bit integer).")
     ignore_eos: bool = Field(False, description="Keep generating after the end-of-sequence token. Not in OpenAI's API.")
     user: str | None = Field(None, description=_ignored("end-user id"))
@@ -187,23 +206,6 @@ def _prompt_shape(value):
 
 
 Batch = Field(min_length=1, max_length=MAX_PROMPTS)
-TokenId = Annotated[int, Field(ge=0, json_schema_extra={"x-token-id": True})]
-"""A token id (``_prompt_shape`` refuses a negative one in a prompt first). The gateway sets the
-served model's bound in its schema (``bound_token_ids``)."""
-
-
-def bound_token_ids(schema, vocab_size: int) -> None:
-    """Give every token id of an OpenAPI ``schema`` the ``maximum`` of a vocabulary this size."""
-    if isinstance(schema, dict):
-        if schema.pop("x-token-id", False):
-            schema["maximum"] = vocab_size - 1
-        for value in schema.values():
-            bound_token_ids(value, vocab_size)
-    elif isinstance(schema, list):
-        for value in schema:
-            bound_token_ids(value, vocab_size)
-
-
 class CompletionRequest(_Common):
     prompt: Annotated[Text | list[TokenId] | Annotated[list[Text], Batch] | Annotated[list[list[TokenId]], Batch],
                       BeforeValidator(_prompt_shape)] = Field(

@@ -43,6 +43,9 @@ def test_max_tokens_and_stop_token_ids(llm):
                                                      stop_token_ids=[stop_at]))[0]
     assert stopped.finish_reason == "stop"
     assert stopped.token_ids == base.token_ids[:first + 1]
+    # the stop token's text is not part of the answer (vLLM's default), the tokens before it are
+    assert stopped.text == llm.tokenizer.decode(base.token_ids[:first], skip_special_tokens=True)
+    assert stopped.text != llm.tokenizer.decode(stopped.token_ids, skip_special_tokens=True)
 
 
 def test_stop_string_truncates_text(llm):

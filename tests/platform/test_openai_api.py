@@ -292,6 +292,34 @@ def test_n_choices_streamed(client, kvharbor_app):
         client.completions.create(model=kvharbor_app.model, prompt="x", n=9)
 
 
+def test_stop_token_ids_end_the_answer_before_the_stop_tokens_text(client, kvharbor_app):
+    """vLLM's ``stop_token_ids``: the answer ends at the first of them, without its text,
+    streamed or not, on both routes; an id outside the vocabulary is a 400 naming the field."""
+    from kvharbor.engine.model_info import load_tokenizer
+
+    tokenizer = load_tokenizer(kvharbor_app.model)
+    kw = dict(model=kvharbor_app.model, max_tokens=12, temperature=0)
+    free = client.completions.create(prompt="The harbor at dawn", extra_body={"ignore_eos": True}, **kw)
+    ids = tokenizer(free.choices[0].text)["input_ids"]
+    stop = ids[5]
+    stopped = client.completions.create(prompt="The harbor at dawn", extra_body={"ignore_eos": True,
+                                        "stop_token_ids": [stop]}, **kw)
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == tokenizer.decode(ids[:ids.index(stop)])
+    assert stopped.usage.completion_tokens == ids.index(stop) + 1       # the stop token was generated
+    streamed = client.completions.create(prompt="The harbor at dawn", stream=True, extra_body={
+        "ignore_eos": True, "stop_token_ids": [stop]}, **kw)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == stopped.choices[0].text
+    messages = [{"role": "user", "content": "Tides?"}]
+    chat = client.chat.completions.create(messages=messages, extra_body={"ignore_eos": True}, **kw)
+    chat_ids = tokenizer(chat.choices[0].message.content)["input_ids"]
+    chat_stopped = client.chat.completions.create(messages=messages, extra_body={
+        "ignore_eos": True, "stop_token_ids": [chat_ids[3]]}, **kw)
+    assert chat_stopped.choices[0].message.content == tokenizer.decode(chat_ids[:chat_ids.index(chat_ids[3])])
+    with pytest.raises(openai.BadRequestError, match="stop_token_ids"):
+        client.completions.create(prompt="x", extra_body={"stop_token_ids": [10**6]}, **kw)
+
+
 # ---- a batch of prompts -----------------------------------------------------------------------
 def test_a_batch_of_prompts_answers_each_as_a_request_of_its_own(client, kvharbor_app):
     """``prompt`` as a list of texts or of token-id lists: one choice per prompt (``n`` per prompt,
