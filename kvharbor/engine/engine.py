@@ -20,6 +20,7 @@ from .engine_stats import engine_stats
 from .host_pool import HostKVPool
 from .kv_cache_manager import KVCacheManager
 from .kv_transfer import KVTransfer
+from .logits_processors import depends_on_outputs
 from .model_runner import ModelRunner, ScheduledRequest, kv_bytes_per_token
 from .eviction import make_eviction_policy
 from .hashing import model_root
@@ -176,6 +177,9 @@ class Engine:
         vocab = self.model.config.vocab_size
         if not 0 <= min(prompt_token_ids) <= max(prompt_token_ids) < vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        for name, ids in (("stop_token_ids", sampling.stop_token_ids), ("logit_bias", sampling.logit_bias or ())):
+            if not 0 <= min(ids, default=0) <= max(ids, default=0) < vocab:
+                raise ValueError(f"{name} token ids must be in [0, {vocab})")
         total = len(prompt_token_ids) + sampling.max_tokens
         if total > self.max_model_len:
             raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({sampling.max_tokens}) = "
@@ -187,6 +191,9 @@ class Engine:
                       priority=priority, pinned=spec.pinned, cache_salt=cache_salt,
                       hash_root=self.hash_root, session_id=session_id,
                       arrival=time.monotonic(), arrival_seq=next(self._arrivals))
+        if sampling.min_tokens:
+            req.held_stops = tuple(sorted(set(sampling.stop_token_ids)
+                                          | (set() if sampling.ignore_eos else self.eos_ids)))
         problem = self._never_fits(req)
         if problem:
             raise ValueError(problem)
@@ -335,8 +342,8 @@ class Engine:
     # host collects those (appends, detokenizes, checks for stops) while the GPU computes.
     # A request that stops at the collected token had one more token computed for it, which
     # is dropped: its K/V went to its own next slot, never to a cached (full) block. Any other
-    # situation (a waiting or announced request, logprobs, a decode that a higher class's
-    # step budget would trim, a block that cannot be allocated) collects the step in flight
+    # situation (a waiting or announced request, logprobs, penalties or a min_tokens not yet
+    # reached, a decode that a higher class's step budget would trim, a block that cannot be allocated) collects the step in flight
     # and schedules normally.
 
     def _runs_ahead(self, batch: list[ScheduledRequest]) -> bool:
@@ -347,11 +354,14 @@ class Engine:
 
     def _continuable(self, reqs: list[Request]) -> bool:
         """No request waits or was announced, every running request is in ``reqs``, none asks
-        for logprobs, and the step budget of a higher class would trim none of them."""
+        for logprobs or has logits that depend on its output so far (penalties, ``min_tokens``
+        not yet reached), and the step budget of a higher class would trim none of them."""
         sched = self.scheduler
         if sched.waiting or self.interrupt.announced != NO_PRIORITY:
             return False
         if len(reqs) != len(sched.running) or any(r.sampling.logprobs is not None for r in reqs):
+            return False
+        if any(depends_on_outputs(r) for r in reqs):     # its logits would miss the token in flight
             return False
         return not sched.trims_decodes(reqs)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 from .block_pool import KVCacheBlock
@@ -13,8 +14,11 @@ from .hashing import BlockHash, hash_prompt_blocks
 class SamplingParams:
     """How to pick tokens and when to stop.
 
-    ``temperature == 0`` is greedy. ``top_k <= 0`` and ``top_p == 1`` disable those filters.
-    ``seed`` makes sampling reproducible per request.
+    ``temperature == 0`` is greedy. ``top_k <= 0``, ``top_p == 1`` and ``min_p == 0`` disable
+    those filters. ``seed`` makes sampling reproducible per request. The penalties,
+    ``logit_bias`` and ``min_tokens`` change the logits before sampling, greedy included (see
+    ``logits_processors.py``); their neutral values (0, 1 for ``repetition_penalty``, None)
+    leave them untouched.
     """
 
     max_tokens: int = 16
@@ -25,8 +29,13 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: int = 0                 # stop ids and EOS are held back until this many tokens
     logprobs: int | None = None         # None: none; k: the sampled token's and the k best
+    min_p: float = 0.0                  # drop tokens below min_p x the most likely's probability
+    presence_penalty: float = 0.0       # OpenAI's: subtracted once from tokens in the output
+    frequency_penalty: float = 0.0      # OpenAI's: subtracted per occurrence in the output
+    repetition_penalty: float = 1.0     # vLLM's: scales logits of tokens in the prompt or output
+    logit_bias: dict[int, float] | None = None      # token id -> added to its logit, in [-100, 100]
 
     def validate(self) -> None:
         """Raise ValueError naming the field to fix."""
@@ -46,6 +55,28 @@ class SamplingParams:
             self.stop = [self.stop]
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.min_tokens!r}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}")
+        if self.logit_bias:
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError):
+                raise ValueError("logit_bias maps token ids to numbers") from None
+            if not all(-100 <= v <= 100 for v in self.logit_bias.values()):
+                raise ValueError("logit_bias values must be in [-100, 100]")
+
+    @property
+    def penalized(self) -> bool:
+        """Any penalty that depends on the tokens so far."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
 
 
 class Status(enum.Enum):
@@ -97,6 +128,7 @@ class Request:
     first_token_time: float | None = None
     generator: object = None             # torch.Generator when seeded
     cached_blocks_cursor: int = 0        # blocks [0, cursor) were registered in the prefix cache
+    held_stops: tuple[int, ...] = ()     # ids masked until min_tokens (stop ids, EOS unless ignored)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

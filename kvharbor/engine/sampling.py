@@ -1,8 +1,11 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, one batch per step.
+"""Token sampling: greedy, temperature, min-p, top-k, top-p, per-request seeds, one batch per
+step.
 
 All rows of a step are sampled together and the chosen ids reach the host in one copy (one
-device sync per step). Greedy rows take the argmax of their raw logits. Sampled rows: logits
-divided by the temperature, top-k keeps the values >= the k-th largest (ties kept), top-p drops
+device sync per step). Rows first go through their request's logits processors (penalties,
+``logit_bias``, ``min_tokens``: ``logits_processors.py``; most rows have none). Greedy rows take
+the argmax. Sampled rows: logits divided by the temperature, min-p drops the tokens whose
+probability is below ``min_p`` times the most likely one's (as vLLM), top-k keeps the values >= the k-th largest (ties kept), top-p drops
 a token once the probability mass before it (in descending order) reaches ``top_p`` (always
 keeping the first), then one token is drawn from the softmax by the exponential race
 ``argmax(p / E)`` with ``E ~ Exp(1)`` per vocabulary entry (an exact draw from ``p``). A seeded
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from . import logits_processors
 from .host_memory import upload
 from .request import Request
 
@@ -28,7 +32,7 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
 def sample_on_device(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """:func:`sample` without the copy to the host: the chosen ids ``[B]`` (int64) on the
     logits' device, so a caller can feed them to the next step before reading them."""
-    logits = logits.float()
+    logits = logits_processors.apply(logits.float(), requests)
     sampled = [i for i, r in enumerate(requests) if r.sampling.temperature != 0]
     chosen = logits.argmax(dim=-1)
     if not sampled:
@@ -41,9 +45,15 @@ def sample_on_device(logits: torch.Tensor, requests: list[Request]) -> torch.Ten
 
 
 def _filtered_probs(x: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-    """Softmax of ``x`` ``[S, V]`` after temperature, top-k and top-p of each row's request."""
+    """Softmax of ``x`` ``[S, V]`` after temperature, min-p, top-k and top-p of each row's
+    request."""
     dev, vocab = x.device, x.shape[-1]
     x = x / upload([r.sampling.temperature for r in reqs], torch.float32, dev)[:, None]
+    min_ps = [r.sampling.min_p for r in reqs]
+    if any(min_ps):
+        probs = torch.softmax(x, dim=-1)
+        floor = probs.amax(dim=-1, keepdim=True) * upload(min_ps, torch.float32, dev)[:, None]
+        x = x.masked_fill(probs < floor, float("-inf"))
     ks = [r.sampling.top_k if 0 < r.sampling.top_k < vocab else 0 for r in reqs]
     ps = [r.sampling.top_p for r in reqs]
     if not any(ks) and all(p >= 1.0 for p in ps):

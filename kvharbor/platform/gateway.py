@@ -542,6 +542,10 @@ class Gateway:
             prompts = tokenize()
             max_tokens = self._max_tokens(body, prompts, chat, principal)
             self._check_token_ids(body.stop_token_ids or [], "stop_token_ids")
+            self._check_token_ids(list(body.logit_bias or ()), "logit_bias")
+            if body.min_tokens > max_tokens:
+                raise APIError(400, f"min_tokens ({body.min_tokens}) is more than max_tokens ({max_tokens}); "
+                               "lower min_tokens or raise max_tokens", param="min_tokens")
         except BaseException:
             self.admitter.leave(qos, rid)
             raise
@@ -553,7 +557,10 @@ class Gateway:
         sampling = {"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
                     "top_k": body.top_k, "seed": body.seed, "stop": body.stop_list(),
                     "stop_token_ids": body.stop_token_ids or [],
-                    "ignore_eos": body.ignore_eos, "logprobs": logprobs}
+                    "ignore_eos": body.ignore_eos, "logprobs": logprobs, "min_tokens": body.min_tokens,
+                    "min_p": body.min_p, "presence_penalty": body.presence_penalty,
+                    "frequency_penalty": body.frequency_penalty,
+                    "repetition_penalty": body.repetition_penalty, "logit_bias": body.logit_bias}
         siblings = []
         for ids in prompts:
             hashes = hash_prompt_blocks(ids, self.block_size, principal.cache_salt, parent=self.hash_root)

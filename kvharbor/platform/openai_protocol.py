@@ -47,13 +47,15 @@ MAX_PROMPTS = 32
 MAX_CHOICES = 64
 """Most choices per completions request: prompts x ``n``."""
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300
+"""Most entries in ``logit_bias`` (OpenAI's limit)."""
 
 
 def unsupported(tp, *neutral):
     """The type of a field of OpenAI's API that kvharbor does not implement.
 
     ``None`` and the ``neutral`` values (those that ask for the default behaviour, e.g.
-    ``frequency_penalty: 0``) pass; any other value is refused with a message naming the
+    ``echo: false``) pass; any other value is refused with a message naming the
     field, so an SDK user gets an error rather than an answer that ignored the option. The
     OpenAPI schema lists exactly the accepted values.
     """
@@ -74,9 +76,23 @@ def unsupported(tp, *neutral):
 
 NullOnlyStr = unsupported(str | None)
 NullOnlyDict = unsupported(dict | None)
-ZeroFloat = unsupported(float | None, 0.0)
-EmptyBias = unsupported(dict[str, float] | None, {})
 EmptyList = unsupported(list[dict] | None, [])
+
+
+def _token_keys(bias: dict[str, float]) -> dict[int, float]:
+    """``logit_bias``'s keys as token ids (the gateway checks them against the vocabulary)."""
+    bad = next((k for k in bias if not (k.isascii() and k.isdigit() and len(k) <= 9)), None)
+    if bad is not None:
+        raise ValueError(f"keys are token ids written as strings of digits, got {bad[:20]!r}")
+    return {int(k): v for k, v in bias.items()}
+
+
+LogitBias = Annotated[
+    dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]], Field(max_length=MAX_LOGIT_BIAS),
+    AfterValidator(_token_keys),
+    WithJsonSchema({"type": "object", "maxProperties": MAX_LOGIT_BIAS,
+                    "propertyNames": {"pattern": "^[0-9]{1,9}$"},
+                    "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}})]
 
 
 TokenId = Annotated[int, Field(ge=0, json_schema_extra={"x-token-id": True})]
@@ -127,9 +143,12 @@ class _Common(BaseModel):
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1, description="Seed for reproducible sampling (a signed 64-bit integer).")
     ignore_eos: bool = Field(False, description="Keep generating after the end-of-sequence token. Not in OpenAI's API.")
     user: str | None = Field(None, description=_ignored("end-user id"))
-    frequency_penalty: ZeroFloat = Field(None, description="Not supported: only 0 or null.")
-    presence_penalty: ZeroFloat = Field(None, description="Not supported: only 0 or null.")
-    logit_bias: EmptyBias = Field(None, description="Not supported: only {} or null.")
+    frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0, description="In [-2, 2]: subtracted from a token's logit once per time it occurs in the output so far (OpenAI's formula).")
+    presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0, description="In [-2, 2]: subtracted from a token's logit once it occurs in the output so far (OpenAI's formula).")
+    repetition_penalty: float | None = Field(1.0, gt=0.0, allow_inf_nan=False, description="Above 0 (1: off): a token in the prompt or the output so far has its logit divided by it when positive, multiplied when not (as vLLM). Not in OpenAI's API.")
+    min_p: float | None = Field(0.0, ge=0.0, le=1.0, description="In [0, 1]: sample only tokens at least min_p times as likely as the most likely one (as vLLM). Not in OpenAI's API.")
+    min_tokens: int | None = Field(0, ge=0, description="Generate at least this many tokens (at most max_tokens): until then EOS and stop_token_ids cannot be picked and stop strings are not looked for (as vLLM). Not in OpenAI's API.")
+    logit_bias: LogitBias | None = Field(None, description=f"Token id (as a string) to a bias in [-100, 100] added to its logit before sampling, at most {MAX_LOGIT_BIAS} entries; -100 in effect bans a token, 100 forces it.")
 
     @property
     def batched(self) -> bool:
@@ -145,6 +164,21 @@ class _Common(BaseModel):
     @classmethod
     def _top_p_default(cls, value: float | None) -> float:
         return 1.0 if value is None else value
+
+    @field_validator("frequency_penalty", "presence_penalty", "min_p", mode="after")
+    @classmethod
+    def _zero_default(cls, value: float | None) -> float:
+        return 0.0 if value is None else value
+
+    @field_validator("repetition_penalty", mode="after")
+    @classmethod
+    def _one_default(cls, value: float | None) -> float:
+        return 1.0 if value is None else value
+
+    @field_validator("min_tokens", mode="after")
+    @classmethod
+    def _min_tokens_default(cls, value: int | None) -> int:
+        return 0 if value is None else value
 
     @field_validator("n", mode="after")
     @classmethod

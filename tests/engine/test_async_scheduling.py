@@ -172,6 +172,39 @@ def test_logprobs_are_not_run_ahead(device):
     assert llm.engine.steps_ahead == 0 and len(outs["r0"]) == 8
 
 
+def test_penalties_and_min_tokens_wait_for_the_token_in_flight(device):
+    """A penalty, and ``min_tokens`` until it is reached, read the tokens generated so far: a
+    step launched before the token in flight is read would miss it. Such requests decode in
+    steps that wait (once ``min_tokens`` is behind a request it may run ahead again), and give
+    what they give when every step waits."""
+    ps = prompts(9, 6)
+    probe = make_llm("kvharbor/tiny-llama", False, device, num_kv_blocks=512)
+    first = [o.token_ids[0] for o in probe.generate(ps, SamplingParams(max_tokens=1, temperature=0.0))]
+    kinds = [dict(frequency_penalty=1.2), dict(presence_penalty=0.8), dict(repetition_penalty=1.6),
+             dict(frequency_penalty=-1.0, repetition_penalty=0.8)]
+    penalized = {0: [(f"r{i}", p, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, **kinds[i % 4]))
+                     for i, p in enumerate(ps)]}
+    ahead, _ = same_both_ways("kvharbor/tiny-llama", device, penalized, num_kv_blocks=512)
+    assert ahead["steps_ahead"] == 0
+    held = {0: [(f"r{i}", p, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, min_tokens=8,
+                                             stop_token_ids=[first[i]]))
+                for i, p in enumerate(ps)]}
+    ahead, _ = same_both_ways("kvharbor/tiny-llama", device, held, num_kv_blocks=512)
+    assert all(first[i] not in ids[:8] for i, (ids, _, _) in enumerate(
+        ahead["final"][f"r{i}"] for i in range(len(ps))))
+    assert 0 < ahead["steps_ahead"] <= 16 - 8
+
+
+def test_logit_bias_and_min_p_run_ahead(device):
+    """Neither depends on the tokens so far: they decode ahead and match steps that wait."""
+    ps = prompts(10, 4)
+    arrivals = {0: [(f"r{i}", p, SamplingParams(max_tokens=12, temperature=0.9, seed=i, min_p=0.2,
+                                                 logit_bias={40 + i: 4.0, 7: -100.0}, ignore_eos=True))
+                    for i, p in enumerate(ps)]}
+    ahead, _ = same_both_ways("kvharbor/tiny-llama", device, arrivals, num_kv_blocks=512)
+    assert ahead["steps_ahead"] >= 8
+
+
 @pytest.mark.parametrize("target_s", [None, 1e-9], ids=["no-step-target", "step-target-trims"])
 def test_two_classes_decode_ahead_together_and_match_steps_that_wait(device, target_s):
     """Premium and standard requests decoding together run ahead when the premium step

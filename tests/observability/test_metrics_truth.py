@@ -81,7 +81,7 @@ def _drive(app) -> Tally:
             tally.add(tenant, "ok", r.json()["usage"])
         tally.add(tenant, "ok", _streamed_usage(app, tenant, {"prompt": shared, "max_tokens": 3, "ignore_eos": True}))
         assert _post(app, tenant, {"prompt": "x", "max_tokens": 5000}).status_code == 400
-        assert _post(app, tenant, {"prompt": "x", "frequency_penalty": 1}).status_code == 400
+        assert _post(app, tenant, {"prompt": "x", "frequency_penalty": 3}).status_code == 400
     _drop_after_first_chunk(app, "truth-drop")      # its tokens were used but no usage was sent
     tally.add("truth-drop", "aborted")
     for i in range(5):

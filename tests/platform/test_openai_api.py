@@ -96,7 +96,6 @@ def test_unknown_model_is_404_and_context_overflow_is_400(client, kvharbor_app):
 
 # ---- fields of the OpenAI spec that kvharbor does not implement are refused by name ------------
 @pytest.mark.parametrize("field,value", [
-    ("frequency_penalty", 0.5), ("presence_penalty", -1.0), ("logit_bias", {"42": 5}),
     ("echo", True), ("best_of", 3), ("suffix", " the end"),
 ])
 def test_unsupported_completion_fields_are_400_naming_the_field(client, kvharbor_app, field, value):
@@ -112,7 +111,7 @@ def test_unsupported_completion_fields_are_400_naming_the_field(client, kvharbor
     ("metadata", {"k": "v"}), ("audio", {"voice": "alloy", "format": "wav"}),
     ("modalities", ["text", "audio"]), ("prediction", {"type": "content", "content": "x"}),
     ("reasoning_effort", "high"), ("verbosity", "low"), ("web_search_options", {}),
-    ("service_tier", "flex"), ("frequency_penalty", 1.0), ("logit_bias", {"1": -100}),
+    ("service_tier", "flex"),
 ])
 def test_unsupported_chat_fields_are_400_naming_the_field(client, kvharbor_app, field, value):
     with pytest.raises(openai.BadRequestError) as info:
@@ -318,6 +317,82 @@ def test_stop_token_ids_end_the_answer_before_the_stop_tokens_text(client, kvhar
     assert chat_stopped.choices[0].message.content == tokenizer.decode(chat_ids[:chat_ids.index(chat_ids[3])])
     with pytest.raises(openai.BadRequestError, match="stop_token_ids"):
         client.completions.create(prompt="x", extra_body={"stop_token_ids": [10**6]}, **kw)
+
+
+# ---- penalties, logit_bias, min_tokens, min_p -------------------------------------------------
+def test_penalties_and_logit_bias_answer_as_the_offline_engine(client, kvharbor_app):
+    """OpenAI's frequency / presence penalties and logit_bias, vLLM's repetition_penalty: the
+    answer over HTTP is the offline engine's with the same parameters (which
+    tests/engine/test_logits_processors.py checks against transformers), on both routes."""
+    from kvharbor import LLM, SamplingParams
+    from kvharbor.engine.model_info import load_tokenizer
+
+    tokenizer = load_tokenizer(kvharbor_app.model)
+    llm = LLM(device="cpu", num_kv_blocks=64)
+    prompt = "The harbor at dawn"
+    plain = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    cases = [dict(frequency_penalty=1.5, presence_penalty=0.5), dict(presence_penalty=-2.0),
+             dict(repetition_penalty=1.8), dict(logit_bias={plain.token_ids[0]: -100, 42: 4.5})]
+    for kw in cases:
+        ref = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, **kw))[0]
+        assert ref.token_ids != plain.token_ids, kw
+        openai_kw = {k: v for k, v in kw.items() if k != "repetition_penalty"}
+        if "logit_bias" in kw:
+            openai_kw["logit_bias"] = {str(t): b for t, b in kw["logit_bias"].items()}
+        extra = {"ignore_eos": True, **({"repetition_penalty": kw["repetition_penalty"]}
+                                        if "repetition_penalty" in kw else {})}
+        out = client.completions.create(model=kvharbor_app.model, prompt=prompt, max_tokens=12,
+                                        temperature=0, extra_body=extra, **openai_kw)
+        assert out.choices[0].text == ref.text, kw
+    forced = tokenizer.encode("a", add_special_tokens=False)[0]
+    chat = client.chat.completions.create(model=kvharbor_app.model, messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=5, temperature=0.7, seed=3,
+                                          logit_bias={str(forced): 100}, extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.content == "aaaaa"
+
+
+def test_min_tokens_holds_back_eos_over_http(client, kvharbor_app):
+    """vLLM's ``min_tokens``: EOS (here forced by logit_bias) cannot end the answer earlier."""
+    from kvharbor.engine.model_info import load_tokenizer
+
+    eos = load_tokenizer(kvharbor_app.model).eos_token_id
+    kw = dict(model=kvharbor_app.model, prompt="hi", max_tokens=8, temperature=0, logit_bias={str(eos): 100})
+    assert client.completions.create(**kw).usage.completion_tokens == 1
+    held = client.completions.create(**kw, extra_body={"min_tokens": 3})
+    assert held.usage.completion_tokens == 4 and held.choices[0].finish_reason == "stop"
+    streamed = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True},
+                                              extra_body={"min_tokens": 3}))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == held.choices[0].text
+    assert streamed[-1].usage.completion_tokens == 4
+
+
+def test_min_p_one_samples_the_most_likely_token(client, kvharbor_app):
+    kw = dict(model=kvharbor_app.model, prompt="Ships and tides", max_tokens=10, extra_body={"ignore_eos": True})
+    greedy = client.completions.create(temperature=0, **kw).choices[0].text
+    sampled = [client.completions.create(temperature=1.0, seed=s, **kw).choices[0].text for s in (1, 2)]
+    assert greedy not in sampled
+    kw["extra_body"] = {"ignore_eos": True, "min_p": 1.0}
+    assert [client.completions.create(temperature=1.0, seed=s, **kw).choices[0].text for s in (1, 2)] == [greedy] * 2
+
+
+@pytest.mark.parametrize("body,param,words", [
+    ({"min_tokens": 9, "max_tokens": 8}, "min_tokens", ("max_tokens (8)",)),
+    ({"min_tokens": 17}, "min_tokens", ("max_tokens (16)",)),           # the completions default
+    ({"logit_bias": {"1000000": 5}}, "logit_bias", ("[0, ",)),
+    ({"logit_bias": {"five": 5}}, "logit_bias", ("digits",)),
+    ({"logit_bias": {"5": 101}}, "logit_bias.5", ("100",)),
+    ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias", ("300",)),
+    ({"frequency_penalty": 2.5}, "frequency_penalty", ("2",)),
+    ({"presence_penalty": -3}, "presence_penalty", ("-2",)),
+    ({"repetition_penalty": 0}, "repetition_penalty", ("greater than 0",)),
+    ({"min_p": 1.5}, "min_p", ("1",)),
+])
+def test_sampling_parameters_out_of_range_are_400_by_name(kvharbor_app, body, param, words):
+    r = httpx.post(kvharbor_app.base_url + "/v1/completions", headers={"Authorization": f"Bearer {DEMO['standard']}"},
+                   json={"model": kvharbor_app.model, "prompt": "hi", **body}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and all(w in err["message"] for w in words), err
 
 
 # ---- a batch of prompts -----------------------------------------------------------------------

@@ -217,7 +217,7 @@ def test_too_many_prompt_token_ids_is_400_with_the_limit(client, kvharbor_app):
 
 
 @pytest.mark.parametrize("route,body", [
-    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 10}}),
+    ("/v1/completions", {"prompt": "hi", "best_of": 3}),
     ("/v1/completions", {"prompt": "hi", "temprature": 0.2}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "name": "ann"}]}),
