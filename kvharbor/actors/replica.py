@@ -372,7 +372,10 @@ class LLMReplica:
                           "num_prompt_tokens": len(out.prompt_token_ids),
                           "num_output_tokens": len(out.token_ids), "replica_id": self.replica_id,
                           **({"logprobs": [(lp.logprob, lp.top) for lp in out.new_logprobs]}
-                             if out.new_logprobs else {})})
+                             if out.new_logprobs else {}),
+                          **({"prompt_logprobs": [lp and (lp.logprob, lp.top) for lp in out.prompt_logprobs]}
+                             if out.prompt_logprobs is not None and len(out.token_ids) == len(out.new_token_ids)
+                             else {})})
 
     def _publish_events(self) -> None:
         if self.directory is not None:

@@ -191,6 +191,8 @@ class Engine:
                       priority=priority, pinned=spec.pinned, cache_salt=cache_salt,
                       hash_root=self.hash_root, session_id=session_id,
                       arrival=time.monotonic(), arrival_seq=next(self._arrivals))
+        if sampling.prompt_logprobs is not None:
+            req.prompt_lps = [None]             # the first prompt token has no logprob
         if sampling.min_tokens:
             req.held_stops = tuple(sorted(set(sampling.stop_token_ids)
                                           | (set() if sampling.ignore_eos else self.eos_ids)))
@@ -423,7 +425,8 @@ class Engine:
             self.counters["finished"] += 1
         return RequestOutput(req.request_id, req.prompt_token_ids, req.output_token_ids,
                              req.output_text, req.finish_reason, max(req.num_cached_tokens, 0),
-                             [token], new_text, None if logprobs is None else [logprobs])
+                             [token], new_text, None if logprobs is None else [logprobs],
+                             req.prompt_lps)
 
     def _finish_reason(self, req: Request, token: int, text_before: int) -> str | None:
         """Why ``req`` ends with ``token`` (None: it goes on). A stop token's text is left out

@@ -79,6 +79,8 @@ class KVCacheManager:
         bs = self.block_size
         req.update_block_hashes(bs)
         max_blocks = (req.num_tokens - 1) // bs
+        if req.prompt_lps_missing:          # the positions whose logits give the missing ones run
+            max_blocks = min(max_blocks, (len(req.prompt_lps) - 1) // bs)
         hits: list[KVCacheBlock] = []
         host: list[HostSlot] = []
         for block_hash in req.block_hashes[:max_blocks]:

@@ -4,6 +4,8 @@ The numbers are the model's own: ``log_softmax`` of the raw logits of the step, 
 temperature, top-k or top-p (as vLLM reports them by default), in natural log units. For a
 request whose ``SamplingParams.logprobs`` is ``k`` (not None), each sampled token gets
 ``TokenLogprobs(logprob, top)`` with ``top`` the ``k`` most likely ids, most likely first.
+``SamplingParams.prompt_logprobs`` scores the prompt's tokens the same way (vLLM's field):
+each one's logprob given the tokens before it (the first has none).
 """
 
 from __future__ import annotations
@@ -21,6 +23,18 @@ class TokenLogprobs:
 
     logprob: float
     top: tuple[tuple[int, float], ...]
+
+
+def scored_logprobs(logits: torch.Tensor, targets: list[int], ks: list[int]) -> list[TokenLogprobs]:
+    """Row ``i`` of ``logits`` ``[N, V]`` scores token ``targets[i]`` with its ``ks[i]`` best
+    alternatives (prompt logprobs): one ``log_softmax``, one copy to the host."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    picked = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])[:, 0]
+    k = max(ks)
+    top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    picked, top_v, top_i = picked.cpu().tolist(), top_v.cpu().tolist(), top_i.cpu().tolist()
+    return [TokenLogprobs(picked[i], tuple(zip(top_i[i][:want], top_v[i][:want])))
+            for i, want in enumerate(ks)]
 
 
 def token_logprobs(logits: torch.Tensor, requests: list[Request],

@@ -6,6 +6,10 @@ Batch building for a step with a prefill chunk (A, 3 tokens) and a decode (B)::
     slot_map    [s(A,5) s(A,6) s(A,7) | s(B,9)]
     query_start [0, 3, 4]                 seq_lens  [8, 10]
     logits rows [2, 3]   (only requests whose prompt is fully computed sample)
+
+A request that asked for prompt logprobs also gets a logits row for each prompt position of its
+chunk whose next token is a prompt token not yet scored (after the sampling rows); ``execute``
+turns them into that request's ``prompt_lps``.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from kvharbor.kernels import KV_CACHE_DTYPES, LayerKVCache, cpu_decode, get_atte
 from . import attention, fast_model
 from .models import uniform_sliding_window
 from .request import Request
-from .logprobs import token_logprobs
+from .logprobs import scored_logprobs, token_logprobs
 from .host_memory import upload
 from .sampling import sample, sample_on_device
 
@@ -66,6 +70,7 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = block_size
         self.last_logprobs: list = []     # TokenLogprobs | None per sampled row of the last step
+        self._prompt_rows: list = []      # (request, first position, rows) scored by the last build
         self.interrupt = None             # the engine's StepInterrupt (checked before each layer)
         self.graphs = None                # DecodeGraphs: decode steps replayed from CUDA graphs
         self.backend = get_attention_backend(attention_backend, device)
@@ -111,6 +116,7 @@ class ModelRunner:
 
     def _build(self, batch: list[ScheduledRequest]):
         ids, pos, slots, qsl, lens, tables, logit_rows = [], [], [], [0], [], [], []
+        prompt_rows, self._prompt_rows = [], []
         bs = self.block_size
         for item in batch:
             r, start = item.request, item.request.num_computed_tokens
@@ -124,6 +130,15 @@ class ModelRunner:
             tables.append(block_ids)
             if item.samples:
                 logit_rows.append(qsl[-1] - 1)
+            if r.prompt_lps_missing:            # positions first..last predict prompt tokens
+                first, last = max(start, len(r.prompt_lps) - 1), min(end, len(r.prompt_token_ids) - 1)
+                if first < last:
+                    prompt_rows += range(qsl[-2] + first - start, qsl[-2] + last - start)
+                    self._prompt_rows.append((r, first, last - first))
+        if prompt_rows:          # rows in token order (the model may take all rows as they are)
+            order = {row: i for i, row in enumerate(sorted(logit_rows + prompt_rows))}
+            self._selects = ([order[row] for row in logit_rows], [order[row] for row in prompt_rows])
+            logit_rows = sorted(order)
         width = max(len(t) for t in tables)
         table = self._upload([t + [0] * (width - len(t)) for t in tables], torch.int32)
         ctx = attention.AttentionContext(
@@ -138,6 +153,18 @@ class ModelRunner:
         return (self._upload([ids], torch.int64), self._upload([pos], torch.int64), ctx,
                 self._upload(logit_rows, torch.int64))
 
+    def _score_prompts(self, logits: torch.Tensor, num_sampling: int) -> torch.Tensor:
+        """Append the prompt logprobs of the last build's prompt rows to their requests;
+        return the sampling rows (``num_sampling``) of ``logits``."""
+        rows, self._prompt_rows = self._prompt_rows, []
+        sampling_sel, prompt_sel = (self._upload(s, torch.int64) for s in self._selects)
+        targets = [r.all_token_ids[p + 1] for r, first, n in rows for p in range(first, first + n)]
+        ks = [r.sampling.prompt_logprobs for r, _, n in rows for _ in range(n)]
+        scored = iter(scored_logprobs(logits.index_select(0, prompt_sel), targets, ks))
+        for r, _, n in rows:
+            r.prompt_lps += [next(scored) for _ in range(n)]
+        return logits.index_select(0, sampling_sel)
+
     def _upload(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         return upload(values, dtype, self.device)
 
@@ -146,6 +173,7 @@ class ModelRunner:
         """Run the step; return logits ``[num_sampling_requests, vocab]``. ``self.interrupt``
         (a ``StepInterrupt``, or None) may raise ``StepInterrupted`` before any layer; a decode
         step replayed from a CUDA graph (``self.graphs``) is not checked."""
+        self._prompt_rows = []
         if self.graphs is not None and self.graphs.eligible(batch):
             return self.graphs.forward_logits(batch)
         input_ids, positions, ctx, rows = self._build(batch)
@@ -170,9 +198,12 @@ class ModelRunner:
         return self.graphs.launch(batch, sample_on_device, ahead, prev)
 
     def execute(self, batch: list[ScheduledRequest]) -> list[int]:
-        """Run the step and sample one token per request whose tokens are all computed."""
+        """Run the step and sample one token per request whose tokens are all computed (and
+        score the prompt tokens of requests that asked for prompt logprobs)."""
         logits = self.forward_logits(batch)
         sampling = [item.request for item in batch if item.samples]
+        if self._prompt_rows:
+            logits = self._score_prompts(logits, len(sampling))
         tokens = sample(logits, sampling) if sampling else []
         self.last_logprobs = token_logprobs(logits, sampling, tokens)   # None where not asked
         return tokens

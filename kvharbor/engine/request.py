@@ -31,6 +31,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0                 # stop ids and EOS are held back until this many tokens
     logprobs: int | None = None         # None: none; k: the sampled token's and the k best
+    prompt_logprobs: int | None = None  # None: none; k: each prompt token's and the k best
     min_p: float = 0.0                  # drop tokens below min_p x the most likely's probability
     presence_penalty: float = 0.0       # OpenAI's: subtracted once from tokens in the output
     frequency_penalty: float = 0.0      # OpenAI's: subtracted per occurrence in the output
@@ -53,8 +54,10 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not (isinstance(k, int) and 0 <= k <= 20):
+                raise ValueError(f"{name} must be an integer in [0, 20], got {k!r}")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
                              f"got {self.min_tokens!r}")
@@ -129,6 +132,7 @@ class Request:
     generator: object = None             # torch.Generator when seeded
     cached_blocks_cursor: int = 0        # blocks [0, cursor) were registered in the prefix cache
     held_stops: tuple[int, ...] = ()     # ids masked until min_tokens (stop ids, EOS unless ignored)
+    prompt_lps: list | None = None       # prompt_logprobs asked: TokenLogprobs per prompt token so far
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -141,6 +145,12 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def prompt_lps_missing(self) -> bool:
+        """Asked for prompt logprobs and some are not computed yet (its prompt must be run,
+        not read from the prefix cache, from the first missing one on)."""
+        return self.prompt_lps is not None and len(self.prompt_lps) < len(self.prompt_token_ids)
 
     def update_block_hashes(self, block_size: int) -> None:
         """Extend ``block_hashes`` to cover every full block of ``all_token_ids``."""
@@ -163,6 +173,7 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
     new_logprobs: list | None = None    # TokenLogprobs per new token, when asked for
+    prompt_logprobs: list | None = None  # prompt_logprobs asked: None, then TokenLogprobs per prompt token
 
     @property
     def finished(self) -> bool:

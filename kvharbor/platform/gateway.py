@@ -458,6 +458,12 @@ class Gateway:
         self._check_token_ids(body.tokens, "tokens")
         return {"prompt": self.tokenizer.decode(body.tokens)}
 
+    def _echo_texts(self, body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
+        """The text ``echo`` puts before each prompt's choices: the prompt as sent, or its
+        token ids decoded (as vLLM echoes them)."""
+        return [p if isinstance(p, str) else self.tokenizer.decode(ids, skip_special_tokens=True)
+                for p, ids in zip(body.prompts(), prompts)]
+
     def _check_token_ids(self, ids: list[int], where: str) -> None:
         vocab = len(self.tokenizer)
         if not 0 <= min(ids, default=0) <= max(ids, default=0) < vocab:
@@ -561,6 +567,8 @@ class Gateway:
                     "min_p": body.min_p, "presence_penalty": body.presence_penalty,
                     "frequency_penalty": body.frequency_penalty,
                     "repetition_penalty": body.repetition_penalty, "logit_bias": body.logit_bias}
+        echo = getattr(body, "echo", None) and self._echo_texts(body, prompts)
+        scored = logprobs if echo else None          # each prompt's leader scores its tokens
         siblings = []
         for ids in prompts:
             hashes = hash_prompt_blocks(ids, self.block_size, principal.cache_salt, parent=self.hash_root)
@@ -569,12 +577,13 @@ class Gateway:
                 siblings.append(GenerateRequest(
                     request_id=rid if i == 0 else f"{rid}-{i}", tenant=tenant, qos=qos,
                     prompt_token_ids=ids, block_hashes=hashes,
-                    sampling={**sampling, "seed": _sibling_seed(body.seed, j)},
+                    sampling={**sampling, "seed": _sibling_seed(body.seed, j),
+                              "prompt_logprobs": scored if j == 0 else None},
                     cache_salt=principal.cache_salt, priority=principal.qos.priority,
                     pinned=principal.qos.pinned, session_id=session_id if i == 0 else None,
                     caller=self.caller, stream_interval=principal.qos.stream_interval if body.stream else 0))
         run = GenerationRun(self, siblings, principal, ticket, chat, body.model, logprobs, marks,
-                            choices_per_prompt=body.n)
+                            choices_per_prompt=body.n, echo=echo or None)
         headers = {SESSION_HEADER: session_id} if session_id else {}
         dropped = (truncated or {}).get("tokens", 0)
         if dropped:

@@ -99,6 +99,7 @@ class Choice:
     chars: int = 0
     cached_tokens: int = 0
     last_token_at: float | None = None
+    echoed: bool = False
 
 
 class GenerationRun:
@@ -108,11 +109,14 @@ class GenerationRun:
         requests: the siblings, distinct request ids; each run of ``choices_per_prompt`` of
             them shares one prompt (all of them when it is None).
         logprobs: None, or how many alternatives per token (the OpenAI object is built).
+        echo: completions' ``echo``: each prompt's text, put before its choices' text (and, with
+            ``logprobs``, its tokens' logprobs, which each prompt's leader asked the engine for,
+            before theirs); None: no echo.
     """
 
     def __init__(self, gateway, requests, principal, ticket, chat: bool, model: str,
                  logprobs: int | None = None, marks: dict[str, float] | None = None,
-                 choices_per_prompt: int | None = None) -> None:
+                 choices_per_prompt: int | None = None, echo: list[str] | None = None) -> None:
         self.gw, self.reqs, self.principal, self.ticket = gateway, requests, principal, ticket
         self.req = requests[0]
         self.per_prompt = choices_per_prompt or len(requests)
@@ -135,6 +139,8 @@ class GenerationRun:
         self._replica_of: dict[int, str] = {}      # leader index -> the replica serving it
         self._finished = False
         self._text_of = shapes.TokenText(gateway.tokenizer) if self.want_logprobs else None
+        self.echo = echo
+        self._prompt_lps: dict[int, list] = {}     # leader index -> its prompt's scored tokens
 
     # ---- replica events --------------------------------------------------------------------
     def _lead(self, index: int) -> int:
@@ -243,6 +249,8 @@ class GenerationRun:
             choice.last_token_at = now
         choice.tokens += n
         choice.cached_tokens = event.get("num_cached_tokens", choice.cached_tokens)
+        if "prompt_logprobs" in event:
+            self._prompt_lps[index] = event["prompt_logprobs"]
         if index % self.per_prompt == 0 and "replica_id" in event:
             self._replica_of[index] = event["replica_id"]
             if index == 0:
@@ -291,6 +299,22 @@ class GenerationRun:
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
     # ---- OpenAI shapes ---------------------------------------------------------------------
+    def _echoed(self, index: int, event: dict) -> tuple[str, dict | None]:
+        """``event``'s text and completions logprobs, with the prompt's before them when it is
+        the first event of an echoed choice."""
+        choice, head, parts = self.choices[index], "", []
+        if self.echo is not None and not choice.echoed:
+            choice.echoed = True
+            lead = self._lead(index)
+            head = self.echo[lead // self.per_prompt]
+            if self.want_logprobs and lead in self._prompt_lps:
+                parts.append(shapes.prompt_logprobs(self._prompt_lps[lead], self.reqs[lead].prompt_token_ids,
+                                                    self._text_of))
+                choice.chars = sum(map(len, parts[0]["tokens"]))
+        part = self._event_logprobs(index, event)
+        parts += [part] if part is not None else []
+        return head + event.get("text", ""), shapes.merge_logprobs(parts, False)
+
     def _event_logprobs(self, index: int, event: dict) -> dict | None:
         lps = event.get("logprobs")
         if not self.want_logprobs or lps is None:
@@ -346,9 +370,10 @@ class GenerationRun:
         try:
             async for index, event in self.all_events():
                 choice = self.choices[index]
-                choice.text.append(event.get("text", ""))
+                text, part = self._echoed(index, event) if self.echo else (
+                    event.get("text", ""), self._event_logprobs(index, event))
+                choice.text.append(text)
                 choice.finish_reason = event.get("finish_reason") or choice.finish_reason
-                part = self._event_logprobs(index, event)
                 if part is not None:
                     choice.logprobs.append(part)
             self.status = "ok"
@@ -372,9 +397,10 @@ class GenerationRun:
                 yield self._chunk([shapes.choice(i, "", None, True, final=False, first=True)
                                    for i in range(len(self.reqs))], continuous_usage)
             async for index, event in self.all_events():
-                yield self._chunk([shapes.choice(index, event.get("text", ""), event.get("finish_reason"),
-                                                 self.chat, final=False,
-                                                 logprobs=self._event_logprobs(index, event))], continuous_usage)
+                text, part = self._echoed(index, event) if self.echo else (
+                    event.get("text", ""), self._event_logprobs(index, event))
+                yield self._chunk([shapes.choice(index, text, event.get("finish_reason"), self.chat,
+                                                 final=False, logprobs=part)], continuous_usage)
             self.status = "ok"
             if include_usage:
                 yield {**self._envelope([], chunk=True, final=True), "usage": self.usage()}

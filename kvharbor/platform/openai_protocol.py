@@ -249,7 +249,10 @@ class CompletionRequest(_Common):
                     f"prompts (choice p x n + j is prompt p's j-th), at most {MAX_CHOICES} in all.")
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=f"Return the log-probability of each generated token and of the this many most likely tokens (0 to {MAX_TOP_LOGPROBS}).")
     best_of: unsupported(int | None, 1) = Field(None, description="Not supported: only 1 or null.")
-    echo: unsupported(bool | None, False) = Field(None, description="Not supported: only false or null.")
+    echo: bool | None = Field(False, description="Put each prompt before its choices' text; with logprobs, "
+                              "the prompt's tokens come first in the logprobs object, the first with a null "
+                              "logprob (nothing precedes it), as vLLM answers. The prompt is computed in "
+                              "full, not read from the prefix cache, when logprobs are asked.")
     suffix: unsupported(str | None, "") = Field(None, description="Not supported: only \"\" or null.")
 
     @model_validator(mode="after")
@@ -355,8 +358,8 @@ class KvharborInfo(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(description="Each generated token's text.")
-    token_logprobs: list[float] = Field(description="Natural-log probability of each token (the model's raw distribution).")
-    top_logprobs: list[dict[str, float]] = Field(description="The `logprobs` most likely tokens at each position.")
+    token_logprobs: list[float | None] = Field(description="Natural-log probability of each token (the model's raw distribution); null for an echoed prompt's first token.")
+    top_logprobs: list[dict[str, float] | None] = Field(description="The `logprobs` most likely tokens at each position; null for an echoed prompt's first token.")
     text_offset: list[int] = Field(description="Character offset of each token in the choice's text.")
 
 

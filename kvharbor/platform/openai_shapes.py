@@ -40,6 +40,15 @@ def completion_logprobs(event_lps, token_ids, text_of: TokenText, offset: int) -
             "text_offset": offsets}
 
 
+def prompt_logprobs(scored, token_ids, text_of: TokenText) -> dict:
+    """The completions ``logprobs`` object of an echoed prompt: ``scored`` holds None for the
+    first token (nothing precedes it) and ``(logprob, top)`` for each other, as vLLM answers."""
+    part = completion_logprobs([], token_ids, text_of, 0)
+    part["token_logprobs"] = [None if lp is None else lp[0] for lp in scored]
+    part["top_logprobs"] = [None if lp is None else {text_of(i): v for i, v in lp[1]} for lp in scored]
+    return part
+
+
 def chat_logprobs(event_lps, token_ids, text_of: TokenText) -> dict:
     """The chat ``logprobs`` object (``{"content": [...], "refusal": None}``) of one event."""
     def entry(token_id: int, logprob: float) -> dict:

@@ -106,8 +106,8 @@ def test_a_temperature_too_small_to_sample_with_is_greedy(llm):
     ("seed", -2**63 - 1, "seed must fit in a signed 64-bit integer"),
     ("top_p", 1.5, "top_p must be in (0, 1]"),
     ("top_k", -1, "top_k must be >= 0"),
-    ("logprobs", 21, "logprobs must be in [0, 20]"),
-    ("logprobs", -1, "logprobs must be in [0, 20]"),
+    ("logprobs", 21, "logprobs must be an integer in [0, 20]"),
+    ("logprobs", -1, "logprobs must be an integer in [0, 20]"),
     ("max_tokens", 2.5, "max_tokens must be an integer >= 1"),
 ])
 def test_sampling_params_out_of_range_are_refused_naming_the_field(llm, field, value, words):

@@ -96,7 +96,7 @@ def test_unknown_model_is_404_and_context_overflow_is_400(client, kvharbor_app):
 
 # ---- fields of the OpenAI spec that kvharbor does not implement are refused by name ------------
 @pytest.mark.parametrize("field,value", [
-    ("echo", True), ("best_of", 3), ("suffix", " the end"),
+    ("best_of", 3), ("suffix", " the end"),
 ])
 def test_unsupported_completion_fields_are_400_naming_the_field(client, kvharbor_app, field, value):
     with pytest.raises(openai.BadRequestError) as info:
@@ -259,6 +259,54 @@ def test_chat_logprobs_streamed_equal_non_streamed_and_the_model(client, kvharbo
                              [[t.logprob for t in c.top_logprobs] for c in content], 2)
     with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
         client.chat.completions.create(model=kvharbor_app.model, messages=messages, top_logprobs=2)
+
+
+# ---- echo ---------------------------------------------------------------------------------------
+def test_echo_puts_each_prompt_before_its_answer(client, kvharbor_app):
+    """Completions' ``echo``: the prompt as sent (token ids decoded), then the answer, streamed
+    or not, for each prompt of a batch and each of its choices."""
+    kw = dict(model=kvharbor_app.model, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    plain = client.completions.create(prompt="The harbor at dawn", **kw).choices[0].text
+    echoed = client.completions.create(prompt="The harbor at dawn", echo=True, **kw)
+    assert echoed.choices[0].text == "The harbor at dawn" + plain
+    assert echoed.usage.completion_tokens == 6
+    streamed = client.completions.create(prompt="The harbor at dawn", echo=True, stream=True, **kw)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == echoed.choices[0].text
+    ids = [72, 101, 108, 108, 111]                                   # "Hello"
+    by_ids = client.completions.create(prompt=ids, echo=True, **kw).choices[0].text
+    assert by_ids == "Hello" + client.completions.create(prompt=ids, **kw).choices[0].text
+    batch = client.completions.create(prompt=["Tides", "Ships"], n=2, echo=True, **kw)
+    assert [c.text[:5] for c in batch.choices] == ["Tides", "Tides", "Ships", "Ships"]
+    assert batch.choices[2].text == "Ships" + client.completions.create(prompt="Ships", **kw).choices[0].text
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_the_model_does(client, kvharbor_app, reference):
+    """With ``logprobs``, the prompt's tokens come first in the logprobs object: each one's
+    log-probability given the tokens before it (the first: null), the model's own, and its
+    best alternatives; then the answer's. How lm-evaluation-harness scores a text."""
+    prompt = [40, 41, 72, 101, 108, 108, 111, 32]
+    kw = dict(model=kvharbor_app.model, prompt=prompt, max_tokens=3, temperature=0, logprobs=2, echo=True,
+              extra_body={"ignore_eos": True})
+    client.completions.create(**{**kw, "echo": False})               # the prompt is cached now
+    out = client.completions.create(**kw)
+    lp, text = out.choices[0].logprobs, out.choices[0].text
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(prompt) + 3
+    assert "".join(lp.tokens) == text and text.startswith("()Hello ")
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    ref = reference(prompt)
+    for i in range(1, len(prompt)):
+        assert abs(lp.token_logprobs[i] - float(ref[i - 1, prompt[i]])) < 2e-4, i
+        best = ref[i - 1].topk(2).values.tolist()
+        assert all(abs(a - b) < 2e-4 for a, b in zip(sorted(lp.top_logprobs[i].values(), reverse=True), best)), i
+    _check_against_reference(reference, prompt, lp.tokens[len(prompt):], lp.token_logprobs[len(prompt):],
+                             [list(d.values()) for d in lp.top_logprobs[len(prompt):]], 2)
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw) if c.choices]
+    assert "".join(c.text for c in chunks) == text
+    assert [t for c in chunks for t in c.logprobs.tokens] == lp.tokens
+    assert [v for c in chunks for v in c.logprobs.token_logprobs] == lp.token_logprobs
+    two = client.completions.create(n=2, **{**kw, "temperature": 1.0, "seed": 3})
+    assert [c.logprobs.token_logprobs[:len(prompt)] for c in two.choices] == [lp.token_logprobs[:len(prompt)]] * 2
 
 
 # ---- n > 1 ------------------------------------------------------------------------------------
