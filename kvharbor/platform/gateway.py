@@ -549,8 +549,10 @@ class Gateway:
             max_tokens = self._max_tokens(body, prompts, chat, principal)
             self._check_token_ids(body.stop_token_ids or [], "stop_token_ids")
             self._check_token_ids(list(body.logit_bias or ()), "logit_bias")
-            if body.min_tokens > max_tokens:
-                raise APIError(400, f"min_tokens ({body.min_tokens}) is more than max_tokens ({max_tokens}); "
+            prompt_only = not chat and body.echo and body.max_tokens == 0
+            if body.min_tokens > (0 if prompt_only else max_tokens):
+                raise APIError(400, f"min_tokens ({body.min_tokens}) is more than max_tokens "
+                               f"({0 if prompt_only else max_tokens}); "
                                "lower min_tokens or raise max_tokens", param="min_tokens")
         except BaseException:
             self.admitter.leave(qos, rid)
@@ -583,7 +585,7 @@ class Gateway:
                     pinned=principal.qos.pinned, session_id=session_id if i == 0 else None,
                     caller=self.caller, stream_interval=principal.qos.stream_interval if body.stream else 0))
         run = GenerationRun(self, siblings, principal, ticket, chat, body.model, logprobs, marks,
-                            choices_per_prompt=body.n, echo=echo or None)
+                            choices_per_prompt=body.n, echo=echo or None, prompt_only=prompt_only)
         headers = {SESSION_HEADER: session_id} if session_id else {}
         dropped = (truncated or {}).get("tokens", 0)
         if dropped:
@@ -611,8 +613,11 @@ class Gateway:
         if body.max_tokens is None:
             cap = principal.limits.max_tokens_per_request or 256
             return max(1, min(room, 16 if not chat else cap, cap))
+        if body.max_tokens == 0 and getattr(body, "echo", False):
+            return 1      # the prompt only (as vLLM): one token is computed, left out of the answer
         if body.max_tokens < 1:
-            raise APIError(400, f"max_tokens must be >= 1, got {body.max_tokens}", param="max_tokens")
+            raise APIError(400, f"max_tokens must be >= 1 (0 only with echo: true), got {body.max_tokens}",
+                           param="max_tokens")
         if body.max_tokens > room:
             raise APIError(400, f"{name} ({len(ids)} tokens) + max_tokens ({body.max_tokens}) exceeds "
                            f"the model's context of {self.context} tokens; lower max_tokens to at most {room}",

@@ -112,11 +112,14 @@ class GenerationRun:
         echo: completions' ``echo``: each prompt's text, put before its choices' text (and, with
             ``logprobs``, its tokens' logprobs, which each prompt's leader asked the engine for,
             before theirs); None: no echo.
+        prompt_only: ``echo`` with ``max_tokens`` 0 (as vLLM): the engine computes one token
+            per choice, which the answer leaves out (no text, logprobs or usage for it).
     """
 
     def __init__(self, gateway, requests, principal, ticket, chat: bool, model: str,
                  logprobs: int | None = None, marks: dict[str, float] | None = None,
-                 choices_per_prompt: int | None = None, echo: list[str] | None = None) -> None:
+                 choices_per_prompt: int | None = None, echo: list[str] | None = None,
+                 prompt_only: bool = False) -> None:
         self.gw, self.reqs, self.principal, self.ticket = gateway, requests, principal, ticket
         self.req = requests[0]
         self.per_prompt = choices_per_prompt or len(requests)
@@ -139,7 +142,7 @@ class GenerationRun:
         self._replica_of: dict[int, str] = {}      # leader index -> the replica serving it
         self._finished = False
         self._text_of = shapes.TokenText(gateway.tokenizer) if self.want_logprobs else None
-        self.echo = echo
+        self.echo, self.prompt_only = echo, prompt_only
         self._prompt_lps: dict[int, list] = {}     # leader index -> its prompt's scored tokens
 
     # ---- replica events --------------------------------------------------------------------
@@ -259,7 +262,7 @@ class GenerationRun:
     # ---- accounting ------------------------------------------------------------------------
     @property
     def completion_tokens(self) -> int:
-        return sum(c.tokens for c in self.choices)
+        return 0 if self.prompt_only else sum(c.tokens for c in self.choices)
 
     @property
     def prompt_tokens(self) -> int:
@@ -311,9 +314,15 @@ class GenerationRun:
                 parts.append(shapes.prompt_logprobs(self._prompt_lps[lead], self.reqs[lead].prompt_token_ids,
                                                     self._text_of))
                 choice.chars = sum(map(len, parts[0]["tokens"]))
+        if self.prompt_only:
+            return head, shapes.merge_logprobs(parts, False)
         part = self._event_logprobs(index, event)
         parts += [part] if part is not None else []
         return head + event.get("text", ""), shapes.merge_logprobs(parts, False)
+
+    def _finish_reason(self, event: dict) -> str | None:
+        reason = event.get("finish_reason")
+        return "length" if self.prompt_only and reason not in (None, "abort") else reason
 
     def _event_logprobs(self, index: int, event: dict) -> dict | None:
         lps = event.get("logprobs")
@@ -373,7 +382,7 @@ class GenerationRun:
                 text, part = self._echoed(index, event) if self.echo else (
                     event.get("text", ""), self._event_logprobs(index, event))
                 choice.text.append(text)
-                choice.finish_reason = event.get("finish_reason") or choice.finish_reason
+                choice.finish_reason = self._finish_reason(event) or choice.finish_reason
                 if part is not None:
                     choice.logprobs.append(part)
             self.status = "ok"
@@ -399,7 +408,7 @@ class GenerationRun:
             async for index, event in self.all_events():
                 text, part = self._echoed(index, event) if self.echo else (
                     event.get("text", ""), self._event_logprobs(index, event))
-                yield self._chunk([shapes.choice(index, text, event.get("finish_reason"), self.chat,
+                yield self._chunk([shapes.choice(index, text, self._finish_reason(event), self.chat,
                                                  final=False, logprobs=part)], continuous_usage)
             self.status = "ok"
             if include_usage:

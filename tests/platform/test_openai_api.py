@@ -309,6 +309,35 @@ def test_echo_with_logprobs_scores_the_prompt_as_the_model_does(client, kvharbor
     assert [c.logprobs.token_logprobs[:len(prompt)] for c in two.choices] == [lp.token_logprobs[:len(prompt)]] * 2
 
 
+def test_echo_with_max_tokens_zero_answers_the_prompt_alone(client, kvharbor_app, reference):
+    """vLLM's echo with ``max_tokens: 0``: the prompt and its scores, no generated token (none
+    in the text, the logprobs or the usage); ``max_tokens: 0`` without echo is a 400."""
+    prompt = [40, 41, 72, 101, 108, 108, 111, 32]
+    kw = dict(model=kvharbor_app.model, prompt=prompt, temperature=0, logprobs=1, echo=True,
+              extra_body={"ignore_eos": True})
+    longer = client.completions.create(max_tokens=3, **kw).choices[0].logprobs
+    only = client.completions.create(max_tokens=0, **kw)
+    assert only.choices[0].text == "()Hello " and only.choices[0].finish_reason == "length"
+    assert only.choices[0].logprobs.tokens == longer.tokens[:len(prompt)]
+    assert only.choices[0].logprobs.token_logprobs == longer.token_logprobs[:len(prompt)]
+    assert only.usage.completion_tokens == 0 and only.usage.prompt_tokens == len(prompt)
+    chunks = [c for c in client.completions.create(max_tokens=0, stream=True, **kw) if c.choices]
+    assert "".join(c.choices[0].text for c in chunks) == "()Hello "
+    assert chunks[-1].choices[0].finish_reason == "length"
+    eos = reference.tokenizer.eos_token_id                  # the hidden token is EOS: still "length"
+    forced = client.completions.create(model=kvharbor_app.model, prompt=prompt, echo=True, max_tokens=0,
+                                       logit_bias={str(eos): 100})
+    assert forced.choices[0].finish_reason == "length" and forced.choices[0].text == "()Hello "
+    for body, param in (({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+                        ({"prompt": "hi", "max_tokens": 0, "echo": True, "extra_body": {"min_tokens": 1}}, "min_tokens")):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=kvharbor_app.model, **body)
+        assert info.value.body["param"] == param, info.value.body
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.chat.completions.create(model=kvharbor_app.model, messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=0)
+
+
 # ---- n > 1 ------------------------------------------------------------------------------------
 def test_n_choices_share_the_prompts_kv(client, kvharbor_app):
     from tests.reliability.helpers import rand_text, replica_stats
