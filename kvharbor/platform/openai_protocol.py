@@ -160,35 +160,12 @@ class _Common(BaseModel):
     def _tiny_is_greedy(cls, value: float | None) -> float:
         return 1.0 if value is None else 0.0 if value < GREEDY_BELOW else value
 
-    @field_validator("top_p", mode="after")
+    @field_validator("top_p", "n", "stream", "frequency_penalty", "presence_penalty", "min_p",
+                     "repetition_penalty", "min_tokens", mode="after")
     @classmethod
-    def _top_p_default(cls, value: float | None) -> float:
-        return 1.0 if value is None else value
-
-    @field_validator("frequency_penalty", "presence_penalty", "min_p", mode="after")
-    @classmethod
-    def _zero_default(cls, value: float | None) -> float:
-        return 0.0 if value is None else value
-
-    @field_validator("repetition_penalty", mode="after")
-    @classmethod
-    def _one_default(cls, value: float | None) -> float:
-        return 1.0 if value is None else value
-
-    @field_validator("min_tokens", mode="after")
-    @classmethod
-    def _min_tokens_default(cls, value: int | None) -> int:
-        return 0 if value is None else value
-
-    @field_validator("n", mode="after")
-    @classmethod
-    def _n_default(cls, value: int | None) -> int:
-        return 1 if value is None else value
-
-    @field_validator("stream", mode="after")
-    @classmethod
-    def _stream_default(cls, value: bool | None) -> bool:
-        return bool(value)
+    def _null_is_the_default(cls, value, info):
+        """An explicit null (SDKs send them) asks for the field's default."""
+        return cls.model_fields[info.field_name].default if value is None else value
 
     @field_validator("stop")
     @classmethod

@@ -54,3 +54,16 @@ def test_a_badly_shaped_prompt_or_batch_is_refused_with_one_message(prompt, n, m
     errors = info.value.errors()
     assert len(errors) == 1 and message in errors[0]["msg"], errors
     assert CompletionRequest(model="m", prompt=["a"] * 32, n=2).prompts() == ["a"] * 32     # 64 choices
+
+
+NULLABLE = {"temperature": 1.0, "top_p": 1.0, "n": 1, "stream": False, "frequency_penalty": 0.0,
+            "presence_penalty": 0.0, "min_p": 0.0, "repetition_penalty": 1.0, "min_tokens": 0}
+
+
+@pytest.mark.parametrize("make", [lambda **kw: CompletionRequest(model="m", prompt="hi", **kw),
+                                  lambda **kw: chat("hi", **kw)], ids=["completions", "chat"])
+def test_an_explicit_null_reads_as_the_default(make):
+    """SDKs send null for fields a user left unset: the request then runs with the defaults
+    (the engine takes numbers, never None)."""
+    request = make(**{field: None for field in NULLABLE})
+    assert {field: getattr(request, field) for field in NULLABLE} == NULLABLE
