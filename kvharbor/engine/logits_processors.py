@@ -81,23 +81,30 @@ def _add_biases(x: torch.Tensor, reqs: list[Request]) -> None:
 
 
 def _penalize(x: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-    """The three penalties of ``reqs`` on their rows ``x`` ``[P, V]``."""
+    """The three penalties of ``reqs`` on their rows ``x`` ``[P, V]``.
+
+    Only the logits of tokens a request has seen change, so the rule runs on those alone:
+    each row's candidates are its output ids and, with a repetition penalty, its prompt ids
+    (padded with ``V``, an extra column nobody reads); the output counts are one scatter.
+    Work grows with the tokens seen, plus two passes over ``[P, V]`` (the counts, the copy)."""
     dev, vocab = x.device, x.shape[1]
-    counts = _counts([r.output_token_ids for r in reqs], vocab, dev)   # [P, V]
     sp = [r.sampling for r in reqs]
-    if any(s.repetition_penalty != 1 for s in sp):
-        seen = (counts > 0) | (_counts([r.prompt_token_ids for r in reqs], vocab, dev) > 0)
-        rep = upload([s.repetition_penalty for s in sp], torch.float32, dev)[:, None]
-        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
-    freq = upload([s.frequency_penalty for s in sp], torch.float32, dev)[:, None]
-    pres = upload([s.presence_penalty for s in sp], torch.float32, dev)[:, None]
-    return x - counts * freq - (counts > 0).float() * pres
+    outs = [r.output_token_ids for r in reqs]
+    seqs = [(r.prompt_token_ids if s.repetition_penalty != 1 else []) + o for r, s, o in zip(reqs, sp, outs)]
+    cand = _padded(seqs, vocab, dev)                                       # [P, L]
+    counts = torch.zeros(len(reqs), vocab + 1, device=dev)
+    out = _padded(outs, vocab, dev)
+    counts.scatter_add_(1, out, torch.ones(out.shape, device=dev))
+    c = counts.gather(1, cand)                                             # each candidate's count
+    x = torch.cat([x, x.new_zeros(len(reqs), 1)], dim=1)                   # [P, V + 1]
+    v = x.gather(1, cand)
+    rep, freq, pres = (upload([getattr(s, f) for s in sp], torch.float32, dev)[:, None]
+                       for f in ("repetition_penalty", "frequency_penalty", "presence_penalty"))
+    v = torch.where(v > 0, v / rep, v * rep) - c * freq - (c > 0).float() * pres
+    return x.scatter_(1, cand, v)[:, :vocab]
 
 
-def _counts(seqs: list[list[int]], vocab: int, dev: torch.device) -> torch.Tensor:
-    """Occurrences ``[len(seqs), vocab]`` (float32) of each id in each sequence."""
+def _padded(seqs: list[list[int]], pad: int, dev: torch.device) -> torch.Tensor:
+    """``seqs`` as one ``[len(seqs), longest]`` int64 tensor, padded with ``pad``."""
     width = max(1, max(map(len, seqs)))
-    padded = upload([s + [vocab] * (width - len(s)) for s in seqs], torch.int64, dev)
-    counts = torch.zeros(len(seqs), vocab + 1, device=dev)
-    counts.scatter_add_(1, padded, torch.ones(padded.shape, device=dev))
-    return counts[:, :vocab]
+    return upload([s + [pad] * (width - len(s)) for s in seqs], torch.int64, dev)
