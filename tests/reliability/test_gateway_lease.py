@@ -55,14 +55,19 @@ def _gateways() -> list[str]:
 def _stream(app, i: int, stop: threading.Event) -> None:
     body = {"model": app.model, "prompt": rand_text(30, 700 + i), "max_tokens": 3000,
             "ignore_eos": True, "stream": True}
-    try:
-        with httpx.stream("POST", app.base_url + "/v1/completions", json=body, timeout=120,
-                          headers={"Authorization": f"Bearer {KEY}"}) as r:
-            for _ in r.iter_lines():
-                if stop.is_set():
-                    return
-    except httpx.HTTPError:
-        pass                              # the killed gateway's streams break: expected
+    while not stop.is_set():
+        try:
+            with httpx.stream("POST", app.base_url + "/v1/completions", json=body, timeout=120,
+                              headers={"Authorization": f"Bearer {KEY}"}) as r:
+                if r.status_code != 200:  # shed (a busy machine's gateway may): a client retries
+                    time.sleep(0.5)
+                    continue
+                for _ in r.iter_lines():
+                    if stop.is_set():
+                        return
+                return
+        except httpx.HTTPError:
+            return                        # the killed gateway's streams break: expected
 
 
 def _wait(predicate, timeout_s: float, poll_s: float = 0.25) -> float | None:
