@@ -175,9 +175,8 @@ class Engine:
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
         vocab = self.model.config.vocab_size
-        if not 0 <= min(prompt_token_ids) <= max(prompt_token_ids) < vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        for name, ids in (("stop_token_ids", sampling.stop_token_ids), ("logit_bias", sampling.logit_bias or ())):
+        for name, ids in (("prompt", prompt_token_ids), ("stop_token_ids", sampling.stop_token_ids),
+                          ("logit_bias", sampling.logit_bias or ())):
             if not 0 <= min(ids, default=0) <= max(ids, default=0) < vocab:
                 raise ValueError(f"{name} token ids must be in [0, {vocab})")
         total = len(prompt_token_ids) + sampling.max_tokens
@@ -345,8 +344,8 @@ class Engine:
     # A request that stops at the collected token had one more token computed for it, which
     # is dropped: its K/V went to its own next slot, never to a cached (full) block. Any other
     # situation (a waiting or announced request, logprobs, penalties or a min_tokens not yet
-    # reached, a decode that a higher class's step budget would trim, a block that cannot be allocated) collects the step in flight
-    # and schedules normally.
+    # reached, a decode that a higher class's step budget would trim, a block that cannot be
+    # allocated) collects the step in flight and schedules normally.
 
     def _runs_ahead(self, batch: list[ScheduledRequest]) -> bool:
         """Launch ``batch`` (just scheduled) without waiting for its tokens?"""

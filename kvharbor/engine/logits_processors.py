@@ -40,7 +40,7 @@ def depends_on_outputs(req: Request) -> bool:
 
 
 def _processed(req: Request) -> bool:
-    return holds_stops(req) or bool(req.sampling.logit_bias) or req.sampling.penalized
+    return depends_on_outputs(req) or bool(req.sampling.logit_bias)
 
 
 def apply(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

@@ -27,7 +27,7 @@ class TokenLogprobs:
 
 def scored_logprobs(logits: torch.Tensor, targets: list[int], ks: list[int]) -> list[TokenLogprobs]:
     """Row ``i`` of ``logits`` ``[N, V]`` scores token ``targets[i]`` with its ``ks[i]`` best
-    alternatives (prompt logprobs): one ``log_softmax``, one copy to the host."""
+    alternatives: one ``log_softmax``, one copy to the host."""
     lp = torch.log_softmax(logits.float(), dim=-1)
     picked = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])[:, 0]
     k = max(ks)
@@ -48,12 +48,8 @@ def token_logprobs(logits: torch.Tensor, requests: list[Request],
     if not rows:
         return out
     index = torch.tensor(rows, device=logits.device)
-    lp = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)      # [R, V]
-    picked = lp.gather(1, torch.tensor([chosen[i] for i in rows], device=lp.device)[:, None])
-    k = max(requests[i].sampling.logprobs for i in rows)
-    top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
-    picked, top_v, top_i = picked.cpu().tolist(), top_v.cpu().tolist(), top_i.cpu().tolist()
-    for j, i in enumerate(rows):
-        want = requests[i].sampling.logprobs
-        out[i] = TokenLogprobs(picked[j][0], tuple(zip(top_i[j][:want], top_v[j][:want])))
+    scored = scored_logprobs(logits.index_select(0, index), [chosen[i] for i in rows],
+                             [requests[i].sampling.logprobs for i in rows])
+    for i, lp in zip(rows, scored):
+        out[i] = lp
     return out

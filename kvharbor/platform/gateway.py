@@ -546,13 +546,13 @@ class Gateway:
         marks["queued"] = time.perf_counter()
         try:
             prompts = tokenize()
-            max_tokens = self._max_tokens(body, prompts, chat, principal)
+            prompt_only = not chat and body.echo and body.max_tokens == 0   # vLLM's echo of the prompt alone
+            max_tokens = self._max_tokens(body, prompts, chat, principal, prompt_only)
             self._check_token_ids(body.stop_token_ids or [], "stop_token_ids")
             self._check_token_ids(list(body.logit_bias or ()), "logit_bias")
-            prompt_only = not chat and body.echo and body.max_tokens == 0
-            if body.min_tokens > (0 if prompt_only else max_tokens):
-                raise APIError(400, f"min_tokens ({body.min_tokens}) is more than max_tokens "
-                               f"({0 if prompt_only else max_tokens}); "
+            answered = 0 if prompt_only else max_tokens    # prompt_only: one token computed, left out
+            if body.min_tokens > answered:
+                raise APIError(400, f"min_tokens ({body.min_tokens}) is more than max_tokens ({answered}); "
                                "lower min_tokens or raise max_tokens", param="min_tokens")
         except BaseException:
             self.admitter.leave(qos, rid)
@@ -569,7 +569,7 @@ class Gateway:
                     "min_p": body.min_p, "presence_penalty": body.presence_penalty,
                     "frequency_penalty": body.frequency_penalty,
                     "repetition_penalty": body.repetition_penalty, "logit_bias": body.logit_bias}
-        echo = getattr(body, "echo", None) and self._echo_texts(body, prompts)
+        echo = not chat and body.echo and self._echo_texts(body, prompts)
         scored = logprobs if echo else None          # each prompt's leader scores its tokens
         siblings = []
         for ids in prompts:
@@ -599,8 +599,9 @@ class Gateway:
             answer.setdefault("kvharbor", {})["truncated_prompt_tokens"] = dropped
         return JSONResponse(answer, headers=headers or None)
 
-    def _max_tokens(self, body, prompts: list[list[int]], chat: bool, principal) -> int:
-        """``max_tokens`` (or its default), checked against the longest prompt's room."""
+    def _max_tokens(self, body, prompts: list[list[int]], chat: bool, principal, prompt_only: bool = False) -> int:
+        """``max_tokens`` (or its default), checked against the longest prompt's room; 1 for
+        ``prompt_only`` (the token the engine computes and the answer leaves out)."""
         names = [f"prompt.{p}" if body.batched else "prompt" for p in range(len(prompts))]
         for name, ids in zip(names, prompts):
             if not ids:
@@ -610,11 +611,11 @@ class Gateway:
                                "tokens: shorten the prompt", "context_length_exceeded", name)
         name, ids = max(zip(names, prompts), key=lambda pair: len(pair[1]))
         room = self.context - len(ids)
+        if prompt_only:
+            return 1
         if body.max_tokens is None:
             cap = principal.limits.max_tokens_per_request or 256
             return max(1, min(room, 16 if not chat else cap, cap))
-        if body.max_tokens == 0 and getattr(body, "echo", False):
-            return 1      # the prompt only (as vLLM): one token is computed, left out of the answer
         if body.max_tokens < 1:
             raise APIError(400, f"max_tokens must be >= 1 (0 only with echo: true), got {body.max_tokens}",
                            param="max_tokens")

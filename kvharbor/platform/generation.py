@@ -302,11 +302,13 @@ class GenerationRun:
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
     # ---- OpenAI shapes ---------------------------------------------------------------------
-    def _echoed(self, index: int, event: dict) -> tuple[str, dict | None]:
-        """``event``'s text and completions logprobs, with the prompt's before them when it is
-        the first event of an echoed choice."""
+    def _answer(self, index: int, event: dict) -> tuple[str, dict | None]:
+        """``event``'s text and logprobs object, with the prompt's before them when it is the
+        first event of an echoed choice."""
+        if self.echo is None:
+            return event.get("text", ""), self._event_logprobs(index, event)
         choice, head, parts = self.choices[index], "", []
-        if self.echo is not None and not choice.echoed:
+        if not choice.echoed:
             choice.echoed = True
             lead = self._lead(index)
             head = self.echo[lead // self.per_prompt]
@@ -379,8 +381,7 @@ class GenerationRun:
         try:
             async for index, event in self.all_events():
                 choice = self.choices[index]
-                text, part = self._echoed(index, event) if self.echo else (
-                    event.get("text", ""), self._event_logprobs(index, event))
+                text, part = self._answer(index, event)
                 choice.text.append(text)
                 choice.finish_reason = self._finish_reason(event) or choice.finish_reason
                 if part is not None:
@@ -406,8 +407,7 @@ class GenerationRun:
                 yield self._chunk([shapes.choice(i, "", None, True, final=False, first=True)
                                    for i in range(len(self.reqs))], continuous_usage)
             async for index, event in self.all_events():
-                text, part = self._echoed(index, event) if self.echo else (
-                    event.get("text", ""), self._event_logprobs(index, event))
+                text, part = self._answer(index, event)
                 yield self._chunk([shapes.choice(index, text, self._finish_reason(event), self.chat,
                                                  final=False, logprobs=part)], continuous_usage)
             self.status = "ok"
