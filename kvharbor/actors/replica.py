@@ -128,6 +128,9 @@ class LLMReplica:
         rid = request.request_id
         try:
             sampling = SamplingParams(**request.sampling)
+            if sampling.structured_outputs is not None:   # compiled off the loop and the step
+                sampling.validate()
+                await asyncio.to_thread(self.engine.grammars.compile, sampling.structured_outputs)
         except (TypeError, ValueError) as e:
             yield {"error": f"bad sampling parameters: {e}", "status": 400, "retryable": False}
             return

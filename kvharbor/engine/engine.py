@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from .host_pool import HostKVPool
 from .kv_cache_manager import KVCacheManager
 from .kv_transfer import KVTransfer
 from .logits_processors import depends_on_outputs
+from .structured_output import Grammars
 from .model_runner import ModelRunner, ScheduledRequest, kv_bytes_per_token
 from .eviction import make_eviction_policy
 from .hashing import model_root
@@ -31,6 +33,8 @@ from .request import Request, RequestOutput, SamplingParams, Status
 from .scheduler import Scheduler
 from .step_budget import NO_PRIORITY, StepInterrupt, StepInterrupted
 from .sessions import SessionLimits, SessionManager
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -131,6 +135,7 @@ class Engine:
         gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
         self.eos_ids = {e for e in ([eos] + (gen_eos if isinstance(gen_eos, list) else [gen_eos]))
                         if e is not None}
+        self.grammars = Grammars(self.tokenizer, self.model.config.vocab_size, self.eos_ids)
         host_memory.freeze_startup_objects()      # full GC passes stop walking the model
 
     def _make_host_tier(self) -> tuple[HostKVPool | None, KVTransfer | None]:
@@ -192,6 +197,8 @@ class Engine:
                       arrival=time.monotonic(), arrival_seq=next(self._arrivals))
         if sampling.prompt_logprobs is not None:
             req.prompt_lps = [None]             # the first prompt token has no logprob
+        if sampling.structured_outputs is not None:
+            req.matcher = self.grammars.matcher(sampling.structured_outputs)
         if sampling.min_tokens:
             req.held_stops = tuple(sorted(set(sampling.stop_token_ids)
                                           | (set() if sampling.ignore_eos else self.eos_ids)))
@@ -433,6 +440,12 @@ class Engine:
         follows it too."""
         sp = req.sampling
         n_out = req.num_tokens - len(req.prompt_token_ids)        # no copy of the output
+        if req.matcher is not None:
+            if not req.matcher.accept_token(token):    # only non-finite logits could lead here
+                logger.warning("%s: token %d is outside its grammar; stopped", req.request_id, token)
+                return "abort"
+            if req.matcher.is_terminated():
+                return "stop"                      # the grammar is complete (its EOS accepted)
         if n_out >= sp.min_tokens:
             if not sp.ignore_eos and token in self.eos_ids:
                 return "stop"

@@ -11,6 +11,9 @@ Applied in vLLM's order, to the rows whose request asks for one, greedy rows inc
   ``logit[j] - count[j] * frequency_penalty - (count[j] > 0) * presence_penalty`` with
   ``count[j]`` the occurrences of ``j`` in the output so far.
 
+- ``structured_outputs``: last, the tokens the request's grammar forbids get ``-inf``
+  (``structured_output.mask``).
+
 ``min_p`` acts after temperature, in ``sampling.py``. The rows that need none of this are left
 as they are (no copy when no row does). Log-probabilities stay the model's own, read from the
 logits before any of this (vLLM's default, ``raw_logprobs``).
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from . import structured_output
 from .host_memory import upload
 from .request import Request
 
@@ -36,7 +40,7 @@ def holds_stops(req: Request) -> bool:
 def depends_on_outputs(req: Request) -> bool:
     """The request's next logits depend on its output so far (so a step launched before the
     previous token reaches the host would process them wrongly)."""
-    return req.sampling.penalized or holds_stops(req)
+    return req.sampling.penalized or holds_stops(req) or req.matcher is not None
 
 
 def _processed(req: Request) -> bool:
@@ -58,6 +62,12 @@ def apply(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     if penalized:
         at = upload(penalized, torch.int64, dev)
         x.index_copy_(0, at, _penalize(x.index_select(0, at), [reqs[j] for j in penalized]))
+    constrained = [j for j, r in enumerate(reqs) if r.matcher is not None]
+    if constrained:
+        at = upload(constrained, torch.int64, dev)
+        y = x.index_select(0, at)
+        structured_output.mask(y, [reqs[j].matcher for j in constrained])
+        x.index_copy_(0, at, y)
     return logits.index_copy(0, index, x)
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from .block_pool import KVCacheBlock
 from .hashing import BlockHash, hash_prompt_blocks
+from .structured_output import StructuredOutputsParams
 
 
 @dataclass(slots=True)
@@ -18,7 +19,8 @@ class SamplingParams:
     those filters. ``seed`` makes sampling reproducible per request. The penalties,
     ``logit_bias`` and ``min_tokens`` change the logits before sampling, greedy included (see
     ``logits_processors.py``); their neutral values (0, 1 for ``repetition_penalty``, None)
-    leave them untouched.
+    leave them untouched. ``structured_outputs`` constrains the output to a JSON schema, a
+    regex, a choice or a grammar (``structured_output.py``; a dict of its fields is accepted).
     """
 
     max_tokens: int = 16
@@ -37,6 +39,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0      # OpenAI's: subtracted per occurrence in the output
     repetition_penalty: float = 1.0     # vLLM's: scales logits of tokens in the prompt or output
     logit_bias: dict[int, float] | None = None      # token id -> added to its logit, in [-100, 100]
+    structured_outputs: StructuredOutputsParams | dict | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the field to fix."""
@@ -75,6 +78,11 @@ class SamplingParams:
                 raise ValueError("logit_bias maps token ids to numbers") from None
             if not all(-100 <= v <= 100 for v in self.logit_bias.values()):
                 raise ValueError("logit_bias values must be in [-100, 100]")
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
+            if self.min_tokens:
+                raise ValueError("min_tokens cannot be combined with structured_outputs: the grammar "
+                                 "decides where the output may end")
 
     @property
     def penalized(self) -> bool:
@@ -133,6 +141,7 @@ class Request:
     cached_blocks_cursor: int = 0        # blocks [0, cursor) were registered in the prefix cache
     held_stops: tuple[int, ...] = ()     # ids masked until min_tokens (stop ids, EOS unless ignored)
     prompt_lps: list | None = None       # prompt_logprobs asked: TokenLogprobs per prompt token so far
+    matcher: object = None               # structured_outputs: its xgrammar GrammarMatcher
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

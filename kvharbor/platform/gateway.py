@@ -58,6 +58,7 @@ from kvharbor.platform.openai_protocol import (APIError, ChatRequest, ChatRespon
 from kvharbor.platform.overload_guard import DEFAULT_LAG_TARGET_MS, OverloadGuard
 from kvharbor.platform.premium_lane import check_lane, listening_socket, start_server
 from kvharbor.platform.protocol import GenerateRequest
+from kvharbor.platform.structured_request import parse_problem
 from kvharbor.platform.sessions_api import (SESSION_HEADER, ForkRequest, check_session_id,
                                             FlushRequest, end_session_everywhere,
                                             flush_everywhere, flush_filter, fork_session_everywhere, session_header)
@@ -550,6 +551,9 @@ class Gateway:
             max_tokens = self._max_tokens(body, prompts, chat, principal, prompt_only)
             self._check_token_ids(body.stop_token_ids or [], "stop_token_ids")
             self._check_token_ids(list(body.logit_bias or ()), "logit_bias")
+            unparsed = await parse_problem(body)
+            if unparsed:
+                raise APIError(400, unparsed[1], param=unparsed[0])
             answered = 0 if prompt_only else max_tokens    # prompt_only: one token computed, left out
             if body.min_tokens > answered:
                 raise APIError(400, f"min_tokens ({body.min_tokens}) is more than max_tokens ({answered}); "
@@ -568,7 +572,8 @@ class Gateway:
                     "ignore_eos": body.ignore_eos, "logprobs": logprobs, "min_tokens": body.min_tokens,
                     "min_p": body.min_p, "presence_penalty": body.presence_penalty,
                     "frequency_penalty": body.frequency_penalty,
-                    "repetition_penalty": body.repetition_penalty, "logit_bias": body.logit_bias}
+                    "repetition_penalty": body.repetition_penalty, "logit_bias": body.logit_bias,
+                    "structured_outputs": body.structured()}
         echo = not chat and body.echo and self._echo_texts(body, prompts)
         scored = logprobs if echo else None          # each prompt's leader scores its tokens
         siblings = []

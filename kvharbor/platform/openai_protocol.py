@@ -15,6 +15,8 @@ from fastapi.responses import JSONResponse
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator,
                       model_validator)
 
+from .structured_request import ResponseFormat, StructuredOutputs, structured_spec
+
 MAX_STOP_STRINGS = 8
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
@@ -149,11 +151,24 @@ class _Common(BaseModel):
     min_p: float | None = Field(0.0, ge=0.0, le=1.0, description="In [0, 1]: sample only tokens at least min_p times as likely as the most likely one (as vLLM). Not in OpenAI's API.")
     min_tokens: int | None = Field(0, ge=0, description="Generate at least this many tokens (at most max_tokens): until then EOS and stop_token_ids cannot be picked and stop strings are not looked for (as vLLM). Not in OpenAI's API.")
     logit_bias: LogitBias | None = Field(None, description=f"Token id (as a string) to a bias in [-100, 100] added to its logit before sampling, at most {MAX_LOGIT_BIAS} entries; -100 in effect bans a token, 100 forces it.")
+    response_format: ResponseFormat | None = Field(None, description='OpenAI\'s: {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema"}} constrains the output to JSON (to that schema); {"type": "text"} or null does not.')
+    structured_outputs: StructuredOutputs | None = Field(None, description="vLLM's: the output follows a JSON schema, a regex, one of a list of strings or an EBNF grammar. Not in OpenAI's API; not with response_format.")
 
     @property
     def batched(self) -> bool:
         """The request holds a list of prompts (only completions can)."""
         return False
+
+    @model_validator(mode="after")
+    def _one_structure(self):
+        if self.structured() is not None and self.min_tokens:
+            raise ValueError("min_tokens cannot be combined with a structured output (response_format or "
+                             "structured_outputs): the grammar decides where the output may end")
+        return self
+
+    def structured(self) -> dict | None:
+        """The engine's ``structured_outputs`` (None: the output is free text)."""
+        return structured_spec(self.response_format, self.structured_outputs)
 
     @field_validator("temperature", mode="after")
     @classmethod
@@ -288,7 +303,6 @@ class ChatRequest(_Common):
     service_tier: unsupported(str | None, "auto", "default") = Field(None, description="Only auto, default or null: the QoS class comes from the API key.")
     store: unsupported(bool | None, False) = Field(None, description="Not supported: only false or null.")
     metadata: unsupported(dict[str, str] | None, {}) = Field(None, description="Not supported: only {} or null.")
-    response_format: unsupported(dict | None, {"type": "text"}) = Field(None, description='Not supported: only {"type": "text"} or null.')
     tools: EmptyList = Field(None, description="Not supported: only [] or null.")
     tool_choice: unsupported(str | dict | None, "none") = Field(None, description='Not supported: only "none" or null.')
     functions: EmptyList = Field(None, description="Not supported: only [] or null.")

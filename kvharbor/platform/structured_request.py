@@ -1,0 +1,112 @@
+"""The request fields that ask for structured outputs, on both generation routes:
+
+- OpenAI's ``response_format``: ``{"type": "text"}``, ``{"type": "json_object"}`` or
+  ``{"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}``;
+- vLLM's ``structured_outputs``: exactly one of ``json`` (a schema), ``regex``, ``choice``,
+  ``grammar`` (EBNF) or ``json_object``, and ``disable_any_whitespace``.
+
+The request models check each spec's shape; ``parse_problem`` then parses it in a worker
+thread (xgrammar releases the GIL: a schema that takes seconds does not stall the gateway's
+event loop) with a time limit, before the request is admitted or routed: a bad schema, regex or
+grammar is a 400 naming the field. The engine compiles it against the tokenizer
+(:mod:`kvharbor.engine.structured_output`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from kvharbor.engine.structured_output import MAX_SPEC_CHARS, StructuredOutputsParams
+
+MAX_CHOICES = 256
+"""Most strings in ``structured_outputs.choice``."""
+PARSE_TIMEOUT_S = 5.0
+"""Longest a spec may take to parse (its wait for a parsing thread included)."""
+_PARSERS = ThreadPoolExecutor(2, thread_name_prefix="kvh-spec-parse")
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(max_length=64, description="A name for the schema (as OpenAI's API asks; not used).")
+    description: str | None = Field(None, description="What the output is for (not used).")
+    schema_: dict | None = Field(None, alias="schema", description="The JSON schema the output follows.")
+    strict: bool | None = Field(None, description="Accepted: the output always follows the schema.")
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"] = Field(
+        description="text (no constraint), json_object (any JSON object) or json_schema.")
+    json_schema: JsonSchemaFormat | None = Field(None, description="With type json_schema: the schema.")
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type json_schema, and only with it")
+        if self.type == "json_schema" and self.json_schema.schema_ is None:
+            raise ValueError("json_schema.schema is required: the JSON schema the output follows")
+        return self
+
+    def spec(self) -> dict | None:
+        """The engine's ``structured_outputs`` fields (None: plain text)."""
+        if self.type == "json_object":
+            return {"json_object": True}
+        return {"json": self.json_schema.schema_} if self.type == "json_schema" else None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_: dict | str | None = Field(None, alias="json", description="A JSON schema (an object or its JSON text) the output follows.")
+    regex: str | None = Field(None, max_length=MAX_SPEC_CHARS, description="A regular expression the whole output matches.")
+    choice: list[str] | None = Field(None, min_length=1, max_length=MAX_CHOICES, description=f"The output is one of these strings (1 to {MAX_CHOICES}).")
+    grammar: str | None = Field(None, max_length=MAX_SPEC_CHARS, description="An EBNF grammar (xgrammar's syntax, start rule `root`) the output follows.")
+    json_object: bool | None = Field(None, description="true: the output is a JSON object.")
+    disable_any_whitespace: bool | None = Field(False, description="JSON without optional whitespace (a small model may otherwise emit whitespace until max_tokens).")
+
+    @model_validator(mode="after")
+    def _one_kind(self):
+        StructuredOutputsParams.of(self.spec())
+        return self
+
+    def spec(self) -> dict:
+        fields = {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
+                  "json_object": self.json_object or None,
+                  "disable_any_whitespace": bool(self.disable_any_whitespace)}
+        return {k: v for k, v in fields.items() if v is not None}
+
+
+def structured_spec(response_format: ResponseFormat | None, structured: StructuredOutputs | None) -> dict | None:
+    """The engine's ``structured_outputs`` for a request (None: no constraint). Raises
+    ValueError when both fields ask for one."""
+    asked = response_format.spec() if response_format is not None else None
+    if asked is not None and structured is not None:
+        raise ValueError("send either response_format or structured_outputs, not both")
+    return asked if structured is None else structured.spec()
+
+
+async def parse_problem(body) -> tuple[str, str] | None:
+    """(field, message) when the structured output ``body`` asks for does not parse, or not
+    within ``PARSE_TIMEOUT_S``; None when it parses or none is asked."""
+    spec = body.structured()
+    if spec is None:
+        return None
+    by_format = body.structured_outputs is None
+    field = "response_format" if by_format else "structured_outputs"
+    parse = StructuredOutputsParams.of(spec).grammar_of
+    try:
+        await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(_PARSERS, parse), PARSE_TIMEOUT_S)
+    except ValueError as e:
+        message = str(e)
+        return field, message.replace("structured_outputs.json", "json_schema.schema", 1) if by_format else message
+    except TimeoutError:
+        return field, (f"{field} could not be parsed within {PARSE_TIMEOUT_S:g} s: simplify it (fewer "
+                       "or smaller repetition counts in its patterns, a smaller schema)")
+    return None
