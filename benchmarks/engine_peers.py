@@ -117,16 +117,20 @@ def kvharbor_llm(checkpoint: Path, limits: Limits, block_size: int):
                max_num_seqs=limits.max_num_seqs, max_model_len=limits.max_model_len)
 
 
-def kvharbor_round(llm, prompts, out_tokens: int) -> dict:
-    """One timed step loop over ``prompts`` from an empty prefix cache."""
+def kvharbor_round(llm, prompts, out_tokens: int | list[int], structured: list[dict] | None = None) -> dict:
+    """One timed step loop over ``prompts`` from an empty prefix cache; EOS ignored, or with
+    ``structured`` request ``i`` follows ``structured[i]`` (``structured_outputs`` fields) and
+    ends with its grammar. ``out_tokens``: the cap of every request, or of each."""
     from kvharbor import SamplingParams
 
     engine = llm.engine
     engine.pool.evict_all_cached()
     start = time.perf_counter()
     for i, p in enumerate(prompts):
-        engine.add_request(f"bench-{i}", p, SamplingParams(max_tokens=out_tokens, temperature=0,
-                                                           ignore_eos=True))
+        engine.add_request(f"bench-{i}", p, SamplingParams(
+            max_tokens=out_tokens[i] if isinstance(out_tokens, list) else out_tokens,
+            temperature=0, ignore_eos=structured is None,
+            structured_outputs=structured[i] if structured else None))
     first: dict[str, float] = {}
     tokens: dict[str, list[int]] = {}
     while engine.has_unfinished():
@@ -184,7 +188,7 @@ class VllmPeer:
     vLLM's torch.compile) happens in the constructor, outside every timer."""
 
     def __init__(self, python: str, checkpoint: Path, prompts, out_tokens: int, limits: Limits,
-                 block_size: int, ttft_prompts) -> None:
+                 block_size: int, ttft_prompts, structured: list[dict] | None = None) -> None:
         from transformers import AutoConfig
 
         from kvharbor.engine.model_runner import kv_bytes_per_token
@@ -195,7 +199,8 @@ class VllmPeer:
                 "warmup_prompts": prompts[:4], "ttft_prompts": ttft_prompts,
                 "block_size": block_size, "max_num_batched_tokens": limits.max_num_batched_tokens,
                 "max_num_seqs": limits.max_num_seqs, "max_model_len": limits.max_model_len,
-                "kv_cache_bytes": limits.kv_tokens * kv_bytes_per_token(cfg, torch.float32)}
+                "kv_cache_bytes": limits.kv_tokens * kv_bytes_per_token(cfg, torch.float32),
+                "structured": structured}
         (self.tmp / "spec.json").write_text(json.dumps(spec))
         env = vllm_env(self.tmp)
         self.preloaded = preload_libs(python)

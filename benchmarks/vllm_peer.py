@@ -8,7 +8,10 @@ directory, the token-id prompts and the engine limits. It builds ``LLM`` (vLLM's
 of the model) and runs a warm-up before any timer, writes ``{"ready": ...}`` as one JSON line to
 the file descriptor ``FD``, then serves commands, one JSON line each on stdin, answering one
 JSON line each on ``FD`` (stdout is left to vLLM's logs): ``{"op": "round"}`` times one step
-loop over the spec's prompts from an empty prefix cache; ``{"op": "ttft", "i": n}`` the cold
+loop over the spec's prompts from an empty prefix cache (``"structured": true``: request ``i``
+follows the spec's ``structured[i]``, vLLM's ``StructuredOutputsParams`` fields, and ends with
+its grammar; else EOS is ignored; ``"caps"``: each request's ``max_tokens``); ``{"op": "ttft",
+"i": n}`` the cold
 TTFT of ``ttft_prompts[n]``; ``{"op": "quit"}``. So the benchmark can interleave its rounds
 with kvharbor's: on a shared machine both then see the same background load.
 """
@@ -25,29 +28,36 @@ def build(spec: dict):
     from vllm import LLM
 
     t0 = time.perf_counter()
-    llm = LLM(model=spec["checkpoint"], skip_tokenizer_init=True, dtype="float32",
+    llm = LLM(model=spec["checkpoint"], skip_tokenizer_init=not spec.get("structured"), dtype="float32",
               enable_prefix_caching=True, block_size=spec["block_size"],
               max_num_batched_tokens=spec["max_num_batched_tokens"],
               max_num_seqs=spec["max_num_seqs"], kv_cache_memory_bytes=spec["kv_cache_bytes"],
-              max_model_len=spec["max_model_len"], seed=0)
+              max_model_len=spec["max_model_len"], seed=0,
+              # vLLM reads disable_any_whitespace from here, not from a request's params
+              structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True})
     return llm, time.perf_counter() - t0
 
 
-def params(max_tokens: int):
+def params(max_tokens: int, structured: dict | None = None):
     from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
 
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    if structured is None:
+        return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                          structured_outputs=StructuredOutputsParams(**structured))
 
 
-def step_loop(llm, prompts: list[list[int]], max_tokens: int) -> dict:
+def step_loop(llm, prompts: list[list[int]], max_tokens: int | list[int], structured: list | None = None) -> dict:
     """Serve ``prompts`` through vLLM's engine step loop (what ``LLM.generate`` runs)."""
     from vllm.inputs import TokensPrompt
 
     engine = llm.llm_engine
-    sp = params(max_tokens)
     llm.reset_prefix_cache()
     start = time.perf_counter()
     for i, p in enumerate(prompts):
+        sp = params(max_tokens[i] if isinstance(max_tokens, list) else max_tokens,
+                    structured[i] if structured else None)
         engine.add_request(str(i), TokensPrompt(prompt_token_ids=p), sp)
     first: dict[str, float] = {}
     tokens: dict[str, list[int]] = {}
@@ -88,11 +98,14 @@ def main(spec_path: str, fd: str) -> int:
 
     llm, start_s = build(spec)
     step_loop(llm, spec["warmup_prompts"], 4)                    # untimed warm-up
+    if spec.get("structured"):                                   # and of the grammars
+        step_loop(llm, spec["prompts"], 4, spec["structured"])
     answer({"ready": True, "vllm_version": vllm.__version__, "start_s": start_s})
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["op"] == "round":
-            answer(step_loop(llm, spec["prompts"], spec["output_tokens"]))
+            answer(step_loop(llm, spec["prompts"], cmd.get("caps") or spec["output_tokens"],
+                             spec["structured"] if cmd.get("structured") else None))
         elif cmd["op"] == "ttft":
             answer({"ttft_s": cold_ttft(llm, [spec["ttft_prompts"][cmd["i"]]])[0]})
         else:

@@ -37,7 +37,7 @@ class StructuredOutputsParams:
     whole output matches. ``choice``: the output is one of these strings. ``grammar``: an EBNF
     grammar in xgrammar's (GBNF-like) syntax whose start rule is ``root``. ``json_object``: any
     JSON object. JSON may have runs of up to ``MAX_WHITESPACE`` whitespace characters between
-    its tokens; ``disable_any_whitespace``: only a space after ``:`` and ``,``.
+    its tokens; ``disable_any_whitespace``: compact JSON, no whitespace at all (vLLM's flag).
     """
 
     json: str | dict | None = None
@@ -108,8 +108,9 @@ class StructuredOutputsParams:
         kind, source = self.kind, self.source()
         try:
             if kind in ("json", "json_object"):
-                return from_schema(source, any_whitespace=not self.disable_any_whitespace,
-                                   max_whitespace_cnt=None if self.disable_any_whitespace else MAX_WHITESPACE)
+                if self.disable_any_whitespace:                 # compact JSON, as vLLM's flag
+                    return from_schema(source, any_whitespace=False, separators=(",", ":"))
+                return from_schema(source, max_whitespace_cnt=MAX_WHITESPACE)
             return (from_regex if kind == "regex" else from_ebnf)(source)
         except Exception as e:  # noqa: BLE001 - any failure to parse is the spec's to fix
             raise ValueError(f"structured_outputs.{kind} does not compile: {_message(e)}") from None

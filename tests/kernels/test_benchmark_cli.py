@@ -42,6 +42,7 @@ def test_hbm_peak_is_detected_from_the_device_name():
     ("routing", "parse", ["--out", "benchmarks/results/routing_s13.json"]),
     ("routing_decision", "parse", ["--out", "/tmp/rd.json"]),
     ("engine", "parse", ["--tag", "_s0/x"]),
+    ("structured", "parse", ["--tag", "_s0/x"]),
     ("qos", "parse_args", ["--name", "qos.png"]),
 ])
 def test_a_results_path_is_refused_when_the_arguments_are_parsed(name, parse, argv, capsys):
