@@ -45,7 +45,7 @@ from kvharbor.platform.auth_gate import (GENERATION_PATHS, SHED_PATHS, AuthGateM
                                          encode_hint)
 from kvharbor.platform.body_limit import BodyLimitMiddleware
 from kvharbor.platform.class_queue import get_or_create_class_queue
-from kvharbor.platform.context_overflow import TRUNCATED_HEADER, truncate_oldest
+from kvharbor.platform.context_overflow import TRUNCATED_HEADER
 from kvharbor.platform.generation import GenerationRun, sse
 from kvharbor.platform.health import RunningReplicas
 from kvharbor.platform.ingress import running_mode, running_preset
@@ -58,6 +58,7 @@ from kvharbor.platform.openai_protocol import (APIError, ChatRequest, ChatRespon
 from kvharbor.platform.overload_guard import DEFAULT_LAG_TARGET_MS, OverloadGuard
 from kvharbor.platform.premium_lane import check_lane, listening_socket, start_server
 from kvharbor.platform.protocol import GenerateRequest
+from kvharbor.platform.prompts import Prompts
 from kvharbor.platform.structured_request import parse_problem
 from kvharbor.platform.sessions_api import (SESSION_HEADER, ForkRequest, check_session_id,
                                             FlushRequest, end_session_everywhere,
@@ -267,6 +268,7 @@ class Gateway:
         self.tokenizer = load_tokenizer(self.model)
         bound_token_ids(api.openapi(), len(self.tokenizer))     # /openapi.json: ids < vocabulary
         self.context = min(config.get("max_model_len") or 10**9, model_context_length(self.model))
+        self.prompts = Prompts(self.tokenizer, self.context)
         self.block_size = config["block_size"]
         # The replicas' chain root, computed the same way from the model's files (no weights
         # loaded), so the routing hashes here equal the hashes replicas report.
@@ -396,7 +398,7 @@ class Gateway:
         if session_id and body.batched:
             raise APIError(400, f"a session ({SESSION_HEADER}) continues one conversation: send one "
                            "prompt, not a list of prompts", param="prompt")
-        return await self._serve(principal, body, lambda: self._prompt_ids(body), False,
+        return await self._serve(principal, body, lambda: self.prompts.completion_ids(body), False,
                                  marks_of(request, arrived), session_id=session_id)
 
     @api.post("/v1/chat/completions", response_model=ChatResponse,
@@ -409,7 +411,7 @@ class Gateway:
         truncated: dict = {}
 
         def tokenize() -> list[list[int]]:
-            fitted = self._fit_chat(body, principal)
+            fitted = self.prompts.fit_chat(body, principal)
             truncated["tokens"] = fitted.dropped_tokens
             return [fitted.token_ids]
 
@@ -445,9 +447,9 @@ class Gateway:
         principal = self._authenticate(request)
         self._check_model(principal, body.model)
         if body.messages is None:
-            ids = list(self.tokenizer(body.prompt)["input_ids"])
+            ids = self.prompts.text_ids(body.prompt)
         else:
-            ids = self._render([{"role": m.role, "content": m.text()} for m in body.messages],
+            ids = self.prompts.render([{"role": m.role, "content": m.text()} for m in body.messages],
                                body.add_generation_prompt)
         return {"count": len(ids), "max_model_len": self.context, "tokens": ids}
 
@@ -456,43 +458,8 @@ class Gateway:
         """The text of token ids (special tokens included)."""
         principal = self._authenticate(request)
         self._check_model(principal, body.model)
-        self._check_token_ids(body.tokens, "tokens")
+        self.prompts.check_token_ids(body.tokens, "tokens")
         return {"prompt": self.tokenizer.decode(body.tokens)}
-
-    def _echo_texts(self, body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
-        """The text ``echo`` puts before each prompt's choices: the prompt as sent, or its
-        token ids decoded (as vLLM echoes them)."""
-        return [p if isinstance(p, str) else self.tokenizer.decode(ids, skip_special_tokens=True)
-                for p, ids in zip(body.prompts(), prompts)]
-
-    def _check_token_ids(self, ids: list[int], where: str) -> None:
-        vocab = len(self.tokenizer)
-        if not 0 <= min(ids, default=0) <= max(ids, default=0) < vocab:
-            raise APIError(400, f"{where} token ids must be in [0, {vocab})", param=where)
-
-    def _prompt_ids(self, body: CompletionRequest) -> list[list[int]]:
-        """The token ids of each prompt (one, or each of a batch)."""
-        out = []
-        for p, prompt in enumerate(body.prompts()):
-            if isinstance(prompt, str):
-                out.append(list(self.tokenizer(prompt)["input_ids"]))
-            else:
-                self._check_token_ids(prompt, f"prompt.{p}" if body.batched else "prompt")
-                out.append(list(prompt))
-        return out
-
-    def _render(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                 tokenize=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-    def _fit_chat(self, body: ChatRequest, principal):
-        """The chat's prompt, with the oldest turns dropped when the tenant's
-        ``context_overflow`` is ``truncate_oldest`` and it would not fit (``context_overflow``)."""
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        want = body.max_tokens or min(256, principal.limits.max_tokens_per_request or 256)
-        limit = self.context - want if principal.config.context_overflow == "truncate_oldest" else 10**12
-        return truncate_oldest(messages, self._render, limit)
 
     @api.get("/admin/tenants", responses=error_responses(401))
     async def admin_tenants(self, request: Request) -> dict:
@@ -547,17 +514,10 @@ class Gateway:
         marks["queued"] = time.perf_counter()
         try:
             prompts = tokenize()
-            prompt_only = not chat and body.echo and body.max_tokens == 0   # vLLM's echo of the prompt alone
-            max_tokens = self._max_tokens(body, prompts, chat, principal, prompt_only)
-            self._check_token_ids(body.stop_token_ids or [], "stop_token_ids")
-            self._check_token_ids(list(body.logit_bias or ()), "logit_bias")
+            max_tokens, prompt_only = self.prompts.limits(body, prompts, chat, principal)
             unparsed = await parse_problem(body)
             if unparsed:
                 raise APIError(400, unparsed[1], param=unparsed[0])
-            answered = 0 if prompt_only else max_tokens    # prompt_only: one token computed, left out
-            if body.min_tokens > answered:
-                raise APIError(400, f"min_tokens ({body.min_tokens}) is more than max_tokens ({answered}); "
-                               "lower min_tokens or raise max_tokens", param="min_tokens")
         except BaseException:
             self.admitter.leave(qos, rid)
             raise
@@ -574,7 +534,7 @@ class Gateway:
                     "frequency_penalty": body.frequency_penalty,
                     "repetition_penalty": body.repetition_penalty, "logit_bias": body.logit_bias,
                     "structured_outputs": body.structured()}
-        echo = not chat and body.echo and self._echo_texts(body, prompts)
+        echo = not chat and body.echo and self.prompts.echo_texts(body, prompts)
         scored = logprobs if echo else None          # each prompt's leader scores its tokens
         siblings = []
         for ids in prompts:
@@ -603,32 +563,6 @@ class Gateway:
         if dropped:
             answer.setdefault("kvharbor", {})["truncated_prompt_tokens"] = dropped
         return JSONResponse(answer, headers=headers or None)
-
-    def _max_tokens(self, body, prompts: list[list[int]], chat: bool, principal, prompt_only: bool = False) -> int:
-        """``max_tokens`` (or its default), checked against the longest prompt's room; 1 for
-        ``prompt_only`` (the token the engine computes and the answer leaves out)."""
-        names = [f"prompt.{p}" if body.batched else "prompt" for p in range(len(prompts))]
-        for name, ids in zip(names, prompts):
-            if not ids:
-                raise APIError(400, f"{name} must contain at least one token", param=name)
-            if len(ids) >= self.context:
-                raise APIError(400, f"{name} is {len(ids)} tokens; the model's context is {self.context} "
-                               "tokens: shorten the prompt", "context_length_exceeded", name)
-        name, ids = max(zip(names, prompts), key=lambda pair: len(pair[1]))
-        room = self.context - len(ids)
-        if prompt_only:
-            return 1
-        if body.max_tokens is None:
-            cap = principal.limits.max_tokens_per_request or 256
-            return max(1, min(room, 16 if not chat else cap, cap))
-        if body.max_tokens < 1:
-            raise APIError(400, f"max_tokens must be >= 1 (0 only with echo: true), got {body.max_tokens}",
-                           param="max_tokens")
-        if body.max_tokens > room:
-            raise APIError(400, f"{name} ({len(ids)} tokens) + max_tokens ({body.max_tokens}) exceeds "
-                           f"the model's context of {self.context} tokens; lower max_tokens to at most {room}",
-                           "context_length_exceeded", "max_tokens")
-        return body.max_tokens
 
     def request_done(self, qos: str, rid: str) -> None:
         """The request left the class queue (called exactly once per admitted request)."""

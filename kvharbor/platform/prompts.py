@@ -1,0 +1,96 @@
+"""A generation request's prompts as token ids, checked against the served model before it is
+admitted: tokenizing, the chat template (with the tenant's ``context_overflow``), token ids
+within the vocabulary, ``max_tokens`` within the context, the text ``echo`` puts first. Each
+problem is an ``APIError`` 400 naming the field to fix."""
+
+from __future__ import annotations
+
+from kvharbor.platform.context_overflow import truncate_oldest
+from kvharbor.platform.openai_protocol import APIError, ChatRequest, CompletionRequest
+
+
+class Prompts:
+    """The prompt side of the gateway for one model (its tokenizer and context length)."""
+
+    def __init__(self, tokenizer, context: int) -> None:
+        self.tokenizer, self.context = tokenizer, context
+
+    def check_token_ids(self, ids: list[int], where: str) -> None:
+        vocab = len(self.tokenizer)
+        if not 0 <= min(ids, default=0) <= max(ids, default=0) < vocab:
+            raise APIError(400, f"{where} token ids must be in [0, {vocab})", param=where)
+
+    def text_ids(self, text: str) -> list[int]:
+        return list(self.tokenizer(text)["input_ids"])
+
+    def completion_ids(self, body: CompletionRequest) -> list[list[int]]:
+        """The token ids of each prompt (one, or each of a batch)."""
+        out = []
+        for p, prompt in enumerate(body.prompts()):
+            if isinstance(prompt, str):
+                out.append(self.text_ids(prompt))
+            else:
+                self.check_token_ids(prompt, f"prompt.{p}" if body.batched else "prompt")
+                out.append(list(prompt))
+        return out
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """``messages`` through the model's chat template, as token ids."""
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                 tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def fit_chat(self, body: ChatRequest, principal):
+        """The chat's prompt, with the oldest turns dropped when the tenant's
+        ``context_overflow`` is ``truncate_oldest`` and it would not fit (``context_overflow``)."""
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        want = body.max_tokens or min(256, principal.limits.max_tokens_per_request or 256)
+        limit = self.context - want if principal.config.context_overflow == "truncate_oldest" else 10**12
+        return truncate_oldest(messages, self.render, limit)
+
+    def echo_texts(self, body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
+        """The text ``echo`` puts before each prompt's choices: the prompt as sent, or its
+        token ids decoded (as vLLM echoes them)."""
+        return [p if isinstance(p, str) else self.tokenizer.decode(ids, skip_special_tokens=True)
+                for p, ids in zip(body.prompts(), prompts)]
+
+    def limits(self, body, prompts: list[list[int]], chat: bool, principal) -> tuple[int, bool]:
+        """``(max_tokens, prompt_only)`` for the engine, after every check of the prompts and
+        the sampling fields that name token ids. ``prompt_only``: vLLM's echo of the prompt
+        alone (``echo`` with ``max_tokens: 0``), for which the engine computes one token that
+        the answer leaves out."""
+        prompt_only = not chat and body.echo and body.max_tokens == 0
+        max_tokens = self._max_tokens(body, prompts, chat, principal, prompt_only)
+        self.check_token_ids(body.stop_token_ids or [], "stop_token_ids")
+        self.check_token_ids(list(body.logit_bias or ()), "logit_bias")
+        answered = 0 if prompt_only else max_tokens
+        if body.min_tokens > answered:
+            raise APIError(400, f"min_tokens ({body.min_tokens}) is more than max_tokens ({answered}); "
+                           "lower min_tokens or raise max_tokens", param="min_tokens")
+        return max_tokens, prompt_only
+
+    def _max_tokens(self, body, prompts: list[list[int]], chat: bool, principal, prompt_only: bool) -> int:
+        """``max_tokens`` (or its default), checked against the longest prompt's room; 1 for
+        ``prompt_only``."""
+        names = [f"prompt.{p}" if body.batched else "prompt" for p in range(len(prompts))]
+        for name, ids in zip(names, prompts):
+            if not ids:
+                raise APIError(400, f"{name} must contain at least one token", param=name)
+            if len(ids) >= self.context:
+                raise APIError(400, f"{name} is {len(ids)} tokens; the model's context is {self.context} "
+                               "tokens: shorten the prompt", "context_length_exceeded", name)
+        name, ids = max(zip(names, prompts), key=lambda pair: len(pair[1]))
+        room = self.context - len(ids)
+        if prompt_only:
+            return 1
+        if body.max_tokens is None:
+            cap = principal.limits.max_tokens_per_request or 256
+            return max(1, min(room, 16 if not chat else cap, cap))
+        if body.max_tokens < 1:
+            raise APIError(400, f"max_tokens must be >= 1 (0 only with echo: true), got {body.max_tokens}",
+                           param="max_tokens")
+        if body.max_tokens > room:
+            raise APIError(400, f"{name} ({len(ids)} tokens) + max_tokens ({body.max_tokens}) exceeds "
+                           f"the model's context of {self.context} tokens; lower max_tokens to at most {room}",
+                           "context_length_exceeded", "max_tokens")
+        return body.max_tokens
