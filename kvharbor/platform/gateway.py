@@ -449,7 +449,7 @@ class Gateway:
         if body.messages is None:
             ids = self.prompts.text_ids(body.prompt)
         else:
-            ids = self.prompts.render([{"role": m.role, "content": m.text()} for m in body.messages],
+            ids = self.prompts.render([m.for_template() for m in body.messages],
                                body.add_generation_prompt)
         return {"count": len(ids), "max_model_len": self.context, "tokens": ids}
 
@@ -550,7 +550,8 @@ class Gateway:
                     pinned=principal.qos.pinned, session_id=session_id if i == 0 else None,
                     caller=self.caller, stream_interval=principal.qos.stream_interval if body.stream else 0))
         run = GenerationRun(self, siblings, principal, ticket, chat, body.model, logprobs, marks,
-                            choices_per_prompt=body.n, echo=echo or None, prompt_only=prompt_only)
+                            choices_per_prompt=body.n, echo=echo or None, prompt_only=prompt_only,
+                            tool_mode=body.tool_mode() if chat else None)
         headers = {SESSION_HEADER: session_id} if session_id else {}
         dropped = (truncated or {}).get("tokens", 0)
         if dropped:

@@ -40,6 +40,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.context import _serve_request_context
 
 from kvharbor.platform import openai_shapes as shapes
+from kvharbor.platform import tool_calls
 from kvharbor.platform.openai_protocol import APIError, error_type
 
 logger = logging.getLogger("kvharbor.gateway")
@@ -114,12 +115,15 @@ class GenerationRun:
             before theirs); None: no echo.
         prompt_only: ``echo`` with ``max_tokens`` 0 (as vLLM): the engine computes one token
             per choice, which the answer leaves out (no text, logprobs or usage for it).
+        tool_mode: chat's function calling (``tool_calls.tool_mode``): each choice's text is
+            the constrained call(s), answered as ``message.tool_calls`` (a stream sends them in
+            one delta when the choice ends); None: text.
     """
 
     def __init__(self, gateway, requests, principal, ticket, chat: bool, model: str,
                  logprobs: int | None = None, marks: dict[str, float] | None = None,
                  choices_per_prompt: int | None = None, echo: list[str] | None = None,
-                 prompt_only: bool = False) -> None:
+                 prompt_only: bool = False, tool_mode: str | None = None) -> None:
         self.gw, self.reqs, self.principal, self.ticket = gateway, requests, principal, ticket
         self.req = requests[0]
         self.per_prompt = choices_per_prompt or len(requests)
@@ -142,7 +146,7 @@ class GenerationRun:
         self._replica_of: dict[int, str] = {}      # leader index -> the replica serving it
         self._finished = False
         self._text_of = shapes.TokenText(gateway.tokenizer) if self.want_logprobs else None
-        self.echo, self.prompt_only = echo, prompt_only
+        self.echo, self.prompt_only, self.tool_mode = echo, prompt_only, tool_mode
         self._prompt_lps: dict[int, list] = {}     # leader index -> its prompt's scored tokens
 
     # ---- replica events --------------------------------------------------------------------
@@ -322,6 +326,35 @@ class GenerationRun:
         parts += [part] if part is not None else []
         return head + event.get("text", ""), shapes.merge_logprobs(parts, False)
 
+    def _final_choice(self, index: int, c) -> dict:
+        text, reason = "".join(c.text), c.finish_reason
+        logprobs = shapes.merge_logprobs(c.logprobs, self.chat)
+        calls = tool_calls.calls_of(text, self.tool_mode) if self.tool_mode and reason == "stop" else None
+        if calls is None:
+            return shapes.choice(index, text, reason, self.chat, final=True, logprobs=logprobs)
+        return shapes.tool_choice(index, calls, self._tool_reason(), final=True, logprobs=logprobs)
+
+    def _tool_chunk(self, index: int, text: str, event: dict, part: dict | None) -> dict | None:
+        """A stream's chunk for a tool-calling choice: None until the choice ends (its text and
+        logprobs are kept), then its calls, or its text when ``max_tokens`` cut them short."""
+        choice = self.choices[index]
+        choice.text.append(text)
+        if part is not None:
+            choice.logprobs.append(part)
+        reason = self._finish_reason(event)
+        if reason is None:
+            return None
+        whole, logprobs = "".join(choice.text), shapes.merge_logprobs(choice.logprobs, True)
+        calls = tool_calls.calls_of(whole, self.tool_mode) if reason == "stop" else None
+        if calls is None:
+            return shapes.choice(index, whole, reason, True, final=False, logprobs=logprobs)
+        return shapes.tool_choice(index, calls, self._tool_reason(), final=False, logprobs=logprobs)
+
+    def _tool_reason(self) -> str:
+        """OpenAI's finish reason of an answer of tool calls: ``stop`` when the function was
+        named, ``tool_calls`` when the model chose them."""
+        return "tool_calls" if self.tool_mode == "required" else "stop"
+
     def _finish_reason(self, event: dict) -> str | None:
         reason = event.get("finish_reason")
         return "length" if self.prompt_only and reason not in (None, "abort") else reason
@@ -393,9 +426,7 @@ class GenerationRun:
         finally:
             self.cancel()
             await self.finish()
-        choices = [shapes.choice(i, "".join(c.text), c.finish_reason, self.chat, final=True,
-                                 logprobs=shapes.merge_logprobs(c.logprobs, self.chat))
-                   for i, c in enumerate(self.choices)]
+        choices = [self._final_choice(i, c) for i, c in enumerate(self.choices)]
         return {**self._envelope(choices, chunk=False, final=True), "usage": self.usage()}
 
     async def stream_chunks(self, include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[dict | str]:
@@ -408,6 +439,11 @@ class GenerationRun:
                                    for i in range(len(self.reqs))], continuous_usage)
             async for index, event in self.all_events():
                 text, part = self._answer(index, event)
+                if self.tool_mode is not None:          # the calls go out whole, when complete
+                    chunk = self._tool_chunk(index, text, event, part)
+                    if chunk is not None:
+                        yield self._chunk([chunk], continuous_usage)
+                    continue
                 yield self._chunk([shapes.choice(index, text, self._finish_reason(event), self.chat,
                                                  final=False, logprobs=part)], continuous_usage)
             self.status = "ok"

@@ -16,6 +16,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
                       model_validator)
 
 from .structured_request import ResponseFormat, StructuredOutputs, structured_spec
+from .tool_calls import MAX_TOOLS, Tool, ToolCall, ToolChoice, constraint, template_calls, tool_mode
 
 MAX_STOP_STRINGS = 8
 MAX_STOP_CHARS = 256
@@ -273,23 +274,42 @@ class TextPart(BaseModel):
 
 class ChatMessage(BaseModel):
     """One message. The fields OpenAI's SDK echoes back on an assistant message (``refusal``,
-    ``tool_calls``, ...) are accepted when null, so a reply can be appended to the history."""
+    ``audio``, ...) are accepted when null, so a reply can be appended to the history; an
+    assistant message may carry the ``tool_calls`` an answer returned (its content then may be
+    null), a ``tool`` message the ``tool_call_id`` it answers."""
 
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "tool", "developer"] = Field(description="Author role.")
-    content: Text | list[TextPart] = Field(description="Text, or a list of {type: text, text} parts.")
+    content: Text | list[TextPart] | None = Field(None, description="Text, or a list of {type: text, text} parts; null only on an assistant message with tool_calls.")
     name: NullOnlyStr = Field(None, description="Not supported: only null.")
-    tool_calls: EmptyList = Field(None, description="Not supported: only [] or null.")
-    tool_call_id: NullOnlyStr = Field(None, description="Not supported: only null.")
+    tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS, description="An assistant message's function calls (as an answer returned them).")
+    tool_call_id: str | None = Field(None, max_length=256, description="A tool message: the id of the call it answers.")
     function_call: NullOnlyDict = Field(None, description="Not supported: only null.")
     refusal: NullOnlyStr = Field(None, description="Only null.")
     audio: NullOnlyDict = Field(None, description="Not supported: only null.")
     annotations: EmptyList = Field(None, description="Only [] or null.")
 
+    @model_validator(mode="after")
+    def _content_or_calls(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (null only on an assistant message with tool_calls)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message carries tool_calls")
+        return self
+
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
         return "".join(p.text for p in self.content)
+
+    def for_template(self) -> dict:
+        """The message as chat templates read it."""
+        out = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = template_calls(self.tool_calls)
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class ChatRequest(_Common):
@@ -297,14 +317,14 @@ class ChatRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1, description="Most tokens to generate (>= 1); the same as max_tokens (send one of them).")
     logprobs: bool | None = Field(False, description="Return the log-probability of each generated token.")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=f"With logprobs: also the this many most likely tokens at each position (0 to {MAX_TOP_LOGPROBS}).")
-    parallel_tool_calls: bool | None = Field(None, description=_ignored("tools are not supported"))
+    parallel_tool_calls: bool | None = Field(None, description=_ignored('"required" may answer several calls'))
     prompt_cache_key: str | None = Field(None, description=_ignored("prefix caching is automatic"))
     safety_identifier: str | None = Field(None, description=_ignored("end-user id"))
     service_tier: unsupported(str | None, "auto", "default") = Field(None, description="Only auto, default or null: the QoS class comes from the API key.")
     store: unsupported(bool | None, False) = Field(None, description="Not supported: only false or null.")
     metadata: unsupported(dict[str, str] | None, {}) = Field(None, description="Not supported: only {} or null.")
-    tools: EmptyList = Field(None, description="Not supported: only [] or null.")
-    tool_choice: unsupported(str | dict | None, "none") = Field(None, description='Not supported: only "none" or null.')
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS, description=f"Functions the model may call (at most {MAX_TOOLS}); shown to the chat template.")
+    tool_choice: ToolChoice | None = Field(None, validate_default=True, description='A named function ({"type": "function", "function": {"name"}}: the answer is its arguments) or "required" (one or more calls of the tools), answered as message.tool_calls; "none": a text answer. "auto" (the default with tools) is not supported: it needs a parser of the model\'s own tool-call format.')
     functions: EmptyList = Field(None, description="Not supported: only [] or null.")
     function_call: unsupported(str | dict | None, "none") = Field(None, description='Not supported: only "none" or null.')
     audio: NullOnlyDict = Field(None, description="Not supported: only null.")
@@ -313,6 +333,27 @@ class ChatRequest(_Common):
     reasoning_effort: NullOnlyStr = Field(None, description="Not supported: only null.")
     verbosity: NullOnlyStr = Field(None, description="Not supported: only null.")
     web_search_options: NullOnlyDict = Field(None, description="Not supported: only null.")
+
+    @field_validator("tool_choice", mode="after")
+    @classmethod
+    def _servable(cls, value, info):
+        tool_mode(info.data.get("tools"), value)
+        return value
+
+    def tool_mode(self) -> str | None:
+        """``"required"``, the named function, or None (a text answer): see ``tool_calls``."""
+        return tool_mode(self.tools, self.tool_choice)
+
+    def structured(self) -> dict | None:
+        mode, asked = self.tool_mode(), super().structured()
+        if mode is None:
+            return asked
+        if asked is not None:
+            raise ValueError("tool calls (tool_choice) cannot be combined with response_format or structured_outputs")
+        return constraint(self.tools, mode)
+
+    def template_tools(self) -> list[dict] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
     @model_validator(mode="after")
     def _one_length_limit(self):
@@ -374,7 +415,8 @@ class CompletionResponse(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = Field(description="Always 'assistant'.")
-    content: str = Field(description="Generated text.")
+    content: str | None = Field(description="Generated text; null when the answer is tool_calls.")
+    tool_calls: list[ToolCall] | None = Field(None, description="With tool_choice required or a named function: the calls (their arguments as JSON text).")
 
 
 class TopLogprob(BaseModel):
@@ -396,7 +438,7 @@ class ChatChoice(BaseModel):
     index: int = Field(description="Choice number, 0 to n - 1.")
     message: AssistantMessage = Field(description="The answer.")
     logprobs: ChatLogprobs | None = Field(None, description="With `logprobs: true`: per-token log-probabilities.")
-    finish_reason: str | None = Field(description="'stop', 'length', or 'abort' (stopped by the server).")
+    finish_reason: str | None = Field(description="'stop', 'length', 'tool_calls' (tool_choice required), or 'abort' (stopped by the server).")
 
 
 class ChatResponse(BaseModel):

@@ -79,3 +79,14 @@ def choice(index: int, text: str, finish_reason: str | None, chat: bool, final: 
                 "logprobs": logprobs, "finish_reason": finish_reason}
     delta = {"role": "assistant", "content": ""} if first else {"content": text}
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def tool_choice(index: int, calls: list[dict], finish_reason: str, final: bool,
+                logprobs: dict | None = None) -> dict:
+    """A chat choice whose answer is ``calls`` (``message.tool_calls``; a stream's delta numbers
+    them with ``index``), content null."""
+    if final:
+        return {"index": index, "message": {"role": "assistant", "content": None, "tool_calls": calls},
+                "logprobs": logprobs, "finish_reason": finish_reason}
+    delta = {"content": None, "tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}

@@ -34,19 +34,20 @@ class Prompts:
                 out.append(list(prompt))
         return out
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """``messages`` through the model's chat template, as token ids."""
+    def render(self, messages: list[dict], add_generation_prompt: bool = True,
+               tools: list[dict] | None = None) -> list[int]:
+        """``messages`` (and ``tools``) through the model's chat template, as token ids."""
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                 tokenize=True)
+                                                 tokenize=True, tools=tools)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     def fit_chat(self, body: ChatRequest, principal):
         """The chat's prompt, with the oldest turns dropped when the tenant's
         ``context_overflow`` is ``truncate_oldest`` and it would not fit (``context_overflow``)."""
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages, tools = [m.for_template() for m in body.messages], body.template_tools()
         want = body.max_tokens or min(256, principal.limits.max_tokens_per_request or 256)
         limit = self.context - want if principal.config.context_overflow == "truncate_oldest" else 10**12
-        return truncate_oldest(messages, self.render, limit)
+        return truncate_oldest(messages, lambda msgs: self.render(msgs, tools=tools), limit)
 
     def echo_texts(self, body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
         """The text ``echo`` puts before each prompt's choices: the prompt as sent, or its

@@ -1,0 +1,128 @@
+"""Function calling on the chat route, the way vLLM serves it without a model-specific
+tool-call parser: the answer is constrained (structured outputs) to the arguments of the named
+function (``tool_choice: {"type": "function", "function": {"name"}}``) or to a list of calls
+of the given tools (``tool_choice: "required"``), and comes back as ``message.tool_calls``.
+
+``tool_choice: "none"`` shows the tools to the chat template and answers text. ``"auto"`` (the
+default with tools) needs a parser that tells a tool call from text in a model's own format,
+which kvharbor does not have: it is a 400 naming ``tool_choice``. History messages may carry
+the assistant's ``tool_calls`` and the ``tool`` role's ``tool_call_id``; the template gets the
+arguments as objects, as vLLM hands them over.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_TOOLS = 128
+NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=NAME, description="The function's name (letters, digits, _ and -, at most 64).")
+    description: str | None = Field(None, description="What it does (shown to the chat template).")
+    parameters: dict | None = Field(None, description="A JSON schema of its arguments (an object); none: any object.")
+    strict: bool | None = Field(None, description="Accepted: the arguments always follow the schema.")
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"] = Field(description="Only function tools.")
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(description="One of the tools' names.")
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"] = Field(description="Only functions.")
+    function: NamedFunction
+
+
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(description="The function called.")
+    arguments: str = Field(description="Its arguments as JSON text.")
+
+
+class ToolCall(BaseModel):
+    """A call in an assistant message of the history (as an answer returned it)."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str = Field(description="The call's id (a tool message answers it by tool_call_id).")
+    type: Literal["function"] = Field(description="Only functions.")
+    function: CalledFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+def _arguments_schema(tool: Tool) -> dict:
+    return tool.function.parameters or {"type": "object"}
+
+
+def tool_mode(tools: list[Tool] | None, choice: ToolChoice | None) -> str | None:
+    """``"required"``, the named function, or None (an answer in text). Raises ValueError for a
+    choice that cannot be served."""
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if choice == "none":
+        return None
+    if not tools:
+        raise ValueError("tool_choice needs tools: send the functions in tools")
+    if choice == "auto":
+        raise ValueError('tool_choice "auto" (the default with tools) needs a parser of the model\'s own '
+                         'tool-call format, which kvharbor does not have: send "required", '
+                         '{"type": "function", "function": {"name": ...}} or "none"')
+    if choice == "required":
+        return "required"
+    names = [t.function.name for t in tools]
+    if choice.function.name not in names:
+        raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools {names}")
+    return choice.function.name
+
+
+def constraint(tools: list[Tool], mode: str) -> dict:
+    """The engine's ``structured_outputs`` for ``mode``: the named function's arguments, or a
+    non-empty JSON list of ``{"name", "parameters"}`` calls of the tools (vLLM's shape); compact
+    JSON (whitespace between its tokens would only cost tokens)."""
+    if mode != "required":
+        tool = next(t for t in tools if t.function.name == mode)
+        return {"json": _arguments_schema(tool), "disable_any_whitespace": True}
+    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
+              "properties": {"name": {"enum": [t.function.name]}, "parameters": _arguments_schema(t)}}
+             for t in tools]
+    return {"json": {"type": "array", "minItems": 1, "items": {"anyOf": calls}}, "disable_any_whitespace": True}
+
+
+def calls_of(text: str, mode: str) -> list[dict] | None:
+    """OpenAI's ``tool_calls`` from a constrained answer; None when it is not complete JSON
+    (``max_tokens`` cut it): the text is then answered as it is."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    pairs = [(mode, value)] if mode != "required" else [(c["name"], c["parameters"]) for c in value]
+    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+             "function": {"name": name, "arguments": json.dumps(args)}} for name, args in pairs]
+
+
+def template_calls(calls: list[ToolCall]) -> list[dict]:
+    """History tool calls as chat templates read them: arguments as an object when they are
+    JSON (as vLLM hands them over), else the text."""
+    out = []
+    for c in calls:
+        try:
+            arguments = json.loads(c.function.arguments)
+        except json.JSONDecodeError:
+            arguments = c.function.arguments
+        out.append({"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": arguments}})
+    return out

@@ -1,0 +1,47 @@
+"""Function calling without Ray: what the chat template is given (the tools, the history's calls
+with their arguments as objects), and how a constrained answer becomes ``tool_calls``."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+from kvharbor.engine.tokenizer import byte_tokenizer
+from kvharbor.platform.openai_protocol import ChatRequest
+from kvharbor.platform.prompts import Prompts
+from kvharbor.platform.tool_calls import calls_of
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+# A template of the kind tool-using models ship: the tools up front, calls as JSON objects.
+TEMPLATE = ("{% if tools %}TOOLS {{ tools | map(attribute='function') | map(attribute='name') | join(',') }}\n{% endif %}"
+            "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+            "{% for c in m.tool_calls or [] %}CALL {{ c.function.name }} {{ c.function.arguments.city }}{% endfor %}"
+            "{% if m.tool_call_id %} FOR {{ m.tool_call_id }}{% endif %}\n{% endfor %}")
+
+
+def rendered(body: ChatRequest) -> str:
+    tok = byte_tokenizer()
+    tok.chat_template = TEMPLATE
+    principal = SimpleNamespace(limits=SimpleNamespace(max_tokens_per_request=None),
+                                config=SimpleNamespace(context_overflow="reject"))
+    return tok.decode(Prompts(tok, 4096).fit_chat(body, principal).token_ids)
+
+
+def test_the_template_gets_the_tools_and_the_historys_calls_as_objects():
+    messages = [{"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "rain"}]
+    text = rendered(ChatRequest(model="m", messages=messages, tools=TOOLS, tool_choice="none"))
+    assert text.startswith("TOOLS get_weather\n")
+    assert text.endswith("<user>weather?<assistant>CALL get_weather Oslo<tool>rain FOR call_1")
+
+
+def test_answers_become_tool_calls():
+    named = calls_of('{"city":"Lima"}', "get_weather")
+    assert [c["function"] for c in named] == [{"name": "get_weather", "arguments": '{"city": "Lima"}'}]
+    required = calls_of('[{"name":"a","parameters":{"x":1}},{"name":"b","parameters":{}}]', "required")
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in required] == [("a", {"x": 1}), ("b", {})]
+    assert len({c["id"] for c in required}) == 2 and all(c["type"] == "function" for c in required)
+    assert calls_of('{"city":"Li', "get_weather") is None
