@@ -29,10 +29,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS, bar_panels, machine, median, table, write_json  # noqa: E402
-from benchmarks.engine_peers import (MODELS, Limits, VllmPeer, add_peer_arguments, agreement,  # noqa: E402
-                                     export_checkpoint, kvharbor_cold_ttft, kvharbor_llm,
-                                     kvharbor_round, kvharbor_summary, run_transformers_cb, workload)
+from benchmarks.common import RESULTS, bar_panels, median, table, write_json  # noqa: E402
+from benchmarks.engine_peers import (MODELS, VllmPeer, add_peer_arguments, agreement,  # noqa: E402
+                                     kvharbor_cold_ttft, kvharbor_round, kvharbor_summary,
+                                     run_transformers_cb, start, workload)
 
 
 def prefix_ttft(llm, vocab: int, trials: int = 5) -> dict:
@@ -95,10 +95,7 @@ def parse(argv):
 
 def main(argv=None) -> int:
     args = parse(argv)
-    info = machine()
-    limits = Limits()
-    ckpt = export_checkpoint(args.model, Path(args.checkpoints))
-    llm = kvharbor_llm(ckpt, limits, args.block_size)
+    info, limits, ckpt, llm = start(args)
     cfg_vocab = llm.hf_model.config.vocab_size
     prompts = workload(args.requests, 256 if args.model == "tiny-llama" else cfg_vocab, args.seed)
     ttft_prompts = workload(args.ttft_prompts, 256 if args.model == "tiny-llama" else cfg_vocab,

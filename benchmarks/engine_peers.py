@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import median, pct, result_name
+from benchmarks.common import machine, median, pct, result_name
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -134,6 +134,15 @@ def kvharbor_llm(checkpoint: Path, limits: Limits, block_size: int):
                num_kv_blocks=limits.kv_tokens // block_size,
                max_num_batched_tokens=limits.max_num_batched_tokens,
                max_num_seqs=limits.max_num_seqs, max_model_len=limits.max_model_len)
+
+
+def start(args):
+    """``(machine info, limits, checkpoint, kvharbor's LLM)`` for a benchmark's parsed ``args``
+    (``--model``, ``--checkpoints``, ``--block-size``): the machine is read before anything
+    loads."""
+    info, limits = machine(), Limits()
+    ckpt = export_checkpoint(args.model, Path(args.checkpoints))
+    return info, limits, ckpt, kvharbor_llm(ckpt, limits, args.block_size)
 
 
 def kvharbor_round(llm, prompts, out_tokens: int | list[int], structured: list[dict] | None = None) -> dict:

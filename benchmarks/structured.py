@@ -31,9 +31,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS, bar_panels, machine, median, table, write_json  # noqa: E402
-from benchmarks.engine_peers import (Limits, VllmPeer, add_peer_arguments, agreement,  # noqa: E402
-                                     export_checkpoint, kvharbor_llm, kvharbor_round, workload)
+from benchmarks.common import RESULTS, bar_panels, median, table, write_json  # noqa: E402
+from benchmarks.engine_peers import (VllmPeer, add_peer_arguments, agreement, kvharbor_round,  # noqa: E402
+                                     start, workload)
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["id", "ok", "tag"],
           "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9999}, "ok": {"type": "boolean"},
@@ -75,10 +75,7 @@ def parse(argv):
 
 def main(argv=None) -> int:
     args = parse(argv)
-    info = machine()
-    limits = Limits()
-    ckpt = export_checkpoint(args.model, Path(args.checkpoints))
-    llm = kvharbor_llm(ckpt, limits, args.block_size)
+    info, limits, ckpt, llm = start(args)
     tokenizer = llm.engine.tokenizer
     prompts = workload(args.requests, 256, args.seed, 32, 256)
     specs = [SPECS[i % len(SPECS)] for i in range(len(prompts))]
