@@ -449,8 +449,7 @@ class Gateway:
         if body.messages is None:
             ids = self.prompts.text_ids(body.prompt)
         else:
-            ids = self.prompts.render([m.for_template() for m in body.messages],
-                               body.add_generation_prompt)
+            ids = self.prompts.chat_ids(body)
         return {"count": len(ids), "max_model_len": self.context, "tokens": ids}
 
     @api.post("/detokenize", response_model=DetokenizeResponse, responses=error_responses(400, 401, 403, 404, 413))

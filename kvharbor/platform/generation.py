@@ -101,6 +101,7 @@ class Choice:
     cached_tokens: int = 0
     last_token_at: float | None = None
     echoed: bool = False
+    call_id: str | None = None        # a streamed named function call's id, once its first delta went out
 
 
 class GenerationRun:
@@ -117,7 +118,8 @@ class GenerationRun:
             per choice, which the answer leaves out (no text, logprobs or usage for it).
         tool_mode: chat's function calling (``tool_calls.tool_mode``): each choice's text is
             the constrained call(s), answered as ``message.tool_calls`` (a stream sends them in
-            one delta when the choice ends); None: text.
+            a named function's arguments as they come, ``required``'s calls in one delta when
+            the choice ends); None: text.
     """
 
     def __init__(self, gateway, requests, principal, ticket, chat: bool, model: str,
@@ -329,15 +331,25 @@ class GenerationRun:
     def _final_choice(self, index: int, c) -> dict:
         text, reason = "".join(c.text), c.finish_reason
         logprobs = shapes.merge_logprobs(c.logprobs, self.chat)
-        calls = tool_calls.calls_of(text, self.tool_mode) if self.tool_mode and reason == "stop" else None
+        calls = tool_calls.calls_of(text, self.tool_mode) if self.tool_mode and reason != "abort" else None
         if calls is None:
             return shapes.choice(index, text, reason, self.chat, final=True, logprobs=logprobs)
-        return shapes.tool_choice(index, calls, self._tool_reason(), final=True, logprobs=logprobs)
+        return shapes.tool_choice(index, calls, self._tool_reason(reason), logprobs=logprobs)
 
     def _tool_chunk(self, index: int, text: str, event: dict, part: dict | None) -> dict | None:
-        """A stream's chunk for a tool-calling choice: None until the choice ends (its text and
-        logprobs are kept), then its calls, or its text when ``max_tokens`` cut them short."""
+        """A stream's chunk for a tool-calling choice. A named function: its arguments as they
+        come (the first delta names the call, as vLLM streams it). ``required``: None until the
+        choice ends (its text and logprobs are kept), then its calls, or its text when
+        ``max_tokens`` cut them short."""
         choice = self.choices[index]
+        if self.tool_mode != "required":
+            reason = self._finish_reason(event)
+            call = {"index": 0, "function": {"arguments": text}}
+            if choice.call_id is None:
+                choice.call_id = tool_calls.call_id()
+                call = {"index": 0, "id": choice.call_id, "type": "function",
+                        "function": {"name": self.tool_mode, "arguments": text}}
+            return shapes.tool_delta(index, [call], reason, part)
         choice.text.append(text)
         if part is not None:
             choice.logprobs.append(part)
@@ -348,12 +360,13 @@ class GenerationRun:
         calls = tool_calls.calls_of(whole, self.tool_mode) if reason == "stop" else None
         if calls is None:
             return shapes.choice(index, whole, reason, True, final=False, logprobs=logprobs)
-        return shapes.tool_choice(index, calls, self._tool_reason(), final=False, logprobs=logprobs)
+        return shapes.tool_delta(index, [{"index": i, **c} for i, c in enumerate(calls)], "tool_calls", logprobs)
 
-    def _tool_reason(self) -> str:
-        """OpenAI's finish reason of an answer of tool calls: ``stop`` when the function was
-        named, ``tool_calls`` when the model chose them."""
-        return "tool_calls" if self.tool_mode == "required" else "stop"
+    def _tool_reason(self, reason: str) -> str:
+        """OpenAI's finish reason of an answer of tool calls: ``tool_calls`` when the model
+        chose them (``required``), else the engine's (a named function: ``stop``, or
+        ``length`` when ``max_tokens`` cut its arguments)."""
+        return "tool_calls" if self.tool_mode == "required" else reason
 
     def _finish_reason(self, event: dict) -> str | None:
         reason = event.get("finish_reason")

@@ -16,7 +16,8 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
                       model_validator)
 
 from .structured_request import ResponseFormat, StructuredOutputs, structured_spec
-from .tool_calls import MAX_TOOLS, Tool, ToolCall, ToolChoice, constraint, template_calls, tool_mode
+from .tool_calls import (MAX_TOOLS, Tool, ToolCall, ToolChoice, constraint, template_calls, template_tools,
+                         tool_mode)
 
 MAX_STOP_STRINGS = 8
 MAX_STOP_CHARS = 256
@@ -353,7 +354,7 @@ class ChatRequest(_Common):
         return constraint(self.tools, mode)
 
     def template_tools(self) -> list[dict] | None:
-        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+        return template_tools(self.tools)
 
     @model_validator(mode="after")
     def _one_length_limit(self):
@@ -475,12 +476,19 @@ class TokenizeRequest(BaseModel):
         description=f"A chat (1 to {MAX_MESSAGES} messages), rendered with the model's chat template.")
     add_generation_prompt: bool = Field(True, description="With messages: end with the assistant "
                                         "turn's opening, as /v1/chat/completions does.")
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS, description="With messages: the chat's tools, "
+                                     "shown to the chat template as /v1/chat/completions shows them.")
 
     @model_validator(mode="after")
     def _one_input(self):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("send exactly one of prompt (a text) or messages (a chat)")
+        if self.tools and self.messages is None:
+            raise ValueError("tools go with messages (a chat), not with a prompt")
         return self
+
+    def template_tools(self) -> list[dict] | None:
+        return template_tools(self.tools)
 
 
 class TokenizeResponse(BaseModel):

@@ -81,12 +81,12 @@ def choice(index: int, text: str, finish_reason: str | None, chat: bool, final: 
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def tool_choice(index: int, calls: list[dict], finish_reason: str, final: bool,
-                logprobs: dict | None = None) -> dict:
-    """A chat choice whose answer is ``calls`` (``message.tool_calls``; a stream's delta numbers
-    them with ``index``), content null."""
-    if final:
-        return {"index": index, "message": {"role": "assistant", "content": None, "tool_calls": calls},
-                "logprobs": logprobs, "finish_reason": finish_reason}
-    delta = {"content": None, "tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
-    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+def tool_choice(index: int, calls: list[dict], finish_reason: str, logprobs: dict | None = None) -> dict:
+    """A response's chat choice whose answer is ``calls`` (``message.tool_calls``), content null."""
+    return {"index": index, "message": {"role": "assistant", "content": None, "tool_calls": calls},
+            "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def tool_delta(index: int, calls: list[dict], finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    """A streamed chat choice carrying ``delta.tool_calls`` (each numbered by its ``index``)."""
+    return {"index": index, "delta": {"tool_calls": calls}, "logprobs": logprobs, "finish_reason": finish_reason}

@@ -41,6 +41,12 @@ class Prompts:
                                                  tokenize=True, tools=tools)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
+    def chat_ids(self, body) -> list[int]:
+        """The token ids of a chat as /tokenize counts them: its messages and tools through the
+        chat template (``add_generation_prompt`` as asked), nothing dropped."""
+        return self.render([m.for_template() for m in body.messages], body.add_generation_prompt,
+                           tools=body.template_tools())
+
     def fit_chat(self, body: ChatRequest, principal):
         """The chat's prompt, with the oldest turns dropped when the tenant's
         ``context_overflow`` is ``truncate_oldest`` and it would not fit (``context_overflow``)."""

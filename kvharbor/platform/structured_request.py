@@ -15,6 +15,8 @@ grammar is a 400 naming the field. The engine compiles it against the tokenizer
 from __future__ import annotations
 
 import asyncio
+import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
@@ -27,6 +29,10 @@ MAX_CHOICES = 256
 PARSE_TIMEOUT_S = 5.0
 """Longest a spec may take to parse (its wait for a parsing thread included)."""
 _PARSERS = ThreadPoolExecutor(2, thread_name_prefix="kvh-spec-parse")
+_SLOW: OrderedDict[tuple[str, str], float] = OrderedDict()
+"""Specs that did not parse in time (the latest 1,024, by when): refused again without a thread
+for ``SLOW_FOR_S``, so one spec sent over and over cannot keep the parsing threads busy."""
+SLOW_FOR_S = 600.0
 
 
 class JsonSchemaFormat(BaseModel):
@@ -100,13 +106,22 @@ async def parse_problem(body) -> tuple[str, str] | None:
         return None
     by_format = body.structured_outputs is None
     field = "response_format" if by_format else "structured_outputs"
-    parse = StructuredOutputsParams.of(spec).grammar_of
+    params = StructuredOutputsParams.of(spec)
+    key = (params.kind, params.source())
+    too_slow = (f"{field} could not be parsed within {PARSE_TIMEOUT_S:g} s: simplify it (fewer or "
+                "smaller repetition counts in its patterns, a smaller schema)")
+    if time.monotonic() - _SLOW.get(key, -SLOW_FOR_S) < SLOW_FOR_S:
+        return field, too_slow
     try:
-        await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(_PARSERS, parse), PARSE_TIMEOUT_S)
+        await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(_PARSERS, params.grammar_of),
+                               PARSE_TIMEOUT_S)
     except ValueError as e:
         message = str(e)
         return field, message.replace("structured_outputs.json", "json_schema.schema", 1) if by_format else message
     except TimeoutError:
-        return field, (f"{field} could not be parsed within {PARSE_TIMEOUT_S:g} s: simplify it (fewer "
-                       "or smaller repetition counts in its patterns, a smaller schema)")
+        _SLOW[key] = time.monotonic()
+        _SLOW.move_to_end(key)
+        while len(_SLOW) > 1024:
+            _SLOW.popitem(last=False)
+        return field, too_slow
     return None

@@ -103,16 +103,28 @@ def constraint(tools: list[Tool], mode: str) -> dict:
     return {"json": {"type": "array", "minItems": 1, "items": {"anyOf": calls}}, "disable_any_whitespace": True}
 
 
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 def calls_of(text: str, mode: str) -> list[dict] | None:
-    """OpenAI's ``tool_calls`` from a constrained answer; None when it is not complete JSON
-    (``max_tokens`` cut it): the text is then answered as it is."""
+    """OpenAI's ``tool_calls`` from a constrained answer. A named function's arguments are the
+    text as generated, complete or not (as vLLM answers; a stream sends them as they come).
+    ``required``: the parsed list; None when it is not complete JSON (``max_tokens`` cut it):
+    the text is then answered as it is."""
+    if mode != "required":
+        return [{"id": call_id(), "type": "function", "function": {"name": mode, "arguments": text}}]
     try:
-        value = json.loads(text)
+        calls = json.loads(text)
     except json.JSONDecodeError:
         return None
-    pairs = [(mode, value)] if mode != "required" else [(c["name"], c["parameters"]) for c in value]
-    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-             "function": {"name": name, "arguments": json.dumps(args)}} for name, args in pairs]
+    return [{"id": call_id(), "type": "function",
+             "function": {"name": c["name"], "arguments": json.dumps(c["parameters"])}} for c in calls]
+
+
+def template_tools(tools: list[Tool] | None) -> list[dict] | None:
+    """The tools as chat templates read them (None: none)."""
+    return [t.model_dump(exclude_none=True) for t in tools] if tools else None
 
 
 def template_calls(calls: list[ToolCall]) -> list[dict]:

@@ -28,12 +28,15 @@ def test_a_slow_spec_is_refused_at_the_limit_while_the_loop_runs(monkeypatch):
         t = time.perf_counter()
         problem = await structured_request.parse_problem(body)
         took = time.perf_counter() - t
+        again = await structured_request.parse_problem(body)      # while the first parse still runs
+        took_again = time.perf_counter() - t - took
         done.set()
         await ticker
-        return problem, took, lags
-    problem, took, lags = asyncio.run(run())
+        return problem, took, lags, again, took_again
+    problem, took, lags, again, took_again = asyncio.run(run())
     assert problem is not None and problem[0] == "structured_outputs" and "within 0.1 s" in problem[1]
     assert took < 0.5 and max(lags) < 0.1 and len(lags) >= 5      # the parse itself takes ~0.7 s here
+    assert again == problem and took_again < 0.05                  # refused at once, no second thread
 
 
 def test_parse_errors_name_the_field_the_client_sent():

@@ -7,7 +7,7 @@ import json
 from types import SimpleNamespace
 
 from kvharbor.engine.tokenizer import byte_tokenizer
-from kvharbor.platform.openai_protocol import ChatRequest
+from kvharbor.platform.openai_protocol import ChatRequest, TokenizeRequest
 from kvharbor.platform.prompts import Prompts
 from kvharbor.platform.tool_calls import calls_of
 
@@ -20,12 +20,17 @@ TEMPLATE = ("{% if tools %}TOOLS {{ tools | map(attribute='function') | map(attr
             "{% if m.tool_call_id %} FOR {{ m.tool_call_id }}{% endif %}\n{% endfor %}")
 
 
-def rendered(body: ChatRequest) -> str:
+def rendered(body) -> str:
+    """``body``'s prompt through the template above: a chat's as the chat route builds it, a
+    /tokenize request's as that route counts it."""
     tok = byte_tokenizer()
     tok.chat_template = TEMPLATE
+    prompts = Prompts(tok, 4096)
+    if isinstance(body, TokenizeRequest):
+        return tok.decode(prompts.chat_ids(body))
     principal = SimpleNamespace(limits=SimpleNamespace(max_tokens_per_request=None),
                                 config=SimpleNamespace(context_overflow="reject"))
-    return tok.decode(Prompts(tok, 4096).fit_chat(body, principal).token_ids)
+    return tok.decode(prompts.fit_chat(body, principal).token_ids)
 
 
 def test_the_template_gets_the_tools_and_the_historys_calls_as_objects():
@@ -36,12 +41,14 @@ def test_the_template_gets_the_tools_and_the_historys_calls_as_objects():
     text = rendered(ChatRequest(model="m", messages=messages, tools=TOOLS, tool_choice="none"))
     assert text.startswith("TOOLS get_weather\n")
     assert text.endswith("<user>weather?<assistant>CALL get_weather Oslo<tool>rain FOR call_1")
+    assert rendered(TokenizeRequest(model="m", messages=messages, tools=TOOLS)) == text   # /tokenize counts the same
 
 
 def test_answers_become_tool_calls():
     named = calls_of('{"city":"Lima"}', "get_weather")
-    assert [c["function"] for c in named] == [{"name": "get_weather", "arguments": '{"city": "Lima"}'}]
+    assert [c["function"] for c in named] == [{"name": "get_weather", "arguments": '{"city":"Lima"}'}]
+    assert calls_of('{"city":"Li', "get_weather")[0]["function"]["arguments"] == '{"city":"Li'   # cut: as it came
     required = calls_of('[{"name":"a","parameters":{"x":1}},{"name":"b","parameters":{}}]', "required")
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in required] == [("a", {"x": 1}), ("b", {})]
     assert len({c["id"] for c in required}) == 2 and all(c["type"] == "function" for c in required)
-    assert calls_of('{"city":"Li', "get_weather") is None
+    assert calls_of('[{"name":"a","param', "required") is None

@@ -47,12 +47,25 @@ def test_a_named_function_answers_its_arguments(client, kvharbor_app):
     check_calls(choice.message.tool_calls, ["get_weather"])
     assert len(choice.message.tool_calls) == 1
     chunks = list(client.chat.completions.create(**kw, stream=True))
-    deltas = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].delta.tool_calls]
-    assert len(deltas) == 1 and chunks[-1].choices[0].finish_reason == "stop"
-    streamed = deltas[0].tool_calls[0]
-    assert streamed.index == 0 and streamed.function.name == "get_weather"
-    assert streamed.function.arguments == choice.message.tool_calls[0].function.arguments
+    calls = [call for c in chunks if c.choices for call in c.choices[0].delta.tool_calls or []]
+    assert len(calls) > 2 and chunks[-1].choices[0].finish_reason == "stop"     # the arguments as they come
+    assert calls[0].id.startswith("call_") and calls[0].function.name == "get_weather"
+    assert all(c.index == 0 and c.id is None and c.function.name is None for c in calls[1:])
+    assert "".join(c.function.arguments for c in calls) == choice.message.tool_calls[0].function.arguments
     assert not any(c.choices[0].delta.content for c in chunks if c.choices)
+
+
+def test_required_streams_its_calls_in_one_delta(client, kvharbor_app):
+    kw = dict(model=kvharbor_app.model, messages=ASK, max_tokens=300, temperature=1.0, seed=5, tools=[WEATHER, TIME],
+              tool_choice="required")               # (greedy, this small model repeats calls until max_tokens)
+    whole = client.chat.completions.create(**kw).choices[0].message.tool_calls
+    assert whole
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert len(deltas) == 1 and chunks[-1].choices[0].finish_reason == "tool_calls"
+    streamed = deltas[0].tool_calls
+    assert [(c.index, c.function.name, c.function.arguments) for c in streamed] == \
+        [(i, c.function.name, c.function.arguments) for i, c in enumerate(whole)]
 
 
 def test_required_answers_calls_of_the_tools(client, kvharbor_app):
@@ -81,12 +94,17 @@ def test_tool_choice_none_answers_text(client, kvharbor_app):
     assert out.choices[0].message.tool_calls is None and out.choices[0].finish_reason in ("stop", "length")
 
 
-def test_calls_cut_by_max_tokens_come_back_as_text(client, kvharbor_app):
-    out = client.chat.completions.create(model=kvharbor_app.model, messages=ASK, max_tokens=3, temperature=0,
-                                         tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    choice = out.choices[0]
-    assert choice.finish_reason == "length" and choice.message.tool_calls is None
-    assert choice.message.content.startswith("{")
+def test_calls_cut_by_max_tokens(client, kvharbor_app):
+    """A named function's cut arguments are still its call (as vLLM answers); a cut list of
+    calls (``required``) cannot be parsed and comes back as text."""
+    kw = dict(model=kvharbor_app.model, messages=ASK, max_tokens=3, temperature=0, tools=[WEATHER])
+    named = client.chat.completions.create(**kw, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = named.choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    assert choice.message.tool_calls[0].function.arguments.startswith('{"')
+    required = client.chat.completions.create(**kw, tool_choice="required").choices[0]
+    assert required.finish_reason == "length" and required.message.tool_calls is None
+    assert required.message.content.startswith("[")
 
 
 @pytest.mark.parametrize("body,param,words", [
@@ -107,3 +125,19 @@ def test_choices_that_cannot_be_served_are_400_by_name(kvharbor_app, body, param
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and all(w in err["message"] for w in words), err
+
+
+def test_tokenize_counts_a_chat_with_tools_as_the_chat_route_does(client, kvharbor_app):
+    first = client.chat.completions.create(model=kvharbor_app.model, messages=ASK, max_tokens=200, temperature=0,
+                                           tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    history = ASK + [first.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": first.choices[0].message.tool_calls[0].id, "content": "rain"}]
+    chat = client.chat.completions.create(model=kvharbor_app.model, messages=history, max_tokens=1, temperature=0,
+                                          tools=[WEATHER, TIME], tool_choice="none")
+    r = httpx.post(f"{kvharbor_app.base_url}/tokenize", headers={"Authorization": f"Bearer {DEMO['standard']}"},
+                   json={"model": kvharbor_app.model, "messages": history, "tools": [WEATHER, TIME]}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["count"] == chat.usage.prompt_tokens
+    bad = httpx.post(f"{kvharbor_app.base_url}/tokenize", headers={"Authorization": f"Bearer {DEMO['standard']}"},
+                     json={"model": kvharbor_app.model, "prompt": "hi", "tools": [WEATHER]}, timeout=30)
+    assert bad.status_code == 400 and "tools go with messages" in bad.json()["error"]["message"]
