@@ -514,9 +514,12 @@ class Gateway:
         try:
             prompts = tokenize()
             max_tokens, prompt_only = self.prompts.limits(body, prompts, chat, principal)
-            unparsed = await parse_problem(body)
+            unparsed = await parse_problem(body, tenant)
             if unparsed:
-                raise APIError(400, unparsed[1], param=unparsed[0])
+                status, field, message = unparsed
+                if status == 429:
+                    raise APIError(429, message, "spec_parse_overdue", field, headers={"Retry-After": "5"})
+                raise APIError(400, message, param=field)
         except BaseException:
             self.admitter.leave(qos, rid)
             raise

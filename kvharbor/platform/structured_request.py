@@ -8,13 +8,15 @@
 The request models check each spec's shape; ``parse_problem`` then parses it in a worker
 thread (xgrammar releases the GIL: a schema that takes seconds does not stall the gateway's
 event loop) with a time limit, before the request is admitted or routed: a bad schema, regex or
-grammar is a 400 naming the field. The engine compiles it against the tokenizer
+grammar is a 400 naming the field. A spec that overran the limit is refused at once for a while,
+and its tenant's structured requests are refused (429) until its parse ends. The engine compiles it against the tokenizer
 (:mod:`kvharbor.engine.structured_output`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +35,10 @@ _SLOW: OrderedDict[tuple[str, str], float] = OrderedDict()
 """Specs that did not parse in time (the latest 1,024, by when): refused again without a thread
 for ``SLOW_FOR_S``, so one spec sent over and over cannot keep the parsing threads busy."""
 SLOW_FOR_S = 600.0
+_OVERDUE: dict[str, int] = {}
+_OVERDUE_LOCK = threading.Lock()
+"""Per tenant, its parses still running after their limit: while it has one, its structured
+requests are refused (429), so one tenant's slow specs hold one parsing thread at a time."""
 
 
 class JsonSchemaFormat(BaseModel):
@@ -98,9 +104,10 @@ def structured_spec(response_format: ResponseFormat | None, structured: Structur
     return asked if structured is None else structured.spec()
 
 
-async def parse_problem(body) -> tuple[str, str] | None:
-    """(field, message) when the structured output ``body`` asks for does not parse, or not
-    within ``PARSE_TIMEOUT_S``; None when it parses or none is asked."""
+async def parse_problem(body, tenant: str = "") -> tuple[int, str, str] | None:
+    """``(status, field, message)`` when the structured output ``body`` asks for does not parse,
+    or not within ``PARSE_TIMEOUT_S`` (400), or ``tenant`` has a parse still running after its
+    limit (429); None when it parses or none is asked."""
     spec = body.structured()
     if spec is None:
         return None
@@ -111,17 +118,35 @@ async def parse_problem(body) -> tuple[str, str] | None:
     too_slow = (f"{field} could not be parsed within {PARSE_TIMEOUT_S:g} s: simplify it (fewer or "
                 "smaller repetition counts in its patterns, a smaller schema)")
     if time.monotonic() - _SLOW.get(key, -SLOW_FOR_S) < SLOW_FOR_S:
-        return field, too_slow
+        return 400, field, too_slow
+    if _OVERDUE.get(tenant):
+        return 429, field, ("a structured-output spec of this tenant is still being parsed after its "
+                            f"{PARSE_TIMEOUT_S:g} s limit: retry once it ends (send simpler specs)")
+    job = _PARSERS.submit(params.grammar_of)
     try:
-        await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(_PARSERS, params.grammar_of),
-                               PARSE_TIMEOUT_S)
+        await asyncio.wait_for(asyncio.wrap_future(job), PARSE_TIMEOUT_S)
     except ValueError as e:
         message = str(e)
-        return field, message.replace("structured_outputs.json", "json_schema.schema", 1) if by_format else message
+        return 400, field, message.replace("structured_outputs.json", "json_schema.schema", 1) if by_format else message
     except TimeoutError:
-        _SLOW[key] = time.monotonic()
-        _SLOW.move_to_end(key)
-        while len(_SLOW) > 1024:
-            _SLOW.popitem(last=False)
-        return field, too_slow
+        _remember_slow(key)
+        if not job.done():                 # still running (a queued one was cancelled)
+            with _OVERDUE_LOCK:
+                _OVERDUE[tenant] = _OVERDUE.get(tenant, 0) + 1
+            job.add_done_callback(lambda _: _overdue_ended(tenant))     # in the parsing thread
+        return 400, field, too_slow
     return None
+
+
+def _remember_slow(key: tuple[str, str]) -> None:
+    _SLOW[key] = time.monotonic()
+    _SLOW.move_to_end(key)
+    while len(_SLOW) > 1024:
+        _SLOW.popitem(last=False)
+
+
+def _overdue_ended(tenant: str) -> None:
+    with _OVERDUE_LOCK:
+        left = _OVERDUE.pop(tenant, 1) - 1
+        if left:
+            _OVERDUE[tenant] = left
