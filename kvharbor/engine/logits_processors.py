@@ -62,12 +62,9 @@ def apply(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     if penalized:
         at = upload(penalized, torch.int64, dev)
         x.index_copy_(0, at, _penalize(x.index_select(0, at), [reqs[j] for j in penalized]))
-    constrained = [j for j, r in enumerate(reqs) if r.matcher is not None]
+    constrained = {j: r.matcher for j, r in enumerate(reqs) if r.matcher is not None}
     if constrained:
-        at = upload(constrained, torch.int64, dev)
-        y = x.index_select(0, at)
-        structured_output.mask(y, [reqs[j].matcher for j in constrained])
-        x.index_copy_(0, at, y)
+        structured_output.mask(x, constrained)
     return logits.index_copy(0, index, x)
 
 

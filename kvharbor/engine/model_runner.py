@@ -116,7 +116,7 @@ class ModelRunner:
 
     def _build(self, batch: list[ScheduledRequest]):
         ids, pos, slots, qsl, lens, tables, logit_rows = [], [], [], [0], [], [], []
-        prompt_rows, self._prompt_rows = [], []
+        prompt_rows = []                        # (forward_logits cleared self._prompt_rows)
         bs = self.block_size
         for item in batch:
             r, start = item.request, item.request.num_computed_tokens
@@ -153,9 +153,9 @@ class ModelRunner:
         return (self._upload([ids], torch.int64), self._upload([pos], torch.int64), ctx,
                 self._upload(logit_rows, torch.int64))
 
-    def _score_prompts(self, logits: torch.Tensor, num_sampling: int) -> torch.Tensor:
+    def _score_prompts(self, logits: torch.Tensor) -> torch.Tensor:
         """Append the prompt logprobs of the last build's prompt rows to their requests;
-        return the sampling rows (``num_sampling``) of ``logits``."""
+        return the sampling rows of ``logits``."""
         rows, self._prompt_rows = self._prompt_rows, []
         sampling_sel, prompt_sel = (self._upload(s, torch.int64) for s in self._selects)
         targets = [r.all_token_ids[p + 1] for r, first, n in rows for p in range(first, first + n)]
@@ -203,7 +203,7 @@ class ModelRunner:
         logits = self.forward_logits(batch)
         sampling = [item.request for item in batch if item.samples]
         if self._prompt_rows:
-            logits = self._score_prompts(logits, len(sampling))
+            logits = self._score_prompts(logits)
         tokens = sample(logits, sampling) if sampling else []
         self.last_logprobs = token_logprobs(logits, sampling, tokens)   # None where not asked
         return tokens

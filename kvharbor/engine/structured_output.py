@@ -153,11 +153,13 @@ class Grammars:
             return self._compiler
 
 
-def mask(logits: torch.Tensor, matchers: list) -> None:
-    """Set ``logits`` ``[R, V]`` to ``-inf`` where row ``i``'s matcher forbids the token."""
+def mask(logits: torch.Tensor, matchers: dict) -> None:
+    """Set ``logits`` ``[R, V]`` to ``-inf``, in place, where the matcher of row ``i``
+    (``matchers[i]``) forbids the token; rows without a matcher are left as they are."""
     import xgrammar as xgr  # noqa: PLC0415
 
-    bitmask = xgr.allocate_token_bitmask(len(matchers), logits.shape[1])
-    for i, m in enumerate(matchers):
-        m.fill_next_token_bitmask(bitmask, i)
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True))
+    bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])
+    for row, m in matchers.items():
+        m.fill_next_token_bitmask(bitmask, row)
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
+                                    indices=list(matchers))

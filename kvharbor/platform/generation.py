@@ -329,21 +329,24 @@ class GenerationRun:
         return head + event.get("text", ""), shapes.merge_logprobs(parts, False)
 
     def _final_choice(self, index: int, c) -> dict:
-        text, reason = "".join(c.text), c.finish_reason
-        logprobs = shapes.merge_logprobs(c.logprobs, self.chat)
-        calls = tool_calls.calls_of(text, self.tool_mode) if self.tool_mode and reason != "abort" else None
+        text, logprobs = "".join(c.text), shapes.merge_logprobs(c.logprobs, self.chat)
+        calls = self._calls(text, c.finish_reason)
         if calls is None:
-            return shapes.choice(index, text, reason, self.chat, final=True, logprobs=logprobs)
-        return shapes.tool_choice(index, calls, self._tool_reason(reason), logprobs=logprobs)
+            return shapes.choice(index, text, c.finish_reason, self.chat, final=True, logprobs=logprobs)
+        return shapes.tool_choice(index, calls, self._tool_reason(c.finish_reason), logprobs=logprobs)
+
+    def _calls(self, text: str, reason: str) -> list[dict] | None:
+        """A finished choice's ``tool_calls`` (None: its text is the answer, e.g. not a tool
+        call, aborted, or a list of calls ``max_tokens`` cut short)."""
+        return tool_calls.calls_of(text, self.tool_mode) if self.tool_mode and reason != "abort" else None
 
     def _tool_chunk(self, index: int, text: str, event: dict, part: dict | None) -> dict | None:
         """A stream's chunk for a tool-calling choice. A named function: its arguments as they
         come (the first delta names the call, as vLLM streams it). ``required``: None until the
         choice ends (its text and logprobs are kept), then its calls, or its text when
         ``max_tokens`` cut them short."""
-        choice = self.choices[index]
+        choice, reason = self.choices[index], self._finish_reason(event)
         if self.tool_mode != "required":
-            reason = self._finish_reason(event)
             call = {"index": 0, "function": {"arguments": text}}
             if choice.call_id is None:
                 choice.call_id = tool_calls.call_id()
@@ -353,14 +356,14 @@ class GenerationRun:
         choice.text.append(text)
         if part is not None:
             choice.logprobs.append(part)
-        reason = self._finish_reason(event)
         if reason is None:
             return None
         whole, logprobs = "".join(choice.text), shapes.merge_logprobs(choice.logprobs, True)
-        calls = tool_calls.calls_of(whole, self.tool_mode) if reason == "stop" else None
+        calls = self._calls(whole, reason)
         if calls is None:
             return shapes.choice(index, whole, reason, True, final=False, logprobs=logprobs)
-        return shapes.tool_delta(index, [{"index": i, **c} for i, c in enumerate(calls)], "tool_calls", logprobs)
+        return shapes.tool_delta(index, [{"index": i, **c} for i, c in enumerate(calls)],
+                                 self._tool_reason(reason), logprobs)
 
     def _tool_reason(self, reason: str) -> str:
         """OpenAI's finish reason of an answer of tool calls: ``tool_calls`` when the model
@@ -452,7 +455,7 @@ class GenerationRun:
                                    for i in range(len(self.reqs))], continuous_usage)
             async for index, event in self.all_events():
                 text, part = self._answer(index, event)
-                if self.tool_mode is not None:          # the calls go out whole, when complete
+                if self.tool_mode is not None:          # calls, not content (see _tool_chunk)
                     chunk = self._tool_chunk(index, text, event, part)
                     if chunk is not None:
                         yield self._chunk([chunk], continuous_usage)

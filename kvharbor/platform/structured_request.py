@@ -8,9 +8,9 @@
 The request models check each spec's shape; ``parse_problem`` then parses it in a worker
 thread (xgrammar releases the GIL: a schema that takes seconds does not stall the gateway's
 event loop) with a time limit, before the request is admitted or routed: a bad schema, regex or
-grammar is a 400 naming the field. A spec that overran the limit is refused at once for a while,
-and its tenant's structured requests are refused (429) until its parse ends. The engine compiles it against the tokenizer
-(:mod:`kvharbor.engine.structured_output`).
+grammar is a 400 naming the field. A spec that overran the limit is refused at once for a
+while, and its tenant's structured requests are refused (429) until its parse ends. The engine
+compiles the spec against the tokenizer (:mod:`kvharbor.engine.structured_output`).
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ _SLOW: OrderedDict[tuple[str, str], float] = OrderedDict()
 for ``SLOW_FOR_S``, so one spec sent over and over cannot keep the parsing threads busy."""
 SLOW_FOR_S = 600.0
 _OVERDUE: dict[str, int] = {}
-_OVERDUE_LOCK = threading.Lock()
 """Per tenant, its parses still running after their limit: while it has one, its structured
 requests are refused (429), so one tenant's slow specs hold one parsing thread at a time."""
+_OVERDUE_LOCK = threading.Lock()
 
 
 class JsonSchemaFormat(BaseModel):
