@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class QoSSpec(BaseModel):
@@ -80,6 +80,10 @@ class EngineConfig(BaseModel):
                                            "sessions may hold (oldest session released first); None: half the KV blocks.")
     preemption_mode: str = Field("recompute", pattern="^(recompute|swap|auto)$",
                                  description="'recompute' (drop a preempted request's KV), 'swap' (copy it to the host tier and back; needs host_kv_blocks) or 'auto' (swap when it saves more than half its work).")
+    lora_modules: dict[str, str] = Field(default_factory=dict, description="LoRA adapters loaded at start, "
+                                         "name -> PEFT checkpoint directory (vLLM's --lora-modules); a request "
+                                         "names one to generate with it (see engine/lora.py).")
+    max_lora_rank: int = Field(64, ge=1, description="Largest LoRA rank an adapter may have (vLLM's --max-lora-rank).")
 
 
 class PlatformConfig(BaseModel):
@@ -96,6 +100,25 @@ class PlatformConfig(BaseModel):
                     for k, v in data.items()}
         return data
     model: str = Field("kvharbor/tiny-llama", description="Model served by every replica.")
+    lora_modules: dict[str, str] = Field(default_factory=dict, description="LoRA adapters every replica "
+                                         "serves beside the model, name -> PEFT checkpoint directory "
+                                         "(on the command line: lora_modules=name=path,name2=path2); a "
+                                         "request's `model` names one (see engine/lora.py).")
+    max_lora_rank: int = Field(64, ge=1, description="Largest LoRA rank an adapter may have.")
+
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _lora_pairs(cls, value):
+        """``name=path,name2=path2`` (the ``serve run`` command line) as a dict."""
+        if not isinstance(value, str):
+            return value
+        pairs = {}
+        for item in filter(None, (p.strip() for p in value.split(","))):
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"lora_modules takes name=path pairs separated by commas, got {item!r}")
+            pairs[name] = path
+        return pairs
     tenants: str | None = Field(None, description="tenants.yaml path (None: ./tenants.yaml or the packaged example).")
     replicas: int | None = Field(None, ge=1, description="LLM replicas (None: one per GPU, or 2 on CPU).")
     gateway_replicas: int = Field(1, ge=1, description="Gateway (HTTP ingress) replicas.")

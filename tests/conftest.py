@@ -119,7 +119,24 @@ DEMO = {"premium": "kvh-demo-premium", "standard": "kvh-demo-standard",
 TEST_KEYS = {"limited": "kvh-test-limited", "restricted": "kvh-test-restricted",
              "expired": "kvh-test-expired", "private2": "kvh-test-private2",
              "capped": "kvh-test-capped", "truncating": "kvh-test-truncating",
-             "metered": "kvh-test-metered"}
+             "metered": "kvh-test-metered", "lora_only": "kvh-test-lora-only"}
+LORA = "tiny-lora"
+"""The LoRA adapter the session app serves beside tiny-llama (``write_test_adapter``)."""
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def write_test_adapter(path, seed: int = 7) -> str:
+    """A PEFT LoRA checkpoint of tiny-llama (r 8, every projection, random A and B) at ``path``."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from kvharbor.engine.models import load_model
+
+    model = load_model("kvharbor/tiny-llama", torch.float32, torch.device("cpu")).model
+    torch.manual_seed(seed)
+    config = LoraConfig(r=8, lora_alpha=16, init_lora_weights=False, target_modules=LORA_TARGETS)
+    get_peft_model(model, config).save_pretrained(str(path))
+    return str(path)
 
 
 def add_test_tenants(path) -> None:
@@ -144,6 +161,8 @@ def add_test_tenants(path) -> None:
                              "context_overflow": "truncate_oldest"}
     tenants["private2"] = {"qos": "standard", "keys": [{"hash": hash_key(TEST_KEYS["private2"])}],
                            "cache_scope": "private"}
+    tenants["lora_only"] = {"qos": "standard", "keys": [{"hash": hash_key(TEST_KEYS["lora_only"])}],
+                            "allowed_models": [LORA]}
     path.write_text(yaml.safe_dump(data, sort_keys=False))
 
 
@@ -167,8 +186,10 @@ def live_replica_ids() -> list[str]:
 class RunningApp:
     """The kvharbor app deployed once per test session on 127.0.0.1:APP_PORT."""
 
-    def __init__(self, tenants_path, base_url: str, model: str, lane_url: str | None = None) -> None:
+    def __init__(self, tenants_path, base_url: str, model: str, lane_url: str | None = None,
+                 lora_path: str | None = None) -> None:
         self.tenants_path = tenants_path
+        self.lora_path = lora_path      # the checkpoint of the LoRA adapter it serves (LORA)
         self.base_url = base_url
         self.lane_url = lane_url        # the premium lane (PremiumGateway), when deployed
         self.model = model
@@ -254,8 +275,8 @@ class RunningApp:
 
 @pytest.fixture(scope="session")
 def kvharbor_app(ray_cluster, tmp_path_factory):
-    """2 gateways + the premium lane + 2 LLM replicas (tiny-llama, CPU) + directory, with a
-    writable tenants.yaml."""
+    """2 gateways + the premium lane + 2 LLM replicas (tiny-llama and the LoRA adapter LORA, CPU) +
+    directory, with a writable tenants.yaml."""
     import shutil
     from pathlib import Path
 
@@ -267,11 +288,13 @@ def kvharbor_app(ray_cluster, tmp_path_factory):
     shutil.copy(Path(__file__).resolve().parent.parent / "tenants.yaml", tenants)
     add_test_tenants(tenants)
     serve.start(http_options={"host": "127.0.0.1", "port": APP_PORT})
+    adapter = write_test_adapter(tmp_path_factory.mktemp("lora") / LORA)
     app = build_app({"replicas": 2, "tenants": str(tenants), "num_kv_blocks": 768,
-                     "gateway_replicas": 2, "premium_port": LANE_PORT})
+                     "gateway_replicas": 2, "premium_port": LANE_PORT,
+                     "lora_modules": {LORA: adapter}})
     serve.run(app, name="kvharbor", route_prefix="/", blocking=False)
     base, lane = f"http://127.0.0.1:{APP_PORT}", f"http://127.0.0.1:{LANE_PORT}"
     wait_until_healthy(base, timeout_s=240)
     wait_until_healthy(lane, timeout_s=60)
-    yield RunningApp(tenants, base, "kvharbor/tiny-llama", lane)
+    yield RunningApp(tenants, base, "kvharbor/tiny-llama", lane, adapter)
     serve.delete("kvharbor")

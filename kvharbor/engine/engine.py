@@ -23,9 +23,10 @@ from .kv_cache_manager import KVCacheManager
 from .kv_transfer import KVTransfer
 from .logits_processors import depends_on_outputs
 from .structured_output import Grammars
+from .lora import LoRAs
 from .model_runner import ModelRunner, ScheduledRequest, kv_bytes_per_token
 from .eviction import make_eviction_policy
-from .hashing import model_root
+from .hashing import adapter_salt, model_root
 from .model_identity import model_identity
 from .models import load_model, uniform_sliding_window
 from .preemption import PreemptionPolicy
@@ -136,6 +137,9 @@ class Engine:
         self.eos_ids = {e for e in ([eos] + (gen_eos if isinstance(gen_eos, list) else [gen_eos]))
                         if e is not None}
         self.grammars = Grammars(self.tokenizer, self.model.config.vocab_size, self.eos_ids)
+        self.loras = LoRAs(self.model, config.max_lora_rank)
+        for name, path in config.lora_modules.items():
+            self.add_lora(name, path)
         host_memory.freeze_startup_objects()      # full GC passes stop walking the model
 
     def _make_host_tier(self) -> tuple[HostKVPool | None, KVTransfer | None]:
@@ -162,15 +166,26 @@ class Engine:
         return max(16, int(free * self.config.gpu_memory_utilization) // per_block)
 
     # ---- requests -----------------------------------------------------------------------
+    def add_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT LoRA checkpoint at ``path`` as adapter ``name`` (see ``lora.py``).
+        Raises ValueError for a checkpoint this engine cannot serve, with the reason."""
+        if self.runner.fast is None:
+            raise ValueError("LoRA adapters run on kvharbor's model path (Llama, Qwen2, Mistral), "
+                             f"not on transformers' forward of {type(self.model).__name__}")
+        self.loras.add(name, path)
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                     tenant: str = "default", qos: str = "standard", cache_salt: str | None = None,
-                    session_id: str | None = None) -> Request:
+                    session_id: str | None = None, lora: str | None = None) -> Request:
         """Queue a request. Raises ValueError for arguments a caller must fix.
 
         ``session_id``: the request is a turn of that session of ``tenant``; when it ends, its
         prompt + output blocks stay referenced for the next turn (see ``sessions.py``).
+        ``lora``: the name of a loaded LoRA adapter to generate with (None: the base model);
+        its blocks are cached in a scope of their own.
         """
         sampling.validate()
+        adapter = None if lora is None else self.loras.get(lora)
         if session_id is not None and (not isinstance(session_id, str) or not session_id):
             raise ValueError(f"session_id must be a non-empty string, got {session_id!r}")
         if qos not in self.config.qos_classes:
@@ -192,9 +207,9 @@ class Engine:
         spec = self.config.qos_classes[qos]
         priority = spec.priority if self.config.scheduling == "priority" else 0
         req = Request(request_id, list(prompt_token_ids), sampling, tenant=tenant, qos=qos,
-                      priority=priority, pinned=spec.pinned, cache_salt=cache_salt,
+                      priority=priority, pinned=spec.pinned, cache_salt=adapter_salt(cache_salt, lora),
                       hash_root=self.hash_root, session_id=session_id,
-                      arrival=time.monotonic(), arrival_seq=next(self._arrivals))
+                      arrival=time.monotonic(), arrival_seq=next(self._arrivals), lora=adapter)
         if sampling.prompt_logprobs is not None:
             req.prompt_lps = [None]             # the first prompt token has no logprob
         if sampling.structured_outputs is not None:

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from ..kernels import cpu_linear, cpu_ops
 from . import attention
+from .lora import LoRABatch
 
 FAMILIES = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral"}
 
@@ -51,15 +52,35 @@ def supports(model) -> bool:
 class ModuleLayer:
     """One decoder layer's projections as its own modules (the interface of ``PackedLayer``)."""
 
-    __slots__ = ("attn", "o", "mlp")
+    __slots__ = ("attn", "o_proj", "_mlp")
 
     def __init__(self, layer) -> None:
-        self.attn, self.o, self.mlp = layer.self_attn, layer.self_attn.o_proj, layer.mlp
+        self.attn, self.o_proj, self._mlp = layer.self_attn, layer.self_attn.o_proj, layer.mlp
 
-    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def qkv(self, x: torch.Tensor, lora=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k and v ``[T, heads * D]`` of ``x`` ``[T, hidden]``."""
         a = self.attn
-        return a.q_proj(x), a.k_proj(x), a.v_proj(x)
+        q, k, v = a.q_proj(x), a.k_proj(x), a.v_proj(x)
+        return (q, k, v) if lora is None else _lora_qkv(lora, x, q, k, v)
+
+    def o(self, x: torch.Tensor, lora=None) -> torch.Tensor:
+        y = self.o_proj(x)
+        return y if lora is None else lora("o_proj", x, y)
+
+    def mlp(self, x: torch.Tensor, lora=None) -> torch.Tensor:
+        """The layer's MLP module; with ``lora``, its gate/up/down products one by one."""
+        if lora is None:
+            return self._mlp(x)
+        m = self._mlp
+        g = lora("gate_proj", x, m.gate_proj(x))
+        h = m.act_fn(g) * lora("up_proj", x, m.up_proj(x))
+        return lora("down_proj", h, m.down_proj(h))
+
+
+def _lora_qkv(lora, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k and v with the LoRA deltas of ``lora`` (``LoRABatch.hook``) added in place."""
+    return lora("q_proj", x, q), lora("k_proj", x, k), lora("v_proj", x, v)
 
 
 def _silu_(x: torch.Tensor) -> torch.Tensor:
@@ -69,13 +90,13 @@ def _silu_(x: torch.Tensor) -> torch.Tensor:
 class PackedLayer:
     """One decoder layer's projections packed for oneDNN (see :mod:`..kernels.cpu_linear`)."""
 
-    __slots__ = ("qkv_proj", "qkv_sizes", "o", "gate", "up", "down", "act")
+    __slots__ = ("qkv_proj", "qkv_sizes", "o_proj", "gate", "up", "down", "act")
 
     def __init__(self, layer) -> None:
         a, mlp = layer.self_attn, layer.mlp
         self.qkv_proj = cpu_linear.PackedLinear.stack(a.q_proj, a.k_proj, a.v_proj)
         self.qkv_sizes = [a.q_proj.out_features, a.k_proj.out_features, a.v_proj.out_features]
-        self.o = cpu_linear.PackedLinear.stack(a.o_proj)
+        self.o_proj = cpu_linear.PackedLinear.stack(a.o_proj)
         # SiLU (Llama, Qwen2, Mistral) runs in place on the gate product, torch's own op as in
         # transformers: oneDNN's fused swish post-op was slower (135M step loop, 4 interleaved
         # rounds each in one process: 33.1-35.0 s separate vs 33.8-37.0 s fused). Gate and up
@@ -87,17 +108,27 @@ class PackedLayer:
         self.down = cpu_linear.PackedLinear.stack(mlp.down_proj)
         self.act = _silu_ if silu else mlp.act_fn
 
-    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """q, k and v ``[T, heads * D]`` (views of one product) of ``x`` ``[T, hidden]``."""
-        return self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+    def qkv(self, x: torch.Tensor, lora=None) -> tuple[torch.Tensor, ...]:
+        """q, k and v ``[T, heads * D]`` (views of one product) of ``x`` ``[T, hidden]``;
+        ``lora``: a ``LoRABatch.hook`` adding adapters' deltas (None: the base model)."""
+        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        return (q, k, v) if lora is None else _lora_qkv(lora, x, q, k, v)
 
-    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+    def o(self, x: torch.Tensor, lora=None) -> torch.Tensor:
+        y = self.o_proj(x)
+        return y if lora is None else lora("o_proj", x, y)
+
+    def mlp(self, x: torch.Tensor, lora=None) -> torch.Tensor:
         """``down(act(gate(x)) * up(x))``, ``x`` ``[T, hidden]``. Rows are padded to their
         bucket once here, so the three products (down's input the widest) copy nothing."""
         rows = x.shape[0]
         x = cpu_linear.pad_rows(x)
-        h = self.act(self.gate(x))
-        return self.down(h.mul_(self.up(x)))[:rows]
+        if lora is None:
+            h = self.act(self.gate(x))
+            return self.down(h.mul_(self.up(x)))[:rows]
+        h = self.act(lora("gate_proj", x, self.gate(x)))
+        h.mul_(lora("up_proj", x, self.up(x)))
+        return lora("down_proj", h, self.down(h))[:rows]
 
 
 SILU_ACTIVATIONS = ("SiLU", "SiLUActivation")     # transformers' names of the SiLU act_fn
@@ -132,23 +163,34 @@ class TritonLayer:
     """One decoder layer on a GPU: q/k/v as one product, gate/up as one product followed by
     the fused SiLU gate (:mod:`..kernels.triton_ops`); o and down as their modules."""
 
-    __slots__ = ("qkv_w", "qkv_b", "qkv_sizes", "o", "gate_up_w", "down")
+    __slots__ = ("qkv_w", "qkv_b", "qkv_sizes", "o_proj", "gate_up_w", "down", "inter")
 
     def __init__(self, layer) -> None:
         a, mlp = layer.self_attn, layer.mlp
         self.qkv_w, self.qkv_b = _pack_rows(a.q_proj, a.k_proj, a.v_proj)
         self.qkv_sizes = [a.q_proj.out_features, a.k_proj.out_features, a.v_proj.out_features]
-        self.o = a.o_proj
+        self.o_proj = a.o_proj
         self.gate_up_w, _ = _pack_rows(mlp.gate_proj, mlp.up_proj)
+        self.inter = mlp.gate_proj.out_features
         self.down = mlp.down_proj
 
-    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return F.linear(x, self.qkv_w, self.qkv_b).split(self.qkv_sizes, dim=-1)
+    def qkv(self, x: torch.Tensor, lora=None) -> tuple[torch.Tensor, ...]:
+        q, k, v = F.linear(x, self.qkv_w, self.qkv_b).split(self.qkv_sizes, dim=-1)
+        return (q, k, v) if lora is None else _lora_qkv(lora, x, q, k, v)
 
-    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+    def o(self, x: torch.Tensor, lora=None) -> torch.Tensor:
+        y = self.o_proj(x)
+        return y if lora is None else lora("o_proj", x, y)
+
+    def mlp(self, x: torch.Tensor, lora=None) -> torch.Tensor:
         from ..kernels import triton_ops  # noqa: PLC0415 - Triton loads only where it runs
 
-        return self.down(triton_ops.silu_mul(F.linear(x, self.gate_up_w)))
+        gate_up = F.linear(x, self.gate_up_w)
+        if lora is not None:            # the deltas go to the gate and up halves (views)
+            lora("gate_proj", x, gate_up[:, :self.inter])
+            lora("up_proj", x, gate_up[:, self.inter:])
+        h = triton_ops.silu_mul(gate_up)
+        return self.down(h) if lora is None else lora("down_proj", h, self.down(h))
 
 
 def _triton_fusable(model) -> bool:
@@ -245,19 +287,22 @@ class FastCausalLM:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                ctx: attention.AttentionContext, logit_rows: torch.Tensor) -> torch.Tensor:
-        """``input_ids``/``positions`` ``[T]``; returns logits ``[len(logit_rows), vocab]``."""
+                ctx: attention.AttentionContext, logit_rows: torch.Tensor,
+                lora: LoRABatch | None = None) -> torch.Tensor:
+        """``input_ids``/``positions`` ``[T]``; returns logits ``[len(logit_rows), vocab]``.
+        ``lora``: the step's rows by LoRA adapter (None: every row the base model's)."""
         h = self.embed(input_ids[None])                              # [1, T, hidden]
         cos, sin = self.rotary(h, position_ids=positions[None])      # [1, T, D] each
         cos, sin = cos[0], sin[0]
         t, d = input_ids.shape[0], self.head_dim
         h = h[0]
         if self.ops is not None:
-            return self._forward_fused(h, cos.contiguous(), sin.contiguous(), ctx, logit_rows)
+            return self._forward_fused(h, cos.contiguous(), sin.contiguous(), ctx, logit_rows, lora)
         last = len(self.layers) - 1
         for i, (layer, window, p) in enumerate(zip(self.layers, self.windows, self.projections)):
             a = layer.self_attn
-            q, k, v = p.qkv(layer.input_layernorm(h))
+            hook = lora.hook(i) if lora else None
+            q, k, v = p.qkv(layer.input_layernorm(h), hook)
             q, k = self.apply_rotary(q.view(t, -1, d), k.view(t, -1, d), cos, sin,
                                      unsqueeze_dim=1)                 # [T, H, D], [T, Hkv, D]
             o = attention.paged_step(q, k, v.view(t, -1, d), ctx, a.layer_idx, a.scaling, window)
@@ -266,12 +311,14 @@ class FastCausalLM:
                 if not logit_rows.numel():
                     return h.new_empty(0, self.lm_head.out_features)
                 o, h = _sampled_rows(o, h, logit_rows)
-            h = h + p.o(o)
-            h = h + p.mlp(layer.post_attention_layernorm(h))
+                hook = lora.hook(i, sampled=True) if lora else None
+            h = h + p.o(o, hook)
+            h = h + p.mlp(layer.post_attention_layernorm(h), hook)
         return self.lm_head(self.norm(h))
 
     def _forward_fused(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       ctx: attention.AttentionContext, logit_rows: torch.Tensor) -> torch.Tensor:
+                       ctx: attention.AttentionContext, logit_rows: torch.Tensor,
+                       lora: LoRABatch | None) -> torch.Tensor:
         """The forward above with each norm (the residual add folded in) and the rotary
         embedding of q and k one pass each: :mod:`..kernels.cpu_ops` (C++) on the CPU,
         :mod:`..kernels.triton_ops` on a GPU (there with the SiLU gate fused into ``p.mlp``).
@@ -282,7 +329,8 @@ class FastCausalLM:
         last = len(self.layers) - 1
         for i, (layer, window, p) in enumerate(zip(self.layers, self.windows, self.projections)):
             a = layer.self_attn
-            q, k, v = p.qkv(x)
+            hook = lora.hook(i) if lora else None
+            q, k, v = p.qkv(x, hook)
             q, k = ops.rotary_qk(q.view(t, -1, d), k.view(t, -1, d), cos, sin)  # in place
             o = attention.paged_step(q, k, v.view(t, -1, d), ctx, a.layer_idx, a.scaling, window)
             o = o.view(t, -1)
@@ -290,8 +338,9 @@ class FastCausalLM:
                 if not logit_rows.numel():
                     return h.new_empty(0, self.lm_head.out_features)
                 o, h = _sampled_rows(o, h, logit_rows)
-            x = ops.add_rms_norm(p.o(o), h, *args[2 * i + 1])
-            m = p.mlp(x)
+                hook = lora.hook(i, sampled=True) if lora else None
+            x = ops.add_rms_norm(p.o(o, hook), h, *args[2 * i + 1])
+            m = p.mlp(x, hook)
             if i < last:
                 x = ops.add_rms_norm(m, h, *args[2 * i + 2])
             else:

@@ -52,6 +52,13 @@ def model_root(identity: str | None) -> BlockHash | None:
     return BlockHash(hashlib.blake2b(b"\x02model:" + identity.encode(), digest_size=_DIGEST_BYTES).digest())
 
 
+def adapter_salt(salt: str | None, adapter: str | None) -> str | None:
+    """The cache-scope salt of a request of LoRA ``adapter`` (None: the base model) in scope
+    ``salt``: an adapter's KV differs from the base model's for the same tokens. The gateway
+    (the router's hashes) and the engine both hash with it."""
+    return salt if adapter is None else f"{salt or ''}|lora:{adapter}"
+
+
 def hash_prompt_blocks(token_ids: Sequence[int], block_size: int, salt: str | None = None,
                        start: int = 0, parent: BlockHash | None = None) -> list[BlockHash]:
     """Hashes of the full blocks of ``token_ids`` from block index ``start`` on.

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from kvharbor.config import EngineConfig
 
 from .engine import Engine
+from .lora import LoRARequest
 from .request import RequestOutput, SamplingParams
 
 Prompt = str | Sequence[int]
@@ -43,11 +44,15 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  tenant: str = "default", qos: str = "standard",
-                 cache_salt: str | None = None, session_id: str | None = None) -> list[RequestOutput]:
+                 cache_salt: str | None = None, session_id: str | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 ) -> list[RequestOutput]:
         """Run all prompts together (continuous batching); outputs in prompt order.
 
         ``session_id``: the prompts are turns of that session of ``tenant``: after each, its
         prompt + output KV blocks stay referenced for the next turn (``LLM.end_session``).
+        ``lora_request``: the LoRA adapter of every prompt, or one per prompt (None: the base
+        model), as in vLLM; an adapter is loaded from its ``lora_path`` on first use.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -56,11 +61,12 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        loras = self._loras(lora_request, len(prompts))
         ids = []
-        for prompt, sp in zip(prompts, params):
+        for prompt, sp, lora in zip(prompts, params, loras):
             rid = f"offline-{next(self._ids)}"
             self.engine.add_request(rid, self.encode(prompt), _copy(sp), tenant=tenant, qos=qos,
-                                    cache_salt=cache_salt, session_id=session_id)
+                                    cache_salt=cache_salt, session_id=session_id, lora=lora)
             ids.append(rid)
         final: dict[str, RequestOutput] = {}
         while len(final) < len(ids):
@@ -71,6 +77,17 @@ class LLM:
             if not outs and not self.engine.scheduler.running:
                 self._fail_if_stuck(ids, final)
         return [final[i] for i in ids]
+
+    def _loras(self, lora_request, n: int) -> list[str | None]:
+        """Each prompt's adapter name, loading the adapters not loaded yet."""
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_request = [lora_request] * n
+        if len(lora_request) != n:
+            raise ValueError(f"got {len(lora_request)} LoRA requests for {n} prompts")
+        for lr in lora_request:
+            if lr is not None:
+                self.engine.add_lora(lr.lora_name, lr.lora_path)
+        return [None if lr is None else lr.lora_name for lr in lora_request]
 
     def _fail_if_stuck(self, ids: list[str], final: dict) -> None:
         """Nothing ran: raise (after aborting this call's requests) if one can never fit."""

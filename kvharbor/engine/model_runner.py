@@ -21,6 +21,7 @@ import torch
 from kvharbor.kernels import KV_CACHE_DTYPES, LayerKVCache, cpu_decode, get_attention_backend, plan_attention
 
 from . import attention, fast_model
+from .lora import LoRABatch
 from .models import uniform_sliding_window
 from .request import Request
 from .logprobs import scored_logprobs, token_logprobs
@@ -117,6 +118,7 @@ class ModelRunner:
     def _build(self, batch: list[ScheduledRequest]):
         ids, pos, slots, qsl, lens, tables, logit_rows = [], [], [], [0], [], [], []
         prompt_rows = []                        # (forward_logits cleared self._prompt_rows)
+        row_loras, any_lora = [], False         # each token row's LoRA adapter (None: base)
         bs = self.block_size
         for item in batch:
             r, start = item.request, item.request.num_computed_tokens
@@ -126,6 +128,8 @@ class ModelRunner:
             block_ids = [b.block_id for b in r.blocks]
             slots += [block_ids[p // bs] * bs + p % bs for p in range(start, end)]
             qsl.append(qsl[-1] + item.num_new_tokens)
+            row_loras += [r.lora] * item.num_new_tokens
+            any_lora = any_lora or r.lora is not None
             lens.append(end)
             tables.append(block_ids)
             if item.samples:
@@ -150,8 +154,9 @@ class ModelRunner:
                                       pad_block=self.null_block_id,
                                       decode_kernel=self.decode_kernel)
             ctx.plan_window = self.sliding_window
+        lora = LoRABatch(row_loras, logit_rows, self.device) if any_lora else None
         return (self._upload([ids], torch.int64), self._upload([pos], torch.int64), ctx,
-                self._upload(logit_rows, torch.int64))
+                self._upload(logit_rows, torch.int64), lora)
 
     def _score_prompts(self, logits: torch.Tensor) -> torch.Tensor:
         """Append the prompt logprobs of the last build's prompt rows to their requests;
@@ -176,10 +181,10 @@ class ModelRunner:
         self._prompt_rows = []
         if self.graphs is not None and self.graphs.eligible(batch):
             return self.graphs.forward_logits(batch)
-        input_ids, positions, ctx, rows = self._build(batch)
+        input_ids, positions, ctx, rows, lora = self._build(batch)
         ctx.interrupt = self.interrupt
         if self.fast is not None:
-            return self.fast.forward(input_ids[0], positions[0], ctx, rows)
+            return self.fast.forward(input_ids[0], positions[0], ctx, rows, lora)
         keep = rows if rows.numel() else 1           # a pure prefill chunk samples nothing
         # The paged attention is switched on only for the engine's own forward, so
         # ``llm.hf_model`` stays a stock transformers model (the tests' oracle).

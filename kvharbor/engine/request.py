@@ -142,6 +142,7 @@ class Request:
     held_stops: tuple[int, ...] = ()     # ids masked until min_tokens (stop ids, EOS unless ignored)
     prompt_lps: list | None = None       # prompt_logprobs asked: TokenLogprobs per prompt token so far
     matcher: object = None               # structured_outputs: its xgrammar GrammarMatcher
+    lora: object = None                  # the LoRAAdapter it generates with (None: the base model)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

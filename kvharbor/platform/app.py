@@ -129,7 +129,8 @@ def build_app(args: dict | None = None):
     replica = serve.deployment(LLMReplica).options(**options).bind(
         engine, tenants, cfg.directory_name, None if on_gpu else cfg.cpu_threads,
         0 if on_gpu else cfg.cpu_replica_nice)
-    config = {"model": cfg.model, "tenants": tenants, "block_size": cfg.block_size,
+    config = {"model": cfg.model, "lora_modules": cfg.lora_modules, "tenants": tenants,
+              "block_size": cfg.block_size,
               "max_body_bytes": cfg.max_body_bytes, "overload_lag_ms": cfg.overload_lag_ms,
               "premium_port": cfg.premium_port}
     lane = None

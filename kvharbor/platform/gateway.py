@@ -36,7 +36,7 @@ from ray.exceptions import RayActorError, TaskCancelledError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvharbor.actors.calls import detached, on_event_loop, start_background
-from kvharbor.engine.hashing import hash_prompt_blocks, model_root
+from kvharbor.engine.hashing import adapter_salt, hash_prompt_blocks, model_root
 from kvharbor.engine.model_identity import model_identity
 from kvharbor.engine.model_info import load_tokenizer, model_context_length
 from kvharbor.observability.metrics import get_metrics
@@ -264,6 +264,7 @@ class Gateway:
         # deploys the lane with the app; never called.
         self.lane = lane
         self.model = config["model"]
+        self.adapters = dict(config.get("lora_modules") or {})   # LoRA name -> checkpoint directory
         self.registry = TenantRegistry(config["tenants"])
         self.tokenizer = load_tokenizer(self.model)
         bound_token_ids(api.openapi(), len(self.tokenizer))     # /openapi.json: ids < vocabulary
@@ -347,10 +348,18 @@ class Gateway:
         return principal
 
     def _check_model(self, principal, model: str) -> None:
-        if model != self.model:
-            raise APIError(404, f"model {model!r} does not exist; this server serves {self.model!r} "
-                           "(see GET /v1/models)", "model_not_found", "model")
+        if model != self.model and model not in self.adapters:
+            self._no_model(model)
         self.registry.check_model(principal, model)
+
+    def _no_model(self, model: str):
+        served = ", ".join(repr(m) for m in [self.model, *self.adapters])
+        raise APIError(404, f"model {model!r} does not exist; this server serves {served} "
+                       "(see GET /v1/models)", "model_not_found", "model")
+
+    def _adapter(self, model: str) -> str | None:
+        """The LoRA adapter a request's ``model`` names (None: the base model)."""
+        return None if model == self.model else model
 
     # ---- routes --------------------------------------------------------------------------
     @api.get("/healthz", responses={503: {"description": "no LLM replica is running (the same "
@@ -374,19 +383,21 @@ class Gateway:
     @api.get("/v1/models", response_model=ModelList, responses=error_responses(401))
     async def models(self, request: Request) -> dict:
         self._authenticate(request)
-        return {"object": "list", "data": [self._card()]}
+        return {"object": "list", "data": [self._card(m) for m in [self.model, *self.adapters]]}
 
     @api.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=error_responses(401, 404))
     async def model(self, model_id: str, request: Request) -> dict:
         self._authenticate(request)
-        if model_id != self.model:
-            raise APIError(404, f"model {model_id!r} does not exist; this server serves {self.model!r} "
-                           "(see GET /v1/models)", "model_not_found", "model")
-        return self._card()
+        if model_id != self.model and model_id not in self.adapters:
+            self._no_model(model_id)
+        return self._card(model_id)
 
-    def _card(self) -> dict:
-        return {"id": self.model, "object": "model", "created": 0, "owned_by": "kvharbor",
-                "max_model_len": self.context}
+    def _card(self, model: str) -> dict:
+        """The model's card; a LoRA adapter's names its directory and base model, as vLLM's."""
+        adapter = model in self.adapters
+        return {"id": model, "object": "model", "created": 0, "owned_by": "kvharbor",
+                "max_model_len": self.context, "root": self.adapters[model] if adapter else model,
+                "parent": self.model if adapter else None}
 
     @api.post("/v1/completions", response_model=CompletionResponse,
               responses={200: {"content": SSE}, **GENERATE_ERRORS})
@@ -539,8 +550,10 @@ class Gateway:
         echo = not chat and body.echo and self.prompts.echo_texts(body, prompts)
         scored = logprobs if echo else None          # each prompt's leader scores its tokens
         siblings = []
+        lora = self._adapter(body.model)
+        salt = adapter_salt(principal.cache_salt, lora)         # the engine's scope of its blocks
         for ids in prompts:
-            hashes = hash_prompt_blocks(ids, self.block_size, principal.cache_salt, parent=self.hash_root)
+            hashes = hash_prompt_blocks(ids, self.block_size, salt, parent=self.hash_root)
             for j in range(body.n):          # choice i is prompt i // n's j-th
                 i = len(siblings)
                 siblings.append(GenerateRequest(
@@ -549,7 +562,7 @@ class Gateway:
                     sampling={**sampling, "seed": _sibling_seed(body.seed, j),
                               "prompt_logprobs": scored if j == 0 else None},
                     cache_salt=principal.cache_salt, priority=principal.qos.priority,
-                    pinned=principal.qos.pinned, session_id=session_id if i == 0 else None,
+                    pinned=principal.qos.pinned, session_id=session_id if i == 0 else None, lora=lora,
                     caller=self.caller, stream_interval=principal.qos.stream_interval if body.stream else 0))
         run = GenerationRun(self, siblings, principal, ticket, chat, body.model, logprobs, marks,
                             choices_per_prompt=body.n, echo=echo or None, prompt_only=prompt_only,

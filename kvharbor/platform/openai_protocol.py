@@ -458,6 +458,8 @@ class ModelCard(BaseModel):
     created: int = Field(description="Unix seconds (0).")
     owned_by: str = Field(description="Owner.")
     max_model_len: int = Field(description="Context length in tokens.")
+    root: str = Field(description="The checkpoint: the base model's id, or a LoRA adapter's directory.")
+    parent: str | None = Field(None, description="A LoRA adapter's base model (null for the base model).")
 
 
 class ModelList(BaseModel):

@@ -9,6 +9,7 @@ wider earlier step are checked here; the replay itself is checked on a GPU by
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -63,14 +64,16 @@ def test_only_decode_steps_are_eligible():
                         capture=False).buckets[-1] == 256
 
     class Item:
-        def __init__(self, n, samples=True):
+        def __init__(self, n, samples=True, lora=None):
             self.num_new_tokens, self.samples = n, samples
+            self.request = SimpleNamespace(lora=lora)
 
     assert graphs.eligible([Item(1)] * 4)
     assert not graphs.eligible([Item(1)] * 5)           # above the largest bucket
     assert not graphs.eligible([Item(1), Item(2)])      # a prefill chunk in the step
     assert not graphs.eligible([Item(1, samples=False)])
     assert not graphs.eligible([])
+    assert not graphs.eligible([Item(1), Item(1, lora=object())])   # the graphs hold no adapter
 
 
 def test_a_padded_step_writes_kv_only_at_its_requests_slots():

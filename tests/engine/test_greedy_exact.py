@@ -139,16 +139,16 @@ class _RowCounter:
     def __init__(self, inner) -> None:
         self.inner, self.rows = inner, []
 
-    def qkv(self, x):
-        return self.inner.qkv(x)
+    def qkv(self, x, lora=None):
+        return self.inner.qkv(x, lora)
 
-    def o(self, x):
+    def o(self, x, lora=None):
         self.rows.append(("o", x.shape[0]))
-        return self.inner.o(x)
+        return self.inner.o(x, lora)
 
-    def mlp(self, x):
+    def mlp(self, x, lora=None):
         self.rows.append(("mlp", x.shape[0]))
-        return self.inner.mlp(x)
+        return self.inner.mlp(x, lora)
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused_ops", "module_norms"])

@@ -112,3 +112,36 @@ def test_triton_model_path_keeps_greedy_tokens_exact(model):
     want = hf_greedy(llm.hf_model, prompts, new_tokens=6)
     outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     assert [o.token_ids for o in outs] == want
+
+
+def test_triton_model_path_serves_lora_adapters(tmp_path):
+    """On the Triton layer path (q/k/v and gate/up packed, the deltas added to the gate and
+    up halves of one product) an adapter's requests and the base model's, in one batch,
+    generate what PEFT's forward and the base model generate."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from kvharbor import LLM, LoRARequest, SamplingParams
+    from kvharbor.engine.fast_model import FastCausalLM
+
+    from ..engine.conftest import hf_greedy, random_prompt
+
+    llm = LLM(model="kvharbor/tiny-llama", device=str(DEVICE), dtype="float32", num_kv_blocks=256)
+    base = llm.hf_model
+    torch.manual_seed(3)
+    oracle = get_peft_model(copy.deepcopy(base), LoraConfig(
+        r=8, lora_alpha=16, init_lora_weights=False,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    oracle.save_pretrained(str(tmp_path / "a"))
+    runner = llm.engine.runner
+    runner.fast = FastCausalLM(base, triton=True)
+    assert runner.fast.triton
+    prompts = [random_prompt(n, seed) for seed, n in enumerate((9, 23, 40))]
+    loras = [LoRARequest("a", 1, str(tmp_path / "a")), None, LoRARequest("a", 1, str(tmp_path / "a"))]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+                        lora_request=loras)
+    want_adapted = hf_greedy(oracle.eval(), [prompts[0], prompts[2]], new_tokens=6)
+    assert [outs[0].token_ids, outs[2].token_ids] == want_adapted
+    assert outs[1].token_ids == hf_greedy(base, [prompts[1]], new_tokens=6)[0]
+    assert want_adapted != hf_greedy(base, [prompts[0], prompts[2]], new_tokens=6)

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import DEMO
+from tests.conftest import DEMO, LORA
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +19,7 @@ def client(kvharbor_app):
 
 def test_models_lists_the_served_model(client, kvharbor_app):
     ids = [m.id for m in client.models.list().data]
-    assert ids == [kvharbor_app.model]
+    assert ids == [kvharbor_app.model, LORA]
 
 
 def test_completion_matches_offline_engine(client, kvharbor_app):

@@ -1,0 +1,156 @@
+"""LoRA adapters (multi-LoRA): requests of several adapters and of the base model in one batch
+each generate what PEFT's own forward of their adapter generates, token for token; adapters
+cache their prefixes apart; checkpoints the engine cannot serve are refused by reason."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from safetensors.torch import load_file, save_file
+
+from kvharbor import LLM, LoRARequest
+
+from .conftest import greedy, hf_greedy, mixed_prompts, random_prompt
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+NEW = 8
+
+
+def _adapter(base, path, seed: int, **config):
+    """A PEFT LoRA of ``base`` with random (non-zero) A and B saved at ``path``; returns
+    the PEFT model (the oracle)."""
+    torch.manual_seed(seed)
+    peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(init_lora_weights=False, **config))
+    peft_model.save_pretrained(str(path))
+    return peft_model.eval()
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    """Two adapters of tiny-llama: 'all' (r 8, every projection, every layer) and 'attn'
+    (r 4, q and v only, layers 1 and 3, rsLoRA scaling); with their PEFT oracles."""
+    root = tmp_path_factory.mktemp("lora")
+    base = LLM("kvharbor/tiny-llama", device="cpu", num_kv_blocks=64).hf_model
+    oracles = {
+        "all": _adapter(base, root / "all", 1, r=8, lora_alpha=16, target_modules=ALL),
+        "attn": _adapter(base, root / "attn", 2, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                         layers_to_transform=[1, 3], use_rslora=True),
+    }
+    return {"root": root, "oracles": oracles, "base": base}
+
+
+def _requests(adapters, names):
+    return [None if n is None else LoRARequest(n, i + 1, str(adapters["root"] / n))
+            for i, n in enumerate(names)]
+
+
+@pytest.mark.parametrize("path", ["fused", "unfused", "modules"])
+def test_adapters_and_base_in_one_batch_match_peft(path, adapters, monkeypatch):
+    """16 prompts (1 to 330 tokens, chunked at 96) spread over 'all', 'attn' and the base
+    model in one generate call: each equals PEFT's greedy generate with its adapter (the base
+    model's for base rows), on the fused CPU ops, the packed layers without them, and the
+    plain modules."""
+    if path == "modules":
+        monkeypatch.setenv("KVH_CPU_LINEAR", "torch")
+    llm = LLM("kvharbor/tiny-llama", device="cpu", num_kv_blocks=1024, max_num_batched_tokens=96)
+    if path == "unfused":
+        llm.engine.runner.fast.ops = None
+    assert (llm.engine.runner.fast.ops is not None) == (path == "fused")
+    prompts = mixed_prompts()
+    names = [("all", "attn", None)[i % 3] for i in range(len(prompts))]
+    outs = llm.generate(prompts, greedy(NEW), lora_request=_requests(adapters, names))
+    oracles = adapters["oracles"]
+    for name in ("all", "attn", None):
+        idx = [i for i, n in enumerate(names) if n == name]
+        model = adapters["base"] if name is None else oracles[name]
+        want = hf_greedy(model, [prompts[i] for i in idx], NEW)
+        assert [outs[i].token_ids for i in idx] == want, name
+    base_of_adapted = hf_greedy(adapters["base"], [prompts[i] for i in range(len(prompts)) if names[i]], NEW)
+    adapted = [outs[i].token_ids for i in range(len(prompts)) if names[i]]
+    assert sum(a != b for a, b in zip(adapted, base_of_adapted)) >= len(adapted) // 2   # they change tokens
+    llm.check_integrity()
+
+
+def test_an_adapter_caches_its_prefixes_apart_from_the_base_model(adapters):
+    """The same prompt under the base model, then 'all', then 'all' again, then 'attn': only
+    the repeat of 'all' hits the cache (an adapter's KV differs from the base model's), and
+    each answer is its own model's."""
+    llm = LLM("kvharbor/tiny-llama", device="cpu", num_kv_blocks=256)
+    prompt = random_prompt(70, 5)
+    [all_, attn] = _requests(adapters, ["all", "attn"])
+    base = llm.generate([prompt], greedy(NEW))[0]
+    first = llm.generate([prompt], greedy(NEW), lora_request=all_)[0]
+    again = llm.generate([prompt], greedy(NEW), lora_request=all_)[0]
+    other = llm.generate([prompt], greedy(NEW), lora_request=attn)[0]
+    assert [base.num_cached_tokens, first.num_cached_tokens, again.num_cached_tokens,
+            other.num_cached_tokens] == [0, 0, 64, 0]
+    assert first.token_ids == again.token_ids == hf_greedy(adapters["oracles"]["all"], [prompt], NEW)[0]
+    assert other.token_ids == hf_greedy(adapters["oracles"]["attn"], [prompt], NEW)[0]
+    assert base.token_ids == hf_greedy(adapters["base"], [prompt], NEW)[0]
+
+
+def test_adapters_load_at_start_and_requests_name_them(adapters):
+    llm = LLM("kvharbor/tiny-llama", device="cpu", num_kv_blocks=128,
+              lora_modules={"all": str(adapters["root"] / "all")})
+    prompt = random_prompt(20, 9)
+    llm.engine.add_request("r", prompt, greedy(NEW), lora="all")
+    while llm.engine.has_unfinished():
+        outs = llm.engine.step()
+    assert outs[-1].token_ids == hf_greedy(adapters["oracles"]["all"], [prompt], NEW)[0]
+    with pytest.raises(ValueError, match=r"unknown LoRA adapter 'attn' \(loaded: all\)"):
+        llm.engine.add_request("s", prompt, greedy(NEW), lora="attn")
+    with pytest.raises(ValueError, match="already loaded from"):
+        llm.engine.add_lora("all", str(adapters["root"] / "attn"))
+
+
+def _edited(src, dst, config=None, tensors=None):
+    """A copy of checkpoint ``src`` at ``dst`` with its config updated and tensors edited."""
+    dst.mkdir()
+    cfg = json.loads((src / "adapter_config.json").read_text())
+    cfg.update(config or {})
+    (dst / "adapter_config.json").write_text(json.dumps(cfg))
+    weights = load_file(str(src / "adapter_model.safetensors"))
+    save_file(tensors(weights) if tensors else weights, str(dst / "adapter_model.safetensors"))
+    return dst
+
+
+REFUSALS = {
+    "dora": ({"use_dora": True}, None, "use_dora"),
+    "modules_to_save": ({"modules_to_save": ["lm_head"]}, None, "modules_to_save"),
+    "bias": ({"bias": "all"}, None, "trained biases"),
+    "alpha_pattern": ({"alpha_pattern": {"q_proj": 4}}, None, "alpha_pattern"),
+    "embeddings": (None, lambda w: {**w, "base_model.model.model.embed_tokens.lora_A.weight": torch.zeros(8, 256)},
+                   "embed_tokens.lora_A.weight' is not a LoRA weight of a projection"),
+    "other model": (None, lambda w: {k: torch.zeros(v.shape[0], 7) if k.endswith("q_proj.lora_A.weight") else v
+                                     for k, v in w.items()}, r"q_proj has A \(8, 7\)"),
+    "too many layers": (None, lambda w: {**w, "base_model.model.model.layers.9.self_attn.q_proj.lora_A.weight":
+                                         torch.zeros(8, 256)}, "layer 9 q_proj has no such layer"),
+    "B missing": (None, lambda w: {k: v for k, v in w.items() if "layers.2.mlp.up_proj.lora_B" not in k},
+                  "layer 2 up_proj has only lora_A"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_checkpoints_it_cannot_serve_are_refused_by_reason(case, adapters, tmp_path):
+    config, tensors, message = REFUSALS[case]
+    path = _edited(adapters["root"] / "all", tmp_path / case, config, tensors)
+    llm = LLM("kvharbor/tiny-llama", device="cpu", num_kv_blocks=64)
+    with pytest.raises(ValueError, match=message):
+        llm.generate([[1, 2, 3]], greedy(2), lora_request=LoRARequest("x", 1, str(path)))
+    assert llm.engine.loras.adapters == {} and not llm.engine.has_unfinished()
+
+
+def test_rank_limit_and_missing_checkpoints_are_refused(adapters, tmp_path):
+    with pytest.raises(ValueError, match="rank 8 at layer 0 .* exceeds max_lora_rank=4"):
+        LLM("kvharbor/tiny-llama", device="cpu", num_kv_blocks=64, max_lora_rank=4,
+            lora_modules={"all": str(adapters["root"] / "all")})
+    llm = LLM("kvharbor/tiny-llama", device="cpu", num_kv_blocks=64)
+    with pytest.raises(ValueError, match="no readable adapter_config.json"):
+        llm.engine.add_lora("gone", str(tmp_path / "nowhere"))
+    with pytest.raises(ValueError, match="LoRA adapters run on kvharbor's model path"):
+        LLM("kvharbor/tiny-llama", device="cpu", num_kv_blocks=64, model_path="transformers",
+            lora_modules={"all": str(adapters["root"] / "all")})

@@ -1,0 +1,82 @@
+"""LoRA adapters over HTTP, as vLLM serves them: a request's ``model`` names the adapter, its
+answer is the offline engine's with that adapter, ``/v1/models`` lists it with its base model,
+a tenant's ``allowed_models`` may name it, and its prefixes are routed to and reused on the
+replica that cached them under the adapter (never the base model's blocks)."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import openai
+import pytest
+
+from tests.conftest import DEMO, LORA, TEST_KEYS
+
+
+@pytest.fixture(scope="module")
+def client(kvharbor_app):
+    return openai.OpenAI(base_url=kvharbor_app.base_url + "/v1", api_key=DEMO["standard"], max_retries=0)
+
+
+def _text(n: int, seed: int) -> str:
+    rng = random.Random(seed)
+    return "".join(chr(rng.randrange(97, 123)) for _ in range(n))   # 1 byte = 1 token
+
+
+def test_an_adapter_answers_what_the_engine_answers_with_it(client, kvharbor_app):
+    from kvharbor import LLM, LoRARequest, SamplingParams
+
+    offline = LLM(device="cpu", num_kv_blocks=64)
+    prompts = ["Once upon a time", "The ship sailed"]
+    sp = SamplingParams(max_tokens=12, temperature=0)
+    want = [o.text for o in offline.generate(prompts, sp, lora_request=LoRARequest(LORA, 1, kvharbor_app.lora_path))]
+    base = [o.text for o in offline.generate(prompts, sp)]
+    assert want != base
+    for prompt, text, base_text in zip(prompts, want, base):
+        out = client.completions.create(model=LORA, prompt=prompt, max_tokens=12, temperature=0)
+        assert out.choices[0].text == text and out.model == LORA
+        plain = client.completions.create(model=kvharbor_app.model, prompt=prompt, max_tokens=12, temperature=0)
+        assert plain.choices[0].text == base_text
+    stream = client.completions.create(model=LORA, prompt=prompts[0], max_tokens=12, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == want[0]
+
+
+def test_models_lists_the_adapter_with_its_base_model(client, kvharbor_app):
+    cards = {m.id: m for m in client.models.list().data}
+    assert cards[LORA].parent == kvharbor_app.model and cards[LORA].root == kvharbor_app.lora_path
+    assert cards[kvharbor_app.model].parent is None and cards[kvharbor_app.model].root == kvharbor_app.model
+    assert client.models.retrieve(LORA).parent == kvharbor_app.model
+    with pytest.raises(openai.NotFoundError) as info:
+        client.completions.create(model="tiny-lora-2", prompt="x", max_tokens=1)
+    assert info.value.body["code"] == "model_not_found" and LORA in info.value.body["message"]
+
+
+def test_a_tenant_allowed_only_the_adapter(kvharbor_app):
+    only = openai.OpenAI(base_url=kvharbor_app.base_url + "/v1", api_key=TEST_KEYS["lora_only"], max_retries=0)
+    assert only.chat.completions.create(model=LORA, messages=[{"role": "user", "content": "hi"}],
+                                        max_tokens=3).choices[0].message.content is not None
+    with pytest.raises(openai.PermissionDeniedError) as info:
+        only.completions.create(model=kvharbor_app.model, prompt="hi", max_tokens=3)
+    assert info.value.body["code"] == "model_not_allowed" and LORA in info.value.body["message"]
+
+
+def test_an_adapters_prefix_is_routed_to_and_reused_where_it_was_cached(kvharbor_app):
+    """The router matches the adapter's own block hashes: follow-ups sharing a 512-token
+    prefix land on the replica that cached it under the adapter, and reuse it; the base model
+    with the same prefix reuses nothing (its KV is another model's)."""
+    prefix = _text(512, 77)
+    with kvharbor_app.client(DEMO["standard"]) as c:
+        def complete(model: str, suffix: str) -> dict:
+            r = c.post("/v1/completions", json={"model": model, "prompt": prefix + suffix,
+                                                "max_tokens": 2, "temperature": 0})
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        first = complete(LORA, "first?")
+        time.sleep(1.5)                      # KV events reach the routers
+        follow = [complete(LORA, f"then {i}!") for i in range(3)]
+        base = complete(kvharbor_app.model, "first?")
+    assert {f["kvharbor"]["replica_id"] for f in follow} == {first["kvharbor"]["replica_id"]}
+    assert all(f["usage"]["prompt_tokens_details"]["cached_tokens"] >= 496 for f in follow)
+    assert base["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
