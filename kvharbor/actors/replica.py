@@ -97,6 +97,7 @@ class LLMReplica:
         if self.tenants:
             self.tenants.pin_prefixes(self.engine)
             self.tenants.apply_session_limits(self.engine)
+            self.tenants.sync_adapters(self.engine)
         self._streams: dict[str, asyncio.Queue] = {}
         self._meta: dict[str, GenerateRequest] = {}
         self._arrived: dict[str, float] = {}   # perf_counter() when generate() was called
@@ -131,6 +132,8 @@ class LLMReplica:
             if sampling.structured_outputs is not None:   # compiled off the loop and the step
                 sampling.validate()
                 await asyncio.to_thread(self.engine.grammars.compile, sampling.structured_outputs)
+            if request.lora is not None and self.tenants:    # an adapter added a moment ago
+                await asyncio.to_thread(self.tenants.ensure_adapter, self.engine, request.lora)
         except (TypeError, ValueError) as e:
             yield {"error": f"bad sampling parameters: {e}", "status": 400, "retryable": False}
             return
@@ -390,13 +393,16 @@ class LLMReplica:
         while True:
             await asyncio.sleep(STATS_PERIOD_S)
             try:
+                reloaded = False
                 async with self._engine_lock:
                     if self.tenants:
-                        self.tenants.maybe_reload(self.engine)
+                        reloaded = self.tenants.maybe_reload(self.engine)
                     if self.engine.expire_sessions() or self.tenants:
                         self._snapshot = self._take_snapshot()
                     resync = self.directory.prepare(self.engine) if self.directory else None
                     self._record_metrics()
+                if reloaded:                         # checkpoints read off the loop and lock
+                    await asyncio.to_thread(self.tenants.sync_adapters, self.engine)
                 if self.directory is not None:       # awaited off the engine lock
                     await self.directory.settle(resync)
                 await self._abort_orphans()

@@ -1,4 +1,5 @@
-"""What a replica takes from tenants.yaml: QoS classes, the pinned region's bounds, pinned prefixes.
+"""What a replica takes from tenants.yaml: QoS classes, the pinned region's bounds, pinned
+prefixes, LoRA adapters.
 
 Region bounds: the floor is ``max(engine pinned_kv_blocks, sum of tenants' pinned_kv_blocks,
 pinned_region.floor_blocks)``; the ceiling is ``pinned_region.ceiling_blocks`` (None: a fixed
@@ -7,16 +8,19 @@ region of the floor). Between them the engine sizes the region by premium demand
 
 A reload applies, in this order: QoS classes; release of prefixes no longer configured (so
 their blocks can move); new bounds and an immediate resize attempt; then new prefixes (so
-they land in the grown region). ``tick`` retries the resize while the engine is idle.
+they land in the grown region). ``tick`` retries the resize while the engine is idle. LoRA
+adapters are loaded after that, off the engine lock (``sync_adapters``).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 from kvharbor.actors.replica_sync import system_prompt_tokens
 from kvharbor.config import EngineConfig, QoSSpec
 from kvharbor.tenants import TenantRegistry
+from kvharbor.tenants.loader import TenantsFileError, load_tenants_file
 
 logger = logging.getLogger("kvharbor.replica")
 
@@ -60,6 +64,44 @@ class TenantSync:
                 self.pinned[(name, text)] = engine.pinned_prefixes[-1]
             except (RuntimeError, ValueError) as e:
                 logger.error("cannot pin prefix of tenant %s: %s", name, e)
+
+    def sync_adapters(self, engine) -> None:
+        """Serve tenants.yaml's LoRA adapters: load new ones (and one whose path changed),
+        stop serving removed ones; build_app's ``lora_modules`` stay as loaded. A checkpoint
+        that fails to load is logged, and its requests get the reason."""
+        static = engine.config.lora_modules
+        wanted = {n: p for n, p in self.registry.lora_adapters().items() if n not in static}
+        for name in [n for n in engine.loras.adapters if n not in wanted and n not in static]:
+            engine.loras.remove(name)
+            logger.info("LoRA adapter %s is no longer served (removed from tenants.yaml)", name)
+        for name, path in wanted.items():
+            self._load_adapter(engine, name, path)
+
+    def ensure_adapter(self, engine, name: str) -> None:
+        """Load adapter ``name`` now if tenants.yaml lists it and it is not loaded yet (a
+        request for it arrived before this replica's next reload); read from the file itself,
+        so the registry's own reload still applies the rest of the edit."""
+        if name in engine.loras.adapters or name in engine.config.lora_modules:
+            return
+        try:
+            paths = load_tenants_file(self.registry.path).lora_adapter_paths(self.registry.path.parent)
+        except TenantsFileError:
+            return
+        if name in paths:
+            self._load_adapter(engine, name, paths[name])
+
+    @staticmethod
+    def _load_adapter(engine, name: str, path: str) -> None:
+        have = engine.loras.adapters.get(name)
+        if have is not None and have.path == os.path.normpath(path):
+            return
+        if have is not None:                    # a new checkpoint under the name
+            engine.loras.remove(name)
+        try:
+            engine.add_lora(name, path)
+            logger.info("LoRA adapter %s loaded from %s", name, path)
+        except ValueError as e:
+            logger.error("cannot load LoRA adapter %s: %s", name, e)
 
     def apply_session_limits(self, engine) -> None:
         """Each tenant's session ttl and idle-block cap (tenant value, else its class's)."""

@@ -206,8 +206,9 @@ class Engine:
                              f"shorten the prompt or lower max_tokens")
         spec = self.config.qos_classes[qos]
         priority = spec.priority if self.config.scheduling == "priority" else 0
+        salt = adapter_salt(cache_salt, lora, adapter and adapter.path)
         req = Request(request_id, list(prompt_token_ids), sampling, tenant=tenant, qos=qos,
-                      priority=priority, pinned=spec.pinned, cache_salt=adapter_salt(cache_salt, lora),
+                      priority=priority, pinned=spec.pinned, cache_salt=salt,
                       hash_root=self.hash_root, session_id=session_id,
                       arrival=time.monotonic(), arrival_seq=next(self._arrivals), lora=adapter)
         if sampling.prompt_logprobs is not None:

@@ -10,16 +10,17 @@ from .block_pool import PINNED, SHARED
 
 
 def memory_breakdown(engine) -> dict[str, dict[str, int]]:
-    """Bytes by location and kind: ``{"device": {"kv_cache", "model_weights"},
-    "host": {"kv_cache", "model_weights"}}``.
+    """Bytes by location and kind: ``{"device": {"kv_cache", "model_weights", "lora_adapters"},
+    "host": {"kv_cache", "model_weights", "lora_adapters"}}``.
 
     "device" is the engine's device (``stats()["device"]``); on a CPU engine it is host RAM
     too, but stays reported apart from the host KV tier so the two read the same everywhere.
     """
     host_kv = engine.host.data.nbytes if engine.host is not None else 0
+    adapters = sum(a.nbytes for a in list(engine.loras.adapters.values()))
     return {"device": {"kv_cache": engine.runner.kv_cache_bytes,
-                       "model_weights": engine.runner.weights_bytes},
-            "host": {"kv_cache": host_kv, "model_weights": 0}}
+                       "model_weights": engine.runner.weights_bytes, "lora_adapters": adapters},
+            "host": {"kv_cache": host_kv, "model_weights": 0, "lora_adapters": 0}}
 
 
 def _tier_stats(engine) -> dict:
@@ -74,4 +75,7 @@ def engine_stats(engine) -> dict:
         **engine.sessions.stats(),
         "device": str(engine.device),
         "memory_bytes": memory_breakdown(engine),
+        "lora_adapters": {name: {"path": a.path, "rank": a.rank, "bytes": a.nbytes}
+                          for name, a in engine.loras.adapters.items()},
+        "lora_adapters_failed": dict(engine.loras.failed),
     }

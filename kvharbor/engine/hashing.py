@@ -17,6 +17,7 @@ Digests are 128-bit BLAKE2b, so collisions are not a practical concern.
 from __future__ import annotations
 
 import hashlib
+import os
 from array import array
 from collections.abc import Sequence
 from typing import NewType
@@ -52,11 +53,12 @@ def model_root(identity: str | None) -> BlockHash | None:
     return BlockHash(hashlib.blake2b(b"\x02model:" + identity.encode(), digest_size=_DIGEST_BYTES).digest())
 
 
-def adapter_salt(salt: str | None, adapter: str | None) -> str | None:
-    """The cache-scope salt of a request of LoRA ``adapter`` (None: the base model) in scope
-    ``salt``: an adapter's KV differs from the base model's for the same tokens. The gateway
-    (the router's hashes) and the engine both hash with it."""
-    return salt if adapter is None else f"{salt or ''}|lora:{adapter}"
+def adapter_salt(salt: str | None, adapter: str | None, path: str = "") -> str | None:
+    """The cache-scope salt of a request of LoRA ``adapter`` loaded from ``path`` (None: the
+    base model) in scope ``salt``: an adapter's KV differs from the base model's for the same
+    tokens, and from the KV of another checkpoint under the same name. The gateway (the
+    router's hashes) and the engine both hash with it."""
+    return salt if adapter is None else f"{salt or ''}|lora:{adapter}@{os.path.normpath(path)}"
 
 
 def hash_prompt_blocks(token_ids: Sequence[int], block_size: int, salt: str | None = None,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,7 +76,10 @@ class LoRAAdapter:
         if not weights.is_file():
             raise ValueError(f"LoRA adapter {name!r}: {str(weights)!r} is missing "
                              "(adapters are read from safetensors, as PEFT saves them)")
-        tensors = load_file(str(weights))
+        try:
+            tensors = load_file(str(weights))
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+            raise ValueError(f"LoRA adapter {name!r}: cannot read {str(weights)!r} ({e})") from None
         inner = model.model
         pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
         for key, value in tensors.items():
@@ -109,7 +113,7 @@ class LoRAAdapter:
             layers[i][target] = (a_t, b_t)
         if not rank:
             raise ValueError(f"LoRA adapter {name!r}: {str(weights)!r} holds no LoRA weights")
-        return cls(name, str(root), rank, layers)
+        return cls(name, os.path.normpath(root), rank, layers)
 
     @property
     def nbytes(self) -> int:
@@ -139,11 +143,13 @@ def _module(layer, target: str):
 
 
 class LoRAs:
-    """The adapters an engine serves, by name."""
+    """The adapters an engine serves, by name. Adding or removing one while steps run is safe:
+    a request holds its adapter from ``add_request`` to its end."""
 
     def __init__(self, model, max_rank: int) -> None:
         self.model, self.max_rank = model, max_rank
         self.adapters: dict[str, LoRAAdapter] = {}
+        self.failed: dict[str, str] = {}        # name -> why its last load failed
 
     def add(self, name: str, path: str | Path) -> LoRAAdapter:
         """Load ``path`` as ``name`` (again: a no-op for the same path, an error for another)."""
@@ -155,12 +161,25 @@ class LoRAs:
                 raise ValueError(f"LoRA adapter {name!r} is already loaded from {have.path!r}; "
                                  "load another checkpoint under another name")
             return have
-        adapter = self.adapters[name] = LoRAAdapter.load(name, path, self.model, self.max_rank)
+        try:
+            adapter = LoRAAdapter.load(name, path, self.model, self.max_rank)
+        except ValueError as e:
+            self.failed[name] = str(e)
+            raise
+        self.failed.pop(name, None)
+        self.adapters[name] = adapter
         return adapter
+
+    def remove(self, name: str) -> bool:
+        """Stop serving ``name`` (requests running with it finish with it). False if unknown."""
+        self.failed.pop(name, None)
+        return self.adapters.pop(name, None) is not None
 
     def get(self, name: str) -> LoRAAdapter:
         adapter = self.adapters.get(name)
         if adapter is None:
+            if name in self.failed:
+                raise ValueError(f"LoRA adapter {name!r} could not be loaded: {self.failed[name]}")
             known = ", ".join(sorted(self.adapters)) or "none loaded"
             raise ValueError(f"unknown LoRA adapter {name!r} (loaded: {known})")
         return adapter

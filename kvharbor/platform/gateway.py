@@ -264,8 +264,8 @@ class Gateway:
         # deploys the lane with the app; never called.
         self.lane = lane
         self.model = config["model"]
-        self.adapters = dict(config.get("lora_modules") or {})   # LoRA name -> checkpoint directory
         self.registry = TenantRegistry(config["tenants"])
+        self._adapters = (0, {})        # (registry version, LoRA name -> checkpoint directory)
         self.tokenizer = load_tokenizer(self.model)
         bound_token_ids(api.openapi(), len(self.tokenizer))     # /openapi.json: ids < vocabulary
         self.context = min(config.get("max_model_len") or 10**9, model_context_length(self.model))
@@ -346,6 +346,18 @@ class Gateway:
             self._start_watcher()
             return self.registry.authenticate(_bearer(request))
         return principal
+
+    @property
+    def adapters(self) -> dict[str, str]:
+        """The LoRA adapters served: build_app's ``lora_modules``, then tenants.yaml's
+        ``lora_adapters`` (name -> checkpoint directory; ``lora_modules`` wins a name both
+        hold, as in the replicas)."""
+        version, adapters = self._adapters
+        if version != self.registry.version:
+            adapters = dict(self.config.get("lora_modules") or {})
+            adapters.update((k, v) for k, v in self.registry.lora_adapters().items() if k not in adapters)
+            self._adapters = (self.registry.version, adapters)
+        return adapters
 
     def _check_model(self, principal, model: str) -> None:
         if model != self.model and model not in self.adapters:
@@ -551,7 +563,7 @@ class Gateway:
         scored = logprobs if echo else None          # each prompt's leader scores its tokens
         siblings = []
         lora = self._adapter(body.model)
-        salt = adapter_salt(principal.cache_salt, lora)         # the engine's scope of its blocks
+        salt = adapter_salt(principal.cache_salt, lora, lora and self.adapters[lora])   # as the engine
         for ids in prompts:
             hashes = hash_prompt_blocks(ids, self.block_size, salt, parent=self.hash_root)
             for j in range(body.n):          # choice i is prompt i // n's j-th

@@ -77,9 +77,20 @@ def parse_tenants_text(text: str, source: str = "<string>") -> TenantsFile:
         issues = _pydantic_issues(source, doc, exc) + _raw_qos_issues(source, doc)
         raise TenantsFileError(source, issues) from None
     issues = [_issue(source, doc, loc, msg) for loc, msg in cross_field_issues(parsed)]
+    issues += [_issue(source, doc, loc, msg) for loc, msg in _adapter_path_issues(parsed, source)]
     if issues:
         raise TenantsFileError(source, issues)
     return parsed
+
+
+def _adapter_path_issues(parsed: TenantsFile, source: str) -> list[tuple[tuple, str]]:
+    """LoRA adapters whose directory holds no ``adapter_config.json`` (read from the file's
+    directory; for text without a file, the working directory)."""
+    base = Path(source).parent if Path(source).is_file() else Path.cwd()
+    return [(("lora_adapters", name, "path"), f"{path} holds no adapter_config.json (a PEFT LoRA "
+                                               "checkpoint directory)")
+            for name, path in parsed.lora_adapter_paths(base).items()
+            if not (Path(path) / "adapter_config.json").is_file()]
 
 
 def load_tenants_file(path: str | Path) -> TenantsFile:

@@ -191,6 +191,11 @@ class TenantRegistry:
         config = self._snap.config
         return cache_salt_for(config.tenants[tenant], tenant, config.cache_scopes)
 
+    def lora_adapters(self) -> dict[str, str]:
+        """The LoRA adapters of the file: name -> checkpoint directory (relative paths read
+        from the file's directory)."""
+        return self._snap.config.lora_adapter_paths(self.path.parent)
+
     def pinned_kv_blocks_total(self) -> int:
         """Sum of ``pinned_kv_blocks`` over all tenants: the pinned region's target size."""
         return sum(t.pinned_kv_blocks for t in self._snap.config.tenants.values())

@@ -6,6 +6,7 @@ Shape::
     defaults:    LimitsConfig               # limits for tenants that omit a field
     admin_keys:  [ApiKeyEntry | "<sha256>"]
     tenants:     {name: TenantConfig}       # keys, qos, limits, cache scope, pinned prompts
+    lora_adapters: {name: {path: dir}}      # LoRA adapters served beside the model
 
 Limit fields follow one rule: a tenant that *omits* a field inherits it from ``defaults``; a
 tenant that sets it to ``null`` has no limit of that kind. :meth:`TenantsFile.limits_for`
@@ -22,6 +23,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Annotated, Any, Literal, NewType
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -205,6 +207,15 @@ class CacheScopeConfig(_Strict):
                         "scope (written by `kvharbor tenants add --cache-scope shared:<group>`).")
 
 
+class LoRAAdapterConfig(_Strict):
+    """A LoRA adapter every replica serves beside the model; requests name it as their model."""
+
+    path: str = Field(min_length=1, description="PEFT checkpoint directory (adapter_config.json and "
+                      "adapter_model.safetensors); a relative path is read from tenants.yaml's "
+                      "directory. The name and path identify the adapter's cached KV: to change "
+                      "its weights, point it at a new directory.")
+
+
 class TenantsFile(_Strict):
     """The whole ``tenants.yaml``."""
 
@@ -218,6 +229,9 @@ class TenantsFile(_Strict):
                                                        "Shared cache scopes by group name: their salts.")
     pinned_region: PinnedRegionConfig = Field(default_factory=PinnedRegionConfig,
                                               description="Pinned region sizing per replica.")
+    lora_adapters: dict[Name, LoRAAdapterConfig] = Field(default_factory=dict, description=
+                                                         "LoRA adapters by name (loaded by every "
+                                                         "replica within seconds of an edit).")
 
     @model_validator(mode="after")
     def _cross_checks(self, info: ValidationInfo) -> TenantsFile:
@@ -227,6 +241,10 @@ class TenantsFile(_Strict):
         if issues:
             raise ValueError("; ".join(f"{'.'.join(map(str, loc))}: {msg}" for loc, msg in issues))
         return self
+
+    def lora_adapter_paths(self, base: Path) -> dict[str, str]:
+        """Each LoRA adapter's checkpoint directory, relative paths read from ``base``."""
+        return {name: str(base / a.path) for name, a in self.lora_adapters.items()}
 
     def limits_for(self, tenant: str) -> TenantLimits:
         """Effective limits of ``tenant``: its own fields where set, else ``defaults``."""

@@ -96,6 +96,11 @@ def test_an_adapter_caches_its_prefixes_apart_from_the_base_model(adapters):
 def test_adapters_load_at_start_and_requests_name_them(adapters):
     llm = LLM("kvharbor/tiny-llama", device="cpu", num_kv_blocks=128,
               lora_modules={"all": str(adapters["root"] / "all")})
+    stats = llm.stats()
+    # r 8 on 7 projections x 4 layers of tiny-llama (hidden 256, 512 intermediate), fp32
+    per_layer = 8 * ((256 + 256) * 2 + (256 + 64) * 2 + (256 + 512) * 2 + (512 + 256))
+    assert stats["lora_adapters"]["all"]["rank"] == 8
+    assert stats["memory_bytes"]["device"]["lora_adapters"] == stats["lora_adapters"]["all"]["bytes"] == 4 * 4 * per_layer
     prompt = random_prompt(20, 9)
     llm.engine.add_request("r", prompt, greedy(NEW), lora="all")
     while llm.engine.has_unfinished():

@@ -1,7 +1,8 @@
 """LoRA adapters over HTTP, as vLLM serves them: a request's ``model`` names the adapter, its
 answer is the offline engine's with that adapter, ``/v1/models`` lists it with its base model,
-a tenant's ``allowed_models`` may name it, and its prefixes are routed to and reused on the
-replica that cached them under the adapter (never the base model's blocks)."""
+a tenant's ``allowed_models`` may name it, its prefixes are routed to and reused on the
+replica that cached them under the adapter (never the base model's blocks), and adapters come
+and go with tenants.yaml."""
 
 from __future__ import annotations
 
@@ -80,3 +81,32 @@ def test_an_adapters_prefix_is_routed_to_and_reused_where_it_was_cached(kvharbor
     assert {f["kvharbor"]["replica_id"] for f in follow} == {first["kvharbor"]["replica_id"]}
     assert all(f["usage"]["prompt_tokens_details"]["cached_tokens"] >= 496 for f in follow)
     assert base["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_an_adapter_added_to_tenants_yaml_is_served_until_it_is_removed(client, kvharbor_app):
+    """An edit of tenants.yaml adds an adapter (a path relative to the file): every gateway
+    lists and accepts it and the replicas answer with it, without a restart; removed, it is a
+    404 again."""
+    from kvharbor import LLM, LoRARequest, SamplingParams
+    from tests.conftest import write_test_adapter
+    from tests.reliability.helpers import edited_tenants
+
+    path = write_test_adapter(kvharbor_app.tenants_path.parent / "hot-lora", seed=11)
+    prompts = [f"{_text(40, 300 + i)} and then" for i in range(6)]     # spread over the replicas
+    want = [o.text for o in LLM(device="cpu", num_kv_blocks=64).generate(
+        prompts, SamplingParams(max_tokens=12, temperature=0), lora_request=LoRARequest("hot", 1, path))]
+
+    def add(doc):
+        doc["lora_adapters"] = {"hot": {"path": "hot-lora"}}
+
+    with edited_tenants(kvharbor_app, add):
+        loaded = {rid: s["lora_adapters"] for rid, s in kvharbor_app.replica_call("stats").items()}
+        assert [a["hot"]["path"] for a in loaded.values()] == [path, path], loaded   # before any request
+        for prompt, text in zip(prompts, want):          # (and over both gateways)
+            assert "hot" in [m.id for m in client.models.list().data]
+            out = client.completions.create(model="hot", prompt=prompt, max_tokens=12, temperature=0)
+            assert out.choices[0].text == text
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="hot", prompt="Once upon a time", max_tokens=2)
+    for stats in kvharbor_app.replica_call("stats").values():             # unloaded everywhere
+        assert list(stats["lora_adapters"]) == [LORA]

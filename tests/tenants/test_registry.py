@@ -301,3 +301,26 @@ def test_sha256_names_the_applied_file_the_same_in_every_process(registry, tmp_p
     registry.path.write_text("tenants: [unclosed")
     registry.reload_if_changed()                        # rejected: the applied file stays named
     assert registry.sha256 == later.sha256
+
+
+def test_lora_adapters_resolve_from_the_files_directory_and_must_exist(tenants_file, tmp_path):
+    """A relative adapter path is read from tenants.yaml's directory; a directory without an
+    adapter_config.json is refused with the field and its line, and the old config stays."""
+    import yaml
+
+    from kvharbor.tenants.loader import load_tenants_file
+
+    (tenants_file.parent / "adapters" / "a").mkdir(parents=True)
+    (tenants_file.parent / "adapters" / "a" / "adapter_config.json").write_text("{}")
+    data = yaml.safe_load(tenants_file.read_text())
+    data["lora_adapters"] = {"a": {"path": "adapters/a"}}
+    tenants_file.write_text(yaml.safe_dump(data, sort_keys=False))
+    registry = TenantRegistry(tenants_file)
+    assert registry.lora_adapters() == {"a": str(tenants_file.parent / "adapters" / "a")}
+    data["lora_adapters"]["b"] = {"path": str(tmp_path / "nowhere")}
+    tenants_file.write_text(yaml.safe_dump(data, sort_keys=False))
+    with pytest.raises(TenantsFileError) as info:
+        load_tenants_file(tenants_file)
+    issue = info.value.issues[0]
+    assert issue.path == "lora_adapters.b.path" and issue.line and "holds no adapter_config.json" in issue.message
+    assert not registry.reload_if_changed() and list(registry.lora_adapters()) == ["a"]

@@ -151,3 +151,73 @@ def test_a_reload_reaches_the_classes_sessions_region_bounds_and_prefixes(tenant
     assert sizer.window_s == 2.0 and sizer.ceiling == engine.config.pinned_kv_blocks_max
     assert len(engine.pinned_prefixes) == 2       # the new prompt pinned, the old one not again
     engine.check_integrity()
+
+
+def _adapters(entries: dict):
+    def edit(data):
+        data["lora_adapters"] = {name: {"path": path} for name, path in entries.items()}
+    return edit
+
+
+def _answer(engine: Engine, rid: str, lora: str) -> list[int]:
+    engine.add_request(rid, [5, 6, 7, 8, 9], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+                       lora=lora)
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    return outs[-1].token_ids
+
+
+def test_tenants_yaml_adapters_are_loaded_replaced_and_removed(tenants_file, tmp_path):
+    """lora_adapters in tenants.yaml (a relative path read from the file's directory): loaded
+    at start; a new path under the same name serves the new checkpoint (in a new cache scope);
+    removed, no longer served; build_app's lora_modules stay whatever the file says."""
+    from tests.conftest import write_test_adapter
+
+    one = write_test_adapter(tenants_file.parent / "one", seed=1)
+    two = write_test_adapter(tmp_path / "two", seed=2)
+    _write(tenants_file, _adapters({"hot": "one"}))
+    sync = TenantSync(str(tenants_file))
+    engine = Engine(sync.apply_to_config(EngineConfig(device="cpu", num_kv_blocks=96,
+                                                      lora_modules={"static": two})))
+    sync.sync_adapters(engine)
+    assert {n: a.path for n, a in engine.loras.adapters.items()} == {"static": two, "hot": one}
+    first = _answer(engine, "a", "hot")
+    assert first != _answer(engine, "b", "static")
+    _write(tenants_file, _adapters({"hot": two, "static": one}))  # hot -> two's weights
+    assert sync.maybe_reload(engine)
+    sync.sync_adapters(engine)
+    assert {n: a.path for n, a in engine.loras.adapters.items()} == {"static": two, "hot": two}
+    again = engine.add_request("c", [5, 6, 7, 8, 9], SamplingParams(max_tokens=6, temperature=0), lora="hot")
+    assert again.cache_salt.endswith("@" + two)          # not the blocks hot cached from one
+    while engine.has_unfinished():
+        out = engine.step()
+    assert out[-1].token_ids == _answer(engine, "d", "static") != first
+    _write(tenants_file, _adapters({}))
+    assert sync.maybe_reload(engine)
+    sync.sync_adapters(engine)
+    assert list(engine.loras.adapters) == ["static"]
+    engine.check_integrity()
+
+
+def test_a_request_for_a_just_added_adapter_loads_it_and_a_broken_one_says_why(tenants_file, tmp_path):
+    from tests.conftest import write_test_adapter
+
+    sync = TenantSync(str(tenants_file))
+    engine = _engine(sync)
+    good = write_test_adapter(tmp_path / "good", seed=3)
+    broken = tmp_path / "broken"
+    write_test_adapter(broken, seed=4)
+    (broken / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    _write(tenants_file, _adapters({"new": good, "bad": str(broken)}))
+    sync.ensure_adapter(engine, "new")                  # before the registry's own reload
+    assert engine.loras.adapters["new"].path == good and sync.registry.lora_adapters() == {}
+    assert sync.maybe_reload(engine)                    # the reload still applies the edit
+    sync.sync_adapters(engine)
+    assert "bad" not in engine.loras.adapters
+    try:
+        engine.add_request("x", [1, 2, 3], SamplingParams(max_tokens=2), lora="bad")
+    except ValueError as e:
+        assert "LoRA adapter 'bad' could not be loaded" in str(e)
+    else:
+        raise AssertionError("a request for an adapter that failed to load was accepted")
