@@ -164,6 +164,10 @@ def _routing() -> DashboardSpec:
                   "short", (Query(f"sum by (replica, qos) "
                                   f"({series('kvharbor_running_requests')}{RQ})",
                                   "{{replica}} {{qos}}"),), stacked=True),
+        PanelSpec("Requests by LoRA adapter", "Running and waiting requests of each LoRA "
+                  "adapter, over all replicas (base-model requests are not listed).", "short",
+                  (Query(f"sum by (adapter, state) ({series('kvharbor_lora_requests')}{R})",
+                         "{{adapter}} {{state}}"),), stacked=True),
     )
     return DashboardSpec("kvharbor-routing", "kvharbor / Routing",
                          "KV-aware routing: decision cost, prefix-hit prediction, queues.",

@@ -24,20 +24,23 @@ label        values
 ``qos``      QoS classes in ``tenants.yaml`` (a handful)
 ``replica``  live Serve replica ids (one per GPU)
 ``region``   :data:`REGIONS` (``pinned``, ``shared``)
-``state``    :data:`BLOCK_STATES` (``used``, ``cached``, ``free``, ``reserved``)
+``state``    :data:`BLOCK_STATES` (``used``, ``cached``, ``free``, ``reserved``); for LoRA
+             requests :data:`LORA_STATES` (``running``, ``waiting``)
+``adapter``  LoRA adapters a replica loaded (build_app's ``lora_modules`` and tenants.yaml's
+             ``lora_adapters``: set by the operator, tens)
 ``status``   :data:`STATUSES`; anything else is recorded as ``other``
 ``reason``   :data:`RATE_LIMIT_REASONS`; anything else is recorded as ``other``
 ``path``     :data:`ADMISSION_PATHS` (``fast_lane``, ``actor``)
 ``ingress``  :data:`INGRESSES` (``main``: the app's port; ``premium_lane``: ``premium_port``)
 ``outcome``  ``met`` | ``missed``
 ``location`` :data:`MEMORY_LOCATIONS` (``device``, ``host``)
-``kind``     :data:`MEMORY_KINDS` (``kv_cache``, ``model_weights``); for router metrics
+``kind``     :data:`MEMORY_KINDS` (``kv_cache``, ``model_weights``, ``lora_adapters``); for router metrics
              :data:`ROUTER_MODES` or :data:`DIRECTORY_SYNC_KINDS`
 ``reason``   (router decisions) :data:`ROUTER_FALLBACK_REASONS`
 ===========  ==================================================================
 
 Worst case per histogram: tenants x QoS classes x buckets series. Request ids, prompts and
-model names never become label values.
+the model names clients send never become label values (``adapter`` is a loaded adapter's).
 
 Histogram sums (measured, Ray 2.60): ``_sum`` adds each observation's *bucket midpoint*, not
 the value (0.012 s observed in the 0.01-0.025 bucket adds 0.0175), so ``_sum / _count`` is
@@ -65,7 +68,8 @@ ADMISSION_PATHS = ("fast_lane", "actor")
 INGRESSES = ("main", "premium_lane")
 REGIONS = ("pinned", "shared")
 MEMORY_LOCATIONS = ("device", "host")
-MEMORY_KINDS = ("kv_cache", "model_weights")
+MEMORY_KINDS = ("kv_cache", "model_weights", "lora_adapters")
+LORA_STATES = ("running", "waiting")
 BLOCK_STATES = ("used", "cached", "free", "reserved")
 PINNED_REGION_KINDS = ("size", "target", "floor", "ceiling", "demand_peak")
 OTHER = "other"
@@ -141,7 +145,7 @@ METRICS: tuple[MetricSpec, ...] = (
                "(used|cached|free|reserved)."),
     MetricSpec("kvharbor_memory_bytes", "gauge", ("replica", "location", "kind"),
                "Bytes a replica holds by location (device|host) and kind "
-               "(kv_cache|model_weights); host kv_cache is the host KV tier."),
+               "(kv_cache|model_weights|lora_adapters); host kv_cache is the host KV tier."),
     MetricSpec("kvharbor_kv_tenant_blocks", "gauge", ("replica", "tenant"),
                "KV blocks held (ref count > 0) by a tenant's requests on a replica."),
     MetricSpec("kvharbor_kv_evictions", "counter", ("replica",),
@@ -170,6 +174,9 @@ METRICS: tuple[MetricSpec, ...] = (
                "Requests waiting to be scheduled on a replica, by QoS class."),
     MetricSpec("kvharbor_running_requests", "gauge", ("replica", "qos"),
                "Requests currently running (scheduled) on a replica, by QoS class."),
+    MetricSpec("kvharbor_lora_requests", "gauge", ("replica", "adapter", "state"),
+               "Requests of each LoRA adapter loaded on a replica, by state (running: "
+               "scheduled; waiting), as vLLM's lora_requests_info."),
     MetricSpec("kvharbor_replica_up", "gauge", ("replica",),
                "1 while a replica's engine loop runs, 0 once it stops."),
     MetricSpec("kvharbor_router_decision_seconds", "histogram", (),
@@ -385,6 +392,17 @@ class KvharborMetrics:
     def running(self, replica: str, qos: str, n: int) -> None:
         """Set the number of running requests of class ``qos`` on ``replica``."""
         self._set("kvharbor_running_requests", n, {"replica": replica, "qos": qos})
+
+    def lora_requests(self, replica: str, counts: dict[str, dict[str, int]]) -> None:
+        """Set ``{adapter: {state: requests}}`` on ``replica`` (states in :data:`LORA_STATES`);
+        adapters seen before but missing from ``counts`` (no longer loaded) are set to 0."""
+        with self._gauge_lock:
+            known = {dict(tags)["adapter"] for (name, tags) in self._gauges
+                     if name == "kvharbor_lora_requests" and dict(tags)["replica"] == replica}
+        for adapter in sorted(known | set(counts)):
+            for state in LORA_STATES:
+                self._set("kvharbor_lora_requests", counts.get(adapter, {}).get(state, 0),
+                          {"replica": replica, "adapter": adapter, "state": state})
 
     def replica_up(self, replica: str, up: bool = True) -> None:
         """Mark ``replica``'s engine loop as running (1) or stopped (0)."""

@@ -7,7 +7,7 @@ import pytest
 from kvharbor.observability import metrics as m
 
 ALLOWED_LABELS = {"tenant", "qos", "status", "outcome", "reason", "replica", "region", "state",
-                  "location", "kind", "path", "ingress"}
+                  "location", "kind", "path", "ingress", "adapter"}
 
 
 def test_names_are_unique_prefixed_and_ray_valid():
@@ -147,3 +147,34 @@ def test_replica_records_sessions_blocks_by_tenant_expirations_and_hits():
     assert rec._m["kvharbor_session_blocks"].calls[-1] == (0, {"replica": "r1", "tenant": "acme"})
     assert rec._m["kvharbor_session_expirations"].calls == [(1, {"replica": "r1"})]
     assert len(rec._m["kvharbor_session_hit_tokens"].calls) == 1      # no new hits: no increment
+
+
+def test_replica_records_requests_by_lora_adapter_and_zeroes_an_unloaded_one(tmp_path):
+    """Running and waiting requests per loaded adapter (an idle one at 0, base-model requests
+    not counted), the adapters' bytes as memory kind lora_adapters; once an adapter is no
+    longer loaded its series go to 0."""
+    from types import SimpleNamespace
+
+    from kvharbor import LLM, SamplingParams
+    from kvharbor.actors.replica import LLMReplica
+    from tests.conftest import write_test_adapter
+
+    path = write_test_adapter(tmp_path / "a")
+    llm = LLM(device="cpu", num_kv_blocks=64, max_num_seqs=2, lora_modules={"a": path, "idle": path})
+    engine, sp = llm.engine, SamplingParams(max_tokens=8, ignore_eos=True)
+    for i, lora in enumerate(["a", "a", None]):
+        engine.add_request(f"r{i}", [3, 4, 5, 6], sp, lora=lora)
+    engine.step()                                      # two run, the third waits
+    rec = _recorder_with_fakes()
+    replica = SimpleNamespace(engine=engine, replica_id="r1", _reported={"evictions": 0}, metrics=rec,
+                              _record_session_metrics=lambda: None)
+    LLMReplica._record_metrics(replica)
+    got = {(t["adapter"], t["state"]): n for n, t in rec._m["kvharbor_lora_requests"].calls}
+    assert got == {("a", "running"): 2, ("a", "waiting"): 0, ("idle", "running"): 0, ("idle", "waiting"): 0}
+    memory = {(t["location"], t["kind"]): n for n, t in rec._m["kvharbor_memory_bytes"].calls}
+    assert memory[("device", "lora_adapters")] == 2 * engine.loras.adapters["a"].nbytes > 0
+    engine.loras.remove("idle")
+    rec._m["kvharbor_lora_requests"].calls.clear()
+    LLMReplica._record_metrics(replica)
+    got = {(t["adapter"], t["state"]): n for n, t in rec._m["kvharbor_lora_requests"].calls}
+    assert got[("idle", "running")] == got[("idle", "waiting")] == 0 and got[("a", "running")] == 2
