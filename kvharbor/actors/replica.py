@@ -132,7 +132,8 @@ class LLMReplica:
             if sampling.structured_outputs is not None:   # compiled off the loop and the step
                 sampling.validate()
                 await asyncio.to_thread(self.engine.grammars.compile, sampling.structured_outputs)
-            if request.lora is not None and self.tenants:    # an adapter added a moment ago
+            if (request.lora is not None and self.tenants
+                    and request.lora not in self.engine.loras.adapters):    # added a moment ago
                 await asyncio.to_thread(self.tenants.ensure_adapter, self.engine, request.lora)
         except (TypeError, ValueError) as e:
             yield {"error": f"bad sampling parameters: {e}", "status": 400, "retryable": False}
