@@ -145,10 +145,12 @@ def start(args):
     return info, limits, ckpt, kvharbor_llm(ckpt, limits, args.block_size)
 
 
-def kvharbor_round(llm, prompts, out_tokens: int | list[int], structured: list[dict] | None = None) -> dict:
+def kvharbor_round(llm, prompts, out_tokens: int | list[int], structured: list[dict] | None = None,
+                   loras: list[str | None] | None = None) -> dict:
     """One timed step loop over ``prompts`` from an empty prefix cache; EOS ignored, or with
     ``structured`` request ``i`` follows ``structured[i]`` (``structured_outputs`` fields) and
-    ends with its grammar. ``out_tokens``: the cap of every request, or of each."""
+    ends with its grammar. ``out_tokens``: the cap of every request, or of each. ``loras``:
+    request ``i`` generates with the loaded LoRA adapter ``loras[i]``."""
     from kvharbor import SamplingParams
 
     engine = llm.engine
@@ -158,7 +160,7 @@ def kvharbor_round(llm, prompts, out_tokens: int | list[int], structured: list[d
         engine.add_request(f"bench-{i}", p, SamplingParams(
             max_tokens=out_tokens[i] if isinstance(out_tokens, list) else out_tokens,
             temperature=0, ignore_eos=structured is None,
-            structured_outputs=structured[i] if structured else None))
+            structured_outputs=structured[i] if structured else None), lora=loras[i] if loras else None)
     first: dict[str, float] = {}
     tokens: dict[str, list[int]] = {}
     while engine.has_unfinished():
@@ -216,7 +218,10 @@ class VllmPeer:
     vLLM's torch.compile) happens in the constructor, outside every timer."""
 
     def __init__(self, python: str, checkpoint: Path, prompts, out_tokens: int, limits: Limits,
-                 block_size: int, ttft_prompts, structured: list[dict] | None = None) -> None:
+                 block_size: int, ttft_prompts, structured: list[dict] | None = None,
+                 loras: dict | None = None) -> None:
+        """``loras``: ``{"paths": [...], "of": [adapter index of each prompt], "rank": r}``
+        (vLLM then runs with ``enable_lora``; ``round`` with ``lora=True`` uses them)."""
         from transformers import AutoConfig
 
         from kvharbor.engine.model_runner import kv_bytes_per_token
@@ -228,7 +233,7 @@ class VllmPeer:
                 "block_size": block_size, "max_num_batched_tokens": limits.max_num_batched_tokens,
                 "max_num_seqs": limits.max_num_seqs, "max_model_len": limits.max_model_len,
                 "kv_cache_bytes": limits.kv_tokens * kv_bytes_per_token(cfg, torch.float32),
-                "structured": structured}
+                "structured": structured, "loras": loras}
         (self.tmp / "spec.json").write_text(json.dumps(spec))
         env = vllm_env(self.tmp)
         self.preloaded = preload_libs(python)

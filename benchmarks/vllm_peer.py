@@ -10,7 +10,9 @@ the file descriptor ``FD``, then serves commands, one JSON line each on stdin, a
 JSON line each on ``FD`` (stdout is left to vLLM's logs): ``{"op": "round"}`` times one step
 loop over the spec's prompts from an empty prefix cache (``"structured": true``: request ``i``
 follows the spec's ``structured[i]``, vLLM's ``StructuredOutputsParams`` fields, and ends with
-its grammar; else EOS is ignored; ``"caps"``: each request's ``max_tokens``); ``{"op": "ttft",
+its grammar; else EOS is ignored; ``"caps"``: each request's ``max_tokens``; ``"lora": true``:
+request ``i`` with the LoRA adapter ``loras["of"][i]`` of the spec, vLLM built with
+``enable_lora``); ``{"op": "ttft",
 "i": n}`` the cold
 TTFT of ``ttft_prompts[n]``; ``{"op": "quit"}``. So the benchmark can interleave its rounds
 with kvharbor's: on a shared machine both then see the same background load.
@@ -27,8 +29,11 @@ import time
 def build(spec: dict):
     from vllm import LLM
 
+    loras = spec.get("loras")
+    lora = {"enable_lora": True, "max_loras": len(loras["paths"]), "max_cpu_loras": len(loras["paths"]),
+            "max_lora_rank": loras["rank"]} if loras else {}
     t0 = time.perf_counter()
-    llm = LLM(model=spec["checkpoint"], skip_tokenizer_init=not spec.get("structured"), dtype="float32",
+    llm = LLM(model=spec["checkpoint"], skip_tokenizer_init=not spec.get("structured"), dtype="float32", **lora,
               enable_prefix_caching=True, block_size=spec["block_size"],
               max_num_batched_tokens=spec["max_num_batched_tokens"],
               max_num_seqs=spec["max_num_seqs"], kv_cache_memory_bytes=spec["kv_cache_bytes"],
@@ -48,8 +53,19 @@ def params(max_tokens: int, structured: dict | None = None):
                           structured_outputs=StructuredOutputsParams(**structured))
 
 
-def step_loop(llm, prompts: list[list[int]], max_tokens: int | list[int], structured: list | None = None) -> dict:
-    """Serve ``prompts`` through vLLM's engine step loop (what ``LLM.generate`` runs)."""
+def lora_requests(loras: dict | None) -> list | None:
+    """Each prompt's ``LoRARequest`` (adapter ``i`` is ``lora-i``, id ``i + 1``)."""
+    if not loras:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    return [LoRARequest(f"lora-{a}", a + 1, loras["paths"][a]) for a in loras["of"]]
+
+
+def step_loop(llm, prompts: list[list[int]], max_tokens: int | list[int], structured: list | None = None,
+              loras: list | None = None) -> dict:
+    """Serve ``prompts`` through vLLM's engine step loop (what ``LLM.generate`` runs);
+    ``loras``: prompt ``i`` with the LoRA adapter ``loras[i]``."""
     from vllm.inputs import TokensPrompt
 
     engine = llm.llm_engine
@@ -58,7 +74,8 @@ def step_loop(llm, prompts: list[list[int]], max_tokens: int | list[int], struct
     for i, p in enumerate(prompts):
         sp = params(max_tokens[i] if isinstance(max_tokens, list) else max_tokens,
                     structured[i] if structured else None)
-        engine.add_request(str(i), TokensPrompt(prompt_token_ids=p), sp)
+        engine.add_request(str(i), TokensPrompt(prompt_token_ids=p), sp,
+                           lora_request=loras[i] if loras else None)
     first: dict[str, float] = {}
     tokens: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
@@ -100,12 +117,16 @@ def main(spec_path: str, fd: str) -> int:
     step_loop(llm, spec["warmup_prompts"], 4)                    # untimed warm-up
     if spec.get("structured"):                                   # and of the grammars
         step_loop(llm, spec["prompts"], 4, spec["structured"])
+    loras = lora_requests(spec.get("loras"))
+    if loras:                                                    # and of the adapters (loaded)
+        step_loop(llm, spec["prompts"], 4, loras=loras)
     answer({"ready": True, "vllm_version": vllm.__version__, "start_s": start_s})
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["op"] == "round":
             answer(step_loop(llm, spec["prompts"], cmd.get("caps") or spec["output_tokens"],
-                             spec["structured"] if cmd.get("structured") else None))
+                             spec["structured"] if cmd.get("structured") else None,
+                             loras if cmd.get("lora") else None))
         elif cmd["op"] == "ttft":
             answer({"ttft_s": cold_ttft(llm, [spec["ttft_prompts"][cmd["i"]]])[0]})
         else:
