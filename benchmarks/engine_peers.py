@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import machine, median, pct, result_name
+from benchmarks.common import RESULTS, bar_panels, machine, median, pct, result_name, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -297,6 +297,18 @@ def run_transformers_cb(checkpoint: Path, prompts, out_tokens: int, limits: Limi
     ttft = sorted(o.timestamps[0] - o.created_time for o in ordered if o.timestamps)
     rnd = {"elapsed_s": elapsed, "output_tokens": sum(map(len, outputs)), "ttft_s": ttft}
     return _summary("transformers generate_batch", [rnd], outputs)
+
+
+def save_mode_rounds(name: str, payload: dict, rows: list[dict], runs: dict, requests: int) -> None:
+    """``payload`` with ``rows`` and each (system, mode)'s round rates as
+    results/<name>.json, and the rows' tokens/s and seconds per round as <name>.png (the
+    benchmarks whose rounds alternate modes: structured.py, lora.py)."""
+    write_json(name, {**payload, "rows": rows,
+                      "rounds_tokens_per_s": {f"{s} {m}": [r["output_tokens"] / r["elapsed_s"] for r in v]
+                                              for (s, m), v in runs.items()}})
+    labels = [f"{r['system']}\n{r['mode']}" for r in rows]
+    bar_panels(labels, [([r["output_tokens_per_s"] for r in rows], f"output tokens/s, {requests} requests"),
+                        ([r["elapsed_s"] for r in rows], "seconds per round")], RESULTS / f"{name}.png")
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> dict:

@@ -28,9 +28,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS, bar_panels, median, table, write_json  # noqa: E402
+from benchmarks.common import median, table  # noqa: E402
 from benchmarks.engine_peers import (MODELS, VllmPeer, add_peer_arguments, agreement,  # noqa: E402
-                                     kvharbor_round, start, workload)
+                                     kvharbor_round, save_mode_rounds, start, workload)
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -122,17 +122,13 @@ def report(args, info, runs, peer) -> int:
     print(f"kvharbor's answers the adapters changed: {changed}/{args.requests}")
     info["load_avg_at_end"] = os.getloadavg()
     name = f"lora_{args.model}{args.tag}"
-    write_json(name, {"machine": info, "rows": rows, "agreement_kvharbor_vllm": checks,
-                      "answers_changed_by_the_adapters": changed,
-                      "rounds_tokens_per_s": {f"{s} {m}": [r["output_tokens"] / r["elapsed_s"] for r in v]
-                                              for (s, m), v in runs.items()},
-                      "workload": {"model": args.model, "requests": args.requests, "prompt_tokens": "64-512",
-                                   "output_tokens": args.output_tokens, "seed": args.seed, "rounds": args.rounds,
-                                   "adapters": args.adapters, "rank": args.rank, "targets": TARGETS,
-                                   "greedy": True, "ignore_eos": True}})
-    labels = [f"{r['system']}\n{r['mode']}" for r in rows]
-    bar_panels(labels, [([r["output_tokens_per_s"] for r in rows], f"output tokens/s, {args.requests} requests"),
-                        ([r["elapsed_s"] for r in rows], "seconds per round")], RESULTS / f"{name}.png")
+    save_mode_rounds(name, {"machine": info, "agreement_kvharbor_vllm": checks,
+                            "answers_changed_by_the_adapters": changed,
+                            "workload": {"model": args.model, "requests": args.requests, "prompt_tokens": "64-512",
+                                         "output_tokens": args.output_tokens, "seed": args.seed,
+                                         "rounds": args.rounds, "adapters": args.adapters, "rank": args.rank,
+                                         "targets": TARGETS, "greedy": True, "ignore_eos": True}},
+                     rows, runs, args.requests)
     return 0
 
 

@@ -31,9 +31,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS, bar_panels, median, table, write_json  # noqa: E402
+from benchmarks.common import median, table  # noqa: E402
 from benchmarks.engine_peers import (VllmPeer, add_peer_arguments, agreement, kvharbor_round,  # noqa: E402
-                                     start, workload)
+                                     save_mode_rounds, start, workload)
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["id", "ok", "tag"],
           "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9999}, "ok": {"type": "boolean"},
@@ -139,15 +139,11 @@ def report(args, info, rows, runs) -> int:
               f"{checks['tokens_before_first_divergence']:.4f}")
     info["load_avg_at_end"] = os.getloadavg()
     name = f"structured_{args.model}{args.tag}"
-    write_json(name, {"machine": info, "rows": rows, "agreement_kvharbor_vllm": checks,
-                      "rounds_tokens_per_s": {f"{s} {m}": [r["output_tokens"] / r["elapsed_s"] for r in v]
-                                              for (s, m), v in runs.items()},
-                      "workload": {"model": args.model, "requests": args.requests, "prompt_tokens": "32-256",
-                                   "output_tokens_cap": args.output_tokens, "seed": args.seed,
-                                   "rounds": args.rounds, "specs": SPECS, "greedy": True}})
-    labels = [f"{r['system']}\n{r['mode']}" for r in rows]
-    bar_panels(labels, [([r["output_tokens_per_s"] for r in rows], f"output tokens/s, {args.requests} requests"),
-                        ([r["elapsed_s"] for r in rows], "seconds per round")], RESULTS / f"{name}.png")
+    save_mode_rounds(name, {"machine": info, "agreement_kvharbor_vllm": checks,
+                            "workload": {"model": args.model, "requests": args.requests, "prompt_tokens": "32-256",
+                                         "output_tokens_cap": args.output_tokens, "seed": args.seed,
+                                         "rounds": args.rounds, "specs": SPECS, "greedy": True}},
+                     rows, runs, args.requests)
     return 0
 
 
