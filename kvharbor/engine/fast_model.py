@@ -49,7 +49,18 @@ def supports(model) -> bool:
             and not hasattr(layer.self_attn, "q_norm") and hasattr(inner, "rotary_emb"))
 
 
-class ModuleLayer:
+class _Projections:
+    """What every layer kind shares: ``o``, the output projection (its ``o_proj``) with the
+    LoRA deltas of ``lora`` (a ``LoRABatch.hook``; None: the base model)."""
+
+    __slots__ = ()
+
+    def o(self, x: torch.Tensor, lora=None) -> torch.Tensor:
+        y = self.o_proj(x)
+        return y if lora is None else lora("o_proj", x, y)
+
+
+class ModuleLayer(_Projections):
     """One decoder layer's projections as its own modules (the interface of ``PackedLayer``)."""
 
     __slots__ = ("attn", "o_proj", "_mlp")
@@ -62,10 +73,6 @@ class ModuleLayer:
         a = self.attn
         q, k, v = a.q_proj(x), a.k_proj(x), a.v_proj(x)
         return (q, k, v) if lora is None else _lora_qkv(lora, x, q, k, v)
-
-    def o(self, x: torch.Tensor, lora=None) -> torch.Tensor:
-        y = self.o_proj(x)
-        return y if lora is None else lora("o_proj", x, y)
 
     def mlp(self, x: torch.Tensor, lora=None) -> torch.Tensor:
         """The layer's MLP module; with ``lora``, its gate/up/down products one by one."""
@@ -87,7 +94,7 @@ def _silu_(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x, inplace=True)
 
 
-class PackedLayer:
+class PackedLayer(_Projections):
     """One decoder layer's projections packed for oneDNN (see :mod:`..kernels.cpu_linear`)."""
 
     __slots__ = ("qkv_proj", "qkv_sizes", "o_proj", "gate", "up", "down", "act")
@@ -113,10 +120,6 @@ class PackedLayer:
         ``lora``: a ``LoRABatch.hook`` adding adapters' deltas (None: the base model)."""
         q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
         return (q, k, v) if lora is None else _lora_qkv(lora, x, q, k, v)
-
-    def o(self, x: torch.Tensor, lora=None) -> torch.Tensor:
-        y = self.o_proj(x)
-        return y if lora is None else lora("o_proj", x, y)
 
     def mlp(self, x: torch.Tensor, lora=None) -> torch.Tensor:
         """``down(act(gate(x)) * up(x))``, ``x`` ``[T, hidden]``. Rows are padded to their
@@ -159,7 +162,7 @@ def _pack_rows(*linears) -> tuple[torch.Tensor, torch.Tensor | None]:
     return weight, bias
 
 
-class TritonLayer:
+class TritonLayer(_Projections):
     """One decoder layer on a GPU: q/k/v as one product, gate/up as one product followed by
     the fused SiLU gate (:mod:`..kernels.triton_ops`); o and down as their modules."""
 
@@ -177,10 +180,6 @@ class TritonLayer:
     def qkv(self, x: torch.Tensor, lora=None) -> tuple[torch.Tensor, ...]:
         q, k, v = F.linear(x, self.qkv_w, self.qkv_b).split(self.qkv_sizes, dim=-1)
         return (q, k, v) if lora is None else _lora_qkv(lora, x, q, k, v)
-
-    def o(self, x: torch.Tensor, lora=None) -> torch.Tensor:
-        y = self.o_proj(x)
-        return y if lora is None else lora("o_proj", x, y)
 
     def mlp(self, x: torch.Tensor, lora=None) -> torch.Tensor:
         from ..kernels import triton_ops  # noqa: PLC0415 - Triton loads only where it runs
