@@ -15,7 +15,6 @@ adapters are loaded after that, off the engine lock (``sync_adapters``).
 from __future__ import annotations
 
 import logging
-import os
 
 from kvharbor.actors.replica_sync import system_prompt_tokens
 from kvharbor.config import EngineConfig, QoSSpec
@@ -92,11 +91,9 @@ class TenantSync:
 
     @staticmethod
     def _load_adapter(engine, name: str, path: str) -> None:
-        have = engine.loras.adapters.get(name)
-        if have is not None and have.path == os.path.normpath(path):
+        if engine.loras.loaded_from(name, path):
             return
-        if have is not None:                    # a new checkpoint under the name
-            engine.loras.remove(name)
+        engine.loras.remove(name)               # a new checkpoint under the name, if loaded
         try:
             engine.add_lora(name, path)
             logger.info("LoRA adapter %s loaded from %s", name, path)

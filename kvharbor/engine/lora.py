@@ -157,7 +157,7 @@ class LoRAs:
             raise ValueError(f"a LoRA adapter needs a non-empty name, got {name!r}")
         have = self.adapters.get(name)
         if have is not None:
-            if Path(have.path) != Path(path):
+            if not self.loaded_from(name, path):
                 raise ValueError(f"LoRA adapter {name!r} is already loaded from {have.path!r}; "
                                  "load another checkpoint under another name")
             return have
@@ -169,6 +169,11 @@ class LoRAs:
         self.failed.pop(name, None)
         self.adapters[name] = adapter
         return adapter
+
+    def loaded_from(self, name: str, path: str | Path) -> bool:
+        """``name`` is loaded, from ``path``."""
+        have = self.adapters.get(name)
+        return have is not None and have.path == os.path.normpath(path)
 
     def remove(self, name: str) -> bool:
         """Stop serving ``name`` (requests running with it finish with it). False if unknown."""
