@@ -41,7 +41,7 @@ from kvharbor.actors.replica_sync import DirectorySync
 from kvharbor.actors.stream_events import coalesced, is_last
 from kvharbor.actors.tenant_sync import TenantSync
 from kvharbor.config import EngineConfig
-from kvharbor.engine.engine_stats import memory_breakdown
+from kvharbor.engine.engine_stats import lora_requests, memory_breakdown
 from kvharbor.engine.request import SamplingParams
 from kvharbor.observability.metrics import get_metrics
 from kvharbor.platform.loopback import serve_grpc_on_node_address
@@ -443,17 +443,12 @@ class LLMReplica:
         per_tenant: dict[str, int] = {}
         waiting = dict.fromkeys(e.config.qos_classes, 0)
         running = dict(waiting)
-        loras = {name: {"running": 0, "waiting": 0} for name in list(e.loras.adapters)}
         for req in e.scheduler.running:
             per_tenant[req.tenant] = per_tenant.get(req.tenant, 0) + len(req.blocks)
             running[req.qos] = running.get(req.qos, 0) + 1
-            if req.lora is not None:
-                loras.setdefault(req.lora.name, {"running": 0, "waiting": 0})["running"] += 1
         for req in e.scheduler.waiting:
             waiting[req.qos] = waiting.get(req.qos, 0) + 1
-            if req.lora is not None:
-                loras.setdefault(req.lora.name, {"running": 0, "waiting": 0})["waiting"] += 1
-        m.lora_requests(rid, loras)
+        m.lora_requests(rid, lora_requests(e))
         m.kv_occupancy_by_tenant(rid, per_tenant)
         m.memory_bytes(rid, memory_breakdown(e))
         for qos in waiting:

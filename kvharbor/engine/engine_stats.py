@@ -23,6 +23,17 @@ def memory_breakdown(engine) -> dict[str, dict[str, int]]:
             "host": {"kv_cache": host_kv, "model_weights": 0, "lora_adapters": 0}}
 
 
+def lora_requests(engine) -> dict[str, dict[str, int]]:
+    """Running and waiting requests of each LoRA adapter: every loaded one (0 when idle),
+    and one removed while its requests still run."""
+    counts = {name: {"running": 0, "waiting": 0} for name in list(engine.loras.adapters)}
+    for state, requests in (("running", engine.scheduler.running), ("waiting", engine.scheduler.waiting)):
+        for req in requests:
+            if req.lora is not None:
+                counts.setdefault(req.lora.name, {"running": 0, "waiting": 0})[state] += 1
+    return counts
+
+
 def _tier_stats(engine) -> dict:
     host, transfer, kv = engine.host, engine.transfer, engine.kv
     return {
