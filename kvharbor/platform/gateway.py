@@ -36,7 +36,7 @@ from ray.exceptions import RayActorError, TaskCancelledError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvharbor.actors.calls import detached, on_event_loop, start_background
-from kvharbor.engine.hashing import adapter_salt, hash_prompt_blocks, model_root
+from kvharbor.engine.hashing import hash_prompt_blocks, model_root
 from kvharbor.engine.model_identity import model_identity
 from kvharbor.engine.model_info import load_tokenizer, model_context_length
 from kvharbor.observability.metrics import get_metrics
@@ -60,6 +60,7 @@ from kvharbor.platform.premium_lane import check_lane, listening_socket, start_s
 from kvharbor.platform.protocol import GenerateRequest
 from kvharbor.platform.prompts import Prompts
 from kvharbor.platform.structured_request import parse_problem
+from kvharbor.platform.served_models import ServedModels
 from kvharbor.platform.sessions_api import (SESSION_HEADER, ForkRequest, check_session_id,
                                             FlushRequest, end_session_everywhere,
                                             flush_everywhere, flush_filter, fork_session_everywhere, session_header)
@@ -265,10 +266,10 @@ class Gateway:
         self.lane = lane
         self.model = config["model"]
         self.registry = TenantRegistry(config["tenants"])
-        self._adapters = (0, {})        # (registry version, LoRA name -> checkpoint directory)
         self.tokenizer = load_tokenizer(self.model)
         bound_token_ids(api.openapi(), len(self.tokenizer))     # /openapi.json: ids < vocabulary
         self.context = min(config.get("max_model_len") or 10**9, model_context_length(self.model))
+        self.served = ServedModels(self.model, config.get("lora_modules"), self.registry, self.context)
         self.prompts = Prompts(self.tokenizer, self.context)
         self.block_size = config["block_size"]
         # The replicas' chain root, computed the same way from the model's files (no weights
@@ -347,31 +348,9 @@ class Gateway:
             return self.registry.authenticate(_bearer(request))
         return principal
 
-    @property
-    def adapters(self) -> dict[str, str]:
-        """The LoRA adapters served: build_app's ``lora_modules``, then tenants.yaml's
-        ``lora_adapters`` (name -> checkpoint directory; ``lora_modules`` wins a name both
-        hold, as in the replicas)."""
-        version, adapters = self._adapters
-        if version != self.registry.version:
-            adapters = dict(self.config.get("lora_modules") or {})
-            adapters.update((k, v) for k, v in self.registry.lora_adapters().items() if k not in adapters)
-            self._adapters = (self.registry.version, adapters)
-        return adapters
-
     def _check_model(self, principal, model: str) -> None:
-        if model != self.model and model not in self.adapters:
-            self._no_model(model)
+        self.served.check(model)
         self.registry.check_model(principal, model)
-
-    def _no_model(self, model: str):
-        served = ", ".join(repr(m) for m in [self.model, *self.adapters])
-        raise APIError(404, f"model {model!r} does not exist; this server serves {served} "
-                       "(see GET /v1/models)", "model_not_found", "model")
-
-    def _adapter(self, model: str) -> str | None:
-        """The LoRA adapter a request's ``model`` names (None: the base model)."""
-        return None if model == self.model else model
 
     # ---- routes --------------------------------------------------------------------------
     @api.get("/healthz", responses={503: {"description": "no LLM replica is running (the same "
@@ -395,21 +374,13 @@ class Gateway:
     @api.get("/v1/models", response_model=ModelList, responses=error_responses(401))
     async def models(self, request: Request) -> dict:
         self._authenticate(request)
-        return {"object": "list", "data": [self._card(m) for m in [self.model, *self.adapters]]}
+        return {"object": "list", "data": [self.served.card(m) for m in self.served.names()]}
 
     @api.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=error_responses(401, 404))
     async def model(self, model_id: str, request: Request) -> dict:
         self._authenticate(request)
-        if model_id != self.model and model_id not in self.adapters:
-            self._no_model(model_id)
-        return self._card(model_id)
-
-    def _card(self, model: str) -> dict:
-        """The model's card; a LoRA adapter's names its directory and base model, as vLLM's."""
-        adapter = model in self.adapters
-        return {"id": model, "object": "model", "created": 0, "owned_by": "kvharbor",
-                "max_model_len": self.context, "root": self.adapters[model] if adapter else model,
-                "parent": self.model if adapter else None}
+        self.served.check(model_id)
+        return self.served.card(model_id)
 
     @api.post("/v1/completions", response_model=CompletionResponse,
               responses={200: {"content": SSE}, **GENERATE_ERRORS})
@@ -562,8 +533,8 @@ class Gateway:
         echo = not chat and body.echo and self.prompts.echo_texts(body, prompts)
         scored = logprobs if echo else None          # each prompt's leader scores its tokens
         siblings = []
-        lora = self._adapter(body.model)
-        salt = adapter_salt(principal.cache_salt, lora, lora and self.adapters[lora])   # as the engine
+        lora = self.served.adapter(body.model)
+        salt = self.served.salt(principal.cache_salt, lora)
         for ids in prompts:
             hashes = hash_prompt_blocks(ids, self.block_size, salt, parent=self.hash_root)
             for j in range(body.n):          # choice i is prompt i // n's j-th
