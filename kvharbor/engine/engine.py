@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +15,7 @@ from kvharbor.kernels import KV_CACHE_DTYPES
 from .block_pool import BlockPool
 from .decode_graphs import DecodeGraphs
 from .detokenizer import Detokenizer
+from .device import flush_denormals, resolve_device, resolve_dtype
 from . import host_memory
 from .engine_stats import engine_stats
 from .host_pool import HostKVPool
@@ -49,48 +49,13 @@ class KVEvents:
     tier: str = "device"
 
 
-@contextmanager
-def flush_denormals(enabled: bool):
-    """Treat subnormal floats as zero (FTZ/DAZ) in this thread's CPU math while the block runs.
-
-    Subnormal activations take the CPU's slow path: with the builtin tiny-llama a decode step
-    on the main thread took 448 ms instead of 17 ms (measured on the 2-core VM). The flag lives
-    in the calling thread's floating-point control register and also changes how Python
-    compares subnormal doubles, so it is set only around the model's forward and cleared
-    after. Values below ~1.2e-38 become 0 there; sampled tokens do not change in practice.
-    """
-    if not enabled:
-        yield
-        return
-    torch.set_flush_denormal(True)
-    try:
-        yield
-    finally:
-        torch.set_flush_denormal(False)
-
-
-def _resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    try:
-        return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
-    except KeyError:
-        raise ValueError(f"dtype must be float32, float16, bfloat16 or auto, got {name!r}") from None
-
-
 class Engine:
     """One model, one paged KV cache, one scheduler. Not thread-safe; no Ray."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.device = _resolve_device(config.device)
-        self.dtype = _resolve_dtype(config.dtype, self.device)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
         if self.device.type == "cpu":
             host_memory.keep_freed_memory()       # before the model's allocations
         loaded = load_model(config.model, self.dtype, self.device, config.seed)

@@ -2,7 +2,7 @@
 
 The slow path for subnormal activations made tiny-llama's decode steps ~25x slower on the main
 thread; the flag is per thread and also changes how Python compares subnormal doubles, so the
-engine sets it around the forward and clears it after (``kvharbor.engine.engine.flush_denormals``).
+engine sets it around the forward and clears it after (``kvharbor.engine.device.flush_denormals``).
 """
 
 from __future__ import annotations
