@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
@@ -29,6 +31,43 @@ DEFAULT_QOS = {
     "standard": QoSSpec(priority=50),
     "batch": QoSSpec(priority=10),
 }
+
+
+class SpeculativeConfig(BaseModel):
+    """Speculative decoding (vLLM's ``speculative_config``): each step, a running request
+    proposes up to ``num_speculative_tokens`` draft tokens and the model verifies them in the
+    same forward (see engine/spec_decode.py). ``ngram`` (prompt lookup) drafts the tokens that
+    followed the most recent earlier occurrence of the request's last n tokens, for n from
+    ``prompt_lookup_max`` down to ``prompt_lookup_min``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    method: str = Field("ngram", pattern="^ngram$", description="How drafts are proposed: 'ngram' (prompt lookup).")
+    num_speculative_tokens: int = Field(4, ge=1, le=16, description="Most draft tokens verified per request and step.")
+    prompt_lookup_max: int = Field(4, ge=1, le=16, description="Longest n-gram matched.")
+    prompt_lookup_min: int = Field(1, ge=1, le=16, description="Shortest n-gram matched.")
+    adaptive: bool = Field(True, description="Verify only the drafts expected to pay for themselves: "
+                           "a draft is kept while its expected acceptance (learned per request) "
+                           "exceeds the share of a step's tokens per second its compute costs (from the "
+                           "learned step-cost model), so a compute-bound batch drafts little and a "
+                           "single stream drafts fully. False: verify every draft.")
+
+    @model_validator(mode="after")
+    def _lookup_range(self):
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+        return self
+
+    @classmethod
+    def parse(cls, value):
+        """A JSON string (the ``serve run`` command line, vLLM's ``--speculative-config``) as a dict."""
+        if isinstance(value, str):
+            try:
+                return json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f'speculative_config takes JSON, e.g. {{"method": "ngram", '
+                                 f'"num_speculative_tokens": 4}}: {e}') from None
+        return value
 
 
 class EngineConfig(BaseModel):
@@ -84,6 +123,14 @@ class EngineConfig(BaseModel):
                                          "name -> PEFT checkpoint directory (vLLM's --lora-modules); a request "
                                          "names one to generate with it (see engine/lora.py).")
     max_lora_rank: int = Field(64, ge=1, description="Largest LoRA rank an adapter may have (vLLM's --max-lora-rank).")
+    speculative_config: SpeculativeConfig | None = Field(None, description="Speculative decoding "
+                                                          "(vLLM's speculative_config), e.g. {\"method\": \"ngram\", "
+                                                          "\"num_speculative_tokens\": 4}; None: off.")
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _speculative_json(cls, value):
+        return SpeculativeConfig.parse(value)
 
 
 class PlatformConfig(BaseModel):
@@ -105,6 +152,14 @@ class PlatformConfig(BaseModel):
                                          "(on the command line: lora_modules=name=path,name2=path2); a "
                                          "request's `model` names one (see engine/lora.py).")
     max_lora_rank: int = Field(64, ge=1, description="Largest LoRA rank an adapter may have.")
+    speculative_config: SpeculativeConfig | None = Field(None, description="Speculative decoding "
+                                                          "(vLLM's speculative_config), e.g. {\"method\": \"ngram\", "
+                                                          "\"num_speculative_tokens\": 4}; None: off.")
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _speculative_json(cls, value):
+        return SpeculativeConfig.parse(value)
 
     @field_validator("lora_modules", mode="before")
     @classmethod

@@ -275,8 +275,8 @@ class RunningApp:
 
 @pytest.fixture(scope="session")
 def kvharbor_app(ray_cluster, tmp_path_factory):
-    """2 gateways + the premium lane + 2 LLM replicas (tiny-llama and the LoRA adapter LORA, CPU) +
-    directory, with a writable tenants.yaml."""
+    """2 gateways + the premium lane + 2 LLM replicas (tiny-llama and the LoRA adapter LORA, CPU,
+    speculative decoding on) + directory, with a writable tenants.yaml."""
     import shutil
     from pathlib import Path
 
@@ -291,7 +291,9 @@ def kvharbor_app(ray_cluster, tmp_path_factory):
     adapter = write_test_adapter(tmp_path_factory.mktemp("lora") / LORA)
     app = build_app({"replicas": 2, "tenants": str(tenants), "num_kv_blocks": 768,
                      "gateway_replicas": 2, "premium_port": LANE_PORT,
-                     "lora_modules": {LORA: adapter}})
+                     "lora_modules": {LORA: adapter},
+                     # n-gram drafts on every replica: the HTTP tests run through drafted steps
+                     "speculative_config": '{"method": "ngram", "num_speculative_tokens": 4}'})
     serve.run(app, name="kvharbor", route_prefix="/", blocking=False)
     base, lane = f"http://127.0.0.1:{APP_PORT}", f"http://127.0.0.1:{LANE_PORT}"
     wait_until_healthy(base, timeout_s=240)

@@ -462,6 +462,10 @@ class LLMReplica:
         self._reported["trimmed"] = sched.num_trimmed
         m.steps_interrupted(rid, e.interrupt.num_interrupted - self._reported.get("interrupted", 0))
         self._reported["interrupted"] = e.interrupt.num_interrupted
+        if e.spec is not None:
+            m.spec_decode_tokens(rid, e.spec.draft_tokens - self._reported.get("drafts", 0),
+                                 e.spec.accepted_tokens - self._reported.get("accepted", 0))
+            self._reported["drafts"], self._reported["accepted"] = e.spec.draft_tokens, e.spec.accepted_tokens
         m.replica_up(rid, True)
         self._record_session_metrics()
         m.evictions(rid, e.pool.num_evictions - self._reported["evictions"])

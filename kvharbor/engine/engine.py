@@ -34,6 +34,7 @@ from .request import Request, RequestOutput, SamplingParams, Status
 from .scheduler import Scheduler
 from .step_budget import NO_PRIORITY, StepInterrupt, StepInterrupted
 from .sessions import SessionLimits, SessionManager
+from .spec_decode import NgramProposer
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +90,11 @@ class Engine:
         self.sessions = SessionManager(self.pool, self.block_size,
                                        SessionLimits(config.session_ttl_s, max_blocks))
         self.requests: dict[str, Request] = {}
-        # Decode steps run ahead (see ``_runs_ahead``): where the decode graphs run (CUDA).
-        self.async_scheduling = config.async_scheduling and r.graphs is not None
+        spec = config.speculative_config
+        self.spec = NgramProposer.from_config(spec) if spec is not None else None
+        # Decode steps run ahead (see ``_runs_ahead``): where the decode graphs run (CUDA), and
+        # not with speculative decoding (whose drafts come from the tokens not read yet).
+        self.async_scheduling = config.async_scheduling and r.graphs is not None and self.spec is None
         self._inflight = None          # the decode step launched and not yet collected
         self.steps_ahead = 0           # decode steps launched before the previous one's tokens were read
         self._arrivals = itertools.count()
@@ -289,6 +293,8 @@ class Engine:
                 return outputs
             outputs = self._collect(self._inflight)
             self._inflight = None
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running, self.max_model_len, self.scheduler.cost)
         plan = self.scheduler.schedule()
         self._flush_transfers()
         if not plan.scheduled:
@@ -310,10 +316,17 @@ class Engine:
             self.interrupt.disarm()
         sampled, logprobs = iter(tokens), iter(self.runner.last_logprobs)
         for item in plan.scheduled:
-            samples = item.samples
-            self._advance(item.request, item.num_new_tokens)
+            req, samples, drafts = item.request, item.samples, item.num_drafts
+            if drafts:                      # 1 + drafts rows: keep the accepted drafts + one
+                rows = [next(sampled) for _ in range(drafts + 1)]
+                lps = [next(logprobs) for _ in range(drafts + 1)]
+                kept = self.spec.accept(req, req.spec_token_ids[:drafts], rows)
+                self._advance(req, item.num_new_tokens - (drafts - kept))
+                outputs.append(self._append_tokens(req, rows[:kept + 1], lps[:kept + 1]))
+                continue
+            self._advance(req, item.num_new_tokens)
             if samples:
-                outputs.append(self._append_token(item.request, next(sampled), next(logprobs)))
+                outputs.append(self._append_token(req, next(sampled), next(logprobs)))
         return outputs
 
     def _advance(self, req: Request, num_new: int) -> None:
@@ -393,6 +406,24 @@ class Engine:
         """Run the host <-> device copies planned since the last flush (before any forward)."""
         if self.transfer is not None and self.transfer.pending:
             self.transfer.flush()
+
+    def _append_tokens(self, req: Request, tokens: list[int], logprobs: list) -> RequestOutput:
+        """Append ``tokens`` (a speculative step's) one by one, as separate steps would, up to
+        the one that finishes ``req``; one output with all of them as its delta."""
+        out = None
+        for token, lp in zip(tokens, logprobs):
+            o = self._append_token(req, token, lp)
+            if out is None:
+                out = o
+            else:
+                out.token_ids, out.text, out.finish_reason = o.token_ids, o.text, o.finish_reason
+                out.new_token_ids += o.new_token_ids
+                out.new_text += o.new_text
+                if o.new_logprobs is not None:
+                    out.new_logprobs = (out.new_logprobs or []) + o.new_logprobs
+            if o.finished:
+                break
+        return out
 
     def _append_token(self, req: Request, token: int, logprobs=None) -> RequestOutput:
         req.all_token_ids.append(token)

@@ -77,6 +77,8 @@ def engine_stats(engine) -> dict:
         "preemptions": engine.scheduler.num_preemptions,
         "steps_interrupted": engine.interrupt.num_interrupted,
         "evictions": pool.num_evictions,
+        "spec_draft_tokens": engine.spec.draft_tokens if engine.spec else 0,
+        "spec_accepted_tokens": engine.spec.accepted_tokens if engine.spec else 0,
         "num_running": len(engine.scheduler.running),
         "num_waiting": len(engine.scheduler.waiting),
         "block_size": engine.block_size,

@@ -7,6 +7,9 @@ Batch building for a step with a prefill chunk (A, 3 tokens) and a decode (B)::
     query_start [0, 3, 4]                 seq_lens  [8, 10]
     logits rows [2, 3]   (only requests whose prompt is fully computed sample)
 
+A decode that verifies draft tokens (speculative decoding: B with drafts d1 d2) is a query of
+its last token and the drafts, with a logits row at each: ``[b9 d1 d2]``, rows ``[3, 4, 5]``.
+
 A request that asked for prompt logprobs also gets a logits row for each prompt position of its
 chunk whose next token is a prompt token not yet scored (after the sampling rows); ``execute``
 turns them into that request's ``prompt_lps``.
@@ -39,7 +42,14 @@ class ScheduledRequest:
     @property
     def samples(self) -> bool:
         r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+        return r.num_computed_tokens + self.num_new_tokens >= r.num_tokens
+
+    @property
+    def num_drafts(self) -> int:
+        """Draft tokens (``request.spec_token_ids``) this step computes after the request's
+        last token; each gets a logits row (see ``spec_decode.py``)."""
+        r = self.request
+        return max(0, r.num_computed_tokens + self.num_new_tokens - r.num_tokens)
 
 
 def kv_bytes_per_token(config, cache_dtype: torch.dtype) -> int:
@@ -123,7 +133,10 @@ class ModelRunner:
         for item in batch:
             r, start = item.request, item.request.num_computed_tokens
             end = start + item.num_new_tokens
+            drafts = max(0, end - r.num_tokens)         # speculative tokens after its last
             ids += r.all_token_ids[start:end]
+            if drafts:
+                ids += r.spec_token_ids[:drafts]
             pos += range(start, end)
             block_ids = [b.block_id for b in r.blocks]
             slots += [block_ids[p // bs] * bs + p % bs for p in range(start, end)]
@@ -133,7 +146,7 @@ class ModelRunner:
             lens.append(end)
             tables.append(block_ids)
             if item.samples:
-                logit_rows.append(qsl[-1] - 1)
+                logit_rows += range(qsl[-1] - 1 - drafts, qsl[-1])
             if r.prompt_lps_missing:            # positions first..last predict prompt tokens
                 first, last = max(start, len(r.prompt_lps) - 1), min(end, len(r.prompt_token_ids) - 1)
                 if first < last:
@@ -203,10 +216,11 @@ class ModelRunner:
         return self.graphs.launch(batch, sample_on_device, ahead, prev)
 
     def execute(self, batch: list[ScheduledRequest]) -> list[int]:
-        """Run the step and sample one token per request whose tokens are all computed (and
-        score the prompt tokens of requests that asked for prompt logprobs)."""
+        """Run the step and sample one token per request whose tokens are all computed, and one
+        per draft token it verifies (request order, then position); score the prompt tokens of
+        requests that asked for prompt logprobs."""
         logits = self.forward_logits(batch)
-        sampling = [item.request for item in batch if item.samples]
+        sampling = [item.request for item in batch if item.samples for _ in range(1 + item.num_drafts)]
         if self._prompt_rows:
             logits = self._score_prompts(logits)
         tokens = sample(logits, sampling) if sampling else []

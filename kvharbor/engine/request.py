@@ -143,6 +143,8 @@ class Request:
     prompt_lps: list | None = None       # prompt_logprobs asked: TokenLogprobs per prompt token so far
     matcher: object = None               # structured_outputs: its xgrammar GrammarMatcher
     lora: object = None                  # the LoRAAdapter it generates with (None: the base model)
+    spec_token_ids: list[int] = field(default_factory=list)   # draft tokens this step verifies (spec_decode.py)
+    spec: object = None                  # its NgramIndex (speculative decoding drafts from it)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -138,7 +138,10 @@ class Scheduler:
                 continue
             hit = self.kv.get_computed_blocks(req) if waiting else None
             computed = req.num_computed_tokens + (hit.num_tokens if hit else 0)
-            num_new = self._trim(req, min(req.num_tokens - computed, budget), computed, limits)
+            want = req.num_tokens - computed
+            if req.spec_token_ids and not waiting:
+                want += self._drafts_that_fit(req, want)
+            num_new = self._trim(req, min(want, budget), computed, limits)
             if num_new <= 0:
                 if req.priority < limits.top and limits.budget.room(1) == 0:
                     break           # the time budget is spent: no later (lower) item fits
@@ -162,6 +165,18 @@ class Scheduler:
                 pending.pop(i)
         self._last = (now, out.num_tokens, len(out.scheduled)) if out.scheduled else None
         return out
+
+    def _drafts_that_fit(self, req: Request, want: int) -> int:
+        """Draft tokens of running ``req`` to verify this step: all of them when they need no
+        new block, or when the free blocks left after theirs still give each running request
+        one more; else none (drafts never preempt, nor take a block a decode needs)."""
+        drafts, kv = len(req.spec_token_ids), self.kv
+        extra = kv.blocks_needed(req, want + drafts)
+        if extra == kv.blocks_needed(req, want) or \
+                kv.pool.num_free(req.pinned) - extra >= len(self.running):
+            return drafts
+        req.spec_token_ids = []
+        return 0
 
     def trims_decodes(self, reqs: list[Request]) -> bool:
         """Would ``schedule`` leave out one of ``reqs`` (the whole running set, each decoding

@@ -16,7 +16,10 @@ host-side work happens once per step (:func:`plan_attention`), shared by all lay
   kernel on a 1,024-token prompt); else SDPA, causal or with a mask built once.
 
 Where the C++ kernel of :mod:`.cpu_decode` is built and the cache is float32, all decodes
-go to it instead (one pass over the K/V bytes, read in place; ~10x faster than the groups).
+go to it instead (one pass over the K/V bytes, read in place; ~10x faster than the groups),
+and so do short queries that continue a sequence (at most ``SHORT_QUERY`` tokens after
+cached ones: speculative decoding's draft verification): query ``i`` of ``q`` is a decode row
+of its own over the keys up to it, so a batch of them is one kernel call, not one prefill each.
 
 Zeroing matters: a slot past a sequence's end may hold anything (another request's stale
 keys, NaN in the kernel tests), and ``0 * NaN`` would leak through a masked softmax.
@@ -37,6 +40,7 @@ from . import cpu_decode, cpu_prefill
 from .reference import dequantize_kv, quantize_kv
 
 DECODE_GROUP = 16
+SHORT_QUERY = 17        # longest continuation query run as decode rows (16 drafts + 1)
 
 
 @dataclass(slots=True)
@@ -99,6 +103,9 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: list[int], query_start_
     block that always holds zeros (the engine's null block), used to pad short sequences
     without zeroing their padding; None pads with the table's first entry and zeroes it.
     ``decode_kernel``: plan every decode for the C++ kernel (float32 caches, kernel built)."""
+    if decode_kernel:
+        return _plan_for_decode_kernel(block_tables, seq_lens, query_start_loc, block_size,
+                                       sliding_window, use_new_kv)
     decode, prefill = [], []
     for b, kv_len in enumerate(seq_lens):
         qs, qe = query_start_loc[b], query_start_loc[b + 1]
@@ -107,19 +114,34 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: list[int], query_start_
         elif qe > qs:
             prefill.append(_plan_prefill(block_tables[b], kv_len, qs, qe, block_size, sliding_window,
                                          use_new_kv))
-    if decode_kernel and decode:
-        dev = block_tables.device
-        idx = torch.tensor(decode, device=dev)
-        starts = [max(0, seq_lens[b] - sliding_window) if sliding_window else 0 for b in decode]
-        rows = DecodeRows(torch.tensor([query_start_loc[b] for b in decode], device=dev),
-                          block_tables.index_select(0, idx).long(),
-                          torch.tensor(starts, device=dev), torch.tensor([seq_lens[b] for b in decode], device=dev))
-        return AttentionPlan([], prefill, rows)
     decode.sort(key=lambda b: seq_lens[b])
     groups = [_plan_decode(block_tables, seq_lens, query_start_loc, decode[i:i + DECODE_GROUP],
                            block_size, sliding_window, pad_block)
               for i in range(0, len(decode), DECODE_GROUP)]
     return AttentionPlan(groups, prefill)
+
+
+def _plan_for_decode_kernel(block_tables, seq_lens, qsl, bs, sliding_window, use_new_kv) -> AttentionPlan:
+    """Every decode, and each query of every short continuation, as one row of the decode
+    kernel (query ``i`` of ``q`` sees the keys up to its position, ``kv_len - q + i``)."""
+    rows, members, lens, prefill = [], [], [], []
+    for b, kv_len in enumerate(seq_lens):
+        qs, qe = qsl[b], qsl[b + 1]
+        q = qe - qs
+        if q == 1 or 1 < q <= SHORT_QUERY and q < kv_len:
+            rows += range(qs, qe)
+            members += [b] * q
+            lens += range(kv_len - q + 1, kv_len + 1)
+        elif q > 1:
+            prefill.append(_plan_prefill(block_tables[b], kv_len, qs, qe, bs, sliding_window, use_new_kv))
+    if not rows:
+        return AttentionPlan([], prefill)
+    dev = block_tables.device
+    starts = [max(0, n - sliding_window) if sliding_window else 0 for n in lens]
+    decode = DecodeRows(torch.tensor(rows, device=dev),
+                        block_tables.index_select(0, torch.tensor(members, device=dev)).long(),
+                        torch.tensor(starts, device=dev), torch.tensor(lens, device=dev))
+    return AttentionPlan([], prefill, decode)
 
 
 def _plan_decode(block_tables, seq_lens, qsl, members, bs, sliding_window, pad_block) -> DecodeGroup:

@@ -85,6 +85,12 @@ def _kv_cache() -> DashboardSpec:
                          "{{replica}} trims"),
                    Query(rate_sum("kvharbor_steps_interrupted", "replica", R),
                          "{{replica}} cut steps")), no_value="0"),
+        PanelSpec("Speculative decoding acceptance", "Share of verified draft tokens that were "
+                  "accepted (each accepted draft is a token without a step of its own), per "
+                  "replica; empty without speculative_config.", "percentunit",
+                  (Query(ratio(rate_sum("kvharbor_spec_decode_tokens", "replica", R[:-1] + ',kind="accepted"}'),
+                               rate_sum("kvharbor_spec_decode_tokens", "replica", R[:-1] + ',kind="draft"}')),
+                         "{{replica}}"),)),
         PanelSpec("KV utilisation", "Used blocks / all blocks, per replica.", "percentunit", (
             Query(f'sum by (replica) ({blocks}{R[:-1]},state="used"}}) / '
                   f"sum by (replica) ({blocks}{R})", "{{replica}}"),)),

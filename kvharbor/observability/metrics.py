@@ -35,7 +35,8 @@ label        values
 ``outcome``  ``met`` | ``missed``
 ``location`` :data:`MEMORY_LOCATIONS` (``device``, ``host``)
 ``kind``     :data:`MEMORY_KINDS` (``kv_cache``, ``model_weights``, ``lora_adapters``); for router metrics
-             :data:`ROUTER_MODES` or :data:`DIRECTORY_SYNC_KINDS`
+             :data:`ROUTER_MODES` or :data:`DIRECTORY_SYNC_KINDS`; for speculative decoding
+             :data:`SPEC_TOKEN_KINDS` (``draft``, ``accepted``)
 ``reason``   (router decisions) :data:`ROUTER_FALLBACK_REASONS`
 ===========  ==================================================================
 
@@ -72,6 +73,7 @@ MEMORY_KINDS = ("kv_cache", "model_weights", "lora_adapters")
 LORA_STATES = ("running", "waiting")
 BLOCK_STATES = ("used", "cached", "free", "reserved")
 PINNED_REGION_KINDS = ("size", "target", "floor", "ceiling", "demand_peak")
+SPEC_TOKEN_KINDS = ("draft", "accepted")
 OTHER = "other"
 # How the KV-aware router decided: its event-fed index, its own routing history
 # (approximate), or power of two choices; and why it was not the index.
@@ -167,6 +169,9 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kvharbor_step_budget_trims", "counter", ("replica",),
                "Lower-class prefill chunks cut or decodes deferred to keep an engine step under "
                "a higher class's step target."),
+    MetricSpec("kvharbor_spec_decode_tokens", "counter", ("replica", "kind"),
+               "Speculative decoding: draft tokens verified (kind draft) and those accepted (kind "
+               "accepted), as vLLM's spec_decode_num_draft_tokens / num_accepted_tokens."),
     MetricSpec("kvharbor_steps_interrupted", "counter", ("replica",),
                "Lower-class engine steps cut short for a premium arrival (the work done so far "
                "is thrown away and the premium request runs in the next step)."),
@@ -380,6 +385,11 @@ class KvharborMetrics:
     def step_budget_trims(self, replica: str, n: int) -> None:
         """Count lower-class items trimmed by the step budget since the last call."""
         self._inc("kvharbor_step_budget_trims", n, {"replica": replica})
+
+    def spec_decode_tokens(self, replica: str, draft: int, accepted: int) -> None:
+        """Count draft tokens verified and accepted since the last call."""
+        for kind, n in (("draft", draft), ("accepted", accepted)):
+            self._inc("kvharbor_spec_decode_tokens", n, {"replica": replica, "kind": kind})
 
     def steps_interrupted(self, replica: str, n: int) -> None:
         """Count steps cut short for a premium arrival since the last call."""

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from kvharbor.kernels import CpuBackend, cpu_decode, get_attention_backend
-from kvharbor.kernels.cpu_attention import DECODE_GROUP, paged_attention_cpu, plan_attention, store_kv_cpu
+from kvharbor.kernels.cpu_attention import (DECODE_GROUP, SHORT_QUERY, paged_attention_cpu, plan_attention,
+                                            store_kv_cpu)
 from kvharbor.kernels.reference import paged_attention_ref, store_kv_ref
 
 from .batch import TOLERANCE, make_batch
@@ -22,7 +23,11 @@ def run_planned(batch, window=None, use_new_kv=True, pad_block=None, decode_kern
     qsl, lens = batch.query_start_loc.tolist(), batch.seq_lens.tolist()
     plan = plan_attention(batch.block_tables, lens, qsl, c.key.shape[1], window, use_new_kv, pad_block,
                           decode_kernel)
-    assert (plan.decode_rows is not None) == (decode_kernel and 1 in batch.query_start_loc.diff().tolist())
+    kernel_rows = [q for q, n in zip(batch.query_start_loc.diff().tolist(), lens)
+                   if q == 1 or q <= SHORT_QUERY and q < n]
+    assert (plan.decode_rows is not None) == (decode_kernel and bool(kernel_rows))
+    if plan.decode_rows is not None:
+        assert plan.decode_rows.rows.numel() == sum(kernel_rows)
     # This step's K/V rows [T, Hkv, D]: each sequence's last q_len tokens.
     starts = [sum(lens[:b]) for b in range(len(lens))]
     rows = torch.cat([torch.arange(s + n - (qsl[b + 1] - qsl[b]), s + n)
@@ -119,6 +124,19 @@ def test_cpp_decode_kernel_matches_reference(heads, kv_heads, window, block_size
     kv_lens = [1, 5, 16, 17, 300, 640, 33, 129, 64, 300, 30]
     batch = make_batch(q_lens, kv_lens, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                        block_size=block_size, dtype=torch.float32, seed=heads + block_size)
+    check(batch, window, decode_kernel=True)
+
+
+@needs_kernel
+@pytest.mark.parametrize("window, block_size", [(None, 16), (64, 16), (None, 1), (40, 32)])
+def test_cpp_decode_kernel_runs_short_continuations_exactly(window, block_size):
+    """Queries of 2-17 tokens after cached keys (speculative decoding's drafts being verified)
+    go to the decode kernel, one row per query token over the keys up to it (causal within
+    the query); longer ones and fresh prompts stay prefills. All match the reference."""
+    q_lens = [5, SHORT_QUERY, 2, 3, SHORT_QUERY + 1, 1, 9]
+    kv_lens = [40, 300, 17, 3, 500, 70, 9]     # 3 and 9: fresh prompts (no cached keys)
+    batch = make_batch(q_lens, kv_lens, heads=8, kv_heads=2, head_dim=32, block_size=block_size,
+                       dtype=torch.float32, seed=block_size)
     check(batch, window, decode_kernel=True)
 
 

@@ -63,6 +63,7 @@ class Recorder:
                                   "ceiling": 64, "demand_peak": 12 * scale})
         m.step_budget_trims(replica, 2 * scale)
         m.steps_interrupted(replica, scale)
+        m.spec_decode_tokens(replica, draft=8 * scale, accepted=5 * scale)
         m.router_mode("kv_index", None)
         m.router_mode("pow2", "no_hashes")
         m.router_index_lag(0.02 * scale)

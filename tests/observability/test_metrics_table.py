@@ -178,3 +178,28 @@ def test_replica_records_requests_by_lora_adapter_and_zeroes_an_unloaded_one(tmp
     LLMReplica._record_metrics(replica)
     got = {(t["adapter"], t["state"]): n for n, t in rec._m["kvharbor_lora_requests"].calls}
     assert got[("idle", "running")] == got[("idle", "waiting")] == 0 and got[("a", "running")] == 2
+
+
+def test_replica_counts_speculative_draft_and_accepted_tokens_once():
+    """The replica adds the drafts verified and accepted since its last report (a second
+    report with no new step adds nothing)."""
+    from types import SimpleNamespace
+
+    from kvharbor import LLM, SamplingParams
+    from kvharbor.actors.replica import LLMReplica
+
+    llm = LLM(device="cpu", num_kv_blocks=256, speculative_config={"adaptive": False})
+    llm.generate([[5, 6, 7, 5, 6, 7, 5, 6, 7, 5]], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    spec = llm.engine.spec
+    assert spec.accepted_tokens > 0
+    rec = _recorder_with_fakes()
+    replica = SimpleNamespace(engine=llm.engine, replica_id="r1", _reported={"evictions": 0}, metrics=rec,
+                              _record_session_metrics=lambda: None)
+    LLMReplica._record_metrics(replica)
+    got = {t["kind"]: n for n, t in rec._m["kvharbor_spec_decode_tokens"].calls}
+    assert got == {"draft": spec.draft_tokens, "accepted": spec.accepted_tokens}
+    LLMReplica._record_metrics(replica)
+    total = {}
+    for n, t in rec._m["kvharbor_spec_decode_tokens"].calls:
+        total[t["kind"]] = total.get(t["kind"], 0) + n
+    assert total == got

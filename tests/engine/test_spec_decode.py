@@ -1,0 +1,232 @@
+"""Speculative decoding (n-gram drafts): the tokens are those of decoding one at a time, the
+drafts really are verified and kept, and they never cost another request its blocks."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvharbor import LLM, SamplingParams
+from kvharbor.engine.spec_decode import NgramIndex, NgramProposer
+from kvharbor.engine.step_budget import StepCostModel
+
+from .conftest import greedy, hf_greedy, mixed_prompts
+
+ALWAYS = {"num_speculative_tokens": 4, "adaptive": False}      # verify every draft
+
+
+def looping_prompts(n: int = 6) -> list[list[int]]:
+    """Prompts that repeat a phrase (drafts from the start), and unrepetitive ones."""
+    phrases = [[72, 101, 108, 108, 111, 32], [40, 41, 42], [7, 8, 9, 10, 11, 12, 13, 14, 15]]
+    loops = [phrases[i % 3] * (3 + i) + phrases[i % 3][:i % 4] for i in range(n)]
+    return loops + mixed_prompts(n, seed=3)
+
+
+def drafted(llm: LLM) -> tuple[int, int]:
+    s = llm.stats()
+    return s["spec_draft_tokens"], s["spec_accepted_tokens"]
+
+
+def test_ngram_index_drafts_what_followed_the_latest_longest_match():
+    idx = NgramIndex(1, 3)
+    #            0  1  2  3  4  5  6  7  8  9
+    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3]
+    # Suffix (1 2 3) last occurred at 4..6, followed by 7 5 1 ...
+    assert idx.drafts(tokens, 3) == ([7, 5, 1], 3)
+    # A shorter match only when no longer one exists: (9 8) never occurred, (8) neither, ...
+    assert idx.drafts(tokens + [8], 2) == ([], 0)
+    assert idx.drafts(tokens + [8, 5], 2) == ([1, 2], 1)     # (5) occurred at 8, then 1 2
+    # Past the end a match continues as it did: a loop of period 2 keeps looping.
+    loop = NgramIndex(1, 4)
+    assert loop.drafts([4, 6, 4, 6, 4], 5) == ([6, 4, 6, 4, 6], 3)
+    assert NgramIndex(2, 4).drafts([1, 2, 3], 4) == ([], 0)
+
+
+def test_adaptive_drafting_keeps_the_drafts_that_pay():
+    """A step whose cost is mostly fixed (one stream) verifies every draft; one whose cost is
+    all per token (a compute-bound batch) keeps only drafts as likely as the tokens pay."""
+    proposer = NgramProposer(4, 1, 4)
+
+    class Req:
+        def __init__(self):
+            self.spec = NgramIndex(1, 4)
+            self.spec.match_len = 4
+            self.spec_token_ids = [1, 2, 3, 4]
+
+    fixed, per_token = StepCostModel(), StepCostModel()
+    fixed.coef, per_token.coef = [0.02, 1e-5, 0.0], [0.002, 1e-3, 0.0]
+    one = [Req()]
+    proposer._keep_paying(one, 1, fixed)
+    assert one[0].spec_token_ids == [1, 2, 3, 4]
+    batch = [Req() for _ in range(8)]
+    proposer._keep_paying(batch, 8, per_token)       # prior 1/2: a draft pays above 0.8
+    assert all(r.spec_token_ids == [] for r in batch)
+    proposer._hits[4], proposer._trials[4] = 98.0, 98.0     # drafts of 4-token matches hold
+    batch = [Req() for _ in range(8)]
+    proposer._keep_paying(batch, 8, per_token)
+    assert all(len(r.spec_token_ids) >= 3 for r in batch)
+
+
+def test_greedy_tokens_equal_transformers_with_drafts():
+    """tiny-llama's drafts are verified against the model: the tokens equal transformers'
+    greedy generate, while most of them came from accepted drafts."""
+    llm = LLM(model="kvharbor/tiny-llama", num_kv_blocks=1024, speculative_config=ALWAYS)
+    prompts = looping_prompts()
+    outs = llm.generate(prompts, greedy(24))
+    want = hf_greedy(llm.hf_model, prompts, 24)
+    for i, (out, ref) in enumerate(zip(outs, want)):
+        assert out.token_ids == ref, f"prompt {i} diverged"
+    verified, accepted = drafted(llm)
+    assert accepted > 0.15 * 24 * len(prompts), (verified, accepted)
+    llm.check_integrity()
+
+
+@pytest.mark.parametrize("model, block_size", [("kvharbor/tiny-qwen2", 16), ("kvharbor/tiny-mistral", 4),
+                                               ("kvharbor/tiny-llama", 1)])
+def test_greedy_tokens_unchanged_by_drafts(model, block_size):
+    """Same tokens with and without drafts: across block boundaries (block size 1 and 4), a
+    sliding window (tiny-mistral) and chunked prefill beside verification steps."""
+    prompts = looping_prompts()
+    outs = {}
+    for spec in (None, ALWAYS):
+        llm = LLM(model=model, block_size=block_size, num_kv_blocks=8192 // block_size,
+                  max_num_batched_tokens=128, speculative_config=spec)
+        outs[spec is None] = [o.token_ids for o in llm.generate(prompts, greedy(40))]
+        llm.check_integrity()
+    assert outs[False] == outs[True]
+    assert drafted(llm)[1] > 0
+
+
+def test_drafted_steps_stop_where_one_token_at_a_time_stops():
+    """A stop token, a stop string or max_tokens inside a run of accepted drafts ends the
+    output at that token, as decoding one token at a time does; text, finish reasons and the
+    streamed deltas agree."""
+    prompts = looping_prompts(3)[:3]
+    plain = LLM(num_kv_blocks=1024).generate(prompts, greedy(30))
+    stop_id = plain[0].token_ids[17]
+    stop_str = plain[1].text[20:23]
+    params = [SamplingParams(max_tokens=30, temperature=0, stop_token_ids=[stop_id]),
+              SamplingParams(max_tokens=30, temperature=0, stop=[stop_str]),
+              SamplingParams(max_tokens=13, temperature=0, ignore_eos=True)]
+    results = {}
+    for spec in (None, ALWAYS):
+        llm = LLM(num_kv_blocks=1024, speculative_config=spec)
+        results[spec is None] = [(o.token_ids, o.text, o.finish_reason)
+                                 for o in llm.generate(prompts, params)]
+        if spec:
+            assert drafted(llm)[1] > 0
+    assert results[False] == results[True]
+    assert results[False][0][0][-1] == stop_id and results[False][0][2] == "stop"
+    assert len(results[False][2][0]) == 13
+
+    # Streamed: a drafted step delivers several tokens in one output, their text in order.
+    llm = LLM(num_kv_blocks=1024, speculative_config=ALWAYS)
+    llm.engine.add_request("r", prompts[0], greedy(30))
+    tokens, text, widest = [], "", 0
+    while llm.engine.has_unfinished():
+        for out in llm.engine.step():
+            tokens += out.new_token_ids
+            text += out.new_text
+            widest = max(widest, len(out.new_token_ids))
+    assert widest > 1
+    assert tokens == plain[0].token_ids and text == plain[0].text
+
+
+def test_sampled_tokens_follow_the_models_distribution():
+    """A sampled row keeps a draft exactly when it draws it, so tokens follow the model's
+    distribution: how often the second token repeats the n-gram continuation is the same
+    with and without drafts (seeded, 400 requests each). The prompt is ``x y x`` with ``y``
+    the model's greedy continuation of ``x``, so that continuation is likely, not certain."""
+    plain = LLM(num_kv_blocks=4096)
+    x = plain.encode("def add(a, b):\n    return")
+    y = plain.generate([x], greedy(8))[0].token_ids
+    prompt = x + y + x
+    n = 400
+    rates = {}
+    for spec in (None, ALWAYS):
+        llm = plain if spec is None else LLM(num_kv_blocks=4096, speculative_config=spec)
+        params = [SamplingParams(max_tokens=3, temperature=1.0, seed=i, ignore_eos=True) for i in range(n)]
+        outs = llm.generate([prompt] * n, params)
+        agree = 0
+        for out in outs:
+            draft, _ = NgramIndex(1, 4).drafts(prompt + out.token_ids[:1], 1)
+            agree += bool(draft) and draft[0] == out.token_ids[1]
+        rates[spec is None] = agree / n
+        if spec:
+            assert drafted(llm)[0] >= 0.9 * n, "the second token was not drafted"
+    assert 0.2 < rates[True] < 0.8, rates            # the continuation is likely, not certain
+    assert abs(rates[True] - rates[False]) < 0.12, rates
+
+
+def test_requests_whose_logits_depend_on_their_output_draft_nothing():
+    """Penalties, min_tokens and structured outputs need each row's state after the drafts
+    before it: such requests decode one token per step; a plain one beside them drafts."""
+    prompt = looping_prompts(1)[0]
+    llm = LLM(num_kv_blocks=1024, speculative_config=ALWAYS)
+    llm.generate([prompt] * 3, [SamplingParams(max_tokens=20, temperature=0, repetition_penalty=1.3),
+                                SamplingParams(max_tokens=20, temperature=0, min_tokens=19),
+                                SamplingParams(max_tokens=20, temperature=0,
+                                               structured_outputs={"regex": "[a-z ]{5,20}"})])
+    assert drafted(llm) == (0, 0)
+    llm.generate([prompt], greedy(20))
+    assert drafted(llm)[1] > 0
+
+
+def test_logprobs_of_drafted_tokens_equal_one_token_at_a_time():
+    """Each drafted token comes with its own logprobs, those of its row."""
+    prompts = looping_prompts(2)[:2]
+    params = SamplingParams(max_tokens=20, temperature=0, logprobs=2, ignore_eos=True)
+    got = {}
+    for spec in (None, ALWAYS):
+        llm = LLM(num_kv_blocks=1024, speculative_config=spec)
+        for i, p in enumerate(prompts):
+            llm.engine.add_request(str(i), p, params)
+        seen = {str(i): ([], []) for i in range(len(prompts))}
+        while llm.engine.has_unfinished():
+            for out in llm.engine.step():
+                seen[out.request_id][0].extend(out.new_token_ids)
+                seen[out.request_id][1].extend(out.new_logprobs)
+        got[spec is None] = seen
+    assert drafted(llm)[1] > 0
+    for rid, (tokens, lps) in got[True].items():
+        spec_tokens, spec_lps = got[False][rid]
+        assert spec_tokens == tokens and len(spec_lps) == len(lps) == 20
+        for x, y in zip(lps, spec_lps):
+            assert [t for t, _ in x.top] == [t for t, _ in y.top]
+            assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
+
+
+def test_drafts_never_take_the_blocks_a_decode_needs():
+    """With the cache nearly full, drafts are dropped rather than preempting a request or
+    holding a block another running request needs next: no preemption, same tokens."""
+    prompts = looping_prompts(4)[:4]
+    # Block size 4: 4 prompts of <= 28 tokens + 24 new tokens need <= 13 blocks each at the end.
+    plain = LLM(block_size=4, num_kv_blocks=52).generate(prompts, greedy(24))
+    llm = LLM(block_size=4, num_kv_blocks=52, speculative_config={"num_speculative_tokens": 8,
+                                                                  "adaptive": False})
+    outs = llm.generate(prompts, greedy(24))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert llm.stats()["preemptions"] == 0
+    assert drafted(llm)[1] > 0
+    llm.check_integrity()
+
+
+def test_a_decode_gets_the_last_free_block_before_anothers_drafts():
+    """A (first in line) has drafts that need a new block; B's next token needs one too; one
+    block is free: B gets it and A verifies no draft this step, nobody is preempted."""
+    llm = LLM(block_size=4, num_kv_blocks=64, speculative_config=ALWAYS)
+    eng = llm.engine
+    a = eng.add_request("a", [5, 6, 7, 5, 6, 7, 5], greedy(10))      # decodes position 7: block 1
+    b = eng.add_request("b", [9, 8, 7, 6, 5, 4, 3, 2], greedy(10))   # decodes position 8: block 2
+    eng.step()                                                        # both prompts, first tokens
+    a.spec = NgramIndex(1, 4)
+    eng.spec.propose = lambda running, *_: [setattr(r, "spec_token_ids", [1, 2, 3, 4] if r is a else [])
+                                            for r in running]
+    held = eng.pool.allocate(eng.pool.num_free(False) - 1, False)
+    outs = {o.request_id: o for o in eng.step()}
+    assert eng.scheduler.num_preemptions == 0
+    assert set(outs) == {"a", "b"} and len(outs["a"].new_token_ids) == 1
+    assert a.spec_token_ids == [] and b.num_computed_tokens == 9
+    eng.pool.release(held)
+    while eng.has_unfinished():
+        eng.step()
+    llm.check_integrity()
