@@ -127,13 +127,14 @@ def _summary(system: str, rounds: list[dict], outputs, start_s: float | None = N
 
 
 # ---- kvharbor ---------------------------------------------------------------------------------
-def kvharbor_llm(checkpoint: Path, limits: Limits, block_size: int):
+def kvharbor_llm(checkpoint: Path, limits: Limits, block_size: int, **engine):
+    """kvharbor's ``LLM`` of ``checkpoint`` under ``limits`` (``engine``: more EngineConfig fields)."""
     from kvharbor import LLM
 
     return LLM(model=str(checkpoint), device="cpu", dtype="float32", block_size=block_size,
                num_kv_blocks=limits.kv_tokens // block_size,
                max_num_batched_tokens=limits.max_num_batched_tokens,
-               max_num_seqs=limits.max_num_seqs, max_model_len=limits.max_model_len)
+               max_num_seqs=limits.max_num_seqs, max_model_len=limits.max_model_len, **engine)
 
 
 def start(args):
@@ -219,7 +220,7 @@ class VllmPeer:
 
     def __init__(self, python: str, checkpoint: Path, prompts, out_tokens: int, limits: Limits,
                  block_size: int, ttft_prompts, structured: list[dict] | None = None,
-                 loras: dict | None = None) -> None:
+                 loras: dict | None = None, speculative: dict | None = None) -> None:
         """``loras``: ``{"paths": [...], "of": [adapter index of each prompt], "rank": r}``
         (vLLM then runs with ``enable_lora``; ``round`` with ``lora=True`` uses them)."""
         from transformers import AutoConfig
@@ -233,7 +234,7 @@ class VllmPeer:
                 "block_size": block_size, "max_num_batched_tokens": limits.max_num_batched_tokens,
                 "max_num_seqs": limits.max_num_seqs, "max_model_len": limits.max_model_len,
                 "kv_cache_bytes": limits.kv_tokens * kv_bytes_per_token(cfg, torch.float32),
-                "structured": structured, "loras": loras}
+                "structured": structured, "loras": loras, "speculative": speculative}
         (self.tmp / "spec.json").write_text(json.dumps(spec))
         env = vllm_env(self.tmp)
         self.preloaded = preload_libs(python)

@@ -12,7 +12,8 @@ loop over the spec's prompts from an empty prefix cache (``"structured": true``:
 follows the spec's ``structured[i]``, vLLM's ``StructuredOutputsParams`` fields, and ends with
 its grammar; else EOS is ignored; ``"caps"``: each request's ``max_tokens``; ``"lora": true``:
 request ``i`` with the LoRA adapter ``loras["of"][i]`` of the spec, vLLM built with
-``enable_lora``); ``{"op": "ttft",
+``enable_lora``; ``"sequential": true``: the first ``"count"`` prompts (all: null) one at a time, each alone; the spec's
+``speculative``: vLLM's ``speculative_config``); ``{"op": "ttft",
 "i": n}`` the cold
 TTFT of ``ttft_prompts[n]``; ``{"op": "quit"}``. So the benchmark can interleave its rounds
 with kvharbor's: on a shared machine both then see the same background load.
@@ -39,7 +40,8 @@ def build(spec: dict):
               max_num_seqs=spec["max_num_seqs"], kv_cache_memory_bytes=spec["kv_cache_bytes"],
               max_model_len=spec["max_model_len"], seed=0,
               # vLLM reads disable_any_whitespace from here, not from a request's params
-              structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True})
+              structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True},
+              speculative_config=spec.get("speculative"))
     return llm, time.perf_counter() - t0
 
 
@@ -89,6 +91,13 @@ def step_loop(llm, prompts: list[list[int]], max_tokens: int | list[int], struct
             "ttft_s": sorted(first[k] - start for k in first), "outputs": outputs}
 
 
+def one_at_a_time(llm, prompts: list[list[int]], max_tokens: int) -> dict:
+    """``step_loop`` over each prompt alone, one after another (a single stream)."""
+    runs = [step_loop(llm, [p], max_tokens) for p in prompts]
+    return {"elapsed_s": sum(r["elapsed_s"] for r in runs), "output_tokens": sum(r["output_tokens"] for r in runs),
+            "ttft_s": sorted(r["ttft_s"][0] for r in runs), "outputs": [r["outputs"][0] for r in runs]}
+
+
 def cold_ttft(llm, prompts: list[list[int]]) -> list[float]:
     """Seconds to the first token of each prompt alone, from an empty prefix cache."""
     from vllm.inputs import TokensPrompt
@@ -123,7 +132,9 @@ def main(spec_path: str, fd: str) -> int:
     answer({"ready": True, "vllm_version": vllm.__version__, "start_s": start_s})
     for line in sys.stdin:
         cmd = json.loads(line)
-        if cmd["op"] == "round":
+        if cmd["op"] == "round" and cmd.get("sequential"):
+            answer(one_at_a_time(llm, spec["prompts"][:cmd.get("count")], spec["output_tokens"]))
+        elif cmd["op"] == "round":
             answer(step_loop(llm, spec["prompts"], cmd.get("caps") or spec["output_tokens"],
                              spec["structured"] if cmd.get("structured") else None,
                              loras if cmd.get("lora") else None))
