@@ -30,9 +30,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import median, table  # noqa: E402
+from benchmarks.common import RESULTS, bar_panels, median, table, write_json  # noqa: E402
 from benchmarks.engine_peers import (MODELS, ROOT, VllmPeer, add_peer_arguments, agreement,  # noqa: E402
-                                     kvharbor_llm, kvharbor_round, save_mode_rounds, start, workload)
+                                     kvharbor_llm, kvharbor_round, start, workload)
 
 WORKLOADS = ("single stream", "batch")
 
@@ -127,15 +127,29 @@ def report(args, info, runs, stats, spec) -> int:
                   f"({s['spec_accepted_tokens'] / s['spec_draft_tokens']:.2f})")
     info["load_avg_at_end"] = os.getloadavg()
     name = f"spec_decode_{args.model}{args.tag}"
-    save_mode_rounds(name, {"machine": info, "kvharbor_draft_stats": stats, "speculative_config": spec,
-                            "workload": {"model": args.model, "requests": args.requests,
-                                         "single_stream_requests": args.single_requests,
-                                         "prompts": "docs passages (600 chars)" if args.model == "tiny-llama"
-                                         else "random ids, 64-256 tokens",
-                                         "output_tokens": args.output_tokens, "seed": args.seed,
-                                         "rounds": args.rounds, "greedy": True, "ignore_eos": True}},
-                     rows, runs, args.requests)
+    write_json(name, {"machine": info, "kvharbor_draft_stats": stats, "speculative_config": spec,
+                      "workload": {"model": args.model, "requests": args.requests,
+                                   "single_stream_requests": args.single_requests,
+                                   "prompts": "docs passages (600 chars)" if args.model == "tiny-llama"
+                                   else "random ids, 64-256 tokens",
+                                   "output_tokens": args.output_tokens, "seed": args.seed,
+                                   "rounds": args.rounds, "greedy": True, "ignore_eos": True},
+                      "rows": rows,
+                      "rounds_tokens_per_s": {f"{s} {m}": [r["output_tokens"] / r["elapsed_s"] for r in v]
+                                              for (s, m), v in runs.items()}})
+    plot(rows, RESULTS / f"{name}.png")
     return 0
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Tokens/s of each (system, drafting mode), one panel per workload."""
+    panels, names = [], []
+    for workload_name in WORKLOADS:
+        mine = [r for r in rows if r["mode"].startswith(workload_name)]
+        names = [f"{'vLLM' if r['system'].startswith('vLLM') else r['system']}\n{r['mode'].split(', ')[1]}"
+                 for r in mine]
+        panels.append(([r["output_tokens_per_s"] for r in mine], f"{workload_name}: output tokens/s"))
+    bar_panels(names, panels, path)
 
 
 if __name__ == "__main__":

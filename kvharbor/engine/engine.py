@@ -321,6 +321,8 @@ class Engine:
                 rows = [next(sampled) for _ in range(drafts + 1)]
                 lps = [next(logprobs) for _ in range(drafts + 1)]
                 kept = self.spec.accept(req, req.spec_token_ids[:drafts], rows)
+                if kept < drafts and req.rng_states:       # seeded: undraw the discarded rows
+                    req.generator.set_state(req.rng_states[kept])
                 self._advance(req, item.num_new_tokens - (drafts - kept))
                 outputs.append(self._append_tokens(req, rows[:kept + 1], lps[:kept + 1]))
                 continue

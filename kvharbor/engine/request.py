@@ -138,6 +138,7 @@ class Request:
     num_preemptions: int = 0
     first_token_time: float | None = None
     generator: object = None             # torch.Generator when seeded
+    rng_states: list = field(default_factory=list)   # its state before each draft's row (sampling.py)
     cached_blocks_cursor: int = 0        # blocks [0, cursor) were registered in the prefix cache
     held_stops: tuple[int, ...] = ()     # ids masked until min_tokens (stop ids, EOS unless ignored)
     prompt_lps: list | None = None       # prompt_logprobs asked: TokenLogprobs per prompt token so far

@@ -10,7 +10,11 @@ a token once the probability mass before it (in descending order) reaches ``top_
 keeping the first), then one token is drawn from the softmax by the exponential race
 ``argmax(p / E)`` with ``E ~ Exp(1)`` per vocabulary entry (an exact draw from ``p``). A seeded
 request draws its ``E`` from its own generator, so its tokens depend on its seed alone, not on
-the batch it shares.
+the batch it shares, nor on speculative decoding: a request with drafts has several rows in a
+step (its positions, in order), each drawing the next ``E`` of its generator as one-at-a-time
+decoding would; the generator's state before each draft's row is kept (``rng_states``) and,
+when the step rejects a draft, the engine rewinds the generator to the state before the first
+discarded row, so the next step draws what one-at-a-time decoding would.
 """
 
 from __future__ import annotations
@@ -82,9 +86,15 @@ def _exponentials(probs: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     if unseeded:
         idx = upload(unseeded, torch.int64, probs.device)
         noise.index_copy_(0, idx, torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_())
+    prev = None
     for i, r in enumerate(reqs):
         if r.sampling.seed is not None:
             if r.generator is None:
                 r.generator = torch.Generator(device=probs.device).manual_seed(r.sampling.seed)
+            if r is prev:           # a draft's row: keep the state before it (see module doc)
+                r.rng_states.append(r.generator.get_state())
+            else:
+                r.rng_states = []
             noise[i].exponential_(generator=r.generator)
+            prev = r
     return noise.clamp_min_(_TINY)          # a 0 draw would make 0 / 0 = NaN win the argmax
