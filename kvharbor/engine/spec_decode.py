@@ -81,12 +81,14 @@ class NgramProposer:
     (``adaptive``), and counts how many were verified and accepted.
 
     Adaptive drafting: with ``n`` decodes, a step of cost ``C0 = est(n, n)`` (the scheduler's
-    learned ``StepCostModel``) yields ``n`` tokens. Draft ``j`` of a request whose drafts are
-    accepted with chance ``alpha`` adds ``alpha ** j`` expected tokens for the cost of one more
-    token ``b``. Drafts are taken in decreasing ``alpha ** j`` while each raises the expected
-    tokens per second, i.e. while ``alpha ** j > b * tokens / cost`` of the step so far: a
-    single stream (``C0`` >> ``b``) verifies nearly every draft; a large, compute-bound batch
-    only those likely to be right.
+    learned ``StepCostModel``, ``a + b * tokens + c * seqs``) yields ``n`` tokens. Draft ``j``
+    of a request whose drafts are accepted with chance ``alpha`` adds ``alpha ** j`` expected
+    tokens for the cost of one more decode row, ``b + c``: a draft's row reads its whole
+    context like a decode does, and that cost is what the model learns as ``c`` (a prompt
+    token's, ``b``, is far less). Drafts are taken in decreasing ``alpha ** j`` while each raises
+    the expected tokens per second, i.e. while ``alpha ** j > (b + c) * tokens / cost`` of the
+    step so far: a single stream (``C0`` >> ``b + c``) verifies nearly every draft; a large,
+    compute-bound batch only those likely to be right.
 
     ``alpha`` depends on how long the n-gram match behind the drafts is (a 4-token match
     predicts far better than a 1-token one): per match length, the accepted drafts over
@@ -137,7 +139,7 @@ class NgramProposer:
                 value *= alpha
                 items.append((value, i))
         items.sort(key=lambda t: t[0], reverse=True)
-        per_token = cost.coef[1]
+        per_token = cost.coef[1] + cost.coef[2]         # one more decode row
         tokens, seconds = float(n), cost.estimate(n, n)
         keep = [0] * len(drafted)
         for value, i in items:              # each request's drafts come in order j = 1, 2, ...

@@ -60,6 +60,11 @@ def test_adaptive_drafting_keeps_the_drafts_that_pay():
     batch = [Req() for _ in range(8)]
     proposer._keep_paying(batch, 8, per_token)       # prior 1/2: a draft pays above 0.8
     assert all(r.spec_token_ids == [] for r in batch)
+    per_seq = StepCostModel()                        # a decode row's cost learned per sequence:
+    per_seq.coef = [0.002, 0.0, 1e-3]                # a draft's row costs as much
+    batch = [Req() for _ in range(8)]
+    proposer._keep_paying(batch, 8, per_seq)
+    assert all(r.spec_token_ids == [] for r in batch)
     proposer._hits[4], proposer._trials[4] = 98.0, 98.0     # drafts of 4-token matches hold
     batch = [Req() for _ in range(8)]
     proposer._keep_paying(batch, 8, per_token)
