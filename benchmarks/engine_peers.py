@@ -300,6 +300,16 @@ def run_transformers_cb(checkpoint: Path, prompts, out_tokens: int, limits: Limi
     return _summary("transformers generate_batch", [rnd], outputs)
 
 
+def mode_rows(runs: dict[tuple[str, str], list[dict]]) -> list[dict]:
+    """One row per (system, mode) of the benchmarks whose rounds alternate modes: median
+    tokens/s and seconds over its rounds, the last round's token count and outputs."""
+    return [{"system": system, "mode": mode,
+             "output_tokens_per_s": median([r["output_tokens"] / r["elapsed_s"] for r in rounds]),
+             "elapsed_s": median([r["elapsed_s"] for r in rounds]),
+             "output_tokens": rounds[-1]["output_tokens"], "outputs": rounds[-1]["outputs"]}
+            for (system, mode), rounds in runs.items()]
+
+
 def save_mode_rounds(name: str, payload: dict, rows: list[dict], runs: dict, requests: int) -> None:
     """``payload`` with ``rows`` and each (system, mode)'s round rates as
     results/<name>.json, and the rows' tokens/s and seconds per round as <name>.png (the

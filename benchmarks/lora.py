@@ -28,9 +28,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import median, table  # noqa: E402
+from benchmarks.common import table  # noqa: E402
 from benchmarks.engine_peers import (MODELS, VllmPeer, add_peer_arguments, agreement,  # noqa: E402
-                                     kvharbor_round, save_mode_rounds, start, workload)
+                                     kvharbor_round, mode_rows, save_mode_rounds, start, workload)
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -95,12 +95,7 @@ def main(argv=None) -> int:
 
 
 def report(args, info, runs, peer) -> int:
-    rows = []
-    for (system, mode), rounds in runs.items():
-        rows.append({"system": system, "mode": mode,
-                     "output_tokens_per_s": median([r["output_tokens"] / r["elapsed_s"] for r in rounds]),
-                     "elapsed_s": median([r["elapsed_s"] for r in rounds]),
-                     "output_tokens": rounds[-1]["output_tokens"], "outputs": rounds[-1]["outputs"]})
+    rows = mode_rows(runs)
     by = {(r["system"], r["mode"]): r for r in rows}
     for r in rows:
         r["lora_over_base"] = (r["output_tokens_per_s"] / by[(r["system"], "base")]["output_tokens_per_s"]

@@ -30,9 +30,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS, bar_panels, median, table, write_json  # noqa: E402
+from benchmarks.common import RESULTS, bar_panels, table, write_json  # noqa: E402
 from benchmarks.engine_peers import (MODELS, ROOT, VllmPeer, add_peer_arguments, agreement,  # noqa: E402
-                                     kvharbor_llm, kvharbor_round, start, workload)
+                                     kvharbor_llm, kvharbor_round, mode_rows, start, workload)
 
 WORKLOADS = ("single stream", "batch")
 
@@ -104,12 +104,7 @@ def main(argv=None) -> int:
 
 
 def report(args, info, runs, stats, spec) -> int:
-    rows = []
-    for (system, mode), rounds in runs.items():
-        rows.append({"system": system, "mode": mode,
-                     "output_tokens_per_s": median([r["output_tokens"] / r["elapsed_s"] for r in rounds]),
-                     "elapsed_s": median([r["elapsed_s"] for r in rounds]),
-                     "output_tokens": rounds[-1]["output_tokens"], "outputs": rounds[-1]["outputs"]})
+    rows = mode_rows(runs)
     by = {(r["system"], r["mode"]): r for r in rows}
     for r in rows:
         workload_name = r["mode"].split(",")[0]

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from typing import Annotated
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 
 class QoSSpec(BaseModel):
@@ -70,6 +72,10 @@ class SpeculativeConfig(BaseModel):
         return value
 
 
+
+# EngineConfig's and PlatformConfig's field: a SpeculativeConfig, its dict, or its JSON.
+SpeculativeOption = Annotated[SpeculativeConfig | None, BeforeValidator(SpeculativeConfig.parse)]
+
 class EngineConfig(BaseModel):
     """Engine settings; the ``LLM`` keyword arguments of the same names."""
 
@@ -123,14 +129,9 @@ class EngineConfig(BaseModel):
                                          "name -> PEFT checkpoint directory (vLLM's --lora-modules); a request "
                                          "names one to generate with it (see engine/lora.py).")
     max_lora_rank: int = Field(64, ge=1, description="Largest LoRA rank an adapter may have (vLLM's --max-lora-rank).")
-    speculative_config: SpeculativeConfig | None = Field(None, description="Speculative decoding "
-                                                          "(vLLM's speculative_config), e.g. {\"method\": \"ngram\", "
-                                                          "\"num_speculative_tokens\": 4}; None: off.")
-
-    @field_validator("speculative_config", mode="before")
-    @classmethod
-    def _speculative_json(cls, value):
-        return SpeculativeConfig.parse(value)
+    speculative_config: SpeculativeOption = Field(None, description="Speculative decoding (vLLM's "
+                                                  "speculative_config), e.g. {\"method\": \"ngram\", "
+                                                  "\"num_speculative_tokens\": 4}; None: off.")
 
 
 class PlatformConfig(BaseModel):
@@ -152,14 +153,9 @@ class PlatformConfig(BaseModel):
                                          "(on the command line: lora_modules=name=path,name2=path2); a "
                                          "request's `model` names one (see engine/lora.py).")
     max_lora_rank: int = Field(64, ge=1, description="Largest LoRA rank an adapter may have.")
-    speculative_config: SpeculativeConfig | None = Field(None, description="Speculative decoding "
-                                                          "(vLLM's speculative_config), e.g. {\"method\": \"ngram\", "
-                                                          "\"num_speculative_tokens\": 4}; None: off.")
-
-    @field_validator("speculative_config", mode="before")
-    @classmethod
-    def _speculative_json(cls, value):
-        return SpeculativeConfig.parse(value)
+    speculative_config: SpeculativeOption = Field(None, description="Speculative decoding (vLLM's "
+                                                  "speculative_config), e.g. {\"method\": \"ngram\", "
+                                                  "\"num_speculative_tokens\": 4}; None: off.")
 
     @field_validator("lora_modules", mode="before")
     @classmethod
