@@ -133,7 +133,7 @@ class ModelRunner:
         for item in batch:
             r, start = item.request, item.request.num_computed_tokens
             end = start + item.num_new_tokens
-            drafts = max(0, end - r.num_tokens)         # speculative tokens after its last
+            drafts = item.num_drafts                    # speculative tokens after its last
             ids += r.all_token_ids[start:end]
             if drafts:
                 ids += r.spec_token_ids[:drafts]

@@ -104,8 +104,6 @@ class NgramProposer:
         self.k, self.lo, self.hi, self.adaptive = num_speculative_tokens, lookup_min, lookup_max, adaptive
         self.draft_tokens = 0           # drafts verified (computed by a step)
         self.accepted_tokens = 0        # drafts kept
-        self.rejections = 0             # verifications that rejected a draft
-        self.dropped_tokens = 0         # drafts proposed and not verified (adaptive: not worth it)
         self._hits = [0.0] * (lookup_max + 1)       # by match length: decayed accepted drafts
         self._trials = [0.0] * (lookup_max + 1)     # and decayed trials
 
@@ -149,7 +147,6 @@ class NgramProposer:
             seconds += per_token
             keep[i] += 1
         for req, k in zip(drafted, keep):
-            self.dropped_tokens += len(req.spec_token_ids) - k
             del req.spec_token_ids[k:]
 
     def _drafts(self, req: Request, max_model_len: int) -> list[int]:
@@ -177,5 +174,4 @@ class NgramProposer:
         self._trials[m] = self._trials[m] * self.DECAY + n + rejected
         self.draft_tokens += len(drafts)
         self.accepted_tokens += n
-        self.rejections += rejected
         return n
