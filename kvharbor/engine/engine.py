@@ -19,6 +19,7 @@ from .device import flush_denormals, resolve_device, resolve_dtype
 from . import host_memory
 from .engine_stats import engine_stats
 from .host_pool import HostKVPool
+from .integrity import check_engine
 from .kv_cache_manager import KVCacheManager
 from .kv_transfer import KVTransfer
 from .logits_processors import depends_on_outputs
@@ -579,30 +580,5 @@ class Engine:
     def check_integrity(self) -> None:
         """Assert the pool's invariants, and that each block's ref count equals its holders
         (running requests' tables, sessions, pinned prefixes), running <= max_num_seqs, and that
-        every unfinished request is queued exactly once."""
-        self.pool.check_integrity()
-        if self.host is not None:
-            self.host.check_integrity()
-        sched, null = self.scheduler, self.pool.null_block
-        holders: dict[int, int] = {}
-        for req in sched.running:
-            for b in req.blocks:
-                if b is not null:
-                    holders[b.block_id] = holders.get(b.block_id, 0) + 1
-        for b in self.sessions.held_blocks():
-            holders[b.block_id] = holders.get(b.block_id, 0) + 1
-        self.sessions.check_integrity()
-        pins: dict[int, int] = {}
-        for prefix in self.pinned_prefixes:
-            for b in prefix:
-                pins[b.block_id] = pins.get(b.block_id, 0) + 1
-        for b in self.pool.blocks:
-            want = holders.get(b.block_id, 0) + pins.get(b.block_id, 0)
-            assert b.ref_cnt == want, f"block {b.block_id}: ref_cnt {b.ref_cnt} != {want} holders"
-            assert b.pin_cnt == pins.get(b.block_id, 0), f"block {b.block_id}: pin count"
-        assert all(not r.blocks for r in sched.waiting), "waiting request holds blocks"
-        assert len(sched.running) <= sched.max_num_seqs, \
-            f"{len(sched.running)} running > max_num_seqs {sched.max_num_seqs}"
-        queued = [r.request_id for r in sched.running + sched.waiting]
-        assert len(queued) == len(set(queued)), "a request is queued twice"
-        assert set(queued) == set(self.requests), "queued requests != unfinished requests"
+        every unfinished request is queued exactly once (``integrity.py``)."""
+        check_engine(self)
