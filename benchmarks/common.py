@@ -37,10 +37,27 @@ def table(rows: list[dict], columns: list[str]) -> str:
 def machine() -> dict:
     import torch
 
-    return {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+    return {"cpu_count": os.cpu_count(), "cpu": cpu_model(), "platform": platform.platform(),
+            "python": platform.python_version(),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "load_avg_at_start": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name and its wider vector units (``/proc/cpuinfo``): these VMs are not
+    all the same CPU, and the CPU decides, e.g., which of two matrix products is faster at few
+    rows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            first = f.read().split("\n\n")[0]                 # the first core's fields
+    except OSError:
+        return None
+    fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in first.splitlines()
+                                                if ":" in line)}
+    name, flags = fields.get("model name", ""), fields.get("flags", "").split()
+    units = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags]
+    return f"{name} ({', '.join(units)})" if name else None
 
 
 def result_name(value: str) -> str:

@@ -101,7 +101,11 @@ class PackedLayer(_Projections):
 
     def __init__(self, layer) -> None:
         a, mlp = layer.self_attn, layer.mlp
-        self.qkv_proj = cpu_linear.PackedLinear.stack(a.q_proj, a.k_proj, a.v_proj)
+        qkv = (a.q_proj, a.k_proj, a.v_proj)
+        # One weight whose rows q, k and v's weights become views of (no copy kept for the
+        # F.linear path at few rows), unless their biases differ in kind.
+        self.qkv_proj = (cpu_linear.PackedLinear(*_pack_rows(*qkv))
+                         if len({p.bias is None for p in qkv}) == 1 else cpu_linear.PackedLinear.stack(*qkv))
         self.qkv_sizes = [a.q_proj.out_features, a.k_proj.out_features, a.v_proj.out_features]
         self.o_proj = cpu_linear.PackedLinear.stack(a.o_proj)
         # SiLU (Llama, Qwen2, Mistral) runs in place on the gate product, torch's own op as in
@@ -115,6 +119,10 @@ class PackedLayer(_Projections):
         self.down = cpu_linear.PackedLinear.stack(mlp.down_proj)
         self.act = _silu_ if silu else mlp.act_fn
 
+    def linears(self) -> tuple[cpu_linear.PackedLinear, ...]:
+        """The products in the order a step runs them."""
+        return self.qkv_proj, self.o_proj, self.gate, self.up, self.down
+
     def qkv(self, x: torch.Tensor, lora=None) -> tuple[torch.Tensor, ...]:
         """q, k and v ``[T, heads * D]`` (views of one product) of ``x`` ``[T, hidden]``;
         ``lora``: a ``LoRABatch.hook`` adding adapters' deltas (None: the base model)."""
@@ -125,7 +133,7 @@ class PackedLayer(_Projections):
         """``down(act(gate(x)) * up(x))``, ``x`` ``[T, hidden]``. Rows are padded to their
         bucket once here, so the three products (down's input the widest) copy nothing."""
         rows = x.shape[0]
-        x = cpu_linear.pad_rows(x)
+        x = self.gate.pad(x)
         if lora is None:
             h = self.act(self.gate(x))
             return self.down(h.mul_(self.up(x)))[:rows]
@@ -272,6 +280,10 @@ class FastCausalLM:
         elif packed:
             self.projections = [PackedLayer(layer) for layer in self.layers]
             self.lm_head = cpu_linear.PackedLinear(model.lm_head.weight, model.lm_head.bias)
+            linears = [self.lm_head] + [lin for p in self.projections for lin in p.linears()]
+            rows = cpu_linear.gemv_rows(linears)
+            for lin in linears:
+                lin.gemv_rows = rows
         else:
             self.projections = [ModuleLayer(layer) for layer in self.layers]
             self.lm_head = model.lm_head

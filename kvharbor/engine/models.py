@@ -48,6 +48,8 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device, seed: int = 
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            if name not in TRAINED_WEIGHTS:
+                _draw_biases(model, config.initializer_range)
         if name in TRAINED_WEIGHTS:
             _load_trained(model, TRAINED_WEIGHTS[name])
         tokenizer = byte_tokenizer()
@@ -58,6 +60,16 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device, seed: int = 
     model = model.to(device=device, dtype=dtype).eval()
     max_len = getattr(model.config, "max_position_embeddings", None) or 2048
     return LoadedModel(name, model, tokenizer, int(max_len))
+
+
+def _draw_biases(model: torch.nn.Module, std: float) -> None:
+    """Draw every linear bias like the weights: transformers starts them at zero, and a
+    builtin model kept to cover q/k/v biases (Qwen2) must make a path that drops or misplaces
+    one give other tokens."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                module.bias.normal_(0.0, std)
 
 
 def _load_trained(model: torch.nn.Module, path: Path) -> None:

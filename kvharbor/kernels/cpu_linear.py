@@ -13,11 +13,21 @@ Same math as ``F.linear`` up to float rounding (oneDNN sums in another order: ~1
 relative), bounded by the kernel tests; the engine's greedy-exact tests compare the tokens.
 Only float32 on the CPU with oneDNN present: other dtypes and devices keep ``F.linear``.
 Packed weights are copies: the model's own weights (the tests' transformers oracle) stay.
+
+Below 4 rows the BLAS behind ``F.linear`` switches to its matrix-vector kernel, which reads
+the plain weight once at the memory's pace; whether that beats oneDNN's blocked product
+depends on the CPU. On a 2-core Intel Xeon with AVX-512 and AMX, the 135M model's 30 layers
+of products (424 MB, fp32) took 33.9 ms at 1 row through ``F.linear`` and 53.3 ms packed (8
+padded rows: 52.6 ms); at 4 rows 62.2 vs 55.6 ms. An earlier session's AMD EPYC VM showed no
+gain. So :func:`gemv_rows` times both on the model's own weights once, when the model path
+is built, and the products keep ``F.linear`` up to the row count where it was faster.
 """
 
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -69,17 +79,22 @@ class PackedLinear:
 
     ``weight`` may stack several layers' weights along ``out`` (q, k and v; gate and up): the
     caller splits the output. Falls back to ``F.linear`` on the unpacked weight when the
-    weight cannot be packed.
+    weight cannot be packed, and uses it for inputs of at most ``gemv_rows`` rows (0 until
+    :func:`gemv_rows` has measured it).
+
+    The plain weight is kept for that path: the caller's own tensor (no copy) when it is
+    contiguous, as a module's weight or a stack whose modules are views of it is.
     """
 
-    __slots__ = ("weight", "bias", "packed", "out_features")
+    __slots__ = ("weight", "bias", "packed", "out_features", "gemv_rows")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        weight = weight.detach().contiguous()
+        self.weight = weight.detach().contiguous()
         self.bias = None if bias is None else bias.detach().contiguous()
-        self.out_features = weight.shape[0]
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight) if available(weight) else None
-        self.weight = None if self.packed is not None else weight
+        self.out_features = self.weight.shape[0]
+        self.packed = (torch.ops.mkldnn._reorder_linear_weight(self.weight)
+                       if available(self.weight) else None)
+        self.gemv_rows = 0
 
     @classmethod
     def stack(cls, *linears: torch.nn.Linear) -> PackedLinear:
@@ -94,12 +109,65 @@ class PackedLinear:
                               for m, b in zip(linears, biases)])
         return cls(weight, bias)
 
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[rows, in]`` padded as this product pads it (not at all where it takes
+        ``F.linear``): callers that feed several products pad once."""
+        return x if self.packed is None or x.shape[0] <= self.gemv_rows else pad_rows(x)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., in]`` -> ``[..., out]``."""
-        if self.packed is None:
-            return F.linear(x, self.weight, self.bias)
         rows = x.shape[0]
+        if self.packed is None or (x.dim() == 2 and rows <= self.gemv_rows):
+            return F.linear(x, self.weight, self.bias)
         if x.dim() == 2 and rows:                         # see padded_rows: bounded shapes
             x = pad_rows(x)
         y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return y[:rows] if y.shape[0] != rows else y
+
+
+GEMV_MAX_ROWS = 3       # the BLAS's matrix-vector range (its fp32 GEMM switches at 4 rows)
+
+
+def gemv_rows(linears: Sequence[PackedLinear], budget_bytes: int = 256 << 20) -> int:
+    """The largest row count ``r`` (0 to ``GEMV_MAX_ROWS``) at which ``F.linear`` was faster
+    than the packed product at every count from 1 to ``r``, timed on ``linears`` in order
+    (those that fit ``budget_bytes`` of weights, at least one: a model's first layers and
+    its LM head read the way a step reads them). ``KVH_CPU_GEMV_ROWS`` sets it instead (A/B
+    runs; 0: always packed). About 20 passes over the sample: ~1 s for the 135M model.
+    """
+    forced = os.environ.get("KVH_CPU_GEMV_ROWS")
+    if forced is not None:
+        return max(0, min(GEMV_MAX_ROWS, int(forced)))
+    sample, total = [], 0
+    for lin in linears:
+        if lin.packed is None:
+            continue
+        size = lin.weight.numel() * lin.weight.element_size()
+        if sample and total + size > budget_bytes:
+            break
+        sample.append(lin)
+        total += size
+    if not sample:
+        return 0
+    for rows in range(1, GEMV_MAX_ROWS + 1):
+        xs = [torch.randn(rows, lin.weight.shape[1]) for lin in sample]
+        plain = [(lambda lin=lin, x=x: F.linear(x, lin.weight, lin.bias)) for lin, x in zip(sample, xs)]
+        packed = [(lambda lin=lin, x=pad_rows(x): torch.ops.mkldnn._linear_pointwise(
+            x, lin.packed, lin.bias, "none", [], "")) for lin, x in zip(sample, xs)]
+        if _best_pass(plain, packed) >= 1.0:
+            return rows - 1
+    return GEMV_MAX_ROWS
+
+
+def _best_pass(a: list, b: list, rounds: int = 3) -> float:
+    """The fastest of ``rounds`` passes over the calls ``a`` divided by the fastest over ``b``
+    (passes alternate, after one warm-up pass of each)."""
+    best = [float("inf"), float("inf")]
+    for r in range(rounds + 1):
+        for i, calls in enumerate((a, b)):
+            start = time.perf_counter()
+            for call in calls:
+                call()
+            if r:
+                best[i] = min(best[i], time.perf_counter() - start)
+    return best[0] / best[1]

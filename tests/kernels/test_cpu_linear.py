@@ -22,7 +22,7 @@ def test_packed_linear_matches_f_linear(rows, bias):
     b = torch.randn(96, generator=g) if bias else None
     x = torch.randn(rows, 40, generator=g)
     lin = PackedLinear(w, b)
-    assert lin.packed is not None and lin.weight is None
+    assert lin.packed is not None and lin.weight.data_ptr() == w.data_ptr()   # kept, no copy
     out = lin(x)
     assert out.shape == (rows, 96)
     torch.testing.assert_close(out, F.linear(x, w, b), atol=1e-4, rtol=1e-4)
@@ -68,3 +68,51 @@ def test_padded_rows_give_the_same_rows_as_f_linear(rows):
     out = cpu_linear.PackedLinear(w, b)(x)
     assert out.shape == (rows, 48) and out.is_contiguous()
     torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def _onednn(lin: PackedLinear, x: torch.Tensor) -> torch.Tensor:
+    """The packed product of ``x`` (padded as the packed path pads it)."""
+    y = torch.ops.mkldnn._linear_pointwise(cpu_linear.pad_rows(x), lin.packed, lin.bias, "none", [], "")
+    return y[:x.shape[0]]
+
+
+@needs_onednn
+def test_rows_up_to_gemv_rows_take_f_linear_and_the_rest_the_packed_product():
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(1536, 576, generator=g), torch.randn(1536, generator=g)
+    lin = PackedLinear(w, b)
+    lin.gemv_rows = 3
+    for rows in (1, 2, 3, 4, 9):
+        x = torch.randn(rows, 576, generator=g)
+        plain, packed = F.linear(x, w, b), _onednn(lin, x)
+        assert not torch.equal(plain, packed)     # the two sum in different orders: tellable
+        assert torch.equal(lin(x), plain if rows <= 3 else packed), rows
+        assert lin.pad(x).shape[0] == (rows if rows <= 3 else cpu_linear.padded_rows(rows))
+    lin.gemv_rows = 0
+    x = torch.randn(1, 576, generator=g)
+    assert torch.equal(lin(x), _onednn(lin, x))
+
+
+@needs_onednn
+def test_gemv_rows_is_the_last_count_before_f_linear_stops_being_faster(monkeypatch):
+    lins = [PackedLinear(torch.randn(64, 32)) for _ in range(3)]
+    seen = []
+
+    def ratios(table):
+        def best_pass(plain, packed):
+            seen.append(len(plain))
+            return table[len(seen) - 1]
+        return best_pass
+
+    for table, want in (([0.6, 0.7, 0.9], 3), ([0.6, 1.1, 0.5], 1), ([1.0, 0.5, 0.5], 0)):
+        seen.clear()
+        monkeypatch.setattr(cpu_linear, "_best_pass", ratios(table))
+        assert cpu_linear.gemv_rows(lins) == want
+        assert seen == [3] * min(want + 1, 3)          # every linear of the sample, each count
+    # The sample stops at the byte budget (at least one weight); the override skips timing.
+    seen.clear()
+    monkeypatch.setattr(cpu_linear, "_best_pass", ratios([0.5, 0.5, 0.5]))
+    assert cpu_linear.gemv_rows(lins, budget_bytes=1) == 3 and seen == [1, 1, 1]
+    monkeypatch.setenv("KVH_CPU_GEMV_ROWS", "2")
+    seen.clear()
+    assert cpu_linear.gemv_rows(lins) == 2 and seen == []
