@@ -135,7 +135,7 @@ def main(spec_path: str, fd: str) -> int:
         if cmd["op"] == "round" and cmd.get("sequential"):
             answer(one_at_a_time(llm, spec["prompts"][:cmd.get("count")], spec["output_tokens"]))
         elif cmd["op"] == "round":
-            answer(step_loop(llm, spec["prompts"], cmd.get("caps") or spec["output_tokens"],
+            answer(step_loop(llm, spec["prompts"][:cmd.get("count")], cmd.get("caps") or spec["output_tokens"],
                              spec["structured"] if cmd.get("structured") else None,
                              loras if cmd.get("lora") else None))
         elif cmd["op"] == "ttft":

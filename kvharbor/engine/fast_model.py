@@ -281,9 +281,9 @@ class FastCausalLM:
             self.projections = [PackedLayer(layer) for layer in self.layers]
             self.lm_head = cpu_linear.PackedLinear(model.lm_head.weight, model.lm_head.bias)
             linears = [self.lm_head] + [lin for p in self.projections for lin in p.linears()]
-            rows = cpu_linear.gemv_rows(linears)
+            rows = cpu_linear.few_rows(linears)
             for lin in linears:
-                lin.gemv_rows = rows
+                lin.use_few_rows(rows)
         else:
             self.projections = [ModuleLayer(layer) for layer in self.layers]
             self.lm_head = model.lm_head

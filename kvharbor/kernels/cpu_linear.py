@@ -14,13 +14,18 @@ relative), bounded by the kernel tests; the engine's greedy-exact tests compare 
 Only float32 on the CPU with oneDNN present: other dtypes and devices keep ``F.linear``.
 Packed weights are copies: the model's own weights (the tests' transformers oracle) stay.
 
-Below 4 rows the BLAS behind ``F.linear`` switches to its matrix-vector kernel, which reads
-the plain weight once at the memory's pace; whether that beats oneDNN's blocked product
-depends on the CPU. On a 2-core Intel Xeon with AVX-512 and AMX, the 135M model's 30 layers
-of products (424 MB, fp32) took 33.9 ms at 1 row through ``F.linear`` and 53.3 ms packed (8
-padded rows: 52.6 ms); at 4 rows 62.2 vs 55.6 ms. An earlier session's AMD EPYC VM showed no
-gain. So :func:`gemv_rows` times both on the model's own weights once, when the model path
-is built, and the products keep ``F.linear`` up to the row count where it was faster.
+At few rows (a single stream decoding, a prefill's last layer) a product reads every weight
+for a handful of dot products, and what decides its speed is how the kernel streams the
+weight; which kernel does that best depends on the CPU. On a 2-core Intel Xeon with AVX-512
+and AMX, the 135M model's 30 layers of products (424 MB, fp32) took, at 1 / 4 / 16 rows:
+oneDNN packed and padded to 8 rows 62.8 / 61.3 / 69.4 ms, ``F.linear`` 37.3 / 54.7 / 78.4 ms,
+MKL's own packed GEMM (``cblas_sgemm_pack`` / ``compute``, torch's ``mkl._mkl_linear``)
+18.6 / 30.4 / 52.0 ms; at 512-2048 rows the three were within 15%. An earlier session's AMD
+EPYC VM showed no gain from ``F.linear`` at 1-2 rows. So :func:`few_rows` times the few-row
+product (MKL packed where torch has MKL, else ``F.linear``) against oneDNN's on the model's
+own weights once, when the model path is built, and products of up to the row count where
+it was faster take it, unpadded. MKL's packed copy of a weight is made only then (one more
+copy of the projections: 3x the weights in memory with the model's own and oneDNN's).
 """
 
 from __future__ import annotations
@@ -79,14 +84,14 @@ class PackedLinear:
 
     ``weight`` may stack several layers' weights along ``out`` (q, k and v; gate and up): the
     caller splits the output. Falls back to ``F.linear`` on the unpacked weight when the
-    weight cannot be packed, and uses it for inputs of at most ``gemv_rows`` rows (0 until
-    :func:`gemv_rows` has measured it).
+    weight cannot be packed. Inputs of at most ``few_rows`` rows (0 until
+    :meth:`use_few_rows`) take the few-row product instead, unpadded.
 
-    The plain weight is kept for that path: the caller's own tensor (no copy) when it is
-    contiguous, as a module's weight or a stack whose modules are views of it is.
+    The plain weight is kept: the caller's own tensor (no copy) when it is contiguous, as a
+    module's weight or a stack whose modules are views of it is.
     """
 
-    __slots__ = ("weight", "bias", "packed", "out_features", "gemv_rows")
+    __slots__ = ("weight", "bias", "packed", "out_features", "few_rows", "mkl")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight = weight.detach().contiguous()
@@ -94,7 +99,8 @@ class PackedLinear:
         self.out_features = self.weight.shape[0]
         self.packed = (torch.ops.mkldnn._reorder_linear_weight(self.weight)
                        if available(self.weight) else None)
-        self.gemv_rows = 0
+        self.few_rows = 0
+        self.mkl = None                 # MKL's packed copy (the few-row product), once used
 
     @classmethod
     def stack(cls, *linears: torch.nn.Linear) -> PackedLinear:
@@ -109,35 +115,65 @@ class PackedLinear:
                               for m, b in zip(linears, biases)])
         return cls(weight, bias)
 
-    def pad(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[rows, in]`` padded as this product pads it (not at all where it takes
-        ``F.linear``): callers that feed several products pad once."""
-        return x if self.packed is None or x.shape[0] <= self.gemv_rows else pad_rows(x)
+    def use_few_rows(self, rows: int) -> None:
+        """Send inputs of at most ``rows`` rows to the few-row product (packing the weight
+        for MKL the first time, where torch has MKL)."""
+        self.few_rows = rows if self.packed is not None else 0
+        if not self.few_rows:
+            self.mkl = None
+        elif self.mkl is None and mkl_available():
+            self.mkl = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, 1)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[..., in]`` -> ``[..., out]``."""
-        rows = x.shape[0]
-        if self.packed is None or (x.dim() == 2 and rows <= self.gemv_rows):
+    def few(self, x: torch.Tensor) -> torch.Tensor:
+        """The few-row product of ``x`` ``[rows, in]``: MKL's packed GEMM, else ``F.linear``.
+        (torch's op checks the row count against the one it was packed for; MKL's packed
+        layout does not depend on it, so the call passes the input's own.)"""
+        if self.mkl is None:
             return F.linear(x, self.weight, self.bias)
-        if x.dim() == 2 and rows:                         # see padded_rows: bounded shapes
+        return torch.ops.mkl._mkl_linear(x, self.mkl, self.weight, self.bias, x.shape[0])
+
+    def onednn(self, x: torch.Tensor) -> torch.Tensor:
+        """oneDNN's product of ``x`` (rows padded to their bucket, see :func:`padded_rows`)."""
+        rows = x.shape[0]
+        if x.dim() == 2 and rows:
             x = pad_rows(x)
         y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return y[:rows] if y.shape[0] != rows else y
 
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[rows, in]`` padded as this product pads it (not at all for the few-row
+        product): callers that feed several products pad once."""
+        return x if self.packed is None or x.shape[0] <= self.few_rows else pad_rows(x)
 
-GEMV_MAX_ROWS = 3       # the BLAS's matrix-vector range (its fp32 GEMM switches at 4 rows)
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[..., in]`` -> ``[..., out]``."""
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        if x.dim() == 2 and 0 < x.shape[0] <= self.few_rows:
+            return self.few(x)
+        return self.onednn(x)
 
 
-def gemv_rows(linears: Sequence[PackedLinear], budget_bytes: int = 256 << 20) -> int:
-    """The largest row count ``r`` (0 to ``GEMV_MAX_ROWS``) at which ``F.linear`` was faster
-    than the packed product at every count from 1 to ``r``, timed on ``linears`` in order
-    (those that fit ``budget_bytes`` of weights, at least one: a model's first layers and
-    its LM head read the way a step reads them). ``KVH_CPU_GEMV_ROWS`` sets it instead (A/B
-    runs; 0: always packed). About 20 passes over the sample: ~1 s for the 135M model.
+def mkl_available() -> bool:
+    """torch was built with MKL and has its packed-GEMM ops."""
+    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+
+
+FEW_ROW_COUNTS = (1, 2, 4, 8, 16, 32)   # the row counts timed; the choice covers the ones between
+
+
+def few_rows(linears: Sequence[PackedLinear], budget_bytes: int = 256 << 20) -> int:
+    """The largest of ``FEW_ROW_COUNTS`` (0: none) at which the few-row product was faster
+    than oneDNN's at it and at every smaller one, timed on ``linears`` in order (those that
+    fit ``budget_bytes`` of weights, at least one: a model's LM head and first layers, read
+    the way a step reads them). A few-row product whose output is not ``F.linear``'s within
+    1e-4 (relative to the output's scale) is not taken. ``KVH_CPU_FEW_ROWS`` sets the count
+    instead (A/B runs; 0: always oneDNN). About 30 passes over the sample: ~1 s for the 135M
+    model. The sample's weights are left with their MKL copies (they are the first to use them).
     """
-    forced = os.environ.get("KVH_CPU_GEMV_ROWS")
+    forced = os.environ.get("KVH_CPU_FEW_ROWS")
     if forced is not None:
-        return max(0, min(GEMV_MAX_ROWS, int(forced)))
+        return max(0, int(forced))
     sample, total = [], 0
     for lin in linears:
         if lin.packed is None:
@@ -149,14 +185,25 @@ def gemv_rows(linears: Sequence[PackedLinear], budget_bytes: int = 256 << 20) ->
         total += size
     if not sample:
         return 0
-    for rows in range(1, GEMV_MAX_ROWS + 1):
+    chosen = 0
+    for rows in FEW_ROW_COUNTS:
+        for lin in sample:
+            lin.use_few_rows(rows)
         xs = [torch.randn(rows, lin.weight.shape[1]) for lin in sample]
-        plain = [(lambda lin=lin, x=x: F.linear(x, lin.weight, lin.bias)) for lin, x in zip(sample, xs)]
-        packed = [(lambda lin=lin, x=pad_rows(x): torch.ops.mkldnn._linear_pointwise(
-            x, lin.packed, lin.bias, "none", [], "")) for lin, x in zip(sample, xs)]
-        if _best_pass(plain, packed) >= 1.0:
-            return rows - 1
-    return GEMV_MAX_ROWS
+        if not all(_close(lin.few(x), F.linear(x, lin.weight, lin.bias)) for lin, x in zip(sample, xs)):
+            break
+        few = [(lambda lin=lin, x=x: lin.few(x)) for lin, x in zip(sample, xs)]
+        onednn = [(lambda lin=lin, x=x: lin.onednn(x)) for lin, x in zip(sample, xs)]
+        if _best_pass(few, onednn) >= 1.0:
+            break
+        chosen = rows
+    for lin in sample:
+        lin.use_few_rows(chosen)
+    return chosen
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool((a - b).abs().max() <= 1e-4 * b.abs().max().clamp_min(1e-30))
 
 
 def _best_pass(a: list, b: list, rounds: int = 3) -> float:

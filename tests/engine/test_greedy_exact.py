@@ -68,18 +68,18 @@ def test_block_size_16_with_preemption_on_qwen2(oracle_cache):
     assert llm.stats()["preemptions"] > 0
 
 
-@pytest.mark.parametrize("gemv_rows", [0, 3])
+@pytest.mark.parametrize("few_rows", [0, 8])
 @pytest.mark.parametrize("model", ["kvharbor/tiny-llama", "kvharbor/tiny-qwen2"])
-def test_steps_of_few_rows_through_either_product(model, gemv_rows, oracle_cache, monkeypatch):
-    """Steps of 1 to 3 rows (one to three requests decoding; a prefill's last layer and LM
-    head) run F.linear's matrix-vector product or the packed one, whichever the model path
+def test_steps_of_few_rows_through_either_product(model, few_rows, oracle_cache, monkeypatch):
+    """Steps of a few rows (one to three requests decoding; a prefill's last layer and LM
+    head) run the few-row product (MKL's packed GEMM) or oneDNN's, whichever the model path
     measured faster on this CPU: both give transformers' tokens."""
-    monkeypatch.setenv("KVH_CPU_GEMV_ROWS", str(gemv_rows))
+    monkeypatch.setenv("KVH_CPU_FEW_ROWS", str(few_rows))
     llm = LLM(model=model, device="cpu", num_kv_blocks=1024)
     fast = llm.engine.runner.fast
-    assert fast.lm_head.gemv_rows == gemv_rows
-    assert all(lin.gemv_rows == gemv_rows for p in fast.projections for lin in p.linears())
-    # q, k and v's modules read the one stacked weight the F.linear path reads (no copy).
+    linears = [fast.lm_head] + [lin for p in fast.projections for lin in p.linears()]
+    assert all(lin.few_rows == few_rows for lin in linears)
+    # q, k and v's modules read the one stacked weight the few-row product reads (no copy).
     a = llm.hf_model.model.layers[0].self_attn
     assert a.q_proj.weight.data_ptr() == fast.projections[0].qkv_proj.weight.data_ptr()
     prompts, want = mixed_prompts(), expected(llm, model, oracle_cache)

@@ -77,42 +77,52 @@ def _onednn(lin: PackedLinear, x: torch.Tensor) -> torch.Tensor:
 
 
 @needs_onednn
-def test_rows_up_to_gemv_rows_take_f_linear_and_the_rest_the_packed_product():
+def test_rows_up_to_few_rows_take_the_few_row_product_and_the_rest_onednn():
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(1536, 576, generator=g), torch.randn(1536, generator=g)
     lin = PackedLinear(w, b)
-    lin.gemv_rows = 3
-    for rows in (1, 2, 3, 4, 9):
+    lin.use_few_rows(4)
+    assert (lin.mkl is not None) == cpu_linear.mkl_available()   # MKL's packed copy, made now
+    for rows in (1, 2, 4, 5, 9):
         x = torch.randn(rows, 576, generator=g)
-        plain, packed = F.linear(x, w, b), _onednn(lin, x)
-        assert not torch.equal(plain, packed)     # the two sum in different orders: tellable
-        assert torch.equal(lin(x), plain if rows <= 3 else packed), rows
-        assert lin.pad(x).shape[0] == (rows if rows <= 3 else cpu_linear.padded_rows(rows))
-    lin.gemv_rows = 0
+        few, packed = lin.few(x), _onednn(lin, x)
+        assert not torch.equal(few, packed)        # the two sum in different orders: tellable
+        torch.testing.assert_close(few, F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+        assert torch.equal(lin(x), few if rows <= 4 else packed), rows
+        assert lin.pad(x).shape[0] == (rows if rows <= 4 else cpu_linear.padded_rows(rows))
+    lin.use_few_rows(0)
+    assert lin.mkl is None                         # the copy goes with the choice
     x = torch.randn(1, 576, generator=g)
     assert torch.equal(lin(x), _onednn(lin, x))
 
 
 @needs_onednn
-def test_gemv_rows_is_the_last_count_before_f_linear_stops_being_faster(monkeypatch):
+def test_few_rows_is_the_last_count_before_the_few_row_product_stops_being_faster(monkeypatch):
     lins = [PackedLinear(torch.randn(64, 32)) for _ in range(3)]
     seen = []
 
     def ratios(table):
-        def best_pass(plain, packed):
-            seen.append(len(plain))
+        def best_pass(few, onednn):
+            seen.append(len(few))
             return table[len(seen) - 1]
         return best_pass
 
-    for table, want in (([0.6, 0.7, 0.9], 3), ([0.6, 1.1, 0.5], 1), ([1.0, 0.5, 0.5], 0)):
+    counts = cpu_linear.FEW_ROW_COUNTS                           # 1, 2, 4, 8, 16, 32
+    for table, want in (([0.6] * 6, 32), ([0.6, 0.7, 0.9, 1.0, 0.5, 0.5], 4),
+                        ([0.6, 1.1, 0.5, 0.5, 0.5, 0.5], 1), ([1.0] + [0.5] * 5, 0)):
         seen.clear()
         monkeypatch.setattr(cpu_linear, "_best_pass", ratios(table))
-        assert cpu_linear.gemv_rows(lins) == want
-        assert seen == [3] * min(want + 1, 3)          # every linear of the sample, each count
-    # The sample stops at the byte budget (at least one weight); the override skips timing.
+        assert cpu_linear.few_rows(lins) == want
+        assert seen == [3] * min(counts.index(want) + 2 if want else 1, 6)   # each count timed
+        assert all(lin.few_rows == want for lin in lins)
+    # The sample stops at the byte budget (at least one weight).
     seen.clear()
-    monkeypatch.setattr(cpu_linear, "_best_pass", ratios([0.5, 0.5, 0.5]))
-    assert cpu_linear.gemv_rows(lins, budget_bytes=1) == 3 and seen == [1, 1, 1]
-    monkeypatch.setenv("KVH_CPU_GEMV_ROWS", "2")
+    monkeypatch.setattr(cpu_linear, "_best_pass", ratios([0.5] * 6))
+    assert cpu_linear.few_rows(lins, budget_bytes=1) == 32 and seen == [1] * 6
+    # A few-row product that computes something else is never taken, however fast.
     seen.clear()
-    assert cpu_linear.gemv_rows(lins) == 2 and seen == []
+    monkeypatch.setattr(PackedLinear, "few", lambda self, x: F.linear(x, self.weight) + 1.0)
+    assert cpu_linear.few_rows(lins) == 0 and seen == []
+    # The override skips the timing.
+    monkeypatch.setenv("KVH_CPU_FEW_ROWS", "2")
+    assert cpu_linear.few_rows(lins) == 2 and seen == []
