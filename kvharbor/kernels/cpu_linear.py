@@ -20,7 +20,8 @@ weight; which kernel does that best depends on the CPU. On a 2-core Intel Xeon w
 and AMX, the 135M model's 30 layers of products (424 MB, fp32) took, at 1 / 4 / 16 rows:
 oneDNN packed and padded to 8 rows 62.8 / 61.3 / 69.4 ms, ``F.linear`` 37.3 / 54.7 / 78.4 ms,
 MKL's own packed GEMM (``cblas_sgemm_pack`` / ``compute``, torch's ``mkl._mkl_linear``)
-18.6 / 30.4 / 52.0 ms; at 512-2048 rows the three were within 15%. An earlier session's AMD
+18.6 / 30.4 / 52.0 ms; at 512-2048 rows the three were within 15%. In the engine only the
+1- and 2-row gains held (see ``FEW_ROW_COUNTS``). An earlier session's AMD
 EPYC VM showed no gain from ``F.linear`` at 1-2 rows. So :func:`few_rows` times the few-row
 product (MKL packed where torch has MKL, else ``F.linear``) against oneDNN's on the model's
 own weights once, when the model path is built, and products of up to the row count where
@@ -159,7 +160,12 @@ def mkl_available() -> bool:
     return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
 
 
-FEW_ROW_COUNTS = (1, 2, 4, 8, 16, 32)   # the row counts timed; the choice covers the ones between
+# The row counts timed. Higher counts are not offered: at 4-32 rows the microbenchmark above
+# favoured MKL too, but in the engine a decode step at 4-8 rows was no faster (the same
+# 135M model, separate processes: 4.44 / 5.31 s vs 4.71 / 4.21 s for 32 tokens of 4 requests)
+# and, where the calibration picked 32, slower (small_batch.py, one process: 0.53-0.63x at 2-8
+# requests); at 1 row the gain held (1.98-2.85 s vs 3.44-3.71 s, alone).
+FEW_ROW_COUNTS = (1, 2)
 
 
 def few_rows(linears: Sequence[PackedLinear], budget_bytes: int = 256 << 20) -> int:
