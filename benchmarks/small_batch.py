@@ -24,6 +24,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -48,15 +49,8 @@ def parse(argv):
 def onednn_only(checkpoint, limits, block_size: int):
     """kvharbor's LLM with every CPU product on oneDNN (the choice is read when the model
     path is built; the environment is restored after)."""
-    before = os.environ.get("KVH_CPU_FEW_ROWS")
-    os.environ["KVH_CPU_FEW_ROWS"] = "0"
-    try:
+    with mock.patch.dict(os.environ, {"KVH_CPU_FEW_ROWS": "0"}):
         return kvharbor_llm(checkpoint, limits, block_size)
-    finally:
-        if before is None:
-            del os.environ["KVH_CPU_FEW_ROWS"]
-        else:
-            os.environ["KVH_CPU_FEW_ROWS"] = before
 
 
 def main(argv=None) -> int:

@@ -102,8 +102,9 @@ class PackedLayer(_Projections):
     def __init__(self, layer) -> None:
         a, mlp = layer.self_attn, layer.mlp
         qkv = (a.q_proj, a.k_proj, a.v_proj)
-        # One weight whose rows q, k and v's weights become views of (no copy kept for the
-        # F.linear path at few rows), unless their biases differ in kind.
+        # One weight whose rows q, k and v's weights become views of (so the plain weight
+        # PackedLinear keeps for its few-row product is no copy), unless their biases differ
+        # in kind.
         self.qkv_proj = (cpu_linear.PackedLinear(*_pack_rows(*qkv))
                          if len({p.bias is None for p in qkv}) == 1 else cpu_linear.PackedLinear.stack(*qkv))
         self.qkv_sizes = [a.q_proj.out_features, a.k_proj.out_features, a.v_proj.out_features]
@@ -280,10 +281,7 @@ class FastCausalLM:
         elif packed:
             self.projections = [PackedLayer(layer) for layer in self.layers]
             self.lm_head = cpu_linear.PackedLinear(model.lm_head.weight, model.lm_head.bias)
-            linears = [self.lm_head] + [lin for p in self.projections for lin in p.linears()]
-            rows = cpu_linear.few_rows(linears)
-            for lin in linears:
-                lin.use_few_rows(rows)
+            cpu_linear.few_rows([self.lm_head] + [lin for p in self.projections for lin in p.linears()])
         else:
             self.projections = [ModuleLayer(layer) for layer in self.layers]
             self.lm_head = model.lm_head

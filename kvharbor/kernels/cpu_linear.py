@@ -169,17 +169,27 @@ FEW_ROW_COUNTS = (1, 2)
 
 
 def few_rows(linears: Sequence[PackedLinear], budget_bytes: int = 256 << 20) -> int:
-    """The largest of ``FEW_ROW_COUNTS`` (0: none) at which the few-row product was faster
-    than oneDNN's at it and at every smaller one, timed on ``linears`` in order (those that
-    fit ``budget_bytes`` of weights, at least one: a model's LM head and first layers, read
-    the way a step reads them). A few-row product whose output is not ``F.linear``'s within
-    1e-4 (relative to the output's scale) is not taken. ``KVH_CPU_FEW_ROWS`` sets the count
-    instead (A/B runs; 0: always oneDNN). About 30 passes over the sample: ~1 s for the 135M
-    model. The sample's weights are left with their MKL copies (they are the first to use them).
+    """Choose the few-row count of ``linears`` (a model's products), set it on every one
+    (:meth:`PackedLinear.use_few_rows`) and return it.
+
+    The count is the largest of ``FEW_ROW_COUNTS`` (0: none) at which the few-row product was
+    faster than oneDNN's at it and at every smaller one, timed on ``linears`` in order (those
+    that fit ``budget_bytes`` of weights, at least one: a model's LM head and first layers,
+    read the way a step reads them). A few-row product whose output is not ``F.linear``'s
+    within 1e-4 (relative to the output's scale) is not taken. ``KVH_CPU_FEW_ROWS`` sets the
+    count instead (A/B runs; 0: always oneDNN). About 30 passes over the sample: ~1 s for
+    the 135M model.
     """
     forced = os.environ.get("KVH_CPU_FEW_ROWS")
-    if forced is not None:
-        return max(0, int(forced))
+    chosen = max(0, int(forced)) if forced is not None else _time_few_rows(linears, budget_bytes)
+    for lin in linears:
+        lin.use_few_rows(chosen)
+    return chosen
+
+
+def _time_few_rows(linears: Sequence[PackedLinear], budget_bytes: int) -> int:
+    """:func:`few_rows`'s measured count (the sample's products are left set to the last
+    count timed)."""
     sample, total = [], 0
     for lin in linears:
         if lin.packed is None:
@@ -203,8 +213,6 @@ def few_rows(linears: Sequence[PackedLinear], budget_bytes: int = 256 << 20) -> 
         if _best_pass(few, onednn) >= 1.0:
             break
         chosen = rows
-    for lin in sample:
-        lin.use_few_rows(chosen)
     return chosen
 
 
