@@ -110,6 +110,10 @@ class Engine:
         self.loras = LoRAs(self.model, config.max_lora_rank)
         for name, path in config.lora_modules.items():
             self.add_lora(name, path)
+        # Host memory in huge pages once weights and KV cache are allocated (a CPU engine
+        # with none warns): reported by stats().
+        self.host_huge_page_bytes = (host_memory.check_huge_pages() if self.device.type == "cpu"
+                                     else host_memory.huge_page_bytes())
         host_memory.freeze_startup_objects()      # full GC passes stop walking the model
 
     def _make_host_tier(self) -> tuple[HostKVPool | None, KVTransfer | None]:

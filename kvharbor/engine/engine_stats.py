@@ -88,6 +88,7 @@ def engine_stats(engine) -> dict:
         **engine.sessions.stats(),
         "device": str(engine.device),
         "memory_bytes": memory_breakdown(engine),
+        "host_huge_page_bytes_at_start": engine.host_huge_page_bytes,
         "lora_adapters": {name: {"path": a.path, "rank": a.rank, "bytes": a.nbytes}
                           for name, a in engine.loras.adapters.items()},
         "lora_adapters_failed": dict(engine.loras.failed),
