@@ -22,11 +22,13 @@ oneDNN packed and padded to 8 rows 62.8 / 61.3 / 69.4 ms, ``F.linear`` 37.3 / 54
 MKL's own packed GEMM (``cblas_sgemm_pack`` / ``compute``, torch's ``mkl._mkl_linear``)
 18.6 / 30.4 / 52.0 ms; at 512-2048 rows the three were within 15%. In the engine only the
 1- and 2-row gains held (see ``FEW_ROW_COUNTS``). An earlier session's AMD
-EPYC VM showed no gain from ``F.linear`` at 1-2 rows. So :func:`few_rows` times the few-row
-product (MKL packed where torch has MKL, else ``F.linear``) against oneDNN's on the model's
-own weights once, when the model path is built, and products of up to the row count where
-it was faster take it, unpadded. MKL's packed copy of a weight is made only then (one more
-copy of the projections: 3x the weights in memory with the model's own and oneDNN's).
+EPYC VM showed no gain from ``F.linear`` at 1-2 rows. From 2 rows, where the compiler targets
+AVX-512, the few-row product is a kernel of our own (:mod:`cpu_gemv`) that reads each weight
+once whatever the row count. So :func:`few_rows` times the few-row product against oneDNN's on
+the model's own weights once, when the model path is built, and products of up to the row
+count where it was faster take it, unpadded. The few-row copies of a weight (MKL's packed one
+for 1 row, the kernel's panels from 2) are made only then: with both, 4x the projections'
+weights are in memory (the model's own and oneDNN's besides).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+
+from . import cpu_gemv
 
 
 def padded_rows(rows: int) -> int:
@@ -92,7 +96,7 @@ class PackedLinear:
     module's weight or a stack whose modules are views of it is.
     """
 
-    __slots__ = ("weight", "bias", "packed", "out_features", "few_rows", "mkl")
+    __slots__ = ("weight", "bias", "packed", "out_features", "few_rows", "mkl", "panels")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight = weight.detach().contiguous()
@@ -101,7 +105,8 @@ class PackedLinear:
         self.packed = (torch.ops.mkldnn._reorder_linear_weight(self.weight)
                        if available(self.weight) else None)
         self.few_rows = 0
-        self.mkl = None                 # MKL's packed copy (the few-row product), once used
+        self.mkl = None                 # MKL's packed copy (the 1-row product), once used
+        self.panels = None              # cpu_gemv's copy (the 2+-row product), once used
 
     @classmethod
     def stack(cls, *linears: torch.nn.Linear) -> PackedLinear:
@@ -117,21 +122,32 @@ class PackedLinear:
         return cls(weight, bias)
 
     def use_few_rows(self, rows: int) -> None:
-        """Send inputs of at most ``rows`` rows to the few-row product (packing the weight
-        for MKL the first time, where torch has MKL)."""
+        """Send inputs of at most ``rows`` rows to the few-row product, making the copies it
+        reads the first time: MKL's packed weight (1 row, where torch has MKL) and
+        :mod:`cpu_gemv`'s panels (2 rows and more, where it is usable), dropping them when
+        ``rows`` no longer needs them."""
         self.few_rows = rows if self.packed is not None else 0
         if not self.few_rows:
             self.mkl = None
         elif self.mkl is None and mkl_available():
             self.mkl = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, 1)
+        if self.few_rows < 2:
+            self.panels = None
+        elif self.panels is None and cpu_gemv.usable(self.weight):
+            self.panels = cpu_gemv.pack(self.weight)
 
     def few(self, x: torch.Tensor) -> torch.Tensor:
-        """The few-row product of ``x`` ``[rows, in]``: MKL's packed GEMM, else ``F.linear``.
-        (torch's op checks the row count against the one it was packed for; MKL's packed
-        layout does not depend on it, so the call passes the input's own.)"""
+        """The few-row product of ``x`` ``[rows, in]``: :mod:`cpu_gemv`'s at 2 rows and more
+        (up to its :data:`~cpu_gemv.MAX_ROWS`), MKL's packed GEMM at 1 (and where the panels
+        are not made), else ``F.linear``. (torch's MKL op checks the row count against the one
+        it was packed for; MKL's packed layout does not depend on it, so the call passes the
+        input's own.)"""
+        rows = x.shape[0]
+        if self.panels is not None and 2 <= rows <= cpu_gemv.MAX_ROWS:
+            return cpu_gemv.few_rows(x, self.panels, self.bias)
         if self.mkl is None:
             return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkl._mkl_linear(x, self.mkl, self.weight, self.bias, x.shape[0])
+        return torch.ops.mkl._mkl_linear(x, self.mkl, self.weight, self.bias, rows)
 
     def onednn(self, x: torch.Tensor) -> torch.Tensor:
         """oneDNN's product of ``x`` (rows padded to their bucket, see :func:`padded_rows`)."""
@@ -160,12 +176,12 @@ def mkl_available() -> bool:
     return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
 
 
-# The row counts timed. Higher counts are not offered: at 4-32 rows the microbenchmark above
-# favoured MKL too, but in the engine a decode step at 4-8 rows was no faster (the same
-# 135M model, separate processes: 4.44 / 5.31 s vs 4.71 / 4.21 s for 32 tokens of 4 requests)
-# and, where the calibration picked 32, slower (small_batch.py, one process: 0.53-0.63x at 2-8
-# requests); at 1 row the gain held (1.98-2.85 s vs 3.44-3.71 s, alone).
-FEW_ROW_COUNTS = (1, 2)
+# The row counts timed. Up to 2 with MKL's packed GEMM alone: at 4-8 rows the microbenchmark
+# above favoured MKL too, but in the engine a decode step at 4-8 rows was no faster (the same
+# 135M model, separate processes: 4.44 / 5.31 s vs 4.71 / 4.21 s for 32 tokens of 4 requests).
+# From 2 rows the few-row product is cpu_gemv's own kernel where it is built, which streams
+# the weights once whatever the row count (see its docstring): 4 is offered for it.
+FEW_ROW_COUNTS = (1, 2, 4)
 
 
 def few_rows(linears: Sequence[PackedLinear], budget_bytes: int = 256 << 20) -> int:
@@ -202,7 +218,7 @@ def _time_few_rows(linears: Sequence[PackedLinear], budget_bytes: int) -> int:
     if not sample:
         return 0
     chosen = 0
-    for rows in FEW_ROW_COUNTS:
+    for rows in FEW_ROW_COUNTS if cpu_gemv.available() else FEW_ROW_COUNTS[:2]:
         for lin in sample:
             lin.use_few_rows(rows)
         xs = [torch.randn(rows, lin.weight.shape[1]) for lin in sample]

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvharbor.kernels import cpu_linear
+from kvharbor.kernels import cpu_gemv, cpu_linear
 from kvharbor.kernels.cpu_linear import PackedLinear
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
@@ -83,6 +83,7 @@ def test_rows_up_to_few_rows_take_the_few_row_product_and_the_rest_onednn():
     lin = PackedLinear(w, b)
     lin.use_few_rows(4)
     assert (lin.mkl is not None) == cpu_linear.mkl_available()   # MKL's packed copy, made now
+    assert (lin.panels is not None) == cpu_gemv.available()      # and the own kernel's
     for rows in (1, 2, 4, 5, 9):
         x = torch.randn(rows, 576, generator=g)
         few, packed = lin.few(x), _onednn(lin, x)
@@ -90,8 +91,14 @@ def test_rows_up_to_few_rows_take_the_few_row_product_and_the_rest_onednn():
         torch.testing.assert_close(few, F.linear(x, w, b), atol=1e-4, rtol=1e-4)
         assert torch.equal(lin(x), few if rows <= 4 else packed), rows
         assert lin.pad(x).shape[0] == (rows if rows <= 4 else cpu_linear.padded_rows(rows))
+        if lin.panels is not None and rows in (2, 4):            # from 2 rows: the own kernel
+            assert torch.equal(few, cpu_gemv.few_rows(x, lin.panels, b))
+        if lin.mkl is not None and rows == 1:                     # 1 row: MKL's
+            assert torch.equal(few, torch.ops.mkl._mkl_linear(x, lin.mkl, w, b, 1))
+    lin.use_few_rows(1)
+    assert lin.panels is None and (lin.mkl is not None) == cpu_linear.mkl_available()
     lin.use_few_rows(0)
-    assert lin.mkl is None                         # the copy goes with the choice
+    assert lin.mkl is None                         # the copies go with the choice
     x = torch.randn(1, 576, generator=g)
     assert torch.equal(lin(x), _onednn(lin, x))
 
@@ -107,18 +114,21 @@ def test_few_rows_is_the_last_count_before_the_few_row_product_stops_being_faste
             return table[len(seen) - 1]
         return best_pass
 
-    counts = cpu_linear.FEW_ROW_COUNTS                           # 1, 2
-    assert counts == (1, 2)
-    for table, want in (([0.6, 0.7], 2), ([0.6, 1.0], 1), ([1.1, 0.5], 0)):
+    # 4 rows only where the own kernel is built (MKL alone was no faster there in the engine).
+    counts = (1, 2, 4) if cpu_gemv.available() else (1, 2)
+    assert cpu_linear.FEW_ROW_COUNTS == (1, 2, 4)
+    for table, want in (([0.6, 0.7, 0.8], counts[-1]), ([0.6, 0.7, 1.0], 2), ([0.6, 1.0, 0.5], 1),
+                        ([1.1, 0.5, 0.5], 0)):
         seen.clear()
         monkeypatch.setattr(cpu_linear, "_best_pass", ratios(table))
         assert cpu_linear.few_rows(lins) == want
-        assert seen == [3] * min(counts.index(want) + 2 if want else 1, 2)   # each count timed
+        timed = min(counts.index(want) + 2 if want else 1, len(counts))
+        assert seen == [3] * timed                                          # each count timed
         assert all(lin.few_rows == want for lin in lins)
     # The sample stops at the byte budget (at least one weight).
     seen.clear()
-    monkeypatch.setattr(cpu_linear, "_best_pass", ratios([0.5, 0.5]))
-    assert cpu_linear.few_rows(lins, budget_bytes=1) == 2 and seen == [1, 1]
+    monkeypatch.setattr(cpu_linear, "_best_pass", ratios([0.5, 0.5, 0.5]))
+    assert cpu_linear.few_rows(lins, budget_bytes=1) == counts[-1] and seen == [1] * len(counts)
     # A few-row product that computes something else is never taken, however fast.
     seen.clear()
     monkeypatch.setattr(PackedLinear, "few", lambda self, x: F.linear(x, self.weight) + 1.0)
