@@ -140,10 +140,14 @@ def kvharbor_llm(checkpoint: Path, limits: Limits, block_size: int, **engine):
 def start(args):
     """``(machine info, limits, checkpoint, kvharbor's LLM)`` for a benchmark's parsed ``args``
     (``--model``, ``--checkpoints``, ``--block-size``): the machine is read before anything
-    loads."""
+    loads; the bytes kvharbor's process holds in huge pages once its engine is built."""
+    from kvharbor.engine import host_memory
+
     info, limits = machine(), Limits()
     ckpt = export_checkpoint(args.model, Path(args.checkpoints))
-    return info, limits, ckpt, kvharbor_llm(ckpt, limits, args.block_size)
+    llm = kvharbor_llm(ckpt, limits, args.block_size)
+    info["kvharbor_host_huge_page_bytes"] = host_memory.huge_page_bytes()
+    return info, limits, ckpt, llm
 
 
 def kvharbor_round(llm, prompts, out_tokens: int | list[int], structured: list[dict] | None = None,
@@ -190,10 +194,15 @@ def kvharbor_cold_ttft(llm, prompt) -> float:
 
 
 # ---- vLLM-CPU ---------------------------------------------------------------------------------
-def vllm_env(scratch: Path) -> dict:
+def vllm_env(scratch: Path, huge_pages: bool = False) -> dict:
     """Environment for vLLM's CPU build: its 2 cores, scratch caches, tcmalloc + Intel OpenMP
-    preloaded when found (vLLM's CPU docs ask for both)."""
+    preloaded when found (vLLM's CPU docs ask for both). torch's huge pages
+    (``THP_MEM_ALLOC_ENABLE``, which importing kvharbor's engine sets in this process) only
+    with ``huge_pages``: vLLM as it ships does not ask for them."""
     env = dict(os.environ)
+    env.pop("THP_MEM_ALLOC_ENABLE", None)
+    if huge_pages:
+        env["THP_MEM_ALLOC_ENABLE"] = "1"
     for key in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TMPDIR"):
         env[key] = str(scratch / key.lower())
         Path(env[key]).mkdir(parents=True, exist_ok=True)
@@ -220,9 +229,12 @@ class VllmPeer:
 
     def __init__(self, python: str, checkpoint: Path, prompts, out_tokens: int, limits: Limits,
                  block_size: int, ttft_prompts, structured: list[dict] | None = None,
-                 loras: dict | None = None, speculative: dict | None = None) -> None:
+                 loras: dict | None = None, speculative: dict | None = None,
+                 huge_pages: bool = False) -> None:
         """``loras``: ``{"paths": [...], "of": [adapter index of each prompt], "rank": r}``
-        (vLLM then runs with ``enable_lora``; ``round`` with ``lora=True`` uses them)."""
+        (vLLM then runs with ``enable_lora``; ``round`` with ``lora=True`` uses them).
+        ``huge_pages``: vLLM's torch allocates in huge pages as kvharbor's does (see
+        :func:`vllm_env`); its system name then says so."""
         from transformers import AutoConfig
 
         from kvharbor.engine.model_runner import kv_bytes_per_token
@@ -236,7 +248,7 @@ class VllmPeer:
                 "kv_cache_bytes": limits.kv_tokens * kv_bytes_per_token(cfg, torch.float32),
                 "structured": structured, "loras": loras, "speculative": speculative}
         (self.tmp / "spec.json").write_text(json.dumps(spec))
-        env = vllm_env(self.tmp)
+        env = vllm_env(self.tmp, huge_pages)
         self.preloaded = preload_libs(python)
         if self.preloaded:
             env["LD_PRELOAD"] = ":".join(self.preloaded)
@@ -250,7 +262,7 @@ class VllmPeer:
         self.answers = os.fdopen(read_fd)
         ready = self._read()
         self.version, self.start_s = ready["vllm_version"], ready["start_s"]
-        self.system = f"vLLM-CPU {self.version}"
+        self.system = f"vLLM-CPU {self.version}" + (" + huge pages" if huge_pages else "")
 
     def _read(self) -> dict:
         line = self.answers.readline()

