@@ -6,14 +6,13 @@ past one row. On this project's 2-core Xeon VM (AVX-512, weights in huge pages) 
 model's 30 layers and LM head (537 MB) took, at 1 / 2 / 4 / 8 rows: MKL's packed GEMM
 21.6 / 39.1 / 46.2 / 64.2 ms, oneDNN (rows padded to 8) 27.9 / 44.4 / 44.7 / 54.0 ms, this
 kernel 27.1 / 34.7 / 34.3 / 52.3 ms (one process, passes alternating, best of 6; the VM's
-speed drifts, so read the columns of one row together). So ``cpu_linear`` keeps MKL's at one
-row and takes this one from two.
+speed drifts, so read the columns of one row together; the 1-row figure is of a variant since
+removed). So ``cpu_linear`` keeps MKL's at one row and takes this one from two.
 
 The weight ``[N, K]`` is packed once into panels of 32 outputs, ``[N / 32, K, 32]``, so a
 thread streams one panel front to back (128 contiguous bytes per ``k``, software-prefetched
-160 ``k`` ahead: in a first version with 64-wide panels, 2 rows took 49.0 ms without it
-and 25-35 ms with it) while the ``M``
-rows of ``x`` stay in cache; per ``k`` it broadcasts ``x[m, k]`` and adds it times the panel's
+320 ``k``, 40 KB, ahead: in a first version with 64-wide panels, 2 rows took 49.0 ms without
+a prefetch and 25-35 ms with one) while the ``M`` rows of ``x`` stay in cache; per ``k`` it broadcasts ``x[m, k]`` and adds it times the panel's
 32 weights (2 AVX-512 vectors) into ``M x 2`` vector accumulators, so every weight byte is read
 once whatever ``M`` is. Panels are spread over torch's intra-op threads (32-wide panels split
 the model's 576-, 960- and 3072-wide weights evenly over 2 threads; 64-wide ones did not).
@@ -33,22 +32,15 @@ import torch
 from .inline_cpp import InlineExtension
 
 PANEL = 32          # outputs per packed panel: 2 AVX-512 vectors (the C++ side's P)
-MAX_ROWS = 8        # rows one call takes
+MIN_ROWS, MAX_ROWS = 2, 8      # rows one call takes (one row stays on MKL: cpu_linear)
 
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#ifndef KVH_GEMV_AHEAD
-#define KVH_GEMV_AHEAD 160
-#endif
-#ifndef KVH_GEMV_VECS
-#define KVH_GEMV_VECS 2
-#endif
-constexpr int64_t VECS = KVH_GEMV_VECS, P = 16 * VECS;   // vectors and outputs per panel
-#ifndef KVH_GEMV_HINT
-#define KVH_GEMV_HINT _MM_HINT_T0
-#endif
+
+constexpr int64_t VECS = 2, P = 16 * VECS;   // AVX-512 vectors and outputs per panel
+constexpr int64_t AHEAD = 320;               // k rows prefetched ahead (40 KB)
 
 bool built_with_avx512() {
 #if defined(__AVX512F__) && !defined(KVH_NO_AVX512)
@@ -57,8 +49,6 @@ bool built_with_avx512() {
   return false;
 #endif
 }
-
-int64_t panel_width() { return P; }
 
 // w [N, K] -> [N / P, K, P]: panel p holds outputs P p .. P p + P - 1, k-major.
 torch::Tensor pack(torch::Tensor w) {
@@ -79,40 +69,23 @@ torch::Tensor pack(torch::Tensor w) {
 template <int M>
 inline void panel(const float* x, int64_t K, const float* w, const float* bias, float* y,
                   int64_t ldy) {
-  // One row has VECS accumulators, too few to hide the FMA latency: it keeps two sets (even
-  // and odd k) and adds them at the end.
-  constexpr int S = M == 1 ? 2 : 1;
-  __m512 acc[S][M][VECS];
-  for (int s = 0; s < S; ++s)
-    for (int m = 0; m < M; ++m)
-      for (int v = 0; v < VECS; ++v) acc[s][m][v] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + S <= K; k += S) {
-    for (int s = 0; s < S; ++s) {
-      const float* wk = w + (k + s) * P;
-#ifndef KVH_GEMV_NO_PREFETCH
-      for (int c = 0; c < VECS; ++c)
-        _mm_prefetch(reinterpret_cast<const char*>(wk + KVH_GEMV_AHEAD * 64 + c * 16), KVH_GEMV_HINT);
-#endif
-      __m512 wv[VECS];
-      for (int v = 0; v < VECS; ++v) wv[v] = _mm512_loadu_ps(wk + v * 16);
-      for (int m = 0; m < M; ++m) {
-        const __m512 a = _mm512_set1_ps(x[m * K + k + s]);
-        for (int v = 0; v < VECS; ++v) acc[s][m][v] = _mm512_fmadd_ps(a, wv[v], acc[s][m][v]);
-      }
-    }
-  }
-  for (; k < K; ++k) {               // odd K with two sets: the last k into the first
+  __m512 acc[M][VECS];
+  for (int m = 0; m < M; ++m)
+    for (int v = 0; v < VECS; ++v) acc[m][v] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
     const float* wk = w + k * P;
+    for (int v = 0; v < VECS; ++v)
+      _mm_prefetch(reinterpret_cast<const char*>(wk + AHEAD * P + v * 16), _MM_HINT_T0);
+    __m512 wv[VECS];
+    for (int v = 0; v < VECS; ++v) wv[v] = _mm512_loadu_ps(wk + v * 16);
     for (int m = 0; m < M; ++m) {
       const __m512 a = _mm512_set1_ps(x[m * K + k]);
-      for (int v = 0; v < VECS; ++v) acc[0][m][v] = _mm512_fmadd_ps(a, _mm512_loadu_ps(wk + v * 16), acc[0][m][v]);
+      for (int v = 0; v < VECS; ++v) acc[m][v] = _mm512_fmadd_ps(a, wv[v], acc[m][v]);
     }
   }
   for (int m = 0; m < M; ++m)
     for (int v = 0; v < VECS; ++v) {
-      __m512 r = acc[0][m][v];
-      if (S == 2) r = _mm512_add_ps(r, acc[S - 1][m][v]);
+      __m512 r = acc[m][v];
       if (bias) r = _mm512_add_ps(r, _mm512_loadu_ps(bias + v * 16));
       _mm512_storeu_ps(y + m * ldy + v * 16, r);
     }
@@ -127,9 +100,11 @@ void rows(const float* x, int64_t K, const float* w, const float* bias, float* y
 }
 #endif
 
-// y [M, N] = x [M, K] @ W^T + bias, W packed by pack(); M in [1, 8].
+// y [M, N] = x [M, K] @ W^T + bias, W packed by pack(); M in [2, 8].
 torch::Tensor few_rows(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * P;
+  TORCH_CHECK(M >= 2 && M <= 8, "cpu_gemv.few_rows takes 2 to 8 rows, got ", M);
+  TORCH_CHECK(built_with_avx512(), "cpu_gemv was built without AVX-512");
   auto y = torch::empty({M, N}, x.options());
 #if defined(__AVX512F__) && !defined(KVH_NO_AVX512)
   const float* xp = x.data_ptr<float>();
@@ -137,32 +112,29 @@ torch::Tensor few_rows(torch::Tensor x, torch::Tensor packed, c10::optional<torc
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   switch (M) {
-    case 1: rows<1>(xp, K, wp, bp, yp, N); break;
     case 2: rows<2>(xp, K, wp, bp, yp, N); break;
     case 3: rows<3>(xp, K, wp, bp, yp, N); break;
     case 4: rows<4>(xp, K, wp, bp, yp, N); break;
     case 5: rows<5>(xp, K, wp, bp, yp, N); break;
     case 6: rows<6>(xp, K, wp, bp, yp, N); break;
-    default: {                       // 7 or 8 rows: two passes keep the accumulators in registers
+    default:                         // 7 or 8 rows: two passes keep the accumulators in registers
       rows<4>(xp, K, wp, bp, yp, N);
-      const int64_t rest = M - 4;
-      if (rest == 3) rows<3>(xp + 4 * K, K, wp, bp, yp + 4 * N, N);
+      if (M == 7) rows<3>(xp + 4 * K, K, wp, bp, yp + 4 * N, N);
       else rows<4>(xp + 4 * K, K, wp, bp, yp + 4 * N, N);
-    }
   }
 #endif
   return y;
 }
 """
 
-_EXT = InlineExtension("kvharbor_cpu_gemv", _SOURCE, ["built_with_avx512", "panel_width", "pack", "few_rows"],
+_EXT = InlineExtension("kvharbor_cpu_gemv", _SOURCE, ["built_with_avx512", "pack", "few_rows"],
                        "KVH_CPU_GEMV")
 
 
 def available() -> bool:
-    """True when the kernel is built with AVX-512 and 32-wide panels (building it now if
-    needed); ``KVH_CPU_GEMV=0`` disables it."""
-    return _EXT.available() and _EXT.module.built_with_avx512() and _EXT.module.panel_width() == PANEL
+    """True when the kernel is built with AVX-512 (building it now if needed);
+    ``KVH_CPU_GEMV=0`` disables it."""
+    return _EXT.available() and _EXT.module.built_with_avx512()
 
 
 def usable(weight: torch.Tensor) -> bool:
@@ -178,6 +150,6 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def few_rows(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ W.T + bias`` for ``x`` ``[M, K]`` (1 <= M <= :data:`MAX_ROWS`, float32,
+    """``x @ W.T + bias`` for ``x`` ``[M, K]`` (:data:`MIN_ROWS` <= M <= :data:`MAX_ROWS`, float32,
     contiguous) and ``packed`` = :func:`pack` (``W``)."""
     return _EXT.module.few_rows(x.contiguous(), packed, bias)

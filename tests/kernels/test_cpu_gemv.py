@@ -13,11 +13,11 @@ needs_kernel = pytest.mark.skipif(not cpu_gemv.available(),
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", range(1, cpu_gemv.MAX_ROWS + 1))
+@pytest.mark.parametrize("rows", range(cpu_gemv.MIN_ROWS, cpu_gemv.MAX_ROWS + 1))
 @pytest.mark.parametrize(("n", "k", "bias"), [(96, 40, True), (64, 33, False), (576, 576, True)])
 def test_every_row_count_matches_f_linear(rows, n, k, bias):
-    """Every row count the kernel takes (its 7-8-row split included), odd and even K (the
-    1-row path sums even and odd k apart), with and without a bias."""
+    """Every row count the kernel takes (its 7-8-row split included), odd and even K, with
+    and without a bias."""
     g = torch.Generator().manual_seed(rows * 1000 + n + k)
     w = torch.randn(n, k, generator=g)
     b = torch.randn(n, generator=g) if bias else None
@@ -39,3 +39,11 @@ def test_only_whole_panels_of_float32_cpu_weights_are_usable():
     assert not cpu_gemv.usable(torch.randn(cpu_gemv.PANEL + 16, 8))
     assert not cpu_gemv.usable(torch.randn(cpu_gemv.PANEL, 8, dtype=torch.float64))
     assert cpu_gemv.usable(torch.randn(cpu_gemv.PANEL * 2, 8)) == cpu_gemv.available()
+
+
+@needs_kernel
+def test_row_counts_it_does_not_take_are_refused():
+    w = cpu_gemv.pack(torch.randn(64, 8))
+    for rows in (cpu_gemv.MIN_ROWS - 1, cpu_gemv.MAX_ROWS + 1):
+        with pytest.raises(RuntimeError, match="2 to 8 rows"):
+            cpu_gemv.few_rows(torch.randn(rows, 8), w, None)
