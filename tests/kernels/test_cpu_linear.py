@@ -114,21 +114,23 @@ def test_few_rows_is_the_last_count_before_the_few_row_product_stops_being_faste
             return table[len(seen) - 1]
         return best_pass
 
-    # 4 rows only where the own kernel is built (MKL alone was no faster there in the engine).
-    counts = (1, 2, 4) if cpu_gemv.available() else (1, 2)
-    assert cpu_linear.FEW_ROW_COUNTS == (1, 2, 4)
-    for table, want in (([0.6, 0.7, 0.8], counts[-1]), ([0.6, 0.7, 1.0], 2), ([0.6, 1.0, 0.5], 1),
-                        ([1.1, 0.5, 0.5], 0)):
+    # Past 2 rows only where the own kernel is built (MKL alone was no faster there in the engine).
+    counts = cpu_linear.FEW_ROW_COUNTS if cpu_gemv.available() else (1, 2)
+    assert cpu_linear.FEW_ROW_COUNTS == (1, 2, 4, 8, 16, 32, 64)
+    n = len(counts)
+    for table, want in (([0.6] * n, counts[-1]), ([0.6, 0.7] + [1.0] * (n - 2), 2),
+                        ([0.6, 1.0] + [0.5] * (n - 2), 1), ([1.1] + [0.5] * (n - 1), 0),
+                        ([0.6] * (n - 1) + [1.0], counts[-2])):
         seen.clear()
         monkeypatch.setattr(cpu_linear, "_best_pass", ratios(table))
         assert cpu_linear.few_rows(lins) == want
-        timed = min(counts.index(want) + 2 if want else 1, len(counts))
+        timed = min(counts.index(want) + 2 if want else 1, n)
         assert seen == [3] * timed                                          # each count timed
         assert all(lin.few_rows == want for lin in lins)
     # The sample stops at the byte budget (at least one weight).
     seen.clear()
-    monkeypatch.setattr(cpu_linear, "_best_pass", ratios([0.5, 0.5, 0.5]))
-    assert cpu_linear.few_rows(lins, budget_bytes=1) == counts[-1] and seen == [1] * len(counts)
+    monkeypatch.setattr(cpu_linear, "_best_pass", ratios([0.5] * n))
+    assert cpu_linear.few_rows(lins, budget_bytes=1) == counts[-1] and seen == [1] * n
     # A few-row product that computes something else is never taken, however fast.
     seen.clear()
     monkeypatch.setattr(PackedLinear, "few", lambda self, x: F.linear(x, self.weight) + 1.0)
@@ -136,3 +138,57 @@ def test_few_rows_is_the_last_count_before_the_few_row_product_stops_being_faste
     # The override skips the timing.
     monkeypatch.setenv("KVH_CPU_FEW_ROWS", "2")
     assert cpu_linear.few_rows(lins) == 2 and seen == []
+
+
+@needs_onednn
+@pytest.mark.skipif(not cpu_linear.mkl_available(), reason="torch built without MKL")
+def test_rows_from_many_rows_take_mkl_unpadded_and_the_rest_onednn():
+    g = torch.Generator().manual_seed(1)
+    w, b = torch.randn(96, 576, generator=g), torch.randn(96, generator=g)
+    lin = PackedLinear(w, b)
+    lin.use_many_rows(40)
+    assert lin.mkl is not None                     # MKL's copy, made for the many-row product
+    for rows in (9, 39, 40, 41, 200):
+        x = torch.randn(rows, 576, generator=g)
+        blas = torch.ops.mkl._mkl_linear(x, lin.mkl, w, b, rows)
+        assert not torch.equal(blas, _onednn(lin, x))   # the two sum in different orders
+        torch.testing.assert_close(blas, F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+        mkl = rows >= 40
+        assert torch.equal(lin(x), blas if mkl else _onednn(lin, x)), rows
+        assert lin.pad(x).shape[0] == (rows if mkl else cpu_linear.padded_rows(rows))
+    lin.use_few_rows(1)
+    lin.use_many_rows(0)
+    assert lin.mkl is not None                     # still the 1-row product's
+    lin.use_few_rows(0)
+    assert lin.mkl is None and lin.pad(torch.randn(41, 576)).shape[0] == cpu_linear.padded_rows(41)
+
+
+@needs_onednn
+@pytest.mark.skipif(not cpu_linear.mkl_available(), reason="torch built without MKL")
+def test_many_rows_is_the_smallest_count_from_which_mkl_stays_faster(monkeypatch):
+    lins = [PackedLinear(torch.randn(64, 32)) for _ in range(3)]
+    seen = []
+
+    def ratios(table):
+        def best_pass(blas, onednn, rounds=3):
+            seen.append(len(blas))
+            return table[len(seen) - 1]
+        return best_pass
+
+    counts = sorted(cpu_linear.MANY_ROW_COUNTS, reverse=True)     # timed from the largest
+    assert counts == [512, 128, 32]
+    for table, want, timed in (([0.8, 0.9, 0.95], 32, 3), ([0.8, 0.9, 1.0], 128, 3),
+                               ([0.8, 1.1, 0.5], 512, 2), ([1.0, 0.5, 0.5], 0, 1)):
+        seen.clear()
+        monkeypatch.setattr(cpu_linear, "_best_pass", ratios(table))
+        assert cpu_linear.many_rows(lins) == want
+        assert seen == [3] * timed
+        assert all(lin.many_rows == want and (lin.mkl is not None) == bool(want) for lin in lins)
+    # The sample stops at the byte budget (at least one weight).
+    seen.clear()
+    monkeypatch.setattr(cpu_linear, "_best_pass", ratios([0.5] * 3))
+    assert cpu_linear.many_rows(lins, budget_bytes=1) == 32 and seen == [1] * 3
+    # The override skips the timing; 0 keeps every product on oneDNN.
+    seen.clear()
+    monkeypatch.setenv("KVH_CPU_MANY_ROWS", "0")
+    assert cpu_linear.many_rows(lins) == 0 and seen == [] and all(lin.mkl is None for lin in lins)
