@@ -140,13 +140,18 @@ def kvharbor_llm(checkpoint: Path, limits: Limits, block_size: int, **engine):
 def start(args):
     """``(machine info, limits, checkpoint, kvharbor's LLM)`` for a benchmark's parsed ``args``
     (``--model``, ``--checkpoints``, ``--block-size``): the machine is read before anything
-    loads; the bytes kvharbor's process holds in huge pages once its engine is built."""
+    loads; the bytes kvharbor's process holds in huge pages once its engine is built, and the
+    row counts its CPU products chose at start (``cpu_linear.few_rows`` / ``many_rows``)."""
     from kvharbor.engine import host_memory
 
     info, limits = machine(), Limits()
     ckpt = export_checkpoint(args.model, Path(args.checkpoints))
     llm = kvharbor_llm(ckpt, limits, args.block_size)
     info["kvharbor_host_huge_page_bytes"] = host_memory.huge_page_bytes()
+    fast = llm.engine.runner.fast
+    if fast is not None and fast.projections and hasattr(fast.projections[0], "linears"):
+        layer = fast.projections[0].linears()[0]
+        info["kvharbor_few_rows"], info["kvharbor_many_rows"] = layer.few_rows, layer.many_rows
     return info, limits, ckpt, llm
 
 
