@@ -98,7 +98,8 @@ class PackedLinear:
     ``weight`` may stack several layers' weights along ``out`` (q, k and v; gate and up): the
     caller splits the output. Falls back to ``F.linear`` on the unpacked weight when the
     weight cannot be packed. Inputs of at most ``few_rows`` rows (0 until
-    :meth:`use_few_rows`) take the few-row product instead, unpadded.
+    :meth:`use_few_rows`) take the few-row product instead, and inputs of at least
+    ``many_rows`` rows (0: none, until :meth:`use_many_rows`) MKL's packed GEMM, both unpadded.
 
     The plain weight is kept: the caller's own tensor (no copy) when it is contiguous, as a
     module's weight or a stack whose modules are views of it is.
@@ -160,10 +161,7 @@ class PackedLinear:
 
     def few(self, x: torch.Tensor) -> torch.Tensor:
         """The few-row product of ``x`` ``[rows, in]``: :mod:`cpu_gemv`'s at 2 rows and more,
-        MKL's packed GEMM at 1 (and where the panels
-        are not made), else ``F.linear``. (torch's MKL op checks the row count against the one
-        it was packed for; MKL's packed layout does not depend on it, so the call passes the
-        input's own.)"""
+        MKL's packed GEMM (:meth:`blas`) at 1 and where the panels are not made."""
         rows = x.shape[0]
         if self.panels is not None and rows >= cpu_gemv.MIN_ROWS:
             return cpu_gemv.few_rows(x, self.panels, self.bias)
@@ -171,7 +169,8 @@ class PackedLinear:
 
     def blas(self, x: torch.Tensor) -> torch.Tensor:
         """MKL's packed GEMM of ``x`` ``[rows, in]``, unpadded (``F.linear`` until its copy is
-        made)."""
+        made). (torch's MKL op checks the row count against the one it was packed for; MKL's
+        packed layout does not depend on it, so the call passes the input's own.)"""
         if self.mkl is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkl._mkl_linear(x, self.mkl, self.weight, self.bias, x.shape[0])
@@ -272,7 +271,7 @@ def many_rows(linears: Sequence[PackedLinear], budget_bytes: int = 16 << 20) -> 
     oneDNN's (unpadded, as each is called) at it and every larger count, timed on the first
     of ``linears`` that fit ``budget_bytes`` of weights (one layer of a small model). An MKL
     product whose output is not ``F.linear``'s within 1e-4 is not taken. ``KVH_CPU_MANY_ROWS``
-    sets the count instead (A/B runs; 0: always oneDNN). ~0.2 s for the 135M model.
+    sets the count instead (A/B runs; 0: always oneDNN). ~0.3-0.6 s for the 135M model.
     """
     forced = os.environ.get("KVH_CPU_MANY_ROWS")
     if forced is not None:
@@ -301,16 +300,18 @@ def _sample(linears: Sequence[PackedLinear], budget_bytes: int) -> list[PackedLi
 
 
 def _time_many_rows(sample: Sequence[PackedLinear]) -> int:
+    """:func:`many_rows`'s measured count (the sample's products are left set to the last
+    count timed; their MKL copies are the ones the few-row choice made, where it did)."""
     if not sample:
         return 0
-    mkl = [torch.ops.mkl._mkl_reorder_linear_weight(lin.weight, 1) for lin in sample]
     chosen = 0
     for rows in sorted(MANY_ROW_COUNTS, reverse=True):
+        for lin in sample:
+            lin.use_many_rows(rows)
         xs = [torch.randn(rows, lin.weight.shape[1]) for lin in sample]
-        blas = [(lambda lin=lin, m=m, x=x: torch.ops.mkl._mkl_linear(x, m, lin.weight, lin.bias, rows))
-                for lin, m, x in zip(sample, mkl, xs)]
-        if not all(_close(call(), F.linear(x, lin.weight, lin.bias)) for call, lin, x in zip(blas, sample, xs)):
+        if not all(_close(lin.blas(x), F.linear(x, lin.weight, lin.bias)) for lin, x in zip(sample, xs)):
             break
+        blas = [(lambda lin=lin, x=x: lin.blas(x)) for lin, x in zip(sample, xs)]
         onednn = [(lambda lin=lin, x=x: lin.onednn(x)) for lin, x in zip(sample, xs)]
         if _best_pass(blas, onednn, rounds=5) >= 1.0:
             break

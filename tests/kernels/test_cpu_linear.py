@@ -172,6 +172,7 @@ def test_many_rows_is_the_smallest_count_from_which_mkl_stays_faster(monkeypatch
     def ratios(table):
         def best_pass(blas, onednn, rounds=3):
             seen.append(len(blas))
+            assert lins[0].mkl is not None          # what is timed is MKL's product
             return table[len(seen) - 1]
         return best_pass
 
@@ -188,6 +189,10 @@ def test_many_rows_is_the_smallest_count_from_which_mkl_stays_faster(monkeypatch
     seen.clear()
     monkeypatch.setattr(cpu_linear, "_best_pass", ratios([0.5] * 3))
     assert cpu_linear.many_rows(lins, budget_bytes=1) == 32 and seen == [1] * 3
+    # An MKL product that computes something else is never taken, however fast.
+    seen.clear()
+    monkeypatch.setattr(PackedLinear, "blas", lambda self, x: F.linear(x, self.weight) + 1.0)
+    assert cpu_linear.many_rows(lins) == 0 and seen == []
     # The override skips the timing; 0 keeps every product on oneDNN.
     seen.clear()
     monkeypatch.setenv("KVH_CPU_MANY_ROWS", "0")
