@@ -1,7 +1,8 @@
 """The C++ causal prefill kernel against attention computed in float64.
 
-Lengths cross the kernel's query blocks (64 tokens) and key chunks (256 keys); key rows the
-queries may not read are NaN, so a read past a row's last key shows up as NaN.
+Lengths cross the kernel's query blocks (64 tokens), key panels (64 keys, AVX-512) and key
+chunks (256 keys, the BLAS path); key rows the queries may not read are NaN, so a read past a
+row's last key shows up as NaN.
 """
 
 from __future__ import annotations
