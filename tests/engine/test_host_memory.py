@@ -130,3 +130,58 @@ def test_engine_warns_when_torch_allocated_before_the_import():
         return
     assert got["at_start"] == 0, got
     assert "no host memory is in huge pages" in out.stderr and "THP_MEM_ALLOC_ENABLE=1" in out.stderr
+
+
+def _mapping(address: int) -> str:
+    """The /proc/self/maps line holding ``address`` (its last field: the mapped file, if any)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= address < hi:
+                return line.strip()
+    return ""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_embedding_of_a_checkpoint_leaves_the_file_map(tmp_path):
+    """transformers maps a safetensors checkpoint's weights from the file (4 KB pages); every
+    prefill gathers its rows from the input embedding, so the engine moves that into memory of
+    its own, keeping an LM head tied to it tied, and the tokens the same."""
+    from benchmarks.engine_peers import export_checkpoint
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvharbor import LLM, SamplingParams
+
+    ckpt = export_checkpoint("tiny-llama", tmp_path)
+
+    plain = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32)
+    assert str(ckpt) in _mapping(plain.get_input_embeddings().weight.data_ptr())  # what it fixes
+    llm = LLM(model=str(ckpt), device="cpu", dtype="float32")
+    model = llm.hf_model
+    emb = model.get_input_embeddings().weight
+    assert str(ckpt) not in _mapping(emb.data_ptr())
+    assert model.lm_head.weight is emb or not plain.config.tie_word_embeddings
+    assert torch.equal(emb, plain.get_input_embeddings().weight)
+    prompt = list(range(5, 60))
+    builtin = LLM(model="kvharbor/tiny-llama", device="cpu", dtype="float32")
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    assert llm.generate([prompt], sp)[0].token_ids == builtin.generate([prompt], sp)[0].token_ids
+
+
+def test_a_tied_lm_head_follows_the_moved_embedding():
+    """A checkpoint whose LM head is its embedding (SmolLM2's) keeps one tensor for both."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvharbor.engine.fast_model import _own_embedding
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg)
+    before = model.lm_head.weight.detach().clone()
+    old_ptr = model.lm_head.weight.data_ptr()
+    _own_embedding(model)
+    emb = model.get_input_embeddings().weight
+    assert model.lm_head.weight is emb and emb.data_ptr() != old_ptr
+    assert torch.equal(emb, before)
