@@ -97,7 +97,7 @@ def _silu_(x: torch.Tensor) -> torch.Tensor:
 class PackedLayer(_Projections):
     """One decoder layer's projections packed for oneDNN (see :mod:`..kernels.cpu_linear`)."""
 
-    __slots__ = ("qkv_proj", "qkv_sizes", "o_proj", "gate_up", "gate", "up", "down", "act")
+    __slots__ = ("qkv_proj", "qkv_sizes", "o_proj", "gate", "up", "down", "act")
 
     def __init__(self, layer) -> None:
         a, mlp = layer.self_attn, layer.mlp
@@ -109,27 +109,20 @@ class PackedLayer(_Projections):
                          if len({p.bias is None for p in qkv}) == 1 else cpu_linear.PackedLinear.stack(*qkv))
         self.qkv_sizes = [a.q_proj.out_features, a.k_proj.out_features, a.v_proj.out_features]
         self.o_proj = cpu_linear.PackedLinear.stack(a.o_proj)
-        # SiLU (Llama, Qwen2, Mistral): gate and up are one product and cpu_ops.silu_mul reads
-        # its two halves row by row (one pass; 1,024 rows x 1,536: 0.37 ms, where torch's
-        # silu_ then mul_ on two products' outputs took 0.61 ms, and its silu on a strided
-        # half 3.3 ms). oneDNN's fused swish post-op was slower than torch's silu (135M step
-        # loop: 33.1-35.0 s separate vs 33.8-37.0 s fused). Other activations, or without the
-        # C++ ops: two products, the activation in place on the gate's.
+        # SiLU (Llama, Qwen2, Mistral) runs in place on the gate product, torch's own op as in
+        # transformers: oneDNN's fused swish post-op was slower (135M step loop, 4 interleaved
+        # rounds each in one process: 33.1-35.0 s separate vs 33.8-37.0 s fused). Gate and up
+        # stay two products: slicing one [T, 2 * inter] output made the activation read strided
+        # rows, 3x slower than contiguous (measured).
         silu = type(mlp.act_fn).__name__ in SILU_ACTIVATIONS
+        self.gate = cpu_linear.PackedLinear.stack(mlp.gate_proj)
+        self.up = cpu_linear.PackedLinear.stack(mlp.up_proj)
         self.down = cpu_linear.PackedLinear.stack(mlp.down_proj)
-        if silu and cpu_ops.available() and (mlp.gate_proj.bias is None) == (mlp.up_proj.bias is None):
-            self.gate_up = cpu_linear.PackedLinear(*_pack_rows(mlp.gate_proj, mlp.up_proj))
-            self.gate = self.up = None
-        else:
-            self.gate_up = None
-            self.gate = cpu_linear.PackedLinear.stack(mlp.gate_proj)
-            self.up = cpu_linear.PackedLinear.stack(mlp.up_proj)
         self.act = _silu_ if silu else mlp.act_fn
 
     def linears(self) -> tuple[cpu_linear.PackedLinear, ...]:
         """The products in the order a step runs them."""
-        mlp = (self.gate_up,) if self.gate_up is not None else (self.gate, self.up)
-        return self.qkv_proj, self.o_proj, *mlp, self.down
+        return self.qkv_proj, self.o_proj, self.gate, self.up, self.down
 
     def qkv(self, x: torch.Tensor, lora=None) -> tuple[torch.Tensor, ...]:
         """q, k and v ``[T, heads * D]`` (views of one product) of ``x`` ``[T, hidden]``;
@@ -139,17 +132,8 @@ class PackedLayer(_Projections):
 
     def mlp(self, x: torch.Tensor, lora=None) -> torch.Tensor:
         """``down(act(gate(x)) * up(x))``, ``x`` ``[T, hidden]``. Rows are padded to their
-        bucket once here, so the products (down's input the widest) copy nothing."""
+        bucket once here, so the three products (down's input the widest) copy nothing."""
         rows = x.shape[0]
-        if self.gate_up is not None:
-            x = self.gate_up.pad(x)
-            gate_up = self.gate_up(x)
-            if lora is not None:        # the deltas go to the gate and up halves (views)
-                inter = gate_up.shape[1] // 2
-                lora("gate_proj", x, gate_up[:, :inter])
-                lora("up_proj", x, gate_up[:, inter:])
-            h = cpu_ops.silu_mul(gate_up)
-            return (self.down(h) if lora is None else lora("down_proj", h, self.down(h)))[:rows]
         x = self.gate.pad(x)
         if lora is None:
             h = self.act(self.gate(x))
