@@ -167,15 +167,11 @@ void block(const float* q, const float* k, const float* v, float* out, int64_t s
 constexpr int64_t MR = 6;
 constexpr int64_t PANEL = 64;   // keys per panel of the transposed keys (and per score tile)
 
-// C [MR, NV*16] (ld ldc) += A [MR, K] (ld lda) B [K, NV*16] (ld ldb).
+// r [MR][NV] (registers) += A [MR, K] (ld lda) B [K, NV*16] (ld ldb).
 template <int NV>
-inline void tile(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t K, float* c,
-                 int64_t ldc) {
-  __m512 r[MR][NV];
-#pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i)
-#pragma GCC unroll 4
-    for (int j = 0; j < NV; ++j) r[i][j] = _mm512_loadu_ps(c + i * ldc + j * 16);
+__attribute__((always_inline)) inline void fma_tile(__m512 (&r)[MR][NV], const float* a,
+                                                    int64_t lda, const float* b, int64_t ldb,
+                                                    int64_t K) {
   for (int64_t k = 0; k < K; ++k) {
     __m512 bv[NV];
 #pragma GCC unroll 4
@@ -187,6 +183,18 @@ inline void tile(const float* a, int64_t lda, const float* b, int64_t ldb, int64
       for (int j = 0; j < NV; ++j) r[i][j] = _mm512_fmadd_ps(ai, bv[j], r[i][j]);
     }
   }
+}
+
+// C [MR, NV*16] (ld ldc) += A [MR, K] (ld lda) B [K, NV*16] (ld ldb).
+template <int NV>
+inline void tile(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t K, float* c,
+                 int64_t ldc) {
+  __m512 r[MR][NV];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) r[i][j] = _mm512_loadu_ps(c + i * ldc + j * 16);
+  fma_tile<NV>(r, a, lda, b, ldb, K);
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 4
@@ -233,17 +241,7 @@ inline void qk_softmax(const float* a, int64_t lda, const float* b, int64_t K, f
   for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 4
     for (int j = 0; j < NV; ++j) r[i][j] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    __m512 bv[NV];
-#pragma GCC unroll 4
-    for (int j = 0; j < NV; ++j) bv[j] = _mm512_loadu_ps(b + k * PANEL + j * 16);
-#pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i) {
-      const __m512 ai = _mm512_set1_ps(a[i * lda + k]);
-#pragma GCC unroll 4
-      for (int j = 0; j < NV; ++j) r[i][j] = _mm512_fmadd_ps(ai, bv[j], r[i][j]);
-    }
-  }
+  fma_tile<NV>(r, a, lda, b, PANEL, K);
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) {
     const int64_t n = vis[i];
