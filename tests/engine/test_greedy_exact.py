@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvharbor import LLM, SamplingParams
+from kvharbor.kernels import cpu_linear
 
 from .conftest import NEW_TOKENS, hf_greedy, mixed_prompts
 
@@ -87,6 +88,26 @@ def test_steps_of_few_rows_through_either_product(model, few_rows, oracle_cache,
         assert llm.generate([prompts[i]], GREEDY)[0].token_ids == want[i], i
     outs = llm.generate([prompts[i] for i in (2, 8, 15)], GREEDY)
     assert [o.token_ids for o in outs] == [want[i] for i in (2, 8, 15)]
+    llm.check_integrity()
+
+
+@pytest.mark.skipif(not cpu_linear.mkl_available(), reason="torch built without MKL")
+def test_layers_drop_onednn_copies_no_row_count_reaches(oracle_cache, monkeypatch):
+    """Where the few-row product covers every count below the one MKL's product takes over
+    from, the layers keep no oneDNN copy of their weights (one copy fewer in memory), and
+    prefills, decodes of one request and of several still give transformers' tokens."""
+    model = "kvharbor/tiny-llama"
+    monkeypatch.setenv("KVH_CPU_FEW_ROWS", "8")
+    monkeypatch.setenv("KVH_CPU_MANY_ROWS", "9")
+    llm = LLM(model=model, device="cpu", num_kv_blocks=1024)
+    fast = llm.engine.runner.fast
+    layers = [lin for p in fast.projections for lin in p.linears()]
+    assert all(lin.packed is None and lin.mkl is not None and lin.many_rows == 9 for lin in layers)
+    assert fast.lm_head.packed is not None          # its many-row products stay on oneDNN
+    prompts, want = mixed_prompts(), expected(llm, model, oracle_cache)
+    assert llm.generate([prompts[3]], GREEDY)[0].token_ids == want[3]
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == want
     llm.check_integrity()
 
 

@@ -22,8 +22,9 @@ def test_packed_linear_matches_f_linear(rows, bias):
     b = torch.randn(96, generator=g) if bias else None
     x = torch.randn(rows, 40, generator=g)
     lin = PackedLinear(w, b)
-    assert lin.packed is not None and lin.weight.data_ptr() == w.data_ptr()   # kept, no copy
+    assert lin.packed is None and lin.weight.data_ptr() == w.data_ptr()   # kept, no copy
     out = lin(x)
+    assert lin.packed is not None                  # oneDNN's copy, made by its first use
     assert out.shape == (rows, 96)
     torch.testing.assert_close(out, F.linear(x, w, b), atol=1e-4, rtol=1e-4)
 
@@ -72,7 +73,8 @@ def test_padded_rows_give_the_same_rows_as_f_linear(rows):
 
 def _onednn(lin: PackedLinear, x: torch.Tensor) -> torch.Tensor:
     """The packed product of ``x`` (padded as the packed path pads it)."""
-    y = torch.ops.mkldnn._linear_pointwise(cpu_linear.pad_rows(x), lin.packed, lin.bias, "none", [], "")
+    packed = torch.ops.mkldnn._reorder_linear_weight(lin.weight)
+    y = torch.ops.mkldnn._linear_pointwise(cpu_linear.pad_rows(x), packed, lin.bias, "none", [], "")
     return y[:x.shape[0]]
 
 
@@ -198,3 +200,32 @@ def test_many_rows_is_the_count_from_which_mkl_saves_the_most_time(monkeypatch):
     seen.clear()
     monkeypatch.setenv("KVH_CPU_MANY_ROWS", "0")
     assert cpu_linear.many_rows(lins) == 0 and seen == [] and all(lin.mkl is None for lin in lins)
+
+
+@needs_onednn
+@pytest.mark.skipif(not cpu_linear.mkl_available(), reason="torch built without MKL")
+def test_settle_keeps_onednn_copies_only_where_a_row_count_takes_them():
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(96, 576, generator=g), torch.randn(96, generator=g)
+    lins = [PackedLinear(w, b) for _ in range(4)]
+    lins[0](torch.randn(300, 576, generator=g))    # a first use (a calibration's) makes one
+    assert lins[0].packed is not None and all(lin.packed is None for lin in lins[1:])
+    for lin, (few, many) in zip(lins, ((8, 9), (8, 4), (8, 10), (0, 32))):
+        lin.use_few_rows(few)
+        lin.use_many_rows(many)
+    # Only the first two are covered: rows 1-8 few-row, 9+ (4+) MKL's; the third sends 9 rows
+    # to oneDNN, the fourth every count under 32.
+    assert cpu_linear.settle(lins) == 2 * w.numel() * 4
+    assert [lin.packed is None for lin in lins] == [True, True, False, False]   # made up front
+    for lin in lins:
+        for rows in (0, 1, 8, 9, 10, 31, 32, 200):
+            x = torch.randn(rows, 576, generator=g)
+            torch.testing.assert_close(lin(x), F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+        x = torch.randn(2, 5, 576, generator=g)
+        torch.testing.assert_close(lin(x), F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+    assert [lin.packed is None for lin in lins] == [True, True, False, False]   # none made since
+    # Counts that reach oneDNN again make its copy again, on its first use.
+    lins[0].use_many_rows(0)
+    x = torch.randn(20, 576, generator=g)
+    assert torch.equal(lins[0](x), _onednn(lins[0], x)) and lins[0].packed is not None
+    assert cpu_linear.settle(lins[:1]) == 0
