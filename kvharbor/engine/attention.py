@@ -8,6 +8,7 @@ reaches it through the model's forward kwargs (``kvh_ctx=...``), not a global.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -44,16 +45,19 @@ class AttentionContext:
 
 
 def paged_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext,
-               layer_idx: int, scaling: float, sliding_window: int | None) -> torch.Tensor:
+               layer_idx: int, scaling: float, sliding_window: int | None,
+               rows: Sequence[int] | None = None) -> torch.Tensor:
     """Store this step's K/V of layer ``layer_idx`` and attend. Token-major views in
-    (``q`` ``[T, H, D]``, ``k``/``v`` ``[T, Hkv, D]``, any strides), ``[T, H, D]`` out."""
+    (``q`` ``[T, H, D]``, ``k``/``v`` ``[T, Hkv, D]``, any strides), ``[T, H, D]`` out.
+    ``rows``: the ascending rows whose output the caller reads (None: all); the CPU hot path
+    may leave the others unwritten (see :func:`paged_attention_cpu`)."""
     if ctx.interrupt is not None:
         ctx.interrupt.check(layer_idx)        # raises StepInterrupted: the step is abandoned
     cache = ctx.caches[layer_idx]
     if ctx.plan is not None and sliding_window == ctx.plan_window:
         # The CPU hot path: no copies of q/k/v, the plan shared by all layers.
         ctx.backend.store_kv(k, v, cache, ctx.slot_mapping)
-        return paged_attention_cpu(q, k, v, cache, ctx.plan, scaling)
+        return paged_attention_cpu(q, k, v, cache, ctx.plan, scaling, rows)
     if not getattr(ctx.backend, "strided", False):   # Triton's kernels take row/head strides
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     ctx.backend.store_kv(k, v, cache, ctx.slot_mapping)

@@ -339,7 +339,8 @@ class FastCausalLM:
             q, k, v = p.qkv(layer.input_layernorm(h), hook)
             q, k = self.apply_rotary(q.view(t, -1, d), k.view(t, -1, d), cos, sin,
                                      unsqueeze_dim=1)                 # [T, H, D], [T, Hkv, D]
-            o = attention.paged_step(q, k, v.view(t, -1, d), ctx, a.layer_idx, a.scaling, window)
+            o = attention.paged_step(q, k, v.view(t, -1, d), ctx, a.layer_idx, a.scaling, window,
+                                     _read_rows(ctx, logit_rows) if i == last else None)
             o = o.view(t, -1)
             if i == last:
                 if not logit_rows.numel():
@@ -366,7 +367,8 @@ class FastCausalLM:
             hook = lora.hook(i) if lora else None
             q, k, v = p.qkv(x, hook)
             q, k = ops.rotary_qk(q.view(t, -1, d), k.view(t, -1, d), cos, sin)  # in place
-            o = attention.paged_step(q, k, v.view(t, -1, d), ctx, a.layer_idx, a.scaling, window)
+            o = attention.paged_step(q, k, v.view(t, -1, d), ctx, a.layer_idx, a.scaling, window,
+                                     _read_rows(ctx, logit_rows) if i == last else None)
             o = o.view(t, -1)
             if i == last:
                 if not logit_rows.numel():
@@ -380,6 +382,14 @@ class FastCausalLM:
             else:
                 h.add_(m)
         return self.lm_head(ops.rms_norm(h, *args[-1]))
+
+
+def _read_rows(ctx: attention.AttentionContext, logit_rows: torch.Tensor) -> list[int] | None:
+    """The rows whose last-layer attention output is read: the sampled ones (ascending), on
+    the CPU hot path, which then runs a prefill's attention from its first sampled row only
+    (a 1,024-token prefill's last layer: one query row instead of 1,024, ~1/30 of its
+    attention). None elsewhere (every row; no host sync on a GPU)."""
+    return sorted(logit_rows.tolist()) if ctx.plan is not None else None
 
 
 def _sampled_rows(o: torch.Tensor, h: torch.Tensor,

@@ -31,12 +31,14 @@ float rounding, which the kernel tests bound.
 
 from __future__ import annotations
 
+import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from . import cpu_decode, cpu_prefill
+from . import cpu_decode, cpu_ops, cpu_prefill
 from .reference import dequantize_kv, quantize_kv
 
 DECODE_GROUP = 16
@@ -201,13 +203,17 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, masked: torch.Tensor, sca
 
 
 def paged_attention_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache,
-                        plan: AttentionPlan, scale: float) -> torch.Tensor:
+                        plan: AttentionPlan, scale: float,
+                        rows: Sequence[int] | None = None) -> torch.Tensor:
     """Attention of the flattened step (this step's K/V already stored in ``cache``).
 
     Args:
         query: ``[T, H, D]`` (any strides).
         key, value: this step's ``[T, Hkv, D]`` (read by fresh prefills only).
         cache: a ``LayerKVCache``.
+        rows: the query rows whose output is used, ascending (None: all). A prefill through
+            the C++ kernel then runs from its first such row only (none: skipped), its earlier
+            rows left unwritten: the last layer, whose output only the sampled rows need.
     Returns:
         ``[T, H, D]`` in ``query.dtype``.
     """
@@ -229,7 +235,9 @@ def paged_attention_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     # GQA included; 3-D ones take the slow math path).
     for p in plan.prefill:
         if p.past is not None and cpu_prefill.usable(query, key, out):
-            _prefill_kernel(query, key, value, cache, p, out, scale)
+            first = p.qs if rows is None else _first_row(rows, p.qs, p.qe)
+            if first is not None:
+                _prefill_kernel(query, key, value, cache, p, out, scale, first)
             continue
         q = query[p.qs:p.qe].transpose(0, 1)[None]                         # [1, H, Q, D]
         if p.blocks is None:
@@ -245,22 +253,41 @@ def paged_attention_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     return out
 
 
-def _prefill_kernel(query, key, value, cache, p: PrefillSeq, out, scale) -> None:
-    """``p`` through :func:`cpu_prefill.causal_attention`: its own K/V rows when fresh, else
-    its blocks gathered once (the keys it reads, ``[0, past + Q)``, are all written)."""
+def _first_row(rows: Sequence[int], start: int, end: int) -> int | None:
+    """The first of the ascending ``rows`` in ``[start, end)``, None if none is."""
+    i = bisect.bisect_left(rows, start)
+    return rows[i] if i < len(rows) and rows[i] < end else None
+
+
+def _prefill_kernel(query, key, value, cache, p: PrefillSeq, out, scale, first: int) -> None:
+    """``p``'s query rows ``[first, qe)`` through :func:`cpu_prefill.causal_attention`: its
+    own K/V rows when fresh, else its blocks gathered once (the keys it reads,
+    ``[0, past + Q)``, are all written). Row ``first`` sees ``past + first - qs`` keys before
+    its own, as it does in the whole prefill."""
     if p.blocks is None:
         k, v = key[p.qs:p.qe], value[p.qs:p.qe]
     else:
         none = p.masked[:0]
         k = _gather(cache.key, p.blocks, none, cache.k_scale, query.dtype)
         v = _gather(cache.value, p.blocks, none, cache.v_scale, query.dtype)
-    cpu_prefill.causal_attention(query[p.qs:p.qe], k, v, out[p.qs:p.qe], p.past, scale)
+    cpu_prefill.causal_attention(query[first:p.qe], k, v, out[first:p.qe], p.past + first - p.qs,
+                                 scale)
 
 
 def store_kv_cpu(key: torch.Tensor, value: torch.Tensor, cache, slot_mapping: torch.Tensor) -> None:
     """Write this step's ``key``/``value`` ``[T, Hkv, D]`` (any strides) at ``slot_mapping``
-    ``[T]`` (int64, every slot valid: no padding)."""
+    ``[T]`` (int64, every slot valid: no padding): a float32 cache through
+    :func:`cpu_ops.store_rows` (one copy per row) where the rows' heads and dims are
+    contiguous, else ``index_copy_`` (quantized caches converted first)."""
     n, bs, hkv, d = cache.key.shape
+    if (cache.k_scale is None and cache.v_scale is None and key.dtype == value.dtype == torch.float32
+            and cache.key.dtype == cache.value.dtype == torch.float32
+            and all(t.stride(2) == 1 and t.stride(1) == d for t in (key, value))
+            and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
+            and cpu_ops.available()):
+        cpu_ops.store_rows(cache.key.view(n * bs, hkv, d), slot_mapping, key)
+        cpu_ops.store_rows(cache.value.view(n * bs, hkv, d), slot_mapping, value)
+        return
     cache.key.view(n * bs, hkv, d).index_copy_(0, slot_mapping, quantize_kv(key, cache.k_scale, cache.key.dtype))
     cache.value.view(n * bs, hkv, d).index_copy_(0, slot_mapping,
                                                  quantize_kv(value, cache.v_scale, cache.value.dtype))

@@ -9,6 +9,9 @@ and at prefill sizes every op is another pass over ``[T, hidden]``. Here each is
 - :func:`add_rms_norm`: ``residual += x`` in place, then the norm of the new ``residual``.
 - :func:`rotary_`: ``x * cos + rotate_half(x) * sin`` in place on a ``[T, H, D]`` view (the
   q or k columns of the packed qkv product, any row and head strides).
+- :func:`store_rows`: a step's K or V rows copied to their slots of a float32 KV cache, one
+  ``memcpy`` per row: torch's ``index_copy_`` took 0.13 ms per 1,024 rows of the 135M model's
+  K (3 x 64 floats, strided rows; ~8 ms of a 1,024-token prefill over 30 layers).
 
 Built with ``-ffp-contract=off``, so every product and sum rounds as torch's elementwise ops
 do: the residual add and the rotary embedding are bit-identical to transformers; the norm's
@@ -28,6 +31,7 @@ _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <cstring>
 
 namespace {
 
@@ -89,6 +93,30 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tenso
   return out;
 }
 
+// dst [N, H, D] (contiguous) row slots[r] = src [T, H, D] row r (heads and dims contiguous,
+// any row stride), for every r; every slot checked against N first.
+void store_rows(torch::Tensor dst, torch::Tensor slots, torch::Tensor src) {
+  TORCH_CHECK(dst.device().is_cpu() && src.device().is_cpu() && dst.scalar_type() == torch::kFloat
+              && src.scalar_type() == torch::kFloat && dst.dim() == 3 && src.dim() == 3
+              && dst.is_contiguous() && src.size(1) == dst.size(1) && src.size(2) == dst.size(2)
+              && src.stride(2) == 1 && src.stride(1) == src.size(2),
+              "cpu_ops.store_rows: float32 CPU dst [N, H, D] (contiguous) and src [T, H, D] "
+              "(heads and dims contiguous)");
+  TORCH_CHECK(slots.device().is_cpu() && slots.scalar_type() == torch::kLong && slots.dim() == 1
+              && slots.is_contiguous() && slots.size(0) == src.size(0),
+              "cpu_ops.store_rows: slots must be a contiguous int64 [T] CPU tensor");
+  const int64_t T = src.size(0), N = dst.size(0), W = dst.size(1) * dst.size(2), ss = src.stride(0);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t r = 0; r < T; ++r)
+    TORCH_CHECK(sp[r] >= 0 && sp[r] < N, "cpu_ops.store_rows: slot ", sp[r], " outside [0, ", N, ")");
+  const float* src_p = src.data_ptr<float>();
+  float* dst_p = dst.data_ptr<float>();
+  at::parallel_for(0, T, grain(W), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      std::memcpy(dst_p + sp[r] * W, src_p + r * ss, W * sizeof(float));
+  });
+}
+
 // t [T, H, D] (last dim contiguous), cos/sin [T, D] contiguous; in place.
 void rotary_(torch::Tensor t, torch::Tensor cos, torch::Tensor sin) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat && t.dim() == 3
@@ -121,7 +149,8 @@ void rotary_(torch::Tensor t, torch::Tensor cos, torch::Tensor sin) {
 }
 """
 
-_EXT = InlineExtension("kvharbor_cpu_ops", _SOURCE, ["rms_norm", "add_rms_norm", "rotary_"], "KVH_CPU_OPS",
+_EXT = InlineExtension("kvharbor_cpu_ops", _SOURCE, ["rms_norm", "add_rms_norm", "rotary_", "store_rows"],
+                      "KVH_CPU_OPS",
                       extra_cflags=("-ffp-contract=off",))
 
 
@@ -145,3 +174,11 @@ def rotary_(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     strides), ``cos``/``sin`` ``[T, D]``. Returns ``t``."""
     _EXT.module.rotary_(t, cos, sin)
     return t
+
+
+def store_rows(dst: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst[slots[r]] = src[r]`` for every row ``r``: ``dst`` ``[N, H, D]`` contiguous (a KV
+    cache's slots), ``src`` ``[T, H, D]`` with contiguous heads and dims (any row stride: the k
+    or v columns of the packed qkv product), ``slots`` int64 ``[T]``, each checked to be in
+    ``[0, N)``. One copy per row, where ``index_copy_`` went through TensorIterator."""
+    _EXT.module.store_rows(dst, slots, src)

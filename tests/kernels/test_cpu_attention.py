@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvharbor.kernels import CpuBackend, cpu_decode, get_attention_backend
+from kvharbor.kernels import CpuBackend, LayerKVCache, cpu_decode, cpu_prefill, get_attention_backend
 from kvharbor.kernels.cpu_attention import (DECODE_GROUP, SHORT_QUERY, paged_attention_cpu, plan_attention,
                                             store_kv_cpu)
 from kvharbor.kernels.reference import paged_attention_ref, store_kv_ref
@@ -17,7 +17,7 @@ from kvharbor.kernels.reference import paged_attention_ref, store_kv_ref
 from .batch import TOLERANCE, make_batch
 
 
-def run_planned(batch, window=None, use_new_kv=True, pad_block=None, decode_kernel=False):
+def run_planned(batch, window=None, use_new_kv=True, pad_block=None, decode_kernel=False, only=None):
     """The engine's call: plan once, then attend; this step's K/V are the last q_len rows."""
     q, c = batch.query, batch.cache
     qsl, lens = batch.query_start_loc.tolist(), batch.seq_lens.tolist()
@@ -32,7 +32,8 @@ def run_planned(batch, window=None, use_new_kv=True, pad_block=None, decode_kern
     starts = [sum(lens[:b]) for b in range(len(lens))]
     rows = torch.cat([torch.arange(s + n - (qsl[b + 1] - qsl[b]), s + n)
                       for b, (s, n) in enumerate(zip(starts, lens))]).to(batch.key.device)
-    return paged_attention_cpu(q, batch.key[rows], batch.value[rows], c, plan, q.shape[-1] ** -0.5)
+    return paged_attention_cpu(q, batch.key[rows], batch.value[rows], c, plan, q.shape[-1] ** -0.5,
+                               only)
 
 
 def check(batch, window=None, use_new_kv=True, pad_block=None, decode_kernel=False):
@@ -68,6 +69,29 @@ def test_quantized_cache_reads_dequantized_keys_everywhere(cache_dtype):
     check(batch, use_new_kv=False)
 
 
+@pytest.mark.skipif(not cpu_prefill.available(), reason="C++ prefill kernel not built")
+def test_prefills_run_only_from_their_first_read_row(monkeypatch):
+    """The last layer reads only the sampled rows: a prefill through the C++ kernel runs from
+    its first read row (a fresh one and one over a cached prefix), one with no read row not
+    at all, and the read rows are bit for bit what the whole step gives them."""
+    q_lens, kv_lens = [1, 70, 40, 13, 1], [50, 70, 300, 13, 90]
+    batch = make_batch(q_lens, kv_lens, heads=9, kv_heads=3, head_dim=32, block_size=16,
+                       dtype=torch.float32, seed=8)
+    whole = run_planned(batch)
+    queries = []
+    kernel = cpu_prefill.causal_attention
+    monkeypatch.setattr(cpu_prefill, "causal_attention",
+                        lambda q, *a: queries.append(q.shape[0]) or kernel(q, *a))
+    # Rows 0 and 124 are the decodes; 70 (the fresh prefill's last row, 1 + 69) and 100 and
+    # 110 (inside the cached prefill) are read; the 13-token prefill (rows 111-123) is not.
+    read = [0, 70, 100, 110, 124]
+    part = run_planned(batch, only=read)
+    assert queries == [1, 11]                   # from row 70 of [1, 71); from 100 of [71, 111)
+    assert torch.equal(part[read], whole[read])
+    queries.clear()
+    assert run_planned(batch, only=[]).shape == whole.shape and queries == []   # nothing read
+
+
 def test_fresh_prefill_uses_this_steps_kv_without_reading_the_cache():
     """A prefill with no earlier tokens attends over the K/V it was given: poisoning its cache
     blocks afterwards changes nothing (and must not, or the shortcut read the cache)."""
@@ -98,6 +122,34 @@ def test_store_kv_cpu_writes_the_same_bytes_as_the_reference():
     store_kv_ref(batch.key, batch.value, ref.key, ref.value, batch.slot_mapping)
     assert torch.equal(ours.key.view(torch.int32), ref.key.view(torch.int32))
     assert torch.equal(ours.value.view(torch.int32), ref.value.view(torch.int32))
+
+
+@pytest.mark.parametrize("cache_dtype", ["float32", "int8"])
+def test_store_kv_cpu_from_qkv_columns_matches_the_reference(cache_dtype, monkeypatch):
+    """k and v as the engine passes them (column slices of one qkv product): a float32 cache
+    is written by the row-copy op, a quantized one by the reference's conversion; either way
+    the reference's bytes."""
+    from kvharbor.kernels import KV_CACHE_DTYPES, cpu_ops  # noqa: PLC0415
+
+    if not cpu_ops.available():
+        pytest.skip("no C++ compiler to build the ops")
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(50, 8 * 16 + 2 * 2 * 16, generator=g)
+    k, v = (t.view(50, 2, 16) for t in qkv[:, 128:].split(32, dim=-1))
+    slots = torch.randperm(24 * 8, generator=g)[:50]
+    dtype = KV_CACHE_DTYPES.get(cache_dtype) or torch.float32
+    scale = None if cache_dtype == "float32" else torch.tensor([0.05, 0.04])
+    cache = LayerKVCache(torch.zeros(24, 8, 2, 16, dtype=dtype), torch.zeros(24, 8, 2, 16, dtype=dtype),
+                         scale, scale)
+    ref_k, ref_v = cache.key.clone(), cache.value.clone()
+    calls = []
+    store_rows = cpu_ops.store_rows
+    monkeypatch.setattr(cpu_ops, "store_rows", lambda *a: calls.append(1) or store_rows(*a))
+    store_kv_cpu(k, v, cache, slots)
+    store_kv_ref(k, v, ref_k, ref_v, slots, scale, scale)
+    assert len(calls) == (2 if cache_dtype == "float32" else 0)
+    assert torch.equal(cache.key.view(torch.uint8), ref_k.view(torch.uint8))
+    assert torch.equal(cache.value.view(torch.uint8), ref_v.view(torch.uint8))
 
 
 def test_auto_backend_on_cpu_is_the_planned_one():

@@ -56,6 +56,33 @@ def test_rotary_in_place_on_qkv_views_is_bit_exact(rows):
     assert torch.equal(v, v_before)
 
 
+@pytest.mark.parametrize("rows", [1, 17, 1024])
+def test_store_rows_writes_strided_rows_at_their_slots_like_index_copy(rows):
+    """A step's k and v are column slices of one packed [T, q + k + v] product (strided rows)
+    written to scattered cache slots: the same bytes as ``index_copy_``, nothing else touched."""
+    g = torch.Generator().manual_seed(rows)
+    qkv = torch.randn(rows, 9 * 64 + 2 * 3 * 64, generator=g)
+    k = qkv[:, 576:768].view(rows, 3, 64)
+    slots = torch.randperm(4096, generator=g)[:rows]
+    cache = torch.randn(4096, 3, 64, generator=g)
+    want = cache.clone().index_copy_(0, slots, k)
+    cpu_ops.store_rows(cache, slots, k)
+    assert torch.equal(cache, want)
+
+
+def test_store_rows_refuses_a_slot_outside_the_cache_before_writing():
+    cache, src = torch.zeros(8, 2, 4), torch.ones(3, 2, 4)
+    with pytest.raises(RuntimeError, match="slot 8 outside"):
+        cpu_ops.store_rows(cache, torch.tensor([0, 8, 1]), src)
+    with pytest.raises(RuntimeError, match="slot -1 outside"):
+        cpu_ops.store_rows(cache, torch.tensor([2, 3, -1]), src)
+    assert not cache.any()                          # checked before any row is written
+    with pytest.raises(RuntimeError, match="int64"):
+        cpu_ops.store_rows(cache, torch.tensor([0, 1, 2], dtype=torch.int32), src)
+    with pytest.raises(RuntimeError, match="heads and dims contiguous"):
+        cpu_ops.store_rows(cache, torch.tensor([0, 1]), torch.ones(2, 4, 2).transpose(1, 2))
+
+
 def test_bad_inputs_are_refused_with_a_message():
     w = torch.ones(8)
     with pytest.raises(RuntimeError, match="float32"):
