@@ -168,11 +168,17 @@ class PackedLinear:
     def settle(self) -> bool:
         """Make oneDNN's copy of the weight if some input takes it (:meth:`onednn_used`),
         else free it; returns whether the copy is held."""
-        if not self.onednn_used():
+        if self.onednn_used():
+            self._onednn_weight()
+        else:
             self.packed = None
-        elif self.packed is None:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight)
         return self.packed is not None
+
+    def _onednn_weight(self) -> torch.Tensor:
+        """oneDNN's copy of the weight, made the first time it is asked for."""
+        if self.packed is None:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight)
+        return self.packed
 
     def _keep_mkl(self) -> None:
         if not (self.few_rows or self.many_rows):
@@ -202,12 +208,11 @@ class PackedLinear:
     def onednn(self, x: torch.Tensor) -> torch.Tensor:
         """oneDNN's product of ``x`` (rows padded to their bucket, see :func:`padded_rows`),
         its copy of the weight made on first use."""
-        if self.packed is None:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight)
+        packed = self._onednn_weight()
         rows = x.shape[0]
         if x.dim() == 2 and rows:
             x = pad_rows(x)
-        y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        y = torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
         return y[:rows] if y.shape[0] != rows else y
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
@@ -274,8 +279,9 @@ def _time_few_rows(linears: Sequence[PackedLinear], budget_bytes: int) -> int:
     sample = _sample(linears, budget_bytes)
     if not sample:
         return 0
-    chosen, best, saved = 0, 0.0, 0.0
-    for rows in FEW_ROW_COUNTS if cpu_gemv.available() else FEW_ROW_COUNTS[:2]:
+    counts = FEW_ROW_COUNTS if cpu_gemv.available() else FEW_ROW_COUNTS[:2]
+    ratios = []
+    for rows in counts:
         for lin in sample:
             lin.use_few_rows(rows)
         xs = [torch.randn(rows, lin.weight.shape[1]) for lin in sample]
@@ -283,10 +289,8 @@ def _time_few_rows(linears: Sequence[PackedLinear], budget_bytes: int) -> int:
             break                                   # this count and larger ones: never taken
         few = [(lambda lin=lin, x=x: lin.few(x)) for lin, x in zip(sample, xs)]
         onednn = [(lambda lin=lin, x=x: lin.onednn(x)) for lin, x in zip(sample, xs)]
-        saved += 1.0 - _best_pass(few, onednn)      # relative time saved up to ``rows``
-        if saved > best:
-            chosen, best = rows, saved
-    return chosen
+        ratios.append(_best_pass(few, onednn))
+    return _most_saved(counts, ratios)
 
 
 # The row counts timed for the many-row choice, in rows of one step's chunk.
@@ -362,10 +366,19 @@ def _time_many_rows(sample: Sequence[PackedLinear]) -> int:
         blas = [(lambda lin=lin, x=x: lin.blas(x)) for lin, x in zip(sample, xs)]
         onednn = [(lambda lin=lin, x=x: lin.onednn(x)) for lin, x in zip(sample, xs)]
         ratios.append(_best_pass(blas, onednn, rounds=5))
+    return _most_saved(counts[::-1], ratios[::-1])       # MKL's from a count on: widening down
+
+
+def _most_saved(counts: Sequence[int], ratios: Sequence[float]) -> int:
+    """The threshold :func:`few_rows` and :func:`many_rows` choose: ``counts`` in the order the
+    other product's share widens over them (the few-row product's from the smallest up, MKL's
+    from the largest down), ``ratios`` its time over oneDNN's at each (as many as were
+    timed). Returns the count whose threshold saves the most relative time summed over the
+    counts it covers (1 - ratio each), 0 where none saves; on a tie the narrower one."""
     chosen, best, saved = 0, 0.0, 0.0
-    for rows, ratio in zip(reversed(counts), reversed(ratios)):
-        saved += ratio - 1.0                        # relative time MKL saves from ``rows`` on
-        if saved < best:
+    for rows, ratio in zip(counts, ratios):
+        saved += 1.0 - ratio
+        if saved > best:
             chosen, best = rows, saved
     return chosen
 
