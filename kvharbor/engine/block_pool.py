@@ -21,6 +21,12 @@ Counters (per region, kept exact by the pool itself so every query is O(1)): ``t
 the free queue's ``num_free`` and ``num_cached`` (free blocks with a hash), and ``permanent``
 (distinct blocks held forever by pinned prefixes, ``pin_cnt > 0``). ``used = total - num_free``.
 
+Prefix closure: each cached block remembers its parent's hash (the block before it in the
+chain). ``orphans`` counts cached blocks whose parent is not cached; at 0 the cache is
+*prefix-closed* (every cached block's ancestors are cached), which LRU keeps, since a request
+frees its blocks tail first. KV event batches carry it, so a router may find how many
+leading blocks of a prompt a replica holds by bisection instead of a lookup per block.
+
 A cached block keeps its hash while it sits in the queue; the hash (and the cached-map entry)
 is dropped only when the block is popped for reuse. That drop is an *eviction*; it is
 reported as a "removed" KV event, and ``on_evict(block_id, hash)`` (the host tier's offload
@@ -54,6 +60,8 @@ class KVCacheBlock:
     block_hash: BlockHash | None = None
     pin_cnt: int = 0                       # references held by pinned prefixes (part of ref_cnt)
     uses: int = 0                          # references taken since it was filled (LFU's count)
+    parent_hash: BlockHash | None = None   # the chain's previous block (None: the first block)
+    cached_kids: int = 0                   # cached blocks whose parent_hash is this one's hash
     prev: KVCacheBlock | None = field(default=None, repr=False)
     next: KVCacheBlock | None = field(default=None, repr=False)
 
@@ -148,6 +156,8 @@ class BlockPool:
         self.permanent = {PINNED: 0, SHARED: 0}     # distinct blocks held by pinned prefixes
         self.events = KVEventLog()
         self.num_evictions = 0
+        self.orphans = 0                            # cached blocks whose parent is not cached
+        self._waiting: dict[BlockHash, int] = {}    # uncached parent -> its cached children
         self.null_block = KVCacheBlock(BlockId(num_blocks), NULL)
         self.on_evict: Callable[[BlockId, BlockHash], None] | None = None
 
@@ -218,12 +228,25 @@ class BlockPool:
     def lookup(self, block_hash: BlockHash) -> KVCacheBlock | None:
         return self.cached.get(block_hash)
 
-    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
-        """Register a full block under its hash (no-op if another block already holds it)."""
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash,
+                    parent: BlockHash | None = None) -> None:
+        """Register a full block under its hash (no-op if another block already holds it).
+
+        ``parent``: the hash of the block before it in the chain (None for a first block).
+        """
         if block.block_hash is not None or block_hash in self.cached:
             return
-        block.block_hash = block_hash
+        block.block_hash, block.parent_hash = block_hash, parent
         self.cached[block_hash] = block
+        if parent is not None:
+            above = self.cached.get(parent)
+            if above is not None:
+                above.cached_kids += 1
+            else:
+                self.orphans += 1
+                self._waiting[parent] = self._waiting.get(parent, 0) + 1
+        block.cached_kids = adopted = self._waiting.pop(block_hash, 0)
+        self.orphans -= adopted
         if block.prev is not None:                      # hashed while in a free queue
             self.free[block.region].num_cached += 1
             self.policy.on_free(block, self.free[block.region])
@@ -236,6 +259,7 @@ class BlockPool:
             self.free[block.region].num_cached -= 1
         if self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
+            self._uncache(block)
             self.events.removed(block.block_hash)
             self.num_evictions += 1
             if offload and self.on_evict is not None:
@@ -243,6 +267,31 @@ class BlockPool:
         block.block_hash = None
         if block.prev is not None:                      # still linked: its rank changed
             self.policy.on_free(block, self.free[block.region])
+
+    def _uncache(self, block: KVCacheBlock) -> None:
+        """Closure counts after ``block`` left the cached map: its children lose a parent."""
+        parent = block.parent_hash
+        if parent is not None:
+            above = self.cached.get(parent)
+            if above is not None:
+                above.cached_kids -= 1
+            else:
+                self.orphans -= 1
+                left = self._waiting[parent] - 1
+                if left:
+                    self._waiting[parent] = left
+                else:
+                    del self._waiting[parent]
+        if block.cached_kids:
+            self.orphans += block.cached_kids
+            self._waiting[block.block_hash] = block.cached_kids
+            block.cached_kids = 0
+        block.parent_hash = None
+
+    @property
+    def prefix_closed(self) -> bool:
+        """Whether every cached block's parent is cached too (see the module doc)."""
+        return self.orphans == 0
 
     def evict_all_cached(self, match: Callable[[BlockHash], bool] | None = None) -> int:
         """Drop every free cached block's hash (a cache reset), or only those ``match``
@@ -321,6 +370,15 @@ class BlockPool:
             assert (block.prev is not None) == (block.block_id in seen), f"block {block.block_id} link"
         for h, block in self.cached.items():
             assert block.block_hash == h, "cached map entry does not match block hash"
+        kids: dict = {}
+        for block in self.cached.values():
+            if block.parent_hash is not None:
+                kids[block.parent_hash] = kids.get(block.parent_hash, 0) + 1
+        waiting = {p: n for p, n in kids.items() if p not in self.cached}
+        assert self.orphans == sum(waiting.values()), f"orphans {self.orphans} != recount"
+        assert self._waiting == waiting, "waiting children disagree with a recount"
+        assert all(b.cached_kids == kids.get(h, 0) for h, b in self.cached.items()), \
+            "cached children count drifted"
         for region in (PINNED, SHARED):
             assert self.total[region] == sum(b.region == region for b in self.blocks), f"{region} total"
             assert self.permanent[region] == sum(b.region == region and b.pin_cnt > 0

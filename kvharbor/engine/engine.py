@@ -43,12 +43,17 @@ logger = logging.getLogger(__name__)
 @dataclass(slots=True)
 class KVEvents:
     """Block hashes stored in / removed from one KV tier ("device" or "host") since the
-    previous batch of that tier; ``seq_no`` counts batches of all tiers together."""
+    previous batch of that tier; ``seq_no`` counts batches of all tiers together.
+
+    ``closed``: on a device batch, whether the device cache is prefix-closed after it (every
+    cached block's parent cached too; ``BlockPool.prefix_closed``); None on a host batch.
+    """
 
     seq_no: int
     stored: list
     removed: list
     tier: str = "device"
+    closed: bool | None = None
 
 
 class Engine:
@@ -562,7 +567,8 @@ class Engine:
         for tier, source in tiers + [("device", self.pool)]:
             stored, removed = source.drain_events()
             if stored or removed:
-                batches.append(KVEvents(self._event_seq, stored, removed, tier))
+                closed = self.pool.prefix_closed if tier == "device" else None
+                batches.append(KVEvents(self._event_seq, stored, removed, tier, closed))
                 self._event_seq += 1
         return batches
 
