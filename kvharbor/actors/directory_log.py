@@ -18,8 +18,9 @@ Invariants:
     snapshot (``PrefixIndex.snapshot``) instead.
 
 Entries are plain tuples (cheap to pickle):
-  ``("events", replica, seq_no, stored, removed, tier)``,
-  ``("resync", replica, seq_no, {tier: hashes})``, ``("remove", replica)``, ``("clear",)``.
+  ``("events", replica, seq_no, stored, removed, tier, closed)``,
+  ``("resync", replica, seq_no, {tier: hashes}, closed)``, ``("remove", replica)``,
+  ``("clear",)`` (``closed``: ``PrefixIndex.apply_batch``'s and ``resync``'s argument).
 """
 
 from __future__ import annotations

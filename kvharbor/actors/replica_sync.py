@@ -55,7 +55,8 @@ class DirectorySync:
             return
         for events in batches:
             self._pending.append(self._handle.apply_events.remote(
-                self.replica_id, events.seq_no, events.stored, events.removed, events.tier))
+                self.replica_id, events.seq_no, events.stored, events.removed, events.tier,
+                events.closed))
 
     def prepare(self, engine):
         """Submit a resync if one is due (engine lock held; does not wait). Returns its ref."""
@@ -64,7 +65,8 @@ class DirectorySync:
         engine.drain_kv_events()          # the snapshot covers everything drained so far
         ref = self._handle.resync.remote(self.replica_id, engine.last_event_seq,
                                          {"device": list(engine.cached_block_hashes()),
-                                          "host": list(engine.host_block_hashes())})
+                                          "host": list(engine.host_block_hashes())},
+                                         engine.pool.prefix_closed)
         self._resync_due, self._pending = False, []     # earlier batches are superseded
         self.resyncs += 1
         get_metrics().directory_resync("replica_resync")

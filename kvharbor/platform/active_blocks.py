@@ -108,7 +108,7 @@ class RoutingHistory:
         if not hashes:
             return
         seq = self._seq.get(replica, 0)
-        self.index.apply_batch(replica, seq, hashes)
+        self.index.apply_batch(replica, seq, hashes, closed=True)   # whole chains from the root
         self._seq[replica] = seq + 1
 
     def forget(self, replica: str) -> None:

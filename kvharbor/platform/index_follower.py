@@ -256,15 +256,16 @@ class IndexFollower:
         kind = entry[0]
         self.counters.by_kind[kind] = self.counters.by_kind.get(kind, 0) + 1
         if kind == "events":
-            _, replica, seq_no, stored, removed, tier = entry
-            status = self.index.apply_batch(replica, seq_no, stored, removed, tier)
+            replica, seq_no, stored, removed, tier = entry[1:6]
+            closed = entry[6] if len(entry) > 6 else None
+            status = self.index.apply_batch(replica, seq_no, stored, removed, tier, closed)
             if status != "applied":
                 return False
             if self.on_stored is not None and stored:
                 self.on_stored(replica, stored)
         elif kind == "resync":
-            _, replica, seq_no, tiers = entry
-            self.index.resync(replica, seq_no, tiers)
+            replica, seq_no, tiers = entry[1:4]
+            self.index.resync(replica, seq_no, tiers, len(entry) > 4 and bool(entry[4]))
             if self.on_stored is not None:
                 self.on_stored(replica, [h for hs in tiers.values() for h in hs])
         elif kind == "remove":
@@ -285,8 +286,9 @@ class IndexFollower:
         self._notify("router_snapshot")
         if not restarted:
             self._drop_shard_replicas(shard, keep=snapshot)
+        closed = set(reply.get("closed", ()))
         for replica, (seq_no, tiers) in snapshot.items():
-            self.index.resync(replica, seq_no, tiers)
+            self.index.resync(replica, seq_no, tiers, replica in closed)
             if self.on_stored is not None:
                 self.on_stored(replica, [h for hs in tiers.values() for h in hs])
             await asyncio.sleep(0)             # let routing decisions run in between

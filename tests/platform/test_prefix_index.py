@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import threading
+from collections import OrderedDict
 
 import pytest
 from hypothesis import given, settings
@@ -302,13 +303,18 @@ def test_a_read_only_match_counts_what_each_replica_holds_in_a_row(events, probe
     for replica, store, start, length, tier in events:
         tier = tier if host else "device"        # without host-only entries: the fast path
         blocks = h[start:start + length]
-        kwargs = {"stored": blocks} if store else {"removed": blocks}
-        assert idx.apply_events(replica, seq.get(replica, 0), tier=tier, **kwargs)
-        seq[replica] = seq.get(replica, 0) + 1
         mine = held.setdefault(replica, {})
         for b in blocks:
             tiers = mine.setdefault(b, set())
             tiers.add(tier) if store else tiers.discard(tier)
+        # Say truly whether the replica's blocks are a prefix of the chain (every parent
+        # held), as an engine does: closed replicas are matched by bisection.
+        have = [bool(mine.get(b)) for b in h]
+        closed = all(have[i - 1] for i in range(1, len(h)) if have[i])
+        kwargs = {"stored": blocks} if store else {"removed": blocks}
+        assert idx.apply_events(replica, seq.get(replica, 0), tier=tier, closed=closed, **kwargs)
+        assert idx.is_closed(replica) == closed
+        seq[replica] = seq.get(replica, 0) + 1
     probe = h[:probe_len]
     want = {}
     for replica, mine in held.items():
@@ -329,3 +335,78 @@ def test_a_read_only_match_with_many_holders_of_the_first_block():
         assert idx.apply_events(f"r{i}", 0, stored=h[:i + 1])
     want = {f"r{i}": MatchInfo(i + 1, i + 1, 0) for i in range(10)}
     assert idx.match(h, touch=False) == want == idx.match(h, touch=True)
+
+
+class _CountingHolders(OrderedDict):
+    """The index's hash -> holders map, counting lookups."""
+
+    lookups = 0
+
+    def get(self, key, default=None):
+        type(self).lookups += 1
+        return super().get(key, default)
+
+
+def _count_lookups(idx: PrefixIndex) -> type:
+    counting = type("Counting", (_CountingHolders,), {"lookups": 0})
+    idx._holders = counting(idx._holders)
+    return counting
+
+
+def test_closed_replicas_are_matched_by_bisection_in_a_few_lookups():
+    """Four replicas hold prefixes of one 110-block chain. Said to be prefix-closed, each is
+    matched by bisection (the lookups of a 110-block match fall from 110 to ~log2 per
+    replica); not said so, block by block. The answers are the same."""
+    h, ends = chain(110), {"a": 110, "b": 97, "c": 40, "d": 1}
+    closed, unknown = PrefixIndex(), PrefixIndex()
+    for r, k in ends.items():
+        assert closed.apply_events(r, 0, stored=h[:k], closed=True)
+        assert unknown.apply_events(r, 0, stored=h[:k])
+    want = {r: MatchInfo(k, k, 0) for r, k in ends.items()}
+    fast, slow = _count_lookups(closed), _count_lookups(unknown)
+    assert closed.match(h, touch=False) == want == unknown.match(h, touch=False)
+    assert fast.lookups <= 1 + 4 * 7, fast.lookups
+    assert slow.lookups >= 110
+    assert closed.match(h[:60], touch=False) == {"a": MatchInfo(60, 60, 0),
+                                                 "b": MatchInfo(60, 60, 0),
+                                                 "c": MatchInfo(40, 40, 0),
+                                                 "d": MatchInfo(1, 1, 0)}
+    assert closed.match(chain(3, "other"), touch=False) == {}
+
+
+def test_one_replica_not_known_closed_sends_the_match_block_by_block():
+    """A replica with a hole (h3 evicted, h4.. kept) that did not say it is closed: a
+    bisection would read 8 blocks for it; the answer must be 3, for it and the others."""
+    h = chain(8)
+    idx = PrefixIndex()
+    assert idx.apply_events("a", 0, stored=h, closed=True)
+    assert idx.apply_events("b", 0, stored=h, closed=True)
+    assert idx.apply_events("b", 1, removed=[h[3]], closed=False)
+    assert idx.match(h, touch=False) == {"a": MatchInfo(8, 8, 0), "b": MatchInfo(3, 3, 0)}
+    assert idx.apply_events("b", 2, stored=[h[3]])                   # None: unchanged
+    assert not idx.is_closed("b") and idx.closed_replicas() == ["a"]
+    assert idx.apply_events("b", 3, closed=True)
+    assert idx.is_closed("b")
+    idx.check_integrity()
+
+
+def test_a_view_the_bound_trimmed_stays_unclosed_until_its_resync():
+    """The index's own bound forgets the least recently stored hash: here h1, while h0 was
+    stored again and h2.. are kept. The replica's cache is still closed and says so, but
+    the index's view of it has a hole: it must be matched block by block (1 block, not 6)
+    until a resync replaces the view."""
+    h = chain(6)
+    idx = PrefixIndex(max_blocks=6)
+    assert idx.apply_events("a", 0, stored=h, closed=True)
+    assert idx.apply_events("a", 1, stored=[h[0]], closed=True)     # h0 now most recent
+    assert idx.apply_events("a", 2, stored=chain(1, "new"), closed=True)   # evicts h1
+    assert not idx.is_closed("a")
+    assert idx.apply_events("a", 3, stored=[h[0]], closed=True)
+    assert not idx.is_closed("a")
+    assert idx.match(h, touch=False) == {"a": MatchInfo(1, 1, 0)}
+    idx.resync("a", 3, {"device": h[:5]}, closed=True)
+    assert idx.is_closed("a")
+    assert idx.match(h, touch=False) == {"a": MatchInfo(5, 5, 0)}
+    idx.check_integrity()
+    idx.remove_replica("a")
+    assert idx.closed_replicas() == [] and idx.stats()["closed_replicas"] == 0

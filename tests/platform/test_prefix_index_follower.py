@@ -33,8 +33,9 @@ class LocalShard:
 
 
 def views(index: PrefixIndex) -> dict:
-    """Per replica: (next seq, {tier: set of hashes}), comparable across indexes."""
-    return {r: (seq, {t: set(h) for t, h in tiers.items()})
+    """Per replica: (next seq, {tier: set of hashes}, known prefix-closed), comparable across
+    indexes."""
+    return {r: (seq, {t: set(h) for t, h in tiers.items()}, index.is_closed(r))
             for r, (seq, tiers) in index.snapshot().items()}
 
 
@@ -48,11 +49,12 @@ def random_traffic(shard: DirectoryShard, rng: random.Random, seqs: dict, n: int
             seqs.pop(r, None)
         elif roll < 0.08:
             seqs[r] = seqs.get(r, 0) + 5
-            shard.resync(r, seqs[r] - 1, {"device": rng.sample(pool, 10), "host": []})
+            shard.resync(r, seqs[r] - 1, {"device": rng.sample(pool, 10), "host": []},
+                         rng.random() < 0.5)
         else:
             tier = rng.choice(["device", "device", "host"])
             assert shard.apply_events(r, seqs.get(r, 0), rng.sample(pool, 4), rng.sample(pool, 2),
-                                      tier)
+                                      tier, rng.choice([None, True, False]))
             seqs[r] = seqs.get(r, 0) + 1
 
 
@@ -379,3 +381,27 @@ def test_shards_share_the_directorys_block_bound(monkeypatch):
                         lambda name, namespace, max_blocks, detached: (name, max_blocks))
     got = prefix_directory.get_or_create_directories("d", num_shards=4, max_blocks=1000)
     assert got == [("d/0", 250), ("d/1", 250), ("d/2", 250), ("d/3", 250)]
+
+
+def test_closed_flags_reach_the_follower_by_replay_and_by_snapshot():
+    """What each replica said about its cache being prefix-closed (batches, resyncs) is in
+    the follower's index too, replayed from the log or taken from a snapshot: a follower
+    that lost it would match those replicas block by block, one that invented it would
+    bisect a view with holes."""
+    shard = DirectoryShard(max_log_entries=4)
+    follower = IndexFollower([LocalShard(shard)])
+    asyncio.run(follower.poll_once())
+    assert shard.apply_events("a", 0, chain(3, "a"), closed=True)
+    shard.resync("b", 4, {"device": chain(2, "b"), "host": []}, True)
+    assert shard.apply_events("b", 5, chain(1, "b2"))                 # None: still closed
+    shard.resync("c", 0, {"device": chain(2, "c"), "host": []}, False)
+    asyncio.run(follower.poll_once())                                  # replayed entries
+    assert follower.counters.snapshots == 1
+    assert follower.index.closed_replicas() == ["a", "b"]
+    for seq in range(1, 6):                                            # the log overflows
+        assert shard.apply_events("c", seq, chain(1, f"c{seq}"), closed=seq % 2 == 1)
+    assert shard.apply_events("a", 1, removed=chain(1, "a"), closed=False)
+    asyncio.run(follower.poll_once())
+    assert follower.counters.snapshots == 2
+    assert follower.index.closed_replicas() == ["b", "c"] == shard._index.closed_replicas()
+    assert views(follower.index) == views(shard._index)
