@@ -16,7 +16,12 @@ hashes), in two states:
 Routers (each fed the same replicas' cache contents):
   kvharbor   ``KVAwareRouter.choose_replicas`` on four fake replicas: its local index is
              fed by KV events through an in-process directory shard, each replica's cache an
-             LRU of ``--kv-blocks`` blocks filled by the requests routed to it.
+             LRU of ``--kv-blocks`` blocks filled by the requests routed to it, freed tail
+             first as the engine does. Each batch says whether the cache is prefix-closed
+             (checked against the requests' chains), so closed replicas are matched by
+             bisection.
+  kvharbor_unclosed   the same, with no batch saying so: every match block by block (the
+             router before bisection).
   ray_tree   the in-memory work of Ray's ``PrefixCacheAffinityRouter`` (``PrefixTree``, the
              class its tree actor runs): ``prefix_match`` and, below the 10 % match rate,
              ``get_smallest_tenants``; inserts after the decision, as its router does. Its two
@@ -75,21 +80,29 @@ class ReplicaCaches:
     """Each replica's cached blocks as an LRU of ``capacity`` blocks; every routed request's
     blocks are stored (and the oldest evicted) and published to ``shard`` as KV events."""
 
-    def __init__(self, shard, capacity: int) -> None:
-        self.shard, self.capacity = shard, capacity
+    def __init__(self, shard, capacity: int, say_closed: bool = True) -> None:
+        self.shard, self.capacity, self.say_closed = shard, capacity, say_closed
         self.lru = {r: OrderedDict() for r in REPLICAS}
         self.seq = dict.fromkeys(REPLICAS, 0)
+        self.parent: dict = {}
+        self.batches = self.closed_batches = 0
 
     def serve(self, replica: str, hashes) -> None:
         lru = self.lru[replica]
         stored = [h for h in hashes if h not in lru]
-        for h in hashes:
+        for i, h in enumerate(hashes):
+            self.parent[h] = hashes[i - 1] if i else None
+        for h in reversed(hashes):                    # freed tail first: parents stay longer
             lru[h] = None
             lru.move_to_end(h)
         removed = []
         while len(lru) > self.capacity:
             removed.append(lru.popitem(last=False)[0])
-        self.shard.apply_events(replica, self.seq[replica], stored, removed)
+        closed = all(self.parent[h] is None or self.parent[h] in lru for h in lru)
+        self.batches += 1
+        self.closed_batches += closed
+        self.shard.apply_events(replica, self.seq[replica], stored, removed,
+                                closed=closed if self.say_closed else None)
         self.seq[replica] += 1
 
     def stats(self, replica: str) -> dict:
@@ -128,14 +141,18 @@ def evictor(mib: int):
     return evict
 
 
-def run_kvharbor(reqs, args, evict) -> tuple[list[float], list[float]]:
+def run_kvharbor_unclosed(reqs, args, evict) -> tuple[list[float], list[float]]:
+    return run_kvharbor(reqs, args, evict, say_closed=False)
+
+
+def run_kvharbor(reqs, args, evict, say_closed: bool = True) -> tuple[list[float], list[float]]:
     from ray.serve._private.common import DeploymentHandleSource, RequestMetadata
     from ray.serve.request_router import PendingRequest
 
     from kvharbor.platform.router import KVAwareRouter
 
     shard = LocalShard()
-    caches = ReplicaCaches(shard.shard, args.kv_blocks)
+    caches = ReplicaCaches(shard.shard, args.kv_blocks, say_closed)
     replicas = [FakeReplica(r) for r in REPLICAS]
     router = KVAwareRouter(deployment_id=replicas[0].replica_id.deployment_id,
                            handle_source=DeploymentHandleSource.UNKNOWN)
@@ -160,6 +177,8 @@ def run_kvharbor(reqs, args, evict) -> tuple[list[float], list[float]]:
             router.on_request_routed(pending, chosen, None)
             caches.serve(chosen.unique_id, req.block_hashes)
     asyncio.run(go())
+    if caches.closed_batches != caches.batches:
+        print(f"  {caches.batches - caches.closed_batches} of {caches.batches} batches not closed")
     return wall, cpu
 
 
@@ -213,7 +232,8 @@ def main(argv=None) -> int:
     skip = len(reqs) // 10                 # the first requests fill empty caches
     rows = []
     for state, mib in (("warm", 0), ("cold", args.cold_mib)):
-        for name, run in (("kvharbor", run_kvharbor), ("ray_tree", run_ray_tree)):
+        for name, run in (("kvharbor", run_kvharbor), ("kvharbor_unclosed", run_kvharbor_unclosed),
+                          ("ray_tree", run_ray_tree)):
             for r in reqs:
                 r.metadata.clear()
             wall, cpu = run(reqs, args, evictor(mib))
