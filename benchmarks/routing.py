@@ -272,10 +272,13 @@ def kv_router_state() -> dict:
 
     out = []
     for r in KVAwareRouter.instances():
-        c = r.follower.counters
+        c, stats = r.follower.counters, r.follower.index.stats()
         out.append({"entries_replayed": c.entries, "snapshots": c.snapshots,
                     "mismatches": c.mismatches, "poll_errors": c.poll_errors,
-                    "index": r.follower.index.stats()["num_entries"],
+                    "index": stats["num_entries"], "matches": stats["matches"],
+                    "bisected_matches": stats["bisected_matches"],
+                    "replicas": len(r.follower.index.replicas()),
+                    "closed_replicas": r.follower.index.closed_replicas(),
                     "lag_s": r.follower.lag_s()})
     return {"routers": out}
 

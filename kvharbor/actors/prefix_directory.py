@@ -118,7 +118,8 @@ class PrefixIndex:
         self._num_entries = 0
         self._host_only = 0              # entries whose mask is exactly _HOST_ONLY
         self._counters = {"batches_applied": 0, "batches_ignored": 0, "gaps": 0,
-                          "resyncs": 0, "matches": 0, "evicted_entries": 0}
+                          "resyncs": 0, "matches": 0, "bisected_matches": 0,
+                          "evicted_entries": 0}
 
     # ---- events ------------------------------------------------------------------------
     def apply_events(self, replica_id: ReplicaId, seq_no: int, stored: Sequence[BlockHash] = (),
@@ -276,6 +277,7 @@ class PrefixIndex:
         if len(first) > 8:
             return None
         if self._closed.issuperset(first):
+            self._counters["bisected_matches"] += 1
             return self._bisect_ends(block_hashes, first)
         held = list(map(self._holders.get, block_hashes))
         try:
@@ -367,8 +369,8 @@ class PrefixIndex:
 
     def stats(self) -> dict[str, int]:
         """Sizes and counters: num_hashes, num_entries, max_blocks, num_replicas,
-        replicas_needing_resync, and batches_applied / batches_ignored / gaps / resyncs /
-        matches / evicted_entries since start."""
+        replicas_needing_resync, closed_replicas, and batches_applied / batches_ignored /
+        gaps / resyncs / matches (of them bisected_matches) / evicted_entries since start."""
         with self._lock:
             return {"num_hashes": len(self._holders), "num_entries": self._num_entries,
                     "max_blocks": self._max_blocks, "num_replicas": len(self._by_replica),

@@ -119,7 +119,10 @@ class KVAwareRouter(RequestRouter):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.initialize_state()
-        KVAwareRouter._instances.add(self)
+        # The module's own class, also when this one is a by-value copy Serve unpickled (its
+        # registry would be a copy that nobody reads).
+        import kvharbor.platform.router as module
+        module.KVAwareRouter._instances.add(self)
 
     @classmethod
     def instances(cls) -> list["KVAwareRouter"]:

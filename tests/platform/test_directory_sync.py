@@ -208,3 +208,38 @@ def test_a_refused_or_failed_batch_makes_the_next_tick_resync_both_tiers():
 
     asyncio.run(go())
     assert sync.resyncs == 3
+
+
+def test_batches_and_resyncs_tell_the_directory_whether_the_cache_is_prefix_closed():
+    """The directory matches a replica by bisection only while the replica says its cache is
+    prefix-closed: a cache reset that drops a parent but keeps its children must reach the
+    directory as "not closed", by batch and by resync, and a later reset as "closed"."""
+    from kvharbor.actors.replica_sync import DirectorySync
+
+    engine, handle = _engine(), FakeDirectoryHandle()
+    sync = DirectorySync("d", "rep")
+    sync._handle = handle
+
+    async def go():
+        _run_prompt(engine, "a", list(range(100)))
+        await tick(sync, engine)                                   # start: snapshot
+        assert handle.shard._index.is_closed("rep") and engine.pool.prefix_closed
+        first = next(h for h, b in engine.pool.cached.items() if b.parent_hash is None)
+        assert engine.pool.evict_all_cached(lambda h: h == first) == 1   # a parent only
+        assert not engine.pool.prefix_closed
+        sync.publish(engine)
+        await tick(sync, engine)
+        assert handle.shard.replica_hashes("rep") == engine.cached_block_hashes()
+        assert not handle.shard._index.is_closed("rep")
+        handle.shard = type(handle.shard)()                        # restarted: a resync
+        await tick(sync, engine)
+        await tick(sync, engine)
+        assert handle.shard.replica_hashes("rep") == engine.cached_block_hashes() != set()
+        assert not handle.shard._index.is_closed("rep")
+        engine.pool.evict_all_cached()                             # the orphans go too
+        assert engine.pool.prefix_closed
+        sync.publish(engine)
+        await tick(sync, engine)
+        assert handle.shard._index.is_closed("rep")
+
+    asyncio.run(go())

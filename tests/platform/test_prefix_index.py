@@ -367,6 +367,7 @@ def test_closed_replicas_are_matched_by_bisection_in_a_few_lookups():
     assert closed.match(h, touch=False) == want == unknown.match(h, touch=False)
     assert fast.lookups <= 1 + 4 * 7, fast.lookups
     assert slow.lookups >= 110
+    assert closed.stats()["bisected_matches"] == 1 and unknown.stats()["bisected_matches"] == 0
     assert closed.match(h[:60], touch=False) == {"a": MatchInfo(60, 60, 0),
                                                  "b": MatchInfo(60, 60, 0),
                                                  "c": MatchInfo(40, 40, 0),
