@@ -111,23 +111,30 @@ class _LiveRouters(weakref.WeakSet):
         return type(self), ()
 
 
+_LIVE_ROUTERS = _LiveRouters()
+"""Read and written through this module itself (``_live_routers()``), never through the
+class or a function's globals: unpickling the class by value in this process resets the
+class's attributes and gives its methods copies of these globals."""
+
+
+def _live_routers() -> _LiveRouters:
+    import kvharbor.platform.router as module
+
+    return module._LIVE_ROUTERS
+
+
 class KVAwareRouter(RequestRouter):
     """Prefix-cache-aware, load-balanced routing for ``LLMReplica`` (see module doc)."""
-
-    _instances: "_LiveRouters" = _LiveRouters()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.initialize_state()
-        # The module's own class, also when this one is a by-value copy Serve unpickled (its
-        # registry would be a copy that nobody reads).
-        import kvharbor.platform.router as module
-        module.KVAwareRouter._instances.add(self)
+        _live_routers().add(self)
 
     @classmethod
     def instances(cls) -> list["KVAwareRouter"]:
         """Routers alive in this process (tests and benchmarks read their index)."""
-        return list(cls._instances)
+        return list(_live_routers())
 
     def initialize_state(self, directory_name: str = DEFAULT_DIRECTORY_NAME,
                          directory_namespace: str | None = None, num_directory_shards: int = 1,

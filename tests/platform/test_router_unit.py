@@ -417,7 +417,9 @@ def test_the_index_follower_stops_once_ray_is_shut_down(monkeypatch):
 
 def test_serve_can_pickle_the_router_class_while_routers_are_alive():
     """Serve pickles the router class by value (``RequestRouterConfig``, e.g. in
-    ``serve.status()``); a live router with a running follower task must not break that."""
+    ``serve.status()``); a live router with a running follower task must not break that,
+    and stays listed: unpickling in this process resets the class's own attributes (a
+    registry kept there was emptied, so ``routing.py`` reported no router index)."""
     import kvharbor.platform.router as router_module
     from ray import cloudpickle
 
@@ -428,13 +430,16 @@ def test_serve_can_pickle_the_router_class_while_routers_are_alive():
         cloudpickle.register_pickle_by_value(router_module)
         try:
             copy = cloudpickle.loads(cloudpickle.dumps(KVAwareRouter))
+            assert router in KVAwareRouter.instances() and router in copy.instances()
+            another = copy(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN)
+            assert another in KVAwareRouter.instances()
         finally:
             cloudpickle.unregister_pickle_by_value(router_module)
             router._follow_task.cancel()
         return copy
 
     copy = asyncio.run(scenario())
-    assert copy.__name__ == "KVAwareRouter" and copy.instances() == []
+    assert copy.__name__ == "KVAwareRouter"
 
 
 def test_the_first_poll_of_the_follower_releases_a_waiting_first_decision():
