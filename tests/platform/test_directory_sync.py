@@ -82,6 +82,16 @@ def _run_prompt(engine, rid: str, tokens: list[int]) -> None:
         engine.step()
 
 
+def _synced_engine():
+    """An engine, a fake directory handle and the DirectorySync between them."""
+    from kvharbor.actors.replica_sync import DirectorySync
+
+    engine, handle = _engine(), FakeDirectoryHandle()
+    sync = DirectorySync("d", "rep")
+    sync._handle = handle
+    return engine, handle, sync
+
+
 async def tick(sync, engine) -> None:
     """One tick of the replica's directory sync: prepare a batch, then settle it."""
     ref = sync.prepare(engine)
@@ -89,11 +99,7 @@ async def tick(sync, engine) -> None:
 
 
 def test_sync_resyncs_then_streams_batches_and_recovers_from_a_restarted_directory():
-    from kvharbor.actors.replica_sync import DirectorySync
-
-    engine, handle = _engine(), FakeDirectoryHandle()
-    sync = DirectorySync("d", "rep")
-    sync._handle = handle
+    engine, handle, sync = _synced_engine()
 
     async def go():
         _run_prompt(engine, "a", list(range(100)))
@@ -214,11 +220,7 @@ def test_batches_and_resyncs_tell_the_directory_whether_the_cache_is_prefix_clos
     """The directory matches a replica by bisection only while the replica says its cache is
     prefix-closed: a cache reset that drops a parent but keeps its children must reach the
     directory as "not closed", by batch and by resync, and a later reset as "closed"."""
-    from kvharbor.actors.replica_sync import DirectorySync
-
-    engine, handle = _engine(), FakeDirectoryHandle()
-    sync = DirectorySync("d", "rep")
-    sync._handle = handle
+    engine, handle, sync = _synced_engine()
 
     async def go():
         _run_prompt(engine, "a", list(range(100)))
