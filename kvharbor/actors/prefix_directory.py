@@ -284,11 +284,6 @@ class PrefixIndex:
             n = held.index(None)
         except ValueError:
             n = len(held)
-        if n == 0:
-            return {}
-        first = held[0]
-        if len(first) > 8:
-            return None
         held = held[:n]
         out = {}
         for r in first:

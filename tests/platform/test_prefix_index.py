@@ -343,14 +343,13 @@ class _CountingHolders(OrderedDict):
     lookups = 0
 
     def get(self, key, default=None):
-        type(self).lookups += 1
+        self.lookups += 1
         return super().get(key, default)
 
 
-def _count_lookups(idx: PrefixIndex) -> type:
-    counting = type("Counting", (_CountingHolders,), {"lookups": 0})
-    idx._holders = counting(idx._holders)
-    return counting
+def _count_lookups(idx: PrefixIndex) -> _CountingHolders:
+    idx._holders = _CountingHolders(idx._holders)
+    return idx._holders
 
 
 def test_closed_replicas_are_matched_by_bisection_in_a_few_lookups():
