@@ -27,6 +27,13 @@ chain). ``orphans`` counts cached blocks whose parent is not cached; at 0 the ca
 frees its blocks tail first. KV event batches carry it, so a router may find how many
 leading blocks of a prompt a replica holds by bisection instead of a lookup per block.
 
+Copies: two requests that compute the same block in one step each fill a block, and only the
+first is registered; the second (``copy_of`` its hash) holds the same contents. When the
+registered block is evicted while a copy is still intact, the copy takes its place under the
+hash (no KV event: the replica still holds the hash). Without that, the second request's
+later blocks, registered with the first's as parent, would be cut off from their prefix: an
+orphan no prefix match can reach. A copy is forgotten when its block is reused or moved.
+
 A cached block keeps its hash while it sits in the queue; the hash (and the cached-map entry)
 is dropped only when the block is popped for reuse. That drop is an *eviction*; it is
 reported as a "removed" KV event, and ``on_evict(block_id, hash)`` (the host tier's offload
@@ -62,6 +69,7 @@ class KVCacheBlock:
     uses: int = 0                          # references taken since it was filled (LFU's count)
     parent_hash: BlockHash | None = None   # the chain's previous block (None: the first block)
     cached_kids: int = 0                   # cached blocks whose parent_hash is this one's hash
+    copy_of: BlockHash | None = None       # an uncached duplicate of this cached hash's block
     prev: KVCacheBlock | None = field(default=None, repr=False)
     next: KVCacheBlock | None = field(default=None, repr=False)
 
@@ -158,6 +166,7 @@ class BlockPool:
         self.num_evictions = 0
         self.orphans = 0                            # cached blocks whose parent is not cached
         self._waiting: dict[BlockHash, int] = {}    # uncached parent -> its cached children
+        self._copies: dict[BlockHash, list[KVCacheBlock]] = {}   # cached hash -> its intact copies
         self.null_block = KVCacheBlock(BlockId(num_blocks), NULL)
         self.on_evict: Callable[[BlockId, BlockHash], None] | None = None
 
@@ -233,8 +242,14 @@ class BlockPool:
         """Register a full block under its hash (no-op if another block already holds it).
 
         ``parent``: the hash of the block before it in the chain (None for a first block).
+        A block whose hash another block holds is remembered as that block's copy.
         """
-        if block.block_hash is not None or block_hash in self.cached:
+        if block.block_hash is not None:
+            return
+        if block_hash in self.cached:
+            if block.copy_of is None:
+                block.copy_of = block_hash
+                self._copies.setdefault(block_hash, []).append(block)
             return
         block.block_hash, block.parent_hash = block_hash, parent
         self.cached[block_hash] = block
@@ -252,21 +267,54 @@ class BlockPool:
             self.policy.on_free(block, self.free[block.region])
         self.events.stored(block_hash)
 
-    def _evict(self, block: KVCacheBlock, offload: bool = False) -> None:
+    def _evict(self, block: KVCacheBlock, offload: bool = False, promote: bool = True) -> None:
+        """``block``'s contents are about to go: drop its hash, or hand the hash to an
+        intact copy (``promote``); forget it as a copy."""
+        if block.copy_of is not None:
+            self._forget_copy(block)
         if block.block_hash is None:
             return
         if block.prev is not None:                      # dropped while in a free queue
             self.free[block.region].num_cached -= 1
         if self.cached.get(block.block_hash) is block:
-            del self.cached[block.block_hash]
-            self._uncache(block)
-            self.events.removed(block.block_hash)
-            self.num_evictions += 1
-            if offload and self.on_evict is not None:
-                self.on_evict(block.block_id, block.block_hash)
+            copies = self._copies.pop(block.block_hash, None)
+            if copies and promote:
+                self._promote(block, copies)
+            else:
+                for copy in copies or ():
+                    copy.copy_of = None
+                del self.cached[block.block_hash]
+                self._uncache(block)
+                self.events.removed(block.block_hash)
+                self.num_evictions += 1
+                if offload and self.on_evict is not None:
+                    self.on_evict(block.block_id, block.block_hash)
         block.block_hash = None
         if block.prev is not None:                      # still linked: its rank changed
             self.policy.on_free(block, self.free[block.region])
+
+    def _forget_copy(self, block: KVCacheBlock) -> None:
+        copies = self._copies[block.copy_of]
+        copies.remove(block)
+        if not copies:
+            del self._copies[block.copy_of]
+        block.copy_of = None
+
+    def _promote(self, block: KVCacheBlock, copies: list[KVCacheBlock]) -> None:
+        """Register a copy in ``block``'s place: one still held by a request if any (it
+        stays intact longest), else the one freed last. The hash stays cached: no event."""
+        held = [c for c in copies if c.ref_cnt]
+        heir = held[0] if held else copies[-1]
+        copies.remove(heir)
+        h = heir.copy_of
+        heir.copy_of, heir.block_hash, heir.parent_hash = None, h, block.parent_hash
+        heir.cached_kids, block.cached_kids, block.parent_hash = block.cached_kids, 0, None
+        self.cached[h] = heir
+        if copies:
+            self._copies[h] = copies
+        if heir.prev is not None:                       # a free copy becomes a cached block
+            self.free[heir.region].num_cached += 1
+            self.policy.on_free(heir, self.free[heir.region])
 
     def _uncache(self, block: KVCacheBlock) -> None:
         """Closure counts after ``block`` left the cached map: its children lose a parent."""
@@ -300,7 +348,7 @@ class BlockPool:
         for queue in self.free.values():
             for block in queue:
                 if block.block_hash is not None and (match is None or match(block.block_hash)):
-                    self._evict(block)
+                    self._evict(block, promote=False)
                     n += 1
         return n
 
@@ -379,6 +427,14 @@ class BlockPool:
         assert self._waiting == waiting, "waiting children disagree with a recount"
         assert all(b.cached_kids == kids.get(h, 0) for h, b in self.cached.items()), \
             "cached children count drifted"
+        copies = {}
+        for block in self.blocks:
+            if block.copy_of is not None:
+                assert block.block_hash is None, f"block {block.block_id} is a copy and cached"
+                copies.setdefault(block.copy_of, []).append(block.block_id)
+        assert {h: sorted(b.block_id for b in c) for h, c in self._copies.items()} == \
+            {h: sorted(ids) for h, ids in copies.items()}, "copies disagree with the blocks"
+        assert all(h in self.cached for h in copies), "a copy of a hash no block holds"
         for region in (PINNED, SHARED):
             assert self.total[region] == sum(b.region == region for b in self.blocks), f"{region} total"
             assert self.permanent[region] == sum(b.region == region and b.pin_cnt > 0
