@@ -322,7 +322,7 @@ def parse(argv):
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--kv-blocks", type=int, default=800, help="KV blocks per replica")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--modes", nargs="+", default=list(MODES))
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=result_name, default="routing", help="results name")
     args = ap.parse_args(argv)

@@ -36,6 +36,11 @@ def check_engine(engine) -> None:
     assert all(not r.blocks for r in sched.waiting), "waiting request holds blocks"
     assert len(sched.running) <= sched.max_num_seqs, \
         f"{len(sched.running)} running > max_num_seqs {sched.max_num_seqs}"
+    queues: dict = {}
+    for r in sorted(sched.waiting, key=lambda r: r.arrival_seq):
+        queues.setdefault((r.priority, r.qos, r.tenant), []).append(r)
+    assert {k: [id(r) for r in q] for k, q in sched.queues.items()} == \
+        {k: [id(r) for r in q] for k, q in queues.items()}, "class queues != waiting requests"
     queued = [r.request_id for r in sched.running + sched.waiting]
     assert len(queued) == len(set(queued)), "a request is queued twice"
     assert set(queued) == set(engine.requests), "queued requests != unfinished requests"

@@ -13,7 +13,7 @@ every seat taken preempts a running request of a strictly lower, preemptible cla
 
 While requests of a higher class are unfinished (or were, within ``prefill_cap_hold_s``),
 lower classes are trimmed: at most ``low_priority_prefill_cap`` prefill tokens per step in
-total, and the step's estimated duration (``step_budget``) is kept under the top class's step
+total (a waiting request's first step counts as prefill, however short), and the step's estimated duration (``step_budget``) is kept under the top class's step
 target, by cutting lower classes' prefill chunks and skipping their decodes for this step.
 A premium arrival then waits for a short step, not for another class's 2048-token prefill.
 The higher class's own work is never trimmed.
@@ -31,12 +31,21 @@ Head of line: a waiting request that does not fit stops later waiting requests f
 admitted this step (they would take the blocks it waits for), unless it could never fit (its
 whole length exceeds what its class may ever hold): then it is skipped, never blocking, and
 ``Engine.reject_unfittable`` fails it.
+
+Cost: a step walks the running requests and, per class, at most ``max_num_seqs`` waiting
+requests that could ever fit (a step admits no more than that: each admission takes a seat),
+taken lazily in order from per-(class, tenant) queues kept in arrival order. So a backlog of
+thousands under overload costs a step nothing; sorting it every step did (at 2x overload,
+3,000 waiting: 5-60 ms per ``schedule()``, which a premium arrival waited for).
 """
 
 from __future__ import annotations
 
+import heapq
 import time
+from bisect import insort
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from .block_pool import PINNED
 from .fairness import FairShare
@@ -48,6 +57,7 @@ from .request import Request, Status
 from .step_budget import StepBudget, StepCostModel, in_prefill
 
 MAX_SAMPLE_GAP_S = 1.0          # a longer gap between two schedule() calls is idle time
+_ARRIVAL = attrgetter("arrival_seq")
 
 
 @dataclass(slots=True)
@@ -80,6 +90,8 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        # waiting requests by (priority, qos, tenant), each queue in arrival order
+        self.queues: dict[tuple[int, str, str], list[Request]] = {}
         self.fair = FairShare()
         self.num_preemptions = 0
         self.preemptions_by_qos: dict[str, int] = {}
@@ -96,15 +108,27 @@ class Scheduler:
         self._last: tuple[float, int, int] | None = None   # (start, tokens, seqs) of last step
 
     def add(self, req: Request) -> None:
-        self.waiting.append(req)
+        self._enqueue(req)
         self.fair.arrive(req)
+
+    def _enqueue(self, req: Request) -> None:
+        self.waiting.append(req)
+        insort(self.queues.setdefault((req.priority, req.qos, req.tenant), []), req, key=_ARRIVAL)
+
+    def _dequeue(self, req: Request) -> None:
+        self.waiting.remove(req)
+        key = (req.priority, req.qos, req.tenant)
+        queue = self.queues[key]
+        queue.remove(req)
+        if not queue:
+            del self.queues[key]
 
     def remove(self, req: Request) -> None:
         """Drop a finished or aborted request and free its blocks."""
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
-            self.waiting.remove(req)
+            self._dequeue(req)
         else:
             return
         self.fair.leave(req)
@@ -112,13 +136,38 @@ class Scheduler:
         self.kv.drop_swap(req)
 
     def _order(self) -> list[Request]:
+        """Running requests and the waiting ones a step may reach, in scheduling order (module
+        doc): per class, running first, then waiting by tenant counter and arrival, at most
+        ``max_num_seqs`` of those that could ever fit."""
         running = sorted(self.running, key=lambda r: (-r.priority, r.arrival_seq))
-        fair = (lambda r: 0.0) if self.fcfs else self.fair.key
-        waiting = sorted(self.waiting, key=lambda r: (-r.priority, fair(r), r.arrival_seq))
-        merged = [(r.priority, 0, i, r) for i, r in enumerate(running)]
-        merged += [(r.priority, 1, i, r) for i, r in enumerate(waiting)]
-        merged.sort(key=lambda t: (-t[0], t[1], t[2]))
-        return [t[3] for t in merged]
+        classes: dict[int, list[list[Request]]] = {}
+        for (priority, _, _), queue in self.queues.items():
+            classes.setdefault(priority, []).append(queue)
+        out, j = [], 0
+        for priority in sorted(classes, reverse=True):
+            while j < len(running) and running[j].priority >= priority:
+                out.append(running[j])
+                j += 1
+            out.extend(self._waiting_order(classes[priority]))
+        out.extend(running[j:])
+        return out
+
+    def _waiting_order(self, queues: list[list[Request]]) -> list[Request]:
+        """One class's waiting requests in order, merged lazily from its tenants' queues (by
+        tenant counter, then arrival), until ``max_num_seqs`` that could ever fit are taken."""
+        if len(queues) == 1:
+            merged = iter(queues[0])
+        elif self.fcfs:
+            merged = heapq.merge(*queues, key=_ARRIVAL)
+        else:       # a tenant's requests share its counter: one lookup per queue
+            merged = (t[2] for t in heapq.merge(*(_keyed(self.fair.key(q[0]), q) for q in queues)))
+        out, fitting = [], 0
+        for req in merged:
+            out.append(req)
+            fitting += not self._never_fits(req)
+            if fitting >= self.max_num_seqs:
+                break
+        return out
 
     def schedule(self) -> SchedulerOutput:
         now = self.clock()
@@ -134,6 +183,12 @@ class Scheduler:
             req = pending[i]
             waiting = req.status != Status.RUNNING
             if waiting and not admitting:
+                i += 1
+                continue
+            if waiting and req.priority < limits.top and limits.prefill_left <= 0:
+                # lower classes have no prefill tokens left this step: no prefix lookup
+                if limits.budget.room(1) == 0:
+                    break
                 i += 1
                 continue
             hit = self.kv.get_computed_blocks(req) if waiting else None
@@ -232,7 +287,7 @@ class Scheduler:
         ``count``: a trim counts in ``num_trimmed`` (not when only asked, ``trims_decodes``)."""
         if req.priority >= limits.top or limits.budget is None:
             return num_new
-        if in_prefill(req, computed):
+        if _starts_or_prefills(req, computed):
             num_new = min(num_new, limits.prefill_left)
         room = limits.budget.room(num_new)
         if room < num_new and count:
@@ -243,7 +298,7 @@ class Scheduler:
         if limits.budget is None:
             return
         limits.budget.add(num_new, req.priority < limits.top, in_prefill(req, computed))
-        if req.priority < limits.top and in_prefill(req, computed):
+        if req.priority < limits.top and _starts_or_prefills(req, computed):
             limits.prefill_left -= num_new
 
     def _learn_step_cost(self, now: float) -> None:
@@ -326,12 +381,15 @@ class Scheduler:
 
     def _never_fits(self, req: Request) -> bool:
         """True when ``req``'s whole length exceeds every block its class could ever get."""
-        return self.kv.max_blocks_needed(req) > self.kv.pool.capacity(req.pinned)
+        capacity, bs = self.kv.pool.capacity(req.pinned), self.kv.block_size
+        if -(-(len(req.prompt_token_ids) + req.sampling.max_tokens) // bs) <= capacity:
+            return False        # fits even without prefix hits (no hashing, no lookups)
+        return self.kv.max_blocks_needed(req) > capacity
 
     def _admit(self, req: Request, num_new: int, hit: PrefixHit | None, waiting: bool) -> None:
         self.kv.allocate(req, num_new, hit)
         if waiting:
-            self.waiting.remove(req)
+            self._dequeue(req)
             self.running.append(req)
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = hit.num_tokens
@@ -349,8 +407,19 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.preemptions_by_qos[req.qos] = self.preemptions_by_qos.get(req.qos, 0) + 1
-        self.waiting.append(req)
+        self._enqueue(req)
         out.preempted.append(req)
+
+
+def _starts_or_prefills(req: Request, computed: int) -> bool:
+    """Its step counts against a lower class's prefill cap: a waiting request's first step
+    (even a single token), or prompt tokens of a running one."""
+    return req.status != Status.RUNNING or in_prefill(req, computed)
+
+
+def _keyed(counter: float, queue: list[Request]):
+    """``(counter, arrival, request)`` for each request of one tenant's queue."""
+    return ((counter, r.arrival_seq, r) for r in queue)
 
 
 def _free_hits(hit: PrefixHit | None) -> int:
