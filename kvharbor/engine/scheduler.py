@@ -13,8 +13,9 @@ every seat taken preempts a running request of a strictly lower, preemptible cla
 
 While requests of a higher class are unfinished (or were, within ``prefill_cap_hold_s``),
 lower classes are trimmed: at most ``low_priority_prefill_cap`` prefill tokens per step in
-total (a waiting request's first step counts as prefill, however short), and the step's estimated duration (``step_budget``) is kept under the top class's step
-target, by cutting lower classes' prefill chunks and skipping their decodes for this step.
+total (a waiting request's first step counts as prefill, however short), and the step's
+estimated duration (``step_budget``) is kept under the top class's step target, by cutting
+lower classes' prefill chunks and skipping their decodes for this step.
 A premium arrival then waits for a short step, not for another class's 2048-token prefill.
 The higher class's own work is never trimmed.
 
