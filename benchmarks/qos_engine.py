@@ -28,6 +28,7 @@ once; every one must finish with all its tokens (the overflow borrows shared blo
 preempts lower classes).
 
 Run:  python benchmarks/qos_engine.py          (about 6 minutes on 2 cores)
+      python benchmarks/qos_engine.py --rate 140 (a fixed offered load, for A/B runs)
 Writes benchmarks/results/qos_engine.json and .png.
 """
 
@@ -211,6 +212,9 @@ def premium_burst(args, info) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--load", type=float, default=2.0)
+    p.add_argument("--rate", type=float, default=None,
+                   help="offered req/s: skips the capacity burst (which moves 54-74 req/s between "
+                        "runs of the same code here), so two runs offer the same load")
     p.add_argument("--duration", type=float, default=40.0)
     p.add_argument("--prefill-cap", type=int, default=256)
     p.add_argument("--max-num-seqs", type=int, default=128)
@@ -235,13 +239,15 @@ def main() -> None:
         ids = e.tokenizer.apply_chat_template([{"role": "system", "content": info.premium_prompt}],
                                               tokenize=True, return_dict=False)
         e.pin_prefix(ids, "premium")
-    cap = capacity(engines["priority+cap"], info, args.burst, args.seed + 1)
+    cap = capacity(engines["priority+cap"], info, args.burst, args.seed + 1) if args.rate is None \
+        else None
     for pol, e in engines.items():          # every engine warm before its timed phases
-        if pol != "priority+cap":
+        if pol != "priority+cap" or cap is None:
             warm_rng = random.Random(args.seed + 2)
             drive(e, [(0.0, *_draw(warm_rng)) for _ in range(8)], info, grace_s=600)
-    rate = args.load * cap
-    print(f"capacity {cap:.2f} req/s -> offered {rate:.2f} req/s", flush=True)
+    rate = args.load * cap if cap is not None else args.rate
+    print(f"capacity {cap:.2f} req/s -> offered {rate:.2f} req/s" if cap is not None else
+          f"offered {rate:.2f} req/s (--rate)", flush=True)
     jobs = arrivals(rate, args.duration, args.seed)
     offered = sum(MAX_TOKENS[q] for _, q, _ in jobs) / args.duration
     premium_only = [j for j in jobs if j[1] == "premium"]
@@ -263,7 +269,7 @@ def main() -> None:
     for r in rows:
         r["throughput_vs_fcfs"] = round(r["tokens_per_s"] / base, 3)
     print(table(rows, list(rows[0])))
-    budget, base_row = rows[-1], rows[0]
+    budget = rows[-1]
     goals = {"premium_p99_vs_idle": budget["p99_ratio"], "premium_p99_goal_met": budget["p99_ratio"] <= 1.5,
              "throughput_vs_fcfs": budget["throughput_vs_fcfs"],
              "throughput_goal_met": budget["throughput_vs_fcfs"] >= 0.95,
@@ -278,7 +284,7 @@ def main() -> None:
                        ([r["throughput_vs_fcfs"] for r in rows], "throughput vs FCFS")],
                RESULTS / f"{args.name}.png")
     write_json(args.name, {"benchmark": "qos_engine", "args": vars(args),
-                                              "capacity_req_per_s": round(cap, 3),
+                                              "capacity_req_per_s": round(cap, 3) if cap else None,
                                               "offered_req_per_s": round(rate, 3),
                                               "rows": rows, "results": results, "goals": goals,
                                               "machine": machine()})
