@@ -36,8 +36,9 @@ whole length exceeds what its class may ever hold): then it is skipped, never bl
 Cost: a step walks the running requests and, per class, at most ``max_num_seqs`` waiting
 requests that could ever fit (a step admits no more than that: each admission takes a seat),
 taken lazily in order from per-(class, tenant) queues kept in arrival order. So a backlog of
-thousands under overload costs a step nothing; sorting it every step did (at 2x overload,
-3,000 waiting: 5-60 ms per ``schedule()``, which a premium arrival waited for).
+thousands under overload costs a step little; sorting it every step did (``qos_engine.py``
+at 2x overload, ~1,700 waiting: 2.2 ms mean, up to 63 ms per ``schedule()``, where now
+1.2 ms and 24 ms).
 """
 
 from __future__ import annotations
