@@ -217,10 +217,8 @@ class Engine:
         Capacity excludes blocks pinned prefixes hold forever (a hit on them costs nothing)
         and, for classes without the pinned region, the region at its largest.
         """
-        bs = self.block_size
-        whole = -(-(len(req.prompt_token_ids) + req.sampling.max_tokens) // bs)
         capacity = self._capacity(req)
-        if whole <= capacity or self.kv.max_blocks_needed(req) <= capacity:
+        if self.kv.fits_ever(req, capacity):
             return None
         return (f"request needs {self.kv.max_blocks_needed(req)} KV blocks but only {capacity} exist "
                 f"for QoS class {req.qos!r} (prompt {len(req.prompt_token_ids)} + max_tokens "

@@ -118,6 +118,12 @@ class KVCacheManager:
             hits += 1
         return total - hits
 
+    def fits_ever(self, req: Request, capacity: int) -> bool:
+        """Whether ``req`` at its longest fits in ``capacity`` blocks: from its length alone
+        when that fits (no hashing, no lookups), else by ``max_blocks_needed``."""
+        whole = -(-(len(req.prompt_token_ids) + req.sampling.max_tokens) // self.block_size)
+        return whole <= capacity or self.max_blocks_needed(req) <= capacity
+
     def can_allocate(self, req: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
         needed = self.blocks_needed(req, num_new_tokens, hit)
         # Hit blocks that sit in a free queue stop being free when touched.

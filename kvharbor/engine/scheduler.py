@@ -383,10 +383,7 @@ class Scheduler:
 
     def _never_fits(self, req: Request) -> bool:
         """True when ``req``'s whole length exceeds every block its class could ever get."""
-        capacity, bs = self.kv.pool.capacity(req.pinned), self.kv.block_size
-        if -(-(len(req.prompt_token_ids) + req.sampling.max_tokens) // bs) <= capacity:
-            return False        # fits even without prefix hits (no hashing, no lookups)
-        return self.kv.max_blocks_needed(req) > capacity
+        return not self.kv.fits_ever(req, self.kv.pool.capacity(req.pinned))
 
     def _admit(self, req: Request, num_new: int, hit: PrefixHit | None, waiting: bool) -> None:
         self.kv.allocate(req, num_new, hit)

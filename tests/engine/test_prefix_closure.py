@@ -117,9 +117,9 @@ def test_closure_flag_equals_a_recount_from_the_request_chains():
     """150 random walks of 50 operations: prefix families, twins computed side by side
     (duplicate blocks), appends, frees, partial cache resets and pinned-region moves.
     ``prefix_closed`` equals a recount from the requests' chains after every operation,
-    and both states occur often (an unclosed pool after ~15 % of them here, all from resets). Until a walk's
-    first reset, every full block a live request holds is reachable by its hash (a copy
-    inherits the hash when the registered block goes)."""
+    and both states occur often (an unclosed pool after ~15 % of them here, all from
+    resets). Until a walk's first reset, every full block a live request holds is reachable
+    by its hash (a copy inherits the hash when the registered block goes)."""
     states = {True: 0, False: 0}
     for seed in range(150):
         rng = random.Random(seed)

@@ -43,7 +43,7 @@ def _full_order(sched: Scheduler) -> list[Request]:
 def _new(rng: random.Random, seq: int) -> Request:
     priority, qos, pinned = rng.choice(CLASSES)
     prompt = [rng.randrange(3) for _ in range(rng.randrange(1, 30))]
-    max_tokens = 1000 if rng.random() < 0.08 else rng.randrange(1, 8)     # 1000: never fits
+    max_tokens = 1000 if rng.random() < 0.25 else rng.randrange(1, 8)     # 1000: never fits
     return Request(f"r{seq}", prompt, SamplingParams(max_tokens=max_tokens),
                    tenant=f"t{rng.randrange(3)}", qos=qos, priority=priority, pinned=pinned,
                    arrival_seq=seq)
