@@ -44,6 +44,50 @@ def machine() -> dict:
             "load_avg_at_start": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
+def noise_floor(seconds: float = 2.0, work=None) -> dict:
+    """How much the same computation's time varies on this machine right now.
+
+    One fixed piece of work (eight pairs of matrix products shaped like a small model's MLP
+    at 64 rows, ~3 ms here) repeated for ``seconds``. On these VMs its p99 was 1.9-2.9x its
+    p50 with nothing else running, and the slow repetitions burned CPU time equal to their
+    wall time: the cores computed slower (the host), no thread was waiting. A tail latency
+    ratio (p99 under load over p99 idle) cannot be read more finely than this floor, so the
+    latency benchmarks record it beside their results. ``work`` replaces the fixed work
+    (tests). ``slow_cpu_over_wall`` near 1 says the slow repetitions computed slower; near 0,
+    that they waited (another thread, preemption, steal)."""
+    if work is None:
+        import importlib
+
+        importlib.import_module("kvharbor.engine")   # before torch allocates: its huge pages
+        import torch
+
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(64, 256, generator=g)
+        w1, w2 = torch.randn(256, 1024, generator=g), torch.randn(1024, 256, generator=g)
+
+        def work() -> None:
+            y = x
+            for _ in range(8):
+                y = torch.relu(y @ w1) @ w2
+
+    for _ in range(10):
+        work()
+    wall, cpu = [], []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t, c = time.perf_counter(), time.thread_time()
+        work()
+        wall.append(time.perf_counter() - t)
+        cpu.append(time.thread_time() - c)
+    p50 = pct(wall, 50)
+    slow = [i for i, w in enumerate(wall) if w > 1.4 * p50]
+    return {"reps": len(wall), "p50_ms": round(1000 * p50, 3), "p99_ms": round(1000 * pct(wall, 99), 3),
+            "p99_over_p50": round(pct(wall, 99) / p50, 2),
+            "share_over_1_4x_p50": round(len(slow) / len(wall), 4),
+            "slow_cpu_over_wall": round(sum(cpu[i] for i in slow) / sum(wall[i] for i in slow), 2)
+            if slow else None}
+
+
 def cpu_model() -> str | None:
     """The CPU's model name and its wider vector units (``/proc/cpuinfo``): these VMs are not
     all the same CPU, and the CPU decides, e.g., which of two matrix products is faster at few

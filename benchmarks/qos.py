@@ -67,7 +67,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import result_name  # noqa: E402
+from benchmarks.common import noise_floor, result_name  # noqa: E402
 from benchmarks.qos_load import (MAX_TOKENS, MIX, Outcome, burst_capacity, http_client,  # noqa: E402
                                   make_job, open_loop, poisson_jobs, rounded, run_phase, send)
 from loadtests import workload  # noqa: E402
@@ -521,6 +521,8 @@ def main(argv=None) -> int:
     from ray import serve  # noqa: PLC0415
 
     started = time.time()
+    noise = {"before": noise_floor(3.0)}        # the VM's own jitter, beside the ratios
+    print(f"noise floor before: {noise['before']}", flush=True)
     info = workload.read_tenants(ROOT / "tenants.yaml")
     from kvharbor.platform.ingress import http_options, starting_cluster  # noqa: PLC0415
 
@@ -538,13 +540,15 @@ def main(argv=None) -> int:
     finally:
         serve.shutdown()
         ray.shutdown()
+    noise["after"] = noise_floor(3.0)
+    print(f"noise floor after: {noise['after']}", flush=True)
     ver = verdict(modes)
     print(table(modes, ver, rate, args.premium_rate))
     RESULTS.mkdir(exist_ok=True)
     report = {"benchmark": "qos", "args": {k: v for k, v in vars(args).items()}, "offered_req_per_s": round(rate, 3),
               "modes": modes, "verdict": ver, "premium_overload_series": series, "runtime_s": round(time.time() - started, 1),
               "machine": f"{os.cpu_count()} CPUs, shared with other workloads; load average at end "
-                         f"{os.getloadavg()[0]:.1f}"}
+                         f"{os.getloadavg()[0]:.1f}", "noise_floor": noise}
     stem = "qos" if args.step_tokens is None else f"qos_step{args.step_tokens}"
     if args.replica_nice is not None:
         stem += f"_nice{args.replica_nice}"

@@ -45,7 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import RESULTS, bar_panels, machine, pct, result_name, table, write_json  # noqa: E402
+from benchmarks.common import RESULTS, bar_panels, machine, noise_floor, pct, result_name, table, write_json  # noqa: E402
 from loadtests import workload  # noqa: E402
 
 MIX = (("premium", 0.2), ("standard", 0.4), ("batch", 0.4))
@@ -239,6 +239,10 @@ def main() -> None:
         ids = e.tokenizer.apply_chat_template([{"role": "system", "content": info.premium_prompt}],
                                               tokenize=True, return_dict=False)
         e.pin_prefix(ids, "premium")
+    # The VM's own jitter, beside the ratios (after the engines: kvharbor must set up torch's
+    # allocator before torch first allocates).
+    noise = {"before": noise_floor(3.0)}
+    print(f"noise floor before: {noise['before']}", flush=True)
     cap = capacity(engines["priority+cap"], info, args.burst, args.seed + 1) if args.rate is None \
         else None
     for pol, e in engines.items():          # every engine warm before its timed phases
@@ -275,6 +279,8 @@ def main() -> None:
              "throughput_goal_met": budget["throughput_vs_fcfs"] >= 0.95,
              "offered_tokens_per_s": round(offered, 1),
              "saturated": all(r["tokens_per_s"] < 0.9 * offered for r in rows)}
+    noise["after"] = noise_floor(3.0)
+    print(f"noise floor after: {noise['after']}", flush=True)
     if not args.skip_burst:
         goals["burst"] = premium_burst(args, info)
     print(goals, flush=True)
@@ -287,6 +293,7 @@ def main() -> None:
                                               "capacity_req_per_s": round(cap, 3) if cap else None,
                                               "offered_req_per_s": round(rate, 3),
                                               "rows": rows, "results": results, "goals": goals,
+                                              "noise_floor": noise,
                                               "machine": machine()})
 
 

@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from benchmarks.common import RESULTS, machine, pct, result_name, table, write_json
+from benchmarks.common import machine, pct, result_name, table, write_json
 from kvharbor.config import EngineConfig
 from kvharbor.engine.engine import Engine
 from kvharbor.engine.request import SamplingParams
