@@ -119,7 +119,8 @@ DEMO = {"premium": "kvh-demo-premium", "standard": "kvh-demo-standard",
 TEST_KEYS = {"limited": "kvh-test-limited", "restricted": "kvh-test-restricted",
              "expired": "kvh-test-expired", "private2": "kvh-test-private2",
              "capped": "kvh-test-capped", "truncating": "kvh-test-truncating",
-             "metered": "kvh-test-metered", "lora_only": "kvh-test-lora-only"}
+             "metered": "kvh-test-metered", "lora_only": "kvh-test-lora-only",
+             "limited_once": "kvh-test-limited-once"}
 LORA = "tiny-lora"
 """The LoRA adapter the session app serves beside tiny-llama (``write_test_adapter``)."""
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -149,6 +150,10 @@ def add_test_tenants(path) -> None:
     tenants = data["tenants"]
     tenants["limited"] = {"qos": "standard", "keys": [{"hash": hash_key(TEST_KEYS["limited"])}],
                           "requests_per_minute": 6}
+    # The same limit for one test alone: it counts exactly 6 of 10, which another test's use of
+    # "limited" within the same minute would break (it did, with the files run in another order).
+    tenants["limited_once"] = {"qos": "standard", "keys": [{"hash": hash_key(TEST_KEYS["limited_once"])}],
+                               "requests_per_minute": 6}
     tenants["restricted"] = {"qos": "standard", "keys": [{"hash": hash_key(TEST_KEYS["restricted"])}],
                              "allowed_models": ["some/other-model"]}
     tenants["expired"] = {"qos": "batch", "keys": [{"hash": hash_key(TEST_KEYS["expired"]),

@@ -56,7 +56,7 @@ def test_model_not_allowed_is_403(kvharbor_app):
 def test_rate_limit_holds_across_two_gateway_replicas(kvharbor_app):
     statuses, retry_after = [], []
     for _ in range(10):                       # requests_per_minute: 6, shared by both gateways
-        r = _post(kvharbor_app, TEST_KEYS["limited"], max_tokens=1)
+        r = _post(kvharbor_app, TEST_KEYS["limited_once"], max_tokens=1)
         statuses.append(r.status_code)
         if r.status_code == 429:
             retry_after.append(int(r.headers["retry-after"]))

@@ -306,3 +306,30 @@ def test_a_rate_limited_tenant_is_refused_before_its_prompt_is_tokenized(kvharbo
         r = complete(c, kvharbor_app.model, "a" * 5000, max_tokens=1)     # 5000 tokens > context
     assert_openai_error(r, 429, "requests_per_minute")
     assert int(r.headers["retry-after"]) >= 1, r.headers
+
+
+def test_a_prompt_near_the_body_limit_does_not_hold_up_the_gateway(kvharbor_app):
+    """Tokenizing a 3 MB prompt takes seconds; the same gateway process (the premium lane is
+    one) answers other requests meanwhile, and the long prompt still gets its 400. Before,
+    it was tokenized on the gateway's event loop and every other request waited for it."""
+    import threading
+    import time
+
+    done: dict[str, float] = {}
+    big: dict[str, httpx.Response] = {}
+
+    def send_big() -> None:
+        with kvharbor_app.client(DEMO["premium"], lane=True) as c:
+            big["r"] = complete(c, kvharbor_app.model, "a" * 3_000_000, max_tokens=1)
+        done["big"] = time.monotonic()
+
+    sender = threading.Thread(target=send_big)
+    sender.start()
+    time.sleep(0.5)                        # its body is in and being tokenized by now
+    with kvharbor_app.client(DEMO["premium"], lane=True) as c:
+        small = [complete(c, kvharbor_app.model, "hello", max_tokens=1) for _ in range(3)]
+    done["small"] = time.monotonic()
+    sender.join(timeout=120)
+    assert [r.status_code for r in small] == [200, 200, 200], [r.text for r in small]
+    assert_openai_error(big["r"], 400, "context_length_exceeded", ("3000000", "4096"))
+    assert done["small"] < done["big"], "the small requests waited for the long prompt's tokenizing"
