@@ -26,7 +26,7 @@ import asyncio
 import logging
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -44,7 +44,7 @@ from kvharbor.observability.metrics import get_metrics
 from kvharbor.platform.admission_flow import Admitter, unavailable
 from kvharbor.platform.auth_gate import (GENERATION_PATHS, SHED_PATHS, AuthGateMiddleware, bearer_key,
                                          encode_hint)
-from kvharbor.platform.body_limit import BodyLimitMiddleware
+from kvharbor.platform.body_limit import BodyLimitMiddleware, content_length
 from kvharbor.platform.class_queue import get_or_create_class_queue
 from kvharbor.platform.context_overflow import TRUNCATED_HEADER
 from kvharbor.platform.generation import GenerationRun, sse
@@ -199,22 +199,6 @@ def _bearer(request: Request) -> str | None:
     return bearer_key(request.headers)
 
 
-TOKENIZE_ON_LOOP_BYTES = 64 * 1024
-"""Request bodies up to this size are tokenized on the gateway's event loop (a short prompt
-takes ~0.1 ms); larger ones, or bodies of unknown size, on its tokenizer thread. Tokenizing a
-prompt near the 4 MiB body limit took 3.5-4.9 s here, and on the loop it held up every other
-tenant's request to this gateway for that long. HF's fast tokenizers release the GIL while
-they encode, and one thread keeps such prompts to one core."""
-
-
-def body_bytes(request: Request) -> int | None:
-    """The request body's declared size (Content-Length), None when it was not declared."""
-    try:
-        return int(request.headers["content-length"])
-    except (KeyError, ValueError):
-        return None
-
-
 def marks_of(request: Request, arrived: float) -> dict[str, float]:
     """The request's ``perf_counter()`` instants so far: ``received`` (the gateway's middleware
     saw it) and ``proxied`` (Serve's proxy received it), where ``AuthGateMiddleware`` left
@@ -288,7 +272,6 @@ class Gateway:
         self.context = min(config.get("max_model_len") or 10**9, model_context_length(self.model))
         self.served = ServedModels(self.model, config.get("lora_modules"), self.registry, self.context)
         self.prompts = Prompts(self.tokenizer, self.context)
-        self._tokenize_pool = ThreadPoolExecutor(1, "kvharbor-tokenize")   # large bodies
         self.block_size = config["block_size"]
         # The replicas' chain root, computed the same way from the model's files (no weights
         # loaded), so the routing hashes here equal the hashes replicas report.
@@ -329,13 +312,6 @@ class Gateway:
         if self._watcher is None:
             self.registry.reload_if_changed()
             self._watcher = start_background(self.registry.watch(1.0))
-
-    async def _tokenized(self, tokenize, size: int | None):
-        """``tokenize()``: on the loop for a body up to ``TOKENIZE_ON_LOOP_BYTES``, else on
-        the tokenizer thread, so that the loop serves other requests meanwhile."""
-        if size is not None and size <= TOKENIZE_ON_LOOP_BYTES:
-            return tokenize()
-        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, tokenize)
 
     def _check_lane(self, principal) -> None:
         """Nothing here: the premium lane (``PremiumGateway``) refuses classes not pinned, in
@@ -419,7 +395,7 @@ class Gateway:
                            "prompt, not a list of prompts", param="prompt")
         return await self._serve(principal, body, lambda: self.prompts.completion_ids(body), False,
                                  marks_of(request, arrived), session_id=session_id,
-                                 size=body_bytes(request))
+                                 size=content_length(request.scope))
 
     @api.post("/v1/chat/completions", response_model=ChatResponse,
               responses={200: {"content": SSE}, **GENERATE_ERRORS})
@@ -437,7 +413,7 @@ class Gateway:
 
         return await self._serve(principal, body, tokenize, True,
                                  marks_of(request, arrived), session_id=session_id,
-                                 truncated=truncated, size=body_bytes(request))
+                                 truncated=truncated, size=content_length(request.scope))
 
     @api.delete("/v1/sessions/{session_id}", responses=error_responses(400, 401, 404, 503))
     async def delete_session(self, session_id: str, request: Request) -> dict:
@@ -466,8 +442,9 @@ class Gateway:
         as the generation routes compute them: ``count`` is their ``usage.prompt_tokens``."""
         principal = self._authenticate(request)
         self._check_model(principal, body.model)
-        ids = await self._tokenized(lambda: self.prompts.text_ids(body.prompt) if body.messages is None
-                                    else self.prompts.chat_ids(body), body_bytes(request))
+        ids_of = partial(self.prompts.text_ids, body.prompt) if body.messages is None \
+            else partial(self.prompts.chat_ids, body)
+        ids = await self.prompts.off_loop(ids_of, content_length(request.scope))
         return {"count": len(ids), "max_model_len": self.context, "tokens": ids}
 
     @api.post("/detokenize", response_model=DetokenizeResponse, responses=error_responses(400, 401, 403, 404, 413))
@@ -526,13 +503,13 @@ class Gateway:
         ``tokenize`` gives the token ids of each prompt (a batch has several; each gets
         ``body.n`` choices). ``marks``: the ``perf_counter()`` instants so far (``arrived`` at
         the handler, and ``received`` / ``proxied`` when known, see ``marks_of``). ``size``:
-        the request body's bytes (where ``tokenize`` runs, see ``_tokenized``)."""
+        the request body's bytes (where ``tokenize`` runs, see ``Prompts.off_loop``)."""
         tenant, qos = principal.tenant, principal.qos_name
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         await self.admitter.early(principal, rid)
         marks["queued"] = time.perf_counter()
         try:
-            prompts = await self._tokenized(tokenize, size)
+            prompts = await self.prompts.off_loop(tokenize, size)
             max_tokens, prompt_only = self.prompts.limits(body, prompts, chat, principal)
             unparsed = await parse_problem(body, tenant)
             if unparsed:
