@@ -286,14 +286,18 @@ class LLMReplica:
                     await self._wake.wait()
                 async with self._engine_lock:
                     outputs, rejected = await self._step()
+                    now = time.time()
+                    for rid, message in rejected:
+                        queue = self._streams.get(rid)
+                        if queue is not None:
+                            queue.put_nowait({"error": message, "status": 400, "retryable": False})
+                    for out in outputs:
+                        self._dispatch(out, now)
+                    # The streams forward this step's tokens before its KV events go out (an
+                    # actor call per batch, ~0.5 ms of a first token's way out otherwise); the
+                    # next step starts only after both.
+                    await asyncio.sleep(0)
                     self._publish_events()
-                now = time.time()
-                for rid, message in rejected:
-                    queue = self._streams.get(rid)
-                    if queue is not None:
-                        queue.put_nowait({"error": message, "status": 400, "retryable": False})
-                for out in outputs:
-                    self._dispatch(out, now)
                 await asyncio.sleep(0)
         except asyncio.CancelledError:
             raise                                     # the replica is shutting down

@@ -100,3 +100,26 @@ def test_stats_partition_the_blocks_and_count_cached_ones_as_free():
     assert s["shared_blocks_used"] + s["shared_blocks_free"] == s["shared_blocks_total"]
     assert s["pinned_blocks_used"] + s["pinned_blocks_reserved_idle"] == s["pinned_blocks_total"]
     assert s["blocks_used"] + s["blocks_free"] == s["blocks_total"] == 48
+
+
+def test_stats_walks_the_model_once_not_at_every_call(monkeypatch):
+    """A replica reads ``stats()`` at every step; walking every module for the weights' bytes
+    took 0.3 ms of a tiny model's step and 2.2 ms on a 30-layer one."""
+    llm = LLM(model="kvharbor/tiny-llama", device="cpu", num_kv_blocks=64)
+    model = type(llm.engine.runner.model)
+    walks = {"parameters": 0, "buffers": 0}
+    for name in walks:
+        original = getattr(model, name)
+
+        def counted(self, *args, _name=name, _original=original, **kwargs):
+            walks[_name] += 1
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(model, name, counted)
+    first = llm.stats()["memory_bytes"]["device"]["model_weights"]
+    after_first = dict(walks)
+    llm.generate(["a short prompt"], SamplingParams(max_tokens=2, temperature=0.0))
+    for _ in range(5):
+        assert llm.stats()["memory_bytes"]["device"]["model_weights"] == first
+    assert walks == after_first, f"stats() walked the model again: {walks} after {after_first}"
+    assert first == sum(p.nbytes for p in llm.engine.runner.model.parameters()) + \
+        sum(b.nbytes for b in llm.engine.runner.model.buffers())

@@ -217,3 +217,36 @@ def test_routing_stats_tell_empty_blocks_from_cached_ones():
     assert before["empty_shared_blocks"] == before["free_shared_blocks"] == before["shared_blocks"]
     assert after["free_shared_blocks"] == before["free_shared_blocks"]        # all released
     assert after["empty_shared_blocks"] <= before["empty_shared_blocks"] - 160 // 16
+
+
+class _RecordingDirectory:
+    """Stands in for ``DirectorySync``: notes, at each publish, how many events the caller had."""
+
+    def __init__(self, seen: list) -> None:
+        self.seen, self.at_publish = seen, []
+
+    def publish(self, engine) -> None:
+        engine.drain_kv_events()
+        self.at_publish.append(len(self.seen))
+
+    def prepare(self, engine):
+        return None
+
+    async def settle(self, resync_ref=None) -> None:
+        return None
+
+
+def test_a_steps_tokens_reach_the_caller_before_its_kv_events_are_published():
+    """Publishing a step's KV events is an actor call (~0.7 ms here); the tokens go first."""
+    replica = LLMReplica({"device": "cpu", "num_kv_blocks": 64})
+    seen: list[dict] = []
+    replica.directory = directory = _RecordingDirectory(seen)
+
+    async def scenario():
+        async for event in replica.generate(_req("a", 40, max_tokens=3)):
+            seen.append(event)
+
+    asyncio.run(scenario())
+    assert [len(e["token_ids"]) for e in seen] == [1, 1, 1]
+    # the steps that produced the 1st, 2nd and 3rd token published after the caller had each
+    assert directory.at_publish[:3] == [1, 2, 3], directory.at_publish
