@@ -108,13 +108,17 @@ def hash_root():
 
 
 def make_request(tokenizer, messages: list[dict], tenant: int, rid: str, max_tokens: int):
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    return request_of(list(ids["input_ids"] if hasattr(ids, "keys") else ids),
+                      f"tenant-{tenant}", rid, max_tokens)
+
+
+def request_of(ids: list[int], tenant: str, rid: str, max_tokens: int):
+    """A greedy standard-class request for prompt ``ids``, hashed as the replicas hash."""
     from kvharbor.engine.hashing import hash_prompt_blocks
     from kvharbor.platform.protocol import GenerateRequest
 
-    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    return GenerateRequest(request_id=rid, tenant=f"tenant-{tenant}", qos="standard",
-                           prompt_token_ids=ids,
+    return GenerateRequest(request_id=rid, tenant=tenant, qos="standard", prompt_token_ids=ids,
                            block_hashes=hash_prompt_blocks(ids, 16, parent=hash_root()),
                            sampling={"max_tokens": max_tokens, "temperature": 0.0,
                                      "ignore_eos": True})
@@ -183,7 +187,11 @@ def bound_misses(recs: list[dict], block_size: int = 16) -> list[tuple[int, int]
 def hit_rate_bound(recs: list[dict], block_size: int = 16) -> float:
     """Prefix hit rate no router can beat on these requests in their send order (see
     ``bound_misses``)."""
-    misses = bound_misses(recs, block_size)
+    return cached_share(bound_misses(recs, block_size))
+
+
+def cached_share(misses: list[tuple[int, int]]) -> float:
+    """The share of prompt tokens cached, from ``bound_misses``' pairs."""
     return sum(p - m for p, m in misses) / max(1, sum(p for p, _ in misses))
 
 
@@ -207,18 +215,11 @@ async def idle_ttft(handle, sizes=IDLE_SIZES, reps: int = 3) -> dict[int, float]
     """The fastest of ``reps`` TTFTs of a cold prompt of each length on an idle replica
     (``handle``: a one-replica deployment with nothing else sent to it), one request at a time:
     random token ids, so no prompt shares a block with another."""
-    from kvharbor.engine.hashing import hash_prompt_blocks
-    from kvharbor.platform.protocol import GenerateRequest
-
     rng, out = random.Random(1234), {}
     for n in sizes:
         best = float("inf")
         for k in range(reps):
-            ids = [rng.randrange(3, 259) for _ in range(n)]
-            req = GenerateRequest(request_id=f"idle-{n}-{k}", tenant="idle", qos="standard",
-                                  prompt_token_ids=ids,
-                                  block_hashes=hash_prompt_blocks(ids, 16, parent=hash_root()),
-                                  sampling={"max_tokens": 1, "temperature": 0.0, "ignore_eos": True})
+            req = request_of([rng.randrange(3, 259) for _ in range(n)], "idle", f"idle-{n}-{k}", 1)
             sent, first = time.perf_counter(), None
             async for event in handle.options(stream=True).generate.remote(req):
                 if first is None and event.get("token_ids"):
@@ -233,6 +234,8 @@ def summarize(mode: str, raw: dict, idle: dict[int, float] | None = None) -> dic
     recs = raw["records"]
     ok = [r for r in recs if r["error"] is None and r["ttft"] is not None]
     ttft = [r["ttft"] for r in ok]
+    misses = bound_misses(ok)
+    floor = ttft_floor(misses, idle) if idle else []
     decision = [r["decision_ms"] for r in recs if r["decision_ms"] is not None]
     cpu = [r["decision_cpu_ms"] for r in recs if r["decision_cpu_ms"] is not None]
     per_replica: dict[str, int] = {}
@@ -244,9 +247,9 @@ def summarize(mode: str, raw: dict, idle: dict[int, float] | None = None) -> dic
     return {"router": MODES[mode], "mode": mode, "requests": len(recs),
             "errors": len(recs) - len(ok),
             "hit_rate": sum(r["cached"] for r in ok) / max(1, sum(r["prompt"] for r in ok)),
-            "hit_rate_bound": hit_rate_bound(ok),
+            "hit_rate_bound": cached_share(misses),
             # requests that must compute 1,024+ tokens whatever the router (a tenant's first)
-            "bound_cold_requests": sum(m >= 1024 for _, m in bound_misses(ok)),
+            "bound_cold_requests": sum(m >= 1024 for _, m in misses),
             "ttft_p50_s": pct(ttft, 50), "ttft_p90_s": pct(ttft, 90), "ttft_p99_s": pct(ttft, 99),
             "requests_per_s": len(ok) / raw["elapsed"],
             "output_tokens_per_s": sum(r["tokens"] for r in ok) / raw["elapsed"],
@@ -261,7 +264,7 @@ def summarize(mode: str, raw: dict, idle: dict[int, float] | None = None) -> dic
             "routed_to_agrees": sum(r.get("routed_to") == r.get("replica") for r in ok
                                     if r.get("routed_to")),
             **({"ttft_p50_floor_s": pct(floor, 50), "ttft_p90_floor_s": pct(floor, 90)}
-               if (floor := idle and ttft_floor(bound_misses(ok), idle)) else {})}
+               if floor else {})}
 
 
 _KEEP: list = []            # handles of actors this process created (else Ray collects them)
