@@ -174,6 +174,15 @@ class InlineExtension:
         with open(folder / "kvharbor.flock", "a") as guard:
             fcntl.flock(guard, fcntl.LOCK_EX)         # released on close, or when we die
             (folder / "lock").unlink(missing_ok=True)  # torch's baton: stale if here now
-            return load_inline(self.name, cpp_sources=self.source, functions=self.functions,
+            return load_inline(self.name, cpp_sources=[self.source, self.bindings()],
                                extra_cflags=self.cflags, extra_ldflags=["-fopenmp"],
                                build_directory=str(folder), verbose=False)
+
+    def bindings(self) -> str:
+        """The Python module: each function released from the GIL while it runs (they read and
+        write tensors only), so the replica's event loop streams tokens and takes arrivals on
+        the other core while a step computes; torch's own ops release it the same way.
+        (``load_inline(functions=...)`` would hold it for the whole call.)"""
+        defs = "\n".join(f'  m.def("{f}", torch::wrap_pybind_function_no_gil({f}), "{f}");'
+                         for f in self.functions)
+        return f"PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{\n{defs}\n}}\n"

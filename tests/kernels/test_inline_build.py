@@ -6,10 +6,13 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import pytest
+import torch
 
-from kvharbor.kernels import cpu_ops
+from kvharbor.kernels import cpu_ops, cpu_prefill
 
 
 @pytest.mark.skipif(not cpu_ops.available(), reason="no C++ compiler here: nothing is built")
@@ -41,3 +44,41 @@ def test_each_python_environment_builds_in_a_folder_of_its_own(monkeypatch):
     monkeypatch.setattr(sys, "prefix", "/elsewhere/.venv")
     assert cpu_ops._EXT.build_directory() != here
     assert cpu_ops._EXT.build_directory().parent == here.parent
+
+
+@pytest.mark.skipif(not cpu_prefill.available(), reason="no C++ compiler here: nothing is built")
+def test_other_threads_run_python_while_a_kernel_computes():
+    """The kernels run without the GIL, like torch's own ops: while a replica's step thread
+    is inside one, its event loop keeps streaming tokens and taking arrivals. A thread counts
+    in Python while the main thread is in a prefill kernel call, then for as long again while
+    the main thread sleeps. (Bound with ``load_inline(functions=...)``, a call held the GIL
+    throughout: the counter moved 6 % as far during the call as during the sleep.)"""
+    torch.manual_seed(0)
+    T, H, D = 2048, 8, 64
+    q, k, v = (torch.randn(T, H, D) for _ in range(3))
+    out = torch.empty(T, H, D)
+    count, stop = [0], threading.Event()
+
+    def counter() -> None:
+        while not stop.is_set():
+            count[0] += 1
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)                # the counter has a core of its own on 2 cores
+    worker = threading.Thread(target=counter)
+    worker.start()
+    try:
+        time.sleep(0.05)
+        before, start = count[0], time.perf_counter()
+        cpu_prefill.causal_attention(q, k, v, out, 0, D ** -0.5)
+        took, during = time.perf_counter() - start, count[0] - before
+        before = count[0]
+        time.sleep(took)
+        asleep = count[0] - before
+    finally:
+        stop.set()
+        worker.join()
+        torch.set_num_threads(threads)
+    assert took > 0.02, "the call was too short to tell"
+    assert during > 0.3 * asleep, (f"the counter moved {during} during a {took:.3f} s kernel "
+                                   f"call, {asleep} while the caller slept as long")
