@@ -11,6 +11,9 @@ run`` while replicas compiled left each replica of the next one stuck in ``__ini
 here take an ``flock`` on the folder first (the kernel drops it when its holder dies); its
 holder is the only builder, so a lock file it finds is stale and is removed.
 
+Every function is bound without the GIL (``InlineExtension.bindings``), as torch's own ops
+are: a replica's event loop runs while its step thread is inside a kernel.
+
 Every extension is built with ``-fopenmp``: ATen's ``parallel_for`` is inlined from headers,
 and without OpenMP its pragma is dropped and every call runs on one thread. At run time the
 extension shares torch's own libgomp, already loaded under the same soname.
