@@ -1,9 +1,10 @@
 """C++ kernels built on first use with the system compiler (``torch.utils.cpp_extension``).
 
-The build is cached under ``~/.cache/torch_extensions`` (``TORCH_EXTENSIONS_DIR``), in a folder
-per extension and Python environment (two virtualenvs' include paths differ, and each would
-rebuild the other's copy). A missing compiler, headers or ninja leaves the extension
-unavailable and the caller on its torch fallback.
+The build is cached under ``~/.cache/torch_extensions`` (or ``TORCH_EXTENSIONS_DIR``, e.g. where
+the home folder is read-only), in a folder per extension and Python environment (two
+virtualenvs' include paths differ, and each would rebuild the other's copy). A missing
+compiler, headers or ninja leaves the extension unavailable and the caller on its torch
+fallback.
 
 torch serializes builds of one folder with a lock *file* (``FileBaton``) that a killed builder
 leaves behind, and every later load then waits for it forever: Ctrl-C on the first ``serve
@@ -167,7 +168,8 @@ class InlineExtension:
         from torch.utils.cpp_extension import get_default_build_root  # noqa: PLC0415
 
         env = hashlib.sha1(f"{sys.prefix}|{torch.__version__}".encode()).hexdigest()[:10]
-        return Path(get_default_build_root()) / f"{self.name}-{env}"
+        root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()  # as torch's
+        return Path(root) / f"{self.name}-{env}"
 
     def _build(self):
         from torch.utils.cpp_extension import load_inline  # noqa: PLC0415

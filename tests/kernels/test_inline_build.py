@@ -46,6 +46,15 @@ def test_each_python_environment_builds_in_a_folder_of_its_own(monkeypatch):
     assert cpu_ops._EXT.build_directory().parent == here.parent
 
 
+def test_torch_extensions_dir_moves_the_builds(monkeypatch, tmp_path):
+    """``TORCH_EXTENSIONS_DIR`` (torch's own switch, e.g. for a read-only home folder) is where
+    the kernels build; without it, torch's default cache folder."""
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    default = cpu_ops._EXT.build_directory()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert cpu_ops._EXT.build_directory() == tmp_path / default.name
+
+
 @pytest.mark.skipif(not cpu_prefill.available(), reason="no C++ compiler here: nothing is built")
 def test_other_threads_run_python_while_a_kernel_computes():
     """The kernels run without the GIL, like torch's own ops: while a replica's step thread
