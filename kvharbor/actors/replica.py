@@ -286,13 +286,12 @@ class LLMReplica:
                     await self._wake.wait()
                 async with self._engine_lock:
                     outputs, rejected = await self._step()
-                    now = time.time()
                     for rid, message in rejected:
                         queue = self._streams.get(rid)
                         if queue is not None:
                             queue.put_nowait({"error": message, "status": 400, "retryable": False})
                     for out in outputs:
-                        self._dispatch(out, now)
+                        self._dispatch(out)
                     # The streams forward this step's tokens before its KV events go out (an
                     # actor call per batch, ~0.5 ms of a first token's way out otherwise); the
                     # next step starts only after both.
@@ -367,7 +366,7 @@ class LLMReplica:
             queue[req.priority] = queue.get(req.priority, 0) + 1
         return {"stats": self.engine.stats(), "queue_by_priority": queue}
 
-    def _dispatch(self, out, now: float) -> None:
+    def _dispatch(self, out) -> None:
         queue = self._streams.get(out.request_id)
         if queue is None:
             return
