@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from . import attention
+from .block_tables import BlockTableRows
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 """Batch sizes captured: a step of ``n`` requests replays the smallest bucket >= ``n``."""
@@ -85,11 +86,8 @@ class DecodeGraphs:
         self.host = [{k: torch.full(shape, fill, dtype=dt, pin_memory=pin)
                       for k, (shape, dt, fill) in shapes.items()} for _ in range(2)]
         self.np = [{k: t.numpy() for k, t in h.items()} for h in self.host]
-        # Per set and row: (the request's block list, its window start, entries written).
-        # ``KVCacheManager`` only appends to a request's list, except when it frees it (a new
-        # list) or releases blocks behind the sliding window (window start moves), so while
-        # both match, the row already holds that prefix and only new blocks are written.
-        self.written: list[list] = [[None] * m for _ in range(2)]
+        # Per set: its table's rows, each rewritten only where its request's blocks changed.
+        self.rows = [BlockTableRows(arrays["table"]) for arrays in self.np]
         # Per set: an event after the copies that read it (None on a CPU or before any),
         # waited for before the set is written again. A decode step that the engine runs
         # between two launched ones (e.g. ``pin_prefix`` of one token) could otherwise make a
@@ -127,7 +125,7 @@ class DecodeGraphs:
         n, bs = len(batch), self.runner.block_size
         b = self.bucket(n)
         parity = self.steps % 2
-        host, arrays, written = self.host[parity], self.np[parity], self.written[parity]
+        host, arrays, rows = self.host[parity], self.np[parity], self.rows[parity]
         if self.copied[parity] is not None:    # its last copies out have run (at once, in
             self.copied[parity].synchronize()  # steady state: that step was collected)
         self.steps += 1
@@ -137,21 +135,15 @@ class DecodeGraphs:
         for i, item in enumerate(batch):
             r = item.request
             p = r.num_computed_tokens + ahead
-            blocks, nb = r.blocks, len(r.blocks)
             ids[i] = r.all_token_ids[p] if prev is None else 0
             pos[i], lens[i] = p, p + 1
-            slots[i] = blocks[p // bs].block_id * bs + p % bs
-            w = written[i]
-            done = w[2] if w is not None and w[0] is blocks and w[1] == r.window_start and w[2] <= nb else 0
-            if done < nb:
-                table[i, done:nb] = [blk.block_id for blk in blocks[done:]]
-            written[i] = (blocks, r.window_start, nb)
-            width = max(width, nb)
+            slots[i] = r.blocks[p // bs].block_id * bs + p % bs
+            width = max(width, rows.write(i, r))
         if n < b:                              # padding rows: one token on the null block
             ids[n:b], pos[n:b], lens[n:b] = 0, 0, 1
             slots[n:b] = self.null_block * bs
             table[n:b, 0] = self.null_block
-            written[n:b] = [None] * (b - n)
+            rows.forget(n, b)
         for name in ("ids", "pos", "slots", "lens"):
             getattr(self, f"d_{name}")[:b].copy_(host[name][:b], non_blocking=True)
         self.d_table[:b, :width].copy_(host["table"][:b, :width], non_blocking=True)

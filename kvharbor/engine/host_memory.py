@@ -53,11 +53,15 @@ import torch
 logger = logging.getLogger(__name__)
 
 
-def upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list as a tensor on ``device``: on CUDA staged in pinned memory and copied
-    without blocking the host (ordered before later kernels on the stream; a plain
-    ``torch.tensor(..., device=...)`` would wait for the stream, stalling a step launched
-    ahead of the previous one's results)."""
+def upload(values: list | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list (or CPU tensor of ``dtype``) as a tensor on ``device``: on CUDA staged in
+    pinned memory and copied without blocking the host (ordered before later kernels on the
+    stream; a plain ``torch.tensor(..., device=...)`` would wait for the stream, stalling a step
+    launched ahead of the previous one's results). A CPU tensor stays itself on a CPU device."""
+    if isinstance(values, torch.Tensor):
+        if device.type != "cuda":
+            return values
+        return values.pin_memory().to(device, non_blocking=True)
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)

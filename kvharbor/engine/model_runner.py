@@ -25,6 +25,7 @@ import torch
 from kvharbor.kernels import KV_CACHE_DTYPES, LayerKVCache, cpu_decode, get_attention_backend, plan_attention
 
 from . import attention, fast_model
+from .block_tables import StepBlockTable
 from .lora import LoRABatch
 from .models import uniform_sliding_window
 from .request import Request
@@ -85,6 +86,7 @@ class ModelRunner:
         self._prompt_rows: list = []      # (request, first position, rows) scored by the last build
         self.interrupt = None             # the engine's StepInterrupt (checked before each layer)
         self.graphs = None                # DecodeGraphs: decode steps replayed from CUDA graphs
+        self._table = StepBlockTable()    # eager steps' block table, rows kept between steps
         self.backend = get_attention_backend(attention_backend, device)
         self.fast = _model_path(model, model_path)
         cfg = model.config
@@ -130,7 +132,7 @@ class ModelRunner:
             sum(t.nbytes for t in self.model.buffers())
 
     def _build(self, batch: list[ScheduledRequest]):
-        ids, pos, slots, qsl, lens, tables, logit_rows = [], [], [], [0], [], [], []
+        ids, pos, slots, qsl, lens, logit_rows = [], [], [], [0], [], []
         prompt_rows = []                        # (forward_logits cleared self._prompt_rows)
         row_loras, any_lora = [], False         # each token row's LoRA adapter (None: base)
         bs = self.block_size
@@ -142,13 +144,12 @@ class ModelRunner:
             if drafts:
                 ids += r.spec_token_ids[:drafts]
             pos += range(start, end)
-            block_ids = [b.block_id for b in r.blocks]
-            slots += [block_ids[p // bs] * bs + p % bs for p in range(start, end)]
+            blocks = r.blocks
+            slots += [blocks[p // bs].block_id * bs + p % bs for p in range(start, end)]
             qsl.append(qsl[-1] + item.num_new_tokens)
             row_loras += [r.lora] * item.num_new_tokens
             any_lora = any_lora or r.lora is not None
             lens.append(end)
-            tables.append(block_ids)
             if item.samples:
                 logit_rows += range(qsl[-1] - 1 - drafts, qsl[-1])
             if r.prompt_lps_missing:            # positions first..last predict prompt tokens
@@ -160,8 +161,7 @@ class ModelRunner:
             order = {row: i for i, row in enumerate(sorted(logit_rows + prompt_rows))}
             self._selects = ([order[row] for row in logit_rows], [order[row] for row in prompt_rows])
             logit_rows = sorted(order)
-        width = max(len(t) for t in tables)
-        table = self._upload([t + [0] * (width - len(t)) for t in tables], torch.int32)
+        table = self._upload(self._table.build([item.request for item in batch]), torch.int32)
         ctx = attention.AttentionContext(
             self.caches, self.backend, self._upload(slots, torch.int64), table,
             self._upload(lens, torch.int32), self._upload(qsl, torch.int32), max(lens))
