@@ -64,8 +64,6 @@ class StepBlockTable:
     def _grow(self, n: int, width: int) -> None:
         rows, cols = self.host.shape
         bigger = torch.zeros((max(n, 2 * rows), max(width, 2 * cols)), dtype=torch.int32)
-        bigger[:rows, :cols] = self.host
-        written = self.rows.written
-        self.host = bigger
-        entries, self.rows = self.rows.entries_written, BlockTableRows(bigger.numpy())
-        self.rows.written[:rows], self.rows.entries_written = written, entries
+        bigger[:rows, :cols] = self.host          # the rows written so far stay written
+        self.host, self.rows.table = bigger, bigger.numpy()
+        self.rows.written += [None] * (bigger.shape[0] - rows)
