@@ -8,6 +8,9 @@ it, the row already holds that prefix and only the blocks appended since are wri
 step writes a block id every ``block_size`` tokens per request instead of every request's
 whole table. Entries past a request's blocks are stale (another request's ids): every reader
 bounds its reads by the sequence length.
+
+A step's token positions and cache slots are read from that table with array operations
+(:func:`token_slots`), so the Python of a step touches each request once, not each token.
 """
 
 from __future__ import annotations
@@ -67,3 +70,13 @@ class StepBlockTable:
         bigger[:rows, :cols] = self.host          # the rows written so far stay written
         self.host, self.rows.table = bigger, bigger.numpy()
         self.rows.written += [None] * (bigger.shape[0] - rows)
+
+
+def token_slots(table: np.ndarray, starts: list[int], qsl: list[int], block_size: int):
+    """Positions and cache slots (``int64`` arrays ``[qsl[-1]]``) of a step's token rows:
+    request ``i`` computes rows ``qsl[i]:qsl[i+1]`` from position ``starts[i]`` on, into the
+    blocks of ``table`` row ``i``."""
+    counts = np.diff(qsl)
+    rows = np.repeat(np.arange(len(starts)), counts)
+    pos = np.arange(qsl[-1], dtype=np.int64) + np.repeat(np.subtract(starts, qsl[:-1]), counts)
+    return pos, table[rows, pos // block_size].astype(np.int64) * block_size + pos % block_size

@@ -20,12 +20,13 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvharbor.kernels import KV_CACHE_DTYPES, LayerKVCache, cpu_decode, get_attention_backend, plan_attention
 
 from . import attention, fast_model
-from .block_tables import StepBlockTable
+from .block_tables import StepBlockTable, token_slots
 from .lora import LoRABatch
 from .models import uniform_sliding_window
 from .request import Request
@@ -84,6 +85,7 @@ class ModelRunner:
         self.block_size = block_size
         self.last_logprobs: list = []     # TokenLogprobs | None per sampled row of the last step
         self._prompt_rows: list = []      # (request, first position, rows) scored by the last build
+        self._sampling: list = []         # the request of each sampling row of the last build
         self.interrupt = None             # the engine's StepInterrupt (checked before each layer)
         self.graphs = None                # DecodeGraphs: decode steps replayed from CUDA graphs
         self._table = StepBlockTable()    # eager steps' block table, rows kept between steps
@@ -132,48 +134,55 @@ class ModelRunner:
             sum(t.nbytes for t in self.model.buffers())
 
     def _build(self, batch: list[ScheduledRequest]):
-        ids, pos, slots, qsl, lens, logit_rows = [], [], [], [0], [], []
+        # Python touches each request once; positions and slots come from array operations
+        # over the kept block table (a 1,024-token prefill's slots were 1,024 Python steps).
+        ids, qsl, lens, starts, logit_rows = [], [0], [], [], []
         prompt_rows = []                        # (forward_logits cleared self._prompt_rows)
-        row_loras, any_lora = [], False         # each token row's LoRA adapter (None: base)
-        bs = self.block_size
+        sampling = []                           # each sampling row's request
+        requests = []
         for item in batch:
-            r, start = item.request, item.request.num_computed_tokens
-            end = start + item.num_new_tokens
-            drafts = item.num_drafts                    # speculative tokens after its last
-            ids += r.all_token_ids[start:end]
-            if drafts:
+            r, n = item.request, item.num_new_tokens
+            start, tokens = r.num_computed_tokens, r.all_token_ids
+            end = start + n
+            drafts = end - len(tokens)          # >0: speculative tokens after its last
+            ids += tokens[start:end]
+            if drafts > 0:
                 ids += r.spec_token_ids[:drafts]
-            pos += range(start, end)
-            blocks = r.blocks
-            slots += [blocks[p // bs].block_id * bs + p % bs for p in range(start, end)]
-            qsl.append(qsl[-1] + item.num_new_tokens)
-            row_loras += [r.lora] * item.num_new_tokens
-            any_lora = any_lora or r.lora is not None
+            requests.append(r)
+            starts.append(start)
+            qsl.append(qsl[-1] + n)
             lens.append(end)
-            if item.samples:
+            if drafts >= 0:                     # every token computed: it samples
                 logit_rows += range(qsl[-1] - 1 - drafts, qsl[-1])
+                sampling += [r] * (1 + drafts)
             if r.prompt_lps_missing:            # positions first..last predict prompt tokens
                 first, last = max(start, len(r.prompt_lps) - 1), min(end, len(r.prompt_token_ids) - 1)
                 if first < last:
                     prompt_rows += range(qsl[-2] + first - start, qsl[-2] + last - start)
                     self._prompt_rows.append((r, first, last - first))
+        self._sampling = sampling
         if prompt_rows:          # rows in token order (the model may take all rows as they are)
             order = {row: i for i, row in enumerate(sorted(logit_rows + prompt_rows))}
             self._selects = ([order[row] for row in logit_rows], [order[row] for row in prompt_rows])
             logit_rows = sorted(order)
-        table = self._upload(self._table.build([item.request for item in batch]), torch.int32)
+        host_table = self._table.build(requests)
+        pos, slots = token_slots(host_table.numpy(), starts, qsl, self.block_size)
+        table = self._upload(host_table, torch.int32)
         ctx = attention.AttentionContext(
-            self.caches, self.backend, self._upload(slots, torch.int64), table,
+            self.caches, self.backend, self._upload(torch.from_numpy(slots), torch.int64), table,
             self._upload(lens, torch.int32), self._upload(qsl, torch.int32), max(lens))
         if getattr(self.backend, "plans", False):
-            ctx.plan = plan_attention(table, lens, qsl, bs, self.sliding_window,
+            ctx.plan = plan_attention(table, lens, qsl, self.block_size, self.sliding_window,
                                       use_new_kv=self.kv_cache_dtype == self.dtype,
                                       pad_block=self.null_block_id,
                                       decode_kernel=self.decode_kernel)
             ctx.plan_window = self.sliding_window
-        lora = LoRABatch(row_loras, logit_rows, self.device) if any_lora else None
-        return (self._upload([ids], torch.int64), self._upload([pos], torch.int64), ctx,
-                self._upload(logit_rows, torch.int64), lora)
+        lora = None
+        if any(r.lora is not None for r in requests):  # each token row's adapter (None: base)
+            row_loras = [r.lora for r, n in zip(requests, np.diff(qsl).tolist()) for _ in range(n)]
+            lora = LoRABatch(row_loras, logit_rows, self.device)
+        return (self._upload(ids, torch.int64)[None], self._upload(torch.from_numpy(pos), torch.int64)[None],
+                ctx, self._upload(logit_rows, torch.int64), lora)
 
     def _score_prompts(self, logits: torch.Tensor) -> torch.Tensor:
         """Append the prompt logprobs of the last build's prompt rows to their requests;
@@ -187,7 +196,7 @@ class ModelRunner:
             r.prompt_lps += [next(scored) for _ in range(n)]
         return logits.index_select(0, sampling_sel)
 
-    def _upload(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+    def _upload(self, values: list | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return upload(values, dtype, self.device)
 
     @torch.inference_mode()
@@ -197,6 +206,7 @@ class ModelRunner:
         step replayed from a CUDA graph (``self.graphs``) is not checked."""
         self._prompt_rows = []
         if self.graphs is not None and self.graphs.eligible(batch):
+            self._sampling = [item.request for item in batch]       # one row each (eligible)
             return self.graphs.forward_logits(batch)
         input_ids, positions, ctx, rows, lora = self._build(batch)
         ctx.interrupt = self.interrupt
@@ -224,7 +234,7 @@ class ModelRunner:
         per draft token it verifies (request order, then position); score the prompt tokens of
         requests that asked for prompt logprobs."""
         logits = self.forward_logits(batch)
-        sampling = [item.request for item in batch if item.samples for _ in range(1 + item.num_drafts)]
+        sampling = self._sampling
         if self._prompt_rows:
             logits = self._score_prompts(logits)
         tokens = sample(logits, sampling) if sampling else []

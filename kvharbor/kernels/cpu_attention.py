@@ -35,6 +35,7 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -125,25 +126,26 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: list[int], query_start_
 
 def _plan_for_decode_kernel(block_tables, seq_lens, qsl, bs, sliding_window, use_new_kv) -> AttentionPlan:
     """Every decode, and each query of every short continuation, as one row of the decode
-    kernel (query ``i`` of ``q`` sees the keys up to its position, ``kv_len - q + i``)."""
-    rows, members, lens, prefill = [], [], [], []
-    for b, kv_len in enumerate(seq_lens):
-        qs, qe = qsl[b], qsl[b + 1]
-        q = qe - qs
-        if q == 1 or 1 < q <= SHORT_QUERY and q < kv_len:
-            rows += range(qs, qe)
-            members += [b] * q
-            lens += range(kv_len - q + 1, kv_len + 1)
-        elif q > 1:
-            prefill.append(_plan_prefill(block_tables[b], kv_len, qs, qe, bs, sliding_window, use_new_kv))
-    if not rows:
+    kernel (query ``i`` of ``q`` sees the keys up to its position, ``kv_len - q + i``).
+    Array operations over the step's requests: no Python per row."""
+    q, kv = np.diff(qsl), np.asarray(seq_lens, dtype=np.int64)
+    as_rows = (q == 1) | ((q > 1) & (q <= SHORT_QUERY) & (q < kv))
+    prefill = [_plan_prefill(block_tables[b], seq_lens[b], qsl[b], qsl[b + 1], bs, sliding_window, use_new_kv)
+               for b in np.flatnonzero(~as_rows & (q > 1)).tolist()]
+    if not as_rows.any():
         return AttentionPlan([], prefill)
-    dev = block_tables.device
-    starts = [max(0, n - sliding_window) if sliding_window else 0 for n in lens]
-    decode = DecodeRows(torch.tensor(rows, device=dev),
-                        block_tables.index_select(0, torch.tensor(members, device=dev)).long(),
-                        torch.tensor(starts, device=dev), torch.tensor(lens, device=dev))
-    return AttentionPlan([], prefill, decode)
+    each = np.repeat(as_rows, q)                 # per query row: run by the decode kernel?
+    rows = np.flatnonzero(each)
+    # Row qsl[b] + i sees kv_len - q + 1 + i keys: kv_len - qsl[b + 1] + 1 + the row.
+    lens = (np.arange(qsl[-1]) + np.repeat(kv - qsl[1:] + 1, q))[each]
+    starts = np.maximum(lens - sliding_window, 0) if sliding_window else np.zeros_like(lens)
+    if (q == 1).all():                           # decodes only: request b at row b
+        tables = block_tables.long()
+    else:
+        members = torch.from_numpy(np.repeat(np.arange(len(q)), q)[each])
+        tables = block_tables.index_select(0, members).long()
+    rows, starts, lens = (torch.from_numpy(x) for x in (rows, starts, lens))
+    return AttentionPlan([], prefill, DecodeRows(rows, tables, starts, lens))
 
 
 def _plan_decode(block_tables, seq_lens, qsl, members, bs, sliding_window, pad_block) -> DecodeGroup:

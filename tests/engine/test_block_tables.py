@@ -1,5 +1,6 @@
 """The step's block table is kept between steps: each row is written only where its request's
-blocks changed, and every row still holds exactly its request's block ids."""
+blocks changed, and every row still holds exactly its request's block ids. A step's token
+positions and cache slots, read from that table with array operations, are each token's own."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ from types import SimpleNamespace
 import numpy as np
 
 from kvharbor import LLM
-from kvharbor.engine.block_tables import BlockTableRows, StepBlockTable
+from kvharbor.engine.block_tables import BlockTableRows, StepBlockTable, token_slots
 
-from .conftest import greedy, random_prompt
+from .conftest import greedy, hf_greedy, random_prompt
 
 
 def fake_request(ids: list[int], window_start: int = 0) -> SimpleNamespace:
@@ -90,3 +91,51 @@ def test_the_table_grows_keeping_what_it_wrote():
     assert out[0].tolist() == [1, 2] + list(range(10, 40))
     assert out[1, :1].tolist() == [3] and out[2, :3].tolist() == [7, 8, 9]
     assert table.rows.entries_written == written + 30 + 3              # b kept, a only its new
+
+
+def expected_slots(blocks: list[list[int]], starts: list[int], counts: list[int], bs: int):
+    """Each token's position and slot, one token at a time (what the step computed before)."""
+    pos = [p for s, n in zip(starts, counts) for p in range(s, s + n)]
+    slots = [blocks[i][p // bs] * bs + p % bs
+             for i, (s, n) in enumerate(zip(starts, counts)) for p in range(s, s + n)]
+    return pos, slots
+
+
+def test_token_slots_are_each_tokens_own():
+    """A prefill chunk starting mid-block, decodes, a draft verification and a fresh prefill
+    in one step, rows of unequal length in a wider table."""
+    bs = 4
+    blocks = [[7, 3, 11, 2], [5], [9, 8, 1], [4, 6, 10, 12, 13]]
+    starts, counts = [5, 2, 6, 0], [9, 1, 4, 17]
+    table = np.full((6, 8), -1, dtype=np.int32)
+    for i, b in enumerate(blocks):
+        table[i, :len(b)] = b
+    qsl = np.concatenate([[0], np.cumsum(counts)]).tolist()
+    pos, slots = token_slots(table[:4], starts, qsl, bs)
+    assert (pos.tolist(), slots.tolist()) == expected_slots(blocks, starts, counts, bs)
+    assert pos.dtype == slots.dtype == np.int64
+
+
+def test_every_step_computes_each_tokens_position_and_slot():
+    """Chunked prefills next to decodes and a late arrival, through ``LLM.generate``: every
+    eager step's positions and slot mapping equal each scheduled token's position and its
+    request's block for it, and the run's greedy tokens equal transformers'."""
+    llm = LLM(device="cpu", num_kv_blocks=512, block_size=16, max_num_batched_tokens=96)
+    runner = llm.engine.runner
+    build, steps = runner._build, []
+
+    def checking_build(batch):
+        ids, positions, ctx, rows, lora = build(batch)
+        starts = [item.request.num_computed_tokens for item in batch]
+        counts = [item.num_new_tokens for item in batch]
+        blocks = [[b.block_id for b in item.request.blocks] for item in batch]
+        pos, slots = expected_slots(blocks, starts, counts, 16)
+        assert positions[0].tolist() == pos and ctx.slot_mapping.tolist() == slots
+        steps.append(counts)
+        return ids, positions, ctx, rows, lora
+
+    runner._build = checking_build
+    prompts = [random_prompt(150 + 41 * i, seed=i) for i in range(4)]
+    outs = llm.generate(prompts, greedy(24))
+    assert any(len(c) > 1 and max(c) > 1 and min(c) == 1 for c in steps)     # mixed steps ran
+    assert [o.token_ids for o in outs] == hf_greedy(llm.hf_model, prompts, 24)

@@ -193,6 +193,15 @@ def test_cpp_decode_kernel_runs_short_continuations_exactly(window, block_size):
 
 
 @needs_kernel
+def test_cpp_decode_kernel_rows_read_their_own_requests_blocks():
+    """As many kernel rows as requests, yet not one per request (a 2-token continuation next
+    to a fresh prompt): both rows read the continuing request's blocks, not one row each."""
+    batch = make_batch([2, 40], [90, 40], heads=8, kv_heads=2, head_dim=32, block_size=16,
+                       dtype=torch.float32, seed=5)
+    check(batch, None, decode_kernel=True)
+
+
+@needs_kernel
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("q_lens, kv_lens", [([1], [700]), ([1, 1, 5], [3, 290, 40]),
                                              ([1, 1, 1, 1, 1], [900, 17, 1, 64, 333])],
