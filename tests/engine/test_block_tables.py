@@ -117,7 +117,7 @@ def test_token_slots_are_each_tokens_own():
 
 
 def test_every_step_computes_each_tokens_position_and_slot():
-    """Chunked prefills next to decodes and a late arrival, through ``LLM.generate``: every
+    """Chunked prefills next to decodes, through ``LLM.generate``: every
     eager step's positions and slot mapping equal each scheduled token's position and its
     request's block for it, and the run's greedy tokens equal transformers'."""
     llm = LLM(device="cpu", num_kv_blocks=512, block_size=16, max_num_batched_tokens=96)
