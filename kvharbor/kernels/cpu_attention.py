@@ -127,8 +127,14 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: list[int], query_start_
 def _plan_for_decode_kernel(block_tables, seq_lens, qsl, bs, sliding_window, use_new_kv) -> AttentionPlan:
     """Every decode, and each query of every short continuation, as one row of the decode
     kernel (query ``i`` of ``q`` sees the keys up to its position, ``kv_len - q + i``).
-    Array operations over the step's requests: no Python per row."""
-    q, kv = np.diff(qsl), np.asarray(seq_lens, dtype=np.int64)
+    Array operations over the step's requests: no Python per row. Every sequence has at least
+    one query row."""
+    kv = np.asarray(seq_lens, dtype=np.int64)
+    if qsl[-1] == len(seq_lens):                 # decodes only: request b at row b
+        starts = np.maximum(kv - sliding_window, 0) if sliding_window else np.zeros_like(kv)
+        rows, starts, lens = (torch.from_numpy(x) for x in (np.arange(len(kv)), starts, kv))
+        return AttentionPlan([], [], DecodeRows(rows, block_tables.long(), starts, lens))
+    q = np.diff(qsl)
     as_rows = (q == 1) | ((q > 1) & (q <= SHORT_QUERY) & (q < kv))
     prefill = [_plan_prefill(block_tables[b], seq_lens[b], qsl[b], qsl[b + 1], bs, sliding_window, use_new_kv)
                for b in np.flatnonzero(~as_rows & (q > 1)).tolist()]
@@ -139,11 +145,8 @@ def _plan_for_decode_kernel(block_tables, seq_lens, qsl, bs, sliding_window, use
     # Row qsl[b] + i sees kv_len - q + 1 + i keys: kv_len - qsl[b + 1] + 1 + the row.
     lens = (np.arange(qsl[-1]) + np.repeat(kv - qsl[1:] + 1, q))[each]
     starts = np.maximum(lens - sliding_window, 0) if sliding_window else np.zeros_like(lens)
-    if (q == 1).all():                           # decodes only: request b at row b
-        tables = block_tables.long()
-    else:
-        members = torch.from_numpy(np.repeat(np.arange(len(q)), q)[each])
-        tables = block_tables.index_select(0, members).long()
+    members = torch.from_numpy(np.repeat(np.arange(len(q)), q)[each])
+    tables = block_tables.index_select(0, members).long()
     rows, starts, lens = (torch.from_numpy(x) for x in (rows, starts, lens))
     return AttentionPlan([], prefill, DecodeRows(rows, tables, starts, lens))
 

@@ -103,7 +103,7 @@ def expected_slots(blocks: list[list[int]], starts: list[int], counts: list[int]
 
 def test_token_slots_are_each_tokens_own():
     """A prefill chunk starting mid-block, decodes, a draft verification and a fresh prefill
-    in one step, rows of unequal length in a wider table."""
+    in one step, rows of unequal length in a wider table; then a step of decodes only."""
     bs = 4
     blocks = [[7, 3, 11, 2], [5], [9, 8, 1], [4, 6, 10, 12, 13]]
     starts, counts = [5, 2, 6, 0], [9, 1, 4, 17]
@@ -113,6 +113,10 @@ def test_token_slots_are_each_tokens_own():
     qsl = np.concatenate([[0], np.cumsum(counts)]).tolist()
     pos, slots = token_slots(table[:4], starts, qsl, bs)
     assert (pos.tolist(), slots.tolist()) == expected_slots(blocks, starts, counts, bs)
+    assert pos.dtype == slots.dtype == np.int64
+    decodes = [14, 3, 9, 19]                     # one token each (the decodes-only path)
+    pos, slots = token_slots(table[:4], decodes, [0, 1, 2, 3, 4], bs)
+    assert (pos.tolist(), slots.tolist()) == expected_slots(blocks, decodes, [1] * 4, bs)
     assert pos.dtype == slots.dtype == np.int64
 
 
