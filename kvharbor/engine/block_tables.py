@@ -77,10 +77,11 @@ def token_slots(table: np.ndarray, starts: list[int], qsl: list[int], block_size
     request ``i`` computes rows ``qsl[i]:qsl[i+1]`` from position ``starts[i]`` on, into the
     blocks of ``table`` row ``i`` (each request computes at least one token)."""
     n = len(starts)
+    rows = np.arange(n)
     if qsl[-1] == n:                      # one token each (decodes): no per-token expansion
         pos = np.array(starts, dtype=np.int64)
-        return pos, table[np.arange(n), pos // block_size].astype(np.int64) * block_size + pos % block_size
-    counts = np.diff(qsl)
-    rows = np.repeat(np.arange(n), counts)
-    pos = np.arange(qsl[-1], dtype=np.int64) + np.repeat(np.subtract(starts, qsl[:-1]), counts)
+    else:
+        counts = np.diff(qsl)
+        rows = np.repeat(rows, counts)
+        pos = np.arange(qsl[-1], dtype=np.int64) + np.repeat(np.subtract(starts, qsl[:-1]), counts)
     return pos, table[rows, pos // block_size].astype(np.int64) * block_size + pos % block_size

@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from kvharbor.kernels import KV_CACHE_DTYPES, LayerKVCache, cpu_decode, get_attention_backend, plan_attention
@@ -179,7 +178,7 @@ class ModelRunner:
             ctx.plan_window = self.sliding_window
         lora = None
         if any(r.lora is not None for r in requests):  # each token row's adapter (None: base)
-            row_loras = [r.lora for r, n in zip(requests, np.diff(qsl).tolist()) for _ in range(n)]
+            row_loras = [item.request.lora for item in batch for _ in range(item.num_new_tokens)]
             lora = LoRABatch(row_loras, logit_rows, self.device)
         return (self._upload(ids, torch.int64)[None], self._upload(torch.from_numpy(pos), torch.int64)[None],
                 ctx, self._upload(logit_rows, torch.int64), lora)

@@ -131,24 +131,23 @@ def _plan_for_decode_kernel(block_tables, seq_lens, qsl, bs, sliding_window, use
     one query row."""
     kv = np.asarray(seq_lens, dtype=np.int64)
     if qsl[-1] == len(seq_lens):                 # decodes only: request b at row b
-        starts = np.maximum(kv - sliding_window, 0) if sliding_window else np.zeros_like(kv)
-        rows, starts, lens = (torch.from_numpy(x) for x in (np.arange(len(kv)), starts, kv))
-        return AttentionPlan([], [], DecodeRows(rows, block_tables.long(), starts, lens))
-    q = np.diff(qsl)
-    as_rows = (q == 1) | ((q > 1) & (q <= SHORT_QUERY) & (q < kv))
-    prefill = [_plan_prefill(block_tables[b], seq_lens[b], qsl[b], qsl[b + 1], bs, sliding_window, use_new_kv)
-               for b in np.flatnonzero(~as_rows & (q > 1)).tolist()]
-    if not as_rows.any():
-        return AttentionPlan([], prefill)
-    each = np.repeat(as_rows, q)                 # per query row: run by the decode kernel?
-    rows = np.flatnonzero(each)
-    # Row qsl[b] + i sees kv_len - q + 1 + i keys: kv_len - qsl[b + 1] + 1 + the row.
-    lens = (np.arange(qsl[-1]) + np.repeat(kv - qsl[1:] + 1, q))[each]
+        rows, lens, tables, prefill = np.arange(len(kv)), kv, block_tables, []
+    else:
+        q = np.diff(qsl)
+        as_rows = (q == 1) | ((q > 1) & (q <= SHORT_QUERY) & (q < kv))
+        prefill = [_plan_prefill(block_tables[b], seq_lens[b], qsl[b], qsl[b + 1], bs, sliding_window,
+                                 use_new_kv)
+                   for b in np.flatnonzero(~as_rows & (q > 1)).tolist()]
+        if not as_rows.any():
+            return AttentionPlan([], prefill)
+        each = np.repeat(as_rows, q)             # per query row: run by the decode kernel?
+        rows = np.flatnonzero(each)
+        # Row qsl[b] + i sees kv_len - q + 1 + i keys: kv_len - qsl[b + 1] + 1 + the row.
+        lens = (np.arange(qsl[-1]) + np.repeat(kv - qsl[1:] + 1, q))[each]
+        tables = block_tables.index_select(0, torch.from_numpy(np.repeat(np.arange(len(q)), q)[each]))
     starts = np.maximum(lens - sliding_window, 0) if sliding_window else np.zeros_like(lens)
-    members = torch.from_numpy(np.repeat(np.arange(len(q)), q)[each])
-    tables = block_tables.index_select(0, members).long()
     rows, starts, lens = (torch.from_numpy(x) for x in (rows, starts, lens))
-    return AttentionPlan([], prefill, DecodeRows(rows, tables, starts, lens))
+    return AttentionPlan([], prefill, DecodeRows(rows, tables.long(), starts, lens))
 
 
 def _plan_decode(block_tables, seq_lens, qsl, members, bs, sliding_window, pad_block) -> DecodeGroup:
