@@ -330,7 +330,7 @@ class LLMReplica:
     def _suspects(self) -> list[str]:
         """The requests to fail for a failed step (see the module docstring)."""
         running = list(self.engine.requests)
-        newcomers = [rid for rid, req in self.engine.requests.items() if not req.output_token_ids]
+        newcomers = [rid for rid, req in self.engine.requests.items() if req.num_tokens == len(req.prompt_token_ids)]
         return newcomers if newcomers and len(newcomers) < len(running) else running
 
     def _step_in_thread(self) -> tuple[list, list[tuple[str, str]]]:
@@ -371,21 +371,21 @@ class LLMReplica:
         if queue is None:
             return
         meta = self._meta.get(out.request_id)
-        if meta is not None and len(out.token_ids) == 1 and meta.metadata.get("router_policy") == "kv_aware":
+        if meta is not None and out.num_output_tokens == 1 and meta.metadata.get("router_policy") == "kv_aware":
             # The router's prediction for *this* replica (Serve may have used a lower rank).
             predicted = meta.metadata.get("router_predicted_by_replica", {}).get(self.replica_id, 0)
             self.metrics.router_prefix_tokens(self.replica_id, int(predicted), out.num_cached_tokens)
         first = {}
-        if len(out.token_ids) == len(out.new_token_ids) and out.request_id in self._arrived:
+        if out.num_output_tokens == len(out.new_token_ids) and out.request_id in self._arrived:
             first["replica_ms"] = (time.perf_counter() - self._arrived[out.request_id]) * 1000.0
         queue.put_nowait({**first, "token_ids": out.new_token_ids, "text": out.new_text,
                           "finish_reason": out.finish_reason, "num_cached_tokens": out.num_cached_tokens,
                           "num_prompt_tokens": len(out.prompt_token_ids),
-                          "num_output_tokens": len(out.token_ids), "replica_id": self.replica_id,
+                          "num_output_tokens": out.num_output_tokens, "replica_id": self.replica_id,
                           **({"logprobs": [(lp.logprob, lp.top) for lp in out.new_logprobs]}
                              if out.new_logprobs else {}),
                           **({"prompt_logprobs": [lp and (lp.logprob, lp.top) for lp in out.prompt_logprobs]}
-                             if out.prompt_logprobs is not None and len(out.token_ids) == len(out.new_token_ids)
+                             if out.prompt_logprobs is not None and out.num_output_tokens == len(out.new_token_ids)
                              else {})})
 
     def _publish_events(self) -> None:

@@ -44,14 +44,17 @@ class Detokenizer:
         self._cursors: dict[str, _Cursor] = {}
         self._decode = _decoder(tokenizer)
 
-    def update(self, req: Request) -> None:
-        """Extend ``req.output_text`` by the text of the newest output ids (incrementally)."""
+    def update(self, req: Request) -> int:
+        """Extend ``req.output_text`` by the text of the newest output ids (incrementally).
+        Returns where the text may differ from before: the uncommitted tail is decoded again
+        (0 when the window re-spelled its context and the whole output was decoded)."""
         cur = self._cursors.get(req.request_id)
         if cur is None:
             cur = self._cursors[req.request_id] = _Cursor()
         ids = req.all_token_ids
         base = len(req.prompt_token_ids)
         decode = self._decode
+        changed = len(cur.text)
         context = decode(ids[base + cur.prefix:base + cur.read])
         window = decode(ids[base + cur.prefix:])
         tail = window[len(context):] if window.startswith(context) else None
@@ -59,18 +62,25 @@ class Detokenizer:
             cur.text = decode(ids[base:])
             cur.prefix = cur.read = len(ids) - base
             req.output_text = cur.text
-            return
+            return 0
         if tail and not tail.endswith(_REPLACEMENT):
             cur.text += tail
             cur.prefix, cur.read, tail = cur.read, len(ids) - base, ""
         req.output_text = cur.text + tail
+        return changed
 
-    def truncate_at_stop(self, req: Request, stops: list[str]) -> bool:
-        """Cut ``req.output_text`` before the first stop string; True if one occurred."""
-        cut = min((i for i in (req.output_text.find(s) for s in stops if s) if i >= 0), default=-1)
+    def truncate_at_stop(self, req: Request, stops: list[str], changed: int = 0) -> bool:
+        """Cut ``req.output_text`` before the first stop string that ends at or after
+        ``changed``; True if one did. The search reads only the text from ``changed`` on and
+        the ``len(stop) - 1`` characters before it."""
+        text, cut = req.output_text, -1
+        for stop in stops:
+            at = text.find(stop, max(0, changed - len(stop) + 1)) if stop else -1
+            if at >= 0 and (cut < 0 or at < cut):
+                cut = at
         if cut < 0:
             return False
-        req.output_text = req.output_text[:cut]
+        req.output_text = text[:cut]
         return True
 
     def delta(self, req: Request, final: bool) -> str:

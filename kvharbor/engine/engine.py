@@ -420,29 +420,30 @@ class Engine:
     def _append_tokens(self, req: Request, tokens: list[int], logprobs: list) -> RequestOutput:
         """Append ``tokens`` (a speculative step's) one by one, as separate steps would, up to
         the one that finishes ``req``; one output with all of them as its delta."""
-        out = None
+        new_ids, new_text, new_lps = [], "", None
         for token, lp in zip(tokens, logprobs):
-            o = self._append_token(req, token, lp)
-            if out is None:
-                out = o
-            else:
-                out.token_ids, out.text, out.finish_reason = o.token_ids, o.text, o.finish_reason
-                out.new_token_ids += o.new_token_ids
-                out.new_text += o.new_text
-                if o.new_logprobs is not None:
-                    out.new_logprobs = (out.new_logprobs or []) + o.new_logprobs
-            if o.finished:
+            out = self._append_token(req, token, lp)
+            new_ids += out.new_token_ids
+            new_text += out.new_text
+            if out.new_logprobs is not None:
+                new_lps = (new_lps or []) + out.new_logprobs
+            if out.finished:
                 break
+        out.new_token_ids, out.new_text, out.new_logprobs = new_ids, new_text, new_lps
         return out
 
     def _append_token(self, req: Request, token: int, logprobs=None) -> RequestOutput:
+        """Append ``token`` to ``req``; its output for this step. Its cost does not grow with
+        the output, but for one copy of the text: the text is decoded incrementally, stop
+        strings are looked for only where the text changed, and the output's ``token_ids``
+        are sliced only when read."""
         req.all_token_ids.append(token)
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         self.counters["generated_tokens"] += 1
         text_before = len(req.output_text)
-        self.detok.update(req)
-        reason = self._finish_reason(req, token, text_before)
+        changed = self.detok.update(req)
+        reason = self._finish_reason(req, token, text_before, changed)
         new_text = self.detok.delta(req, final=reason is not None)
         if reason is not None:
             req.finish_reason, req.status = reason, Status.FINISHED
@@ -451,15 +452,17 @@ class Engine:
             self.scheduler.remove(req)
             self.requests.pop(req.request_id, None)
             self.counters["finished"] += 1
-        return RequestOutput(req.request_id, req.prompt_token_ids, req.output_token_ids,
+        return RequestOutput(req.request_id, req.prompt_token_ids, req.output_ids,
                              req.output_text, req.finish_reason, max(req.num_cached_tokens, 0),
                              [token], new_text, None if logprobs is None else [logprobs],
                              req.prompt_lps)
 
-    def _finish_reason(self, req: Request, token: int, text_before: int) -> str | None:
+    def _finish_reason(self, req: Request, token: int, text_before: int, changed: int) -> str | None:
         """Why ``req`` ends with ``token`` (None: it goes on). A stop token's text is left out
         of the output (as vLLM does; the token stays in the ids); a stop string and what
-        follows it too."""
+        follows it too. Only stop strings that end in the text from ``changed`` on (what this
+        token changed) count, as in vLLM: one completed before ``min_tokens`` was streamed
+        and stays."""
         sp = req.sampling
         n_out = req.num_tokens - len(req.prompt_token_ids)        # no copy of the output
         if req.matcher is not None:
@@ -474,7 +477,7 @@ class Engine:
             if token in sp.stop_token_ids:
                 req.output_text = req.output_text[:text_before]
                 return "stop"
-            if sp.stop and self.detok.truncate_at_stop(req, sp.stop):
+            if sp.stop and self.detok.truncate_at_stop(req, sp.stop, changed):
                 return "stop"
         if n_out >= sp.max_tokens or req.num_tokens >= self.max_model_len:
             return "length"

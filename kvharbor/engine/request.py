@@ -160,6 +160,11 @@ class Request:
         return self.all_token_ids[len(self.prompt_token_ids):]
 
     @property
+    def output_ids(self) -> OutputIds:
+        """``output_token_ids`` as they are now, without copying them (``RequestOutput``)."""
+        return OutputIds(self.all_token_ids, len(self.prompt_token_ids), len(self.all_token_ids))
+
+    @property
     def prompt_lps_missing(self) -> bool:
         """Asked for prompt logprobs and some are not computed yet (its prompt must be run,
         not read from the prefix cache, from the first missing one on)."""
@@ -173,21 +178,78 @@ class Request:
                                                 start=start, parent=parent)
 
 
-@dataclass(slots=True)
 class RequestOutput:
-    """What ``generate`` returns, and what ``Engine.step`` streams (``new_token_ids`` is the delta)."""
+    """What ``generate`` returns, and what ``Engine.step`` streams (``new_token_ids`` is the delta).
 
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None
-    num_cached_tokens: int
-    new_token_ids: list[int] = field(default_factory=list)
-    new_text: str = ""
-    new_logprobs: list | None = None    # TokenLogprobs per new token, when asked for
-    prompt_logprobs: list | None = None  # prompt_logprobs asked: None, then TokenLogprobs per prompt token
+    ``token_ids`` and ``text`` are cumulative. The engine hands each step's output the
+    request's id list and how far it reached (``Request.output_ids``), and ``token_ids`` slices
+    it when first read: a stream that reads only the deltas pays nothing per token for the
+    whole output (the list only grows, so the slice is what it held at that step).
+    """
+
+    __slots__ = ("request_id", "prompt_token_ids", "_token_ids", "text", "finish_reason",
+                 "num_cached_tokens", "new_token_ids", "new_text", "new_logprobs", "prompt_logprobs")
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int],
+                 token_ids: list[int] | OutputIds, text: str, finish_reason: str | None,
+                 num_cached_tokens: int, new_token_ids: list[int] | None = None,
+                 new_text: str = "", new_logprobs: list | None = None,
+                 prompt_logprobs: list | None = None) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self._token_ids = token_ids
+        self.text = text
+        self.finish_reason = finish_reason
+        self.num_cached_tokens = num_cached_tokens
+        self.new_token_ids = [] if new_token_ids is None else new_token_ids
+        self.new_text = new_text
+        self.new_logprobs = new_logprobs        # TokenLogprobs per new token, when asked for
+        self.prompt_logprobs = prompt_logprobs  # prompt_logprobs asked: None, then TokenLogprobs per prompt token
+
+    @property
+    def token_ids(self) -> list[int]:
+        ids = self._token_ids
+        if type(ids) is OutputIds:
+            ids = self._token_ids = ids.ids[ids.start:ids.stop]
+        return ids
+
+    @token_ids.setter
+    def token_ids(self, value: list[int]) -> None:
+        self._token_ids = value
+
+    @property
+    def num_output_tokens(self) -> int:
+        """``len(token_ids)``, without slicing them."""
+        ids = self._token_ids
+        return ids.stop - ids.start if type(ids) is OutputIds else len(ids)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def _fields(self) -> tuple:
+        return (self.request_id, self.prompt_token_ids, self.token_ids, self.text,
+                self.finish_reason, self.num_cached_tokens, self.new_token_ids, self.new_text,
+                self.new_logprobs, self.prompt_logprobs)
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is RequestOutput and self._fields() == other._fields()
+
+    __hash__ = None
+
+    def __reduce__(self):
+        return RequestOutput, self._fields()
+
+    def __repr__(self) -> str:
+        names = ("request_id", "prompt_token_ids", "token_ids", "text", "finish_reason",
+                 "num_cached_tokens", "new_token_ids", "new_text", "new_logprobs", "prompt_logprobs")
+        return "RequestOutput(" + ", ".join(f"{n}={v!r}" for n, v in zip(names, self._fields())) + ")"
+
+
+@dataclass(frozen=True, slots=True)
+class OutputIds:
+    """``ids[start:stop]``, not yet sliced (``ids`` only grows: see ``RequestOutput``)."""
+
+    ids: list[int]
+    start: int
+    stop: int

@@ -112,6 +112,47 @@ def test_a_delta_never_ends_in_half_a_character():
     assert "".join(deltas) == "aé€b" and not any("\ufffd" in d for d in deltas), deltas
 
 
+@pytest.mark.parametrize("stop", ["é€", "☕ 数", "a", "r — c", "\ufffd"])
+def test_stop_strings_are_found_where_the_text_changed_as_in_a_full_search(stop):
+    """``truncate_at_stop`` reads only the text a token changed (and ``len(stop) - 1``
+    characters before it), yet stops at the same token and cuts at the same place as a
+    search of the whole text: also for a stop that completes when a split character does."""
+    tok = byte_tokenizer()
+    ids = list("kv harbor — café ☕ 数据 é€ ".encode()) + [0xE2, 0x82, 0x41]
+    detok = Detokenizer(tok)
+    req = Request("r", [1], SamplingParams(max_tokens=len(ids), stop=[stop]))
+    for n, t in enumerate(ids, start=1):
+        req.all_token_ids.append(t)
+        changed = detok.update(req)
+        full = tok.decode(ids[:n], skip_special_tokens=True)
+        assert req.output_text == full
+        found = detok.truncate_at_stop(req, [stop], changed)
+        assert found == (stop in full), f"after {n} tokens"
+        if found:
+            assert req.output_text == full[:full.find(stop)]
+            return
+    pytest.fail(f"{stop!r} never completed")
+
+
+def test_a_re_spelled_window_searches_the_whole_text_for_stops():
+    """A ligature re-spells text already there ("a" + "e" -> "æ"): the update reports that
+    the text changed from its start, so a stop string inside it is still found."""
+
+    class Ligature:
+        def decode(self, ids, **kw):
+            return "".join(" aeb"[i] for i in ids).replace("ae", "æ")
+
+    detok = Detokenizer(Ligature())
+    req = Request("r", [3], SamplingParams(max_tokens=6, stop=["bæ"]))
+    for t in (3, 1):
+        req.all_token_ids.append(t)
+        assert not detok.truncate_at_stop(req, ["bæ"], detok.update(req))
+    req.all_token_ids.append(2)
+    changed = detok.update(req)
+    assert req.output_text == "bæ"
+    assert detok.truncate_at_stop(req, ["bæ"], changed) and req.output_text == ""
+
+
 def _req(i: int, **kw) -> Request:
     return Request(f"r{i}", [1], SamplingParams(max_tokens=4, **kw))
 

@@ -90,6 +90,76 @@ def test_min_tokens_holds_back_stop_strings_until_reached(llm):
     assert held.token_ids == base.token_ids[:len(held.token_ids)]
 
 
+def test_a_stop_string_completed_before_min_tokens_is_not_cut_later(llm):
+    """Only a stop string that ends in the text a token changed counts (vLLM's rule): one
+    completed before ``min_tokens`` was streamed and stays, and the request runs on."""
+    sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    base = llm.generate(["The harbor"], sp)[0]
+    head = llm.tokenizer.decode(base.token_ids[:4])
+    stop = next(head[i:i + 2] for i in range(len(head) - 1)
+                if base.text.count(head[i:i + 2]) == 1 and "\ufffd" not in head[i:i + 2])
+    engine = llm.engine
+    engine.add_request("late", llm.encode("The harbor"),
+                       SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop=[stop],
+                                      min_tokens=8))
+    streamed, final = "", None
+    while final is None:
+        for out in engine.step():
+            streamed += out.new_text
+            final = out if out.finished else None
+    assert final.finish_reason == "length"
+    assert final.text == base.text and streamed == base.text
+
+
+def test_each_streamed_output_keeps_the_ids_of_its_step(llm):
+    """``token_ids`` of a step's output are what the request held at that step, read when
+    the stream has long moved on; ``num_output_tokens`` counts them without reading them."""
+    engine = llm.engine
+    engine.add_request("ids", llm.encode("The harbor"),
+                       SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    outs = []
+    while not (outs and outs[-1].finished):
+        outs += [o for o in engine.step() if o.request_id == "ids"]
+    final = outs[-1].token_ids
+    assert len(final) == 12
+    assert [o.num_output_tokens for o in outs] == list(range(1, 13))
+    assert [o.token_ids for o in outs] == [final[:k] for k in range(1, 13)]
+    assert [o.new_token_ids for o in outs] == [[t] for t in final]
+
+
+def test_appending_a_token_does_not_copy_the_output(llm):
+    """A token's bookkeeping allocates about the same at the 3,000th output token as at the
+    30th: the output's ids are not sliced into each step's output (8 bytes a token), and stop
+    strings are looked for only where the text changed. The text itself is still extended
+    by a copy (a byte a character for this model's ASCII text), which the bound allows."""
+    import tracemalloc
+
+    from kvharbor.engine import engine as engine_module
+
+    peaks: dict[int, int] = {}
+    append = engine_module.Engine._append_token
+
+    def traced(self, req, token, logprobs=None):
+        tracemalloc.reset_peak()
+        before = tracemalloc.get_traced_memory()[0]
+        out = append(self, req, token, logprobs)
+        peaks[req.num_tokens - len(req.prompt_token_ids)] = tracemalloc.get_traced_memory()[1] - before
+        return out
+
+    engine_module.Engine._append_token = traced
+    tracemalloc.start()
+    try:
+        out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3000, temperature=1.0, seed=7,
+                                                       ignore_eos=True, stop=["\x00\x01never"]))[0]
+    finally:
+        tracemalloc.stop()
+        engine_module.Engine._append_token = append
+    assert len(out.token_ids) == 3000
+    early = sorted(peaks[k] for k in range(20, 60))[20]
+    late = sorted(peaks[k] for k in range(2960, 3000))[20]
+    assert late - early < 4 * 2940, (early, late)
+
+
 def test_a_stream_never_sends_text_a_stop_string_later_takes_back(llm):
     """Deltas hold back the last len(stop) - 1 characters: streamed text that turned out to
     begin the stop string would otherwise reach the client and then vanish from the answer."""
