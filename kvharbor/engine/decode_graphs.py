@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from . import attention
-from .block_tables import BlockTableRows
+from .block_tables import BlockTableRows, token_slots
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 """Batch sizes captured: a step of ``n`` requests replays the smallest bucket >= ``n``."""
@@ -131,14 +131,13 @@ class DecodeGraphs:
         self.steps += 1
         self.padded_steps += n < b
         ids, pos, slots, lens, table = (arrays[k] for k in ("ids", "pos", "slots", "lens", "table"))
-        width = 1
-        for i, item in enumerate(batch):
-            r = item.request
-            p = r.num_computed_tokens + ahead
-            ids[i] = r.all_token_ids[p] if prev is None else 0
-            pos[i], lens[i] = p, p + 1
-            slots[i] = r.blocks[p // bs].block_id * bs + p % bs
-            width = max(width, rows.write(i, r))
+        reqs = [item.request for item in batch]
+        write = rows.write
+        width = max(write(i, r) for i, r in enumerate(reqs))
+        starts = [r.num_computed_tokens + ahead for r in reqs]
+        pos[:n], slots[:n] = token_slots(table, starts, range(n + 1), bs)
+        lens[:n] = pos[:n] + 1
+        ids[:n] = [r.all_token_ids[p] for r, p in zip(reqs, starts)] if prev is None else 0
         if n < b:                              # padding rows: one token on the null block
             ids[n:b], pos[n:b], lens[n:b] = 0, 0, 1
             slots[n:b] = self.null_block * bs
