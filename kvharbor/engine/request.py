@@ -246,9 +246,10 @@ class RequestOutput:
         return "RequestOutput(" + ", ".join(f"{n}={v!r}" for n, v in zip(names, self._fields())) + ")"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class OutputIds:
-    """``ids[start:stop]``, not yet sliced (``ids`` only grows: see ``RequestOutput``)."""
+    """``ids[start:stop]``, not yet sliced (``ids`` only grows: see ``RequestOutput``).
+    Not frozen: a frozen dataclass's constructor costs twice as much, once per token."""
 
     ids: list[int]
     start: int
