@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 
 from kvharbor import LLM, SamplingParams
@@ -120,11 +122,13 @@ def test_each_streamed_output_keeps_the_ids_of_its_step(llm):
     outs = []
     while not (outs and outs[-1].finished):
         outs += [o for o in engine.step() if o.request_id == "ids"]
+    copied = pickle.loads(pickle.dumps(outs[2]))     # before anything read its ids
     final = outs[-1].token_ids
     assert len(final) == 12
     assert [o.num_output_tokens for o in outs] == list(range(1, 13))
     assert [o.token_ids for o in outs] == [final[:k] for k in range(1, 13)]
     assert [o.new_token_ids for o in outs] == [[t] for t in final]
+    assert copied == outs[2] and copied.token_ids == final[:3]
 
 
 def test_appending_a_token_does_not_copy_the_output(llm):
