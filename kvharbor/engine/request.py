@@ -233,7 +233,9 @@ class RequestOutput:
                 self.new_logprobs, self.prompt_logprobs)
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is RequestOutput and self._fields() == other._fields()
+        if type(other) is not RequestOutput:
+            return NotImplemented
+        return self._fields() == other._fields()
 
     __hash__ = None
 
