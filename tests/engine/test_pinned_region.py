@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import random
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from kvharbor import LLM, SamplingParams
 from kvharbor.engine.block_pool import PINNED
 from kvharbor.engine.pinned_sizer import PinnedSizer
@@ -125,6 +128,21 @@ def test_sizer_targets_the_window_peak_with_headroom_and_shrinks_only_after_a_de
     assert sizer.decide(50, now=16.0) == 4            # ... until shrink_after_s have passed
     sizer.observe(1000, now=17.0)
     assert sizer.target() == 100                      # clamped to the ceiling
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 12)), min_size=1, max_size=60),
+       st.integers(1, 6))
+def test_the_sizers_peak_is_the_largest_demand_inside_its_window(samples, window):
+    """Against a recount after every sample: demands that rise and fall by one, repeat, or
+    jump (the monotonic deque must drop every older sample not above the new one)."""
+    sizer = PinnedSizer(floor=0, ceiling=1000, window_s=float(window))
+    seen, now = [], 0.0
+    for gap, demand in samples:
+        now += gap
+        sizer.observe(demand, now)
+        seen.append((now, demand))
+        assert sizer.peak == max(d for t, d in seen if t >= now - window)
 
 
 def test_a_shrink_waits_its_full_delay_after_demand_came_back_in_between():
