@@ -53,6 +53,25 @@ def test_lfu_reuses_an_uncached_block_before_any_cached_one():
     pool.check_integrity()
 
 
+def test_lfu_orders_a_reused_block_by_its_latest_free():
+    """Equal uses: the block freed longest ago goes first. A block evicted, refilled and freed
+    again is ordered by that last free, not by the heap entry of its first life."""
+    pool = BlockPool(3, policy=LFUPolicy())
+    a, b, c = pool.allocate(3, False)
+    for block, h in ((a, COLD), (b, HOT), (c, FRESH)):
+        pool.cache_block(block, h)
+    pool.release([a])
+    pool.release([b])
+    pool.release([c])
+    again = pool.allocate(1, False)[0]             # evicts a (COLD), the oldest
+    assert again is a and COLD not in pool.cached
+    pool.cache_block(a, BlockHash(b"n" * 16))
+    pool.release([a])                              # now the newest free block
+    assert pool.allocate(1, False)[0] is b         # b was freed before a's second free
+    assert HOT not in pool.cached and FRESH in pool.cached
+    pool.check_integrity()
+
+
 def _tokens(n: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(256) for _ in range(n)]
