@@ -247,3 +247,17 @@ def test_units_a_recall_brought_back_wait_for_the_refused_request():
     clock[0] += RECALL_HOLD_S
     later = ctl.sync_grants("g1", [GrantReport("acme", lim, want_tokens=50)], seq=4)
     assert later[0].known and later[0].tokens == 10                  # half of what is left
+
+
+def test_a_limit_added_while_a_gateway_holds_tokens_counts_them_as_taken():
+    """A tokens_per_minute limit added to a tenant (a tenants.yaml reload) while a gateway
+    holds tokens granted when there was none: its bucket starts with those tokens taken."""
+    from kvharbor.tenants.limits import AdmissionController, GrantReport, TenantLimits
+
+    ctl = AdmissionController(clock=lambda: 1000.0)
+    held = ctl.sync_grants("g1", [GrantReport("acme", TenantLimits(), want_tokens=30)], seq=1)
+    assert held[0].tokens == 30
+    lim = TenantLimits(tokens_per_minute=100)
+    over = ctl.try_admit("acme", lim, 71, 0)                         # 70 are not held by g1
+    assert over.status == 429 and over.limit == "tokens_per_minute"
+    assert ctl.try_admit("acme", lim, 70, 0).ok

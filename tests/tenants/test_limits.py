@@ -68,6 +68,18 @@ def test_tokens_per_minute_reserves_and_refunds(adm):
     assert usage["tokens_available"] == pytest.approx(300)
 
 
+def test_a_request_fits_the_token_bucket_exactly_or_waits(adm):
+    """The bucket's last tokens admit a request of exactly that size; one token more waits
+    for the refill of that one token."""
+    client, tenant = adm
+    lim = TenantLimits(tokens_per_minute=1000)
+    assert run(client.try_admit(tenant, lim, 100, 500, now=T0)).ok         # 400 left
+    over = run(client.try_admit(tenant, lim, 101, 300, now=T0))            # needs 401
+    assert over.status == 429 and over.limit == "tokens_per_minute"
+    assert over.retry_after_s == pytest.approx(0.06)                      # 1 token at 1000/min
+    assert run(client.try_admit(tenant, lim, 100, 300, now=T0)).ok         # needs 400
+
+
 def test_request_larger_than_a_bucket_is_400_not_429(adm):
     client, tenant = adm
     result = run(client.try_admit(tenant, TenantLimits(tokens_per_minute=100), 90, 20, now=T0))
