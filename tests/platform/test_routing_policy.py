@@ -73,6 +73,26 @@ def test_much_more_loaded_hot_replica_is_ranked_after_the_others():
     assert first(policy, REQ, cands) == "hot"
 
 
+def test_a_replica_is_overloaded_only_when_above_the_mean_and_the_slack_both():
+    """More than ``balance_slack`` above the least loaded but within the tolerance of the
+    mean (loads 10, 10, 10, 7: mean 9.25) is not overloaded: the cached prefix still wins."""
+    policy = KVAwarePolicy(imbalance_tolerance=0.15, balance_slack=2, load_cost_tokens=0)
+    cands = [cand("hot", dev(375), load=10), cand("x", load=10), cand("y", load=10), cand("low", load=7)]
+    ranked = policy.rank(REQ, cands)
+    assert ranked[0].replica_id == "hot" and not any(r.overloaded for r in ranked)
+
+
+def test_session_affinity_yields_to_the_balance_guard():
+    """A session's replica ranks first, unless it is overloaded: then the guard wins."""
+    policy = KVAwarePolicy(imbalance_tolerance=0.1, balance_slack=2)
+    turn = RouteRequest(prompt_tokens=6016, block_size=BS, session_id="s1")
+    home = Candidate("home", None, {}, in_flight=2, holds_session=True)
+    assert first(policy, turn, [home, cand("x", dev(300), load=2)]) == "home"
+    busy = Candidate("home", None, {}, in_flight=20, holds_session=True)
+    ranked = policy.rank(turn, [busy, cand("x", load=2), cand("y", load=3)])
+    assert ranked[-1].replica_id == "home" and ranked[-1].overloaded and not ranked[-1].session
+
+
 def test_hot_prefix_spreads_instead_of_taking_all_traffic():
     """All requests share one prefix that only replica r0 holds; loads never drain."""
     policy = KVAwarePolicy()
@@ -143,6 +163,24 @@ def test_pinned_requests_prefer_free_pinned_blocks():
     assert all(first(policy, pinned, [no_pin, pin]) == "pin" for _ in range(20))
     plain = {first(policy, REQ, [no_pin, pin]) for _ in range(40)}
     assert plain == {"no_pin", "pin"}                    # unpinned requests don't care
+
+
+def test_a_pinned_request_counts_free_pinned_blocks_as_room():
+    """Room for a pinned request is free shared plus free pinned blocks: a replica with no
+    shared block free but its pinned region free has room, and beats one without a region."""
+    policy = KVAwarePolicy()
+    pinned = RouteRequest(prompt_tokens=160, block_size=BS, pinned=True, priority=2)  # 10 blocks
+    region = cand("region", free_shared_blocks=0, free_pinned_blocks=20)
+    shared = cand("shared", free_shared_blocks=20, free_pinned_blocks=0)
+    assert all(first(policy, pinned, [shared, region]) == "region" for _ in range(10))
+    assert policy.score(pinned, region, 0) == 0.0
+
+
+def test_a_hit_saves_at_most_the_prompt():
+    """A match longer than the prompt (a stale or oversized answer) saves the prompt, no more."""
+    policy = KVAwarePolicy(evict_cost=0.0)
+    small = RouteRequest(prompt_tokens=20, block_size=BS)
+    assert policy.score(small, cand("a", dev(9)), 0) == 20.0
 
 
 def test_lower_priority_queues_do_not_count_against_higher_priority_requests():
