@@ -133,14 +133,18 @@ def test_released_session_blocks_are_evicted_tail_first(llm, how):
 
 
 def test_a_stuck_engine_releases_the_oldest_session_that_holds_blocks(llm):
-    """``release_oldest_idle`` frees blocks: an older idle session holding none is kept."""
+    """``release_oldest_idle`` frees blocks: an older idle session holding none is kept, and
+    of two holding blocks the one idle longest goes first."""
     llm.generate([_tokens(10, 17)], _greedy(2), tenant="acme", session_id="short")   # no full block
     llm.generate([_tokens(70, 18)], _greedy(1), tenant="acme", session_id="long")
+    llm.generate([_tokens(40, 19)], _greedy(1), tenant="acme", session_id="newer")
     sessions = llm.engine.sessions
     assert sessions.describe("acme", "short")["blocks"] == 0
+    assert sessions.describe("acme", "newer")["blocks"] > 0
     assert sessions.release_oldest_idle()
     assert sessions.describe("acme", "long") is None
     assert sessions.describe("acme", "short") is not None
+    assert sessions.describe("acme", "newer") is not None
     llm.check_integrity()
 
 
