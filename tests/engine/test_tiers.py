@@ -28,9 +28,11 @@ def test_evicted_prefix_comes_back_from_host_memory():
     cold = llm.generate([prefix], GREEDY)[0]
     llm.generate([other], GREEDY)                 # needs 38 of 40 blocks: evicts `prefix`
     assert llm.stats()["evictions"] >= 17
+    hits_before = llm.stats()["prefix_hit_tokens"]
     warm = llm.generate([prefix], GREEDY)[0]
     stats = llm.stats()
     assert warm.token_ids == cold.token_ids
+    assert stats["prefix_hit_tokens"] - hits_before == warm.num_cached_tokens   # host hits count
     assert stats["host_hit_tokens"] >= 16 * 16   # most of the prefix came from host memory
     assert warm.num_cached_tokens == 304          # 19 full blocks: device and host hits
     assert stats["host_blocks_loaded"] * 16 == stats["host_hit_tokens"]
