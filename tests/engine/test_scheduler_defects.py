@@ -40,6 +40,23 @@ def test_request_that_only_fits_with_pinned_prefix_blocks_is_rejected_at_once():
     llm.check_integrity()
 
 
+def test_a_pinned_prefix_in_the_pinned_region_makes_no_room_for_an_unpinned_class():
+    """A premium prefix pinned in the pinned region is no hit for a standard request (it may
+    not read region blocks), so it makes no room for one either: a standard request that
+    would fit only by counting it is refused at once, not queued to stall."""
+    llm = LLM(device="cpu", num_kv_blocks=64, pinned_kv_blocks=24)
+    prefix = _p(320, 1)
+    assert llm.engine.pin_prefix(prefix, qos="premium") == 20               # in the region
+    capacity = llm.engine._capacity(llm.engine.add_request("probe", [1], _sp(1)))
+    llm.engine.abort("probe")
+    want = (capacity + 4) * 16 - 380                                        # 4 blocks too many
+    with pytest.raises(ValueError, match=rf"needs {capacity + 4} KV blocks but only {capacity} exist"):
+        llm.engine.add_request("big", prefix + _p(60, 2), _sp(want))
+    out = llm.generate([prefix + _p(60, 2)], _sp(4), qos="premium")[0]     # premium reads it
+    assert out.num_cached_tokens == 320
+    llm.check_integrity()
+
+
 def test_a_cached_prefix_that_may_be_evicted_does_not_make_a_request_fit():
     """Only hits on blocks pinned prefixes hold forever cost nothing: an ordinary cached
     prefix can be evicted before the request runs, so a request longer than the cache is
