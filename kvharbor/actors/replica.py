@@ -330,8 +330,7 @@ class LLMReplica:
     def _suspects(self) -> list[str]:
         """The requests to fail for a failed step (see the module docstring)."""
         running = list(self.engine.requests)
-        newcomers = [rid for rid, req in self.engine.requests.items()
-                     if req.num_tokens == len(req.prompt_token_ids)]         # no output yet
+        newcomers = [rid for rid, req in self.engine.requests.items() if not req.num_output_tokens]
         return newcomers if newcomers and len(newcomers) < len(running) else running
 
     def _step_in_thread(self) -> tuple[list, list[tuple[str, str]]]:

@@ -464,7 +464,7 @@ class Engine:
         token changed) count, as in vLLM: one completed before ``min_tokens`` was streamed
         and stays."""
         sp = req.sampling
-        n_out = req.num_tokens - len(req.prompt_token_ids)        # no copy of the output
+        n_out = req.num_output_tokens
         if req.matcher is not None:
             if not req.matcher.accept_token(token):    # only non-finite logits could lead here
                 logger.warning("%s: token %d is outside its grammar; stopped", req.request_id, token)

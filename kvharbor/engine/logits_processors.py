@@ -28,13 +28,9 @@ from .host_memory import upload
 from .request import Request
 
 
-def num_output(req: Request) -> int:
-    return req.num_tokens - len(req.prompt_token_ids)
-
-
 def holds_stops(req: Request) -> bool:
     """``min_tokens`` not yet reached: its stop and EOS ids are masked this step."""
-    return bool(req.held_stops) and num_output(req) < req.sampling.min_tokens
+    return bool(req.held_stops) and req.num_output_tokens < req.sampling.min_tokens
 
 
 def depends_on_outputs(req: Request) -> bool:

@@ -156,6 +156,11 @@ class Request:
         return len(self.all_token_ids)
 
     @property
+    def num_output_tokens(self) -> int:
+        """Tokens generated so far (``len(output_token_ids)`` without the copy)."""
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[len(self.prompt_token_ids):]
 

@@ -153,7 +153,7 @@ class NgramProposer:
         if req.num_computed_tokens != req.num_tokens - 1 or depends_on_outputs(req):
             return []
         # A step keeps at most drafts + 1 tokens: never past max_tokens or the context.
-        n_out = req.num_tokens - len(req.prompt_token_ids)
+        n_out = req.num_output_tokens
         k = min(self.k, req.sampling.max_tokens - n_out - 1, max_model_len - req.num_tokens - 1)
         if k <= 0:
             return []
