@@ -69,7 +69,7 @@ class Detokenizer:
         req.output_text = cur.text + tail
         return changed
 
-    def truncate_at_stop(self, req: Request, stops: list[str], changed: int = 0) -> bool:
+    def truncate_at_stop(self, req: Request, stops: list[str], changed: int) -> bool:
         """Cut ``req.output_text`` before the first stop string that ends at or after
         ``changed``; True if one did. The search reads only the text from ``changed`` on and
         the ``len(stop) - 1`` characters before it."""
