@@ -131,7 +131,7 @@ def test_each_streamed_output_keeps_the_ids_of_its_step(llm):
     assert copied == outs[2] and copied.token_ids == final[:3]
 
 
-def test_appending_a_token_does_not_copy_the_output(llm):
+def test_appending_a_token_does_not_copy_the_output(llm, monkeypatch):
     """A token's bookkeeping allocates about the same at the 3,000th output token as at the
     30th: the output's ids are not sliced into each step's output (8 bytes a token), and stop
     strings are looked for only where the text changed. The text itself is still extended
@@ -147,17 +147,16 @@ def test_appending_a_token_does_not_copy_the_output(llm):
         tracemalloc.reset_peak()
         before = tracemalloc.get_traced_memory()[0]
         out = append(self, req, token, logprobs)
-        peaks[req.num_tokens - len(req.prompt_token_ids)] = tracemalloc.get_traced_memory()[1] - before
+        peaks[req.num_output_tokens] = tracemalloc.get_traced_memory()[1] - before
         return out
 
-    engine_module.Engine._append_token = traced
+    monkeypatch.setattr(engine_module.Engine, "_append_token", traced)
     tracemalloc.start()
     try:
         out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3000, temperature=1.0, seed=7,
                                                        ignore_eos=True, stop=["\x00\x01never"]))[0]
     finally:
         tracemalloc.stop()
-        engine_module.Engine._append_token = append
     assert len(out.token_ids) == 3000
     early = sorted(peaks[k] for k in range(20, 60))[20]
     late = sorted(peaks[k] for k in range(2960, 3000))[20]
