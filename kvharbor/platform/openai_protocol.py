@@ -393,7 +393,7 @@ class KvharborInfo(BaseModel):
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(description="Each generated token's text.")
     token_logprobs: list[float | None] = Field(description="Natural-log probability of each token (the model's raw distribution); null for an echoed prompt's first token.")
-    top_logprobs: list[dict[str, float] | None] = Field(description="The `logprobs` most likely tokens at each position; null for an echoed prompt's first token.")
+    top_logprobs: list[dict[str, float] | None] = Field(description="The `logprobs` most likely tokens at each position and the chosen one (up to logprobs+1 entries, as OpenAI and vLLM answer); null for an echoed prompt's first token.")
     text_offset: list[int] = Field(description="Character offset of each token in the choice's text.")
 
 

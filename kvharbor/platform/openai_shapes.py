@@ -6,6 +6,11 @@ value vLLM reports; it is never passed off as "stop").
 
 ``logprobs`` in a replica event: one ``(logprob, ((token id, logprob), ...))`` pair per new
 token (natural log, the model's raw distribution, most likely alternative first).
+
+The legacy completions API lists, at each position, the ``logprobs`` most likely tokens *and*
+the chosen one ("up to logprobs+1 elements", OpenAI's reference; vLLM answers the same), so a
+sampled token outside the top ones, or any token with ``logprobs: 0``, is still there. Chat's
+``top_logprobs`` holds exactly the most likely ones: the chosen token has its own fields.
 """
 
 from __future__ import annotations
@@ -36,8 +41,18 @@ def completion_logprobs(event_lps, token_ids, text_of: TokenText, offset: int) -
         offsets.append(offset)
         offset += len(tok)
     return {"tokens": tokens, "token_logprobs": [lp for lp, _ in event_lps],
-            "top_logprobs": [{text_of(i): v for i, v in top} for _, top in event_lps],
+            "top_logprobs": [_with_chosen(top, t, lp, text_of)
+                             for t, (lp, top) in zip(token_ids, event_lps)],
             "text_offset": offsets}
+
+
+def _with_chosen(top, token_id: int, logprob: float, text_of: TokenText) -> dict[str, float]:
+    """One position's completions ``top_logprobs``: the most likely tokens, then the chosen one
+    if it is not among them."""
+    best = {text_of(i): v for i, v in top}
+    if all(i != token_id for i, _ in top):
+        best.setdefault(text_of(token_id), logprob)
+    return best
 
 
 def prompt_logprobs(scored, token_ids, text_of: TokenText) -> dict:
@@ -45,7 +60,8 @@ def prompt_logprobs(scored, token_ids, text_of: TokenText) -> dict:
     first token (nothing precedes it) and ``(logprob, top)`` for each other, as vLLM answers."""
     part = completion_logprobs([], token_ids, text_of, 0)
     part["token_logprobs"] = [None if lp is None else lp[0] for lp in scored]
-    part["top_logprobs"] = [None if lp is None else {text_of(i): v for i, v in lp[1]} for lp in scored]
+    part["top_logprobs"] = [None if lp is None else _with_chosen(lp[1], t, lp[0], text_of)
+                            for t, lp in zip(token_ids, scored)]
     return part
 
 

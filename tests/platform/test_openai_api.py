@@ -235,9 +235,34 @@ def test_completion_logprobs_are_the_models_own(client, kvharbor_app, reference)
     assert "".join(lp.tokens) == out.choices[0].text
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(8)]
     _check_against_reference(reference, prompt, lp.tokens, lp.token_logprobs,
-                             [list(d.values()) for d in lp.top_logprobs], 3)
+                             [_without_chosen(d, t, 3) for d, t in zip(lp.top_logprobs, lp.tokens)], 3)
     plain = client.completions.create(model=kvharbor_app.model, prompt=prompt, max_tokens=2)
     assert plain.choices[0].logprobs is None
+
+
+def _without_chosen(top: dict, token: str, k: int) -> list[float]:
+    """A completions position's top_logprobs holds the chosen token (OpenAI: "up to logprobs+1
+    elements"); the values of the k most likely, the chosen one left out if it is not one."""
+    assert token in top and k <= len(top) <= k + 1, (token, top)
+    if len(top) == k:
+        return list(top.values())
+    assert min(top, key=top.get) == token, (token, top)       # outside the k best: the extra one
+    return [v for t, v in top.items() if t != token]
+
+
+def test_completion_logprobs_always_hold_the_chosen_token(client, kvharbor_app):
+    """Legacy completions list the chosen token at every position, as OpenAI and vLLM do: with
+    ``logprobs: 0`` it is the only entry, and a sampled token outside the best ones is added."""
+    kw = dict(model=kvharbor_app.model, prompt="The harbor", max_tokens=12, extra_body={"ignore_eos": True})
+    zero = client.completions.create(logprobs=0, temperature=0, **kw).choices[0].logprobs
+    assert zero.top_logprobs == [{t: v} for t, v in zip(zero.tokens, zero.token_logprobs)]
+    hot = client.completions.create(logprobs=1, temperature=1.5, seed=5, **kw).choices[0].logprobs
+    for token, value, top in zip(hot.tokens, hot.token_logprobs, hot.top_logprobs):
+        assert top[token] == value and len(top) == (1 if max(top.values()) == value else 2), (token, top)
+    assert any(len(top) == 2 for top in hot.top_logprobs)      # this seed samples below the best
+    streamed = [top for chunk in client.completions.create(logprobs=1, temperature=1.5, seed=5, stream=True, **kw)
+                if chunk.choices and chunk.choices[0].logprobs for top in chunk.choices[0].logprobs.top_logprobs]
+    assert streamed == hot.top_logprobs
 
 
 def test_chat_logprobs_streamed_equal_non_streamed_and_the_model(client, kvharbor_app, reference):
@@ -297,9 +322,11 @@ def test_echo_with_logprobs_scores_the_prompt_as_the_model_does(client, kvharbor
     for i in range(1, len(prompt)):
         assert abs(lp.token_logprobs[i] - float(ref[i - 1, prompt[i]])) < 2e-4, i
         best = ref[i - 1].topk(2).values.tolist()
-        assert all(abs(a - b) < 2e-4 for a, b in zip(sorted(lp.top_logprobs[i].values(), reverse=True), best)), i
+        top = _without_chosen(lp.top_logprobs[i], lp.tokens[i], 2)
+        assert all(abs(a - b) < 2e-4 for a, b in zip(sorted(top, reverse=True), best)), i
     _check_against_reference(reference, prompt, lp.tokens[len(prompt):], lp.token_logprobs[len(prompt):],
-                             [list(d.values()) for d in lp.top_logprobs[len(prompt):]], 2)
+                             [_without_chosen(d, t, 2) for d, t in zip(lp.top_logprobs[len(prompt):],
+                                                                       lp.tokens[len(prompt):])], 2)
     chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw) if c.choices]
     assert "".join(c.text for c in chunks) == text
     assert [t for c in chunks for t in c.logprobs.tokens] == lp.tokens
