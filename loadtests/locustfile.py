@@ -28,7 +28,8 @@ reported as a failure entry but is *expected* under overload; the exit code coun
 unexpected failures (other errors, broken streams) and canary mismatches.
 
 Environment: KVH_KEY_PREMIUM / _STANDARD / _BATCH (API keys, default the demo keys),
-KVH_MODEL (default kvharbor/tiny-llama), KVH_TENANTS (tenants.yaml for acme's pinned prompt),
+KVH_MODEL (default kvharbor/tiny-llama), KVH_TENANTS (tenants.yaml for acme's pinned prompt; default
+./tenants.yaml, else the packaged example: the file `serve run kvharbor.app` reads from here),
 KVH_CANARIES (canaries.json from ``python -m loadtests.run``; unset: no canaries),
 KVH_RECORDS (records.jsonl to append to), KVH_SHAPE (steady | ramp | overload; unset: use
 Locust's -u/-r/-t), KVH_USERS (capacity-level users, default 5), KVH_DURATION (e.g. 60s),
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -46,12 +48,15 @@ from gevent.pool import Pool
 from locust import LoadTestShape, between, constant, events, task
 from locust.contrib.fasthttp import FastHttpUser
 
-from loadtests import canaries as canary_mod
-from loadtests import client, shapes, workload
-from loadtests.records import Recorder, make_record
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))    # `locust -f` from any directory
+
+from kvharbor.tenants import default_tenants_path  # noqa: E402
+from loadtests import canaries as canary_mod  # noqa: E402
+from loadtests import client, shapes, workload  # noqa: E402
+from loadtests.records import Recorder, make_record  # noqa: E402
 
 MODEL = os.environ.get("KVH_MODEL", "kvharbor/tiny-llama")
-INFO = workload.read_tenants(os.environ.get("KVH_TENANTS", "tenants.yaml"))
+INFO = workload.read_tenants(os.environ.get("KVH_TENANTS") or default_tenants_path())
 CANARIES = canary_mod.load(os.environ.get("KVH_CANARIES"))
 RECORDER = Recorder(Path(os.environ["KVH_RECORDS"]) if os.environ.get("KVH_RECORDS") else None)
 ARRIVAL_RATE = float(os.environ.get("KVH_ARRIVAL_RATE") or 0)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import httpx
 
+from kvharbor.tenants import default_tenants_path
 from loadtests import canaries, plots, shapes, summary, workload
 from loadtests.records import read_records
 
@@ -42,7 +43,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-in-flight", type=int, default=256,
                    help="open loop: most requests open at once; later arrivals are recorded as dropped")
     p.add_argument("--out", default="results", help="output folder")
-    p.add_argument("--tenants", default="tenants.yaml", help="tenants.yaml the server uses (SLOs, pinned prompt)")
+    p.add_argument("--tenants", default=None,
+                   help="tenants.yaml the server uses (SLOs, pinned prompt; default ./tenants.yaml, "
+                        "else the packaged example, as `serve run kvharbor.app` reads it)")
     p.add_argument("--model", default=None, help="served model id (default: asked from /v1/models)")
     p.add_argument("--canaries", default="compute",
                    help="'compute' (offline engine, default), a canaries.json path, or 'off'")
@@ -99,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "records.jsonl").unlink(missing_ok=True)
+    if args.tenants is None:
+        args.tenants = str(default_tenants_path())
     info = workload.read_tenants(args.tenants)
     model = args.model or served_model(args.host)
     canary_path = prepare_canaries(args, model, info, out)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -118,3 +119,21 @@ def test_dropped_open_loop_arrivals_are_counted_apart_from_failures():
     assert dropped["status"] == "dropped"
     assert s["failures"]["dropped"] == 1 and s["failures"]["unexpected"] == 0
     assert s["groups"]["acme/premium"]["dropped"] == 1 and s["passed"]
+
+
+def test_the_locustfile_loads_from_any_directory_with_the_servers_tenants(tmp_path):
+    """``locust -f /path/to/loadtests/locustfile.py`` run outside the repository imports its
+    helpers and reads the tenants file the server reads there (the packaged example), so
+    premium users send acme's pinned system prompt."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    locustfile = Path(__file__).resolve().parents[2] / "loadtests" / "locustfile.py"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "KVH_TENANTS")}
+    code = "import runpy, sys; print(runpy.run_path(sys.argv[1])['INFO'].premium_prompt)"
+    out = subprocess.run([sys.executable, "-c", code, str(locustfile)], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    packaged = workload.read_tenants(Path(__file__).resolve().parents[2] / "kvharbor" / "data" / "tenants.yaml")
+    assert packaged.premium_prompt and out.stdout.strip() == packaged.premium_prompt.strip()
