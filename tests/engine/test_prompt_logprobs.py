@@ -74,3 +74,29 @@ def test_prompt_logprobs_out_of_range_is_refused():
     llm = LLM(device="cpu", num_kv_blocks=64)
     with pytest.raises(ValueError, match=r"prompt_logprobs must be an integer in \[0, 20\]"):
         llm.generate(["hi"], SamplingParams(max_tokens=2, prompt_logprobs=21))
+
+
+def test_a_request_preempted_mid_prompt_recomputes_the_position_that_scores_its_next_token():
+    """Preempted after 15 of its 40 prompt tokens (blocks of 8), a request has scored tokens
+    0-15; token 16's score comes from position 15's logits, inside the second block. The
+    whole prompt is in the prefix cache (a plain request computed it), so on its return the
+    request may reuse the first block only: reusing the second would skip position 15, and
+    every later score would be one token off."""
+    llm = LLM(device="cpu", num_kv_blocks=256, block_size=8, max_num_batched_tokens=15, max_num_seqs=1)
+    e, prompt = llm.engine, random_prompt(40, seed=21)
+    llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))   # cached
+    scored = e.add_request("scored", prompt, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True,
+                                                            prompt_logprobs=1), qos="batch")
+    e.step()
+    assert scored.num_computed_tokens == 15 and len(scored.prompt_lps) == 16
+    e.add_request("premium", random_prompt(10, seed=22), SamplingParams(max_tokens=2, temperature=0,
+                                                                        ignore_eos=True), qos="premium")
+    outs, resumed = {}, []
+    while e.has_unfinished():
+        outs.update({o.request_id: o for o in e.step() if o.finished})
+        e.check_integrity()
+        if scored.num_preemptions and scored.num_computed_tokens and not resumed:
+            resumed.append(scored.num_computed_tokens)
+    assert scored.num_preemptions == 1
+    assert resumed == [8 + 15]                # its return: the first block reused, then a chunk
+    assert_scores(llm, prompt, outs["scored"].prompt_logprobs, 1)
