@@ -140,3 +140,24 @@ def test_a_full_host_tier_drops_its_oldest_blocks_and_counts_them():
     assert s["host_blocks_used"] == 8 and s["host_blocks_dropped"] > 0
     assert s["host_blocks_dropped"] == s["host_blocks_offloaded"] - s["host_blocks_used"]
     llm.check_integrity()
+
+
+def test_a_prefix_hit_keeps_its_blocks_in_order_when_the_first_is_only_usable_from_host():
+    """A standard request's prefix whose first block sits on the device in the pinned region
+    (a premium request of the same cache scope loaded it there, so this class may not read
+    it) and whose later blocks sit in the shared region: the hit takes the first block from
+    host memory, then the rest from host memory too, since a hit is device blocks *then* host
+    blocks. Taking the shared device blocks after a host hit would put them first: the
+    request would read its prefix's KV out of order and answer differently."""
+    llm = LLM(device="cpu", num_kv_blocks=40, pinned_kv_blocks=4, host_kv_blocks=64)
+    e, prompt = llm.engine, _tokens(70, 1)
+    cold = llm.generate([prompt], GREEDY)[0]
+    llm.generate([_tokens(560, 2)], GREEDY)           # evicts the prompt's 4 blocks to host memory
+    llm.generate([prompt[:20]], GREEDY, qos="premium")  # its first block back, in the pinned region
+    llm.generate([prompt], GREEDY)                    # the next three back, in the shared region
+    hashes = hash_prompt_blocks(prompt, 16, parent=e.hash_root)
+    assert [e.kv.pool.lookup(h).region for h in hashes] == ["pinned", "shared", "shared", "shared"]
+    assert all(e.kv.host.lookup(h) is not None for h in hashes)
+    warm = llm.generate([prompt], GREEDY)[0]
+    assert warm.token_ids == cold.token_ids and warm.num_cached_tokens == 64
+    llm.check_integrity()
