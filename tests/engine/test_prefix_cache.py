@@ -62,3 +62,24 @@ def test_lru_evicts_oldest_prefix_first():
     assert held[0] < 8, held
     assert llm.stats()["evictions"] == 8 - held[0]
     llm.check_integrity()
+
+def test_blocks_recomputed_after_a_preemption_are_cached_again():
+    """A batch request is preempted after its 80-token prompt (5 blocks) and 4 tokens; the
+    premium request that took its seat evicts its last three prompt blocks. On its return the
+    request reuses the first two and recomputes the other three, which must go back into the
+    prefix cache: the same prompt then hits 4 blocks (all but the last token's), and every
+    cached block's parent is cached. Before: its registration cursor still pointed past them,
+    so they were skipped (32 tokens hit, the later block an orphan)."""
+    llm = LLM(device="cpu", num_kv_blocks=10, max_num_seqs=1)
+    e, prompt = llm.engine, _tokens(80, 31)
+    sp = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    batch = e.add_request("batch", prompt, sp, qos="batch")
+    while batch.num_computed_tokens < 84:
+        e.step()
+    e.add_request("premium", _tokens(120, 32), SamplingParams(max_tokens=2, ignore_eos=True), qos="premium")
+    while e.has_unfinished():
+        e.step()
+        e.check_integrity()
+    assert batch.num_preemptions == 1 and e.stats()["evictions"] >= 3
+    assert e.kv.pool.prefix_closed
+    assert llm.generate([prompt], GREEDY)[0].num_cached_tokens == 64
