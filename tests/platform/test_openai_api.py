@@ -53,9 +53,12 @@ def test_chat_streamed_and_not(client, kvharbor_app):
     assert whole.choices[0].message.role == "assistant"
     stream = client.chat.completions.create(model=kvharbor_app.model, messages=messages, max_tokens=8,
                                             temperature=0, stream=True, extra_body={"ignore_eos": True})
-    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-    assert text == whole.choices[0].message.content
+    deltas = [c.choices[0].delta for c in stream if c.choices]
+    assert "".join(d.content or "" for d in deltas) == whole.choices[0].message.content
     assert whole.usage.completion_tokens == 8
+    # as OpenAI and vLLM stream it: the role once, in a first delta of no content
+    assert [d.role for d in deltas] == ["assistant"] + [None] * (len(deltas) - 1)
+    assert deltas[0].content == ""
 
 
 def test_sse_ends_with_done(kvharbor_app):

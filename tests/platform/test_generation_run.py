@@ -1,0 +1,120 @@
+"""``GenerationRun`` against fake replicas (no Ray): how a stream that ends early, a sibling's
+error and a request's time to first token reach the answer and the metrics."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from kvharbor.platform import generation
+from tests.platform.test_prompt_batches import NoMetrics, Replicas, Stream, _batch
+
+
+class CutStream(Stream):
+    """A replica call whose stream ends after one token, without a finish reason (the replica
+    dropped the request)."""
+
+    async def _events(self):
+        yield {"token_ids": [7], "text": "a", "finish_reason": None, "replica_id": self.replica}
+
+
+class FailingStream(Stream):
+    """A replica call answered with a non-retryable error event for one sibling."""
+
+    async def _events(self):
+        await asyncio.sleep(0.01)
+        yield {"error": "this choice's sampling parameters are bad", "status": 400, "retryable": False}
+
+
+def _run_with(stream_of, n: int) -> tuple[list, BaseException | None]:
+    replicas = Replicas()
+    replicas.remote = lambda request, replica_id=None: stream_of(request)(replicas.log, request,
+                                                                          replica_id or "replica-0")
+    run = generation.GenerationRun(SimpleNamespace(llm=replicas, metrics=NoMetrics()),
+                                   _batch([[1, 2, 3]], n=n), None, None, chat=False, model="m")
+    events: list = []
+
+    async def go():
+        async for index, event in run.all_events():
+            events.append((index, event.get("text"), event.get("finish_reason")))
+
+    try:
+        asyncio.run(go())
+    except Exception as e:  # noqa: BLE001 - returned to the test
+        return events, e
+    return events, None
+
+
+def test_a_stream_the_replica_ends_early_finishes_its_choice_as_aborted():
+    events, error = _run_with(lambda request: CutStream, n=1)
+    assert error is None and events == [(0, "a", None), (0, "", "abort")]
+
+
+def test_one_siblings_error_fails_the_whole_request():
+    """``n`` = 2, the second choice's call is refused (400): the request fails with that error
+    instead of answering the first choice alone."""
+    events, error = _run_with(lambda request: FailingStream if request.request_id == "r-1" else Stream, n=2)
+    assert isinstance(error, generation.APIError) and error.status == 400, (events, error)
+    assert "sampling parameters are bad" in error.message
+
+
+class SlowStream(Stream):
+    """The first token 50 ms after the call."""
+
+    async def _events(self):
+        await asyncio.sleep(0.05)
+        yield {"token_ids": [7], "text": "a", "finish_reason": "length", "replica_id": self.replica}
+
+
+
+def test_a_first_token_later_than_the_class_slo_counts_as_missed():
+    """``kvharbor_slo_requests_total`` gets ``missed`` when the first token came after the
+    class's ``ttft_slo_ms`` (50 ms against 20) and ``met`` when before."""
+    def outcomes(slo_ms: float) -> list[bool]:
+        seen: list[bool] = []
+
+        async def release(ticket, tokens):
+            return None
+
+        metrics = SimpleNamespace(slo=lambda tenant, qos, met: seen.append(met),
+                                  **{name: (lambda *args: None) for name in (
+                                      "request_finished", "request_latency", "tokens", "ttft")})
+        replicas = Replicas()
+        replicas.remote = lambda request, replica_id=None: SlowStream(replicas.log, request, "replica-0")
+        gateway = SimpleNamespace(llm=replicas, metrics=metrics, ingress="main",
+                                  request_done=lambda qos, rid: None, admitter=SimpleNamespace(release=release))
+        principal = SimpleNamespace(qos=SimpleNamespace(ttft_slo_ms=slo_ms))
+        run = generation.GenerationRun(gateway, _batch([[1, 2, 3]], n=1), principal, None, chat=False, model="m")
+        asyncio.run(run.complete())
+        return seen
+
+    assert outcomes(20.0) == [False]
+    assert outcomes(5000.0) == [True]
+
+
+def test_inter_token_latency_is_per_token_when_an_event_carries_several(monkeypatch):
+    """A streamed chunk of 4 tokens 40 ms after the one before records 10 ms per token (the
+    dashboards' ITL), not 40. The clock is the test's."""
+    clock = [100.0]
+    monkeypatch.setattr(generation, "time", SimpleNamespace(perf_counter=lambda: clock[0], time=lambda: 0.0))
+
+    class Chunked(Stream):
+        async def _events(self):
+            yield {"token_ids": [7], "text": "a", "finish_reason": None, "replica_id": self.replica}
+            clock[0] += 0.040
+            yield {"token_ids": [7, 8, 9, 10], "text": "bcde", "finish_reason": "length"}
+
+    gaps: list[float] = []
+    metrics = SimpleNamespace(inter_token_latency=lambda tenant, qos, seconds: gaps.append(seconds))
+    replicas = Replicas()
+    replicas.remote = lambda request, replica_id=None: Chunked(replicas.log, request, "replica-0")
+    run = generation.GenerationRun(SimpleNamespace(llm=replicas, metrics=metrics),
+                                   _batch([[1, 2, 3]], n=1), None, None, chat=False, model="m")
+
+    async def go():
+        return [event async for _, event in run.all_events()]
+
+    assert len(asyncio.run(go())) == 2
+    assert gaps == [pytest.approx(0.010)]
