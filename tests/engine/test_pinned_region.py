@@ -158,3 +158,24 @@ def test_a_shrink_waits_its_full_delay_after_demand_came_back_in_between():
     assert sizer.decide(40, now=7.5) == 40            # 5.5 s after the first dip's start
     assert sizer.decide(40, now=12.4) == 40
     assert sizer.decide(40, now=12.5) == 4            # 5 s after this one's
+
+
+def test_the_region_grows_only_into_free_blocks_that_running_shared_requests_can_spare():
+    """A 25-block premium request pushes the region's target up (load sizing, ceiling 36 of
+    40 blocks) while four standard requests are about to need a third block each: the
+    region grows into the free shared blocks but leaves each running shared request one, so
+    none of them is preempted for it. Growing into all of them cost two preemptions."""
+    llm = LLM(device="cpu", num_kv_blocks=40, pinned_kv_blocks=4, pinned_kv_blocks_max=36)
+    e = llm.engine
+    sp = lambda n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)  # noqa: E731
+    for i in range(4):
+        e.add_request(f"standard-{i}", _prompt(31, i), sp(12), qos="standard")
+    e.add_request("premium", _prompt(400, 9), sp(2), qos="premium")
+    done, grown = {}, 0
+    while e.has_unfinished():
+        done.update({o.request_id: len(o.token_ids) for o in e.step() if o.finished})
+        grown = max(grown, e.pool.num_pinned)
+        e.check_integrity()
+    assert grown >= 28                                  # the region did grow into shared blocks
+    assert e.scheduler.num_preemptions == 0
+    assert done == {**{f"standard-{i}": 12 for i in range(4)}, "premium": 2}

@@ -77,9 +77,12 @@ def test_blocks_recomputed_after_a_preemption_are_cached_again():
     while batch.num_computed_tokens < 84:
         e.step()
     e.add_request("premium", _tokens(120, 32), SamplingParams(max_tokens=2, ignore_eos=True), qos="premium")
+    done = {}
     while e.has_unfinished():
-        e.step()
+        done.update({o.request_id: o for o in e.step() if o.finished})
         e.check_integrity()
     assert batch.num_preemptions == 1 and e.stats()["evictions"] >= 3
+    # its usage reports the cache hits of its first schedule (none), not of its return (32)
+    assert done["batch"].num_cached_tokens == 0 and len(done["batch"].token_ids) == 20
     assert e.kv.pool.prefix_closed
     assert llm.generate([prompt], GREEDY)[0].num_cached_tokens == 64

@@ -214,6 +214,29 @@ def test_preemption_does_not_count_pinned_blocks_for_a_class_that_cannot_use_the
     assert set(_run(e)) == {"gold", "std-a", "std-b"}
 
 
+def test_a_victims_blocks_that_are_the_requests_own_prefix_hit_make_no_room():
+    """A premium request whose prompt starts with a batch request's whole prompt would hit
+    that request's 4 blocks: preempting it gives those back only as the premium request's own
+    hits, so they make no room for the rest. With 2 free blocks, 1 more the batch request
+    owns and 7 needed, it is not preempted (the standard request beside it is not
+    preemptible); counting its hit blocks as room preempted it for nothing."""
+    llm = LLM(device="cpu", num_kv_blocks=13)
+    e = llm.engine
+    e.scheduler.preemptible["standard"] = False
+    prompt = _p(64, 1)
+    e.add_request("batch", prompt, _sp(20), qos="batch")           # 4 prompt blocks + 1
+    e.add_request("standard", _p(90, 2), _sp(30), qos="standard")  # 6 blocks
+    e.step()
+    e.step()
+    assert e.pool.num_free(False) == 2
+    e.add_request("premium", prompt + _p(100, 3), _sp(2), qos="premium")   # 11 blocks, 4 hit
+    e.step()
+    assert e.scheduler.num_preemptions == 0, "the batch request was preempted for nothing"
+    assert {r.request_id for r in e.scheduler.running} == {"batch", "standard"}
+    e.check_integrity()
+    assert _run(e) == {"batch": 20, "standard": 30, "premium": 2}
+
+
 def test_check_integrity_catches_a_leaked_reference_and_too_many_running():
     llm = LLM(device="cpu", num_kv_blocks=64, max_num_seqs=2)
     e = llm.engine

@@ -161,3 +161,25 @@ def test_the_learned_cost_model_never_has_a_negative_coefficient():
         model.observe(tokens=100, seqs=seqs, seconds=0.05 - 0.001 * seqs)
     assert all(c >= 0.0 for c in model.coef), model.coef
     assert model.estimate(100, 1000) > 0.0
+
+
+def test_an_idle_gap_between_steps_is_not_a_step_cost_sample():
+    """The cost model learns a step's duration from the time to the next schedule when the
+    engine steps back to back; a gap longer than a second is the engine idling (no request,
+    or the replica waiting for arrivals), and counting it would make every later step look
+    seconds long and trim lower classes to nothing."""
+    e = _llm(target_ms=None).engine
+    now = [0.0]
+    e.scheduler.clock = lambda: now[0]
+    e.add_request("a", _p(20, 1), _sp(8))
+    e.step()
+    now[0] += 0.01
+    e.step()                                          # back to back: the first step is a sample
+    samples = e.scheduler.cost.samples
+    assert samples >= 1
+    now[0] += 5.0                                     # idle
+    e.step()
+    assert e.scheduler.cost.samples == samples
+    now[0] += 0.01
+    e.step()
+    assert e.scheduler.cost.samples == samples + 1
