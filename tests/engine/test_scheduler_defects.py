@@ -214,6 +214,29 @@ def test_preemption_does_not_count_pinned_blocks_for_a_class_that_cannot_use_the
     assert set(_run(e)) == {"gold", "std-a", "std-b"}
 
 
+def test_a_victim_that_frees_nothing_usable_is_passed_over_for_one_that_does():
+    """Two lower-class requests run: a pinned class ranked lowest (its blocks in the pinned
+    region) and a batch class (shared blocks). A standard request that needs room takes it
+    from the batch request only; the pinned-class one, first in victim order, would free
+    nothing the standard request may use."""
+    classes = {"gold": QoSSpec(priority=10, pinned=True), "batch": QoSSpec(priority=20),
+               "standard": QoSSpec(priority=50)}
+    llm = LLM(device="cpu", num_kv_blocks=32, pinned_kv_blocks=16, qos_classes=classes,
+              max_num_batched_tokens=1024)
+    e = llm.engine
+    e.add_request("gold", _p(8 * 16 - 8, 1), _sp(20), qos="gold")         # 8 pinned blocks
+    e.add_request("batch", _p(6 * 16 - 8, 2), _sp(20), qos="batch")       # 6 shared blocks
+    e.step()
+    assert all(b.region == "pinned" for b in e.requests["gold"].blocks)
+    free = e.pool.num_free(False)
+    e.add_request("standard", _p((free + 4) * 16 - 8, 3), _sp(4), qos="standard")
+    e.step()
+    assert e.scheduler.preemptions_by_qos == {"batch": 1}
+    assert {r.request_id for r in e.scheduler.running} == {"gold", "standard"}
+    e.check_integrity()
+    assert _run(e) == {"gold": 20, "batch": 20, "standard": 4}
+
+
 def test_a_victims_blocks_that_are_the_requests_own_prefix_hit_make_no_room():
     """A premium request whose prompt starts with a batch request's whole prompt would hit
     that request's 4 blocks: preempting it gives those back only as the premium request's own
