@@ -224,6 +224,21 @@ def test_fresh_routing_stats_outweigh_a_leaked_in_flight_count():
     assert router._in_flight(replicas[0]) == 5 and router._in_flight(replicas[1]) == 0
 
 
+def test_requests_that_ended_since_the_last_report_do_not_count():
+    """Fresh stats bound the load from above only: a replica that reported 3 running
+    requests and has finished 2 of them since (Serve's count: 1) has a load of 1, and wins
+    a request with no prefix anywhere over a replica at 2."""
+    router = make_router(FakeShard())
+    now = time.time()
+    replicas = [FakeReplica("drained", num_running=3, num_waiting=0, at=now),
+                FakeReplica("busy", num_running=2, num_waiting=0, at=now)]
+    router._replica_queue_len_cache.update(replicas[0].replica_id, 1)
+    router._replica_queue_len_cache.update(replicas[1].replica_id, 2)
+    assert router._in_flight(replicas[0]) == 1 and router._in_flight(replicas[1]) == 2
+    ranks, _ = route(router, replicas, hashes=hash_prompt_blocks(list(range(500, 1500)), 16))
+    assert uids(ranks)[0] == ["drained"]
+
+
 def test_request_without_hashes_falls_back_to_power_of_two():
     router = make_router(FakeShard())
     ranks, pr = route(router, [FakeReplica(x) for x in "abcd"], hashes=[])
@@ -500,6 +515,28 @@ def test_what_the_router_remembers_per_request_stays_bounded():
 
     asyncio.run(go())
     assert len(router._guesses) == 4096
+
+
+def test_the_send_times_kept_per_replica_cover_only_the_fresh_stats_window(monkeypatch):
+    """The router keeps when it sent each replica a request, to count sends after the
+    replica's last report; it forgets those older than a report can be fresh (2 s), so a
+    router that routes for days keeps seconds of them."""
+    from types import SimpleNamespace
+
+    import kvharbor.platform.router as router_module
+
+    clock = [1000.0]
+    monkeypatch.setattr(router_module, "time", SimpleNamespace(time=lambda: clock[0]))
+    router = make_router(FakeShard())
+    replica = FakeReplica("a")
+
+    async def go():
+        for i in range(600):                          # 10 sends a second for a minute
+            clock[0] += 0.1
+            router.on_request_routed(pending(rid=f"r{i}"), replica.replica_id, None)
+
+    asyncio.run(go())
+    assert 19 <= len(router._sent["a"]) <= 21
 
 
 def test_round_robin_router_ranks_every_replica_once_starting_one_further_each_time():

@@ -57,6 +57,19 @@ def test_router_sends_later_turns_where_the_session_went_and_falls_back_when_it_
     assert uids(ranks)[0] == ["b"] and md(pr)["router_session_affinity"] is False
 
 
+def test_a_turn_without_block_hashes_still_goes_where_its_session_is():
+    """Power of two decides a request with no prefix to match (no block hashes), but not a
+    session's turn: that goes to the replica holding the session, every time."""
+    router = _router_with_prefix_on_b()
+    replicas = {x: FakeReplica(x) for x in "abcd"}
+    ranks, pr = route(router, list(replicas.values()), session_id="chat-1", rid="t1")
+    routed(router, pr, replicas["c"])
+    for i in range(12):
+        ranks, pr = route(router, list(replicas.values()), session_id="chat-1", rid=f"t{i + 2}", hashes=[])
+        assert uids(ranks)[0] == ["c"], uids(ranks)
+        assert md(pr)["router_session_affinity"] is True and md(pr)["router_policy"] == "pow2_fallback"
+
+
 def test_sessions_reported_by_replicas_are_found_and_scoped_per_tenant():
     router = _router_with_prefix_on_b()
     held = FakeReplica("a", sessions=[session_key("acme", "s1")])
