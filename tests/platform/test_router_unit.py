@@ -523,10 +523,9 @@ def test_the_send_times_kept_per_replica_cover_only_the_fresh_stats_window(monke
     router that routes for days keeps seconds of them."""
     from types import SimpleNamespace
 
-    import kvharbor.platform.router as router_module
-
-    clock = [1000.0]
-    monkeypatch.setattr(router_module, "time", SimpleNamespace(time=lambda: clock[0]))
+    clock = [1000.0]     # the method's own globals: another test unpickles the class by value
+    monkeypatch.setitem(KVAwareRouter.on_request_routed.__globals__, "time",
+                        SimpleNamespace(time=lambda: clock[0]))
     router = make_router(FakeShard())
     replica = FakeReplica("a")
 
