@@ -193,19 +193,27 @@ def test_preemption_happens_only_when_it_lets_the_request_in():
     assert set(_run(e)) == {"premium-a", "premium-b", "batch-0", "batch-1", "batch-2", "batch-3"}
 
 
+def _gold_running_beside(rid: str, qos: str, blocks: int):
+    """An engine whose classes are a pinned "gold" ranked lowest (priority 10), "batch" (20)
+    and "standard" (50), running a gold request on 8 pinned-region blocks and ``rid`` of
+    ``qos`` on ``blocks`` shared ones. Returns (engine, free shared blocks)."""
+    classes = {"gold": QoSSpec(priority=10, pinned=True), "batch": QoSSpec(priority=20),
+               "standard": QoSSpec(priority=50)}
+    llm = LLM(device="cpu", num_kv_blocks=32, pinned_kv_blocks=16, qos_classes=classes,
+              max_num_batched_tokens=1024)
+    e = llm.engine
+    e.add_request("gold", _p(8 * 16 - 8, 1), _sp(20), qos="gold")
+    e.add_request(rid, _p(blocks * 16 - 8, 2), _sp(20), qos=qos)
+    e.step()
+    assert all(b.region == "pinned" for b in e.requests["gold"].blocks)
+    return e, e.pool.num_free(False)
+
+
 def test_preemption_does_not_count_pinned_blocks_for_a_class_that_cannot_use_them():
     """A pinned class ranked below a shared one (tenants.yaml allows it): its running request
     holds pinned-region blocks, which a waiting shared-class request can never take, so it is
     not preempted for one that still would not fit."""
-    classes = {"gold": QoSSpec(priority=10, pinned=True), "standard": QoSSpec(priority=50)}
-    llm = LLM(device="cpu", num_kv_blocks=32, pinned_kv_blocks=16, qos_classes=classes,
-              max_num_batched_tokens=1024)
-    e = llm.engine
-    e.add_request("gold", _p(8 * 16 - 8, 1), _sp(20), qos="gold")        # 8 pinned blocks
-    e.add_request("std-a", _p(12 * 16 - 8, 2), _sp(20), qos="standard")  # 12 shared blocks
-    e.step()
-    assert all(b.region == "pinned" for b in e.requests["gold"].blocks)
-    free = e.pool.num_free(False)
+    e, free = _gold_running_beside("std-a", "standard", 12)
     e.add_request("std-b", _p((free + 2) * 16 - 8, 3), _sp(4), qos="standard")
     e.step()
     assert e.scheduler.num_preemptions == 0, "gold was preempted although its blocks are of no use"
@@ -219,16 +227,7 @@ def test_a_victim_that_frees_nothing_usable_is_passed_over_for_one_that_does():
     region) and a batch class (shared blocks). A standard request that needs room takes it
     from the batch request only; the pinned-class one, first in victim order, would free
     nothing the standard request may use."""
-    classes = {"gold": QoSSpec(priority=10, pinned=True), "batch": QoSSpec(priority=20),
-               "standard": QoSSpec(priority=50)}
-    llm = LLM(device="cpu", num_kv_blocks=32, pinned_kv_blocks=16, qos_classes=classes,
-              max_num_batched_tokens=1024)
-    e = llm.engine
-    e.add_request("gold", _p(8 * 16 - 8, 1), _sp(20), qos="gold")         # 8 pinned blocks
-    e.add_request("batch", _p(6 * 16 - 8, 2), _sp(20), qos="batch")       # 6 shared blocks
-    e.step()
-    assert all(b.region == "pinned" for b in e.requests["gold"].blocks)
-    free = e.pool.num_free(False)
+    e, free = _gold_running_beside("batch", "batch", 6)
     e.add_request("standard", _p((free + 4) * 16 - 8, 3), _sp(4), qos="standard")
     e.step()
     assert e.scheduler.preemptions_by_qos == {"batch": 1}
