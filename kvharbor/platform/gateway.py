@@ -479,8 +479,9 @@ class Gateway:
             queue = await asyncio.wait_for(self.class_queue.status.remote(), CALL_TIMEOUT_S)
         except (TimeoutError, RayActorError):
             raise unavailable("class queue") from None
+        in_flight = {q: 0 for q in self.registry.config.qos_classes} | queue["in_flight"]
         return {**self.registry.status(), "demo_keys_active": self.registry.active_demo_keys(),
-                "in_flight_by_qos": queue["in_flight"],
+                "in_flight_by_qos": in_flight,               # every class of tenants.yaml
                 "granted_idle_places_by_qos": queue["granted_idle"], "overload_guard": self.guard.state()}
 
     @api.post("/admin/cache/flush", responses=error_responses(400, 401, 403, 404, 503))

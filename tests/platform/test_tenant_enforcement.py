@@ -168,6 +168,11 @@ def test_admin_sees_all_tenants_and_a_tenant_only_itself(kvharbor_app):
                   headers={"Authorization": f"Bearer {DEMO['batch']}"})
     assert r.status_code == 403
     assert httpx.get(kvharbor_app.base_url + "/admin/tenants").status_code == 401
+    # the status lists every class of the tenants file, idle ones at 0
+    status = httpx.get(kvharbor_app.base_url + "/admin/tenants/status",
+                       headers={"Authorization": f"Bearer {DEMO['admin']}"}).json()
+    classes = yaml.safe_load(open(kvharbor_app.tenants_path))["qos_classes"]
+    assert set(status["in_flight_by_qos"]) >= set(classes), status["in_flight_by_qos"]
 
 
 def test_premium_requests_take_the_fast_lane_and_are_accounted(kvharbor_app):
