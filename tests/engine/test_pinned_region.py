@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -94,6 +96,13 @@ def test_region_resizes_from_free_blocks():
     assert llm.stats()["pinned_blocks_total"] == 20
     assert pool.resize_pinned(4) == 4
     pool.check_integrity()
+    held = pool.allocate(7, pinned=True)                # 4 pinned + 3 borrowed shared
+    assert pool.resize_pinned(8) == 8 and pool.free["pinned"].num_free == 4
+    more = pool.allocate(3, pinned=True)
+    assert pool.resize_pinned(2) == 7                   # every free pinned block goes, down to the last
+    pool.release(held + more)
+    assert pool.resize_pinned(2) == 2
+    pool.check_integrity()
 
 
 def test_pinned_prefix_survives_a_flood_of_other_premium_requests():
@@ -179,3 +188,33 @@ def test_the_region_grows_only_into_free_blocks_that_running_shared_requests_can
     assert grown >= 28                                  # the region did grow into shared blocks
     assert e.scheduler.num_preemptions == 0
     assert done == {**{f"standard-{i}": 12 for i in range(4)}, "premium": 2}
+
+
+def test_a_shared_class_request_that_fits_only_while_the_region_is_small_is_refused():
+    """With the region at 4 of 40 blocks but allowed to grow to 30 (load sizing), a standard
+    request of 21 blocks fits today and not once premium demand grows the region: it is
+    refused at once, with a message that says why; a premium request as long is accepted
+    (it may use the region)."""
+    llm = LLM(device="cpu", num_kv_blocks=40, pinned_kv_blocks=4, pinned_kv_blocks_max=30)
+    e = llm.engine
+    sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    with pytest.raises(ValueError, match=r"needs 21 KV blocks but only 10 exist for QoS class 'standard'.*"
+                                         r"and the pinned region do not count"):
+        e.add_request("standard", _prompt(320, 1), sp, qos="standard")
+    e.add_request("premium", _prompt(320, 1), sp, qos="premium")
+    while e.has_unfinished():
+        e.step()
+    llm.check_integrity()
+
+
+def test_two_pinned_prefixes_that_share_blocks_count_each_block_once():
+    """A second pinned prompt that starts with the first (a tenant's system prompt and a
+    longer one built on it) pins the shared blocks again: they are held forever once, so
+    capacity loses 12 blocks, not 8 + 12."""
+    llm = LLM(device="cpu", num_kv_blocks=64, pinned_kv_blocks=16)
+    e, system = llm.engine, _prompt(128, 7)
+    assert e.pin_prefix(system, qos="premium") == 8
+    assert e.pin_prefix(system + _prompt(64, 8), qos="premium") == 12
+    assert e.pool.permanent == {PINNED: 12, "shared": 0}
+    assert e.pool.capacity(True) == 64 - 12
+    llm.check_integrity()
