@@ -28,12 +28,19 @@ class FailingStream(Stream):
         yield {"error": "this choice's sampling parameters are bad", "status": 400, "retryable": False}
 
 
-def _run_with(stream_of, n: int) -> tuple[list, BaseException | None]:
+def _run(stream_of, n: int = 1, principal=None, **gateway) -> generation.GenerationRun:
+    """A run of ``n`` choices of one prompt; each replica call answers with the ``Stream``
+    class ``stream_of(request)`` returns. ``gateway``: fields of the fake gateway (metrics
+    default to none)."""
     replicas = Replicas()
     replicas.remote = lambda request, replica_id=None: stream_of(request)(replicas.log, request,
                                                                           replica_id or "replica-0")
-    run = generation.GenerationRun(SimpleNamespace(llm=replicas, metrics=NoMetrics()),
-                                   _batch([[1, 2, 3]], n=n), None, None, chat=False, model="m")
+    gw = SimpleNamespace(**{"llm": replicas, "metrics": NoMetrics(), **gateway})
+    return generation.GenerationRun(gw, _batch([[1, 2, 3]], n=n), principal, None, chat=False, model="m")
+
+
+def _events_of(run: generation.GenerationRun) -> tuple[list, BaseException | None]:
+    """``(choice index, text, finish reason)`` of every event, and the error that ended them."""
     events: list = []
 
     async def go():
@@ -48,14 +55,14 @@ def _run_with(stream_of, n: int) -> tuple[list, BaseException | None]:
 
 
 def test_a_stream_the_replica_ends_early_finishes_its_choice_as_aborted():
-    events, error = _run_with(lambda request: CutStream, n=1)
+    events, error = _events_of(_run(lambda request: CutStream))
     assert error is None and events == [(0, "a", None), (0, "", "abort")]
 
 
 def test_one_siblings_error_fails_the_whole_request():
     """``n`` = 2, the second choice's call is refused (400): the request fails with that error
     instead of answering the first choice alone."""
-    events, error = _run_with(lambda request: FailingStream if request.request_id == "r-1" else Stream, n=2)
+    events, error = _events_of(_run(lambda request: FailingStream if request.request_id == "r-1" else Stream, n=2))
     assert isinstance(error, generation.APIError) and error.status == 400, (events, error)
     assert "sampling parameters are bad" in error.message
 
@@ -66,7 +73,6 @@ class SlowStream(Stream):
     async def _events(self):
         await asyncio.sleep(0.05)
         yield {"token_ids": [7], "text": "a", "finish_reason": "length", "replica_id": self.replica}
-
 
 
 def test_a_first_token_later_than_the_class_slo_counts_as_missed():
@@ -81,12 +87,9 @@ def test_a_first_token_later_than_the_class_slo_counts_as_missed():
         metrics = SimpleNamespace(slo=lambda tenant, qos, met: seen.append(met),
                                   **{name: (lambda *args: None) for name in (
                                       "request_finished", "request_latency", "tokens", "ttft")})
-        replicas = Replicas()
-        replicas.remote = lambda request, replica_id=None: SlowStream(replicas.log, request, "replica-0")
-        gateway = SimpleNamespace(llm=replicas, metrics=metrics, ingress="main",
-                                  request_done=lambda qos, rid: None, admitter=SimpleNamespace(release=release))
-        principal = SimpleNamespace(qos=SimpleNamespace(ttft_slo_ms=slo_ms))
-        run = generation.GenerationRun(gateway, _batch([[1, 2, 3]], n=1), principal, None, chat=False, model="m")
+        run = _run(lambda request: SlowStream, principal=SimpleNamespace(qos=SimpleNamespace(ttft_slo_ms=slo_ms)),
+                   metrics=metrics, ingress="main", request_done=lambda qos, rid: None,
+                   admitter=SimpleNamespace(release=release))
         asyncio.run(run.complete())
         return seen
 
@@ -108,13 +111,6 @@ def test_inter_token_latency_is_per_token_when_an_event_carries_several(monkeypa
 
     gaps: list[float] = []
     metrics = SimpleNamespace(inter_token_latency=lambda tenant, qos, seconds: gaps.append(seconds))
-    replicas = Replicas()
-    replicas.remote = lambda request, replica_id=None: Chunked(replicas.log, request, "replica-0")
-    run = generation.GenerationRun(SimpleNamespace(llm=replicas, metrics=metrics),
-                                   _batch([[1, 2, 3]], n=1), None, None, chat=False, model="m")
-
-    async def go():
-        return [event async for _, event in run.all_events()]
-
-    assert len(asyncio.run(go())) == 2
+    events, error = _events_of(_run(lambda request: Chunked, metrics=metrics))
+    assert error is None and len(events) == 2
     assert gaps == [pytest.approx(0.010)]

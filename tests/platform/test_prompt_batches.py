@@ -90,4 +90,3 @@ def test_each_prompt_leads_its_own_choices_to_the_replica_that_cached_it():
     assert usage["prompt_tokens"] == 3 + 5                       # each prompt once
     assert usage["completion_tokens"] == 4 * 2
     assert usage["prompt_tokens_details"]["cached_tokens"] == 2 + 4      # each leader's hits
-
