@@ -6,7 +6,9 @@ count when the class queue refuses, and the leases of queue places. Harness (no 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
+from kvharbor.platform import admission_flow
 from kvharbor.platform.class_queue import ClassQueue
 from kvharbor.platform.openai_protocol import APIError
 from kvharbor.platform.overload_guard import OverloadGuard
@@ -67,5 +69,80 @@ def test_a_running_requests_queue_place_is_renewed_past_its_lease():
         assert cluster.queue.snapshot() == {"standard": 1}
         await finish(gw, globex, "s0", running, 5)
         assert cluster.queue.snapshot() == {"standard": 0}
+
+    run(scenario())
+
+
+def test_a_requests_per_minute_refusal_is_answered_from_memory_until_its_retry_after(monkeypatch):
+    """A tenant over requests_per_minute is refused by the gateway itself, with no actor call
+    and a Retry-After that counts down, until that time has passed or tenants.yaml changed."""
+    cluster = Cluster()
+    monkeypatch.setattr(admission_flow, "time", SimpleNamespace(time=cluster.clock))
+    gw = cluster.gateway()
+    globex = cluster.principal("globex", qos="standard", requests_per_minute=1)
+
+    async def scenario():
+        first = await request(gw, globex, "s0")
+        await finish(gw, globex, "s0", first, 5)
+        refused = await request(gw, globex, "s1")                  # the actor's refusal
+        assert isinstance(refused, APIError) and refused.code == "requests_per_minute", refused
+        wait = int(refused.headers["Retry-After"])
+        assert 30 < wait <= 60, wait
+        assert cluster.queue.snapshot() == {"standard": 0}          # its queue place is back
+        calls = dict(cluster.calls)
+        cluster.clock.t += 20
+        remembered = await request(gw, globex, "s2")
+        assert isinstance(remembered, APIError) and remembered.code == "requests_per_minute"
+        assert cluster.calls == calls, "a remembered refusal made an actor call"
+        assert int(remembered.headers["Retry-After"]) == wait - 20
+        cluster.registry.version += 1                             # a reload: ask the actor again
+        asked = await request(gw, globex, "s3")
+        assert isinstance(asked, APIError) and asked.code == "requests_per_minute", asked
+        assert cluster.calls["try_admit"] == calls["try_admit"] + 1
+        cluster.clock.t += int(asked.headers["Retry-After"])
+        admitted = await request(gw, globex, "s4")
+        assert not isinstance(admitted, APIError), admitted
+
+    run(scenario())
+
+
+def test_an_admission_service_that_does_not_answer_gives_503_and_the_queue_place_back():
+    """The admission actor times out: the client is told to retry (503 with Retry-After), and
+    the class-queue place and the overload guard's count taken for the request are given back."""
+    cluster = Cluster()
+    gw = cluster.gateway(guard=OverloadGuard(lag_target_ms=1000.0))
+    globex = cluster.principal("globex", qos="standard")
+
+    async def silent(*args, **kwargs):
+        raise TimeoutError
+
+    object.__setattr__(gw.admission, "try_admit", silent)
+
+    async def scenario():
+        error = await request(gw, globex, "s0")
+        assert isinstance(error, APIError) and error.status == 503, error
+        assert error.code == "admission_unavailable" and error.headers["Retry-After"] == "1"
+        assert cluster.queue.snapshot() == {"standard": 0}
+        assert gw.guard.in_flight == 0
+
+    run(scenario())
+
+
+def test_an_actor_admitted_requests_ticket_is_renewed_past_its_lease():
+    """The admission actor's tickets are leased like queue places: a live request's ticket is
+    renewed and keeps the tenant's concurrency slot however long the request runs."""
+    cluster = Cluster()
+    gw = cluster.gateway(lease_s=0.3)               # renewals every 0.1 s
+    globex = cluster.principal("globex", qos="standard", max_concurrent_requests=1)
+
+    async def scenario():
+        running = await request(gw, globex, "s0")
+        for _ in range(3):                           # three leases of the actor's clock
+            cluster.lease_clock.t += 6
+            await asyncio.sleep(0.25)
+        refused = await request(gw, globex, "s1")
+        assert isinstance(refused, APIError) and refused.code == "max_concurrent_requests", refused
+        await finish(gw, globex, "s0", running, 5)
+        assert not isinstance(await request(gw, globex, "s2"), APIError)
 
     run(scenario())
