@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kvharbor.platform.class_queue import ClassQueue
+from kvharbor.tenants.leases import LeaseTable
 
 PRIORITIES = {"premium": 100, "standard": 50, "batch": 10}
 
@@ -29,8 +30,10 @@ def test_leave_frees_room_and_never_goes_negative():
 
 
 def test_classes_removed_from_the_config_are_not_counted():
+    """Requests of a class tenants.yaml no longer lists shed no class, even one of priority 0."""
     q = ClassQueue({"gold": 5})
     assert q.enter("batch", PRIORITIES, 1) is None
+    assert q.enter("free", {"free": 0}, 1) is None
 
 
 def test_status_counts_requests_not_the_places_a_gateway_holds_idle():
@@ -81,3 +84,45 @@ def test_a_standard_refusal_leaves_premiums_idle_places_alone():
     assert [q.enter("standard", PRIORITIES, 3) for _ in range(4)] == [None] * 3 + [3]
     assert q.enter_or_recall("standard", PRIORITIES, 3) == (3, False)
     assert not q.recall
+
+
+def test_a_place_renewed_after_its_lease_ran_out_is_gone():
+    """A gateway that could not renew for a whole lease gets its place back as unknown (it was
+    given back), not revived on top of the places others have taken since."""
+    q = ClassQueue(leases=LeaseTable(10))
+    assert q.enter("standard", PRIORITIES, 5, "p", now=0.0) is None
+    assert q.renew(["p"], now=11.0) == ["p"]
+    assert q.snapshot() == {"standard": 0}
+
+
+def test_a_dead_gateways_idle_places_stop_counting_as_idle():
+    """Gateway A holds 4 idle premium places and dies (its holder lease runs out): the places
+    come back, and neither the operator's status nor standard's shedding still counts them."""
+    q = ClassQueue(leases=LeaseTable(10), holders=LeaseTable(10))
+    q.sync_places("gw-a", PRIORITIES, [("premium", 10, 0, 4, False, 0)], seq=1, now=0.0)
+    assert q.expire(now=11.0) == 1
+    assert q.snapshot() == {"premium": 0}
+    assert q.status() == {"in_flight": {"premium": 0}, "granted_idle": {}}
+    assert [q.enter("standard", PRIORITIES, 2, now=11.0) for _ in range(3)] == [None, None, 2]
+
+
+def test_a_gateway_gives_back_no_more_places_than_it_was_granted():
+    """A sync reporting more places given back than the gateway was granted frees only its own
+    places, never those of requests in flight elsewhere."""
+    q = ClassQueue()
+    assert [q.enter("premium", PRIORITIES, 10) for _ in range(4)] == [None] * 4
+    # (qos, max_queue, back, want, held, free): room 6, a grant takes at most half: 3
+    assert q.sync_places("gw-a", PRIORITIES, [("premium", 10, 0, 4, False, 0)], seq=1) == \
+        [("premium", 3, True, False)]
+    q.sync_places("gw-a", PRIORITIES, [("premium", 10, 5, 0, True, 0)], seq=2)
+    assert q.snapshot() == {"premium": 4}
+
+
+def test_a_grant_of_places_leaves_room_for_the_classes_above():
+    """The room a grant is cut from is max_queue less the places of its class and of every
+    class above it: 8 critical requests in flight leave premium 2, of which a grant takes 1."""
+    priorities = {"critical": 200, **PRIORITIES}
+    q = ClassQueue()
+    assert [q.enter("critical", priorities, 10) for _ in range(8)] == [None] * 8
+    assert q.sync_places("gw-a", priorities, [("premium", 10, 0, 4, False, 0)], seq=1) == \
+        [("premium", 1, True, False)]
