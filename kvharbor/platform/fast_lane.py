@@ -98,6 +98,7 @@ class _Allowance:
     tokens: int = 0
     slots: int = 0
     on_slots: int = 0             # running requests holding a slot of the grant
+    running: int = 0              # requests admitted here and not yet released
     void: tuple[int, int, int] = (0, 0, 0)   # free units of old limits, given back next sync
     used_requests: int = 0        # admitted since the last report
     used_tokens: int = 0          # net of refunds, since the last report
@@ -206,6 +207,7 @@ class FastLane:
             a.tokens -= cost
             a.used_tokens += cost
         a.used_requests += 1
+        a.running += 1
         self.admitted += 1
         return LocalTicket(principal.tenant, principal.qos_name, cost if need_t else 0, need_s,
                            a.epoch)
@@ -214,6 +216,7 @@ class FastLane:
         a = self.tenants.get(ticket.tenant)
         if a is None or a.epoch != ticket.epoch:
             return
+        a.running -= 1
         if ticket.slot:
             a.on_slots -= 1
             a.slots += 1
@@ -225,6 +228,11 @@ class FastLane:
             unused = ticket.cost - tokens_used
             a.tokens += unused
             a.used_tokens -= unused
+        else:
+            # No token limit, so nothing was reserved; what was used still counts in the
+            # tenant's tokens_today (the actor path charges it too): at the next sync.
+            a.used_tokens += tokens_used
+            self._wake()
 
     def _allowance(self, tenant: str, lim: TenantLimits, old: _Allowance | None) -> _Allowance:
         """A fresh allowance under the current limits; an old one's free units are given back
@@ -253,7 +261,7 @@ class FastLane:
 
     def holding(self) -> bool:
         return self._pending_tenants is not None or self._pending_places is not None or \
-            any(a.held or a.on_slots or a.used_requests or any(a.void)
+            any(a.held or a.running or a.used_requests or a.used_tokens or any(a.void)
                 for a in self.tenants.values()) or \
             any(p.held or p.in_use or p.void for p in self.places.values())
 
@@ -317,7 +325,7 @@ class FastLane:
         self._pending_tenants = None
         for a, answer in zip(sent, answers):
             if not answer.known:           # the actor forgot us (restart, expiry): start over
-                a.requests = a.tokens = a.slots = a.on_slots = 0
+                a.requests = a.tokens = a.slots = a.on_slots = a.running = 0
                 a.held = False
                 a.epoch = next(self._epochs)
                 continue
@@ -332,7 +340,7 @@ class FastLane:
             # The actor's grant is our free units, the slots in use and unreported use.
             a.held = bool(a.requests or a.tokens or a.slots or a.on_slots or a.used_requests)
         for tenant in [t for t, a in self.tenants.items()
-                       if not (a.held or a.on_slots or a.arrivals or a.used_requests or any(a.void))]:
+                       if not (a.held or a.running or a.arrivals or a.used_requests or any(a.void))]:
             del self.tenants[tenant]
 
     def _tenant_report(self, tenant: str, a: _Allowance) -> GrantReport | None:

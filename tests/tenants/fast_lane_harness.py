@@ -109,8 +109,9 @@ def assert_books_balance(cluster: Cluster, gws: list[Admitter]) -> None:
             mine = (0, 0, 0) if a is None else (a.requests + a.used_requests + a.void[0],
                                                  a.tokens + a.used_tokens + a.void[1],
                                                  a.slots + a.on_slots + a.void[2])
-            if a is not None and not a.needs()[0]:
-                mine = (actor[0], *mine[1:])          # no request limit: units not counted here
+            if a is not None:                       # no request or token limit: not counted
+                need_r, need_t, _ = a.needs()       # here (used tokens are charged, not granted)
+                mine = (mine[0] if need_r else actor[0], mine[1] if need_t else actor[1], mine[2])
             assert actor == mine, (tenant, actor, mine)
         places = cluster.queue.grants.get(lane.holder, {})
         for qos in set(places) | set(lane.places):

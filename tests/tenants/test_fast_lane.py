@@ -103,6 +103,7 @@ def test_a_tenant_sending_every_second_keeps_its_grant_between_requests():
             for _ in range(4):
                 await gw.lane.sync()
         assert paths == [False, True, True, True, True], paths
+        assert cluster.calls["enter_or_recall"] == 1          # its class's places held too
         # Nothing runs: the operator's view has no request in flight, the slots the grant
         # keeps idle are listed apart (and still count against the tenant's limit).
         usage = cluster.controller.usage("acme")
@@ -443,5 +444,83 @@ def test_a_sync_whose_answer_is_lost_is_applied_once(lost):
         state = cluster.controller._tenants["acme"]
         assert state.admitted_total == 4 and state.in_flight == 0
         assert sum(cluster.queue.snapshot().values()) == 0
+
+    run(scenario())
+
+
+def test_a_reload_that_lowers_max_queue_stops_local_places_beyond_it():
+    """The gateway holds a grant of premium places; tenants.yaml lowers premium's max_queue to
+    2: the places held under the old limit are not used again, and no more than 2 premium
+    requests run at once."""
+    cluster = Cluster()
+    gw = cluster.gateway()
+    acme = cluster.principal("acme")
+
+    async def scenario():
+        for i in range(9):                           # enough arrivals to grow the grant
+            await finish(gw, acme, f"r{i}", await request(gw, acme, f"r{i}"), 5)
+        await gw.lane.sync()
+        assert gw.lane.places["premium"].free >= 8
+        cluster.registry.version += 1
+        cluster.registry.config.qos_classes["premium"].max_queue = 2
+        tickets = [await request(gw, acme, f"n{i}") for i in range(4)]
+        await gw.lane.sync()
+        tickets += [await request(gw, acme, f"m{i}") for i in range(2)]
+        refused = [t for t in tickets if isinstance(t, APIError)]
+        assert len(tickets) - len(refused) == 2, tickets
+        assert {t.code for t in refused} == {"queue_full"}, refused
+
+    run(scenario())
+
+
+def test_places_all_in_use_at_a_sync_stay_held_and_are_void_when_forgotten():
+    """A sync finds every place of the grant in use and no room for more (another gateway
+    took the rest of max_queue): the gateway still holds its grant, so when the class queue
+    restarts it learns the grant is gone and its running requests give no place back."""
+    cluster = Cluster(max_queue=4)
+    gw, other = cluster.gateway(), cluster.gateway()
+    acme = cluster.principal("acme")
+
+    async def scenario():
+        await finish(gw, acme, "r0", await request(gw, acme, "r0"), 5)
+        await gw.lane.sync()                     # half the room: 2 places
+        running = [await request(gw, acme, f"r{i}") for i in (1, 2)]
+        assert all(isinstance(t, LocalTicket) for t in running), running
+        elsewhere = [await request(other, acme, f"o{i}") for i in (1, 2)]
+        assert not any(isinstance(t, APIError) for t in elsewhere), elsewhere
+        await gw.lane.sync()                     # room 0: nothing added, nothing free
+        assert (gw.lane.places["premium"].free, gw.lane.places["premium"].in_use) == (0, 2)
+        cluster.queue = ClassQueue(leases=LeaseTable(10), holders=LeaseTable(10))
+        gw.class_queue._target = cluster.queue
+        await gw.lane.sync()
+        for i, t in zip((1, 2), running):
+            await finish(gw, acme, f"r{i}", t, 5)
+        assert_books_balance(cluster, [gw])
+
+    run(scenario())
+
+
+def test_a_tenant_without_token_limits_is_charged_the_tokens_its_requests_used():
+    """tokens_today counts every token a tenant used, as on the actor path, when its premium
+    requests are admitted from a grant that reserves none (it has no token limit), and when a
+    request outlives the syncs that gave the rest of the grant back."""
+    cluster = Cluster()
+    gw = cluster.gateway()
+    acme = cluster.principal("acme", max_concurrent_requests=64)
+    free = cluster.principal("free")                 # no limit at all: nothing is granted
+
+    async def scenario():
+        for i in range(4):
+            await finish(gw, acme, f"r{i}", await request(gw, acme, f"r{i}"), 15)
+            await gw.lane.sync()
+        assert gw.metrics.paths == {"actor": 1, "fast_lane": 3}
+        assert cluster.controller.usage("acme")["tokens_today"] == 4 * 15
+        long = await request(gw, free, "f0")
+        assert isinstance(long, LocalTicket), long
+        for _ in range(QUIET_SYNCS + 2):
+            await gw.lane.sync()
+        await finish(gw, free, "f0", long, 40)
+        await gw.lane.sync()
+        assert cluster.controller.usage("free")["tokens_today"] == 40
 
     run(scenario())
