@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import ast
+import os
 import random
+import subprocess
+import sys
 import threading
 from collections import OrderedDict
 
@@ -10,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvharbor.actors.prefix_directory import MatchInfo, PrefixIndex
+from kvharbor.actors.prefix_directory import MatchInfo, PrefixIndex, shard_of
 from kvharbor.engine.hashing import BlockHash, hash_prompt_blocks
 
 
@@ -157,6 +161,20 @@ def test_memory_bound_evicts_least_recently_stored_or_matched(make_index):
     stats = idx.stats()
     assert stats["num_entries"] <= 6 and stats["evicted_entries"] == 2
     assert idx.apply_events("b", 1, removed=hot)   # removal of forgotten blocks is a no-op
+    idx.check_integrity()
+
+
+def test_a_hash_stored_again_becomes_the_most_recent(make_index):
+    """A hash another replica stores (a second holder of a popular prefix) is fresh again for
+    the bound: an older hash is forgotten before it."""
+    idx = make_index(max_blocks=4)
+    shared, other = chain(1, "shared"), chain(1, "other")
+    assert idx.apply_events("a", 0, stored=shared)
+    assert idx.apply_events("a", 1, stored=other)
+    assert idx.apply_events("b", 0, stored=shared)        # 3 entries; shared is the newest
+    assert idx.apply_events("c", 0, stored=chain(2, "new"))   # 5 > 4: the LRU hash goes
+    assert idx.match(other) == {}
+    assert set(idx.match(shared)) == {"a", "b"}
     idx.check_integrity()
 
 
@@ -410,3 +428,17 @@ def test_a_view_the_bound_trimmed_stays_unclosed_until_its_resync():
     idx.check_integrity()
     idx.remove_replica("a")
     assert idx.closed_replicas() == [] and idx.stats()["closed_replicas"] == 0
+
+
+def test_a_replicas_shard_is_the_same_in_every_process():
+    """Replicas send their events to the shard ``shard_of`` names and routers in other
+    processes follow that shard: the mapping must not change with the process (Python's own
+    string hash is salted per process)."""
+    here = [shard_of(f"replica-{i}", 4) for i in range(16)]
+    assert len(set(here)) > 1
+    code = ("from kvharbor.actors.prefix_directory import shard_of; "
+            "print([shard_of(f'replica-{i}', 4) for i in range(16)])")
+    for seed in ("1", "2"):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             check=True, env={**os.environ, "PYTHONHASHSEED": seed}).stdout
+        assert ast.literal_eval(out.strip()) == here, seed
