@@ -340,7 +340,8 @@ class FastLane:
             # The actor's grant is our free units, the slots in use and unreported use.
             a.held = bool(a.requests or a.tokens or a.slots or a.on_slots or a.used_requests)
         for tenant in [t for t, a in self.tenants.items()
-                       if not (a.held or a.running or a.arrivals or a.used_requests or any(a.void))]:
+                       if not (a.held or a.running or a.arrivals or a.used_requests or a.used_tokens
+                               or any(a.void))]:
             del self.tenants[tenant]
 
     def _tenant_report(self, tenant: str, a: _Allowance) -> GrantReport | None:

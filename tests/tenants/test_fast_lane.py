@@ -524,3 +524,33 @@ def test_a_tenant_without_token_limits_is_charged_the_tokens_its_requests_used()
         assert cluster.controller.usage("free")["tokens_today"] == 40
 
     run(scenario())
+
+
+def test_tokens_used_while_a_sync_is_on_its_way_are_charged_at_the_next():
+    """A request ends while a sync's answer is on its way, after that sync's report was taken:
+    what it used waits for the next sync, even though the tenant's entry holds nothing else."""
+    cluster = Cluster()
+    gw = cluster.gateway()
+    free = cluster.principal("free")                 # no limit: admitted here, nothing granted
+    sent, gate = asyncio.Event(), asyncio.Event()
+    original = gw.lane._sync_grants
+
+    async def slow(holder, reports, seq=0):
+        sent.set()
+        await gate.wait()
+        return await original(holder, reports, seq)
+
+    async def scenario():
+        ticket = await request(gw, free, "f0")
+        assert isinstance(ticket, LocalTicket), ticket
+        gw.lane._sync_grants = slow
+        syncing = asyncio.create_task(gw.lane.sync())
+        await sent.wait()                            # its report is taken; the answer waits
+        await finish(gw, free, "f0", ticket, 40)
+        gate.set()
+        await syncing
+        gw.lane._sync_grants = original
+        await gw.lane.sync()
+        assert cluster.controller.usage("free")["tokens_today"] == 40
+
+    run(scenario())
