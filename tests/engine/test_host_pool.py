@@ -47,6 +47,46 @@ def test_locked_and_owned_slots_are_never_reused():
     host.check_integrity()
 
 
+def test_a_slot_locked_twice_stays_locked_until_both_copies_are_done():
+    """Two pending copies of one block (two requests hit it in one step): the first copy done
+    leaves the slot locked for the second; only then may it be dropped."""
+    host = _pool(1)
+    slot = host.reserve(_h(0))
+    host.lock(slot)
+    host.lock(slot)
+    host.unlock(slot)
+    assert host.reserve(_h(1)) is None and host.lookup(_h(0)) == slot
+    host.unlock(slot)
+    assert host.reserve(_h(1)) == slot
+    host.check_integrity()
+
+
+def test_a_block_loaded_back_becomes_the_most_recent():
+    """A host hit (its slot locked for the copy back) is fresh for the LRU: the next slot
+    needed drops an older block, not the one just used."""
+    host = _pool(2)
+    first = host.reserve(_h(0))
+    host.reserve(_h(1))
+    host.lock(first)
+    host.unlock(first)
+    host.reserve(_h(2))
+    assert host.lookup(_h(0)) == first and host.lookup(_h(1)) is None
+    host.check_integrity()
+
+
+def test_a_flush_drops_every_unlocked_block_and_reports_it():
+    """``drop_all_cached`` (a cache flush) keeps a block whose copy is pending, and each block
+    it drops is a "removed" event, so the routers' indexes forget it."""
+    host = _pool(3)
+    slots = [host.reserve(_h(i)) for i in range(3)]
+    host.drain_events()
+    host.lock(slots[1])
+    assert host.drop_all_cached() == 2
+    assert host.lookup(_h(1)) == slots[1] and host.lookup(_h(0)) is None
+    assert host.drain_events() == ([], [_h(0), _h(2)])
+    host.check_integrity()
+
+
 def test_transfer_saves_before_it_loads():
     """A block reused in the same step is saved before a load overwrites it."""
     caches = [LayerKVCache(torch.arange(8.0).view(4, 2, 1, 1), torch.arange(8.0).view(4, 2, 1, 1) + 100)]
