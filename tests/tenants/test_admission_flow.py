@@ -1,7 +1,7 @@
 """The gateway's side of admission (``kvharbor.platform.admission_flow.Admitter``) for the
-classes that take the actor calls: which refusals a gateway remembers, the overload guard's
-count when the class queue refuses, and the leases of queue places. Harness (no Ray):
-``fast_lane_harness.py``."""
+classes that take the actor calls: which refusals a gateway remembers and for how long, what
+is given back when the class queue refuses or the admission actor does not answer, and the
+leases of queue places and tickets. Harness (no Ray): ``fast_lane_harness.py``."""
 
 from __future__ import annotations
 
