@@ -19,15 +19,21 @@ def reference(llm: LLM, prompt: list[int]) -> torch.Tensor:
         return torch.log_softmax(llm.hf_model(torch.tensor([prompt])).logits[0].float(), dim=-1)
 
 
+TOL = 5e-4
+"""The engine's kernels and transformers' forward round differently: up to 1.1e-4 apart on an
+AVX2-only AMD EPYC (a prompt resumed in chunks after a preemption); a score of the wrong
+position or token is off by far more."""
+
+
 def assert_scores(llm: LLM, prompt: list[int], scored: list, k: int) -> None:
     ref = reference(llm, prompt)
     assert len(scored) == len(prompt) and scored[0] is None
     for i in range(1, len(prompt)):
         lp = scored[i]
-        assert abs(lp.logprob - float(ref[i - 1, prompt[i]])) < 1e-4, i
+        assert abs(lp.logprob - float(ref[i - 1, prompt[i]])) < TOL, i
         best = ref[i - 1].topk(k)
         assert [t for t, _ in lp.top] == best.indices.tolist(), i
-        assert all(abs(v - w) < 1e-4 for (_, v), w in zip(lp.top, best.values.tolist())), i
+        assert all(abs(v - w) < TOL for (_, v), w in zip(lp.top, best.values.tolist())), i
 
 
 @pytest.mark.parametrize("model_path", ["kvharbor", "transformers"])

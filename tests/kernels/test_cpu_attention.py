@@ -73,7 +73,8 @@ def test_quantized_cache_reads_dequantized_keys_everywhere(cache_dtype):
 def test_prefills_run_only_from_their_first_read_row(monkeypatch):
     """The last layer reads only the sampled rows: a prefill through the C++ kernel runs from
     its first read row (a fresh one and one over a cached prefix), one with no read row not
-    at all, and the read rows are bit for bit what the whole step gives them."""
+    at all, and the read rows are what the whole step gives them (to float rounding: the
+    kernel's sums may depend on how many rows it runs, 6.6e-7 apart on an AVX2-only EPYC)."""
     q_lens, kv_lens = [1, 70, 40, 13, 1], [50, 70, 300, 13, 90]
     batch = make_batch(q_lens, kv_lens, heads=9, kv_heads=3, head_dim=32, block_size=16,
                        dtype=torch.float32, seed=8)
@@ -87,7 +88,7 @@ def test_prefills_run_only_from_their_first_read_row(monkeypatch):
     read = [0, 70, 100, 110, 124]
     part = run_planned(batch, only=read)
     assert queries == [1, 11]                   # from row 70 of [1, 71); from 100 of [71, 111)
-    assert torch.equal(part[read], whole[read])
+    torch.testing.assert_close(part[read], whole[read], rtol=1e-5, atol=1e-5)
     queries.clear()
     assert run_planned(batch, only=[]).shape == whole.shape and queries == []   # nothing read
 
