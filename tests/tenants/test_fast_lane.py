@@ -20,6 +20,22 @@ from kvharbor.tenants.limits import AdmissionController
 from tests.tenants.fast_lane_harness import (Cluster, Counted, CountedAdmission, Metrics,
                                              assert_books_balance, finish, request, run)
 
+
+def held_grant_sync(gw: Admitter):
+    """The gateway's grant sync with its answer held back: ``(slow, sent, gate)``. Install
+    ``slow`` as ``gw.lane._sync_grants``; ``sent`` is set once a report has gone out, and the
+    answer comes once the test sets ``gate``."""
+    sent, gate = asyncio.Event(), asyncio.Event()
+    original = gw.lane._sync_grants
+
+    async def slow(holder, reports, seq=0):
+        sent.set()
+        await gate.wait()
+        return await original(holder, reports, seq)
+
+    return slow, sent, gate
+
+
 def test_premium_requests_after_the_first_sync_make_no_actor_call():
     cluster = Cluster()
     gw = cluster.gateway()
@@ -313,13 +329,7 @@ def test_a_request_admitted_while_the_actor_forgets_the_grant_gives_nothing_back
     cluster = Cluster()
     gw = cluster.gateway()
     acme = cluster.principal("acme", max_concurrent_requests=16)
-    sent, gate = asyncio.Event(), asyncio.Event()
-    original = gw.lane._sync_grants
-
-    async def slow(holder, reports, seq=0):
-        sent.set()
-        await gate.wait()
-        return await original(holder, reports, seq)
+    slow, sent, gate = held_grant_sync(gw)
 
     async def scenario():
         await finish(gw, acme, "r0", await request(gw, acme, "r0"), 5)
@@ -532,13 +542,8 @@ def test_tokens_used_while_a_sync_is_on_its_way_are_charged_at_the_next():
     cluster = Cluster()
     gw = cluster.gateway()
     free = cluster.principal("free")                 # no limit: admitted here, nothing granted
-    sent, gate = asyncio.Event(), asyncio.Event()
     original = gw.lane._sync_grants
-
-    async def slow(holder, reports, seq=0):
-        sent.set()
-        await gate.wait()
-        return await original(holder, reports, seq)
+    slow, sent, gate = held_grant_sync(gw)
 
     async def scenario():
         ticket = await request(gw, free, "f0")
