@@ -114,6 +114,12 @@ class _Allowance:
                 lim.tokens_per_minute is not None or lim.daily_token_budget is not None,
                 lim.max_concurrent_requests is not None)
 
+    def busy(self) -> bool:
+        """Whether the syncs still have this tenant's business to settle: a grant held,
+        requests running on it, use not yet reported, or old units to give back."""
+        return bool(self.held or self.running or self.used_requests or self.used_tokens
+                    or any(self.void))
+
 
 @dataclass(slots=True)
 class _Places:
@@ -261,8 +267,7 @@ class FastLane:
 
     def holding(self) -> bool:
         return self._pending_tenants is not None or self._pending_places is not None or \
-            any(a.held or a.running or a.used_requests or a.used_tokens or any(a.void)
-                for a in self.tenants.values()) or \
+            any(a.busy() for a in self.tenants.values()) or \
             any(p.held or p.in_use or p.void for p in self.places.values())
 
     def _hurry(self) -> None:
@@ -339,9 +344,7 @@ class FastLane:
             a.slots += answer.slots
             # The actor's grant is our free units, the slots in use and unreported use.
             a.held = bool(a.requests or a.tokens or a.slots or a.on_slots or a.used_requests)
-        for tenant in [t for t, a in self.tenants.items()
-                       if not (a.held or a.running or a.arrivals or a.used_requests or a.used_tokens
-                               or any(a.void))]:
+        for tenant in [t for t, a in self.tenants.items() if not (a.busy() or a.arrivals)]:
             del self.tenants[tenant]
 
     def _tenant_report(self, tenant: str, a: _Allowance) -> GrantReport | None:
