@@ -141,7 +141,8 @@ def start(args):
     """``(machine info, limits, checkpoint, kvharbor's LLM)`` for a benchmark's parsed ``args``
     (``--model``, ``--checkpoints``, ``--block-size``): the machine is read before anything
     loads; the bytes kvharbor's process holds in huge pages once its engine is built, and the
-    row counts its CPU products chose at start (``cpu_linear.few_rows`` / ``many_rows``)."""
+    row counts its CPU products chose at start (``cpu_linear.few_rows`` / ``many_rows``, and
+    from how many rows the few-row product is ``cpu_gemv``'s kernel)."""
     from kvharbor.engine import host_memory
 
     info, limits = machine(), Limits()
@@ -152,6 +153,7 @@ def start(args):
     if fast is not None and fast.projections and hasattr(fast.projections[0], "linears"):
         layer = fast.projections[0].linears()[0]
         info["kvharbor_few_rows"], info["kvharbor_many_rows"] = layer.few_rows, layer.many_rows
+        info["kvharbor_gemv_from"] = layer.gemv_from if layer.panels is not None else None
     return info, limits, ckpt, llm
 
 

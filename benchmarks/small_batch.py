@@ -88,6 +88,7 @@ def report(args, info, runs) -> int:
     print(table(rows, ["mode", "system", "output_tokens_per_s", "elapsed_s", "output_tokens",
                        "kvharbor_speed_ratio", "identical_to_kvharbor"]))
     print("kvharbor's few-row product up to (rows, measured at start):", info.get("kvharbor_few_rows"),
+          "| its own kernel (cpu_gemv) from:", info.get("kvharbor_gemv_from"),
           "| its host memory in huge pages:", info["kvharbor_host_huge_page_bytes"] >> 20, "MB")
     info["load_avg_at_end"] = os.getloadavg()
     save_mode_rounds(f"small_batch_{args.model}{args.tag}",

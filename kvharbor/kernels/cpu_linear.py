@@ -24,11 +24,13 @@ MKL's own packed GEMM (``cblas_sgemm_pack`` / ``compute``, torch's ``mkl._mkl_li
 18.6 / 30.4 / 52.0 ms; at 512-2048 rows the three were within 15%. In the engine only the
 1- and 2-row gains held (see ``FEW_ROW_COUNTS``). An earlier session's AMD
 EPYC VM showed no gain from ``F.linear`` at 1-2 rows. From 2 rows, where the compiler targets
-AVX-512, the few-row product is a kernel of our own (:mod:`cpu_gemv`) that reads each weight
-once whatever the row count. So :func:`few_rows` times the few-row product against oneDNN's on
-the model's own weights once, when the model path is built, and products of up to the row
-count where it was faster take it, unpadded. The few-row copies of a weight (MKL's packed one
-for 1 row, the kernel's panels from 2) are made only then: with both, 4x the projections'
+AVX2 with FMA or AVX-512, the few-row product is a kernel of our own (:mod:`cpu_gemv`) that
+reads each weight once whatever the row count; at 1 row too where it beats MKL's (on the AMD
+EPYC VM, where MKL takes a generic path: 26.1 vs 41.8 ms for the 135M model's products). So
+:func:`few_rows` times the few-row product against oneDNN's on the model's own weights once,
+when the model path is built, and products of up to the row count where it was faster take
+it, unpadded. The few-row copies of a weight (MKL's packed one for 1 row, where it is the
+faster, the kernel's panels from 2) are made only then: with both, 4x the projections'
 weights are in memory (the model's own and oneDNN's besides), unless no row count reaches
 oneDNN's (below).
 
@@ -116,7 +118,7 @@ class PackedLinear:
     """
 
     __slots__ = ("weight", "bias", "packable", "packed", "out_features", "few_rows", "many_rows",
-                 "mkl", "panels")
+                 "mkl", "panels", "gemv_from")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight = weight.detach().contiguous()
@@ -127,7 +129,8 @@ class PackedLinear:
         self.few_rows = 0
         self.many_rows = 0              # inputs of at least this many rows take MKL's (0: none)
         self.mkl = None                 # MKL's packed copy (1 row, many rows), once used
-        self.panels = None              # cpu_gemv's copy (the 2+-row product), once used
+        self.panels = None              # cpu_gemv's copy (few rows from gemv_from), once used
+        self.gemv_from = 2              # few-row inputs of at least this many rows take cpu_gemv
 
     @classmethod
     def stack(cls, *linears: torch.nn.Linear) -> PackedLinear:
@@ -142,17 +145,18 @@ class PackedLinear:
                               for m, b in zip(linears, biases)])
         return cls(weight, bias)
 
-    def use_few_rows(self, rows: int) -> None:
+    def use_few_rows(self, rows: int, gemv_from: int = 2) -> None:
         """Send inputs of at most ``rows`` rows to the few-row product, making the copies it
-        reads the first time: MKL's packed weight (1 row, where torch has MKL) and
-        :mod:`cpu_gemv`'s panels (2 rows and more, where it is usable), dropping them when
-        ``rows`` no longer needs them."""
+        reads the first time: :mod:`cpu_gemv`'s panels (from ``gemv_from`` rows, 1 or 2, where
+        it is usable) and MKL's packed weight (below that, where torch has MKL), dropping them
+        when ``rows`` no longer needs them."""
         self.few_rows = rows if self.packable else 0
-        self._keep_mkl()
-        if self.few_rows < 2:
+        self.gemv_from = gemv_from
+        if self.few_rows < gemv_from:
             self.panels = None
         elif self.panels is None and cpu_gemv.usable(self.weight):
             self.panels = cpu_gemv.pack(self.weight)
+        self._keep_mkl()
 
     def use_many_rows(self, rows: int) -> None:
         """Send inputs of at least ``rows`` rows (0: none) to MKL's packed GEMM, making its copy
@@ -181,7 +185,8 @@ class PackedLinear:
         return self.packed
 
     def _keep_mkl(self) -> None:
-        if not (self.few_rows or self.many_rows):
+        few_on_mkl = self.few_rows and (self.panels is None or self.gemv_from > 1)
+        if not (few_on_mkl or self.many_rows):
             self.mkl = None
         elif self.mkl is None and mkl_available():
             self.mkl = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, 1)
@@ -190,10 +195,10 @@ class PackedLinear:
         return 0 < self.many_rows <= rows
 
     def few(self, x: torch.Tensor) -> torch.Tensor:
-        """The few-row product of ``x`` ``[rows, in]``: :mod:`cpu_gemv`'s at 2 rows and more,
-        MKL's packed GEMM (:meth:`blas`) at 1 and where the panels are not made."""
+        """The few-row product of ``x`` ``[rows, in]``: :mod:`cpu_gemv`'s from ``gemv_from``
+        rows, MKL's packed GEMM (:meth:`blas`) below and where the panels are not made."""
         rows = x.shape[0]
-        if self.panels is not None and rows >= cpu_gemv.MIN_ROWS:
+        if self.panels is not None and rows >= self.gemv_from:
             return cpu_gemv.few_rows(x, self.panels, self.bias)
         return self.blas(x)
 
@@ -246,9 +251,9 @@ def mkl_available() -> bool:
 # The row counts timed. Up to 2 with MKL's packed GEMM alone: at 4-8 rows the microbenchmark
 # above favoured MKL too, but in the engine a decode step at 4-8 rows was no faster (the same
 # 135M model, separate processes: 4.44 / 5.31 s vs 4.71 / 4.21 s for 32 tokens of 4 requests).
-# From 2 rows the few-row product is cpu_gemv's own kernel where it is built, which streams
-# the weights once whatever the row count (see its docstring): 4-64 are offered for it (at
-# 128 rows MKL's was as fast).
+# From 2 rows (from 1 where it is faster there, see _gemv_from) the few-row product is
+# cpu_gemv's own kernel where it is built, which streams the weights once whatever the row
+# count (see its docstring): 4-64 are offered for it (at 128 rows MKL's was as fast).
 FEW_ROW_COUNTS = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -263,27 +268,53 @@ def few_rows(linears: Sequence[PackedLinear], budget_bytes: int = 256 << 20) -> 
     the smaller count on a tie: as :func:`many_rows` does, so one count's noisy reading does
     not cut off the counts where the few-row product is clearly faster. A few-row product
     whose output is not ``F.linear``'s within 1e-4 (relative to the output's scale) is not
-    taken, at that count or a larger one. ``KVH_CPU_FEW_ROWS`` sets the count instead (A/B
-    runs; 0: always oneDNN). About 30 passes over the sample: ~1 s for the 135M model.
+    taken, at that count or a larger one. Which few-row product a single row takes is timed
+    first (:func:`_gemv_from`). ``KVH_CPU_FEW_ROWS`` sets the count instead (A/B runs; 0:
+    always oneDNN). About 30 passes over the sample: ~1 s for the 135M model.
     """
+    sample = _sample(linears, budget_bytes)
+    gemv_from = _gemv_from(sample)
     forced = os.environ.get("KVH_CPU_FEW_ROWS")
-    chosen = max(0, int(forced)) if forced is not None else _time_few_rows(linears, budget_bytes)
+    chosen = max(0, int(forced)) if forced is not None else _time_few_rows(sample, gemv_from)
     for lin in linears:
-        lin.use_few_rows(chosen)
+        lin.use_few_rows(chosen, gemv_from)
     return chosen
 
 
-def _time_few_rows(linears: Sequence[PackedLinear], budget_bytes: int) -> int:
-    """:func:`few_rows`'s measured count (the sample's products are left set to the last
+def _gemv_from(sample: Sequence[PackedLinear]) -> int:
+    """The row count from which the few-row product is :mod:`cpu_gemv`'s kernel: 1 where it
+    multiplies one row faster than MKL's packed GEMM on ``sample`` (and matches ``F.linear``
+    within 1e-4), else 2. MKL's 1-row product streams the weights well on Intel and poorly on
+    AMD, which it runs on a generic path: the 135M model's 30 layers and LM head at one row,
+    best of 5, took MKL's 21.6 ms and an earlier 1-row version of the kernel 27.1 ms on the
+    Intel Xeon VM (AVX-512), and MKL's 37.4 ms and the kernel 21.9 ms on the AMD EPYC VM (AVX2).
+    ``KVH_CPU_GEMV_FROM`` sets it instead (A/B runs)."""
+    forced = os.environ.get("KVH_CPU_GEMV_FROM")
+    if forced is not None:
+        return 1 if int(forced) <= 1 else 2
+    for lin in sample:
+        lin.use_few_rows(2)                 # both copies: MKL's (1 row) and the kernel's panels
+    timed = [lin for lin in sample if lin.panels is not None]
+    if not timed:
+        return 2
+    xs = [torch.randn(1, lin.weight.shape[1]) for lin in timed]
+    kernel = [(lambda lin=lin, x=x: cpu_gemv.few_rows(x, lin.panels, lin.bias)) for lin, x in zip(timed, xs)]
+    if not all(_close(call(), F.linear(x, lin.weight, lin.bias)) for call, lin, x in zip(kernel, timed, xs)):
+        return 2
+    blas = [(lambda lin=lin, x=x: lin.blas(x)) for lin, x in zip(timed, xs)]
+    return 1 if _best_pass(kernel, blas) < 1.0 else 2
+
+
+def _time_few_rows(sample: Sequence[PackedLinear], gemv_from: int) -> int:
+    """:func:`few_rows`'s measured count on ``sample`` (its products are left set to the last
     count timed)."""
-    sample = _sample(linears, budget_bytes)
     if not sample:
         return 0
     counts = FEW_ROW_COUNTS if cpu_gemv.available() else FEW_ROW_COUNTS[:2]
     ratios = []
     for rows in counts:
         for lin in sample:
-            lin.use_few_rows(rows)
+            lin.use_few_rows(rows, gemv_from)
         xs = [torch.randn(rows, lin.weight.shape[1]) for lin in sample]
         if not all(_close(lin.few(x), F.linear(x, lin.weight, lin.bias)) for lin, x in zip(sample, xs)):
             break                                   # this count and larger ones: never taken

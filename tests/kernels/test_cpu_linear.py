@@ -78,37 +78,83 @@ def _onednn(lin: PackedLinear, x: torch.Tensor) -> torch.Tensor:
     return y[:x.shape[0]]
 
 
+def _recorded(monkeypatch) -> list[str]:
+    """The products ``PackedLinear`` calls from now on, by name: ``gemv`` (cpu_gemv's kernel),
+    ``blas`` (MKL's packed GEMM, or ``F.linear`` before its copy is made), ``onednn``. (On an
+    AVX2 CPU oneDNN's small products sum in the kernel's order: equal outputs, so the test
+    asks which ran.)"""
+    calls = []
+
+    def recording(name, fn):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(cpu_gemv, "few_rows", recording("gemv", cpu_gemv.few_rows))
+    monkeypatch.setattr(PackedLinear, "blas", recording("blas", PackedLinear.blas))
+    monkeypatch.setattr(PackedLinear, "onednn", recording("onednn", PackedLinear.onednn))
+    return calls
+
+
 @needs_onednn
-def test_rows_up_to_few_rows_take_the_few_row_product_and_the_rest_onednn():
+def test_rows_up_to_few_rows_take_the_few_row_product_and_the_rest_onednn(monkeypatch):
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(1536, 576, generator=g), torch.randn(1536, generator=g)
     lin = PackedLinear(w, b)
     lin.use_few_rows(4)
     assert (lin.mkl is not None) == cpu_linear.mkl_available()   # MKL's packed copy, made now
     assert (lin.panels is not None) == cpu_gemv.available()      # and the own kernel's
+    calls = _recorded(monkeypatch)
     for rows in (1, 2, 4, 5, 9):
         x = torch.randn(rows, 576, generator=g)
-        few, packed = lin.few(x), _onednn(lin, x)
-        assert not torch.equal(few, packed)        # the two sum in different orders: tellable
-        torch.testing.assert_close(few, F.linear(x, w, b), atol=1e-4, rtol=1e-4)
-        assert torch.equal(lin(x), few if rows <= 4 else packed), rows
+        calls.clear()
+        out = lin(x)
+        want = "onednn" if rows > 4 else "blas" if rows == 1 or lin.panels is None else "gemv"
+        assert calls == [want], rows            # 1 row: MKL's; from 2: the own kernel's
+        torch.testing.assert_close(out, F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+        assert torch.equal(out, _onednn(lin, x) if rows > 4 else lin.few(x))
         assert lin.pad(x).shape[0] == (rows if rows <= 4 else cpu_linear.padded_rows(rows))
-        if lin.panels is not None and rows in (2, 4):            # from 2 rows: the own kernel
-            assert torch.equal(few, cpu_gemv.few_rows(x, lin.panels, b))
-        if lin.mkl is not None and rows == 1:                     # 1 row: MKL's
-            assert torch.equal(few, torch.ops.mkl._mkl_linear(x, lin.mkl, w, b, 1))
+        if lin.mkl is not None and rows == 1:
+            assert torch.equal(out, torch.ops.mkl._mkl_linear(x, lin.mkl, w, b, 1))
     lin.use_few_rows(1)
     assert lin.panels is None and (lin.mkl is not None) == cpu_linear.mkl_available()
     lin.use_few_rows(0)
     assert lin.mkl is None                         # the copies go with the choice
     x = torch.randn(1, 576, generator=g)
-    assert torch.equal(lin(x), _onednn(lin, x))
+    calls.clear()
+    assert torch.equal(lin(x), _onednn(lin, x)) and calls == ["onednn"]
+
+
+@needs_onednn
+@pytest.mark.skipif(not cpu_gemv.available(), reason="cpu_gemv not built on this CPU")
+def test_one_row_takes_the_kernel_from_gemv_from_1_and_then_needs_no_mkl_copy(monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(1536, 576, generator=g), torch.randn(1536, generator=g)
+    lin = PackedLinear(w, b)
+    lin.use_few_rows(4, gemv_from=1)
+    assert lin.panels is not None and lin.mkl is None          # no row count takes MKL's
+    calls = _recorded(monkeypatch)
+    for rows in (1, 3):
+        x = torch.randn(rows, 576, generator=g)
+        calls.clear()
+        torch.testing.assert_close(lin(x), F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+        assert calls == ["gemv"], rows
+    lin.use_many_rows(40)                          # the many-row product still makes MKL's
+    assert (lin.mkl is not None) == cpu_linear.mkl_available()
+    lin.use_many_rows(0)
+    lin.use_few_rows(4)                            # from 2 rows again: 1 row is MKL's
+    assert lin.panels is not None and (lin.mkl is not None) == cpu_linear.mkl_available()
+    calls.clear()
+    lin(torch.randn(1, 576, generator=g))
+    assert calls == ["blas"]
 
 
 @needs_onednn
 def test_few_rows_is_the_count_up_to_which_the_few_row_product_saves_the_most_time(monkeypatch):
     lins = [PackedLinear(torch.randn(64, 32)) for _ in range(3)]
     seen = []
+    monkeypatch.setattr(cpu_linear, "_gemv_from", lambda sample: 2)   # its own test below
 
     def ratios(table):
         def best_pass(few, onednn):
@@ -144,6 +190,50 @@ def test_few_rows_is_the_count_up_to_which_the_few_row_product_saves_the_most_ti
     # The override skips the timing.
     monkeypatch.setenv("KVH_CPU_FEW_ROWS", "2")
     assert cpu_linear.few_rows(lins) == 2 and seen == []
+
+
+@needs_onednn
+@pytest.mark.skipif(not cpu_gemv.available(), reason="cpu_gemv not built on this CPU")
+def test_one_row_takes_the_kernel_where_it_beat_the_one_row_blas_product(monkeypatch):
+    lins = [PackedLinear(torch.randn(64, 32)) for _ in range(3)]
+    calls = []
+
+    def best_pass(ratio, one_row=True):
+        def timed(a, b):
+            calls.append(len(a))
+            if one_row and len(calls) == 1:        # the 1-row choice: the kernel against MKL's
+                (lin, x), (_, y) = a[0].__defaults__, b[0].__defaults__   # each call's (lin, x)
+                assert x.shape == (1, 32) and lin is lins[0]
+                assert torch.equal(a[0](), cpu_gemv.few_rows(x, lin.panels, None))
+                assert torch.equal(b[0](), lin.blas(y))
+                return ratio
+            return 0.5                             # the few-row counts: every one saves
+        return timed
+
+    for ratio, want in ((0.7, 1), (0.99, 1), (1.0, 2), (1.3, 2)):
+        calls.clear()
+        monkeypatch.setattr(cpu_linear, "_best_pass", best_pass(ratio))
+        assert cpu_linear.few_rows(lins) == 64
+        assert calls[0] == 3 and all(lin.gemv_from == want for lin in lins), ratio
+        x = torch.randn(1, 32)
+        one_row = cpu_gemv.few_rows(x, lins[0].panels, None) if want == 1 else lins[0].blas(x)
+        assert torch.equal(lins[0](x), one_row)
+        assert (lins[0].mkl is None) == (want == 1 or not cpu_linear.mkl_available())
+    # A kernel that computes something else at one row is not timed there, however fast.
+    calls.clear()
+    monkeypatch.setattr(cpu_linear, "_best_pass", best_pass(0.1, one_row=False))
+    real = cpu_gemv.few_rows
+    monkeypatch.setattr(cpu_gemv, "few_rows",
+                        lambda x, p, b: real(x, p, b) + (1.0 if x.shape[0] == 1 else 0.0))
+    cpu_linear.few_rows(lins)
+    assert all(lin.gemv_from == 2 for lin in lins) and calls == [3] * len(cpu_linear.FEW_ROW_COUNTS)
+    # The override skips that timing.
+    monkeypatch.setattr(cpu_gemv, "few_rows", real)
+    monkeypatch.setenv("KVH_CPU_GEMV_FROM", "1")
+    monkeypatch.setattr(cpu_linear, "_best_pass", best_pass(0.1, one_row=False))
+    calls.clear()
+    cpu_linear.few_rows(lins)
+    assert all(lin.gemv_from == 1 for lin in lins) and calls == [3] * len(cpu_linear.FEW_ROW_COUNTS)
 
 
 @needs_onednn
