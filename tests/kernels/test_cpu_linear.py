@@ -143,6 +143,13 @@ def test_one_row_takes_the_kernel_from_gemv_from_1_and_then_needs_no_mkl_copy(mo
     lin.use_many_rows(40)                          # the many-row product still makes MKL's
     assert (lin.mkl is not None) == cpu_linear.mkl_available()
     lin.use_many_rows(0)
+    # A weight the kernel cannot take (not whole panels) keeps MKL's for its few rows.
+    odd = PackedLinear(torch.randn(cpu_gemv.panel() * 3 // 2, 576, generator=g))
+    odd.use_few_rows(4, gemv_from=1)
+    assert odd.panels is None and (odd.mkl is not None) == cpu_linear.mkl_available()
+    calls.clear()
+    odd(torch.randn(1, 576, generator=g))
+    assert calls == ["blas"]
     lin.use_few_rows(4)                            # from 2 rows again: 1 row is MKL's
     assert lin.panels is not None and (lin.mkl is not None) == cpu_linear.mkl_available()
     calls.clear()
@@ -198,9 +205,11 @@ def test_one_row_takes_the_kernel_where_it_beat_the_one_row_blas_product(monkeyp
     lins = [PackedLinear(torch.randn(64, 32)) for _ in range(3)]
     calls = []
 
-    def best_pass(ratio, one_row=True):
+    def best_pass(ratio, one_row=True, want=None):
         def timed(a, b):
             calls.append(len(a))
+            if want is not None and len(calls) == 2:   # the few-row counts time the chosen 1-row product
+                assert all(lin.gemv_from == want for lin in lins)
             if one_row and len(calls) == 1:        # the 1-row choice: the kernel against MKL's
                 (lin, x), (_, y) = a[0].__defaults__, b[0].__defaults__   # each call's (lin, x)
                 assert x.shape == (1, 32) and lin is lins[0]
@@ -212,7 +221,7 @@ def test_one_row_takes_the_kernel_where_it_beat_the_one_row_blas_product(monkeyp
 
     for ratio, want in ((0.7, 1), (0.99, 1), (1.0, 2), (1.3, 2)):
         calls.clear()
-        monkeypatch.setattr(cpu_linear, "_best_pass", best_pass(ratio))
+        monkeypatch.setattr(cpu_linear, "_best_pass", best_pass(ratio, want=want))
         assert cpu_linear.few_rows(lins) == 64
         assert calls[0] == 3 and all(lin.gemv_from == want for lin in lins), ratio
         x = torch.randn(1, 32)
