@@ -13,6 +13,7 @@ from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 
 from kvharbor import LLM, LoRARequest
+from kvharbor.engine.hashing import adapter_salt
 
 from .conftest import greedy, hf_greedy, mixed_prompts, random_prompt
 
@@ -91,6 +92,27 @@ def test_an_adapter_caches_its_prefixes_apart_from_the_base_model(adapters):
     assert first.token_ids == again.token_ids == hf_greedy(adapters["oracles"]["all"], [prompt], NEW)[0]
     assert other.token_ids == hf_greedy(adapters["oracles"]["attn"], [prompt], NEW)[0]
     assert base.token_ids == hf_greedy(adapters["base"], [prompt], NEW)[0]
+
+
+def test_an_adapters_prefixes_stay_in_each_tenants_cache_scope(adapters):
+    """The same prompt under 'all' for tenant scope a, then b, then a again, then the public
+    scope: only a's repeat hits; another tenant's adapter KV is never reused."""
+    llm = LLM("kvharbor/tiny-llama", device="cpu", num_kv_blocks=256)
+    prompt = random_prompt(70, 6)
+    [all_] = _requests(adapters, ["all"])
+    outs = [llm.generate([prompt], greedy(NEW), lora_request=all_, cache_salt=salt)[0]
+            for salt in ("tenant-a", "tenant-b", "tenant-a", None)]
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 64, 0]
+    assert len({tuple(o.token_ids) for o in outs}) == 1
+
+
+def test_an_adapter_name_from_another_checkpoint_is_another_scope_however_its_path_is_spelled():
+    """The gateway and the engine hash an adapter's blocks with the path each was given: two
+    spellings of one path agree, two checkpoints under one name do not."""
+    assert adapter_salt("t", "x", "/ckpt/a") != adapter_salt("t", "x", "/ckpt/b")
+    assert adapter_salt("t", "x", "/ckpt/a") == adapter_salt("t", "x", "/ckpt//a/") == adapter_salt("t", "x", "/ckpt/./a")
+    assert adapter_salt("t", "x", "/ckpt/a") != adapter_salt("u", "x", "/ckpt/a")
+    assert adapter_salt("t", None, "/ckpt/a") == "t"
 
 
 def test_adapters_load_at_start_and_requests_name_them(adapters):
