@@ -306,15 +306,18 @@ def _gemv_from(sample: Sequence[PackedLinear]) -> int:
 
 
 def _time_few_rows(sample: Sequence[PackedLinear], gemv_from: int) -> int:
-    """:func:`few_rows`'s measured count on ``sample`` (its products are left set to the last
-    count timed)."""
+    """:func:`few_rows`'s measured count on ``sample`` (its products are left set to the
+    largest count timed). The sample takes the largest count once, so the copies every count
+    reads are made once (:meth:`PackedLinear.few` routes by row count alone); setting each
+    count in turn dropped the panels at 1 row and packed them again at 2 wherever 1 row stays
+    MKL's."""
     if not sample:
         return 0
     counts = FEW_ROW_COUNTS if cpu_gemv.available() else FEW_ROW_COUNTS[:2]
+    for lin in sample:
+        lin.use_few_rows(counts[-1], gemv_from)
     ratios = []
     for rows in counts:
-        for lin in sample:
-            lin.use_few_rows(rows, gemv_from)
         xs = [torch.randn(rows, lin.weight.shape[1]) for lin in sample]
         if not all(_close(lin.few(x), F.linear(x, lin.weight, lin.bias)) for lin, x in zip(sample, xs)):
             break                                   # this count and larger ones: never taken

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from benchmarks.common import cpu_model
 from kvharbor.kernels import cpu_gemv
 
 needs_kernel = pytest.mark.skipif(not cpu_gemv.available(),
@@ -33,7 +34,7 @@ def test_row_counts_match_f_linear(rows, n, k, bias):
 def test_panels_hold_each_weight_once_in_panel_order():
     w = torch.arange(64 * 3, dtype=torch.float32).reshape(64, 3)
     panels, p = cpu_gemv.pack(w), cpu_gemv.panel()
-    assert p == (32 if "avx512f" in _cpu_flags() else 16)     # two vectors of the widest ISA
+    assert p == (32 if "avx512f" in (cpu_model() or "") else 16)   # two vectors of the widest ISA
     assert panels.shape == (64 // p, 3, p)
     assert torch.equal(panels, w.reshape(-1, p, 3).transpose(1, 2))
 
@@ -50,8 +51,3 @@ def test_an_input_of_no_rows_is_refused():
     w = cpu_gemv.pack(torch.randn(64, 8))
     with pytest.raises(RuntimeError, match="1 row or more"):
         cpu_gemv.few_rows(torch.randn(0, 8), w, None)
-
-
-def _cpu_flags() -> set[str]:
-    with open("/proc/cpuinfo") as f:
-        return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())

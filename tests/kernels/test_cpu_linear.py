@@ -216,13 +216,22 @@ def test_one_row_takes_the_kernel_where_it_beat_the_one_row_blas_product(monkeyp
                 assert torch.equal(a[0](), cpu_gemv.few_rows(x, lin.panels, None))
                 assert torch.equal(b[0](), lin.blas(y))
                 return ratio
+            lin, x = a[0].__defaults__
+            if x.shape[0] >= lin.gemv_from:        # from there what is timed is the kernel's
+                assert lin.panels is not None
             return 0.5                             # the few-row counts: every one saves
         return timed
 
+    packs = []
+    real_pack = cpu_gemv.pack
+    monkeypatch.setattr(cpu_gemv, "pack", lambda w: packs.append(w) or real_pack(w))
     for ratio, want in ((0.7, 1), (0.99, 1), (1.0, 2), (1.3, 2)):
         calls.clear()
+        packs.clear()
+        lins[:] = [PackedLinear(torch.randn(64, 32)) for _ in range(3)]
         monkeypatch.setattr(cpu_linear, "_best_pass", best_pass(ratio, want=want))
         assert cpu_linear.few_rows(lins) == 64
+        assert len(packs) == len(lins), ratio      # each weight packed once, whichever 1-row product
         assert calls[0] == 3 and all(lin.gemv_from == want for lin in lins), ratio
         x = torch.randn(1, 32)
         one_row = cpu_gemv.few_rows(x, lins[0].panels, None) if want == 1 else lins[0].blas(x)
