@@ -116,6 +116,19 @@ def test_min_tokens_holds_back_eos_unless_eos_is_ignored(llm):
     assert ignored.token_ids == [eos] * 10 and ignored.finish_reason == "length"
 
 
+def test_min_tokens_holds_back_every_stop_id_at_once(llm):
+    """Two stop ids and EOS, all forced by ``logit_bias``: each one stays masked until
+    ``min_tokens``, so the answer runs 4 tokens of none of them and the fifth is one of them."""
+    (eos,) = llm.engine.eos_ids
+    stops = [7, 200]
+    sp = dict(max_tokens=10, temperature=0, stop_token_ids=stops,
+              logit_bias={t: 100.0 for t in stops + [eos]})
+    assert llm.generate(["hi"], SamplingParams(**sp))[0].token_ids[0] in stops + [eos]
+    held = llm.generate(["hi"], SamplingParams(**sp, min_tokens=4))[0]
+    assert len(held.token_ids) == 5 and not set(held.token_ids[:4]) & {*stops, eos}
+    assert held.token_ids[4] in stops + [eos] and held.finish_reason == "stop"
+
+
 def with_logprobs(llm, prompts: list[list[int]], sp: SamplingParams) -> list[list]:
     """Each prompt's ``TokenLogprobs`` per generated token (``sp.logprobs`` set), by stepping."""
     engine, got = llm.engine, {}

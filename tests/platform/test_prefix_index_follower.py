@@ -153,9 +153,11 @@ def test_event_log_keeps_its_bounds_and_refuses_readers_behind_it():
     got = log.read(log.epoch, 4)
     assert (got.start, got.next_cursor, [e[2] for e in got.entries]) == (4, 6, [4, 5])
     assert log.read(log.epoch, 6).entries == []
+    assert log.read(log.epoch, 7) is None             # ahead of the log: a cursor it never gave
     assert EventLog().epoch != log.epoch
-    with pytest.raises(ValueError):
-        EventLog(max_entries=0)
+    for bad in (dict(max_entries=0), dict(max_hashes=0)):
+        with pytest.raises(ValueError):
+            EventLog(**bad)
 
 
 def test_an_idle_follower_polls_slower_and_hurry_brings_the_next_events_at_once():
