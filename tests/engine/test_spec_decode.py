@@ -39,6 +39,8 @@ def test_ngram_index_drafts_what_followed_the_latest_longest_match():
     loop = NgramIndex(1, 4)
     assert loop.drafts([4, 6, 4, 6, 4], 5) == ([6, 4, 6, 4, 6], 3)
     assert NgramIndex(2, 4).drafts([1, 2, 3], 4) == ([], 0)
+    # The very first token is a match too: (5) at 0, followed by 6 7.
+    assert NgramIndex(1, 3).drafts([5, 6, 7, 5], 2) == ([6, 7], 1)
 
 
 def test_adaptive_drafting_keeps_the_drafts_that_pay():
@@ -69,6 +71,59 @@ def test_adaptive_drafting_keeps_the_drafts_that_pay():
     batch = [Req() for _ in range(8)]
     proposer._keep_paying(batch, 8, per_token)
     assert all(len(r.spec_token_ids) >= 3 for r in batch)
+
+
+def test_adaptive_drafting_prefers_the_likelier_drafts_of_any_request():
+    """Drafts are weighed across the batch, most likely first: a request whose 1-token matches
+    have failed keeps none, one whose 4-token matches held keeps its drafts, whichever of the
+    two comes first in the running list."""
+    proposer = NgramProposer(4, 1, 4)
+    proposer._hits[1], proposer._trials[1] = 0.0, 98.0          # alpha 0.01
+    proposer._hits[4], proposer._trials[4] = 98.0, 98.0         # alpha 0.99
+
+    class Req:
+        def __init__(self, match_len):
+            self.spec = NgramIndex(1, 4)
+            self.spec.match_len = match_len
+            self.spec_token_ids = [1, 2, 3, 4]
+
+    cost = StepCostModel()
+    cost.coef = [0.002, 1e-3, 0.0]              # a draft pays where it is right > 0.8 of the time
+    poor, good = Req(1), Req(4)
+    proposer._keep_paying([poor, good], 2, cost)
+    assert poor.spec_token_ids == [] and len(good.spec_token_ids) >= 3
+
+
+def test_acceptance_counts_rejections_and_forgets_old_verifications():
+    """Per match length: decayed accepted drafts over decayed trials (each accepted draft and
+    each rejection), one success in two trials as the prior."""
+    proposer = NgramProposer(4, 1, 4)
+
+    class Req:
+        spec = NgramIndex(1, 4)
+    Req.spec.match_len = 2
+    assert proposer.acceptance(2) == 0.5
+    assert proposer.accept(Req, [1, 2, 3], [1, 9, 4, 5]) == 1     # one accepted, then rejected
+    assert proposer.acceptance(2) == pytest.approx((1 + 1) / (2 + 2))
+    assert proposer.accept(Req, [1, 2], [1, 2, 6]) == 2            # all accepted: no rejection
+    d = NgramProposer.DECAY
+    assert proposer.acceptance(2) == pytest.approx((1 * d + 2 + 1) / (2 * d + 2 + 2))
+    assert proposer.acceptance(3) == 0.5                            # other lengths untouched
+    assert (proposer.draft_tokens, proposer.accepted_tokens) == (5, 3)
+
+
+@pytest.mark.parametrize("left_by", ["max_tokens", "context"])
+def test_drafts_never_reach_past_max_tokens_or_the_context(left_by):
+    """A step keeps at most drafts + 1 tokens: with 3 tokens left (by max_tokens or by the
+    context), a request drafts at most 2, though it could draft 4."""
+    from kvharbor.engine.request import Request
+    proposer = NgramProposer(4, 1, 4, adaptive=False)
+    prompt = [5, 6, 7, 8] * 4
+    max_tokens, max_len = (3, 100) if left_by == "max_tokens" else (50, len(prompt) + 3)
+    req = Request("r", prompt, SamplingParams(max_tokens=max_tokens, temperature=0))
+    req.num_computed_tokens = req.num_tokens - 1
+    proposer.propose([req], max_len)
+    assert req.spec_token_ids == [5, 6]
 
 
 def test_greedy_tokens_equal_transformers_with_drafts():
