@@ -105,6 +105,23 @@ def test_transfer_saves_before_it_loads():
     host.check_integrity()
 
 
+def test_a_flush_copies_each_recorded_block_once():
+    """After a flush nothing is pending: a later flush does not save an evicted block again.
+    (Saved again once its host copy was dropped, it would store whatever the device block
+    holds by then under the old hash.)"""
+    caches = [LayerKVCache(torch.arange(8.0).view(4, 2, 1, 1), torch.arange(8.0).view(4, 2, 1, 1) + 100)]
+    host = HostKVPool(1, (1, 2, 2, 1, 1), torch.float32)
+    t = KVTransfer(host, caches)
+    t.on_evict(1, _h(5))
+    t.flush()
+    assert t.blocks_to_host == 1 and not t.pending
+    assert host.reserve(_h(6)) is not None        # the only slot now holds h6: h5 dropped
+    caches[0].key[1] = -7.0                       # block 1 reused for other tokens
+    t.flush()
+    assert t.blocks_to_host == 1 and host.lookup(_h(5)) is None
+    host.check_integrity()
+
+
 def _running(rid: str, blocks, computed: int, priority: int = 0, seq: int = 0) -> Request:
     req = Request(rid, [1] * (computed + 1), SamplingParams(), priority=priority, arrival_seq=seq)
     req.blocks, req.num_computed_tokens = blocks, computed
