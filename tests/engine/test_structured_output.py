@@ -154,6 +154,10 @@ def test_preempted_requests_keep_their_grammar_state():
     ({"choice": []}, "non-empty list"),
     ({"json_object": False}, "exactly one of"),
     ({"pattern": "a"}, "unknown fields ['pattern']"),
+    ({"choice": ["a", ""]}, "non-empty list of non-empty strings"),
+    ({"json_object": "yes"}, "json_object must be true"),
+    ({"json": {"enum": ["x" * 70_000]}}, "structured_outputs.json is longer than 65536 characters"),
+    ({"choice": ["ab"] * 12_000}, "structured_outputs.choice is longer than 65536 characters"),
 ])
 def test_bad_specs_are_refused_by_name(llm, spec, words):
     with pytest.raises(ValueError, match=re.escape(words)):
@@ -181,3 +185,18 @@ def test_the_params_object_and_its_dict_answer_alike(llm):
     as_obj = llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0,
                                                    structured_outputs=StructuredOutputsParams(regex=SPECS["regex"]["regex"])))[0]
     assert as_obj.token_ids == as_dict.token_ids and holds("regex", as_obj.text)
+
+
+@pytest.mark.parametrize("spec", [{"json_object": True}, {"json": SCHEMA}])
+def test_json_whitespace_runs_are_bounded(llm, spec):
+    """Whitespace between JSON tokens is allowed, at most ``MAX_WHITESPACE`` in a row: with
+    spaces and newlines forced by ``logit_bias``, every run between tokens stops there and a
+    JSON token follows, instead of blanks until ``max_tokens``."""
+    from kvharbor.engine.structured_output import MAX_WHITESPACE
+
+    blanks = {t: 100.0 for t in (llm.engine.tokenizer.encode(" \n", add_special_tokens=False))}
+    out = llm.generate([random_prompt(10, seed=3)], SamplingParams(
+        max_tokens=3 * MAX_WHITESPACE, temperature=0, logit_bias=blanks, structured_outputs=spec))[0]
+    between = re.sub(r'"(?:[^"\\]|\\.)*"?', '""', out.text)     # strings' own blanks are content
+    runs = [len(r) for r in re.findall(r"\s+", between)]
+    assert max(runs) == MAX_WHITESPACE, (runs, out.text)
