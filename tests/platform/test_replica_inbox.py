@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import pytest
+
 from kvharbor.actors.replica import LLMReplica
 from kvharbor.platform.protocol import GenerateRequest
 
@@ -54,6 +56,9 @@ def test_arrival_and_stats_do_not_wait_for_a_step_in_progress():
     assert queued == 1, "the premium arrival waited for the step in progress"
     assert not any(on_loop), "stats were computed on the event loop while a step ran"
     assert routing["total_blocks"] == stats["blocks_total"] == 64     # the last boundary's snapshot
+    # The snapshot predates the step; the arrival still in the inbox counts as waiting (the
+    # router adds only what it sends after this report).
+    assert (routing["num_running"], routing["num_waiting"]) == (0, 1)
     assert [len(e["token_ids"]) for e in p] == [1, 1, 1] and p[-1]["finish_reason"] == "length"
     assert a[-1]["finish_reason"] == "length"
     engine.check_integrity()
@@ -61,7 +66,7 @@ def test_arrival_and_stats_do_not_wait_for_a_step_in_progress():
 
 def test_a_request_that_cannot_fit_gets_a_400_event():
     replica = LLMReplica({"device": "cpu", "num_kv_blocks": 8})
-    events = asyncio.run(_collect(replica, _req("big", 400, max_tokens=8)))
+    events = asyncio.run(asyncio.wait_for(_collect(replica, _req("big", 400, max_tokens=8)), 30))
     assert len(events) == 1 and events[0]["status"] == 400 and "KV blocks" in events[0]["error"]
     assert not replica.engine.has_unfinished()
 
@@ -83,6 +88,10 @@ def test_pinned_region_and_step_trims_are_exported():
     assert recorded["pinned_region"] == [(rid, {"size": 8, "target": 8, "floor": 8, "ceiling": 32,
                                                 "demand_peak": 0})]
     assert recorded["step_budget_trims"] == [(rid, 5)]
+    # Idle pinned blocks are reserved for their classes, not free for everyone.
+    blocks = {(region, state): n for _, region, state, n in recorded["kv_blocks"]}
+    assert blocks[("pinned", "reserved")] == 8 and blocks[("pinned", "free")] == 0
+    assert blocks[("shared", "free")] == 56 and ("shared", "reserved") in blocks
     assert recorded["steps_interrupted"] == [(rid, 2)]
 
 
@@ -250,3 +259,104 @@ def test_a_steps_tokens_reach_the_caller_before_its_kv_events_are_published():
     assert [len(e["token_ids"]) for e in seen] == [1, 1, 1]
     # the steps that produced the 1st, 2nd and 3rd token published after the caller had each
     assert directory.at_publish[:3] == [1, 2, 3], directory.at_publish
+
+
+def test_a_second_stream_under_a_running_request_id_is_refused_and_the_first_keeps_its_tokens():
+    """Request ids name streams: a second ``generate`` with an id in use gets a 400 event and
+    takes nothing from the stream already running under it."""
+    replica = LLMReplica({"device": "cpu", "num_kv_blocks": 64})
+
+    async def scenario():
+        first = asyncio.create_task(_collect(replica, _req("same", 10, max_tokens=20)))
+        while "same" not in replica._streams:
+            await asyncio.sleep(0.005)
+        second = await _collect(replica, _req("same", 12, max_tokens=5))
+        return await first, second
+
+    first, second = asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert len(second) == 1 and second[0]["status"] == 400 and "already in use" in second[0]["error"]
+    assert first[-1]["finish_reason"] == "length" and sum(len(e["token_ids"]) for e in first) == 20
+    assert not replica.engine.has_unfinished()
+    replica.engine.check_integrity()
+
+
+def test_a_stream_its_caller_stops_reading_aborts_the_request():
+    """The caller goes away mid-stream (its iterator closed): the request is aborted at the
+    next step boundary and its blocks are freed, not generated to max_tokens for nobody."""
+    replica = LLMReplica({"device": "cpu", "num_kv_blocks": 64})
+
+    async def scenario():
+        stream = replica.generate(_req("gone", 10, max_tokens=400))
+        first = await stream.__anext__()
+        request = replica.engine.requests["gone"]
+        await stream.aclose()
+        for _ in range(1000):
+            if not replica.engine.has_unfinished():
+                break
+            await asyncio.sleep(0.01)
+        return first, request
+
+    first, request = asyncio.run(scenario())
+    assert first["token_ids"] and not replica.engine.has_unfinished()
+    assert request.num_output_tokens < 400, "generated to max_tokens after its caller left"
+    assert replica.engine.stats()["blocks_used"] == 0
+    replica.engine.check_integrity()
+
+
+def test_a_queued_request_that_stops_fitting_ends_its_stream_with_a_400():
+    """Capacity shrinks right after a request was queued (a prefix pinned, as a tenants.yaml
+    reload does): its stream gets a 400 event naming the shortfall instead of waiting forever."""
+    replica = LLMReplica({"device": "cpu", "num_kv_blocks": 32})
+    engine = replica.engine
+    add = engine.add_request
+
+    def add_then_pin(*args, **kwargs):
+        req = add(*args, **kwargs)
+        engine.pin_prefix([250 - i % 200 for i in range(320)], qos="standard")   # 20 of 32 blocks
+        return req
+
+    engine.add_request = add_then_pin
+    events = asyncio.run(asyncio.wait_for(_collect(replica, _req("big", 300, max_tokens=20)), 30))
+    assert len(events) == 1 and events[0]["status"] == 400, events
+    assert "needs 20 KV blocks but only 12" in events[0]["error"]
+    assert not engine.has_unfinished()
+    engine.check_integrity()
+
+
+def test_routing_stats_count_running_requests_by_priority():
+    """``queue_by_priority`` holds running and waiting requests (what a router weighs a
+    replica's load by), not only the waiting ones."""
+    replica = LLMReplica({"device": "cpu", "num_kv_blocks": 64})
+
+    async def scenario():
+        task = asyncio.create_task(_collect(replica, _req("a", 10, "batch", max_tokens=200)))
+        while replica._snapshot["stats"]["num_running"] < 1:
+            await asyncio.sleep(0.005)
+        stats = await replica.record_routing_stats()
+        await replica.abort("a")
+        await task
+        return stats
+
+    stats = asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert (stats["num_running"], stats["num_waiting"]) == (1, 0)
+    assert sum(stats["queue_by_priority"].values()) == 1, stats["queue_by_priority"]
+
+
+def test_an_engine_loop_that_dies_ends_every_stream_with_an_error():
+    """A failure outside a step (here: publishing KV events) kills the engine loop: every
+    open stream gets a 500 event at once instead of waiting forever, and health turns red."""
+    replica = LLMReplica({"device": "cpu", "num_kv_blocks": 64})
+
+    def broken():
+        raise RuntimeError("directory client broke")
+
+    replica._publish_events = broken
+
+    async def scenario():
+        events = await _collect(replica, _req("a", 10, max_tokens=50))
+        with pytest.raises(RuntimeError, match="engine loop died"):
+            await replica.check_health()
+        return events
+
+    events = asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert events[-1]["status"] == 500 and "directory client broke" in events[-1]["error"]
