@@ -188,11 +188,14 @@ def test_top_p_keeps_the_smallest_set_that_reaches_it():
     assert len(seen) == 2, seen
 
 
-def _frequencies(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-    """How often each token was drawn over the rows of one ``sample`` call (row ``i`` is
-    ``reqs[i]``'s, all rows the same logits)."""
-    out = torch.tensor(sample(logits.expand(len(reqs), -1).contiguous(), reqs))
-    return torch.bincount(out, minlength=logits.shape[-1]) / len(reqs)
+def _draws(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    """The tokens of one ``sample`` call whose row ``i`` is ``reqs[i]``'s, every row
+    ``logits`` ``[1, V]``."""
+    return torch.tensor(sample(logits.expand(len(reqs), -1).contiguous(), reqs))
+
+
+def _frequencies(draws: torch.Tensor, vocab: int = 3) -> torch.Tensor:
+    return torch.bincount(draws, minlength=vocab) / len(draws)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.5, 2.0])
@@ -204,7 +207,7 @@ def test_draws_follow_the_softmax_at_the_temperature(temperature):
     torch.manual_seed(1)
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
     want = torch.softmax(logits[0] / temperature, -1)
-    got = _frequencies(logits, [_req(i, temperature=temperature) for i in range(20_000)])
+    got = _frequencies(_draws(logits, [_req(i, temperature=temperature) for i in range(20_000)]))
     torch.testing.assert_close(got, want, atol=0.012, rtol=0)
 
 
@@ -214,8 +217,7 @@ def test_unseeded_rows_beside_a_seeded_one_still_follow_the_softmax():
     torch.manual_seed(3)
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
     reqs = [_req(0, seed=11)] + [_req(i) for i in range(1, 20_001)]
-    out = torch.tensor(sample(logits.expand(len(reqs), -1).contiguous(), reqs))
-    got = torch.bincount(out[1:], minlength=3) / 20_000
+    got = _frequencies(_draws(logits, reqs)[1:])
     torch.testing.assert_close(got, torch.tensor([0.5, 0.3, 0.2]), atol=0.012, rtol=0)
 
 

@@ -17,6 +17,11 @@ def _h(i: int) -> BlockHash:
     return BlockHash(i.to_bytes(16, "little"))
 
 
+def _caches() -> list[LayerKVCache]:
+    """One layer of 4 device blocks of 2 slots: keys 0..7, values 100..107."""
+    return [LayerKVCache(torch.arange(8.0).view(4, 2, 1, 1), torch.arange(8.0).view(4, 2, 1, 1) + 100)]
+
+
 def _pool(n: int) -> HostKVPool:
     return HostKVPool(n, (1, 2, 2, 1, 1), torch.float32)
 
@@ -89,7 +94,7 @@ def test_a_flush_drops_every_unlocked_block_and_reports_it():
 
 def test_transfer_saves_before_it_loads():
     """A block reused in the same step is saved before a load overwrites it."""
-    caches = [LayerKVCache(torch.arange(8.0).view(4, 2, 1, 1), torch.arange(8.0).view(4, 2, 1, 1) + 100)]
+    caches = _caches()
     host = HostKVPool(4, (1, 2, 2, 1, 1), torch.float32)
     t = KVTransfer(host, caches)
     src = host.reserve(_h(7))
@@ -109,7 +114,7 @@ def test_a_flush_copies_each_recorded_block_once():
     """After a flush nothing is pending: a later flush does not save an evicted block again.
     (Saved again once its host copy was dropped, it would store whatever the device block
     holds by then under the old hash.)"""
-    caches = [LayerKVCache(torch.arange(8.0).view(4, 2, 1, 1), torch.arange(8.0).view(4, 2, 1, 1) + 100)]
+    caches = _caches()
     host = HostKVPool(1, (1, 2, 2, 1, 1), torch.float32)
     t = KVTransfer(host, caches)
     t.on_evict(1, _h(5))

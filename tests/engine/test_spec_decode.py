@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvharbor import LLM, SamplingParams
+from kvharbor.engine.request import Request
 from kvharbor.engine.spec_decode import NgramIndex, NgramProposer
 from kvharbor.engine.step_budget import StepCostModel
 
@@ -43,32 +44,35 @@ def test_ngram_index_drafts_what_followed_the_latest_longest_match():
     assert NgramIndex(1, 3).drafts([5, 6, 7, 5], 2) == ([6, 7], 1)
 
 
+class _Drafted:
+    """A running request with 4 drafts from a ``match_len``-token match (what the proposer
+    reads of one)."""
+
+    def __init__(self, match_len: int = 4):
+        self.spec = NgramIndex(1, 4)
+        self.spec.match_len = match_len
+        self.spec_token_ids = [1, 2, 3, 4]
+
+
 def test_adaptive_drafting_keeps_the_drafts_that_pay():
     """A step whose cost is mostly fixed (one stream) verifies every draft; one whose cost is
     all per token (a compute-bound batch) keeps only drafts as likely as the tokens pay."""
     proposer = NgramProposer(4, 1, 4)
-
-    class Req:
-        def __init__(self):
-            self.spec = NgramIndex(1, 4)
-            self.spec.match_len = 4
-            self.spec_token_ids = [1, 2, 3, 4]
-
     fixed, per_token = StepCostModel(), StepCostModel()
     fixed.coef, per_token.coef = [0.02, 1e-5, 0.0], [0.002, 1e-3, 0.0]
-    one = [Req()]
+    one = [_Drafted()]
     proposer._keep_paying(one, 1, fixed)
     assert one[0].spec_token_ids == [1, 2, 3, 4]
-    batch = [Req() for _ in range(8)]
+    batch = [_Drafted() for _ in range(8)]
     proposer._keep_paying(batch, 8, per_token)       # prior 1/2: a draft pays above 0.8
     assert all(r.spec_token_ids == [] for r in batch)
     per_seq = StepCostModel()                        # a decode row's cost learned per sequence:
     per_seq.coef = [0.002, 0.0, 1e-3]                # a draft's row costs as much
-    batch = [Req() for _ in range(8)]
+    batch = [_Drafted() for _ in range(8)]
     proposer._keep_paying(batch, 8, per_seq)
     assert all(r.spec_token_ids == [] for r in batch)
     proposer._hits[4], proposer._trials[4] = 98.0, 98.0     # drafts of 4-token matches hold
-    batch = [Req() for _ in range(8)]
+    batch = [_Drafted() for _ in range(8)]
     proposer._keep_paying(batch, 8, per_token)
     assert all(len(r.spec_token_ids) >= 3 for r in batch)
 
@@ -80,16 +84,9 @@ def test_adaptive_drafting_prefers_the_likelier_drafts_of_any_request():
     proposer = NgramProposer(4, 1, 4)
     proposer._hits[1], proposer._trials[1] = 0.0, 98.0          # alpha 0.01
     proposer._hits[4], proposer._trials[4] = 98.0, 98.0         # alpha 0.99
-
-    class Req:
-        def __init__(self, match_len):
-            self.spec = NgramIndex(1, 4)
-            self.spec.match_len = match_len
-            self.spec_token_ids = [1, 2, 3, 4]
-
     cost = StepCostModel()
     cost.coef = [0.002, 1e-3, 0.0]              # a draft pays where it is right > 0.8 of the time
-    poor, good = Req(1), Req(4)
+    poor, good = _Drafted(1), _Drafted(4)
     proposer._keep_paying([poor, good], 2, cost)
     assert poor.spec_token_ids == [] and len(good.spec_token_ids) >= 3
 
@@ -97,15 +94,11 @@ def test_adaptive_drafting_prefers_the_likelier_drafts_of_any_request():
 def test_acceptance_counts_rejections_and_forgets_old_verifications():
     """Per match length: decayed accepted drafts over decayed trials (each accepted draft and
     each rejection), one success in two trials as the prior."""
-    proposer = NgramProposer(4, 1, 4)
-
-    class Req:
-        spec = NgramIndex(1, 4)
-    Req.spec.match_len = 2
+    proposer, req = NgramProposer(4, 1, 4), _Drafted(2)
     assert proposer.acceptance(2) == 0.5
-    assert proposer.accept(Req, [1, 2, 3], [1, 9, 4, 5]) == 1     # one accepted, then rejected
+    assert proposer.accept(req, [1, 2, 3], [1, 9, 4, 5]) == 1     # one accepted, then rejected
     assert proposer.acceptance(2) == pytest.approx((1 + 1) / (2 + 2))
-    assert proposer.accept(Req, [1, 2], [1, 2, 6]) == 2            # all accepted: no rejection
+    assert proposer.accept(req, [1, 2], [1, 2, 6]) == 2            # all accepted: no rejection
     d = NgramProposer.DECAY
     assert proposer.acceptance(2) == pytest.approx((1 * d + 2 + 1) / (2 * d + 2 + 2))
     assert proposer.acceptance(3) == 0.5                            # other lengths untouched
@@ -116,7 +109,6 @@ def test_acceptance_counts_rejections_and_forgets_old_verifications():
 def test_drafts_never_reach_past_max_tokens_or_the_context(left_by):
     """A step keeps at most drafts + 1 tokens: with 3 tokens left (by max_tokens or by the
     context), a request drafts at most 2, though it could draft 4."""
-    from kvharbor.engine.request import Request
     proposer = NgramProposer(4, 1, 4, adaptive=False)
     prompt = [5, 6, 7, 8] * 4
     max_tokens, max_len = (3, 100) if left_by == "max_tokens" else (50, len(prompt) + 3)

@@ -19,7 +19,7 @@ import torch
 import xgrammar as xgr
 
 from kvharbor import LLM, SamplingParams
-from kvharbor.engine.structured_output import StructuredOutputsParams
+from kvharbor.engine.structured_output import MAX_WHITESPACE, StructuredOutputsParams
 
 from .conftest import random_prompt
 
@@ -192,8 +192,6 @@ def test_json_whitespace_runs_are_bounded(llm, spec):
     """Whitespace between JSON tokens is allowed, at most ``MAX_WHITESPACE`` in a row: with
     spaces and newlines forced by ``logit_bias``, every run between tokens stops there and a
     JSON token follows, instead of blanks until ``max_tokens``."""
-    from kvharbor.engine.structured_output import MAX_WHITESPACE
-
     blanks = {t: 100.0 for t in (llm.engine.tokenizer.encode(" \n", add_special_tokens=False))}
     out = llm.generate([random_prompt(10, seed=3)], SamplingParams(
         max_tokens=3 * MAX_WHITESPACE, temperature=0, logit_bias=blanks, structured_outputs=spec))[0]
