@@ -75,6 +75,21 @@ def _without_chosen(top: dict, token: str, k: int) -> list[float]:
     return [v for t, v in top.items() if t != token]
 
 
+def _same_scores(a: list, b: list) -> bool:
+    """Two requests' scores agree: the same tokens (keys) in the same places, each value equal to
+    float32 rounding. Exact equality is not promised: the app's two replicas may each time their
+    matrix kernels differently and so sum in another order (1e-6 apart, seen in CI)."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if isinstance(x, dict) and isinstance(y, dict):
+            if list(x) != list(y) or any(abs(x[t] - y[t]) > 1e-5 for t in x):
+                return False
+        elif (x is None) != (y is None) or (x is not None and abs(x - y) > 1e-5):
+            return False
+    return True
+
+
 def test_completion_logprobs_always_hold_the_chosen_token(client, kvharbor_app):
     """Legacy completions list the chosen token at every position, as OpenAI and vLLM do: with
     ``logprobs: 0`` it is the only entry, and a sampled token outside the best ones is added."""
@@ -87,7 +102,7 @@ def test_completion_logprobs_always_hold_the_chosen_token(client, kvharbor_app):
     assert any(len(top) == 2 for top in hot.top_logprobs)      # this seed samples below the best
     streamed = [top for chunk in client.completions.create(logprobs=1, temperature=1.5, seed=5, stream=True, **kw)
                 if chunk.choices and chunk.choices[0].logprobs for top in chunk.choices[0].logprobs.top_logprobs]
-    assert streamed == hot.top_logprobs
+    assert _same_scores(streamed, hot.top_logprobs), (streamed, hot.top_logprobs)
 
 
 def test_chat_logprobs_streamed_equal_non_streamed_and_the_model(client, kvharbor_app, reference):
@@ -155,9 +170,10 @@ def test_echo_with_logprobs_scores_the_prompt_as_the_model_does(client, kvharbor
     chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw) if c.choices]
     assert "".join(c.text for c in chunks) == text
     assert [t for c in chunks for t in c.logprobs.tokens] == lp.tokens
-    assert [v for c in chunks for v in c.logprobs.token_logprobs] == lp.token_logprobs
+    assert _same_scores([v for c in chunks for v in c.logprobs.token_logprobs], lp.token_logprobs)
     two = client.completions.create(n=2, **{**kw, "temperature": 1.0, "seed": 3})
-    assert [c.logprobs.token_logprobs[:len(prompt)] for c in two.choices] == [lp.token_logprobs[:len(prompt)]] * 2
+    assert all(_same_scores(c.logprobs.token_logprobs[:len(prompt)], lp.token_logprobs[:len(prompt)])
+               for c in two.choices)
 
 
 def test_echo_with_max_tokens_zero_answers_the_prompt_alone(client, kvharbor_app, reference):
@@ -170,7 +186,7 @@ def test_echo_with_max_tokens_zero_answers_the_prompt_alone(client, kvharbor_app
     only = client.completions.create(max_tokens=0, **kw)
     assert only.choices[0].text == "()Hello " and only.choices[0].finish_reason == "length"
     assert only.choices[0].logprobs.tokens == longer.tokens[:len(prompt)]
-    assert only.choices[0].logprobs.token_logprobs == longer.token_logprobs[:len(prompt)]
+    assert _same_scores(only.choices[0].logprobs.token_logprobs, longer.token_logprobs[:len(prompt)])
     assert only.usage.completion_tokens == 0 and only.usage.prompt_tokens == len(prompt)
     chunks = [c for c in client.completions.create(max_tokens=0, stream=True, **kw) if c.choices]
     assert "".join(c.choices[0].text for c in chunks) == "()Hello "
