@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from pydantic import ValidationError
 
-from kvharbor.platform.openai_protocol import ChatRequest, CompletionRequest
+from kvharbor.platform.openai_protocol import (GREEDY_BELOW, MAX_PROMPT_TOKEN_IDS, ChatRequest, CompletionRequest,
+                                               DetokenizeRequest, TokenizeRequest, bound_token_ids,
+                                               error_response)
 
 
 def chat(content, **extra) -> ChatRequest:
@@ -67,3 +71,118 @@ def test_an_explicit_null_reads_as_the_default(make):
     (the engine takes numbers, never None)."""
     request = make(**{field: None for field in NULLABLE})
     assert {field: getattr(request, field) for field in NULLABLE} == NULLABLE
+
+
+@pytest.mark.parametrize("bias,why", [
+    ({"1234567890": 1.0}, "strings of digits"),          # 10 digits: beyond any vocabulary's ids
+    ({"\u0661\u0662": 1.0}, "strings of digits"),        # Arabic-Indic digits: int() reads them as 12
+    ({"5": 100.5}, "less than or equal to 100"), ({"5": -101}, "greater than or equal to -100"),
+    ({str(i): 1.0 for i in range(301)}, "at most 300"),
+])
+def test_logit_bias_takes_ascii_token_ids_and_biases_within_100(bias, why):
+    with pytest.raises(ValidationError, match=why):
+        CompletionRequest(model="m", prompt="hi", logit_bias=bias)
+    edge = {"123456789": 100.0, "7": -100.0, **{str(i): 0.5 for i in range(298)}}
+    assert CompletionRequest(model="m", prompt="hi", logit_bias=edge).logit_bias[123456789] == 100.0
+
+
+@pytest.mark.parametrize(("field", "bad", "good"), [
+    ("top_p", 0.0, 1e-9), ("top_k", -1, 0), ("stop_token_ids", [1] * 65, [1] * 64), ("logprobs", 21, 20),
+    ("min_p", 1.01, 1.0), ("min_tokens", -1, 0), ("frequency_penalty", 2.01, -2.0),
+    ("repetition_penalty", 0.0, 1e-9), ("repetition_penalty", float("inf"), 2.0),
+])
+def test_each_sampling_bound_refuses_just_past_it(field, bad, good):
+    """The bounds the API reference states, each checked at its edge (a value one step past is
+    refused naming the field; the edge itself runs)."""
+    with pytest.raises(ValidationError, match=field):
+        CompletionRequest(model="m", prompt="hi", **{field: bad})
+    assert getattr(CompletionRequest(model="m", prompt="hi", **{field: good}), field) == good
+
+
+def test_a_temperature_below_the_greedy_bound_is_greedy():
+    """Below GREEDY_BELOW the logits would overflow when divided: such a request is greedy."""
+    assert chat("hi", temperature=GREEDY_BELOW / 2).temperature == 0.0
+    assert chat("hi", temperature=GREEDY_BELOW).temperature == GREEDY_BELOW
+
+
+def test_continuous_usage_only_with_include_usage():
+    """vLLM's ``continuous_usage_stats`` adds usage to every chunk only when the final usage
+    chunk is asked for too."""
+    def streamed(**options):
+        return chat("hi", stream=True, stream_options=options)
+    assert streamed(include_usage=True, continuous_usage_stats=True).continuous_usage()
+    assert not streamed(continuous_usage_stats=True).continuous_usage()
+    assert not streamed(include_usage=True).continuous_usage()
+
+
+def test_max_completion_tokens_is_max_tokens_and_the_two_must_agree():
+    assert chat("hi", max_completion_tokens=5).max_tokens == 5
+    assert chat("hi", max_completion_tokens=5, max_tokens=5).max_tokens == 5
+    with pytest.raises(ValidationError, match="max_tokens and max_completion_tokens differ"):
+        chat("hi", max_completion_tokens=5, max_tokens=6)
+
+
+@pytest.mark.parametrize(("extra", "why"), [
+    (dict(top_logprobs=2), "top_logprobs needs logprobs"),
+    (dict(min_tokens=2, response_format={"type": "json_object"}), "min_tokens cannot be combined"),
+    (dict(top_logprobs=21, logprobs=True), "top_logprobs"),
+])
+def test_chat_options_that_do_not_go_together_are_refused(extra, why):
+    with pytest.raises(ValidationError, match=why):
+        chat("hi", **extra)
+
+
+def test_only_an_assistant_message_carries_tool_calls():
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    assert ChatRequest(model="m", messages=[{"role": "assistant", "content": None, "tool_calls": [call]}])
+    with pytest.raises(ValidationError, match="only an assistant message carries tool_calls"):
+        ChatRequest(model="m", messages=[{"role": "user", "content": "hi", "tool_calls": [call]}])
+
+
+@pytest.mark.parametrize("body", [{}, {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]},
+                                  {"prompt": "hi", "tools": [{"type": "function", "function": {"name": "f"}}]}])
+def test_tokenize_takes_one_prompt_or_one_chat(body):
+    with pytest.raises(ValidationError, match="exactly one of prompt|tools go with messages"):
+        TokenizeRequest(model="m", **body)
+    assert TokenizeRequest(model="m", prompt="hi").messages is None
+
+
+def test_detokenize_takes_at_most_the_prompt_bound():
+    with pytest.raises(ValidationError, match="tokens"):
+        DetokenizeRequest(model="m", tokens=[1] * (MAX_PROMPT_TOKEN_IDS + 1))
+    assert len(DetokenizeRequest(model="m", tokens=[1] * MAX_PROMPT_TOKEN_IDS).tokens) == MAX_PROMPT_TOKEN_IDS
+
+
+@pytest.mark.parametrize(("status", "kind"), [(400, "invalid_request_error"), (401, "authentication_error"),
+                                              (413, "request_too_large"), (429, "rate_limit_error"),
+                                              (503, "service_unavailable"), (418, "error")])
+def test_an_error_body_has_openais_type_and_a_code(status, kind):
+    """OpenAI's SDKs read ``error.type``; with no code given, the code is the type."""
+    body = json.loads(error_response(status, "why").body)
+    assert body == {"error": {"message": "why", "type": kind, "param": None, "code": kind}}
+    assert json.loads(error_response(status, "why", "over_quota").body)["error"]["code"] == "over_quota"
+
+
+def test_tool_calls_and_a_response_format_are_refused_together():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    assert chat("hi", tools=tools, tool_choice="required").structured() is not None
+    with pytest.raises(ValidationError, match="tool calls .tool_choice. cannot be combined"):
+        chat("hi", tools=tools, tool_choice="required", response_format={"type": "json_object"})
+
+
+def test_the_schema_bounds_every_token_id_by_the_vocabulary():
+    """The OpenAPI schema a client (or a fuzzer) reads: the largest valid id is vocab_size - 1,
+    wherever a token id sits (prompt lists, stop_token_ids, detokenize)."""
+    schema = {"properties": {"a": {"type": "integer", "x-token-id": True},
+                             "b": {"anyOf": [{"items": {"type": "integer", "x-token-id": True}}]}}}
+    bound_token_ids(schema, 256)
+    assert schema["properties"]["a"] == {"type": "integer", "maximum": 255}
+    assert schema["properties"]["b"]["anyOf"][0]["items"] == {"type": "integer", "maximum": 255}
+
+
+def test_a_tool_call_id_and_a_chat_to_tokenize_have_bounds():
+    with pytest.raises(ValidationError, match="tool_call_id"):
+        ChatRequest(model="m", messages=[{"role": "tool", "content": "42", "tool_call_id": "c" * 257}])
+    assert ChatRequest(model="m", messages=[{"role": "tool", "content": "42", "tool_call_id": "c" * 256}])
+    with pytest.raises(ValidationError, match="messages"):
+        TokenizeRequest(model="m", messages=[])
