@@ -78,6 +78,41 @@ def test_a_failed_renewal_is_tried_again_next_period():
     assert len(calls) >= 4, calls
 
 
+def test_a_hung_renewal_gives_up_and_a_keeper_that_went_idle_starts_again():
+    """A renewal call that never answers (a wedged actor) is abandoned after ``timeout_s`` and
+    tried again, and a keeper whose leases were all dropped (its loop ended) renews the next
+    lease it holds: either way the leases of running requests keep being renewed."""
+    table = LeaseTable(lease_s=0.6)
+    calls = []
+
+    async def renew(ids):
+        calls.append(list(ids))
+        if len(calls) == 1:
+            await asyncio.Event().wait()          # never answers
+        return table.renew(ids)
+
+    async def scenario():
+        keeper = LeaseKeeper(renew, period_s=0.1, timeout_s=0.1)
+        table.add("a", "slot-a")
+        keeper.hold("a")
+        await asyncio.sleep(1.3)                  # > 2 lease times after the hung call
+        expired_a = table.expire()
+        keeper.drop("a")
+        table.pop("a")                            # released, as a finished request does
+        await asyncio.sleep(0.3)                  # nothing held: the loop ends
+        renewals = len(calls)
+        table.add("b", "slot-b")
+        keeper.hold("b")
+        await asyncio.sleep(1.3)
+        expired_b = table.expire()
+        keeper.drop("b")
+        return expired_a, [ids for ids in calls[renewals:]], expired_b
+
+    expired_a, after_idle, expired_b = asyncio.run(scenario())
+    assert expired_a == [], "the lease ran out behind a renewal that never answered"
+    assert expired_b == [] and len(after_idle) >= 4 and all(ids == ["b"] for ids in after_idle), after_idle
+
+
 class FakeClock:
     def __init__(self) -> None:
         self.t = 1000.0
