@@ -55,6 +55,13 @@ def test_oldest_turns_go_first_and_system_and_last_stay():
     assert len(fitted.token_ids) <= 600 and fitted.dropped_messages == 6
 
 
+def test_the_one_turn_before_the_last_may_go_too():
+    """A chat of the system prompt, one long question and the last one: the long one goes
+    when the system prompt and the last message fit alone."""
+    messages = [*chat(0)[:1], {"role": "user", "content": "u" * 500}, *chat(0)[1:]]
+    fitted = truncate_oldest(messages, render, len(render(chat(0))))
+    assert (fitted.dropped_messages, fitted.dropped_tokens) == (1, 501)
+
 def test_nothing_is_dropped_when_even_system_plus_last_do_not_fit():
     fitted = truncate_oldest(chat(3), render, 50)
     assert fitted.dropped_tokens == 0 and len(fitted.token_ids) == len(render(chat(3)))

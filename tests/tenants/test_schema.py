@@ -97,6 +97,7 @@ def test_omitted_limits_inherit_defaults_and_null_means_unlimited():
     ("    priority: 1\n", "    priority: 1\n    max_queue: -1\n", 7, "qos_classes.bronze.max_queue",
      "greater than or equal to 0"),
     ("1" * 64, "A" * 64, 14, "tenants.a.keys.0", "lowercase 64-char SHA-256 hex digest"),
+    ("1" * 64, "1" * 65, 14, "tenants.a.keys.0", "lowercase 64-char"),   # one digit too many
     (f'      - "{"1" * 64}"\n', f'      - "{"1" * 64}"\n      - "{"3" * 63}"\n', 15,
      "tenants.a.keys.1", "lowercase 64-char"),                      # the line of the item
     ("priority: 10", "priority: high", 3, "qos_classes.gold.priority", "valid integer"),
