@@ -62,6 +62,7 @@ def test_the_one_turn_before_the_last_may_go_too():
     fitted = truncate_oldest(messages, render, len(render(chat(0))))
     assert (fitted.dropped_messages, fitted.dropped_tokens) == (1, 501)
 
+
 def test_nothing_is_dropped_when_even_system_plus_last_do_not_fit():
     fitted = truncate_oldest(chat(3), render, 50)
     assert fitted.dropped_tokens == 0 and len(fitted.token_ids) == len(render(chat(3)))

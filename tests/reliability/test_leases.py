@@ -106,7 +106,7 @@ def test_a_hung_renewal_gives_up_and_a_keeper_that_went_idle_starts_again():
         await asyncio.sleep(1.3)
         expired_b = table.expire()
         keeper.drop("b")
-        return expired_a, [ids for ids in calls[renewals:]], expired_b
+        return expired_a, calls[renewals:], expired_b
 
     expired_a, after_idle, expired_b = asyncio.run(scenario())
     assert expired_a == [], "the lease ran out behind a renewal that never answered"
