@@ -109,6 +109,8 @@ class OverloadGuard:
             return
         self._last_request = time.perf_counter()
         self._ensure_running()
+        if self.limit == math.inf:       # not lagged yet (inf x a share of 0 would be NaN)
+            return
         threshold = max(self.min_limit, self.limit * share)
         if self.in_flight >= threshold:
             raise self.refusal(f"{self.in_flight} requests of classes that are not pinned are in "

@@ -71,6 +71,34 @@ def test_a_lagging_loop_sheds_the_lowest_class_first_and_never_premium(guard):
     assert guard.shed == 1 + 1 + (10 - MIN_LIMIT)
 
 
+def test_each_window_reaches_the_dashboard_and_the_status_page(guard):
+    """Every window's lag, limit and in-flight count go to the metrics (the overload panel), and
+    /admin/status shows the limit: null while there is none."""
+    seen = []
+    guard.metrics = SimpleNamespace(overload_guard=lambda *args: seen.append(args))
+    assert guard.state()["limit"] is None
+    fill(guard, "standard", 40, "s")
+    window(guard, LAGGING)
+    assert seen == [(LAGGING, 32, 40, "gateway")]
+    assert guard.state() == {"enabled": True, "lag_target_ms": 10.0, "loop_lag_ms": 50.0, "limit": 32,
+                             "in_flight": 40, "shed_total": 0}
+
+
+def test_classes_of_priority_zero_share_the_floor(guard):
+    """tenants.yaml allows priority 0: with no unpinned class above it, each class still gets
+    MIN_LIMIT requests under a lagging loop (no division by a top priority of 0)."""
+    flat = {name: SimpleNamespace(priority=0, pinned=False, max_queue=10) for name in ("a", "b")}
+    for i in range(20):
+        guard.enter(f"r{i}", flat["a"], flat)          # no limit yet: all counted
+    window(guard, LAGGING)
+    assert guard.limit == 16
+    for i in range(20 - MIN_LIMIT + 1):
+        guard.leave(f"r{i}")                           # MIN_LIMIT - 1 left in flight
+    guard.enter("last", flat["b"], flat)               # a share of 0: the floor, one more fits
+    with pytest.raises(APIError):
+        guard.enter("over", flat["b"], flat)
+
+
 def test_the_limit_has_a_floor_grows_while_binding_and_lifts_when_demand_falls(guard):
     held = fill(guard, "standard", 100, "s")
     for _ in range(20):
