@@ -49,6 +49,22 @@ def assert_served_on_loopback_by(port: int, ingress: str) -> None:
     assert all(("haproxy" in name) == (ingress == "haproxy") for _, name in owners), owners
 
 
+class WrongKey(Exception):
+    """What a test's ``authenticate`` raises for a key it does not know (the gate's 401)."""
+    status, message, code, headers = 401, "invalid API key", "invalid_api_key", None
+
+
+async def until(condition, timeout_s: float = 5.0, poll_s: float = 0.005) -> None:
+    """Yield to the event loop until ``condition()`` holds; fail the test after ``timeout_s``
+    rather than hang."""
+    import asyncio
+
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not met within {timeout_s} s"
+        await asyncio.sleep(poll_s)
+
+
 def asgi_post(app, path: str, chunks: list[bytes], headers: list[tuple[bytes, bytes]]
               ) -> tuple[int, str, dict, int]:
     """POST ``chunks`` as one body to the ASGI ``app``, one ``http.request`` message each,

@@ -10,11 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvharbor.platform.auth_gate import AuthGateMiddleware, drained
-from tests.conftest import asgi_post
-
-
-class _WrongKey(Exception):
-    status, message, code, headers = 401, "invalid API key", "invalid_api_key", None
+from tests.conftest import WrongKey, asgi_post
 
 
 def _gated_app():
@@ -38,7 +34,7 @@ def _gated_app():
     def authenticate(key, path):
         checked.append(path)
         if key != "good":
-            raise _WrongKey()
+            raise WrongKey()
         return SimpleNamespace(tenant="acme")
 
     app.state.authenticate = authenticate

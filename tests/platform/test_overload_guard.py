@@ -85,8 +85,10 @@ def test_each_window_reaches_the_dashboard_and_the_status_page(guard):
 
 
 def test_classes_of_priority_zero_share_the_floor(guard):
-    """tenants.yaml allows priority 0: with no unpinned class above it, each class still gets
-    MIN_LIMIT requests under a lagging loop (no division by a top priority of 0)."""
+    """tenants.yaml allows priority 0: before the loop has lagged none of it is shed (the
+    unbounded limit times a share of 0 is NaN, which once made the threshold MIN_LIMIT on an
+    idle gateway), and under a lagging loop, with no unpinned class above it, each class still
+    gets MIN_LIMIT requests (no division by a top priority of 0)."""
     flat = {name: SimpleNamespace(priority=0, pinned=False, max_queue=10) for name in ("a", "b")}
     for i in range(20):
         guard.enter(f"r{i}", flat["a"], flat)          # no limit yet: all counted

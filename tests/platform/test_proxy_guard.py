@@ -17,7 +17,7 @@ from kvharbor.platform.auth_gate import (BODY_IN_SCOPE, HINT_REQUEST, HINT_RESPO
 from kvharbor.platform.ingress import PROXY_CALLBACK, PROXY_GUARD, PROXY_LAG_VAR, apply_ingress
 from kvharbor.platform.overload_guard import SHED_HEADER
 from kvharbor.platform.proxy_guard import ECHO_S, HINT_TTL_S, ProxyGuardMiddleware, lag_target_ms
-from tests.conftest import asgi_post
+from tests.conftest import WrongKey, asgi_post, until
 
 HINTS = {"premium-key": encode_hint(None, "acme"), "standard-key": encode_hint(1.0, "globex"),
          "batch-key": encode_hint(0.2, "initech")}
@@ -58,14 +58,6 @@ def proxy(gateway: Gateway) -> ProxyGuardMiddleware:
     mw = ProxyGuardMiddleware(gateway, lag_ms=10.0)
     mw.guard._ensure_running = lambda: None          # the test drives the limit
     return mw
-
-
-async def until(condition, timeout_s: float = 5.0) -> None:
-    """Wait for ``condition()`` (fails the test after ``timeout_s`` rather than hanging)."""
-    async def poll():
-        while not condition():
-            await asyncio.sleep(0.001)
-    await asyncio.wait_for(poll(), timeout_s)
 
 
 async def post(client: httpx.AsyncClient, key: str, path: str = "/app/v1/completions") -> httpx.Response:
@@ -398,12 +390,8 @@ class _Refused(Exception):
     status, message, code, headers = 429, "overloaded", "overloaded", {"Retry-After": "1"}
 
 
-class _WrongKey(Exception):
-    status, message, code, headers = 401, "invalid API key", "invalid_api_key", None
-
-
 @pytest.mark.parametrize(("refusal", "chunks", "read", "closes"), [
-    (_WrongKey, 4, 0, True),        # a wrong key: none of the body read, the connection closed
+    (WrongKey, 4, 0, True),        # a wrong key: none of the body read, the connection closed
     (_Refused, 4, 4, False),        # refused for load, body within the limit: drained, kept open
     (_Refused, 40, 11, True),       # over the limit: reading stops one chunk past it, closed
 ], ids=["401", "429-within-limit", "429-over-limit"])

@@ -9,6 +9,7 @@ import pytest
 
 from kvharbor.actors.replica import LLMReplica
 from kvharbor.platform.protocol import GenerateRequest
+from tests.conftest import until
 
 
 def _req(rid: str, n: int, qos: str = "premium", max_tokens: int = 3) -> GenerateRequest:
@@ -107,8 +108,7 @@ def test_streams_of_a_dead_caller_are_aborted_and_others_keep_running(monkeypatc
     async def scenario():
         a = asyncio.create_task(_collect(replica, orphan))
         b = asyncio.create_task(_collect(replica, kept))
-        while len(replica._meta) < 2 or len(replica.engine.scheduler.running) < 2:
-            await asyncio.sleep(0.01)
+        await until(lambda: len(replica._meta) >= 2 and len(replica.engine.scheduler.running) >= 2, 30)
         aborted = await replica._abort_orphans()
         return aborted, await a, await b
 
@@ -268,8 +268,7 @@ def test_a_second_stream_under_a_running_request_id_is_refused_and_the_first_kee
 
     async def scenario():
         first = asyncio.create_task(_collect(replica, _req("same", 10, max_tokens=20)))
-        while "same" not in replica._streams:
-            await asyncio.sleep(0.005)
+        await until(lambda: "same" in replica._streams, 30)
         second = await _collect(replica, _req("same", 12, max_tokens=5))
         return await first, second
 
@@ -290,10 +289,7 @@ def test_a_stream_its_caller_stops_reading_aborts_the_request():
         first = await stream.__anext__()
         request = replica.engine.requests["gone"]
         await stream.aclose()
-        for _ in range(1000):
-            if not replica.engine.has_unfinished():
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: not replica.engine.has_unfinished(), 10)
         return first, request
 
     first, request = asyncio.run(scenario())
@@ -330,8 +326,7 @@ def test_routing_stats_count_running_requests_by_priority():
 
     async def scenario():
         task = asyncio.create_task(_collect(replica, _req("a", 10, "batch", max_tokens=200)))
-        while replica._snapshot["stats"]["num_running"] < 1:
-            await asyncio.sleep(0.005)
+        await until(lambda: replica._snapshot["stats"]["num_running"] >= 1, 30)
         stats = await replica.record_routing_stats()
         await replica.abort("a")
         await task

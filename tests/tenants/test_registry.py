@@ -10,6 +10,7 @@ import pytest
 
 from kvharbor.tenants import AuthError, ForbiddenError, TenantRegistry, TenantsFileError
 from kvharbor.tenants.keys import DEMO_KEYS, hash_key
+from tests.conftest import until
 
 from .conftest import T0
 
@@ -219,23 +220,13 @@ def test_keys_never_appear_in_logs(registry, caplog):
         assert key not in caplog.text
 
 
-async def _until(condition, timeout_s: float = 5.0) -> None:
-    """Yield to the watcher until ``condition()`` holds (the test's assertions say if it did)."""
-    import asyncio
-
-    for _ in range(int(timeout_s / 0.01)):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-
-
 def test_watch_task_reloads_in_the_background(registry):
     import asyncio
 
     async def scenario() -> int:
         task = asyncio.create_task(registry.watch(interval_s=0.01))
         write(registry.path, bob_rpm=77)
-        await _until(lambda: registry.version == 2)
+        await until(lambda: registry.version == 2)
         task.cancel()
         return registry.authenticate(KEYS["bob"]).limits.requests_per_minute
 
@@ -273,9 +264,9 @@ def test_watch_still_logs_a_failing_listener_and_goes_on(registry, caplog):
     async def scenario() -> None:
         task = asyncio.create_task(registry.watch(interval_s=0.01))
         write(registry.path, bob_rpm=78)
-        await _until(lambda: calls)
+        await until(lambda: calls)
         write(registry.path, bob_rpm=79)
-        await _until(lambda: registry.version == 3)
+        await until(lambda: registry.version == 3)
         task.cancel()
 
     asyncio.run(scenario())
