@@ -16,7 +16,8 @@ from kvharbor.platform.auth_gate import (BODY_IN_SCOPE, HINT_REQUEST, HINT_RESPO
                                          ingress_marks)
 from kvharbor.platform.ingress import PROXY_CALLBACK, PROXY_GUARD, PROXY_LAG_VAR, apply_ingress
 from kvharbor.platform.overload_guard import SHED_HEADER
-from kvharbor.platform.proxy_guard import ECHO_S, HINT_TTL_S, ProxyGuardMiddleware, lag_target_ms
+from kvharbor.platform.proxy_guard import (ECHO_S, HINT_TTL_S, ProxyGuardMiddleware, lag_target_ms,
+                                           proxy_middlewares, with_body_in_scope)
 from tests.conftest import WrongKey, asgi_post, until
 
 HINTS = {"premium-key": encode_hint(None, "acme"), "standard-key": encode_hint(1.0, "globex"),
@@ -31,6 +32,7 @@ class Gateway:
         self.reached: list[tuple[str, bool]] = []
         self.stamps: list[list[bytes]] = []   # the PROXY_AT values of each request that reached it
         self.release = asyncio.Event()
+        self.gates: dict[str, asyncio.Event] = {}   # keys answered when their own event is set
         self.shedding: set[str] = set()      # keys its own guard refuses (429 overloaded)
         self.limiting: set[str] = set()      # keys over their tenant's rate limit (429)
 
@@ -41,13 +43,13 @@ class Gateway:
         self.stamps.append([v for k, v in scope["headers"] if k == PROXY_AT])
         while (await receive()).get("more_body"):
             pass
-        await self.release.wait()
+        await self.gates.get(key, self.release).wait()
         out = [(b"content-type", b"application/json")]
         if HINT_REQUEST in headers and key in HINTS:
             out.append((HINT_RESPONSE, HINTS[key]))
         status = 200
         if key in self.shedding:
-            status, out = 429, [*out, (b"retry-after", b"1"), (SHED_HEADER.lower().encode(), b"overloaded")]
+            status, out = 429, [*out, (SHED_HEADER.lower().encode(), b"overloaded"), (b"retry-after", b"1")]
         elif key in self.limiting:
             status, out = 429, [*out, (b"retry-after", b"7")]
         await send({"type": "http.response.start", "status": status, "headers": out})
@@ -146,6 +148,67 @@ def test_a_class_the_gateway_sheds_is_shed_at_the_proxy_for_one_window_and_no_hi
     assert all(r.json()["error"]["code"] == "overloaded" and r.headers["retry-after"] == "1" for r in echoed)
     assert [r.status_code for r in others] == [200, 200] and after.status_code == 200
     assert mw.guard.shed == 3 and mw.guard.in_flight == 0
+
+
+def test_the_echo_keeps_the_highest_class_shed_in_its_window_and_starts_afresh_after_it():
+    """Within one window the proxy sheds up to the highest class a gateway shed, whatever order
+    the gateway's answers come in (a lower class's 429 arriving later does not lower it);
+    after the window the next shed class sets it alone."""
+    gateway = Gateway()
+    mw = proxy(gateway)
+
+    async def scenario(client):
+        await learn_all(client, gateway)
+        gateway.shedding |= {"standard-key", "batch-key"}
+        gateway.gates["batch-key"] = asyncio.Event()
+        slow_batch = asyncio.create_task(post(client, "batch-key"))    # forwarded, answered later
+        await until(lambda: len(gateway.reached) == 4)
+        assert (await post(client, "standard-key")).status_code == 429    # the gateway's
+        gateway.gates["batch-key"].set()
+        assert (await slow_batch).status_code == 429                    # the gateway's, after
+        reached = len(gateway.reached)
+        assert (await post(client, "standard-key")).status_code == 429    # shed here
+        assert len(gateway.reached) == reached
+        mw.echo_until -= ECHO_S                                        # a new window
+        assert (await post(client, "batch-key")).status_code == 429       # the gateway's
+        gateway.shedding.clear()
+        standard = await post(client, "standard-key")                  # above the new echo
+        assert len(gateway.reached) == reached + 2
+        return standard
+
+    assert drive(mw, scenario).status_code == 200
+    assert mw.echo_share == 0.2
+
+
+def test_keys_are_known_by_their_whole_digest_most_recently_used_kept(monkeypatch):
+    """Two keys with a common prefix have their own classes; past MAX_KEYS the key used least
+    recently is forgotten (asked of the gateway again), not one just used."""
+    import kvharbor.platform.proxy_guard as pg
+
+    monkeypatch.setattr(pg, "MAX_KEYS", 2)
+    monkeypatch.setitem(HINTS, "tenant-key-1", encode_hint(0.2, "initech"))
+    monkeypatch.setitem(HINTS, "tenant-key-2", encode_hint(None, "acme"))
+    gateway = Gateway()
+    mw = proxy(gateway)
+
+    async def scenario(client):
+        gateway.release.set()
+        await post(client, "tenant-key-1")
+        await post(client, "tenant-key-2")
+        mw.guard.min_limit, mw.guard.limit = 0, 0                    # every unpinned class sheds
+        pinned = await post(client, "tenant-key-2")                  # also used most recently
+        batch = await post(client, "tenant-key-1")
+        await post(client, "standard-key")                          # a third key: one goes
+        again = [(await post(client, key)).status_code for key in ("tenant-key-1", "tenant-key-2")]
+        return pinned, batch, again
+
+    pinned, batch, again = drive(mw, scenario)
+    assert pinned.status_code == 200 and batch.status_code == 429
+    assert len(mw.hints) == 2
+    # standard-key evicted tenant-key-2 (its last use came before tenant-key-1's): tenant-key-1
+    # is still known, so still shed; tenant-key-2 is asked of the gateway again
+    assert again == [429, 200]
+    assert [(key, asked) for key, asked in gateway.reached][-2:] == [("standard-key", True), ("tenant-key-2", True)]
 
 
 def test_a_known_class_is_asked_again_after_its_ttl_and_a_change_applies():
@@ -305,6 +368,73 @@ def test_the_gateway_reads_a_body_from_the_scope_and_still_sees_a_disconnect():
     assert after == {"type": "http.disconnect"} and sent == []
     assert body_from_scope({"extensions": {}}, receive) is receive
     assert body_from_scope({}, receive) is receive
+
+
+def _in_scope(messages: list[dict], length: int | None):
+    """``with_body_in_scope`` over a client that sends ``messages`` (then disconnects) with a
+    Content-Length of ``length`` -> (the body in the scope or None, what the downstream's
+    first two receives give, how many client messages were read)."""
+    pending = list(messages)
+
+    async def receive():
+        return pending.pop(0) if pending else {"type": "http.disconnect"}
+
+    headers = [] if length is None else [(b"content-length", str(length).encode())]
+
+    async def scenario():
+        scope, downstream = await with_body_in_scope({"type": "http", "headers": headers}, receive)
+        return ((scope.get("extensions") or {}).get(BODY_IN_SCOPE),
+                [await downstream(), await downstream()], len(messages) - len(pending))
+    return asyncio.run(scenario())
+
+
+def test_the_proxy_reads_a_whole_small_body_and_passes_a_partial_or_large_one_on(monkeypatch):
+    """A body in chunks is joined in the scope and the downstream then sees an empty body and
+    the client's disconnect; a client gone mid-body leaves nothing in the scope (a truncated
+    body must not pass for a whole one); a body over MAX_BODY_IN_SCOPE, or without a length,
+    is not read here."""
+    import kvharbor.platform.proxy_guard as pg
+
+    monkeypatch.setattr(pg, "MAX_BODY_IN_SCOPE", 10)
+    part = lambda body, more: {"type": "http.request", "body": body, "more_body": more}  # noqa: E731
+    disconnect, empty = {"type": "http.disconnect"}, part(b"", False)
+    assert _in_scope([part(b"01234", True), part(b"56789", False)], 10) == \
+        (b"0123456789", [empty, disconnect], 2)
+    assert _in_scope([part(b"01234", True), disconnect], 10) == (None, [disconnect, disconnect], 2)
+    big = [part(b"0123456789X", False)]
+    assert _in_scope(big, 11) == (None, [big[0], disconnect], 1)
+    assert _in_scope(big, None) == (None, [big[0], disconnect], 1)
+
+
+def test_the_lag_target_variable_and_the_middleware_it_installs(monkeypatch):
+    for off in ("off", "None", " null "):
+        assert lag_target_ms({PROXY_LAG_VAR: off}) is None
+    assert lag_target_ms({PROXY_LAG_VAR: " 25 "}) == 25.0 and lag_target_ms({}) == 10.0
+    for bad in ("0", "-3", "fast"):
+        with pytest.raises(ValueError):
+            lag_target_ms({PROXY_LAG_VAR: bad})
+    monkeypatch.setenv(PROXY_LAG_VAR, "off")
+    assert proxy_middlewares() == []
+    monkeypatch.setenv(PROXY_LAG_VAR, "25")
+    [middleware] = proxy_middlewares()
+    assert middleware.cls is ProxyGuardMiddleware and middleware.kwargs["lag_ms"] == 25.0
+
+
+def test_only_a_generation_post_is_counted_or_shed():
+    """A GET on a generation path (or any other method) passes untouched, however loaded."""
+    gateway = Gateway()
+    mw = proxy(gateway)
+
+    async def scenario(client):
+        await learn_all(client, gateway)
+        mw.guard.min_limit, mw.guard.limit = 0, 0
+        auth = {"Authorization": "Bearer batch-key"}
+        return (await client.get("/app/v1/completions", headers=auth),
+                await post(client, "batch-key"))
+
+    got, posted = drive(mw, scenario)
+    assert got.status_code == 200 and posted.status_code == 429
+    assert gateway.stamps[-1] == []                         # not stamped by the proxy either
 
 
 def test_a_body_in_the_scope_reaches_the_handler_through_the_gateway():
