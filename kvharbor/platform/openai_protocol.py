@@ -135,7 +135,7 @@ class _Common(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     model: Text = Field(description="Model id, as listed by /v1/models.")
-    max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate (>= 1). Default 16 (completions) or the rest of the context (chat), capped by the tenant's max_tokens_per_request.")
+    max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate (>= 1). Default: the rest of the context, at most the tenant's max_tokens_per_request (256 when it sets none).")
     temperature: float | None = Field(1.0, ge=0.0, le=2.0, description=f"Sampling temperature in [0, 2]; 0 (or below {GREEDY_BELOW}) is greedy.")
     top_p: float | None = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass in (0, 1].")
     top_k: int = Field(0, ge=0, description="Keep only the k most likely tokens (0: off). Not in OpenAI's API.")

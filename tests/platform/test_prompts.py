@@ -1,0 +1,142 @@
+"""The gateway's prompt checks without Ray (``kvharbor.platform.prompts``): each bad field is a
+400 naming it, ``max_tokens`` defaults and bounds against the context, large bodies tokenized
+off the event loop. The builtin byte-level tokenizer: 1 letter = 1 token, 259 ids."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from kvharbor.engine.tokenizer import byte_tokenizer
+from kvharbor.platform.openai_protocol import APIError, ChatRequest, CompletionRequest
+from kvharbor.platform.prompts import TOKENIZE_ON_LOOP_BYTES, Prompts
+
+CONTEXT = 64
+
+
+@pytest.fixture(scope="module")
+def prompts() -> Prompts:
+    return Prompts(byte_tokenizer(), CONTEXT)
+
+
+def tenant(cap: int | None = None, overflow: str = "reject"):
+    return SimpleNamespace(limits=SimpleNamespace(max_tokens_per_request=cap),
+                           config=SimpleNamespace(context_overflow=overflow))
+
+
+def completion(**fields) -> CompletionRequest:
+    return CompletionRequest(**{"model": "m", "prompt": "hello", **fields})
+
+
+def limits(prompts: Prompts, body, chat: bool = False, cap: int | None = None) -> tuple[int, bool]:
+    ids = prompts.completion_ids(body) if not chat else [prompts.fit_chat(body, tenant()).token_ids]
+    return prompts.limits(body, ids, chat, tenant(cap))
+
+
+def refused(call, *args, **kwargs) -> APIError:
+    with pytest.raises(APIError) as caught:
+        call(*args, **kwargs)
+    assert caught.value.status == 400
+    return caught.value
+
+
+def test_large_or_unsized_bodies_are_tokenized_off_the_event_loop(prompts):
+    async def where(size):
+        return await prompts.off_loop(lambda: threading.current_thread().name, size)
+
+    names = [asyncio.run(where(size)) for size in (10, TOKENIZE_ON_LOOP_BYTES, TOKENIZE_ON_LOOP_BYTES + 1, None)]
+    assert names[:2] == [threading.current_thread().name] * 2
+    assert all(name.startswith("kvharbor-tokenize") for name in names[2:]), names
+
+
+def test_token_ids_must_be_in_the_vocabulary(prompts):
+    vocab = len(prompts.tokenizer)
+    prompts.check_token_ids([0, vocab - 1], "x")
+    prompts.check_token_ids([], "x")
+    for bad in ([vocab], [-1], [3, vocab + 5]):
+        assert refused(prompts.check_token_ids, bad, "stop_token_ids").param == "stop_token_ids"
+    error = refused(prompts.completion_ids, completion(prompt=[[1, 2], [3, vocab]]))
+    assert error.param == "prompt.1" and f"[0, {vocab})" in error.message
+    assert refused(prompts.completion_ids, completion(prompt=[vocab])).param == "prompt"
+    assert prompts.completion_ids(completion(prompt=["ab", "c"])) == [[97, 98], [99]]
+    assert prompts.completion_ids(completion(prompt=[[5, 6]])) == [[5, 6]]
+    for field, value in (("stop_token_ids", [vocab]), ("logit_bias", {str(vocab): 1})):
+        assert refused(limits, prompts, completion(**{field: value})).param == field
+
+
+def test_max_tokens_defaults_to_16_for_completions_and_the_rest_of_the_context_for_chat(prompts):
+    assert limits(prompts, completion()) == (16, False)
+    assert limits(prompts, completion(), cap=8) == (8, False)                  # the tenant's cap
+    assert limits(prompts, completion(prompt="x" * (CONTEXT - 5))) == (5, False)   # the room left
+    chat = ChatRequest(model="m", messages=[{"role": "user", "content": "hi"}])
+    room = CONTEXT - len(prompts.fit_chat(chat, tenant()).token_ids)
+    assert 0 < room < 256
+    assert limits(prompts, chat, chat=True) == (room, False)
+    assert limits(prompts, chat, chat=True, cap=room - 3) == (room - 3, False)
+
+
+def test_max_tokens_is_checked_against_the_longest_prompts_room(prompts):
+    batch = completion(prompt=["x" * 10, "y" * 40, "z"], max_tokens=CONTEXT - 40)
+    assert limits(prompts, batch) == (CONTEXT - 40, False)
+    error = refused(limits, prompts, batch.model_copy(update={"max_tokens": CONTEXT - 39}))
+    assert (error.code, error.param) == ("context_length_exceeded", "max_tokens")
+    assert "prompt.1 (40 tokens)" in error.message and f"at most {CONTEXT - 40}" in error.message
+    error = refused(limits, prompts, completion(max_tokens=0))
+    assert error.param == "max_tokens" and "echo" in error.message
+
+
+def test_a_prompt_must_have_a_token_and_leave_room_for_one(prompts):
+    assert limits(prompts, completion(prompt="x" * (CONTEXT - 1), max_tokens=1)) == (1, False)
+    error = refused(limits, prompts, completion(prompt="x" * CONTEXT))
+    assert (error.code, error.param) == ("context_length_exceeded", "prompt")
+    assert refused(limits, prompts, completion(prompt=["a", ""])).param == "prompt.1"
+    assert "at least one token" in refused(limits, prompts, completion(prompt=[])).message
+
+
+def test_echo_with_max_tokens_0_is_the_prompt_alone(prompts):
+    assert limits(prompts, completion(echo=True, max_tokens=0)) == (1, True)
+    assert limits(prompts, completion(echo=True, max_tokens=3)) == (3, False)
+    error = refused(limits, prompts, completion(echo=True, max_tokens=0, min_tokens=1))
+    assert error.param == "min_tokens" and "max_tokens (0)" in error.message
+
+
+def test_min_tokens_may_equal_max_tokens_but_not_exceed_it(prompts):
+    assert limits(prompts, completion(max_tokens=4, min_tokens=4)) == (4, False)
+    assert refused(limits, prompts, completion(max_tokens=4, min_tokens=5)).param == "min_tokens"
+    assert refused(limits, prompts, completion(min_tokens=17)).param == "min_tokens"   # default 16
+
+
+def test_echo_gives_a_text_prompt_as_sent_and_token_ids_decoded(prompts):
+    tok = prompts.tokenizer
+    sent = f"as {tok.all_special_tokens[0]} sent"                # a special token's text: not dropped
+    for prompt, echoed in (([sent, "b"], [sent, "b"]), ([tok.all_special_ids[0], 104, 105], ["hi"])):
+        body = completion(prompt=prompt)
+        assert prompts.echo_texts(body, prompts.completion_ids(body)) == echoed
+
+
+def test_a_chat_is_truncated_for_the_answer_it_asks_for_only_when_the_tenant_chose_it(prompts):
+    """``truncate_oldest`` keeps room for ``max_tokens`` (or the tenant's default answer):
+    the oldest turns go; with ``reject`` nothing is dropped (the length check refuses it)."""
+    turns = [{"role": "user", "content": "a" * 12}, {"role": "assistant", "content": "b" * 12},
+             {"role": "user", "content": "c" * 12}]
+    context = 128
+    prompts = Prompts(prompts.tokenizer, context)
+    chat = ChatRequest(model="m", messages=turns)
+    whole = len(prompts.fit_chat(chat, tenant()).token_ids)
+    last = len(prompts.render([turns[-1]]))
+    want = context - last                           # the last turn fits exactly
+    assert last < whole <= context
+    fitted = prompts.fit_chat(chat.model_copy(update={"max_tokens": want}), tenant(overflow="truncate_oldest"))
+    assert len(fitted.token_ids) == last
+    fitted = prompts.fit_chat(chat.model_copy(update={"max_tokens": want + 1}), tenant(overflow="truncate_oldest"))
+    assert len(fitted.token_ids) == whole           # not even the last turn fits: left to the length check
+    fitted = prompts.fit_chat(chat.model_copy(update={"max_tokens": context - whole}),
+                              tenant(overflow="truncate_oldest"))
+    assert len(fitted.token_ids) == whole           # it fits whole: nothing dropped
+    fitted = prompts.fit_chat(chat, tenant(cap=want, overflow="truncate_oldest"))   # the default answer
+    assert len(fitted.token_ids) == last
+    fitted = prompts.fit_chat(chat.model_copy(update={"max_tokens": want}), tenant(overflow="reject"))
+    assert len(fitted.token_ids) == whole
