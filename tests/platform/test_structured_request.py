@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from pydantic import ValidationError
 
+from kvharbor.engine.structured_output import StructuredOutputsParams
 from kvharbor.platform import structured_request
 from kvharbor.platform.openai_protocol import ChatRequest, CompletionRequest
+from kvharbor.platform.structured_request import ResponseFormat, StructuredOutputs, structured_spec
+
 
 @pytest.fixture(autouse=True)
 def fresh_parser_state(monkeypatch):
@@ -78,3 +81,67 @@ def test_a_tenant_whose_parse_overran_waits_for_it_others_do_not(monkeypatch):
     first, (acme, globex), after = asyncio.run(run())
     assert first[0] == 400 and acme[0] == 429 and "still being parsed" in acme[2]
     assert globex is None and after is None and not structured_request._OVERDUE
+
+
+@pytest.mark.parametrize(("fmt", "says"), [
+    ({"type": "text", "json_schema": {"name": "x", "schema": {}}}, "only with it"),
+    ({"type": "json_schema"}, "required with type json_schema"),
+    ({"type": "json_schema", "json_schema": {"name": "x"}}, "json_schema.schema is required"),
+], ids=["schema-without-its-type", "type-without-a-schema", "no-schema"])
+def test_a_response_format_and_its_schema_go_together(fmt, says):
+    with pytest.raises(ValidationError, match=says):
+        ResponseFormat(**fmt)
+
+
+def test_each_request_field_becomes_the_engines_spec():
+    schema = {"type": "object"}
+    assert ResponseFormat(type="text").spec() is None
+    assert ResponseFormat(type="json_object").spec() == {"json_object": True}
+    assert ResponseFormat(type="json_schema", json_schema={"name": "x", "schema": schema}).spec() == {"json": schema}
+    assert StructuredOutputs(json_object=True, disable_any_whitespace=True).spec() == \
+        {"json_object": True, "disable_any_whitespace": True}
+    assert StructuredOutputs(choice=["a", "b"]).spec() == {"choice": ["a", "b"], "disable_any_whitespace": False}
+    text = ResponseFormat(type="text")
+    assert structured_spec(text, StructuredOutputs(regex="[0-9]")) == {"regex": "[0-9]", "disable_any_whitespace": False}
+    assert structured_spec(None, None) is None and structured_spec(text, None) is None
+    assert asyncio.run(structured_request.parse_problem(CompletionRequest(model="m", prompt="x"))) is None
+
+
+def test_one_kind_of_structure_per_request():
+    with pytest.raises(ValidationError, match="exactly one"):
+        StructuredOutputs(regex="[0-9]", choice=["a"])
+    with pytest.raises(ValidationError, match="exactly one"):
+        StructuredOutputs(disable_any_whitespace=True)
+    with pytest.raises(ValueError, match="not both"):
+        structured_spec(ResponseFormat(type="json_object"), StructuredOutputs(regex="[0-9]"))
+    with pytest.raises(ValidationError, match="not both"):
+        CompletionRequest(model="m", prompt="x", response_format={"type": "json_object"},
+                          structured_outputs={"regex": "[0-9]"})
+
+
+def test_a_slow_spec_is_parsed_again_once_its_refusal_expires():
+    body = CompletionRequest(model="m", prompt="x", structured_outputs={"regex": "[0-9]+"})
+    params = StructuredOutputsParams.of(body.structured())
+    key = (params.kind, params.source())
+    structured_request._SLOW[key] = time.monotonic() - structured_request.SLOW_FOR_S + 60
+    assert asyncio.run(structured_request.parse_problem(body))[0] == 400      # still remembered
+    structured_request._SLOW[key] = time.monotonic() - structured_request.SLOW_FOR_S - 1
+    assert asyncio.run(structured_request.parse_problem(body)) is None         # parsed again
+
+
+def test_the_latest_1024_slow_specs_are_remembered():
+    for i in range(1024):
+        structured_request._remember_slow(("regex", str(i)))
+    structured_request._remember_slow(("regex", "0"))              # slow again: now the latest
+    structured_request._remember_slow(("regex", "new"))
+    slow = structured_request._SLOW
+    assert len(slow) == 1024 and ("regex", "1") not in slow
+    assert ("regex", "0") in slow and ("regex", "new") in slow
+
+
+def test_a_tenant_with_two_overrun_parses_waits_for_both():
+    structured_request._OVERDUE["acme"] = 2
+    structured_request._overdue_ended("acme")
+    assert structured_request._OVERDUE == {"acme": 1}
+    structured_request._overdue_ended("acme")
+    assert structured_request._OVERDUE == {}
