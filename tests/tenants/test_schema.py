@@ -101,11 +101,14 @@ def test_omitted_limits_inherit_defaults_and_null_means_unlimited():
     (f'      - "{"1" * 64}"\n', f'      - "{"1" * 64}"\n      - "{"3" * 63}"\n', 15,
      "tenants.a.keys.1", "lowercase 64-char"),                      # the line of the item
     ("priority: 10", "priority: high", 3, "qos_classes.gold.priority", "valid integer"),
+    ("    qos: bronze\n", "", 15, "tenants.b.qos", "Field required"),   # missing: named, its parent's line
+    (f'      - hash: "{"2" * 64}"\n', f'      - hash: "{"2" * 64}"\n        revoked: [1]\n', 20,
+     "tenants.b.keys.0.revoked", "a valid boolean or Input should be a valid string"),   # each union branch
 ])
 def test_mistakes_are_reported_with_line_and_field(old, new, line, path, words):
     issue = only_issue(good_replace(old, new))
     assert (issue.line, issue.path) == (line, path)
-    assert words in issue.message
+    assert words in issue.message and not issue.message.startswith("Value error")
     assert str(issue).startswith(f"t.yaml:{line}: {path}: ")
 
 
@@ -123,9 +126,10 @@ def test_several_mistakes_are_all_reported_in_line_order():
 
 
 def test_yaml_syntax_error_has_a_line():
-    issue = only_issue(good() + "  c: [unclosed\n")
-    assert issue.line is not None and issue.line >= 20
-    assert "YAML syntax" in issue.message
+    issue = only_issue(good() + "  c: [unclosed\n")                 # 21 lines: the stream ends on 21
+    assert (issue.line, issue.message) == (21, "YAML syntax: expected ',' or ']', but got '<stream end>'")
+    issue = only_issue(good().replace("tenants:", "tenants: : :"))
+    assert (issue.line, issue.message) == (10, "YAML syntax: mapping values are not allowed here")
 
 
 def test_plaintext_key_in_hash_field_is_refused_without_echoing_it():
@@ -158,7 +162,22 @@ def test_a_file_that_is_not_a_mapping_or_cannot_be_read_says_so(tmp_path):
     assert "expected a mapping" in only_issue("- qos_classes\n- tenants\n").message
     with pytest.raises(TenantsFileError) as info:
         load_tenants_file(tmp_path / "missing.yaml")
-    assert "cannot read: No such file or directory" in str(info.value)
+    [issue] = info.value.issues
+    assert str(issue) == f"{tmp_path / 'missing.yaml'}: <file>: cannot read: No such file or directory"
+
+
+def test_no_classes_is_one_problem_not_one_per_tenant():
+    text = good()
+    issue = only_issue("qos_classes: {}\n" + text[text.index("defaults:"):])
+    assert (issue.line, issue.path) == (1, "qos_classes") and "at least 1 item" in issue.message
+
+
+def test_an_adapter_directory_must_hold_a_peft_config(tmp_path):
+    (tmp_path / "empty").mkdir()
+    issue = only_issue(good() + f"lora_adapters:\n  x: {{path: {tmp_path / 'empty'}}}\n")
+    assert (issue.line, issue.path) == (21, "lora_adapters.x.path") and "holds no adapter_config.json" in issue.message
+    (tmp_path / "empty" / "adapter_config.json").write_text("{}")
+    assert "x" in parse_tenants_text(good() + f"lora_adapters:\n  x: {{path: {tmp_path / 'empty'}}}\n").lora_adapters
 
 
 def test_names_and_classes_are_read_without_surrounding_blanks():
