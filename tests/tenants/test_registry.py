@@ -172,11 +172,78 @@ def test_invalid_change_is_rejected_and_old_config_stays(registry, clock, caplog
     assert registry.status()["last_error"] is None and registry.version == 2
 
 
-def test_deleted_file_keeps_config(registry):
+def test_deleted_file_keeps_config(registry, caplog):
     registry.path.unlink()
-    assert registry.reload_if_changed() is False
+    with caplog.at_level(logging.ERROR):
+        assert registry.reload_if_changed() is False
+        assert registry.reload_if_changed() is False
     assert registry.authenticate(KEYS["live"]).tenant == "alice"
     assert "cannot read" in registry.status()["last_error"]
+    assert caplog.text.count("tenants file rejected") == 1          # once, not at every poll
+
+
+def test_an_unchanged_stat_costs_no_read_and_a_rejected_text_no_parse(registry, clock, monkeypatch):
+    import kvharbor.tenants.registry as module
+
+    parses = []
+    parse = module.parse_tenants_text
+    monkeypatch.setattr(module, "parse_tenants_text", lambda *a: parses.append(1) or parse(*a))
+    monkeypatch.setattr(registry, "_read", lambda: pytest.fail("read although nothing changed"))
+    assert registry.reload_if_changed() is False
+    monkeypatch.undo()
+    monkeypatch.setattr(module, "parse_tenants_text", lambda *a: parses.append(1) or parse(*a))
+    write(registry.path, extra="  dave:\n    qos: platinum\n")
+    clock.now = T0 + 7
+    assert registry.reload_if_changed() is False and parses == [1]
+    write(registry.path, extra="  dave:\n    qos: platinum\n")       # touched: the same bad text
+    clock.now = T0 + 9
+    assert registry.reload_if_changed() is False and parses == [1]
+    assert registry.status()["last_error_at"] == T0 + 7
+
+
+def test_a_file_restored_after_an_error_clears_it_and_the_error_counts_again_later(registry, caplog):
+    bad = "  dave:\n    qos: platinum\n"
+    write(registry.path, extra=bad)
+    assert registry.reload_if_changed() is False and registry.status()["last_error"]
+    write(registry.path)                                             # the applied text again
+    assert registry.reload_if_changed() is False and registry.version == 1
+    assert registry.status()["last_error"] is None
+    write(registry.path, extra=bad)
+    assert registry.reload_if_changed() is False
+    write(registry.path, bob_rpm=45)                                 # a new text: applied
+    assert registry.reload_if_changed() is True
+    with caplog.at_level(logging.ERROR):
+        write(registry.path, extra=bad)                              # the old bad text, once more
+        assert registry.reload_if_changed() is False
+    assert "platinum" in registry.status()["last_error"] and "platinum" in caplog.text
+
+
+def test_pinned_blocks_add_up_and_only_tenants_with_prefixes_are_listed(tmp_path, clock):
+    path = tmp_path / "t.yaml"
+    write(path, extra="  dave:\n    qos: gold\n    pinned_kv_blocks: 4\n"
+                      "    pinned_prefixes: [You are Dave's assistant.]\n")
+    registry = TenantRegistry(path, clock=clock)
+    assert registry.pinned_kv_blocks_total() == 12 + 4
+    assert registry.pinned_prefixes() == {"dave": ["You are Dave's assistant."]}
+
+
+def test_an_expired_demo_key_is_not_reported_active(tmp_path, clock):
+    """``/admin/tenants/status`` warns while a public demo key still works; an expired one
+    (tenant's or admin's) no longer does."""
+    premium, admin = DEMO_KEYS["kvh-demo-premium"], DEMO_KEYS["kvh-demo-admin"]     # their hashes
+    path = tmp_path / "t.yaml"
+    expired = "expires: 2027-01-15T07:00:00Z"                         # before the clock's T0
+    path.write_text(f"""\
+qos_classes: {{gold: {{priority: 10}}}}
+admin_keys: [{{hash: "{admin}", {expired}}}]
+tenants:
+  acme:
+    qos: gold
+    keys: [{{hash: "{premium}", {expired}}}]
+""")
+    assert TenantRegistry(path, clock=clock).active_demo_keys() == []
+    path.write_text(path.read_text().replace(expired, "label: demo"))
+    assert TenantRegistry(path, clock=clock).active_demo_keys() == ["acme", "admin"]
 
 
 def test_invalid_or_missing_file_at_startup_raises(tmp_path):
@@ -198,6 +265,8 @@ def test_describe_is_json_safe_and_shows_key_ids_only(registry):
     assert [k["id"] for k in view["alice"]["keys"]] == [hash_key(KEYS[n])[:8] for n in
                                                          ("live", "old", "future", "gone")]
     assert view["alice"]["keys"][3]["revoked"] == "leaked in a screenshot"
+    assert view["alice"]["keys"][0]["revoked"] is False
+    assert (view["alice"]["allowed_models"], view["bob"]["allowed_models"]) == (["small-model"], "all")
     assert not any(hash_key(k) in text or k in text for k in KEYS.values())
 
 
