@@ -521,7 +521,7 @@ class _Refused(Exception):
 
 
 @pytest.mark.parametrize(("refusal", "chunks", "read", "closes"), [
-    (WrongKey, 4, 0, True),        # a wrong key: none of the body read, the connection closed
+    (WrongKey, 4, 0, True),         # a wrong key: none of the body read, the connection closed
     (_Refused, 4, 4, False),        # refused for load, body within the limit: drained, kept open
     (_Refused, 40, 11, True),       # over the limit: reading stops one chunk past it, closed
 ], ids=["401", "429-within-limit", "429-over-limit"])

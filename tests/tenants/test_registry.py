@@ -185,12 +185,11 @@ def test_deleted_file_keeps_config(registry, caplog):
 def test_an_unchanged_stat_costs_no_read_and_a_rejected_text_no_parse(registry, clock, monkeypatch):
     import kvharbor.tenants.registry as module
 
+    with monkeypatch.context() as m:
+        m.setattr(registry, "_read", lambda: pytest.fail("read although nothing changed"))
+        assert registry.reload_if_changed() is False
     parses = []
     parse = module.parse_tenants_text
-    monkeypatch.setattr(module, "parse_tenants_text", lambda *a: parses.append(1) or parse(*a))
-    monkeypatch.setattr(registry, "_read", lambda: pytest.fail("read although nothing changed"))
-    assert registry.reload_if_changed() is False
-    monkeypatch.undo()
     monkeypatch.setattr(module, "parse_tenants_text", lambda *a: parses.append(1) or parse(*a))
     write(registry.path, extra="  dave:\n    qos: platinum\n")
     clock.now = T0 + 7
