@@ -54,6 +54,15 @@ class WrongKey(Exception):
     status, message, code, headers = 401, "invalid API key", "invalid_api_key", None
 
 
+def prompt_principal(max_tokens_cap: int | None = None, context_overflow: str = "reject"):
+    """The part of a ``Principal`` the gateway's prompt checks read (``Prompts``): the
+    tenant's ``max_tokens_per_request`` and ``context_overflow``."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(limits=SimpleNamespace(max_tokens_per_request=max_tokens_cap),
+                           config=SimpleNamespace(context_overflow=context_overflow))
+
+
 async def until(condition, timeout_s: float = 5.0, poll_s: float = 0.005) -> None:
     """Yield to the event loop until ``condition()`` holds; fail the test after ``timeout_s``
     rather than hang."""

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from types import SimpleNamespace
-
 import pytest
 
 from kvharbor.engine.tokenizer import byte_tokenizer
 from kvharbor.platform.openai_protocol import APIError, ChatRequest, CompletionRequest
 from kvharbor.platform.prompts import TOKENIZE_ON_LOOP_BYTES, Prompts
+from tests.conftest import prompt_principal as tenant
 
 CONTEXT = 64
 
@@ -20,11 +19,6 @@ CONTEXT = 64
 @pytest.fixture(scope="module")
 def prompts() -> Prompts:
     return Prompts(byte_tokenizer(), CONTEXT)
-
-
-def tenant(cap: int | None = None, overflow: str = "reject"):
-    return SimpleNamespace(limits=SimpleNamespace(max_tokens_per_request=cap),
-                           config=SimpleNamespace(context_overflow=overflow))
 
 
 def completion(**fields) -> CompletionRequest:
@@ -129,14 +123,13 @@ def test_a_chat_is_truncated_for_the_answer_it_asks_for_only_when_the_tenant_cho
     last = len(prompts.render([turns[-1]]))
     want = context - last                           # the last turn fits exactly
     assert last < whole <= context
-    fitted = prompts.fit_chat(chat.model_copy(update={"max_tokens": want}), tenant(overflow="truncate_oldest"))
-    assert len(fitted.token_ids) == last
-    fitted = prompts.fit_chat(chat.model_copy(update={"max_tokens": want + 1}), tenant(overflow="truncate_oldest"))
-    assert len(fitted.token_ids) == whole           # not even the last turn fits: left to the length check
-    fitted = prompts.fit_chat(chat.model_copy(update={"max_tokens": context - whole}),
-                              tenant(overflow="truncate_oldest"))
-    assert len(fitted.token_ids) == whole           # it fits whole: nothing dropped
-    fitted = prompts.fit_chat(chat, tenant(cap=want, overflow="truncate_oldest"))   # the default answer
-    assert len(fitted.token_ids) == last
-    fitted = prompts.fit_chat(chat.model_copy(update={"max_tokens": want}), tenant(overflow="reject"))
-    assert len(fitted.token_ids) == whole
+
+    def fitted(max_tokens, overflow="truncate_oldest", cap=None) -> int:
+        body = chat if max_tokens is None else chat.model_copy(update={"max_tokens": max_tokens})
+        return len(prompts.fit_chat(body, tenant(cap, overflow)).token_ids)
+
+    assert fitted(want) == last
+    assert fitted(want + 1) == whole                # not even the last turn fits: left to the length check
+    assert fitted(context - whole) == whole         # it fits whole: nothing dropped
+    assert fitted(None, cap=want) == last           # the tenant's default answer
+    assert fitted(want, "reject") == whole

@@ -4,7 +4,6 @@ with their arguments as objects), and how a constrained answer becomes ``tool_ca
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import jsonschema
 import pytest
@@ -15,6 +14,7 @@ from kvharbor.platform.openai_protocol import ChatRequest, TokenizeRequest
 from kvharbor.platform.prompts import Prompts
 from kvharbor.platform.tool_calls import (NamedToolChoice, Tool, ToolCall, calls_of, constraint, template_calls,
                                           template_tools, tool_mode)
+from tests.conftest import prompt_principal
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
@@ -33,9 +33,7 @@ def rendered(body) -> str:
     prompts = Prompts(tok, 4096)
     if isinstance(body, TokenizeRequest):
         return tok.decode(prompts.chat_ids(body))
-    principal = SimpleNamespace(limits=SimpleNamespace(max_tokens_per_request=None),
-                                config=SimpleNamespace(context_overflow="reject"))
-    return tok.decode(prompts.fit_chat(body, principal).token_ids)
+    return tok.decode(prompts.fit_chat(body, prompt_principal()).token_ids)
 
 
 def test_the_template_gets_the_tools_and_the_historys_calls_as_objects():

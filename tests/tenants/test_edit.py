@@ -27,11 +27,12 @@ def test_a_new_tenants_key_entry_has_its_label_and_a_whole_second_utc_time(tenan
     doc = TenantsDocument(tenants_file)
     new = doc.add_tenant("newco", "batch", allowed_models=["kvharbor-tiny"], label="ci", now=NOW)
     doc.save()
-    [key] = tenants(tenants_file)["newco"].keys
+    newco = tenants(tenants_file)["newco"]
+    [key] = newco.keys
     assert key.hash == hash_key(new.key) and new.key_id == key.hash[:8]
     assert (key.label, key.created) == ("ci", UTC_NOW)
     assert "123456" not in tenants_file.read_text()
-    assert tenants(tenants_file)["newco"].allowed_models == ["kvharbor-tiny"]
+    assert newco.allowed_models == ["kvharbor-tiny"]
 
 
 def test_a_private_tenant_gets_a_secret_whether_or_not_private_is_named(tenants_file):
