@@ -194,17 +194,22 @@ def _tenants() -> DashboardSpec:
                   (Query(rate_sum("kvharbor_rate_limited", "tenant, reason", T),
                          "{{tenant}} {{reason}}"),), no_value="0"),
         PanelSpec("Overload guard", "Event-loop lag (median over 0.25 s) of each gateway and "
-                  "of Serve's HTTP proxy, and their limits on non-pinned requests in flight "
-                  "(-1: none); while the lag exceeds overload_lag_ms the limit falls and the "
-                  "lowest classes get 429 overloaded (see Rate-limited requests).", "short", (
+                  "of Serve's HTTP proxy, their limits on non-pinned requests in flight "
+                  "(-1: none) and the non-pinned requests in flight they compare with it; while "
+                  "the lag exceeds overload_lag_ms the limit falls and the lowest classes get "
+                  "429 overloaded (see Rate-limited requests).", "short", (
                       Query(f"max({series('kvharbor_gateway_loop_lag_seconds')}) * 1000",
                             "loop lag ms (worst gateway)"),
                       Query(f"min({series('kvharbor_overload_limit')})",
                             "limit (tightest gateway)"),
+                      Query(f"max({series('kvharbor_overload_in_flight')})",
+                            "in flight (busiest gateway)"),
                       Query(f"max({series('kvharbor_proxy_loop_lag_seconds')}) * 1000",
                             "loop lag ms (proxy)"),
                       Query(f"min({series('kvharbor_proxy_overload_limit')})",
-                            "limit (proxy)"))),
+                            "limit (proxy)"),
+                      Query(f"max({series('kvharbor_proxy_overload_in_flight')})",
+                            "in flight (busiest proxy)"))),
         PanelSpec("Admissions by path", "Requests admitted from the gateway's grant (fast_lane, "
                   "premium classes, no actor call) or by the admission actor.", "reqps",
                   (Query(rate_sum("kvharbor_admissions", "tenant, path", TQ),

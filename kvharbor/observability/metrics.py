@@ -132,6 +132,9 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kvharbor_overload_limit", "gauge", (),
                "A gateway's overload guard limit on requests of non-pinned classes in flight "
                "through it (-1: no limit); the lowest classes shed first when it binds."),
+    MetricSpec("kvharbor_overload_in_flight", "gauge", (),
+               "Requests of non-pinned classes in flight through a gateway at the end of its "
+               "overload guard's last window, the count its limit is compared with."),
     MetricSpec("kvharbor_proxy_loop_lag_seconds", "gauge", (),
                "Median event-loop lag of Serve's HTTP proxy over its last 0.25 s (one series per "
                "proxy); its overload guard sheds lower classes before any gateway call while it "
@@ -139,6 +142,9 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kvharbor_proxy_overload_limit", "gauge", (),
                "The proxy's overload guard limit on requests of non-pinned classes in flight "
                "through it (-1: no limit)."),
+    MetricSpec("kvharbor_proxy_overload_in_flight", "gauge", (),
+               "Requests of non-pinned classes in flight through Serve's proxy at the end of its "
+               "overload guard's last window, the count its limit is compared with."),
     MetricSpec("kvharbor_admissions", "counter", ("tenant", "qos", "path"),
                "Requests admitted, by path: fast_lane (from the gateway's grant, no actor "
                "call) or actor (the admission and class-queue calls)."),
@@ -320,6 +326,8 @@ class KvharborMetrics:
         self._set("kvharbor_proxy_loop_lag_seconds" if proxy else "kvharbor_gateway_loop_lag_seconds", lag_s, {})
         self._set("kvharbor_proxy_overload_limit" if proxy else "kvharbor_overload_limit",
                   -1 if limit == float("inf") else limit, {})
+        self._set("kvharbor_proxy_overload_in_flight" if proxy else "kvharbor_overload_in_flight",
+                  in_flight, {})
 
     def admitted(self, tenant: str, qos: str, path: str) -> None:
         """One request admitted; ``path`` in :data:`ADMISSION_PATHS`."""

@@ -21,6 +21,12 @@ def _line(text: str, name: str, **labels: str) -> str:
     raise AssertionError(f"no {name} sample with {labels}")
 
 
+def _values(text: str, name: str) -> set[float]:
+    """The values of every sample line of ``name`` (other processes may export it too)."""
+    return {float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith(name + "{")}
+
+
 def test_actor_records_every_metric_with_expected_names_and_labels(ray_cluster):
     actor = Recorder.remote()
     try:
@@ -66,5 +72,10 @@ def test_actor_records_every_metric_with_expected_names_and_labels(ray_cluster):
                  le="0.0025").endswith(" 0.0")
     assert _line(text, "ray_kvharbor_slo_requests_total", tenant=TENANT, qos="batch",
                  outcome="missed").endswith(" 2.0")
+    # each overload guard's limit and in-flight count on its own gauge, gateway and proxy apart
+    assert 40.0 in _values(text, "ray_kvharbor_overload_limit")
+    assert 12.0 in _values(text, "ray_kvharbor_overload_in_flight")
+    assert 20.0 in _values(text, "ray_kvharbor_proxy_overload_limit")
+    assert 6.0 in _values(text, "ray_kvharbor_proxy_overload_in_flight")
     assert _line(later, "ray_kvharbor_queue_length", replica=REPLICA, qos="batch").endswith(
         " 2.0"), "gauge vanished although it was set and the actor is alive"

@@ -564,8 +564,8 @@ def test_the_cluster_env_names_the_proxy_guard_through_serves_proxy_only():
 
 def test_the_running_app_has_the_guard_in_serves_proxy(kvharbor_app):
     """Through Serve's proxy (the default ingress) the proxy runs the guard: once a key's
-    class is known its gauges appear (limit -1: none yet; the metrics recorder test never
-    sets -1); the hint never reaches the client."""
+    class is known its gauges appear (lag, in-flight count, limit -1: none yet; the metrics
+    recorder test never sets -1); the hint never reaches the client."""
     from tests.conftest import DEMO, INGRESS
     from tests.observability.recorder_actor import scrape_until
 
@@ -576,4 +576,5 @@ def test_the_running_app_has_the_guard_in_serves_proxy(kvharbor_app):
     assert all(HINT_RESPONSE.decode() not in r.headers for r in answers)
     if INGRESS[0] == "proxy":
         scrape_until([r"^ray_kvharbor_proxy_overload_limit\{.*\} -1(\.0)?$",
-                      r"^ray_kvharbor_proxy_loop_lag_seconds\{.*"])
+                      r"^ray_kvharbor_proxy_loop_lag_seconds\{.*",
+                      r"^ray_kvharbor_proxy_overload_in_flight\{.*"])
