@@ -25,6 +25,7 @@ import ray
 
 from kvharbor.actors.calls import detached, start_background
 from kvharbor.platform.class_queue import ClassQueueActor
+from kvharbor.tenants.admission_actor import ActorAdmission, AdmissionActor
 
 
 @ray.remote(num_cpus=0)
@@ -61,16 +62,20 @@ class Gate:
 class FakeGateway:
     """``mode``: how ``request`` submits its call: "plain" (a child of the request),
     "detached" (``detached(handle)``), "background" (from a task ``start_background`` began),
-    "task" (from a task ``create_task`` began: it copies the request's context)."""
+    "task" (from a task ``create_task`` began: it copies the request's context), "facade"
+    (the gateway's ``ActorAdmission`` over an admission actor: its method, not ``.remote``)."""
 
     def __init__(self, target, mode: str) -> None:
         self.mode = mode
-        self.target = detached(target) if mode == "detached" else target
+        wrap = {"detached": detached, "facade": ActorAdmission}.get(mode, lambda t: t)
+        self.target = wrap(target)
         self.outcome: list = []
         self.submitted = False
 
     async def request(self, arg_ref: list, method: str) -> None:
-        if self.mode in ("plain", "detached"):
+        if self.mode == "facade":
+            getattr(self.target, method)(*arg_ref)               # fire and forget
+        elif self.mode in ("plain", "detached"):
             getattr(self.target, method).remote(*arg_ref)        # fire and forget
         else:
             start = start_background if self.mode == "background" else asyncio.create_task
@@ -97,12 +102,12 @@ class FakeGateway:
         return self.submitted
 
 
-def _cancel_mid_call(gateway, method: str, arg) -> None:
+def _cancel_mid_call(gateway, method: str, arg, *more_args) -> None:
     """Start ``request``, whose call waits for ``arg`` behind a closed gate (so it is not
     sent yet), cancel it as Serve cancels a request, then open the gate."""
     gate = Gate.remote()
     arg_ref = gate.value_when_open.remote(arg)
-    ref = gateway.request.remote([arg_ref], method)
+    ref = gateway.request.remote([arg_ref, *more_args], method)
     deadline = time.monotonic() + 60
     while not ray.get(gateway.has_submitted.remote(), timeout=30):
         assert time.monotonic() < deadline, "the request never ran"
@@ -151,3 +156,20 @@ def test_a_cancelled_requests_leave_gives_its_class_queue_place_back_at_once(ray
     in_use = _eventually(lambda: ray.get(queue.snapshot.remote(), timeout=10).get("standard", 0), 0,
                          timeout_s=3.0)
     assert in_use == 0
+
+
+def test_a_cancelled_requests_release_gives_its_slot_and_queue_place_back_at_once(ray_cluster):
+    """The gateway's ``ActorAdmission.release_and_leave`` (fire and forget) from a request
+    whose client went away: the tenant's slot and the class's queue place are back right away,
+    with the tokens used charged, not only when the ticket's lease runs out."""
+    actor = AdmissionActor.remote()
+    one = {"max_concurrent_requests": 1}
+    admitted = ray.get(actor.enter_and_admit.remote("standard", {"standard": 1}, 8, "t", one, 10, 5),
+                       timeout=30)
+    assert admitted.ok, admitted.reason
+    gateway = FakeGateway.remote(actor, "facade")
+    _cancel_mid_call(gateway, "release_and_leave", admitted.ticket, "standard", 12)
+    in_use = _eventually(lambda: ray.get(actor.queue_snapshot.remote(), timeout=10)["standard"], 0,
+                         timeout_s=3.0)
+    usage = ray.get(actor.usage.remote("t"), timeout=10)
+    assert (in_use, usage["in_flight"], usage["tokens_today"]) == (0, 0, 12)

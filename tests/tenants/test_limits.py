@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 
 import pytest
 
@@ -212,6 +213,87 @@ def test_a_caller_cancelled_while_being_admitted_does_not_leak_its_slot(actor_ad
     assert again.ok, again.reason
 
 
+def test_the_actor_facade_takes_and_gives_back_queue_places_and_slots(actor_admission):
+    """The gateway's path through the actor: ``enter_and_admit`` takes a queue place and a
+    slot in one call; a caller cancelled during it gets both given back; ``release_and_leave``
+    (sent without waiting) frees both and charges the tokens used; ``renew`` names only the
+    tickets the actor does not hold; ``sync_grants`` hands a gateway its grant."""
+    from kvharbor.tenants.limits import GrantReport
+
+    tenant = f"t{next(_names)}-gate"
+    batch, premium = f"{tenant}-batch", f"{tenant}-premium"    # class names of this test only
+    prio = {premium: 100, batch: 10}
+
+    async def settled(check):
+        """(queue snapshot, usage of each tenant) once ``check`` holds of it (5 s at most)."""
+        for _ in range(100):
+            state = (await actor_admission.queue_snapshot(),
+                     {t: await actor_admission.usage(t) for t in (tenant, tenant + "-2")})
+            if check(*state):
+                break
+            await asyncio.sleep(0.05)
+        return state
+
+    async def main():
+        one = {"max_concurrent_requests": 1, "max_tokens_per_request": 8}
+        first = await actor_admission.enter_and_admit(batch, prio, 2, tenant, one, 10, 5)
+        assert first.ok, first.reason                # 10 prompt tokens, max_tokens 5 (cap 8)
+        queue, usage = await settled(lambda q, u: True)
+        assert (queue[batch], usage[tenant]["in_flight"]) == (1, 1)
+        assert await actor_admission.renew([first.ticket.ticket_id, "nobody's"]) == ["nobody's"]
+
+        task = asyncio.ensure_future(actor_admission.enter_and_admit(
+            premium, prio, 5, tenant + "-2", {}, 10, 5))
+        await asyncio.sleep(0)            # the call is sent, its answer not yet back
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        queue, usage = await settled(lambda q, u: u[tenant + "-2"]["admitted_total"] == 1
+                                     and q.get(premium) == 0)
+        assert (queue[premium], usage[tenant + "-2"]["in_flight"]) == (0, 0), "orphan kept"
+
+        assert actor_admission.release_and_leave(first.ticket, batch, 12) is None
+        queue, usage = await settled(lambda q, u: q[batch] == 0)
+        assert (queue[batch], usage[tenant]["in_flight"]) == (0, 0)
+        assert usage[tenant]["tokens_today"] == 12                 # 15 reserved, 12 used
+
+        report = GrantReport(tenant + "-3", TenantLimits(requests_per_minute=10), want_requests=4)
+        [answer] = await actor_admission.sync_grants(f"{tenant}-gateway", [report], seq=1)
+        assert (answer.tenant, answer.requests, answer.known) == (tenant + "-3", 4, True)
+        # the same sync sent again (its answer lost): the same answer, not a second grant
+        assert await actor_admission.sync_grants(f"{tenant}-gateway", [report], seq=1) == [answer]
+        assert (await actor_admission.usage(tenant + "-3"))["requests_available"] == 6
+
+    asyncio.run(main())
+
+
+def test_the_admission_actor_outlives_the_process_that_created_it(ray_cluster):
+    """The first gateway to start creates the cluster's admission actor; when that gateway
+    goes (scaled down, restarted), the actor and its counts stay for the others."""
+    import ray
+
+    from kvharbor.tenants.admission_actor import get_or_create_admission_actor
+
+    name, tenant = f"kvharbor-admission-test-owner-{next(_names)}", f"t{next(_names)}-owner"
+
+    @ray.remote(num_cpus=0)
+    class FirstGateway:
+        def admit(self) -> bool:
+            handle = get_or_create_admission_actor(name=name, namespace="kvharbor-tests")
+            return ray.get(handle.try_admit.remote(tenant, {}, 1, 1)).ok
+
+    first = FirstGateway.remote()
+    assert ray.get(first.admit.remote(), timeout=60)
+    ray.kill(first)
+    handle = get_or_create_admission_actor(name=name, namespace="kvharbor-tests")
+    try:
+        for _ in range(6):                   # an actor owned by the creator dies within ~1 s
+            assert ray.get(handle.usage.remote(tenant), timeout=10)["admitted_total"] == 1
+            time.sleep(0.5)
+    finally:
+        ray.kill(handle)
+
+
 async def _answer_later(value):
     """An actor call that answers ``value`` after 50 ms."""
     await asyncio.sleep(0.05)
@@ -275,3 +357,5 @@ def test_gatekeeper_queue_and_limits_in_one_call_refusals_take_nothing(clock):
     assert not gate.release_and_leave(first.ticket, "batch", 12)
     assert gate.queue.snapshot() == {"batch": 0, "premium": 1}
     assert gate.enter_and_admit("batch", prio, 2, "t", one, 10, 5).ok
+    assert not gate.release_and_leave(first.ticket, "batch", 12)   # stale: frees no new place
+    assert gate.queue.snapshot() == {"batch": 1, "premium": 1}
