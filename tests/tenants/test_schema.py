@@ -144,6 +144,64 @@ def test_direct_model_validation_runs_cross_checks_too():
     data = {"qos_classes": {"x": {"priority": 1}}, "tenants": {"t": {"qos": "nope"}}}
     with pytest.raises(ValidationError, match="unknown QoS class"):
         TenantsFile.model_validate(data)
+    with pytest.raises(ValidationError, match="unknown QoS class"):      # only the loader's flag
+        TenantsFile.model_validate(data, context={"defer_cross_checks": False, "other": 1})
+
+
+def _file_with(path: str, value) -> dict:
+    """A valid file (a pinned class ``gold``, an unpinned ``bronze``, tenant ``t`` of gold) with
+    ``value`` at the dotted ``path`` (a name segment ``NAME`` becomes ``value`` as a key)."""
+    data = {"qos_classes": {"gold": {"priority": 2, "pinned": True}, "bronze": {"priority": 1}},
+            "tenants": {"t": {"qos": "gold"}}}
+    *parents, leaf = path.split(".")
+    node = data
+    for part in parents:
+        node = node.setdefault(part, {})
+    if leaf == "NAME":
+        node[value] = {"qos": "gold"} if parents == ["tenants"] else {"priority": 3}
+    else:
+        node[leaf] = value
+    return data
+
+
+SECRET = "ab" * 16                   # 32 lowercase hex digits: the shortest salt allowed
+
+
+@pytest.mark.parametrize("path, edge, past", [
+    ("qos_classes.gold.ttft_slo_ms", 0.5, 0),
+    ("qos_classes.gold.step_target_ms", 0.5, 0),
+    ("qos_classes.gold.stream_interval", 1, 0),
+    ("qos_classes.gold.session_ttl_s", 0.5, 0),
+    ("qos_classes.gold.session_max_blocks", 0, -1),
+    ("tenants.t.pinned_kv_blocks", 0, -1),
+    ("tenants.t.session_ttl_s", 0.5, 0),
+    ("tenants.t.session_max_blocks", 0, -1),
+    ("tenants.t.cache_secret", SECRET, SECRET[:-1]),
+    ("tenants.t.cache_secret", "f" * 128, "f" * 129),
+    ("tenants.t.cache_secret", SECRET, SECRET.upper()),
+    ("cache_scopes.g.secret", SECRET, SECRET[:-1]),
+    ("tenants.NAME", "t" * 64, "t" * 65),
+    ("qos_classes.NAME", "q" * 64, "q" * 65),
+    ("pinned_region.floor_blocks", 0, -1),
+    ("pinned_region.ceiling_blocks", 0, -1),
+    ("pinned_region.demand_window_s", 0.5, 0),
+    ("lora_adapters.a.path", "d", ""),
+])
+def test_each_bound_admits_its_edge_and_refuses_one_step_past(path, edge, past):
+    """A value at a field's documented bound loads; one step past it is refused, naming the
+    field (a class's TTFT target of 0 ms, a 31-digit salt, a 65-character name...)."""
+    TenantsFile.model_validate(_file_with(path, edge))
+    with pytest.raises(ValidationError) as info:
+        TenantsFile.model_validate(_file_with(path, past))
+    parts = path.split(".")
+    where = ".".join(str(p) for p in info.value.errors()[0]["loc"])
+    assert where.startswith(".".join(parts[:-1] if parts[-1] == "NAME" else parts)), where
+
+
+def test_one_pinned_block_on_an_unpinned_class_is_refused():
+    data = _file_with("tenants.u", {"qos": "bronze", "pinned_kv_blocks": 1})
+    with pytest.raises(ValidationError, match="tenants.u.pinned_kv_blocks: class 'bronze' is not"):
+        TenantsFile.model_validate(data)
 
 
 def test_mistakes_are_listed_in_file_order_whatever_the_order_of_the_sections():
