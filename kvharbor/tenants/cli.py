@@ -238,7 +238,8 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def _fetch_usage(url: str, admin_key: str | None) -> dict | None:
-    """GET ``url``/admin/tenants; returns tenant -> usage, accepting ``{"tenants": {...}}``."""
+    """GET ``url``/admin/tenants (each tenant's description with its ``usage``); returns
+    tenant -> usage, or None after printing why not."""
     import httpx
 
     if not admin_key:
@@ -254,11 +255,13 @@ def _fetch_usage(url: str, admin_key: str | None) -> dict | None:
         print(f"error: {url}/admin/tenants answered {resp.status_code}: {resp.text[:200]}",
               file=sys.stderr)
         return None
-    body = resp.json()
-    tenants = body.get("tenants", body) if isinstance(body, dict) else body
-    if isinstance(tenants, list):       # [{"tenant": name, ...}, ...]
-        tenants = {t.get("tenant"): t for t in tenants if isinstance(t, dict)}
-    return tenants if isinstance(tenants, dict) else {}
+    try:
+        tenants = resp.json()["tenants"]
+        return {name: entry["usage"] for name, entry in tenants.items()}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        print(f"error: {url}/admin/tenants answered no tenants' usage (is it a kvharbor "
+              f"server?): {resp.text[:200]}", file=sys.stderr)
+        return None
 
 
 if __name__ == "__main__":

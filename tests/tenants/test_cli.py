@@ -189,35 +189,156 @@ def test_keys_are_never_logged(tenants_file, capsys, caplog):
         assert key not in caplog.text and key not in tenants_file.read_text()
 
 
+ACME_USAGE = {"in_flight": 3, "tokens_today": 1234}
+
+
 class _UsageHandler(BaseHTTPRequestHandler):
-    seen_auth: list[str] = []
+    """GET /admin/tenants as the gateway answers it: each tenant's description with its usage
+    (``body`` replaces the answer)."""
+
+    body = {"tenants": {"acme": {"qos": "premium", "keys": [], "usage": ACME_USAGE}},
+            "status": {"errors": []}}
 
     def do_GET(self):  # noqa: N802 - http.server API
-        self.seen_auth.append(self.headers.get("Authorization", ""))
         ok = self.path == "/admin/tenants" and self.headers.get("Authorization") == \
             "Bearer kvh-demo-admin"
-        body = json.dumps({"tenants": {"acme": {"in_flight": 3, "tokens_today": 1234}}})
         self.send_response(200 if ok else 401)
         self.send_header("Content-Type", "application/json")
         self.end_headers()
-        self.wfile.write(body.encode())
+        self.wfile.write(json.dumps(self.body).encode())
 
     def log_message(self, *args):
         pass
 
 
-def test_show_fetches_usage_with_admin_key(tenants_file, capsys):
-    server = HTTPServer(("127.0.0.1", 0), _UsageHandler)
+@pytest.fixture
+def usage_server():
+    """A stand-in server's base URL; yields (url, handler class) so a test can change ``body``."""
+    handler = type("Handler", (_UsageHandler,), {})
+    server = HTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_port}"
     try:
-        assert main(["show", "acme", "--file", str(tenants_file), "--json", "--usage-url", url,
-                     "--admin-key", "kvh-demo-admin"]) == 0
-        report = json.loads(capsys.readouterr().out)
-        assert report["acme"]["usage"] == {"in_flight": 3, "tokens_today": 1234}
-        assert report["acme"]["qos"] == "premium" and report["acme"]["keys"][0]["id"]
-        assert main(["show", "--file", str(tenants_file), "--usage-url", url,
-                     "--admin-key", "wrong"]) == 1
-        assert "401" in capsys.readouterr().err
+        yield f"http://127.0.0.1:{server.server_port}", handler
     finally:
         server.shutdown()
+
+
+def test_show_fetches_usage_with_admin_key(tenants_file, capsys, usage_server):
+    url, _ = usage_server
+    assert main(["show", "acme", "--file", str(tenants_file), "--json", "--usage-url", url + "/",
+                 "--admin-key", "kvh-demo-admin"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["acme"]["usage"] == ACME_USAGE                     # the usage, not the entry
+    assert report["acme"]["qos"] == "premium" and report["acme"]["keys"][0]["id"]
+    assert main(["show", "--file", str(tenants_file), "--usage-url", url,
+                 "--admin-key", "wrong"]) == 1
+    assert "401" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("body", [["acme"], {"acme": ACME_USAGE}, {"tenants": {"acme": 3}}])
+def test_show_says_when_a_server_answers_no_usage(tenants_file, capsys, usage_server, body):
+    url, handler = usage_server
+    handler.body = body
+    assert main(["show", "acme", "--file", str(tenants_file), "--usage-url", url,
+                 "--admin-key", "kvh-demo-admin"]) == 1
+    assert "answered no tenants' usage (is it a kvharbor server?)" in capsys.readouterr().err
+
+
+def test_show_needs_an_admin_key_a_reachable_server_and_a_known_tenant(tenants_file, capsys,
+                                                                      monkeypatch):
+    import socket
+
+    monkeypatch.delenv("KVHARBOR_ADMIN_KEY", raising=False)
+    f = ["--file", str(tenants_file)]
+    assert main(["show", *f, "--usage-url", "http://127.0.0.1:9"]) == 1
+    assert "--usage-url needs --admin-key" in capsys.readouterr().err
+    with socket.socket() as sock:                     # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    assert main(["show", *f, "--usage-url", closed, "--admin-key", "k"]) == 1
+    assert f"cannot reach {closed}" in capsys.readouterr().err
+    assert main(["show", "nobody", *f]) == 1
+    assert "no tenant 'nobody'" in capsys.readouterr().err
+
+
+def test_show_prints_the_running_apps_usage(kvharbor_app, capsys):
+    """Against the app's own /admin/tenants: each tenant's admission counters."""
+    from tests.conftest import DEMO
+
+    body = {"model": kvharbor_app.model, "prompt": "hello", "max_tokens": 1}
+    with kvharbor_app.client(DEMO["premium"]) as client:                  # acme's key
+        assert client.post("/v1/completions", json=body).status_code == 200
+    assert main(["show", "acme", "--file", str(kvharbor_app.tenants_path), "--json",
+                 "--usage-url", kvharbor_app.base_url, "--admin-key", DEMO["admin"]]) == 0
+    usage = json.loads(capsys.readouterr().out)["acme"]["usage"]
+    assert usage["tenant"] == "acme" and usage["admitted_total"] >= 1 and "tokens_today" in usage
+
+
+def test_validate_sums_pinned_blocks_marks_pinned_classes_and_warns_while_a_demo_key_lives(
+        tenants_file, capsys):
+    from kvharbor.tenants.edit import TenantsDocument
+    from kvharbor.tenants.keys import DEMO_KEYS
+
+    assert main(["validate", str(tenants_file)]) == 0
+    out = capsys.readouterr().out
+    config = TenantRegistry(tenants_file).config
+    pinned = sum(t.pinned_kv_blocks for t in config.tenants.values())
+    assert pinned > 0 and f"pinned_kv_blocks total: {pinned}" in out
+    assert "premium (priority 100, pinned)" in out and "standard (priority 50)," in out
+    assert "WARNING: public demo keys" in out
+
+    doc = TenantsDocument(tenants_file)                  # every tenant's demo key revoked...
+    for name, tenant in config.tenants.items():
+        for entry in tenant.keys:
+            if entry.hash in DEMO_KEYS.values():
+                doc.revoke_key(name, entry.hash[:8], "test")
+    doc.save()
+    assert main(["validate", str(tenants_file)]) == 0
+    assert "WARNING: public demo keys" in capsys.readouterr().out     # ...the admin's lives
+    assert main(["revoke-key", "--admin", "--hash-prefix", hash_key("kvh-demo-admin")[:8],
+                 "--file", str(tenants_file)]) == 0
+    assert main(["validate", str(tenants_file)]) == 0
+    assert "WARNING" not in capsys.readouterr().out
+
+
+def test_add_passes_every_option_and_omitted_limits_stay_inherited(tenants_file, capsys):
+    f = ["--file", str(tenants_file)]
+    assert main(["add", "hooli", "--qos", "batch", "--allowed-model", "m1", "--allowed-model", "m2",
+                 "--label", "ci", "--max-tokens-per-request", "9", *f]) == 0
+    assert main(["add-admin-key", "--label", "ops", *f]) == 0
+    config = TenantRegistry(tenants_file).config
+    hooli = config.tenants["hooli"]
+    assert (hooli.allowed_models, hooli.keys[0].label) == (["m1", "m2"], "ci")
+    assert config.admin_keys[-1].label == "ops"
+    assert hooli.model_fields_set.isdisjoint({"requests_per_minute", "daily_token_budget"})
+    limits, defaults = config.limits_for("hooli"), config.defaults
+    assert limits.max_tokens_per_request == 9
+    assert (limits.requests_per_minute, limits.daily_token_budget) == \
+        (defaults.requests_per_minute, defaults.daily_token_budget)
+
+
+def test_rotate_keeps_old_keys_for_the_grace_period_given(tenants_file, capsys):
+    from datetime import datetime, timedelta, timezone
+
+    before = datetime.now(timezone.utc).replace(microsecond=0)         # the file keeps seconds
+    assert main(["rotate-key", "acme", "--grace-hours", "2", "--file", str(tenants_file)]) == 0
+    expires = TenantRegistry(tenants_file).config.tenants["acme"].keys[0].expires
+    assert before + timedelta(hours=2) <= expires <= datetime.now(timezone.utc) + timedelta(hours=2)
+
+
+def test_editing_a_missing_file_is_an_error_not_a_traceback(tmp_path, capsys):
+    assert main(["add", "hooli", "--qos", "batch", "--file", str(tmp_path / "none.yaml")]) == 1
+    assert capsys.readouterr().err.startswith("error: ")
+
+
+@pytest.mark.parametrize("stdin, code, out", [
+    ("kvh-secret\n", 0, hash_key("kvh-secret")), ("  kvh-secret  \n", 0, hash_key("kvh-secret")),
+    ("Kvh-Secret", 0, hash_key("Kvh-Secret")), ("\n", 1, "")])
+def test_hash_key_reads_one_key_from_stdin(monkeypatch, capsys, stdin, code, out):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
+    assert main(["hash-key"]) == code
+    captured = capsys.readouterr()
+    assert captured.out.strip() == out
+    assert ("pipe the key on stdin" in captured.err) == (code == 1)
