@@ -22,8 +22,8 @@ def test_generate_prints_the_engines_text_one_line_per_prompt(capsys):
     params = SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=3)
     expected = [out.text for out in llm.generate(PROMPTS, params)]
     assert printed == "".join(text + "\n" for text in expected)
-    greedy = [out.text for out in llm.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0))]
-    assert expected != greedy                     # the sampling options reached the engine
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    assert expected != [out.text for out in llm.generate(PROMPTS, greedy)]   # sampling reached it
 
 
 @pytest.mark.parametrize("argv, words", [
