@@ -133,3 +133,39 @@ def test_push_without_any_token_says_how_to_give_one(grafana, monkeypatch, capsy
     assert cli.main(["dashboards", "push", "--url", grafana.url]) == 2
     assert "GRAFANA_TOKEN" in capsys.readouterr().err
     assert grafana.requests == []
+
+
+def test_a_token_on_the_command_line_wins_over_the_environment(grafana, monkeypatch):
+    monkeypatch.setenv("GRAFANA_TOKEN", "from-env")
+    assert cli.main(["dashboards", "push", "--url", grafana.url, "--token", TOKEN]) == 0
+    assert {auth for _, _, auth, _ in grafana.requests} == {f"Bearer {TOKEN}"}
+
+
+@pytest.mark.parametrize("content, words", [("\n", "no Grafana token"),
+                                            (None, "cannot read --token-file")])
+def test_an_empty_or_unreadable_token_file_sends_nothing(grafana, tmp_path, monkeypatch, capsys,
+                                                         content, words):
+    monkeypatch.setenv("GRAFANA_TOKEN", "from-env")      # a file named is the token's only source
+    token_file = tmp_path / "grafana-token"
+    if content is not None:
+        token_file.write_text(content)
+    assert cli.main(["dashboards", "push", "--url", grafana.url, "--token-file", str(token_file)]) == 2
+    assert words in capsys.readouterr().err
+    assert grafana.requests == []
+
+
+def test_push_gives_up_on_a_silent_server_after_its_timeout(capsys):
+    """A server that accepts the connection and never answers: --timeout 0.5 ends the push in
+    well under the default 10 s."""
+    import socket
+    import time
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        start = time.monotonic()
+        code = cli.main(["dashboards", "push", "--url", url, "--token", TOKEN, "--timeout", "0.5"])
+        elapsed = time.monotonic() - start
+    assert code == 1 and "error: " in capsys.readouterr().err
+    assert elapsed < 5, elapsed
