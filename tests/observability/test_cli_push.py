@@ -149,7 +149,8 @@ def test_an_empty_or_unreadable_token_file_sends_nothing(grafana, tmp_path, monk
     token_file = tmp_path / "grafana-token"
     if content is not None:
         token_file.write_text(content)
-    assert cli.main(["dashboards", "push", "--url", grafana.url, "--token-file", str(token_file)]) == 2
+    argv = ["dashboards", "push", "--url", grafana.url, "--token-file", str(token_file)]
+    assert cli.main(argv) == 2
     assert words in capsys.readouterr().err
     assert grafana.requests == []
 
