@@ -22,7 +22,12 @@ import httpx
 
 from tests.reliability.helpers import DEMO, rand_text
 
-TRIALS = 16
+TRIALS = 32
+"""Per-request jitter on a loaded 2-core CI machine reached ~100 ms (a miss took 358 ms
+there against 172 ms idle): with 16 trials one CI run's median probe-vs-fresh difference
+was -68 ms, over a quarter of the 236 ms control, with no hit (the probe came back slower,
+not faster). 32 trials halve the median's variance; a real leak (a difference near the
+control) still fails by a factor of four."""
 PROMPT_TOKENS = 512
 MIN_HIT = PROMPT_TOKENS - 16
 ATTACKER, VICTIM = DEMO["premium"], DEMO["standard"]        # acme (private), globex (shared)
