@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+
 import pytest
 
 from kvharbor.engine.tokenizer import byte_tokenizer

@@ -246,15 +246,13 @@ def test_show_says_when_a_server_answers_no_usage(tenants_file, capsys, usage_se
 
 def test_show_needs_an_admin_key_a_reachable_server_and_a_known_tenant(tenants_file, capsys,
                                                                       monkeypatch):
-    import socket
+    from tests.observability.promql import free_port
 
     monkeypatch.delenv("KVHARBOR_ADMIN_KEY", raising=False)
     f = ["--file", str(tenants_file)]
     assert main(["show", *f, "--usage-url", "http://127.0.0.1:9"]) == 1
     assert "--usage-url needs --admin-key" in capsys.readouterr().err
-    with socket.socket() as sock:                     # a port nothing listens on
-        sock.bind(("127.0.0.1", 0))
-        closed = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    closed = f"http://127.0.0.1:{free_port()}"          # a port nothing listens on
     assert main(["show", *f, "--usage-url", closed, "--admin-key", "k"]) == 1
     assert f"cannot reach {closed}" in capsys.readouterr().err
     assert main(["show", "nobody", *f]) == 1
