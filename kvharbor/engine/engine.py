@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from kvharbor.config import EngineConfig
-from kvharbor.kernels import KV_CACHE_DTYPES
+from kvharbor.kernels import KV_CACHE_DTYPES, build_cpu_kernels
 
 from .block_pool import BlockPool
 from .decode_graphs import DecodeGraphs
@@ -65,6 +65,7 @@ class Engine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         if self.device.type == "cpu":
             host_memory.keep_freed_memory()       # before the model's allocations
+            build_cpu_kernels()                   # a first start compiles them side by side
         loaded = load_model(config.model, self.dtype, self.device, config.seed)
         self.model_name, self.model, self.tokenizer = loaded.name, loaded.model, loaded.tokenizer
         self.model_identity = model_identity(config.model, config.seed)   # once, at load

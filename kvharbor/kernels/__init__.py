@@ -71,3 +71,12 @@ def get_attention_backend(name: str, device: torch.device | str):
     from .triton_backend import TritonBackend  # noqa: PLC0415 - triton is optional on CPU
 
     return TritonBackend()
+
+
+def build_cpu_kernels() -> None:
+    """Build the CPU C++ kernels now, concurrently, instead of one after another at first use;
+    those disabled by their environment switch, or that cannot build, stay unavailable."""
+    from . import cpu_decode, cpu_gemv, cpu_ops, cpu_prefill  # noqa: F401, PLC0415 - define them
+    from .inline_cpp import build_all  # noqa: PLC0415
+
+    build_all()

@@ -25,8 +25,7 @@ import torch
 from .inline_cpp import InlineExtension
 
 _SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+@ATEN_HEADERS@
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -209,21 +208,21 @@ bool threaded() {
 
 // q [B, H, D]; caches [N, bs, Hkv, D]; tables [B, W] int64; starts/lens [B] int64:
 // sequence b attends to key positions [starts[b], lens[b]).
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc,
-                           torch::Tensor tables, torch::Tensor starts, torch::Tensor lens,
+at::Tensor paged_decode(at::Tensor q, at::Tensor kc, at::Tensor vc,
+                           at::Tensor tables, at::Tensor starts, at::Tensor lens,
                            double scale) {
   for (const auto& t : {q, kc, vc})
-    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat && t.is_contiguous(),
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(),
                 "paged_decode: q and the caches must be contiguous float32 CPU tensors");
   for (const auto& t : {tables, starts, lens})
-    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kLong && t.is_contiguous(),
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kLong && t.is_contiguous(),
                 "paged_decode: tables, starts and lens must be contiguous int64 CPU tensors");
   TORCH_CHECK(q.dim() == 3 && kc.dim() == 4 && kc.sizes() == vc.sizes() && q.size(2) == kc.size(3)
               && q.size(1) % kc.size(2) == 0 && tables.size(0) == q.size(0),
               "paged_decode: shapes do not match (q [B, H, D], caches [N, bs, Hkv, D], tables [B, W])");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t bs = kc.size(1), Hkv = kc.size(2), W = tables.size(1), G = H / Hkv;
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   const float* qp = q.data_ptr<float>();
   const float* kp = kc.data_ptr<float>();
   const float* vp = vc.data_ptr<float>();

@@ -48,8 +48,7 @@ from .inline_cpp import InlineExtension
 
 
 _SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+@ATEN_HEADERS@
 @SIMD_MATH@
 
 // A panel is VECS vectors of outputs: 32 with AVX-512, 16 with AVX2. A row group's
@@ -81,9 +80,9 @@ int64_t panel() {
 }
 
 // w [N, K] -> [N / P, K, P]: panel p holds outputs P p .. P p + P - 1, k-major.
-torch::Tensor pack(torch::Tensor w) {
+at::Tensor pack(at::Tensor w) {
   const int64_t N = w.size(0), K = w.size(1);
-  auto out = torch::empty({N / P, K, P}, w.options());
+  auto out = at::empty({N / P, K, P}, w.options());
   const float* src = w.data_ptr<float>();
   float* dst = out.data_ptr<float>();
   at::parallel_for(0, N / P, 1, [&](int64_t begin, int64_t end) {
@@ -149,11 +148,11 @@ inline void group(int64_t r, const float* x, int64_t ldx, const float* w, int64_
 // panels; a panel is read in blocks of KBLOCK k, and every group of up to GROUP rows sums its
 // share of a block before the next block streams in, so each weight byte comes from memory
 // once whatever M is (up to GROUP rows, one block is the whole K).
-torch::Tensor few_rows(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
+at::Tensor few_rows(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias) {
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * P;
   TORCH_CHECK(M >= 1, "cpu_gemv.few_rows takes 1 row or more, got ", M);
   TORCH_CHECK(panel() > 0, "cpu_gemv was built for neither AVX2 with FMA nor AVX-512");
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
 #if defined(KVH_AVX2)
   const float* xp = x.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();

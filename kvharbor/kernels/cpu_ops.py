@@ -28,8 +28,7 @@ import torch
 from .inline_cpp import InlineExtension
 
 _SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+@ATEN_HEADERS@
 #include <cmath>
 #include <cstring>
 
@@ -47,18 +46,18 @@ inline void norm_row(const float* x, const float* w, float* out, int64_t n, floa
   for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (x[i] * r);
 }
 
-void check_rows(const torch::Tensor& x, const torch::Tensor& w) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat && x.dim() == 2
+void check_rows(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2
               && x.is_contiguous(), "cpu_ops: x must be a contiguous [rows, hidden] float32 CPU tensor");
-  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kFloat && w.is_contiguous()
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kFloat && w.is_contiguous()
               && w.dim() == 1 && w.size(0) == x.size(1), "cpu_ops: weight must be float32 [hidden]");
 }
 
 }  // namespace
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
   check_rows(x, w);
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   const int64_t n = x.size(1);
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
@@ -70,11 +69,11 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   return out;
 }
 
-torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps) {
+at::Tensor add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor w, double eps) {
   check_rows(x, w);
   check_rows(residual, w);
   TORCH_CHECK(residual.sizes() == x.sizes(), "cpu_ops: x and residual differ in shape");
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   const int64_t n = x.size(1);
   const float* xp = x.data_ptr<float>();
   float* rp = residual.data_ptr<float>();
@@ -95,14 +94,14 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tenso
 
 // dst [N, H, D] (contiguous) row slots[r] = src [T, H, D] row r (heads and dims contiguous,
 // any row stride), for every r; every slot checked against N first.
-void store_rows(torch::Tensor dst, torch::Tensor slots, torch::Tensor src) {
-  TORCH_CHECK(dst.device().is_cpu() && src.device().is_cpu() && dst.scalar_type() == torch::kFloat
-              && src.scalar_type() == torch::kFloat && dst.dim() == 3 && src.dim() == 3
+void store_rows(at::Tensor dst, at::Tensor slots, at::Tensor src) {
+  TORCH_CHECK(dst.device().is_cpu() && src.device().is_cpu() && dst.scalar_type() == at::kFloat
+              && src.scalar_type() == at::kFloat && dst.dim() == 3 && src.dim() == 3
               && dst.is_contiguous() && src.size(1) == dst.size(1) && src.size(2) == dst.size(2)
               && src.stride(2) == 1 && src.stride(1) == src.size(2),
               "cpu_ops.store_rows: float32 CPU dst [N, H, D] (contiguous) and src [T, H, D] "
               "(heads and dims contiguous)");
-  TORCH_CHECK(slots.device().is_cpu() && slots.scalar_type() == torch::kLong && slots.dim() == 1
+  TORCH_CHECK(slots.device().is_cpu() && slots.scalar_type() == at::kLong && slots.dim() == 1
               && slots.is_contiguous() && slots.size(0) == src.size(0),
               "cpu_ops.store_rows: slots must be a contiguous int64 [T] CPU tensor");
   const int64_t T = src.size(0), N = dst.size(0), W = dst.size(1) * dst.size(2), ss = src.stride(0);
@@ -118,12 +117,12 @@ void store_rows(torch::Tensor dst, torch::Tensor slots, torch::Tensor src) {
 }
 
 // t [T, H, D] (last dim contiguous), cos/sin [T, D] contiguous; in place.
-void rotary_(torch::Tensor t, torch::Tensor cos, torch::Tensor sin) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat && t.dim() == 3
+void rotary_(at::Tensor t, at::Tensor cos, at::Tensor sin) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 3
               && t.stride(2) == 1 && t.size(2) % 2 == 0,
               "cpu_ops.rotary_: t must be a float32 [T, H, D] CPU view with contiguous, even D");
   for (const auto& c : {cos, sin})
-    TORCH_CHECK(c.device().is_cpu() && c.scalar_type() == torch::kFloat && c.is_contiguous()
+    TORCH_CHECK(c.device().is_cpu() && c.scalar_type() == at::kFloat && c.is_contiguous()
                 && c.dim() == 2 && c.size(0) == t.size(0) && c.size(1) == t.size(2),
                 "cpu_ops.rotary_: cos and sin must be contiguous float32 [T, D]");
   const int64_t T = t.size(0), H = t.size(1), D = t.size(2), half = D / 2;

@@ -43,8 +43,7 @@ import torch
 from .inline_cpp import InlineExtension
 
 _SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+@ATEN_HEADERS@
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -342,10 +341,10 @@ void block16(const float* q, const float* kt, const float* v, float* out, int64_
 
 // q [T, H, D], k/v [past + T, Hkv, D] (any token stride, heads and dims contiguous); query i
 // sees keys [0, past + i]. out [T, H, D] (any token stride, heads and dims contiguous).
-void causal_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out,
+void causal_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor out,
                       int64_t past, double scale) {
   for (const auto& t : {q, k, v, out})
-    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat && t.dim() == 3
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 3
                 && t.stride(2) == 1 && t.stride(1) == t.size(2),
                 "causal_attention: float32 CPU [tokens, heads, head_dim] tensors with contiguous heads");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hkv = k.size(1);
