@@ -21,7 +21,7 @@ KeyHash = NewType("KeyHash", str)
 """Lowercase SHA-256 hex digest (64 chars) of an API key."""
 
 KEY_PREFIX = "kvh-"
-KEY_HASH_RE = re.compile(r"^[0-9a-f]{64}$")
+KEY_HASH_RE = re.compile(r"[0-9a-f]{64}")   # fullmatch: `$` would let a trailing newline by
 _LOG_PREFIX_CHARS = 8
 
 
@@ -47,7 +47,7 @@ def hash_prefix(key_hash: str) -> str:
 
 def looks_like_key_hash(text: str) -> bool:
     """True if ``text`` is a lowercase 64-char hex digest (not a plaintext key)."""
-    return bool(KEY_HASH_RE.match(text))
+    return bool(KEY_HASH_RE.fullmatch(text))
 
 
 DEMO_KEYS: dict[str, KeyHash] = {

@@ -91,7 +91,7 @@ class ApiKeyEntry(_Strict):
     @field_validator("hash")
     @classmethod
     def _is_hex_digest(cls, value: str) -> str:
-        if not KEY_HASH_RE.match(value):
+        if not KEY_HASH_RE.fullmatch(value):
             raise ValueError("must be a lowercase 64-char SHA-256 hex digest of the key "
                              "(`kvharbor tenants hash-key`), never the key itself")
         return value

@@ -26,7 +26,7 @@ def test_hash_is_sha256_hex_and_matches_only_its_key():
     assert key_matches(key, digest) and key_matches(key, digest.upper())
     assert not key_matches(key + "x", digest)
     assert not looks_like_key_hash(key)
-    for near in (digest.upper(), digest + "0", "0" + digest, digest[:-1]):
+    for near in (digest.upper(), digest + "0", "0" + digest, digest[:-1], digest + "\n"):
         assert not looks_like_key_hash(near), near
     assert hash_prefix(digest) == digest[:8]
 
