@@ -125,14 +125,19 @@ def ray_cluster():
 
 
 def pytest_configure(config):
-    """Triton kernels run in the interpreter when there is no GPU (set before triton loads)."""
+    """Triton kernels run in the interpreter when there is no GPU (set before triton loads).
+    The CPU C++ kernels are built now, side by side: the test modules' skip marks would build
+    them one after another while pytest collects (a fresh checkout: ~100 s instead of ~50)."""
     try:
         import torch
 
         if not torch.cuda.is_available():
             os.environ.setdefault("TRITON_INTERPRET", "1")
     except ImportError:
-        pass
+        return
+    from kvharbor.kernels import build_cpu_kernels
+
+    build_cpu_kernels()
 
 
 APP_PORT = int(os.environ.get("KVHARBOR_TEST_APP_PORT") or free_port())
