@@ -175,7 +175,8 @@ class InlineExtension:
     def __init__(self, name: str, source: str, functions: list[str], env: str,
                  extra_cflags: tuple[str, ...] = ()) -> None:
         self.name, self.functions, self.env = name, functions, env
-        self.source = source.replace("@ATEN_HEADERS@", ATEN_HEADERS).replace("@SIMD_MATH@", SIMD_MATH)
+        self.source = (source.replace("@ATEN_HEADERS@", ATEN_HEADERS)
+                       .replace("@SIMD_MATH@", SIMD_MATH))
         self.cflags = ["-O3", "-march=native", "-fopenmp", *extra_cflags]
         self.module = None
         self.failed: str | None = None
