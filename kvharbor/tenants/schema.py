@@ -28,7 +28,7 @@ from typing import Annotated, Any, Literal, NewType
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from kvharbor.tenants.keys import KEY_HASH_RE
+from kvharbor.tenants.keys import looks_like_key_hash
 
 TenantId = NewType("TenantId", str)
 QoSName = NewType("QoSName", str)
@@ -91,7 +91,7 @@ class ApiKeyEntry(_Strict):
     @field_validator("hash")
     @classmethod
     def _is_hex_digest(cls, value: str) -> str:
-        if not KEY_HASH_RE.fullmatch(value):
+        if not looks_like_key_hash(value):
             raise ValueError("must be a lowercase 64-char SHA-256 hex digest of the key "
                              "(`kvharbor tenants hash-key`), never the key itself")
         return value
