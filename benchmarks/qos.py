@@ -185,14 +185,14 @@ def proxy_lag(overload_lag_ms: str | None, proxy_guard: str = "on"):
 
 def deploy(mode: str, tenants: Path, replicas: int, step_tokens: int | None,
            replica_nice: int | None = None, overload_lag_ms: str | None = None,
-           premium_port: int | None = None) -> None:
+           premium_port: int | None = None, direct_streams: bool = True) -> None:
     from ray import serve  # noqa: PLC0415
 
     from kvharbor.platform.app import build_app  # noqa: PLC0415
 
     config = {"replicas": replicas, "tenants": str(tenants),
               "scheduling": "priority" if mode == "priority-nocap" else mode,
-              "directory_name": f"qos-bench-directory-{mode}"}
+              "directory_name": f"qos-bench-directory-{mode}", "direct_streams": direct_streams}
     if mode == "priority-nocap":                  # priority order without the prefill cap
         config["low_priority_prefill_cap"] = None
     if step_tokens:
@@ -331,7 +331,7 @@ def run_all(args, info, tenants: Path) -> tuple[dict, float, dict]:
     t0 = time.perf_counter()
     for mode in args.modes:
         deploy(mode, tenants, args.replicas, args.step_tokens, args.replica_nice, args.overload_lag_ms,
-               lane_port(args, mode))
+               lane_port(args, mode), args.direct_streams == "on")
     stats = {m: {"ready_s": round(asyncio.run(warm_up(base_url(m), info, premium_bases(args, m))), 1)}
              for m in args.modes}
     print(f"deployed and warmed up {args.modes} in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -499,6 +499,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--premium-rate", type=float, default=None,
                    help="premium requests/s as a Poisson stream of their own (default: 20 %% of "
                         "the offered rate); the other classes keep their share of --rate")
+    p.add_argument("--direct-streams", choices=("on", "off"), default="on",
+                   help="build_app direct_streams: premium's tokens over a connection of their own "
+                        "to the replica (on, the default) or through a Serve handle call (off)")
     p.add_argument("--premium-lane", choices=("off", "main", "lane"), default="off",
                    help="off: no premium lane (the default app); main: deploy the premium lane "
                         "(build_app premium_port) but send premium requests to the main port; "

@@ -81,9 +81,10 @@ def _engine_ttfts(texts, LLM, SamplingParams) -> tuple[list[float], list[int]]: 
     return times, tokens
 
 
-def http_ttfts(base: str, texts: list[str]) -> tuple[list[float], list[dict], list[str]]:
-    """Client TTFT (ms), the app's timings and the text of the token, per prompt, one at a time."""
-    times, timings, texts_out = [], [], []
+def http_ttfts(base: str, texts: list[str]) -> tuple[list[float], list[dict], list[str], dict]:
+    """Client TTFT (ms), the app's timings and the text of the token, per prompt, one at a time,
+    and how many requests each transport served (``kvharbor.transport``)."""
+    times, timings, texts_out, transports = [], [], [], {}
     headers = {"Authorization": "Bearer kvh-demo-premium"}
     with httpx.Client(base_url=base, headers=headers, timeout=60) as client:
         for i, text in enumerate([*texts[:4], *texts]):                 # 4 warm-up requests
@@ -104,10 +105,13 @@ def http_ttfts(base: str, texts: list[str]) -> tuple[list[float], list[dict], li
                 times.append((first - start) * 1000)
                 timings.append(usage["kvharbor"]["timings_ms"])
                 texts_out.append(token)
-    return times, timings, texts_out
+                via = str(usage["kvharbor"].get("transport"))
+                transports[via] = transports.get(via, 0) + 1
+    return times, timings, texts_out, transports
 
 
-def serve_app(tenants: Path, ingress: str, overload_lag_ms: str | None = None, proxy_guard: str = "on") -> str:
+def serve_app(tenants: Path, ingress: str, overload_lag_ms: str | None = None, proxy_guard: str = "on",
+              direct_streams: bool = True) -> str:
     """Start Ray with ``ingress`` (``kvharbor.platform.ingress``) and the app on it. -> the base
     URL the requests go to. ``lane``: the direct ingress with the premium lane deployed
     (``build_app premium_port``), and the lane's URL."""
@@ -125,6 +129,7 @@ def serve_app(tenants: Path, ingress: str, overload_lag_ms: str | None = None, p
         ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     serve.start(http_options=http_options(mode, PORT))
     config = {"tenants": str(tenants), "directory_name": "request-path-directory",
+              "direct_streams": direct_streams,
               **guard_config(overload_lag_ms), **({"premium_port": LANE_PORT} if lane else {})}
     serve.run(build_app(config), name="kvharbor", route_prefix="/", blocking=False)
     base = f"http://127.0.0.1:{PORT}"
@@ -174,6 +179,9 @@ def main(argv=None) -> int:
                          "default: the platform's)")
     ap.add_argument("--proxy-guard", choices=("on", "off"), default="on",
                     help="the overload guard in Serve's proxy (proxy ingress): off turns it alone off")
+    ap.add_argument("--direct-streams", choices=("on", "off"), default="on",
+                    help="build_app direct_streams: premium's tokens over a connection of their own "
+                         "to the replica (on, the default) or through a Serve handle call (off)")
     args = ap.parse_args(argv)
     info = machine()
     texts = prompts(args.requests, args.seed)
@@ -184,14 +192,16 @@ def main(argv=None) -> int:
     tok = load_tokenizer("kvharbor/tiny-llama")
     report = {"machine": info, "seed": args.seed, "requests": args.requests, "goal_ms": 15.0,
               "overload_lag_ms": args.overload_lag_ms, "proxy_guard": args.proxy_guard,
+              "direct_streams": args.direct_streams,
               "engine_p50_ms": round(pct(engine_ms, 50), 2), "engine_1thread_p50_ms": round(pct(engine_1t_ms, 50), 2),
               "ingress": {}, "raw": {"engine_ms": engine_ms, "engine_1thread_ms": engine_1t_ms}}
     ok = True
     for ingress in args.ingress.split(","):
         with tempfile.TemporaryDirectory() as folder:
-            base = serve_app(lifted_tenants(Path(folder)), ingress, args.overload_lag_ms, args.proxy_guard)
+            base = serve_app(lifted_tenants(Path(folder)), ingress, args.overload_lag_ms, args.proxy_guard,
+                             args.direct_streams == "on")
             try:
-                http_ms, timings, http_texts = http_ttfts(base, texts)
+                http_ms, timings, http_texts, transports = http_ttfts(base, texts)
             finally:
                 stop_app()
         same = sum(tok.decode([t]) == s for t, s in zip(engine_tokens, http_texts))
@@ -202,11 +212,11 @@ def main(argv=None) -> int:
         print(f"\ningress: {ingress}")
         print(table(rows, ["phase", "p50_ms", "p90_ms"]))
         print(f"outputs equal: {same}/{len(texts)}; HTTP - engine TTFT p50: {excess:.1f} ms (goal <= 15 ms); "
-              f"HTTP - 1-thread engine: {excess_1t:.1f} ms")
+              f"HTTP - 1-thread engine: {excess_1t:.1f} ms; served {transports}")
         report["ingress"][ingress] = {"rows": rows, "outputs_equal": same,
                                       "http_minus_engine_p50_ms": round(excess, 2),
                                       "http_minus_1thread_engine_p50_ms": round(excess_1t, 2),
-                                      "goal_met": excess <= 15.0}
+                                      "goal_met": excess <= 15.0, "transports": transports}
         report["raw"][ingress] = {"http_ms": http_ms, "timings": timings}
     print(f"load avg at start {info['load_avg_at_start']}")
     path = write_json(args.name, report)

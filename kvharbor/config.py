@@ -202,6 +202,10 @@ class PlatformConfig(BaseModel):
                                      "(PremiumGateway) on KVHARBOR_PREMIUM_HOST (default 127.0.0.1), so "
                                      "their requests never wait in the main gateway's event loop behind "
                                      "other tenants' traffic (None: off). See kvharbor.platform.premium_lane.")
+    direct_streams: bool = Field(True, description="Requests of pinned QoS classes go from the gateway to "
+                                 "their replica over a TCP connection of their own instead of a Serve handle "
+                                 "call (routed by the same KV-aware router; other classes keep Serve's path). "
+                                 "See kvharbor.platform.direct_stream.")
     directory_name: str = Field("kvharbor-prefix-directory", description="Named PrefixDirectory actor.")
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Largest accepted HTTP request body.")
     overload_lag_ms: float | None = Field(10.0, gt=0, description="Gateway overload guard: while the "

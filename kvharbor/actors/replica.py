@@ -44,6 +44,7 @@ from kvharbor.config import EngineConfig
 from kvharbor.engine.engine_stats import lora_requests, memory_breakdown
 from kvharbor.engine.request import SamplingParams
 from kvharbor.observability.metrics import get_metrics
+from kvharbor.platform.direct_stream import DirectStreamServer
 from kvharbor.platform.loopback import serve_grpc_on_node_address
 from kvharbor.platform.protocol import GenerateRequest, RoutingStats, session_key
 
@@ -66,11 +67,13 @@ class LLMReplica:
             gateway and proxy, which every request crosses before it reaches an engine, and
             this replica's own event loop (which takes requests in and streams tokens out) then
             get the cores before the steps' compute.
+        direct_streams: listen for gateways' direct streams (``kvharbor.platform.
+            direct_stream``) on the node's address; the address goes out in routing stats.
     """
 
     def __init__(self, engine_config: dict, tenants_path: str | None = None,
                  directory_name: str | None = None, cpu_threads: int | None = None,
-                 nice: int = 0) -> None:
+                 nice: int = 0, direct_streams: bool = False) -> None:
         serve_grpc_on_node_address()           # Serve's own gRPC server, on loopback too
         # Engine steps run on a thread of their own, niced on a CPU host: the request path
         # (gateway, proxy, this replica's loop) preempts their compute, not the other way round.
@@ -112,6 +115,7 @@ class LLMReplica:
         self._orphans_checked = 0.0
         self.metrics = get_metrics()
         self._reported: dict = {"evictions": 0}      # counters already exported
+        self._direct = DirectStreamServer(self.generate, _node_address()) if direct_streams else None
 
     # ---- public methods (called through the DeploymentHandle) ----------------------------
     async def generate(self, request: GenerateRequest, replica_id: str | None = None) -> AsyncIterator[dict]:
@@ -178,6 +182,8 @@ class LLMReplica:
         """Queue by priority and free blocks per region, for the KV-aware router (from the
         snapshot of the last step boundary)."""
         self._ensure_loop()
+        if self._direct is not None:
+            await self._direct.start()
         snap = self._snapshot
         stats = snap["stats"]
         # Arrivals still in the inbox count as waiting: the router adds only what it sent
@@ -187,7 +193,8 @@ class LLMReplica:
                             stats["blocks_total"], stats["num_running"],
                             stats["num_waiting"] + len(self._inbox), snap["queue_by_priority"],
                             self._session_keys(), time.time(),
-                            stats["shared_blocks_empty"], stats["shared_blocks_total"]).as_dict()
+                            stats["shared_blocks_empty"], stats["shared_blocks_total"],
+                            self._direct.address if self._direct is not None else None).as_dict()
 
     def _session_keys(self) -> list[str]:
         """``session_key`` of the sessions held here (newest last, at most
@@ -250,6 +257,9 @@ class LLMReplica:
         pool = getattr(self, "_step_pool", None)
         if pool is not None:
             pool.shutdown(wait=False)
+        direct = getattr(self, "_direct", None)
+        if direct is not None:
+            direct.close()
         directory = getattr(self, "directory", None)
         if directory is not None:
             try:
@@ -488,6 +498,13 @@ class LLMReplica:
         hits = sessions.hit_tokens - self._reported.get("session_hits", 0)
         self.metrics.sessions(rid, len(sessions.sessions), blocks, expired, hits)
         self._reported["session_expired"], self._reported["session_hits"] = sessions.expirations, sessions.hit_tokens
+
+
+def _node_address() -> str:
+    """This Ray node's address (loopback outside Ray)."""
+    import ray  # noqa: PLC0415
+
+    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
 
 
 def _actor_alive(namespace: str, name: str) -> bool:

@@ -128,11 +128,12 @@ def build_app(args: dict | None = None):
             request_routing_stats_period_s=0.5)
     replica = serve.deployment(LLMReplica).options(**options).bind(
         engine, tenants, cfg.directory_name, None if on_gpu else cfg.cpu_threads,
-        0 if on_gpu else cfg.cpu_replica_nice)
+        0 if on_gpu else cfg.cpu_replica_nice, cfg.direct_streams and cfg.router == "kv")
     config = {"model": cfg.model, "lora_modules": cfg.lora_modules, "tenants": tenants,
               "block_size": cfg.block_size,
               "max_body_bytes": cfg.max_body_bytes, "overload_lag_ms": cfg.overload_lag_ms,
-              "premium_port": cfg.premium_port}
+              "premium_port": cfg.premium_port,
+              "direct_streams": cfg.direct_streams and cfg.router == "kv"}
     lane = None
     if cfg.premium_port is not None:           # a gateway of its own for pinned classes
         lane = serve.deployment(PremiumGateway).options(

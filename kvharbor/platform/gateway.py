@@ -245,6 +245,18 @@ def _serve_namespace() -> str:
     return SERVE_NAMESPACE
 
 
+def _start_request_router(handle) -> None:
+    """Make ``handle``'s request router now rather than on its first call: direct streams ask
+    it for their replica (``KVAwareRouter.for_handle``) and take Serve's path until it exists."""
+    init = getattr(handle, "_init_router", None)     # Serve's lazy init; absent: not a handle
+    if init is None or getattr(handle, "is_initialized", True):
+        return
+    try:
+        init()
+    except Exception as exc:  # noqa: BLE001 - the first call makes it instead
+        logger.info("could not start the request router of %s early: %r", handle, exc)
+
+
 # Defined above the class: serve.ingress copies the methods with the globals of this moment.
 @serve.ingress(api)
 class Gateway:
@@ -262,6 +274,8 @@ class Gateway:
         serve_grpc_on_node_address()           # Serve's own gRPC server, on loopback too
         self.llm = llm
         self.config = config
+        if config.get("direct_streams"):
+            _start_request_router(llm)
         # The PremiumGateway's handle (main gateway, premium_port set): bound here so that Serve
         # deploys the lane with the app; never called.
         self.lane = lane

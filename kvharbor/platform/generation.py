@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import time
@@ -41,7 +42,9 @@ from ray.serve.context import _serve_request_context
 
 from kvharbor.platform import openai_shapes as shapes
 from kvharbor.platform import tool_calls
+from kvharbor.platform.direct_stream import DirectStream
 from kvharbor.platform.openai_protocol import APIError, error_type
+from kvharbor.platform.router import KVAwareRouter
 
 logger = logging.getLogger("kvharbor.gateway")
 
@@ -141,6 +144,7 @@ class GenerationRun:
         self.first_token_at: float | None = None
         self.choices = [Choice() for _ in requests]
         self.replica_id: str | None = None
+        self.transport: str | None = None      # how the first choice's tokens came: direct / serve
         self.status = "aborted"
         self._streams: dict[int, object] = {}     # replica calls in progress, by choice index
         # leader index -> set once that sibling has its first token (its prompt is cached)
@@ -157,11 +161,23 @@ class GenerationRun:
         return index - index % self.per_prompt
 
     def _call(self, index: int):
+        """Choice ``index``'s stream: straight to its replica for a pinned class when the
+        gateway takes direct streams (``direct_stream``), else a Serve handle call."""
+        replica = self._replica_of.get(self._lead(index)) if index % self.per_prompt else None
+        request = self.reqs[index]
+        router = KVAwareRouter.for_handle(self.gw.llm) \
+            if request.pinned and self.gw.config.get("direct_streams") else None
+        if router is None:
+            return self._serve_call(index, replica)
+        return DirectStream(functools.partial(router.route_direct, replica_id=replica),
+                            router.direct_done, request,
+                            functools.partial(self._serve_call, index, replica))
+
+    def _serve_call(self, index: int, replica: str | None):
         generate = self.gw.llm.options(stream=True).generate
         if not index:
             return generate.remote(self.reqs[0])
         with own_serve_request_id(f"choice{index}"):
-            replica = self._replica_of.get(self._lead(index)) if index % self.per_prompt else None
             if replica is not None:
                 return generate.remote(self.reqs[index], replica_id=replica)
             return generate.remote(self.reqs[index])
@@ -178,6 +194,10 @@ class GenerationRun:
                 async for event in self._streams[index]:
                     if "error" in event:
                         _raise_error_event(event)
+                    if not started and index == 0:
+                        stream = self._streams.get(0)
+                        direct = isinstance(stream, DirectStream) and stream.replica is not None
+                        self.transport = "direct" if direct else "serve"
                     started = True
                     self._observe(index, event)
                     if index == lead:
@@ -416,6 +436,7 @@ class GenerationRun:
         extra = {"replica_id": self.replica_id}
         if final:
             extra["timings_ms"] = self.timings_ms()
+            extra["transport"] = self.transport
         return {"id": self.req.request_id, "object": kind, "created": self.created, "model": self.model,
                 "choices": choices, "kvharbor": extra}
 

@@ -388,6 +388,10 @@ class KvharborInfo(BaseModel):
                           "tokenize, admit (tenant limits), first_token (admitted -> first token), "
                           "replica (the replica's share of first_token), hops (router and Ray calls). "
                           "On the response, or the usage chunk of a stream.")
+    transport: str | None = Field(
+        None, description="How the replica's tokens reached the gateway: 'direct' (a connection "
+                          "of its own to the replica: pinned QoS classes, kvharbor.platform."
+                          "direct_stream) or 'serve' (a Ray Serve handle call). With timings_ms.")
 
 
 class CompletionLogprobs(BaseModel):

@@ -179,6 +179,8 @@ class KVAwareRouter(RequestRouter):
         self.active = ActiveBlocks(active_ttl_s)
         self._guesses: OrderedDict[str, tuple] = OrderedDict()   # request -> (replica, hashes)
         self._sent: dict[str, deque[float]] = {}     # replica -> times this router sent it a request
+        self._direct: dict[str, int] = {}            # replica -> direct streams open to it
+        self._home_loop: asyncio.AbstractEventLoop | None = None   # the loop Serve routes on
         self.history = RoutingHistory(max_index_blocks)
         self.shards = [ActorShard(shard_name(directory_name, i, num_directory_shards),
                                   directory_namespace, control_timeout_s, lookup_retry_s)
@@ -214,16 +216,18 @@ class KVAwareRouter(RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
         """The replica accepted the request: remember where it went (history, active blocks)."""
         request = generate_request_of(pending_request)
-        if request is None:
-            return
-        uid = replica_id.unique_id
+        if request is not None:
+            self._routed(replica_id.unique_id, request, pending_request.metadata.internal_request_id)
+
+    def _routed(self, uid: str, request: GenerateRequest, key: str) -> None:
+        """Book a send of ``request`` (``key``: its decision's) to replica ``uid``."""
         request.metadata["routed_to"] = uid
         sent = self._sent.setdefault(uid, deque())
         now = time.time()
         sent.append(now)
         while sent and sent[0] < now - STATS_FRESH_S:
             sent.popleft()
-        guess = self._guesses.pop(pending_request.metadata.internal_request_id, None)
+        guess = self._guesses.pop(key, None)
         if guess is not None and guess[0] != uid:     # Serve took a lower rank
             self.active.discard(guess[0], guess[1])
             self.active.add(uid, guess[1])
@@ -241,17 +245,26 @@ class KVAwareRouter(RequestRouter):
         """Rank ``candidate_replicas`` for ``pending_request`` (one routing attempt)."""
         if not candidate_replicas:
             return []
+        await self._before_decision()
+        target = pinned_replica(pending_request, candidate_replicas)
+        if target is not None:
+            return [[target]]
+        if pending_request is None:
+            return self._rank(candidate_replicas, None, None)
+        pending_request.routing_context.should_backoff = True  # sleep between attempts
+        return self._rank(candidate_replicas, generate_request_of(pending_request),
+                          pending_request.metadata.internal_request_id)
+
+    async def _before_decision(self) -> None:
         self._ensure_following()
         self.follower.hurry()                 # this request's KV events follow within steps
         if self._first_poll is not None and not self._first_poll.is_set():
             await self._await_first_poll()
-        target = pinned_replica(pending_request, candidate_replicas)
-        if target is not None:
-            return [[target]]
+
+    def _rank(self, candidate_replicas: list[RunningReplica], request: GenerateRequest | None,
+              key: str | None) -> list[list[RunningReplica]]:
+        """One routing decision (``key`` names it until the send is booked)."""
         start, start_cpu = time.perf_counter(), time.thread_time()
-        if pending_request is not None:
-            pending_request.routing_context.should_backoff = True  # sleep between attempts
-        request = generate_request_of(pending_request)
         candidate_replicas = _without_excluded(request, candidate_replicas)
         mode, reason, matches = self._matches(request)
         holder = self._session_holder(request, candidate_replicas)
@@ -264,10 +277,66 @@ class KVAwareRouter(RequestRouter):
             ranked = self.fallback.rank(route, candidates)
             ranks = [self._by_ids(ranked[:2], candidate_replicas)]
         if request is not None:
-            self._note_active(pending_request, request, ranked, route.block_size, mode)
+            self._note_active(key, request, ranked, route.block_size, mode)
             self._record(request, ranked, mode, reason, start, start_cpu)
         self.metrics.router_mode(mode, reason)
         return ranks
+
+    # ---- direct streams (kvharbor.platform.direct_stream) -----------------------------------
+    @classmethod
+    def for_handle(cls, handle) -> "KVAwareRouter | None":
+        """The router of ``handle``'s deployment in this process, once it has routed or
+        followed on its loop (else None: the handle's first call creates and starts it)."""
+        for router in cls.instances():
+            dep = getattr(router, "_deployment_id", None)
+            if (router._home_loop is not None and dep is not None
+                    and dep.name == handle.deployment_name and dep.app_name == handle.app_name):
+                return router
+        return None
+
+    async def route_direct(self, request: GenerateRequest,
+                           replica_id: str | None = None) -> tuple[str, list] | None:
+        """From any event loop: the replica for ``request`` among those that listen for direct
+        streams (``replica_id``: that one only), ranked as ``choose_replicas`` ranks, with the
+        send booked; ``(replica unique id, [host, port, token hex])``, or None (none listens,
+        or this router's loop is gone): the caller takes Serve's path."""
+        loop = self._home_loop
+        if loop is None or loop.is_closed():
+            return None
+        if loop is asyncio.get_running_loop():
+            return await self._route_direct(request, replica_id)
+        return await asyncio.wrap_future(
+            asyncio.run_coroutine_threadsafe(self._route_direct(request, replica_id), loop))
+
+    async def _route_direct(self, request: GenerateRequest,
+                            replica_id: str | None) -> tuple[str, list] | None:
+        live = [r for r in self.curr_replicas.values() if (r.routing_stats or {}).get("direct")]
+        if replica_id is not None:
+            live = [r for r in live if r.replica_id.unique_id == replica_id]
+        if not live:
+            return None
+        await self._before_decision()
+        ranks = [live] if replica_id is not None else self._rank(live, request, request.request_id)
+        # Serve sends to the least loaded replica of the first rank with room; a direct stream
+        # is not refused by a full replica, so the first rank's least loaded takes it.
+        top = min(ranks[0], key=lambda r: self._in_flight(r) or 0)
+        uid = top.replica_id.unique_id
+        self._routed(uid, request, request.request_id)
+        self._direct[uid] = self._direct.get(uid, 0) + 1
+        return uid, list(top.routing_stats["direct"])
+
+    def direct_done(self, uid: str) -> None:
+        """From any thread: a direct stream to ``uid`` ended."""
+        loop = self._home_loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._direct_ended, uid)
+
+    def _direct_ended(self, uid: str) -> None:
+        left = self._direct.get(uid, 0) - 1
+        if left > 0:
+            self._direct[uid] = left
+        else:
+            self._direct.pop(uid, None)
 
     # ---- helpers -------------------------------------------------------------------------
     def _matches(self, request: GenerateRequest | None) -> tuple[str, str | None, dict]:
@@ -314,7 +383,7 @@ class KVAwareRouter(RequestRouter):
             cached = self._stats_sessions[uid] = (listed, frozenset(listed))
         return cached[1]
 
-    def _note_active(self, pending_request: PendingRequest, request: GenerateRequest, ranked,
+    def _note_active(self, key: str | None, request: GenerateRequest, ranked,
                      block_size: int, mode: str) -> None:
         """Blocks the top choice will compute count as active there until events confirm
         (moved by ``on_request_routed`` if Serve sends the request elsewhere)."""
@@ -323,7 +392,7 @@ class KVAwareRouter(RequestRouter):
         top = ranked[0]
         new = request.block_hashes[top.predicted_cached_tokens // block_size:]
         self.active.add(top.replica_id, new)
-        self._guesses[pending_request.metadata.internal_request_id] = (top.replica_id, new)
+        self._guesses[key] = (top.replica_id, new)
         while len(self._guesses) > 4096:                 # requests that were never routed
             self._guesses.popitem(last=False)
 
@@ -332,6 +401,7 @@ class KVAwareRouter(RequestRouter):
 
     def _ensure_following(self) -> None:
         """Start the event-log follower on this router's event loop (once)."""
+        self._home_loop = asyncio.get_running_loop()
         if self._follow_task is None or self._follow_task.done():
             self._first_poll = asyncio.Event()
             self._follow_task = start_background(self._follow())
@@ -353,6 +423,7 @@ class KVAwareRouter(RequestRouter):
 
     def _forget(self, uid: str) -> None:
         self._stats_sessions.pop(uid, None)
+        self._direct.pop(uid, None)
         self._sent.pop(uid, None)
         self.follower.forget_replica(uid)
         self.history.forget(uid)
@@ -386,6 +457,8 @@ class KVAwareRouter(RequestRouter):
         """
         cache = getattr(self, "_replica_queue_len_cache", None)
         serve = cache.get(replica.replica_id) if cache is not None else None
+        if serve is not None:                 # Serve does not see the direct streams
+            serve += self._direct.get(replica.replica_id.unique_id, 0)
         stats = replica.routing_stats or {}
         at = stats.get("at")
         if not at or time.time() - at > STATS_FRESH_S:

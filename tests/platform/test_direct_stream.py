@@ -1,0 +1,395 @@
+"""Direct streams (kvharbor.platform.direct_stream): a pinned request's events over one TCP
+connection from the gateway to its replica, and the router's side of them (route_direct)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import pickle
+import time
+
+import pytest
+
+from kvharbor.platform.direct_stream import (TOKEN_BYTES, DirectStream, DirectStreamFailed,
+                                             DirectStreamServer, _frame)
+from kvharbor.platform.protocol import GenerateRequest
+from tests.platform.test_router_unit import (HASHES, PROMPT, FakeReplica, FakeShard,
+                                             make_router)
+
+UNPICKLED: list[str] = []
+
+
+def _unpickled(tag: str) -> str:
+    UNPICKLED.append(tag)
+    return tag
+
+
+class Marker:
+    """Records that something unpickled it."""
+
+    def __reduce__(self):
+        return _unpickled, ("marker",)
+
+
+def _req(rid: str = "r", hashes=()) -> GenerateRequest:
+    return GenerateRequest(request_id=rid, tenant="acme", qos="premium", prompt_token_ids=PROMPT,
+                           block_hashes=list(hashes), sampling={}, pinned=True)
+
+
+class Replica:
+    """A replica's generate(): ``n`` token events and a last one; ``hold`` waits after the
+    first event until cancelled. ``closed`` records (request id, finished) as generate's
+    ``finally`` sees it: finished False is the abort a vanished caller causes."""
+
+    def __init__(self, n: int = 3, hold: bool = False) -> None:
+        self.n, self.hold = n, hold
+        self.seen: list[str] = []
+        self.closed: list[tuple[str, bool]] = []
+
+    async def generate(self, request: GenerateRequest):
+        self.seen.append(getattr(request, "request_id", request))
+        finished = False
+        try:
+            for i in range(self.n):
+                yield {"token_ids": [i], "finish_reason": None}
+                if self.hold:
+                    await asyncio.Event().wait()
+            yield {"token_ids": [], "finish_reason": "length"}
+            finished = True
+        finally:
+            self.closed.append((request.request_id, finished))
+
+
+def _no_fallback():
+    raise AssertionError("fell back to Serve's path")
+
+
+async def _until(check, timeout_s: float = 3.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def test_the_events_arrive_in_order_and_the_stream_is_reported_ended_once():
+    replica, done = Replica(3), []
+
+    async def main():
+        server = DirectStreamServer(replica.generate, "127.0.0.1")
+        await server.start()
+
+        async def route(request):
+            return "rep-1", server.address
+
+        stream = DirectStream(route, done.append, _req(), _no_fallback)
+        events = [e async for e in stream]
+        stream.cancel()                           # after the end: nothing more to report
+        server.close()
+        return stream, events
+
+    stream, events = asyncio.run(main())
+    assert [e["token_ids"] for e in events] == [[0], [1], [2], []]
+    assert events[-1]["finish_reason"] == "length"
+    assert replica.seen == ["r"] and replica.closed == [("r", True)]
+    assert done == ["rep-1"] and stream.replica == "rep-1"
+
+
+def test_cancelling_the_stream_aborts_the_request_on_the_replica():
+    replica, done = Replica(3, hold=True), []
+
+    async def main():
+        server = DirectStreamServer(replica.generate, "127.0.0.1")
+        await server.start()
+
+        async def route(request):
+            return "rep-1", server.address
+
+        stream = DirectStream(route, done.append, _req(), _no_fallback)
+        events = aiter(stream)
+        first = await anext(events)
+        stream.cancel()                           # the client went away
+        await _until(lambda: replica.closed)
+        rest = [e async for e in events]          # ends quietly: it was cancelled
+        server.close()
+        return first, rest
+
+    first, rest = asyncio.run(main())
+    assert first["token_ids"] == [0] and rest == []
+    assert replica.closed == [("r", False)]       # generate's finally ran unfinished: aborted
+    assert done == ["rep-1"]
+
+
+def test_a_wrong_token_is_refused_before_anything_is_unpickled():
+    replica = Replica()
+    UNPICKLED.clear()
+
+    async def main():
+        server = DirectStreamServer(replica.generate, "127.0.0.1")
+        await server.start()
+        host, port, token = server.address
+        answers = []
+        for sent_token in (bytes(TOKEN_BYTES), bytes.fromhex(token)):
+            reader, writer = await asyncio.open_connection(host, port)
+            writer.write(sent_token + _frame(pickle.dumps(Marker())))
+            await writer.drain()
+            answers.append(await asyncio.wait_for(reader.read(), 3))   # b"": closed on us
+            writer.close()
+        server.close()
+        return answers
+
+    answers = asyncio.run(main())
+    assert answers == [b"", b""]
+    # The wrong token: closed unread. The right one: read, and refused as no GenerateRequest.
+    assert UNPICKLED == ["marker"] and replica.seen == []
+
+
+def test_a_replica_that_dies_mid_stream_or_cannot_be_reached_fails_the_stream():
+    async def dying(reader, writer):              # answers one event, then goes away
+        await reader.readexactly(TOKEN_BYTES)
+        size = int.from_bytes(await reader.readexactly(4), "big")
+        await reader.readexactly(size)
+        writer.write(_frame(pickle.dumps({"token_ids": [5]})))
+        await writer.drain()
+        writer.close()
+
+    async def main():
+        server = await asyncio.start_server(dying, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        token = bytes(TOKEN_BYTES).hex()
+        got, done = [], []
+
+        async def to(p):
+            async def route(request):
+                return "rep-1", ["127.0.0.1", p, token]
+            return route
+
+        with pytest.raises(DirectStreamFailed, match="closed the stream before its end"):
+            async for event in DirectStream(await to(port), done.append, _req(), _no_fallback):
+                got.append(event)
+        server.close()
+        await server.wait_closed()
+        with pytest.raises(DirectStreamFailed, match="could not reach replica rep-1"):
+            async for event in DirectStream(await to(port), done.append, _req(), _no_fallback):
+                got.append(event)
+        return got, done
+
+    got, done = asyncio.run(main())
+    assert got == [{"token_ids": [5]}]
+    assert done == ["rep-1", "rep-1"]
+    assert issubclass(DirectStreamFailed, ConnectionError)     # the gateway retries these
+
+
+def test_without_a_direct_route_the_stream_is_serves():
+    class ServeStream:
+        cancelled = False
+
+        def __aiter__(self):
+            return self._events()
+
+        async def _events(self):
+            yield {"token_ids": [7]}
+
+        def cancel(self):
+            self.cancelled = True
+
+    serve_stream, done = ServeStream(), []
+
+    async def no_route(request):
+        return None
+
+    async def main():
+        stream = DirectStream(no_route, done.append, _req(), lambda: serve_stream)
+        events = [e async for e in stream]
+        stream.cancel()
+        return events
+
+    assert asyncio.run(main()) == [{"token_ids": [7]}]
+    assert serve_stream.cancelled and done == []
+
+
+def _direct_router(replicas):
+    shard = FakeShard()
+    shard.shard.apply_events("b", 0, stored=HASHES[:40])
+    shard.shard.apply_events("c", 0, stored=HASHES[:10])
+    router = make_router(shard)
+    router._replicas = {r.replica_id: r for r in replicas}
+    return router
+
+
+def test_route_direct_ranks_like_choose_replicas_among_listening_replicas_and_books_the_send():
+    address = ["127.0.0.1", 1, "00"]
+    replicas = [FakeReplica("a", direct=address), FakeReplica("b"),       # b does not listen
+                FakeReplica("c", direct=address), FakeReplica("d", direct=address)]
+    router = _direct_router(replicas)
+
+    async def main():
+        router._home_loop = asyncio.get_running_loop()
+        first = await router.route_direct(_req("r1", HASHES))
+        second = await router.route_direct(_req("r2", HASHES))
+        pinned = await router.route_direct(_req("r3", HASHES), replica_id="d")
+        unlisted = await router.route_direct(_req("r4", HASHES), replica_id="b")
+        return first, second, pinned, unlisted
+
+    first, second, pinned, unlisted = asyncio.run(main())
+    assert first == ("c", address)        # b holds more of the prefix but takes no direct streams
+    assert second[0] == "c" and pinned[0] == "d" and unlisted is None
+    assert router._direct == {"c": 2, "d": 1}
+    assert len(router._sent["c"]) == 2 and len(router._sent["d"]) == 1
+    router._replica_queue_len_cache.update(replicas[2].replica_id, 1)   # Serve's count: 1
+    assert router._in_flight(replicas[2]) == 3                          # + 2 direct streams
+
+    async def end_two():
+        router._home_loop = asyncio.get_running_loop()
+        router.direct_done("c")
+        router.direct_done("d")
+        await asyncio.sleep(0)
+
+    asyncio.run(end_two())
+    assert router._direct == {"c": 1}
+
+
+def test_route_direct_from_another_thread_runs_on_the_routers_loop():
+    """The gateway's loop asks; the decision runs on the loop Serve routes on."""
+    import threading
+
+    address = ["127.0.0.1", 1, "00"]
+    replicas = [FakeReplica("a", direct=address), FakeReplica("c", direct=address)]
+    router = _direct_router(replicas)
+    ran_on: list[int] = []
+    rank = router._rank
+
+    def spy(*args):
+        ran_on.append(threading.get_ident())
+        return rank(*args)
+
+    router._rank = spy
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        router._home_loop = loop
+        request = _req("r1", HASHES)
+        choice = asyncio.run(router.route_direct(request))
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+    assert choice == ("c", address)
+    assert ran_on == [thread.ident]
+    assert request.metadata["routed_to"] == "c" and request.metadata["router_policy"] == "kv_aware"
+
+
+class _Handle:
+    """What GenerationRun._call reads of the gateway's LLM handle; records Serve calls."""
+
+    deployment_name, app_name = "LLMReplica", "kvharbor"
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def options(self, **kwargs):
+        return self
+
+    @property
+    def generate(self):
+        return self
+
+    def remote(self, request, **kwargs):
+        self.calls.append((request.request_id, kwargs))
+        return "serve-stream"
+
+
+@pytest.mark.parametrize("pinned, switch, router, direct", [
+    (True, True, True, True), (True, False, True, False), (False, True, True, False),
+    (True, True, False, False)])
+def test_a_choice_streams_direct_only_for_a_pinned_class_with_the_switch_on_and_a_router(
+        monkeypatch, pinned, switch, router, direct):
+    from types import SimpleNamespace
+
+    from kvharbor.platform.generation import GenerationRun
+    from kvharbor.platform.router import KVAwareRouter
+
+    fake_router = SimpleNamespace(route_direct=lambda *a, **k: None, direct_done=print)
+    monkeypatch.setattr(KVAwareRouter, "for_handle",
+                        classmethod(lambda cls, handle: fake_router if router else None))
+    gw = SimpleNamespace(llm=_Handle(), config={"direct_streams": switch})
+    run = GenerationRun.__new__(GenerationRun)
+    request = _req()
+    request.pinned = pinned
+    run.gw, run.reqs, run.per_prompt, run._replica_of = gw, [request], 1, {}
+    stream = run._call(0)
+    assert isinstance(stream, DirectStream) is direct
+    assert gw.llm.calls == ([] if direct else [("r", {})])
+
+
+def test_premium_tokens_come_direct_and_equal_those_serves_path_gives(kvharbor_app):
+    """Through the app: every premium request (main port, premium lane, streamed or not) is
+    served over a direct stream, a standard one through Serve, with the same greedy tokens."""
+    from tests.conftest import DEMO
+
+    body = {"model": kvharbor_app.model, "prompt": "Ships at anchor in the harbor",
+            "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    deadline = time.monotonic() + 15        # a new app's replicas report their port within 1 s
+    with kvharbor_app.client(DEMO["premium"]) as c:
+        while c.post("/v1/completions", json=body).json()["kvharbor"]["transport"] != "direct":
+            assert time.monotonic() < deadline, "no premium request was served direct"
+            time.sleep(0.2)
+    seen = {}
+    for qos, lane in (("premium", False), ("premium", True), ("standard", False)):
+        for attempt in range(3):
+            with kvharbor_app.client(DEMO[qos], lane=lane) as c:
+                whole = c.post("/v1/completions", json=body)
+                with c.stream("POST", "/v1/completions", json={
+                        **body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+                    chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                              if line.startswith("data: {")]
+            assert whole.status_code == 200 and r.status_code == 200, whole.text
+            streamed = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+            seen[qos, lane, attempt] = (whole.json()["kvharbor"]["transport"],
+                                        chunks[-1]["kvharbor"]["transport"],
+                                        whole.json()["choices"][0]["text"], streamed)
+    texts = {v[2] for v in seen.values()} | {v[3] for v in seen.values()}
+    assert len(texts) == 1, seen
+    for (qos, _, _), (whole_via, stream_via, _, _) in seen.items():
+        expected = "direct" if qos == "premium" else "serve"
+        assert (whole_via, stream_via) == (expected, expected), seen
+
+
+def test_a_stream_cancelled_before_it_is_routed_sends_nothing():
+    calls, done = [], []
+
+    def fallback():
+        calls.append("serve")
+        raise AssertionError("a cancelled stream called Serve")
+
+    async def no_route(request):
+        return None
+
+    async def routed(request):
+        return "rep-1", ["127.0.0.1", 1, bytes(TOKEN_BYTES).hex()]   # nothing listens there
+
+    async def main():
+        for route in (no_route, routed):
+            stream = DirectStream(route, done.append, _req(), fallback)
+            stream.cancel()                       # the client left while the router decided
+            assert [e async for e in stream] == []
+
+    asyncio.run(main())
+    assert calls == [] and done == ["rep-1"]      # the routed send is booked back once
+
+
+def test_the_gateway_starts_its_handles_request_router_before_the_first_request():
+    from kvharbor.platform.gateway import _start_request_router
+
+    class Handle:
+        def __init__(self, initialized=False, fails=False):
+            self.is_initialized, self.fails, self.inits = initialized, fails, 0
+
+        def _init_router(self):
+            self.inits += 1
+            if self.fails:
+                raise RuntimeError("not under Serve")
+
+    fresh, started, failing = Handle(), Handle(initialized=True), Handle(fails=True)
+    for handle in (fresh, started, failing, object()):
+        _start_request_router(handle)           # never raises
+    assert (fresh.inits, started.inits, failing.inits) == (1, 0, 1)
