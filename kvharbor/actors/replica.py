@@ -183,7 +183,11 @@ class LLMReplica:
         snapshot of the last step boundary)."""
         self._ensure_loop()
         if self._direct is not None:
-            await self._direct.start()
+            try:
+                await self._direct.start()
+            except OSError:              # no port to listen on: gateways keep Serve's path
+                logger.exception("direct streams are off on this replica")
+                self._direct = None
         snap = self._snapshot
         stats = snap["stats"]
         # Arrivals still in the inbox count as waiting: the router adds only what it sent

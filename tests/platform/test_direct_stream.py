@@ -393,3 +393,41 @@ def test_the_gateway_starts_its_handles_request_router_before_the_first_request(
     for handle in (fresh, started, failing, object()):
         _start_request_router(handle)           # never raises
     assert (fresh.inits, started.inits, failing.inits) == (1, 0, 1)
+
+
+def test_a_replica_publishes_its_address_and_serves_the_tokens_generate_gives():
+    """LLMReplica without Serve: the routing stats carry the address; a direct stream's
+    tokens equal a generate() call's; a replica that cannot listen still reports its stats."""
+    from kvharbor.actors.replica import LLMReplica
+
+    replica = LLMReplica({"device": "cpu", "num_kv_blocks": 64}, direct_streams=True)
+    sampling = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+
+    async def main():
+        stats = await replica.record_routing_stats()
+        request = GenerateRequest(request_id="d", tenant="acme", qos="premium", pinned=True,
+                                  prompt_token_ids=list(range(3, 40)), block_hashes=[],
+                                  sampling=sampling)
+
+        async def route(_):
+            return replica.replica_id, stats["direct"]
+
+        direct = [e async for e in DirectStream(route, lambda uid: None, request, _no_fallback)]
+        request.request_id = "g"
+        local = [e async for e in replica.generate(request)]
+        return stats, direct, local
+
+    stats, direct, local = asyncio.run(main())
+    host, port, token = stats["direct"]
+    assert host == "127.0.0.1" and port > 0 and len(bytes.fromhex(token)) == TOKEN_BYTES
+    tokens = lambda events: [t for e in events for t in e["token_ids"]]   # noqa: E731
+    assert len(tokens(direct)) == 6 and tokens(direct) == tokens(local)
+    assert direct[-1]["finish_reason"] == "length"
+
+    async def refused(*args, **kwargs):
+        raise OSError("address in use")
+
+    broken = LLMReplica({"device": "cpu", "num_kv_blocks": 64}, direct_streams=True)
+    broken._direct.start = refused
+    stats = asyncio.run(broken.record_routing_stats())
+    assert stats["direct"] is None and stats["total_blocks"] == 64
