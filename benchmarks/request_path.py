@@ -110,8 +110,8 @@ def http_ttfts(base: str, texts: list[str]) -> tuple[list[float], list[dict], li
     return times, timings, texts_out, transports
 
 
-def serve_app(tenants: Path, ingress: str, overload_lag_ms: str | None = None, proxy_guard: str = "on",
-              direct_streams: bool = True) -> str:
+def serve_app(tenants: Path, ingress: str, overload_lag_ms: str | None = None,
+              proxy_guard: str = "on", direct_streams: bool = True) -> str:
     """Start Ray with ``ingress`` (``kvharbor.platform.ingress``) and the app on it. -> the base
     URL the requests go to. ``lane``: the direct ingress with the premium lane deployed
     (``build_app premium_port``), and the lane's URL."""
@@ -198,8 +198,8 @@ def main(argv=None) -> int:
     ok = True
     for ingress in args.ingress.split(","):
         with tempfile.TemporaryDirectory() as folder:
-            base = serve_app(lifted_tenants(Path(folder)), ingress, args.overload_lag_ms, args.proxy_guard,
-                             args.direct_streams == "on")
+            base = serve_app(lifted_tenants(Path(folder)), ingress, args.overload_lag_ms,
+                             args.proxy_guard, args.direct_streams == "on")
             try:
                 http_ms, timings, http_texts, transports = http_ttfts(base, texts)
             finally:

@@ -115,7 +115,8 @@ class LLMReplica:
         self._orphans_checked = 0.0
         self.metrics = get_metrics()
         self._reported: dict = {"evictions": 0}      # counters already exported
-        self._direct = DirectStreamServer(self.generate, _node_address()) if direct_streams else None
+        self._direct = (DirectStreamServer(self.generate, _node_address()) if direct_streams
+                        else None)
 
     # ---- public methods (called through the DeploymentHandle) ----------------------------
     async def generate(self, request: GenerateRequest, replica_id: str | None = None) -> AsyncIterator[dict]:

@@ -7,7 +7,7 @@ asyncio TCP connection between the same two processes; an idle premium request's
 (router, Ray, the replica's intake and the first token's way back) were 9-11 ms of its
 time to first token. So requests of pinned QoS classes go straight to their replica:
 
-    gateway: GenerationRun._call ─▶ DirectStream ──(router loop)──▶ KVAwareRouter.route_direct
+    gateway: GenerationRun._call ─▶ DirectStream ─(router's loop)─▶ KVAwareRouter.route_direct
                  │ connect host:port of the chosen replica, send token + request
                  ▼
     replica: DirectStreamServer ──▶ LLMReplica.generate(request) ──▶ one frame per event

@@ -57,7 +57,7 @@ class RoutingStats:
     at: float = 0.0                     # time.time() of the report (0: unknown)
     empty_shared_blocks: int | None = None   # free shared blocks holding no cached prefix
     shared_blocks: int | None = None         # size of the shared region
-    direct: list | None = None               # [host, port, token hex]: direct streams (direct_stream)
+    direct: list | None = None               # [host, port, token hex] (direct_stream)
 
     def as_dict(self) -> dict:
         return {name: getattr(self, name) for name in self.__slots__}

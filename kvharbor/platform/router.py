@@ -217,7 +217,8 @@ class KVAwareRouter(RequestRouter):
         """The replica accepted the request: remember where it went (history, active blocks)."""
         request = generate_request_of(pending_request)
         if request is not None:
-            self._routed(replica_id.unique_id, request, pending_request.metadata.internal_request_id)
+            self._routed(replica_id.unique_id, request,
+                         pending_request.metadata.internal_request_id)
 
     def _routed(self, uid: str, request: GenerateRequest, key: str) -> None:
         """Book a send of ``request`` (``key``: its decision's) to replica ``uid``."""

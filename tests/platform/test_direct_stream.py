@@ -71,17 +71,22 @@ async def _until(check, timeout_s: float = 3.0) -> None:
         await asyncio.sleep(0.01)
 
 
+async def _served(replica: Replica, done: list) -> tuple[DirectStreamServer, DirectStream]:
+    """A listening server for ``replica`` and a stream routed to it as replica "rep-1"."""
+    server = DirectStreamServer(replica.generate, "127.0.0.1")
+    await server.start()
+
+    async def route(request):
+        return "rep-1", server.address
+
+    return server, DirectStream(route, done.append, _req(), _no_fallback)
+
+
 def test_the_events_arrive_in_order_and_the_stream_is_reported_ended_once():
     replica, done = Replica(3), []
 
     async def main():
-        server = DirectStreamServer(replica.generate, "127.0.0.1")
-        await server.start()
-
-        async def route(request):
-            return "rep-1", server.address
-
-        stream = DirectStream(route, done.append, _req(), _no_fallback)
+        server, stream = await _served(replica, done)
         events = [e async for e in stream]
         stream.cancel()                           # after the end: nothing more to report
         server.close()
@@ -98,13 +103,7 @@ def test_cancelling_the_stream_aborts_the_request_on_the_replica():
     replica, done = Replica(3, hold=True), []
 
     async def main():
-        server = DirectStreamServer(replica.generate, "127.0.0.1")
-        await server.start()
-
-        async def route(request):
-            return "rep-1", server.address
-
-        stream = DirectStream(route, done.append, _req(), _no_fallback)
+        server, stream = await _served(replica, done)
         events = aiter(stream)
         first = await anext(events)
         stream.cancel()                           # the client went away
