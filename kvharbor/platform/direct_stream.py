@@ -235,3 +235,15 @@ class DirectStream:
                                      f"end: {e!r}") from e
         finally:
             writer.close()
+
+
+def start_request_router(handle) -> None:
+    """Make ``handle``'s request router now rather than on its first call: direct streams ask
+    it for their replica (``KVAwareRouter.for_handle``) and take Serve's path until it exists."""
+    init = getattr(handle, "_init_router", None)     # Serve's lazy init; absent: not a handle
+    if init is None or getattr(handle, "is_initialized", True):
+        return
+    try:
+        init()
+    except Exception as exc:  # noqa: BLE001 - the first call makes it instead
+        logger.info("could not start the request router of %s early: %r", handle, exc)

@@ -11,8 +11,9 @@ rate limits, budgets, concurrency (429) -> block hashes salted by the tenant's c
 ``usage.prompt_tokens_details.cached_tokens``.
 
 Every error, including malformed JSON, invalid UTF-8, unknown routes and internal failures,
-is an OpenAI-shaped JSON body (``openai_protocol.ErrorResponse``), never a stack trace; the
-OpenAPI schema (``/openapi.json``) declares each route's error statuses with that body.
+is an OpenAI-shaped JSON body (``openai_protocol.ErrorResponse``), never a stack trace
+(``api_errors``); the OpenAPI schema (``/openapi.json``) declares each route's error statuses
+with that body.
 
 Class queue (load shedding, ``platform.class_queue``): a request of class C is refused
 (429, ``queue_full``, Retry-After) when ``max_queue`` requests of C or higher-priority classes
@@ -29,12 +30,9 @@ import uuid
 from functools import partial
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.exceptions import RayActorError, TaskCancelledError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvharbor.actors.calls import detached, on_event_loop, start_background
 from kvharbor.engine.hashing import hash_prompt_blocks, model_root
@@ -42,11 +40,13 @@ from kvharbor.engine.model_identity import model_identity
 from kvharbor.engine.model_info import load_tokenizer, model_context_length
 from kvharbor.observability.metrics import get_metrics
 from kvharbor.platform.admission_flow import Admitter, unavailable
+from kvharbor.platform.api_errors import install_error_handlers
 from kvharbor.platform.auth_gate import (GENERATION_PATHS, SHED_PATHS, AuthGateMiddleware, bearer_key,
                                          encode_hint)
 from kvharbor.platform.body_limit import BodyLimitMiddleware, content_length
 from kvharbor.platform.class_queue import get_or_create_class_queue
 from kvharbor.platform.context_overflow import TRUNCATED_HEADER
+from kvharbor.platform.direct_stream import start_request_router
 from kvharbor.platform.generation import GenerationRun, sse
 from kvharbor.platform.health import RunningReplicas
 from kvharbor.platform.ingress import running_mode, running_preset
@@ -55,7 +55,7 @@ from kvharbor.platform.openai_protocol import (APIError, ChatRequest, ChatRespon
                                                CompletionRequest, CompletionResponse,
                                                DetokenizeRequest, DetokenizeResponse, ModelCard,
                                                ModelList, TokenizeRequest, TokenizeResponse,
-                                               bound_token_ids, error_response, error_responses)
+                                               bound_token_ids, error_responses)
 from kvharbor.platform.overload_guard import DEFAULT_LAG_TARGET_MS, OverloadGuard
 from kvharbor.platform.premium_lane import check_lane, listening_socket, start_server
 from kvharbor.platform.protocol import GenerateRequest
@@ -81,90 +81,7 @@ SSE = {"text/event-stream": {"schema": {
 GENERATE_ERRORS = error_responses(400, 401, 403, 404, 413, 429, 500, 503)
 
 
-@api.exception_handler(RequestValidationError)
-async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-    errors = exc.errors()
-    first = errors[0] if errors else {}
-    if first.get("type") == "json_invalid":
-        return error_response(400, "request body is not valid JSON: send a JSON object encoded as UTF-8")
-    where = _field_path(first.get("loc", ()))
-    if first.get("type") == "extra_forbidden":
-        return error_response(400, f"unknown field '{where}': this route does not take it; remove it "
-                              "(see /openapi.json for the fields)", "unknown_field", where)
-    if not where and first.get("type") == "value_error":
-        return error_response(400, str(first.get("msg", "invalid request")).removeprefix("Value error, "))
-    if not where:
-        return error_response(400, "request body must be a JSON object (UTF-8 encoded) with the "
-                                   "fields of this route")
-    # a union field (``prompt: str | list[int]``) fails once per alternative: name them all
-    field = where.split(".")[0]
-    reasons = [f"{path}: {e.get('msg', 'invalid').removeprefix('Value error, ')}" for e in errors
-               if (path := _field_path(e.get("loc", ()))).split(".")[0] == field]
-    return error_response(400, " or ".join(dict.fromkeys(reasons)), param=where)
-
-
-_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "json-or-python"}
-
-
-def _field_path(loc) -> str:
-    """``("body", "prompt", "function-after[...]", 0)`` -> ``"prompt.0"`` (no union member tags)."""
-    parts = [str(p) for p in loc[1:] if isinstance(p, int) or
-             (p not in _TYPE_TAGS and "[" not in str(p) and "-" not in str(p))]
-    return ".".join(parts)
-
-
-@api.exception_handler(StarletteHTTPException)
-async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    """Errors raised by the framework itself: unknown route, wrong method, unparsable body."""
-    message = str(exc.detail)
-    if exc.status_code == 400 and message == "There was an error parsing the body":
-        message = "request body could not be parsed: send a JSON object encoded as UTF-8"
-    elif exc.status_code == 404:
-        message = f"no route {request.url.path!r}; see /openapi.json for the API"
-    elif exc.status_code == 405:
-        message = f"method {request.method} is not allowed on {request.url.path!r}"
-    code = "request_too_large" if exc.status_code == 413 else None
-    return error_response(exc.status_code, message, code, headers=exc.headers)
-
-
-@api.exception_handler(APIError)
-async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-    return exc.response()
-
-
-@api.exception_handler(TenantError)
-async def _tenant_error(request: Request, exc: TenantError) -> JSONResponse:
-    return error_response(exc.status, exc.message, exc.code)
-
-
-@api.exception_handler(TimeoutError)
-@api.exception_handler(RayActorError)
-async def _control_plane_down(request: Request, exc: Exception) -> JSONResponse:
-    """A control-plane actor (admission, class queue) did not answer: retryable, not a 500."""
-    return unavailable("admission service").response()
-
-
-@api.exception_handler(Exception)
-async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-    logger.exception("unexpected error on %s", request.url.path)
-    return error_response(500, "internal error; the request was not completed", "server_error")
-
-
-def _openapi() -> dict:
-    """The schema without FastAPI's 422 entries: validation errors are answered with 400."""
-    if api.openapi_schema is None:
-        schema = get_openapi(title=api.title, version=api.version, description=api.description,
-                             routes=api.routes)
-        for path in schema.get("paths", {}).values():
-            for operation in path.values():
-                operation.get("responses", {}).pop("422", None)
-        for name in ("HTTPValidationError", "ValidationError"):
-            schema.get("components", {}).get("schemas", {}).pop(name, None)
-        api.openapi_schema = schema
-    return api.openapi_schema
-
-
-api.openapi = _openapi
+install_error_handlers(api)
 
 
 class RunStream(StreamingResponse):
@@ -245,18 +162,6 @@ def _serve_namespace() -> str:
     return SERVE_NAMESPACE
 
 
-def _start_request_router(handle) -> None:
-    """Make ``handle``'s request router now rather than on its first call: direct streams ask
-    it for their replica (``KVAwareRouter.for_handle``) and take Serve's path until it exists."""
-    init = getattr(handle, "_init_router", None)     # Serve's lazy init; absent: not a handle
-    if init is None or getattr(handle, "is_initialized", True):
-        return
-    try:
-        init()
-    except Exception as exc:  # noqa: BLE001 - the first call makes it instead
-        logger.info("could not start the request router of %s early: %r", handle, exc)
-
-
 # Defined above the class: serve.ingress copies the methods with the globals of this moment.
 @serve.ingress(api)
 class Gateway:
@@ -275,7 +180,7 @@ class Gateway:
         self.llm = llm
         self.config = config
         if config.get("direct_streams"):
-            _start_request_router(llm)
+            start_request_router(llm)
         # The PremiumGateway's handle (main gateway, premium_port set): bound here so that Serve
         # deploys the lane with the app; never called.
         self.lane = lane

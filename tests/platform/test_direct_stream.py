@@ -377,7 +377,7 @@ def test_a_stream_cancelled_before_it_is_routed_sends_nothing():
 
 
 def test_the_gateway_starts_its_handles_request_router_before_the_first_request():
-    from kvharbor.platform.gateway import _start_request_router
+    from kvharbor.platform.direct_stream import start_request_router
 
     class Handle:
         def __init__(self, initialized=False, fails=False):
@@ -390,7 +390,7 @@ def test_the_gateway_starts_its_handles_request_router_before_the_first_request(
 
     fresh, started, failing = Handle(), Handle(initialized=True), Handle(fails=True)
     for handle in (fresh, started, failing, object()):
-        _start_request_router(handle)           # never raises
+        start_request_router(handle)           # never raises
     assert (fresh.inits, started.inits, failing.inits) == (1, 0, 1)
 
 
