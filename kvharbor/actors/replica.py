@@ -53,6 +53,7 @@ logger = logging.getLogger("kvharbor.replica")
 STATS_PERIOD_S = 1.0
 ORPHAN_CHECK_S = 2.0              # how often the callers of live streams are checked for life
 MAX_REPORTED_SESSIONS = 4096      # session keys in routing stats (most recently used)
+DEFAULT_GRACEFUL_SHUTDOWN_S = 20.0  # Serve's default graceful_shutdown_timeout_s
 
 
 class LLMReplica:
@@ -257,8 +258,30 @@ class LLMReplica:
             return {"replica_id": self.replica_id, "cached": sorted(self.engine.cached_block_hashes() | self.engine.host_block_hashes()),
                     "blocks_used": self.engine.stats()["blocks_used"], "running": len(self._streams)}
 
-    def __del__(self) -> None:
-        """Graceful shutdown (scale-down): the directory forgets this replica's blocks."""
+    def __del__(self):
+        """Graceful shutdown (scale-down, redeploy, delete): the directory forgets this
+        replica's blocks.
+
+        Serve calls this once the requests it counts have finished, on the replica's event
+        loop, and awaits what it returns. It does not count direct streams; so while some are
+        open (under Serve, never on garbage collection: their tasks hold this object), this
+        returns a coroutine that stops taking new ones, lets the open ones finish within the
+        deployment's ``graceful_shutdown_timeout_s`` and then shuts down. Otherwise it shuts
+        down now and returns None.
+        """
+        direct = getattr(self, "_direct", None)
+        if direct is not None and direct.open_streams:
+            return self._drain_then_release(direct)
+        self._release()
+        return None
+
+    async def _drain_then_release(self, direct: DirectStreamServer) -> None:
+        left = await direct.drain(_graceful_shutdown_s())
+        if left:
+            logger.warning("shutting down with %d direct streams still open", left)
+        self._release()
+
+    def _release(self) -> None:
         pool = getattr(self, "_step_pool", None)
         if pool is not None:
             pool.shutdown(wait=False)
@@ -510,6 +533,15 @@ def _node_address() -> str:
     import ray  # noqa: PLC0415
 
     return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+
+
+def _graceful_shutdown_s() -> float:
+    """The deployment's ``graceful_shutdown_timeout_s`` (Serve kills the replica that long
+    after it asked it to stop); Serve's default outside a replica."""
+    try:
+        return float(serve.get_replica_context()._deployment_config.graceful_shutdown_timeout_s)
+    except Exception:  # noqa: BLE001 - outside Serve, or a Serve without the field
+        return DEFAULT_GRACEFUL_SHUTDOWN_S
 
 
 def _actor_alive(namespace: str, name: str) -> bool:

@@ -29,10 +29,12 @@ call does; a replica that closes the connection before the end frame raises
 was out yet).
 
 What Serve does not see: a replica's ongoing-request count (which Serve's draining and
-autoscaling read) leaves direct streams out, so a replica Serve scales down or redeploys may
-stop before its direct streams finish (their clients then get the error above), and
-autoscaling on ongoing requests does not count pinned traffic. The replicas' own routing
-stats and metrics count every request.
+autoscaling read) leaves direct streams out. So the replica drains them itself: when Serve
+stops it (scale-down, redeploy, delete), after Serve's own requests have finished,
+``LLMReplica.__del__`` stops listening (a gateway that still picks it is refused and retries
+elsewhere) and lets the open direct streams finish (``DirectStreamServer.drain``) within the
+deployment's ``graceful_shutdown_timeout_s``. Autoscaling on ongoing requests still does not
+count pinned traffic. The replicas' own routing stats and metrics count every request.
 """
 
 from __future__ import annotations
@@ -87,6 +89,7 @@ class DirectStreamServer:
         self.token = secrets.token_bytes(TOKEN_BYTES)
         self._server: asyncio.base_events.Server | None = None
         self._starting: asyncio.Task | None = None
+        self._connections: set[asyncio.Task] = set()    # one task per accepted connection
 
     @property
     def address(self) -> list | None:
@@ -104,11 +107,27 @@ class DirectStreamServer:
                 asyncio.start_server(self._serve, self.host, 0))
         self._server = await asyncio.shield(self._starting)
 
+    @property
+    def open_streams(self) -> int:
+        """Connections accepted and not yet ended."""
+        return len(self._connections)
+
     def close(self) -> None:
+        """Stop listening; the open streams go on."""
         if self._server is not None:
             self._server.close()
 
+    async def drain(self, timeout_s: float) -> int:
+        """Stop listening, then wait up to ``timeout_s`` for the open streams to end. Returns
+        how many are still open (cut when the process exits)."""
+        self.close()
+        if self._connections:
+            await asyncio.wait(set(self._connections), timeout=timeout_s)
+        return len(self._connections)
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        self._connections.add(task)
         try:
             token = await asyncio.wait_for(reader.readexactly(TOKEN_BYTES), HANDSHAKE_TIMEOUT_S)
             if not hmac.compare_digest(token, self.token):
@@ -126,6 +145,7 @@ class DirectStreamServer:
             logger.info("direct stream closed early: %r", e)
         finally:
             writer.close()
+            self._connections.discard(task)
 
     async def _stream(self, request: GenerateRequest, reader: asyncio.StreamReader,
                       writer: asyncio.StreamWriter) -> None:

@@ -41,8 +41,8 @@ class Replica:
     first event until cancelled. ``closed`` records (request id, finished) as generate's
     ``finally`` sees it: finished False is the abort a vanished caller causes."""
 
-    def __init__(self, n: int = 3, hold: bool = False) -> None:
-        self.n, self.hold = n, hold
+    def __init__(self, n: int = 3, hold: bool | asyncio.Event = False) -> None:
+        self.n, self.hold = n, hold       # an Event: wait for it after the first event
         self.seen: list[str] = []
         self.closed: list[tuple[str, bool]] = []
 
@@ -52,7 +52,10 @@ class Replica:
         try:
             for i in range(self.n):
                 yield {"token_ids": [i], "finish_reason": None}
-                if self.hold:
+                if isinstance(self.hold, asyncio.Event):
+                    if i == 0:
+                        await self.hold.wait()
+                elif self.hold:
                     await asyncio.Event().wait()
             yield {"token_ids": [], "finish_reason": "length"}
             finished = True
@@ -430,3 +433,78 @@ def test_a_replica_publishes_its_address_and_serves_the_tokens_generate_gives():
     broken._direct.start = refused
     stats = asyncio.run(broken.record_routing_stats())
     assert stats["direct"] is None and stats["total_blocks"] == 64
+
+
+def test_draining_refuses_new_streams_and_lets_the_open_ones_finish():
+    """``drain``: the listener closes at once (a gateway that still picks this replica is
+    refused and retries elsewhere), the open stream runs to its end, and only then does
+    ``drain`` return; a stream that outlasts the timeout is counted as left open."""
+
+    async def main():
+        release = asyncio.Event()
+        replica, done = Replica(3, hold=release), []
+        server, stream = await _served(replica, done)
+        events = aiter(stream)
+        first = await anext(events)
+        address = server.address
+        drain = asyncio.ensure_future(server.drain(5.0))
+        await asyncio.sleep(0.2)
+        assert not drain.done(), "drain returned while a stream was open"
+        late = DirectStream(lambda _: _route(address), done.append, _req("late"), _no_fallback)
+        with pytest.raises(DirectStreamFailed):
+            await asyncio.wait_for(_all(late), 2.0)
+        release.set()
+        rest = [e async for e in events]
+        left = await asyncio.wait_for(drain, 2.0)
+        stuck_replica = Replica(3, hold=True)
+        stuck, stuck_stream = await _served(stuck_replica, [])
+        stuck_events = aiter(stuck_stream)       # held: a dropped iterator closes the stream
+        await anext(stuck_events)
+        stuck_left = await stuck.drain(0.2)
+        stuck_stream.cancel()
+        return first, rest, left, replica, stuck_left
+
+    first, rest, left, replica, stuck_left = asyncio.run(main())
+    assert [first["token_ids"]] + [e["token_ids"] for e in rest] == [[0], [1], [2], []]
+    assert rest[-1]["finish_reason"] == "length" and replica.closed == [("r", True)]
+    assert replica.seen == ["r"], "the late stream reached generate()"
+    assert left == 0 and stuck_left == 1
+
+
+async def _route(address):
+    return "rep-1", address
+
+
+def test_a_replica_shut_down_with_open_direct_streams_finishes_them_first():
+    """``LLMReplica.__del__`` (what Serve calls to stop a replica, awaiting what it returns):
+    with a direct stream open it returns a coroutine that lets the stream end with all its
+    tokens before the replica's step thread stops; with none open it shuts down at once."""
+    from kvharbor.actors.replica import LLMReplica
+
+    replica = LLMReplica({"device": "cpu", "num_kv_blocks": 64}, direct_streams=True)
+    sampling = {"max_tokens": 48, "temperature": 0.0, "ignore_eos": True}
+
+    async def main():
+        stats = await replica.record_routing_stats()
+        request = GenerateRequest(request_id="d", tenant="acme", qos="premium", pinned=True,
+                                  prompt_token_ids=list(range(3, 40)), block_hashes=[],
+                                  sampling=sampling)
+        stream = DirectStream(lambda _: _route(stats["direct"]), lambda uid: None, request,
+                              _no_fallback)
+        events = aiter(stream)
+        first = await anext(events)
+        shutdown = replica.__del__()
+        assert shutdown is not None, "shut down with a direct stream open"
+        rest, _ = await asyncio.gather(_all(events), shutdown)
+        return [first] + rest
+
+    events = asyncio.run(main())
+    assert sum(len(e["token_ids"]) for e in events) == 48
+    assert events[-1]["finish_reason"] == "length"
+    assert replica._step_pool._shutdown and replica._direct.open_streams == 0
+    idle = LLMReplica({"device": "cpu", "num_kv_blocks": 16}, direct_streams=True)
+    assert idle.__del__() is None and idle._step_pool._shutdown
+
+
+async def _all(events) -> list:
+    return [e async for e in events]
