@@ -7,13 +7,15 @@ asyncio TCP connection between the same two processes; an idle premium request's
 (router, Ray, the replica's intake and the first token's way back) were 9-11 ms of its
 time to first token. So requests of pinned QoS classes go straight to their replica:
 
-    gateway: GenerationRun._call ─▶ DirectStream ─(router's loop)─▶ KVAwareRouter.route_direct
+    gateway: GenerationRun._call ─▶ DirectStream ──▶ KVAwareRouter.route_direct
                  │ connect host:port of the chosen replica, send token + request
                  ▼
     replica: DirectStreamServer ──▶ LLMReplica.generate(request) ──▶ one frame per event
 
 The routing decision is the KV-aware router's own (``route_direct`` ranks the replicas as
-``choose_replicas`` does and books the send the same way), made on the router's event loop.
+``choose_replicas`` does and books the send the same way), made on the gateway's own loop
+under the router's state lock once the router follows the index (before that, on the loop
+Serve routes on, which waits for the index's first poll).
 Other classes keep Serve's handle path, and with it Serve's ``max_ongoing_requests``
 backpressure; so does a pinned request when no replica has reported an address yet, or when
 no router of the deployment lives in this process yet.

@@ -29,12 +29,15 @@ events caused by other routers' traffic after an idle spell arrive within the id
 ``status()`` is None while every shard answered within ``stale_after_s``; otherwise the
 reason the router should not trust the index ("stream_not_started" / "stream_stale").
 All methods run on the router's event loop; nothing here blocks it (the actor lookup runs
-in a worker thread, every remote call is awaited with a timeout).
+in a worker thread, every remote call is awaited with a timeout). Changes to the index are
+made holding ``lock`` (the router's, so that a decision made on another thread never reads
+the index half-changed); it is never held across an ``await``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -129,7 +132,8 @@ class IndexFollower:
                  max_entries: int = 1024, on_stored: Callable | None = None,
                  on_resync: Callable[[str], None] | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 idle_poll_interval_s: float = 0.2, idle_after_s: float = 1.0) -> None:
+                 idle_poll_interval_s: float = 0.2, idle_after_s: float = 1.0,
+                 lock: contextlib.AbstractContextManager | None = None) -> None:
         """Args:
             shards: objects with ``async poll(epoch, cursor, max_entries) -> dict``, shard i
                 holding the replicas ``shard_of(replica, len(shards)) == i``.
@@ -141,6 +145,8 @@ class IndexFollower:
             on_stored: ``f(replica, hashes)`` for every store replayed or taken from a
                 snapshot (the router confirms its active blocks with it).
             on_resync: ``f(kind)`` for every snapshot or replay mismatch (metrics).
+            lock: held while the index changes (a ``threading.RLock`` shared with readers
+                on other threads); none by default.
         """
         self.shards = list(shards)
         self.index = PrefixIndex(max_blocks)
@@ -151,6 +157,7 @@ class IndexFollower:
         self.idle_poll_interval_s = min(max(idle_poll_interval_s, poll_interval_s), stale_after_s)
         self.idle_after_s = idle_after_s
         self.state = [ShardState() for _ in self.shards]
+        self._lock = lock if lock is not None else contextlib.nullcontext()
         self.counters = FollowerCounters()
         self._active_at = -float("inf")          # last poll with entries, or last hurry()
         self._wake: asyncio.Event | None = None   # set by hurry() during an idle pause
@@ -238,17 +245,19 @@ class IndexFollower:
         else:
             if reply["entries"]:
                 self._active_at = self.clock()
-            for entry in reply["entries"]:
-                if not self._replay(shard, entry):
-                    self.counters.mismatches += 1
-                    self._notify("replay_mismatch")
-                    st.epoch, st.cursor = None, 0          # snapshot on the next poll
-                    return
+            with self._lock:
+                for entry in reply["entries"]:
+                    if not self._replay(shard, entry):
+                        self.counters.mismatches += 1
+                        self._notify("replay_mismatch")
+                        st.epoch, st.cursor = None, 0          # snapshot on the next poll
+                        return
             self.counters.entries += len(reply["entries"])
         st.epoch, st.cursor, st.synced_at = reply["epoch"], reply["cursor"], self.clock()
 
     def forget_replica(self, replica_id: str) -> None:
-        """Drop a replica Serve says is gone (the directory is told separately)."""
+        """Drop a replica Serve says is gone (the directory is told separately; the router
+        holds its lock around this)."""
         self.index.remove_replica(replica_id)
 
     # ---- internals ---------------------------------------------------------------------
@@ -285,12 +294,14 @@ class IndexFollower:
         self.counters.snapshots += 1
         self._notify("router_snapshot")
         if not restarted:
-            self._drop_shard_replicas(shard, keep=snapshot)
+            with self._lock:
+                self._drop_shard_replicas(shard, keep=snapshot)
         closed = set(reply.get("closed", ()))
         for replica, (seq_no, tiers) in snapshot.items():
-            self.index.resync(replica, seq_no, tiers, replica in closed)
-            if self.on_stored is not None:
-                self.on_stored(replica, [h for hs in tiers.values() for h in hs])
+            with self._lock:
+                self.index.resync(replica, seq_no, tiers, replica in closed)
+                if self.on_stored is not None:
+                    self.on_stored(replica, [h for hs in tiers.values() for h in hs])
             await asyncio.sleep(0)             # let routing decisions run in between
 
     def _drop_shard_replicas(self, shard: int, keep) -> None:

@@ -57,6 +57,7 @@ import bisect
 import contextlib
 import logging
 import random
+import threading
 import time
 import weakref
 from collections import OrderedDict, deque
@@ -182,13 +183,17 @@ class KVAwareRouter(RequestRouter):
         self._direct: dict[str, int] = {}            # replica -> direct streams open to it
         self._home_loop: asyncio.AbstractEventLoop | None = None   # the loop Serve routes on
         self.history = RoutingHistory(max_index_blocks)
+        # Held while this router's state changes or a decision reads it: Serve's decisions and
+        # the follower run on the router's loop, a direct stream's decision on the caller's.
+        self._state_lock = threading.RLock()
         self.shards = [ActorShard(shard_name(directory_name, i, num_directory_shards),
                                   directory_namespace, control_timeout_s, lookup_retry_s)
                        for i in range(num_directory_shards)]
         self.follower = IndexFollower(self.shards, max_index_blocks, poll_interval_s,
                                       stale_after_s, on_stored=self._confirmed,
                                       on_resync=self.metrics.directory_resync,
-                                      idle_poll_interval_s=idle_poll_interval_s)
+                                      idle_poll_interval_s=idle_poll_interval_s,
+                                      lock=self._state_lock)
         self._sessions: OrderedDict[str, str] = OrderedDict()    # session key -> replica
         self._stats_sessions: dict[str, tuple[list, frozenset]] = {}   # replica -> (list, keys)
         self.policy: RoutingPolicy = KVAwarePolicy(**(policy or {}))
@@ -222,6 +227,10 @@ class KVAwareRouter(RequestRouter):
 
     def _routed(self, uid: str, request: GenerateRequest, key: str) -> None:
         """Book a send of ``request`` (``key``: its decision's) to replica ``uid``."""
+        with self._state_lock:
+            self._book(uid, request, key)
+
+    def _book(self, uid: str, request: GenerateRequest, key: str) -> None:
         request.metadata["routed_to"] = uid
         sent = self._sent.setdefault(uid, deque())
         now = time.time()
@@ -265,6 +274,11 @@ class KVAwareRouter(RequestRouter):
     def _rank(self, candidate_replicas: list[RunningReplica], request: GenerateRequest | None,
               key: str | None) -> list[list[RunningReplica]]:
         """One routing decision (``key`` names it until the send is booked)."""
+        with self._state_lock:
+            return self._decide(candidate_replicas, request, key)
+
+    def _decide(self, candidate_replicas: list[RunningReplica], request: GenerateRequest | None,
+                key: str | None) -> list[list[RunningReplica]]:
         start, start_cpu = time.perf_counter(), time.thread_time()
         candidate_replicas = _without_excluded(request, candidate_replicas)
         mode, reason, matches = self._matches(request)
@@ -300,31 +314,43 @@ class KVAwareRouter(RequestRouter):
         """From any event loop: the replica for ``request`` among those that listen for direct
         streams (``replica_id``: that one only), ranked as ``choose_replicas`` ranks, with the
         send booked; ``(replica unique id, [host, port, token hex])``, or None (none listens,
-        or this router's loop is gone): the caller takes Serve's path."""
+        or this router's loop is gone): the caller takes Serve's path.
+
+        Once the router follows the index (its first poll done), the decision is made here, on
+        the caller's loop, holding the router's state lock, instead of waiting its turn on the
+        router's loop, which Serve's routing of every other request keeps busy (under a 2x
+        flood through one gateway the hop took 20 ms p50, 100 ms p99, on this project's VM).
+        """
         loop = self._home_loop
         if loop is None or loop.is_closed():
             return None
         if loop is asyncio.get_running_loop():
-            return await self._route_direct(request, replica_id)
+            await self._before_decision()
+            return self._decide_direct(request, replica_id)
+        if self._first_poll is not None and self._first_poll.is_set():
+            loop.call_soon_threadsafe(self.follower.hurry)   # this request's events follow soon
+            return self._decide_direct(request, replica_id)
         return await asyncio.wrap_future(
-            asyncio.run_coroutine_threadsafe(self._route_direct(request, replica_id), loop))
+            asyncio.run_coroutine_threadsafe(self.route_direct(request, replica_id), loop))
 
-    async def _route_direct(self, request: GenerateRequest,
-                            replica_id: str | None) -> tuple[str, list] | None:
-        live = [r for r in self.curr_replicas.values() if (r.routing_stats or {}).get("direct")]
-        if replica_id is not None:
-            live = [r for r in live if r.replica_id.unique_id == replica_id]
-        if not live:
-            return None
-        await self._before_decision()
-        ranks = [live] if replica_id is not None else self._rank(live, request, request.request_id)
-        # Serve sends to the least loaded replica of the first rank with room; a direct stream
-        # is not refused by a full replica, so the first rank's least loaded takes it.
-        top = min(ranks[0], key=lambda r: self._in_flight(r) or 0)
-        uid = top.replica_id.unique_id
-        self._routed(uid, request, request.request_id)
-        self._direct[uid] = self._direct.get(uid, 0) + 1
-        return uid, list(top.routing_stats["direct"])
+    def _decide_direct(self, request: GenerateRequest,
+                       replica_id: str | None) -> tuple[str, list] | None:
+        with self._state_lock:
+            live = [r for r in list(self.curr_replicas.values())
+                    if (r.routing_stats or {}).get("direct")]
+            if replica_id is not None:
+                live = [r for r in live if r.replica_id.unique_id == replica_id]
+            if not live:
+                return None
+            ranks = [live] if replica_id is not None else self._rank(live, request,
+                                                                     request.request_id)
+            # Serve sends to the least loaded replica of the first rank with room; a direct
+            # stream is not refused by a full replica, so the first rank's least loaded takes it.
+            top = min(ranks[0], key=lambda r: self._in_flight(r) or 0)
+            uid = top.replica_id.unique_id
+            self._book(uid, request, request.request_id)
+            self._direct[uid] = self._direct.get(uid, 0) + 1
+            return uid, list(top.routing_stats["direct"])
 
     def direct_done(self, uid: str) -> None:
         """From any thread: a direct stream to ``uid`` ended."""
@@ -333,11 +359,12 @@ class KVAwareRouter(RequestRouter):
             loop.call_soon_threadsafe(self._direct_ended, uid)
 
     def _direct_ended(self, uid: str) -> None:
-        left = self._direct.get(uid, 0) - 1
-        if left > 0:
-            self._direct[uid] = left
-        else:
-            self._direct.pop(uid, None)
+        with self._state_lock:
+            left = self._direct.get(uid, 0) - 1
+            if left > 0:
+                self._direct[uid] = left
+            else:
+                self._direct.pop(uid, None)
 
     # ---- helpers -------------------------------------------------------------------------
     def _matches(self, request: GenerateRequest | None) -> tuple[str, str | None, dict]:
@@ -423,12 +450,13 @@ class KVAwareRouter(RequestRouter):
         self.metrics.router_index_lag(min(self.follower.lag_s(), 1e6))
 
     def _forget(self, uid: str) -> None:
-        self._stats_sessions.pop(uid, None)
-        self._direct.pop(uid, None)
-        self._sent.pop(uid, None)
-        self.follower.forget_replica(uid)
-        self.history.forget(uid)
-        self.active.forget(uid)
+        with self._state_lock:
+            self._stats_sessions.pop(uid, None)
+            self._direct.pop(uid, None)
+            self._sent.pop(uid, None)
+            self.follower.forget_replica(uid)
+            self.history.forget(uid)
+            self.active.forget(uid)
         loop = getattr(self, "_lazily_fetched_loop", None)    # Serve's router loop, if known
         if loop is None:
             try:

@@ -14,7 +14,7 @@ from kvharbor.platform.direct_stream import (TOKEN_BYTES, DirectStream, DirectSt
                                              DirectStreamServer, _frame)
 from kvharbor.platform.protocol import GenerateRequest
 from tests.platform.test_router_unit import (HASHES, PROMPT, FakeReplica, FakeShard,
-                                             make_router)
+                                             make_router, route)
 
 UNPICKLED: list[str] = []
 
@@ -250,34 +250,136 @@ def test_route_direct_ranks_like_choose_replicas_among_listening_replicas_and_bo
     assert router._direct == {"c": 1}
 
 
-def test_route_direct_from_another_thread_runs_on_the_routers_loop():
-    """The gateway's loop asks; the decision runs on the loop Serve routes on."""
+def _loop_thread():
+    import threading
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    return loop, thread
+
+
+def _stop(loop, thread) -> None:
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(5)
+
+
+def test_route_direct_from_another_thread_decides_there_once_the_router_follows():
+    """The gateway's loop asks. Before the router's first poll the decision runs on the loop
+    Serve routes on (it waits for the index there); after it, on the caller's own thread, with
+    the follower hurried on the router's loop; booked the same either way."""
     import threading
 
     address = ["127.0.0.1", 1, "00"]
     replicas = [FakeReplica("a", direct=address), FakeReplica("c", direct=address)]
     router = _direct_router(replicas)
     ran_on: list[int] = []
-    rank = router._rank
+    rank, hurried = router._rank, []
 
     def spy(*args):
         ran_on.append(threading.get_ident())
         return rank(*args)
 
     router._rank = spy
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
+    router.follower.hurry = lambda: hurried.append(threading.get_ident())
+    loop, thread = _loop_thread()
     try:
         router._home_loop = loop
-        request = _req("r1", HASHES)
-        choice = asyncio.run(router.route_direct(request))
+        first, second = _req("r1", HASHES), _req("r2", HASHES)
+        hopped = asyncio.run(router.route_direct(first))
+        router._first_poll = asyncio.Event()
+        router._first_poll.set()
+        here = asyncio.run(router.route_direct(second))
+        time.sleep(0.1)
     finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(5)
-    assert choice == ("c", address)
-    assert ran_on == [thread.ident]
-    assert request.metadata["routed_to"] == "c" and request.metadata["router_policy"] == "kv_aware"
+        _stop(loop, thread)
+    assert hopped == here == ("c", address)
+    assert ran_on == [thread.ident, threading.get_ident()]
+    assert hurried == [thread.ident, thread.ident]    # on the router's loop both times
+    for request in (first, second):
+        assert request.metadata["routed_to"] == "c"
+        assert request.metadata["router_policy"] == "kv_aware"
+    assert router._direct == {"c": 2} and len(router._sent["c"]) == 2
+
+
+@pytest.mark.parametrize("poll", ["entries", "snapshot"])
+def test_a_direct_decision_waits_while_the_router_changes_its_index(poll):
+    """Mutual exclusion: while the follower applies a poll (entries, or a snapshot's replica)
+    on the router's loop, a direct stream's decision on another thread waits for it (it would
+    read the index half-changed); and the router's own changes wait while a direct decision
+    holds its state."""
+    import threading
+
+    address = ["127.0.0.1", 1, "00"]
+    replicas = [FakeReplica("a", direct=address), FakeReplica("c", direct=address)]
+    router = _direct_router(replicas)
+    router._first_poll = asyncio.Event()
+    router._first_poll.set()
+    entered, release = threading.Event(), threading.Event()
+    follower = router.follower
+    owner, name = (follower, "_replay") if poll == "entries" else (follower.index, "resync")
+    change = getattr(owner, name)
+
+    def slow_change(*args):
+        entered.set()
+        release.wait(5)
+        return change(*args)
+
+    setattr(owner, name, slow_change)
+    loop, thread = _loop_thread()
+    decided: list = []
+    try:
+        router._home_loop = loop
+        st = follower.state[0]
+        reply = ({"entries": [("remove", "zz")], "epoch": st.epoch, "cursor": st.cursor}
+                 if poll == "entries" else
+                 {"snapshot": {"zz": (0, {"device": []})}, "epoch": st.epoch, "cursor": st.cursor})
+        applying = asyncio.run_coroutine_threadsafe(follower.apply(0, reply), loop)
+        assert entered.wait(5)
+        asker = threading.Thread(
+            target=lambda: decided.append(asyncio.run(router.route_direct(_req("r1", HASHES)))))
+        asker.start()
+        time.sleep(0.3)
+        waited = not decided
+        release.set()
+        applying.result(5)
+        asker.join(5)
+    finally:
+        release.set()
+        _stop(loop, thread)
+    assert waited, "the direct decision read the index while the follower changed it"
+    assert len(decided) == 1 and decided[0][1] == address
+
+    pinned = _req("r3", HASHES)
+    changes = [
+        ("Serve's decision", lambda: route(router, replicas), lambda: True),
+        ("Serve's booking", lambda: router._routed("a", _req("r2", HASHES), "k"), lambda: True),
+        ("a direct decision for a named replica",
+         lambda: asyncio.run(router.route_direct(pinned, replica_id="a")),
+         lambda: "routed_to" not in pinned.metadata),
+        ("a replica leaving", lambda: router._forget("a"), lambda: "a" in router._sent),
+        ("a direct stream's end", lambda: router._direct_ended("c"), lambda: True)]
+    for name, change, untouched in changes:
+        assert _waits_for_the_state_lock(router, change, untouched), \
+            f"{name} changed the router's state during a decision"
+    assert "a" not in router._sent and router._direct == {}
+
+
+def _waits_for_the_state_lock(router, change, untouched) -> bool:
+    """Whether ``change`` (run on another thread) waits, with ``untouched()`` still true,
+    while a decision holds the router's state lock."""
+    import threading
+
+    worker = threading.Thread(target=change)
+    router._state_lock.acquire()                       # a direct decision under way
+    try:
+        worker.start()
+        worker.join(0.3)
+        blocked = worker.is_alive() and untouched()
+    finally:
+        router._state_lock.release()
+    worker.join(5)
+    return blocked
 
 
 class _Handle:
@@ -370,8 +472,8 @@ def test_a_stream_cancelled_before_it_is_routed_sends_nothing():
         return "rep-1", ["127.0.0.1", 1, bytes(TOKEN_BYTES).hex()]   # nothing listens there
 
     async def main():
-        for route in (no_route, routed):
-            stream = DirectStream(route, done.append, _req(), fallback)
+        for choose in (no_route, routed):
+            stream = DirectStream(choose, done.append, _req(), fallback)
             stream.cancel()                       # the client left while the router decided
             assert [e async for e in stream] == []
 
