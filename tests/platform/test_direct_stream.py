@@ -499,24 +499,35 @@ def test_the_gateway_starts_its_handles_request_router_before_the_first_request(
     assert (fresh.inits, started.inits, failing.inits) == (1, 0, 1)
 
 
+async def _route(address):
+    return "rep-1", address
+
+
+def replica_request(rid: str, max_tokens: int) -> GenerateRequest:
+    """A greedy premium request (37 prompt tokens, ``max_tokens`` out) for a real replica."""
+    return GenerateRequest(request_id=rid, tenant="acme", qos="premium", pinned=True,
+                           prompt_token_ids=list(range(3, 40)), block_hashes=[],
+                           sampling={"max_tokens": max_tokens, "temperature": 0.0,
+                                     "ignore_eos": True})
+
+
+def _direct_to(stats: dict, request: GenerateRequest) -> DirectStream:
+    """A direct stream of ``request`` to the replica whose routing stats are ``stats``."""
+    return DirectStream(lambda _: _route(stats["direct"]), lambda uid: None, request,
+                        _no_fallback)
+
+
 def test_a_replica_publishes_its_address_and_serves_the_tokens_generate_gives():
     """LLMReplica without Serve: the routing stats carry the address; a direct stream's
     tokens equal a generate() call's; a replica that cannot listen still reports its stats."""
     from kvharbor.actors.replica import LLMReplica
 
     replica = LLMReplica({"device": "cpu", "num_kv_blocks": 64}, direct_streams=True)
-    sampling = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
 
     async def main():
         stats = await replica.record_routing_stats()
-        request = GenerateRequest(request_id="d", tenant="acme", qos="premium", pinned=True,
-                                  prompt_token_ids=list(range(3, 40)), block_hashes=[],
-                                  sampling=sampling)
-
-        async def route(_):
-            return replica.replica_id, stats["direct"]
-
-        direct = [e async for e in DirectStream(route, lambda uid: None, request, _no_fallback)]
+        request = replica_request("d", 6)
+        direct = [e async for e in _direct_to(stats, request)]
         request.request_id = "g"
         local = [e async for e in replica.generate(request)]
         return stats, direct, local
@@ -573,8 +584,6 @@ def test_draining_refuses_new_streams_and_lets_the_open_ones_finish():
     assert left == 0 and stuck_left == 1
 
 
-async def _route(address):
-    return "rep-1", address
 
 
 def test_a_replica_shut_down_with_open_direct_streams_finishes_them_first():
@@ -584,16 +593,10 @@ def test_a_replica_shut_down_with_open_direct_streams_finishes_them_first():
     from kvharbor.actors.replica import LLMReplica
 
     replica = LLMReplica({"device": "cpu", "num_kv_blocks": 64}, direct_streams=True)
-    sampling = {"max_tokens": 48, "temperature": 0.0, "ignore_eos": True}
 
     async def main():
         stats = await replica.record_routing_stats()
-        request = GenerateRequest(request_id="d", tenant="acme", qos="premium", pinned=True,
-                                  prompt_token_ids=list(range(3, 40)), block_hashes=[],
-                                  sampling=sampling)
-        stream = DirectStream(lambda _: _route(stats["direct"]), lambda uid: None, request,
-                              _no_fallback)
-        events = aiter(stream)
+        events = aiter(_direct_to(stats, replica_request("d", 48)))
         first = await anext(events)
         shutdown = replica.__del__()
         assert shutdown is not None, "shut down with a direct stream open"

@@ -16,8 +16,7 @@ import ray.cloudpickle
 from ray import serve
 
 from kvharbor.actors.replica import LLMReplica
-from kvharbor.platform.direct_stream import DirectStream
-from kvharbor.platform.protocol import GenerateRequest
+from tests.platform.test_direct_stream import _direct_to, replica_request
 
 STEP_S = 0.05             # the slowed step: 60 tokens take ~3 s, well past Serve's own drain
 MAX_TOKENS = 60
@@ -50,19 +49,10 @@ def test_deleting_a_replica_lets_its_open_direct_stream_finish(kvharbor_app):
     try:
         address = handle.record_routing_stats.remote().result(timeout_s=120)["direct"]
         assert address is not None
-        request = GenerateRequest(request_id="drain", tenant="acme", qos="premium", pinned=True,
-                                  prompt_token_ids=list(range(3, 40)), block_hashes=[],
-                                  sampling={"max_tokens": MAX_TOKENS, "temperature": 0.0,
-                                            "ignore_eos": True})
-
-        async def route(_):
-            return "slow", address
-
-        def no_fallback():
-            raise AssertionError("fell back to Serve's path")
+        request = replica_request("drain", MAX_TOKENS)
 
         async def main():
-            events = aiter(DirectStream(route, lambda uid: None, request, no_fallback))
+            events = aiter(_direct_to({"direct": address}, request))
             first = await anext(events)
             deleting = asyncio.ensure_future(asyncio.to_thread(serve.delete, APP))
             rest = [e async for e in events]
