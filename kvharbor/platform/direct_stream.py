@@ -14,8 +14,8 @@ time to first token. So requests of pinned QoS classes go straight to their repl
 
 The routing decision is the KV-aware router's own (``route_direct`` ranks the replicas as
 ``choose_replicas`` does and books the send the same way), made on the gateway's own loop
-under the router's state lock once the router follows the index (before that, on the loop
-Serve routes on, which waits for the index's first poll).
+when the router's state lock is free and the router follows the index (otherwise on the
+loop Serve routes on, which waits for the index's first poll).
 Other classes keep Serve's handle path, and with it Serve's ``max_ongoing_requests``
 backpressure; so does a pinned request when no replica has reported an address yet, or when
 no router of the deployment lives in this process yet.

@@ -159,8 +159,7 @@ def test_a_direct_decision_waits_while_the_router_changes_its_index(poll):
     changes = [
         ("Serve's decision", lambda: route(router, replicas), lambda: True),
         ("Serve's booking", lambda: router._routed("a", _req("r2", HASHES), "k"), lambda: True),
-        ("a direct decision for a named replica",
-         lambda: asyncio.run(router.route_direct(pinned, replica_id="a")),
+        ("a direct decision for a named replica", lambda: router._decide_direct(pinned, "a"),
          lambda: "routed_to" not in pinned.metadata),
         ("a replica leaving", lambda: router._forget("a"), lambda: "a" in router._sent),
         ("a direct stream's end", lambda: router._direct_ended("c"), lambda: True)]
@@ -185,3 +184,46 @@ def _waits_for_the_state_lock(router, change, untouched) -> bool:
         router._state_lock.release()
     worker.join(5)
     return blocked
+
+
+def test_a_direct_decision_never_blocks_the_callers_loop_on_the_lock():
+    """While the router's loop holds the state lock (here: held for 0.4 s), a direct decision
+    asked from another loop hops to the router's loop instead of blocking its caller's loop,
+    which keeps running meanwhile; the decision completes once the lock is free."""
+    import threading
+
+    address = ["127.0.0.1", 1, "00"]
+    router = _direct_router([FakeReplica("a", direct=address), FakeReplica("c", direct=address)])
+    router._first_poll = asyncio.Event()
+    router._first_poll.set()
+    loop, thread = _loop_thread()
+    router._home_loop = loop
+    held = threading.Event()
+
+    def hold_on_the_routers_loop():
+        with router._state_lock:
+            held.set()
+            time.sleep(0.4)
+
+    async def ask():
+        ticks = 0
+
+        async def tick():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticker = asyncio.ensure_future(tick())
+        choice = await router.route_direct(_req("r1", HASHES))
+        ticker.cancel()
+        return choice, ticks
+
+    try:
+        loop.call_soon_threadsafe(hold_on_the_routers_loop)
+        assert held.wait(5)
+        choice, ticks = asyncio.run(ask())
+    finally:
+        _stop(loop, thread)
+    assert choice == ("c", address)
+    assert ticks >= 10, f"the caller's loop ran {ticks} times in the 0.4 s the lock was held"
