@@ -20,6 +20,7 @@ import time
 
 import httpx
 
+from tests.conftest import TEST_KEYS
 from tests.reliability.helpers import DEMO, rand_text
 
 TRIALS = 32
@@ -75,19 +76,43 @@ def test_private_scope_never_hits_and_leaks_no_timing(kvharbor_app):
     assert abs(leak) < 0.25 * control, (leak, control)
 
 
-def test_the_reverse_direction_never_hits(kvharbor_app):
-    """Neither partner tenant (globex, initech) hits a prompt that private acme cached."""
-    for i, partner in enumerate((DEMO["standard"], DEMO["batch"])):
-        secret = rand_text(512, 31 + i)
-        _timed(kvharbor_app, ATTACKER, secret)
+def _hits_cache(app, key: str, prompt: str, tries: int = 10) -> int:
+    """Send ``prompt`` as ``key`` until it is served from the cache (at least ``MIN_HIT``
+    tokens); the attempts. A positive control: the prompt is cached where ``key`` may use it
+    and the routers know where. One send 0.3 s after the first request came back with 0 cached
+    tokens in one CI run (and hit in the next): a gateway whose index has not replayed the
+    prompt's KV events yet (its follower polls every 0.2 s when idle) routes by load alone."""
+    for attempt in range(1, tries + 1):
         time.sleep(0.3)
-        assert _timed(kvharbor_app, ATTACKER, secret)[1] >= 512 - 16    # acme hits its own
+        if _timed(app, key, prompt)[1] >= MIN_HIT:
+            return attempt
+    raise AssertionError(f"{tries} resends of a cached prompt never hit the cache")
+
+
+def test_the_reverse_direction_never_hits(kvharbor_app):
+    """Neither partner tenant (globex, initech) hits a prompt that a private tenant cached.
+
+    The private tenant is of the standard class (private2), not acme: acme's blocks sit in
+    the premium classes' pinned region, which standard and batch requests never use, so with
+    acme this test passed even with every tenant's scope made public."""
+    owner = TEST_KEYS["private2"]
+    for i, partner in enumerate((DEMO["standard"], DEMO["batch"])):
+        secret = rand_text(PROMPT_TOKENS, 31 + i)
+        _timed(kvharbor_app, owner, secret)
+        _hits_cache(kvharbor_app, owner, secret)                    # private2 hits its own
         assert _timed(kvharbor_app, partner, secret)[1] == 0
 
 
 def test_tenants_that_share_a_scope_share_the_cache(kvharbor_app):
-    prompt = rand_text(512, 40)
-    assert _timed(kvharbor_app, DEMO["standard"], prompt)[1] == 0       # globex
-    time.sleep(0.3)
-    assert _timed(kvharbor_app, DEMO["batch"], prompt)[1] >= 512 - 16   # initech, same group
-    assert _timed(kvharbor_app, ATTACKER, prompt)[1] == 0               # acme is private
+    """initech's first send of a prompt that globex cached hits it (one scope); acme's never.
+    A new prompt per attempt: initech's own resend would hit what its first send cached."""
+    first_sends = []
+    for attempt in range(3):
+        prompt = rand_text(PROMPT_TOKENS, 40 + attempt)
+        assert _timed(kvharbor_app, DEMO["standard"], prompt)[1] == 0       # globex
+        _hits_cache(kvharbor_app, DEMO["standard"], prompt)
+        first_sends.append(_timed(kvharbor_app, DEMO["batch"], prompt)[1])  # initech, same group
+        assert _timed(kvharbor_app, ATTACKER, prompt)[1] == 0               # acme is private
+        if first_sends[-1] >= MIN_HIT:
+            break
+    assert first_sends[-1] >= MIN_HIT, first_sends
