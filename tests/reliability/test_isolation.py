@@ -80,8 +80,9 @@ def _hits_cache(app, key: str, prompt: str, tries: int = 10) -> int:
     """Send ``prompt`` as ``key`` until it is served from the cache (at least ``MIN_HIT``
     tokens); the attempts. A positive control: the prompt is cached where ``key`` may use it
     and the routers know where. One send 0.3 s after the first request came back with 0 cached
-    tokens in one CI run (and hit in the next): a gateway whose index has not replayed the
-    prompt's KV events yet (its follower polls every 0.2 s when idle) routes by load alone."""
+    tokens in one CI run (and hit in the next; the cause was not established: a gateway whose
+    index had not replayed the prompt's KV events yet, its follower polling every 0.2 s when
+    idle, would route by load alone)."""
     for attempt in range(1, tries + 1):
         time.sleep(0.3)
         if _timed(app, key, prompt)[1] >= MIN_HIT:
