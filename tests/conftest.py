@@ -294,8 +294,10 @@ class RunningApp:
 
     def wait_indexed(self, block_hashes, timeout: float = 30.0) -> None:
         """Wait until the directory lists every block of ``block_hashes`` on one replica,
-        then a few of the routers' 20 ms polls: the index is eventually consistent, so a
-        test that needs the next request to hit waits for it instead of guessing a delay."""
+        then past a router's idle poll: the index is eventually consistent, so a test that
+        needs the next request to hit waits for it instead of guessing a delay. A router
+        that routed nothing for a second polls every 0.2 s (``idle_poll_interval_s``), not
+        every 20 ms, and the next request may reach the other gateway's router."""
         import ray
 
         hashes, deadline = list(block_hashes), time.monotonic() + timeout
@@ -305,7 +307,7 @@ class RunningApp:
                 break
             assert time.monotonic() < deadline, f"the directory never indexed {len(hashes)} blocks"
             time.sleep(0.05)
-        time.sleep(0.2)
+        time.sleep(0.5)
 
 
 @pytest.fixture(scope="session")

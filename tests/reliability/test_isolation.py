@@ -76,17 +76,17 @@ def test_private_scope_never_hits_and_leaks_no_timing(kvharbor_app):
     assert abs(leak) < 0.25 * control, (leak, control)
 
 
-def _hits_cache(app, key: str, prompt: str, tries: int = 10) -> int:
+def _hits_cache(app, key: str, prompt: str, tries: int = 10) -> None:
     """Send ``prompt`` as ``key`` until it is served from the cache (at least ``MIN_HIT``
-    tokens); the attempts. A positive control: the prompt is cached where ``key`` may use it
+    tokens). A positive control: the prompt is cached where ``key`` may use it
     and the routers know where. One send 0.3 s after the first request came back with 0 cached
     tokens in one CI run (and hit in the next; the cause was not established: a gateway whose
     index had not replayed the prompt's KV events yet, its follower polling every 0.2 s when
     idle, would route by load alone)."""
-    for attempt in range(1, tries + 1):
+    for _ in range(tries):
         time.sleep(0.3)
         if _timed(app, key, prompt)[1] >= MIN_HIT:
-            return attempt
+            return
     raise AssertionError(f"{tries} resends of a cached prompt never hit the cache")
 
 
