@@ -134,6 +134,12 @@ class EngineConfig(BaseModel):
                                                   "\"num_speculative_tokens\": 4}; None: off.")
 
 
+def _autoscaling(value):
+    from kvharbor.platform.autoscaling import parse
+
+    return parse(value)
+
+
 class PlatformConfig(BaseModel):
     """Arguments of ``build_app`` (``serve run kvharbor:build_app key=value ...``)."""
 
@@ -147,6 +153,14 @@ class PlatformConfig(BaseModel):
             return {k: None if isinstance(v, str) and v.lower() in ("null", "none") else v
                     for k, v in data.items()}
         return data
+
+    @model_validator(mode="after")
+    def _replicas_or_autoscaling(self):
+        if self.replicas is not None and self.autoscaling is not None:
+            raise ValueError("set either replicas (a fixed count) or autoscaling (min_replicas, "
+                             "max_replicas, ...), not both")
+        return self
+
     model: str = Field("kvharbor/tiny-llama", description="Model served by every replica.")
     lora_modules: dict[str, str] = Field(default_factory=dict, description="LoRA adapters every replica "
                                          "serves beside the model, name -> PEFT checkpoint directory "
@@ -172,6 +186,11 @@ class PlatformConfig(BaseModel):
         return pairs
     tenants: str | None = Field(None, description="tenants.yaml path (None: ./tenants.yaml or the packaged example).")
     replicas: int | None = Field(None, ge=1, description="LLM replicas (None: one per GPU, or 2 on CPU).")
+    autoscaling: Annotated[dict | None, BeforeValidator(_autoscaling)] = Field(
+        None, description="Serve's autoscaling_config for the LLM replicas instead of a fixed "
+        "`replicas`, e.g. {\"min_replicas\": 1, \"max_replicas\": 4} (JSON on the command line); "
+        "kvharbor's policy counts pinned classes' direct streams as ongoing requests. See "
+        "kvharbor.platform.autoscaling.")
     gateway_replicas: int = Field(1, ge=1, description="Gateway (HTTP ingress) replicas.")
     num_kv_blocks: int | None = Field(None, ge=2, description="KV blocks per replica (None: engine default).")
     block_size: int = Field(16, ge=1, description="Tokens per KV block.")

@@ -44,6 +44,7 @@ from kvharbor.config import EngineConfig
 from kvharbor.engine.engine_stats import lora_requests, memory_breakdown
 from kvharbor.engine.request import SamplingParams
 from kvharbor.observability.metrics import get_metrics
+from kvharbor.platform.autoscaling import DIRECT_STREAMS
 from kvharbor.platform.direct_stream import DirectStreamServer
 from kvharbor.platform.loopback import serve_grpc_on_node_address
 from kvharbor.platform.protocol import GenerateRequest, RoutingStats, session_key
@@ -201,6 +202,11 @@ class LLMReplica:
                             self._session_keys(), time.time(),
                             stats["shared_blocks_empty"], stats["shared_blocks_total"],
                             self._direct.address if self._direct is not None else None).as_dict()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics: the direct streams open here, which Serve's
+        ongoing-request count leaves out (``kvharbor.platform.autoscaling`` adds them)."""
+        return {DIRECT_STREAMS: float(self._direct.open_streams if self._direct is not None else 0)}
 
     def _session_keys(self) -> list[str]:
         """``session_key`` of the sessions held here (newest last, at most

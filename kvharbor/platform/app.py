@@ -109,31 +109,12 @@ def build_app(args: dict | None = None):
     tenants = Path(cfg.tenants) if cfg.tenants else default_tenants_path()
     load_tenants_file(tenants)                          # fail fast, with file/line/field
     tenants = str(tenants.resolve())
-    gpus = _gpus() if cfg.device in ("auto", "cuda") else 0
-    on_gpu = gpus > 0 and cfg.device != "cpu"
-    replicas = cfg.replicas or (gpus if on_gpu else 2)
-    engine = engine_kwargs(cfg, on_gpu)
-    get_or_create_directory(cfg.directory_name, namespace="kvharbor", detached=True)
-    router_class = ROUTERS.get(cfg.router, "missing")
-    if router_class == "missing":
-        raise ValueError(f"router must be one of {sorted(ROUTERS)}, got {cfg.router!r}")
-    options = {"name": "LLMReplica", "num_replicas": replicas, "max_ongoing_requests": 512,
-               "health_check_period_s": 2.0, "health_check_timeout_s": 30.0,
-               "ray_actor_options": {"num_gpus": 1} if on_gpu else {"num_cpus": cfg.replica_cpus}}
-    if router_class is not None:
-        kwargs = {"directory_name": cfg.directory_name, "directory_namespace": "kvharbor"} \
-            if cfg.router == "kv" else {}
-        options["request_router_config"] = RequestRouterConfig(
-            request_router_class=router_class, request_router_kwargs=kwargs,
-            request_routing_stats_period_s=0.5)
-    replica = serve.deployment(LLMReplica).options(**options).bind(
-        engine, tenants, cfg.directory_name, None if on_gpu else cfg.cpu_threads,
-        0 if on_gpu else cfg.cpu_replica_nice, cfg.direct_streams and cfg.router == "kv")
+    replica = llm_replicas(cfg, tenants)
+    direct = cfg.direct_streams and cfg.router == "kv"
     config = {"model": cfg.model, "lora_modules": cfg.lora_modules, "tenants": tenants,
               "block_size": cfg.block_size,
               "max_body_bytes": cfg.max_body_bytes, "overload_lag_ms": cfg.overload_lag_ms,
-              "premium_port": cfg.premium_port,
-              "direct_streams": cfg.direct_streams and cfg.router == "kv"}
+              "premium_port": cfg.premium_port, "direct_streams": direct}
     lane = None
     if cfg.premium_port is not None:           # a gateway of its own for pinned classes
         lane = serve.deployment(PremiumGateway).options(
@@ -144,6 +125,33 @@ def build_app(args: dict | None = None):
         name="Gateway", num_replicas=cfg.gateway_replicas, max_ongoing_requests=1024,
         ray_actor_options={"num_cpus": 0.25})
     return gateway.bind(replica, config, lane)
+
+
+def llm_replicas(cfg: PlatformConfig, tenants: str):
+    """The ``LLMReplica`` deployment of ``cfg``, bound: its engine, its request router and its
+    size (a fixed ``replicas``, or Serve's autoscaling with kvharbor's policy). Creates the
+    prefix directory actor when it does not exist; Ray must be running."""
+    gpus = _gpus() if cfg.device in ("auto", "cuda") else 0
+    on_gpu = gpus > 0 and cfg.device != "cpu"
+    engine = engine_kwargs(cfg, on_gpu)
+    get_or_create_directory(cfg.directory_name, namespace="kvharbor", detached=True)
+    router_class = ROUTERS.get(cfg.router, "missing")
+    if router_class == "missing":
+        raise ValueError(f"router must be one of {sorted(ROUTERS)}, got {cfg.router!r}")
+    scaling = ({"autoscaling_config": cfg.autoscaling} if cfg.autoscaling else
+               {"num_replicas": cfg.replicas or (gpus if on_gpu else 2)})
+    options = {"name": "LLMReplica", **scaling, "max_ongoing_requests": 512,
+               "health_check_period_s": 2.0, "health_check_timeout_s": 30.0,
+               "ray_actor_options": {"num_gpus": 1} if on_gpu else {"num_cpus": cfg.replica_cpus}}
+    if router_class is not None:
+        kwargs = {"directory_name": cfg.directory_name, "directory_namespace": "kvharbor"} \
+            if cfg.router == "kv" else {}
+        options["request_router_config"] = RequestRouterConfig(
+            request_router_class=router_class, request_router_kwargs=kwargs,
+            request_routing_stats_period_s=0.5)
+    return serve.deployment(LLMReplica).options(**options).bind(
+        engine, tenants, cfg.directory_name, None if on_gpu else cfg.cpu_threads,
+        0 if on_gpu else cfg.cpu_replica_nice, cfg.direct_streams and cfg.router == "kv")
 
 
 def __getattr__(name: str):

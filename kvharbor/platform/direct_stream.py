@@ -35,8 +35,9 @@ autoscaling read) leaves direct streams out. So the replica drains them itself: 
 stops it (scale-down, redeploy, delete), after Serve's own requests have finished,
 ``LLMReplica.__del__`` stops listening (a gateway that still picks it is refused and retries
 elsewhere) and lets the open direct streams finish (``DirectStreamServer.drain``) within the
-deployment's ``graceful_shutdown_timeout_s``. Autoscaling on ongoing requests still does not
-count pinned traffic. The replicas' own routing stats and metrics count every request.
+deployment's ``graceful_shutdown_timeout_s``; and it reports its open direct streams to
+Serve's autoscaler, whose policy kvharbor sets to count them (``kvharbor.platform.
+autoscaling``). The replicas' own routing stats and metrics count every request.
 """
 
 from __future__ import annotations
