@@ -85,6 +85,27 @@ def test_request_that_stops_fitting_does_not_block_later_ones():
     e.check_integrity()
 
 
+def test_a_request_waiting_for_blocks_is_not_overtaken_by_later_smaller_ones():
+    """Head of line: ``big`` (12 blocks) waits while ``hog`` holds 14 of 24; the small
+    requests queued after it would fit in the 10 free blocks, but they would take the blocks
+    ``big`` waits for, again and again: none is admitted before ``big``."""
+    llm = LLM(device="cpu", num_kv_blocks=24, max_num_seqs=16)
+    e = llm.engine
+    e.add_request("hog", _p(200, 0), _sp(24))                    # 14 blocks by its end
+    e.step()
+    e.add_request("big", _p(180, 1), _sp(8))                     # 12 blocks: only 10 free
+    for i in range(4):
+        e.add_request(f"small{i}", _p(20, 2 + i), _sp(4))        # 2 blocks each
+    admitted: list[str] = []
+    for _ in range(200):
+        if not e.has_unfinished():
+            break
+        e.step()
+        admitted += [r.request_id for r in e.scheduler.running if r.request_id not in admitted]
+        e.check_integrity()
+    assert admitted == ["hog", "big", "small0", "small1", "small2", "small3"], admitted
+
+
 def test_generate_raises_instead_of_looping_forever():
     """A request of the call itself that stops fitting (a prefix pinned right after it was
     queued) ends ``generate`` with a ValueError, and the engine is left clean."""
@@ -273,4 +294,30 @@ def test_check_integrity_catches_a_leaked_reference_and_too_many_running():
     e.check_integrity()
     e.scheduler.max_num_seqs = 0
     with pytest.raises(AssertionError, match="max_num_seqs"):
+        e.check_integrity()
+
+
+def test_check_integrity_catches_a_wrong_pin_count_a_waiting_holder_and_a_double_queue():
+    llm = LLM(device="cpu", num_kv_blocks=64, max_num_seqs=1)
+    e, sched = llm.engine, llm.engine.scheduler
+    e.add_request("a", _p(40, 0), _sp(8))
+    e.step()
+    e.add_request("w", _p(40, 1), _sp(8))                       # waits: one seat
+    e.check_integrity()
+    block = sched.running[0].blocks[0]
+    block.pin_cnt += 1                # no pinned prefix holds it (the pool's own count agrees)
+    e.pool.permanent[block.region] += 1
+    with pytest.raises(AssertionError, match="pin count"):
+        e.check_integrity()
+    block.pin_cnt -= 1
+    e.pool.permanent[block.region] -= 1
+    (waiting,) = sched.waiting
+    waiting.blocks.append(block)
+    with pytest.raises(AssertionError, match="waiting request holds blocks"):
+        e.check_integrity()
+    waiting.blocks.clear()
+    e.check_integrity()
+    sched.waiting.append(waiting)                                # and in its class queue twice
+    next(q for q in sched.queues.values() if waiting in q).append(waiting)
+    with pytest.raises(AssertionError, match="queued twice"):
         e.check_integrity()
