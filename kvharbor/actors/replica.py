@@ -514,6 +514,7 @@ class LLMReplica:
                                  e.spec.accepted_tokens - self._reported.get("accepted", 0))
             self._reported["drafts"], self._reported["accepted"] = e.spec.draft_tokens, e.spec.accepted_tokens
         m.replica_up(rid, True)
+        m.direct_streams(rid, self._direct.open_streams if self._direct is not None else 0)
         self._record_session_metrics()
         m.evictions(rid, e.pool.num_evictions - self._reported["evictions"])
         self._reported["evictions"] = e.pool.num_evictions

@@ -174,6 +174,11 @@ def _routing() -> DashboardSpec:
                   "adapter, over all replicas (base-model requests are not listed).", "short",
                   (Query(f"sum by (adapter, state) ({series('kvharbor_lora_requests')}{R})",
                          "{{adapter}} {{state}}"),), stacked=True),
+        PanelSpec("Open direct streams", "Pinned classes' requests streaming from a gateway "
+                  "over TCP, per replica: Serve's ongoing-request count leaves them out, "
+                  "kvharbor's autoscaling policy adds them (build_app autoscaling).", "short",
+                  (Query(f"sum by (replica) ({series('kvharbor_direct_streams')}{R})",
+                         "{{replica}}"),), stacked=True),
     )
     return DashboardSpec("kvharbor-routing", "kvharbor / Routing",
                          "KV-aware routing: decision cost, prefix-hit prediction, queues.",

@@ -188,6 +188,9 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kvharbor_lora_requests", "gauge", ("replica", "adapter", "state"),
                "Requests of each LoRA adapter loaded on a replica, by state (running: "
                "scheduled; waiting), as vLLM's lora_requests_info."),
+    MetricSpec("kvharbor_direct_streams", "gauge", ("replica",),
+               "Direct streams (pinned classes' requests streamed from a gateway over TCP) open "
+               "on a replica; Serve's ongoing-request count leaves them out."),
     MetricSpec("kvharbor_replica_up", "gauge", ("replica",),
                "1 while a replica's engine loop runs, 0 once it stops."),
     MetricSpec("kvharbor_router_decision_seconds", "histogram", (),
@@ -421,6 +424,10 @@ class KvharborMetrics:
             for state in LORA_STATES:
                 self._set("kvharbor_lora_requests", counts.get(adapter, {}).get(state, 0),
                           {"replica": replica, "adapter": adapter, "state": state})
+
+    def direct_streams(self, replica: str, n: int) -> None:
+        """Set the direct streams open on ``replica``."""
+        self._set("kvharbor_direct_streams", n, {"replica": replica})
 
     def replica_up(self, replica: str, up: bool = True) -> None:
         """Mark ``replica``'s engine loop as running (1) or stopped (0)."""

@@ -56,6 +56,7 @@ class Recorder:
         m.evictions(replica, 3 * scale)
         m.sessions(replica, 2 * scale, {tenant: 5 * scale}, expired=scale, hit_tokens=40 * scale)
         m.replica_up(replica)
+        m.direct_streams(replica, scale)
         m.lora_requests(replica, {"support-lora": {"running": scale, "waiting": 2 * scale}})
         m.router_decision(0.0002 * scale)
         m.router_prefix_tokens(replica, predicted=48 * scale, observed=32 * scale)

@@ -70,8 +70,12 @@ def test_the_option_takes_serves_fields_as_json_and_sets_kvharbors_policy():
 
 def test_a_replica_reports_its_open_direct_streams_to_serves_autoscaler():
     """``record_autoscaling_stats`` (Serve's custom-metrics hook) counts a direct stream while
-    it is open and no longer once it ended; a replica without direct streams reports 0."""
+    it is open and no longer once it ended, as does the ``kvharbor_direct_streams`` gauge; a
+    replica without direct streams reports 0."""
+    from tests.observability.test_metrics_table import _recorder_with_fakes
+
     replica = LLMReplica({"device": "cpu", "num_kv_blocks": 64}, direct_streams=True)
+    replica.metrics = _recorder_with_fakes()
 
     async def main():
         stats = await replica.record_routing_stats()
@@ -79,6 +83,8 @@ def test_a_replica_reports_its_open_direct_streams_to_serves_autoscaler():
         events = aiter(_direct_to(stats, replica_request("a", 24)))
         await anext(events)
         during = replica.record_autoscaling_stats()
+        async with replica._engine_lock:
+            replica._record_metrics()
         [e async for e in events]
         for _ in range(100):                   # the server's side ends a moment after the frame
             if replica.record_autoscaling_stats()[DIRECT_STREAMS] == 0:
@@ -89,6 +95,8 @@ def test_a_replica_reports_its_open_direct_streams_to_serves_autoscaler():
     before, during, after = asyncio.run(main())
     assert (before, during, after) == ({DIRECT_STREAMS: 0.0}, {DIRECT_STREAMS: 1.0},
                                        {DIRECT_STREAMS: 0.0})
+    gauge = replica.metrics._m["kvharbor_direct_streams"].calls
+    assert gauge == [(1, {"replica": replica.replica_id})]
     plain = LLMReplica({"device": "cpu", "num_kv_blocks": 16})
     assert plain.record_autoscaling_stats() == {DIRECT_STREAMS: 0.0}
     replica.__del__()
