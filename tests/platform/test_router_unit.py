@@ -299,6 +299,25 @@ def test_a_burst_of_a_new_prefix_follows_the_first_request_until_load_spreads_it
     assert loads[first] == max(loads.values())
 
 
+def test_prefill_just_sent_to_a_replica_weighs_on_the_next_unrelated_request():
+    """The router's active blocks reach the policy: ``r0`` sends a 4,096-token prompt to one
+    replica (no KV event yet); an unrelated prompt then goes to the other replica although
+    that one has a request more in flight (one request ahead costs 512 tokens, the 256
+    blocks still to prefill 1,024)."""
+    router = make_router(FakeShard())
+    replicas = [FakeReplica(x) for x in "ab"]
+    long = hash_prompt_blocks(list(range(256 * 16)), 16)
+    ranks, pr = route(router, replicas, hashes=long, rid="r0")
+    first = uids(ranks)[0][0]
+    routed(router, pr, next(r for r in replicas if r.replica_id.unique_id == first))
+    assert router.active.count(first) == 256
+    for r in replicas:
+        router._replica_queue_len_cache.update(r.replica_id, 0 if r.replica_id.unique_id == first else 1)
+    other = hash_prompt_blocks(list(range(50_000, 50_000 + 64 * 16)), 16)
+    ranks, _ = route(router, replicas, hashes=other, rid="r1")
+    assert uids(ranks)[0] != [first]
+
+
 def test_stored_events_confirm_active_blocks():
     shard = FakeShard()
     router = make_router(shard)
