@@ -69,6 +69,21 @@ def test_tokens_per_minute_reserves_and_refunds(adm):
     assert usage["tokens_available"] == pytest.approx(300)
 
 
+def test_a_refund_after_the_bucket_refilled_never_lifts_it_past_its_capacity(adm):
+    """A request reserves the whole minute's 1,000 tokens and ends a minute later having
+    used none: the bucket has refilled meanwhile, and the refund must not stack on top (the
+    tenant could then take 2,000 tokens in a minute)."""
+    client, tenant = adm
+    lim = TenantLimits(tokens_per_minute=1000)
+    first = run(client.try_admit(tenant, lim, 100, 900, now=T0))
+    assert first.ok
+    run(client.release(first.ticket, tokens_used=0, now=T0 + 60))
+    assert run(client.usage(tenant, now=T0 + 60))["tokens_available"] == pytest.approx(1000)
+    assert run(client.try_admit(tenant, lim, 100, 900, now=T0 + 60)).ok
+    again = run(client.try_admit(tenant, lim, 100, 900, now=T0 + 60))
+    assert again.status == 429 and again.limit == "tokens_per_minute"
+
+
 def test_a_request_fits_the_token_bucket_exactly_or_waits(adm):
     """The bucket's last tokens admit a request of exactly that size; one token more waits
     for the refill of that one token."""
