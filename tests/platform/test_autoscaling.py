@@ -7,7 +7,6 @@ import asyncio
 import time
 
 import pytest
-import ray
 from pydantic import ValidationError
 from ray import serve
 from ray.serve.autoscaling_policy import replica_queue_length_autoscaling_policy
@@ -162,8 +161,4 @@ def test_serve_scales_the_replicas_up_on_direct_streams_alone_and_back_down(kvha
                   "Serve kept two replicas after the direct streams stopped")
         print(f"scaled up after {up_s:.1f} s; streams sent per worker {sent}")
     finally:
-        serve.delete(APP)
-        try:
-            ray.kill(ray.get_actor(DIRECTORY, namespace="kvharbor"))
-        except ValueError:
-            pass
+        serve.delete(APP)     # its directory stays (no CPU): routers in this process follow it
