@@ -57,10 +57,16 @@ _FOLLOWERS: list = []
 
 
 def _router(app):
-    """A live router's view: a KVAwareRouter of this process when Serve still keeps one,
-    else the same index component run standalone (routers live as long as Serve keeps them)."""
+    """A live router's view: the app's KVAwareRouter of this process when Serve still keeps
+    one, else the same index component run standalone (routers live as long as Serve keeps
+    them). Other apps' routers in this process (the autoscaling test's) follow other
+    directories: only the app's own deployment counts."""
     app.replica_call("stats")                       # makes this process's router exist
-    routers = [r for r in KVAwareRouter.instances() if r.follower.status() is None]
+    handle = app.replica_handle()
+    routers = [r for r in KVAwareRouter.instances() if r.follower.status() is None
+               and getattr(r, "_deployment_id", None) is not None
+               and (r._deployment_id.app_name, r._deployment_id.name)
+               == (handle.app_name, handle.deployment_name)]
     if routers:
         return routers[-1]
     if not _FOLLOWERS:
