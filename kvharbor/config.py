@@ -161,6 +161,11 @@ class PlatformConfig(BaseModel):
                              "max_replicas, ...), not both")
         return self
 
+    @property
+    def uses_direct_streams(self) -> bool:
+        """Direct streams are on and can work: they need the KV-aware router's ``route_direct``."""
+        return self.direct_streams and self.router == "kv"
+
     model: str = Field("kvharbor/tiny-llama", description="Model served by every replica.")
     lora_modules: dict[str, str] = Field(default_factory=dict, description="LoRA adapters every replica "
                                          "serves beside the model, name -> PEFT checkpoint directory "

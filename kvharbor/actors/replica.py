@@ -206,7 +206,10 @@ class LLMReplica:
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics: the direct streams open here, which Serve's
         ongoing-request count leaves out (``kvharbor.platform.autoscaling`` adds them)."""
-        return {DIRECT_STREAMS: float(self._direct.open_streams if self._direct is not None else 0)}
+        return {DIRECT_STREAMS: float(self._open_direct_streams())}
+
+    def _open_direct_streams(self) -> int:
+        return self._direct.open_streams if self._direct is not None else 0
 
     def _session_keys(self) -> list[str]:
         """``session_key`` of the sessions held here (newest last, at most
@@ -514,7 +517,7 @@ class LLMReplica:
                                  e.spec.accepted_tokens - self._reported.get("accepted", 0))
             self._reported["drafts"], self._reported["accepted"] = e.spec.draft_tokens, e.spec.accepted_tokens
         m.replica_up(rid, True)
-        m.direct_streams(rid, self._direct.open_streams if self._direct is not None else 0)
+        m.direct_streams(rid, self._open_direct_streams())
         self._record_session_metrics()
         m.evictions(rid, e.pool.num_evictions - self._reported["evictions"])
         self._reported["evictions"] = e.pool.num_evictions

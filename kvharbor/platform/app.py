@@ -110,11 +110,10 @@ def build_app(args: dict | None = None):
     load_tenants_file(tenants)                          # fail fast, with file/line/field
     tenants = str(tenants.resolve())
     replica = llm_replicas(cfg, tenants)
-    direct = cfg.direct_streams and cfg.router == "kv"
     config = {"model": cfg.model, "lora_modules": cfg.lora_modules, "tenants": tenants,
               "block_size": cfg.block_size,
               "max_body_bytes": cfg.max_body_bytes, "overload_lag_ms": cfg.overload_lag_ms,
-              "premium_port": cfg.premium_port, "direct_streams": direct}
+              "premium_port": cfg.premium_port, "direct_streams": cfg.uses_direct_streams}
     lane = None
     if cfg.premium_port is not None:           # a gateway of its own for pinned classes
         lane = serve.deployment(PremiumGateway).options(
@@ -151,7 +150,7 @@ def llm_replicas(cfg: PlatformConfig, tenants: str):
             request_routing_stats_period_s=0.5)
     return serve.deployment(LLMReplica).options(**options).bind(
         engine, tenants, cfg.directory_name, None if on_gpu else cfg.cpu_threads,
-        0 if on_gpu else cfg.cpu_replica_nice, cfg.direct_streams and cfg.router == "kv")
+        0 if on_gpu else cfg.cpu_replica_nice, cfg.uses_direct_streams)
 
 
 def __getattr__(name: str):

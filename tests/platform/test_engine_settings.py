@@ -23,3 +23,9 @@ def test_null_on_the_command_line_means_none():
     assert cfg.overload_lag_ms is None and cfg.low_priority_prefill_cap is None and cfg.replicas == 3
     assert PlatformConfig(overload_lag_ms="5").overload_lag_ms == 5.0
     assert PlatformConfig().overload_lag_ms == 10.0                   # the guard is on by default
+
+
+def test_direct_streams_need_the_kv_router():
+    assert PlatformConfig().uses_direct_streams                       # on by default
+    assert not PlatformConfig(router="pow2").uses_direct_streams      # no route_direct there
+    assert not PlatformConfig(direct_streams=False).uses_direct_streams
