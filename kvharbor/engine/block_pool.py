@@ -20,6 +20,10 @@ which linked block is reused next.
 Counters (per region, kept exact by the pool itself so every query is O(1)): ``total``,
 the free queue's ``num_free`` and ``num_cached`` (free blocks with a hash), and ``permanent``
 (distinct blocks held forever by pinned prefixes, ``pin_cnt > 0``). ``used = total - num_free``.
+``borrowed`` counts shared-region blocks a pinned-class request took a reference to (allocated
+when the pinned region was full, or a shared block it hit), until they are free again:
+``pinned_class_blocks`` (the pinned region's used blocks plus these) is the premium demand the
+region is sized for, each block counted once however many requests hold it.
 
 Prefix closure: each cached block remembers its parent's hash (the block before it in the
 chain). ``orphans`` counts cached blocks whose parent is not cached; at 0 the cache is
@@ -70,6 +74,7 @@ class KVCacheBlock:
     parent_hash: BlockHash | None = None   # the chain's previous block (None: the first block)
     cached_kids: int = 0                   # cached blocks whose parent_hash is this one's hash
     copy_of: BlockHash | None = None       # an uncached duplicate of this cached hash's block
+    borrowed: bool = False                 # shared, and a pinned-class request took a reference
     prev: KVCacheBlock | None = field(default=None, repr=False)
     next: KVCacheBlock | None = field(default=None, repr=False)
 
@@ -162,6 +167,7 @@ class BlockPool:
         self.num_pinned = num_pinned
         self.total = {PINNED: num_pinned, SHARED: num_blocks - num_pinned}
         self.permanent = {PINNED: 0, SHARED: 0}     # distinct blocks held by pinned prefixes
+        self.borrowed = 0                           # shared blocks held for pinned classes
         self.events = KVEventLog()
         self.num_evictions = 0
         self.orphans = 0                            # cached blocks whose parent is not cached
@@ -196,17 +202,32 @@ class BlockPool:
             queue.remove(block)
             self._evict(block, offload=True)
             block.ref_cnt, block.uses = 1, 0
+            if pinned and block.region == SHARED:
+                self._borrow(block)
             self.policy.on_use(block)
             out.append(block)
         return out
 
-    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Take a reference on prefix-hit blocks, unlinking free ones from their queue."""
+    def touch(self, blocks: Iterable[KVCacheBlock], pinned: bool = False) -> None:
+        """Take a reference on prefix-hit blocks, unlinking free ones from their queue
+        (``pinned``: for a request of a pinned class)."""
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free[block.region].remove(block)
             block.ref_cnt += 1
+            if pinned and block.region == SHARED:
+                self._borrow(block)
             self.policy.on_use(block)
+
+    def _borrow(self, block: KVCacheBlock) -> None:
+        if not block.borrowed:
+            block.borrowed = True
+            self.borrowed += 1
+
+    def pinned_class_blocks(self) -> int:
+        """Distinct blocks pinned-class work holds: the pinned region's used blocks (only
+        pinned classes and pinned prefixes take them) plus the borrowed shared ones. O(1)."""
+        return self.total[PINNED] - self.free[PINNED].num_free + self.borrowed
 
     def pin(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Hold ``blocks`` forever (a pinned prefix): a reference each, counted as permanent."""
@@ -231,6 +252,9 @@ class BlockPool:
                 continue
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
+                if block.borrowed:
+                    block.borrowed = False
+                    self.borrowed -= 1
                 self._link(block)
 
     # ---- prefix cache -----------------------------------------------------------------
@@ -440,5 +464,8 @@ class BlockPool:
             assert self.permanent[region] == sum(b.region == region and b.pin_cnt > 0
                                                  for b in self.blocks), f"{region} permanent"
         assert self.total[PINNED] == self.num_pinned
+        assert all(b.ref_cnt > 0 and b.region == SHARED for b in self.blocks if b.borrowed), \
+            "a borrowed block that is free or pinned"
+        assert self.borrowed == sum(b.borrowed for b in self.blocks), "borrowed count drifted"
         null = self.null_block
         assert null.ref_cnt == 0 and null.block_hash is None and null.prev is None, "null block used"

@@ -140,7 +140,7 @@ class KVCacheManager:
             self._drop_swap_unused(req, hit)
         needed = self.blocks_needed(req, num_new_tokens, hit)
         if hit is not None:
-            self.pool.touch(hit.blocks)          # before allocating: free hits leave the queue
+            self.pool.touch(hit.blocks, req.pinned)  # before allocating: free hits leave the queue
         fresh = iter(self.pool.allocate(needed, req.pinned))
         if hit is not None:
             req.blocks.extend(hit.blocks)

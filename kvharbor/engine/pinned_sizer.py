@@ -1,8 +1,10 @@
 """The pinned region sized by load: between a floor and a ceiling, following premium demand.
 
-Demand is the number of blocks pinned-class work holds (running pinned-class requests'
-blocks plus pinned prefixes), sampled every step. The target is the window's peak demand
-with headroom, clamped::
+Demand is the number of distinct blocks pinned-class work holds (``BlockPool.
+pinned_class_blocks``: the pinned region's used blocks, i.e. pinned prefixes and pinned-class
+requests' and sessions' blocks, plus the shared blocks those requests borrowed), sampled every
+step; a prefix block that several requests hit counts once. The target is the window's peak
+demand with headroom, clamped::
 
     target = clamp(ceil(peak demand over window_s * headroom), floor, ceiling)
 

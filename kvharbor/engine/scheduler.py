@@ -316,8 +316,7 @@ class Scheduler:
         """Sample pinned-class demand and move the region toward its target (called every
         step, so a resize that stopped short is retried). Returns (size, target)."""
         pool = self.kv.pool
-        demand = pool.permanent[PINNED] + sum(len(r.blocks) for r in self.running if r.pinned)
-        self.sizer.observe(demand, now)
+        self.sizer.observe(pool.pinned_class_blocks(), now)
         target = self.sizer.decide(pool.num_pinned, now)
         size = target
         if target > pool.num_pinned:          # leave running shared requests a block each to grow

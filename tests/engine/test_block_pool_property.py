@@ -48,18 +48,19 @@ def test_pool_integrity_under_random_operations(ops):
         elif op == "reset":
             pool.evict_all_cached()
         elif op == "pin" and key in live:
-            pins.append(kv.pin_prefix(live[key]))
+            pins.append((kv.pin_prefix(live[key]), live[key].pinned))
         elif op == "unpin" and pins:
-            pool.unpin(pins.pop(key % len(pins)))
+            pool.unpin(pins.pop(key % len(pins))[0])
         pool.check_integrity()
         _assert_counters_match_recount(pool)
+        _assert_pinned_class_blocks_bounded(pool, live.values(), pins)
         for req in live.values():
             assert len(req.blocks) * BS >= req.num_computed_tokens
             if not req.pinned:
                 assert all(b.region != PINNED for b in req.blocks)
     for req in live.values():
         kv.free(req)
-    for blocks in pins:
+    for blocks, _ in pins:
         pool.unpin(blocks)
     pool.check_integrity()
     _assert_counters_match_recount(pool)
@@ -78,3 +79,17 @@ def _assert_counters_match_recount(pool: BlockPool) -> None:
     for pinned in (False, True):
         usable = [b for b in pool.blocks if pinned or b.region != PINNED]
         assert pool.capacity(pinned) == len(usable) - sum(b.pin_cnt > 0 for b in usable)
+
+
+def _assert_pinned_class_blocks_bounded(pool: BlockPool, live, pins) -> None:
+    """The premium demand (``pinned_class_blocks``) counts every block a pinned-class holder
+    (request or pin) holds, and the pinned region's used blocks, once each. It may also count
+    a shared block a pinned-class request took and left while another holder keeps it, never
+    a block no pinned-class holder ever took."""
+    held = {id(b): b for b in pool.blocks if b.ref_cnt > 0}
+    premium = {i for i, b in held.items() if b.region == PINNED}
+    premium |= {id(b) for r in live if r.pinned for b in r.blocks if b is not pool.null_block}
+    premium |= {id(b) for blocks, pinned in pins if pinned for b in blocks}
+    lower, others = len(premium), len(held) - len(premium)
+    assert lower <= pool.pinned_class_blocks() <= lower + others
+    assert pool.pinned_class_blocks() == lower + sum(held[i].borrowed for i in held.keys() - premium)

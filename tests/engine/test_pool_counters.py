@@ -123,3 +123,36 @@ def test_stats_walks_the_model_once_not_at_every_call(monkeypatch):
     assert walks == after_first, f"stats() walked the model again: {walks} after {after_first}"
     assert first == sum(p.nbytes for p in llm.engine.runner.model.parameters()) + \
         sum(b.nbytes for b in llm.engine.runner.model.buffers())
+
+
+def test_premium_demand_counts_each_block_once_and_borrowed_shared_blocks_too():
+    """``pinned_class_blocks`` (what the pinned region is sized for): a pinned-class request
+    that overflows the 2-block region borrows shared blocks, hits on them count, and blocks
+    two premium requests share count once."""
+    from kvharbor.engine.kv_cache_manager import KVCacheManager
+    from kvharbor.engine.request import Request
+
+    pool = BlockPool(num_blocks=8, num_pinned=2)
+    kv = KVCacheManager(pool, 4)
+
+    def premium(rid: str) -> Request:
+        req = Request(rid, [1] * 16, SamplingParams(), pinned=True)
+        hit = kv.get_computed_blocks(req)
+        kv.allocate(req, req.num_tokens - hit.num_tokens, hit)
+        req.num_computed_tokens = req.num_tokens
+        kv.cache_full_blocks(req)
+        return req
+
+    a = premium("a")                 # 2 pinned blocks + 2 borrowed shared ones
+    assert [b.region for b in a.blocks] == ["pinned", "pinned", "shared", "shared"]
+    assert pool.pinned_class_blocks() == 4
+    kv.free(a)
+    assert pool.pinned_class_blocks() == 0
+    b = premium("b")                 # hits a's first 3 blocks (one shared) + 1 fresh shared
+    assert pool.pinned_class_blocks() == 4
+    c = premium("c")                 # hits the same 3 blocks + 1 fresh shared: 1 more
+    assert pool.pinned_class_blocks() == 5
+    kv.free(b)
+    kv.free(c)
+    assert pool.pinned_class_blocks() == 0
+    pool.check_integrity()

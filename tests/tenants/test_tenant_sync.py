@@ -126,6 +126,38 @@ def test_pinned_prefixes_count_in_the_premium_demand_the_region_is_sized_for(ten
     assert peak == 48, f"region peaked at {peak} blocks for 8 prefix + 30 request blocks"
 
 
+def test_premium_requests_that_hit_the_pinned_prefix_count_its_blocks_once(tenants_file):
+    """Three premium requests of acme start with its pinned prefix (8 full blocks of its 140
+    tokens, hit) and add 10 blocks each (138 tokens more, 8 generated): 38 distinct blocks, so the region grows to ceil(38 x 1.25) = 48, below the
+    ceiling (80). Counting each request's whole block table would make 8 + 3 x 18 = 62 and
+    grow the region to 78 blocks the premium work never uses."""
+    from kvharbor.actors.replica_sync import system_prompt_tokens
+
+    prefix = "".join(chr(97 + i % 26) for i in range(128))           # 128 tokens: 8 blocks
+    def bounds(data):
+        _reserve(8, prefixes=[prefix])(data)
+        data["pinned_region"] = {"floor_blocks": 8, "ceiling_blocks": 80, "demand_window_s": 10.0}
+    _write(tenants_file, bounds)
+    sync = TenantSync(str(tenants_file))
+    engine = _engine(sync)
+    system = system_prompt_tokens(engine.tokenizer, prefix)
+    assert len(system) == 140 and engine.pool.permanent["pinned"] == 8  # a chat turn around it
+    rng = random.Random(3)
+    for i in range(3):
+        engine.add_request(f"p{i}", system + [rng.randrange(200, 256) for _ in range(138)],
+                           SamplingParams(max_tokens=8, ignore_eos=True), tenant="acme",
+                           qos="premium", cache_salt=sync.registry.cache_salt("acme"))
+    peak, cached = 0, {}
+    for _ in range(40):
+        for out in engine.step():
+            cached.setdefault(out.request_id, out.num_cached_tokens)
+        peak = max(peak, engine.pool.num_pinned)
+        engine.check_integrity()
+    assert not engine.has_unfinished()
+    assert cached == {"p0": 128, "p1": 128, "p2": 128}, "the requests must hit the prefix"
+    assert peak == 48, f"region peaked at {peak} blocks for 8 prefix + 30 request blocks"
+
+
 def test_the_engine_takes_each_class_and_the_regions_floor_from_tenants_yaml(tenants_file):
     def edit(data):
         _reserve(4)(data)
