@@ -11,7 +11,7 @@ from kvharbor import LLM
 from .conftest import random_prompt as _p
 from .conftest import greedy as _sp
 from kvharbor.config import DEFAULT_QOS
-from kvharbor.engine.step_budget import StepBudget, StepCostModel
+from kvharbor.engine.step_budget import MIN_PROGRESS_TOKENS, StepBudget, StepCostModel
 
 
 def _llm(target_ms: float | None) -> LLM:
@@ -138,6 +138,18 @@ def test_a_lower_class_prefill_does_not_shrink_the_rest_of_the_step_to_the_minim
     budget.add(100, trimmed=True, prefill=True)
     assert 99 <= budget.room(1000) <= 100                # (20 ms - 10 ms) / 0.1 ms
     budget.add(1, trimmed=False, prefill=True)
+    assert budget.room(1000) == 0
+
+
+def test_the_first_trimmed_item_of_a_step_gets_the_minimum_share_and_the_next_none():
+    """Overhead 5x the 10 ms target and a premium first token in the step: no room is left,
+    yet the first lower-class item still gets MIN_PROGRESS_TOKENS (a decode or a prefill chunk
+    of that size), and the items after it nothing."""
+    budget = _budget(0.050, 1e-4, 0.010)
+    budget.add(30, trimmed=False, prefill=True)
+    assert MIN_PROGRESS_TOKENS == 16
+    assert budget.room(1000) == 16 and budget.room(5) == 5
+    budget.add(16, trimmed=True, prefill=True)
     assert budget.room(1000) == 0
 
 
