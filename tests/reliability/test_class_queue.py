@@ -76,6 +76,10 @@ def test_a_recalled_grant_is_not_topped_up_in_the_sync_that_gives_it_back():
     assert q.sync_places("gw-a", PRIORITIES, [("premium", 6, 3, 3, True, 0)], seq=2) == \
         [("premium", 0, True, True)]
     assert q.enter_or_recall("premium", PRIORITIES, 6, "retry") == (None, False)
+    # The recall is answered once: A's next sync is topped up again (4 in flight, 2 places
+    # left, half of them granted).
+    assert q.sync_places("gw-a", PRIORITIES, [("premium", 6, 0, 3, False, 0)], seq=3) == \
+        [("premium", 1, True, False)]
 
 
 def test_a_standard_refusal_leaves_premiums_idle_places_alone():
