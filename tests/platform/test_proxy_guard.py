@@ -83,6 +83,8 @@ async def learn_all(client: httpx.AsyncClient, gateway: Gateway) -> list[httpx.R
 def test_hints_round_trip_and_garbage_is_no_hint():
     assert decode_hint(encode_hint(None, "acme")) == (None, "acme")
     assert decode_hint(encode_hint(0.2, "initech")) == (0.2, "initech")
+    share, tenant = decode_hint(encode_hint(1 / 3, "globex"))     # a share the proxy sheds by
+    assert abs(share - 1 / 3) < 1e-6 and tenant == "globex"
     for bad in (b"", b"0.5", b"zero;t", b"0;t", b"1.5;t", b"-1;t"):
         assert decode_hint(bad) is None
 
