@@ -96,6 +96,10 @@ def test_each_token_decodes_a_short_window_not_the_whole_output():
 
     _stream(Counting(), [65], list(b"abcdefgh" * 40))
     assert max(seen) <= 4, f"decoded windows up to {max(seen)} ids"
+    # Characters of 2 and 3 bytes: a window holds the last whole one and the part so far.
+    seen.clear()
+    _stream(Counting(), [65], list("é€数 ".encode() * 40))
+    assert max(seen) <= 6, f"decoded windows up to {max(seen)} ids"
 
 
 def test_a_delta_never_ends_in_half_a_character():
@@ -132,6 +136,17 @@ def test_stop_strings_are_found_where_the_text_changed_as_in_a_full_search(stop)
             assert req.output_text == full[:full.find(stop)]
             return
     pytest.fail(f"{stop!r} never completed")
+
+
+def test_of_several_stop_strings_the_text_is_cut_at_the_earliest():
+    """Stops ["b", "a"] on "xaxb": "a" comes first in the text though listed second."""
+    tok = byte_tokenizer()
+    detok = Detokenizer(tok)
+    req = Request("r", [1], SamplingParams(max_tokens=8, stop=["b", "a"]))
+    req.all_token_ids.extend(b"xaxb")
+    detok.update(req)
+    assert req.output_text == "xaxb"
+    assert detok.truncate_at_stop(req, ["b", "a"], 0) and req.output_text == "x"
 
 
 def test_a_re_spelled_window_searches_the_whole_text_for_stops():
