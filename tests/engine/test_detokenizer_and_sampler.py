@@ -203,6 +203,13 @@ def test_top_p_keeps_the_smallest_set_that_reaches_it():
     assert len(seen) == 2, seen
 
 
+def test_a_top_p_below_float32s_resolution_keeps_the_most_likely_token():
+    """top_p 1e-50 is valid (0 < top_p) but 0 in float32: the most likely token stays, the
+    row never samples from an empty (NaN) distribution."""
+    logits = torch.tensor([[0.0, 2.0, 1.0, 0.5]])
+    assert {sample(logits, [_req(0, top_p=1e-50)])[0] for _ in range(50)} == {1}
+
+
 def _draws(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     """The tokens of one ``sample`` call whose row ``i`` is ``reqs[i]``'s, every row
     ``logits`` ``[1, V]``."""
