@@ -49,3 +49,34 @@ def test_the_limit_is_the_apps_and_an_over_limit_body_never_reaches_the_handler(
     assert status == 413 and app.state.handled == [2000], body
     assert "limit of 2000 bytes" in body or "the limit is 2000 bytes" in body, body
     assert headers[b"connection"] == b"close" and reads == (0 if declare else 3), (headers, reads)
+
+
+def test_a_body_that_crosses_the_limit_after_the_answer_started_is_not_answered_twice():
+    """A handler that starts its response and then reads a body over the limit: the 413
+    cannot replace an answer already begun, so the error propagates (the server closes the
+    connection) and no second ``http.response.start`` is sent."""
+    import asyncio
+
+    from kvharbor.platform.body_limit import BodyTooLarge
+
+    async def streaming_first(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        while (await receive()).get("more_body"):
+            pass
+
+    streaming_first.state = type("State", (), {"max_body_bytes": 1500})()
+    chunks = iter([b"x" * 1000, b"x" * 1000])
+
+    async def receive():
+        return {"type": "http.request", "body": next(chunks), "more_body": True}
+
+    sent = []
+
+    async def send(message):
+        sent.append(message["type"])
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [],
+             "app": streaming_first}
+    with pytest.raises(BodyTooLarge):
+        asyncio.run(BodyLimitMiddleware(streaming_first)(scope, receive, send))
+    assert sent == ["http.response.start"]
