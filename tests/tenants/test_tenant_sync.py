@@ -101,19 +101,26 @@ def test_region_grows_with_premium_demand_and_shrinks_back_to_its_floor(tenants_
     engine.check_integrity()
 
 
+def _engine_with_acmes_prefix(tenants_file, ceiling: int) -> tuple[Engine, TenantSync, str]:
+    """acme pins a 128-character prefix (8 blocks); the region floats from 8 blocks up to
+    ``ceiling`` over a 10 s window."""
+    prefix = "".join(chr(97 + i % 26) for i in range(128))
+    def bounds(data):
+        _reserve(8, prefixes=[prefix])(data)
+        data["pinned_region"] = {"floor_blocks": 8, "ceiling_blocks": ceiling, "demand_window_s": 10.0}
+    _write(tenants_file, bounds)
+    sync = TenantSync(str(tenants_file))
+    engine = _engine(sync)
+    assert engine.pool.permanent["pinned"] == 8
+    return engine, sync, prefix
+
+
 def test_pinned_prefixes_count_in_the_premium_demand_the_region_is_sized_for(tenants_file):
     """The region holds acme's pinned prefix (8 blocks) and the premium requests beside it:
     three 10-block requests that share nothing with the prefix make a demand of 38 blocks,
     so the region grows to the ceiling (38 x 1.25 headroom = 48), not to the 38 blocks the
     requests alone would ask for."""
-    prefix = "".join(chr(97 + i % 26) for i in range(128))           # 128 tokens: 8 blocks
-    def bounds(data):
-        _reserve(8, prefixes=[prefix])(data)
-        data["pinned_region"] = {"floor_blocks": 8, "ceiling_blocks": 48, "demand_window_s": 10.0}
-    _write(tenants_file, bounds)
-    sync = TenantSync(str(tenants_file))
-    engine = _engine(sync)
-    assert engine.pool.permanent["pinned"] == 8
+    engine, _, _ = _engine_with_acmes_prefix(tenants_file, ceiling=48)
     rng = random.Random(2)
     for i in range(3):
         engine.add_request(f"p{i}", [rng.randrange(200, 256) for _ in range(150)],
@@ -128,20 +135,15 @@ def test_pinned_prefixes_count_in_the_premium_demand_the_region_is_sized_for(ten
 
 def test_premium_requests_that_hit_the_pinned_prefix_count_its_blocks_once(tenants_file):
     """Three premium requests of acme start with its pinned prefix (8 full blocks of its 140
-    tokens, hit) and add 10 blocks each (138 tokens more, 8 generated): 38 distinct blocks, so the region grows to ceil(38 x 1.25) = 48, below the
-    ceiling (80). Counting each request's whole block table would make 8 + 3 x 18 = 62 and
-    grow the region to 78 blocks the premium work never uses."""
+    tokens, hit) and add 10 blocks each (138 tokens more, 8 generated): 38 distinct blocks,
+    so the region grows to ceil(38 x 1.25) = 48, below the ceiling (80). Counting each
+    request's whole block table would make 8 + 3 x 18 = 62 and grow the region to 78 blocks
+    the premium work never uses."""
     from kvharbor.actors.replica_sync import system_prompt_tokens
 
-    prefix = "".join(chr(97 + i % 26) for i in range(128))           # 128 tokens: 8 blocks
-    def bounds(data):
-        _reserve(8, prefixes=[prefix])(data)
-        data["pinned_region"] = {"floor_blocks": 8, "ceiling_blocks": 80, "demand_window_s": 10.0}
-    _write(tenants_file, bounds)
-    sync = TenantSync(str(tenants_file))
-    engine = _engine(sync)
+    engine, sync, prefix = _engine_with_acmes_prefix(tenants_file, ceiling=80)
     system = system_prompt_tokens(engine.tokenizer, prefix)
-    assert len(system) == 140 and engine.pool.permanent["pinned"] == 8  # a chat turn around it
+    assert len(system) == 140                                       # a chat turn around it
     rng = random.Random(3)
     for i in range(3):
         engine.add_request(f"p{i}", system + [rng.randrange(200, 256) for _ in range(138)],
