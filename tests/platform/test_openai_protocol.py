@@ -7,7 +7,8 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from kvharbor.platform.openai_protocol import (GREEDY_BELOW, MAX_PROMPT_TOKEN_IDS, ChatRequest, CompletionRequest,
+from kvharbor.platform.openai_protocol import (GREEDY_BELOW, MAX_CHOICES, MAX_PROMPT_TOKEN_IDS, MAX_STOP_CHARS,
+                                               MAX_STOP_STRINGS, ChatRequest, CompletionRequest,
                                                DetokenizeRequest, TokenizeRequest, bound_token_ids,
                                                error_response)
 
@@ -98,6 +99,27 @@ def test_each_sampling_bound_refuses_just_past_it(field, bad, good):
     with pytest.raises(ValidationError, match=field):
         CompletionRequest(model="m", prompt="hi", **{field: bad})
     assert getattr(CompletionRequest(model="m", prompt="hi", **{field: good}), field) == good
+
+
+@pytest.mark.parametrize(("bad", "good", "message"), [
+    ({"stop": ["s"] * (MAX_STOP_STRINGS + 1)}, {"stop": ["s"] * MAX_STOP_STRINGS}, "stop strings"),
+    ({"stop": "s" * (MAX_STOP_CHARS + 1)}, {"stop": "s" * MAX_STOP_CHARS}, "characters"),
+    ({"prompt": ["a"] * 13, "n": 5}, {"prompt": ["a"] * 16, "n": 4}, "choices"),   # 65, 64
+], ids=["stop_strings", "stop_chars", "choices"])
+def test_each_request_size_bound_refuses_just_past_it(bad, good, message):
+    """Stop strings (count and length) and a batch's choices (prompts x n), at their edges."""
+    assert MAX_CHOICES == 64
+    with pytest.raises(ValidationError, match=message):
+        CompletionRequest(model="m", **{"prompt": "hi", **bad})
+    CompletionRequest(model="m", **{"prompt": "hi", **good})
+
+
+@pytest.mark.parametrize("make", [lambda t: CompletionRequest(model="m", prompt=t), chat],
+                         ids=["prompt", "message"])
+def test_a_lone_surrogate_is_refused_where_it_is(make):
+    """JSON can carry "\\ud800", which no tokenizer takes: refused with its position."""
+    with pytest.raises(ValidationError, match="lone surrogate at character 1"):
+        make("a\ud800b")
 
 
 def test_a_temperature_below_the_greedy_bound_is_greedy():
