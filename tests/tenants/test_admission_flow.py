@@ -146,3 +146,108 @@ def test_an_actor_admitted_requests_ticket_is_renewed_past_its_lease():
         assert not isinstance(await request(gw, globex, "s2"), APIError)
 
     run(scenario())
+
+
+def test_a_queue_refusal_with_nothing_to_recall_is_answered_after_one_call():
+    """queue_full with no idle fast-lane places to call back: one class-queue call, no wait
+    for other gateways' syncs and no second try."""
+    cluster = Cluster(max_queue=1)
+    gw = cluster.gateway()
+    globex = cluster.principal("globex", qos="standard")
+
+    async def scenario():
+        running = await request(gw, globex, "s0")
+        refused = await request(gw, globex, "s1")
+        assert isinstance(refused, APIError) and refused.code == "queue_full", refused
+        assert cluster.calls["enter_or_recall"] == 2                 # s0's and s1's
+        await finish(gw, globex, "s0", running, 5)
+
+    run(scenario())
+
+
+def test_an_admission_refused_while_grants_were_idle_is_tried_again_after_their_sync(monkeypatch):
+    """The admission actor refuses (429) and calls back fast-lane units other gateways hold
+    idle (``recalled``): the gateway gives back its own, waits for their next sync and tries
+    once more, and that try admits the request."""
+    monkeypatch.setattr(admission_flow, "RECALL_WAIT_S", 0.01)
+    cluster = Cluster()
+    gw = cluster.gateway()
+    globex = cluster.principal("globex", qos="standard")
+    real, answers, syncs = gw.admission.try_admit, [], []
+
+    async def refused_once(*args, **kwargs):
+        if not answers:
+            answers.append("refused")
+            return SimpleNamespace(ok=False, status=429, reason="idle grants elsewhere",
+                                   retry_after_s=1.0, limit="max_concurrent_requests", recalled=True)
+        answers.append("admitted")
+        return await real(*args, **kwargs)
+
+    async def sync():
+        syncs.append(1)
+
+    object.__setattr__(gw.admission, "try_admit", refused_once)
+    gw.lane.sync = sync
+
+    async def scenario():
+        ticket = await request(gw, globex, "s0")
+        assert not isinstance(ticket, APIError), ticket
+        assert answers == ["refused", "admitted"] and syncs == [1]
+        await finish(gw, globex, "s0", ticket, 5)
+
+    run(scenario())
+
+
+def test_a_place_the_class_queue_grants_after_the_gateway_gave_up_is_given_back(monkeypatch):
+    """The class queue answers after the call's timeout (503 to the client): when its answer
+    admits the request after all, the gateway gives that place back, so the class is not
+    left one place short for good."""
+    monkeypatch.setattr(admission_flow, "CALL_TIMEOUT_S", 0.05)
+    cluster = Cluster()
+    gw = cluster.gateway()
+    globex = cluster.principal("globex", qos="standard")
+    queue = gw.class_queue
+
+    def late_enter(*args):
+        answer = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().call_later(0.15, answer.set_result, cluster.queue.enter_or_recall(*args))
+        return answer
+
+    gw.class_queue = SimpleNamespace(enter_or_recall=SimpleNamespace(remote=late_enter),
+                                     leave=queue.leave, renew=queue.renew)
+
+    async def scenario():
+        error = await request(gw, globex, "s0")
+        assert isinstance(error, APIError) and error.status == 503, error
+        await asyncio.sleep(0.3)
+        assert cluster.queue.snapshot() == {"standard": 0}
+
+    run(scenario())
+
+
+def test_a_queue_refusal_that_recalls_twice_waits_for_one_sync_only(monkeypatch):
+    """Each class-queue answer calls idle places back: the gateway waits for the others' sync
+    once, tries once more, and answers queue_full (no second wait after the last try)."""
+    monkeypatch.setattr(admission_flow, "RECALL_WAIT_S", 0.01)
+    cluster = Cluster()
+    gw = cluster.gateway()
+    globex = cluster.principal("globex", qos="standard")
+    syncs = []
+
+    def full_but_recalled(*args):
+        answer = asyncio.get_running_loop().create_future()
+        answer.set_result((64, True))
+        return answer
+
+    async def sync():
+        syncs.append(1)
+
+    gw.class_queue = SimpleNamespace(enter_or_recall=SimpleNamespace(remote=full_but_recalled))
+    gw.lane.sync = sync
+
+    async def scenario():
+        refused = await request(gw, globex, "s0")
+        assert isinstance(refused, APIError) and refused.code == "queue_full", refused
+        assert syncs == [1]
+
+    run(scenario())
