@@ -559,3 +559,30 @@ def test_tokens_used_while_a_sync_is_on_its_way_are_charged_at_the_next():
         assert cluster.controller.usage("free")["tokens_today"] == 40
 
     run(scenario())
+
+
+@pytest.mark.parametrize("slots", [64, None], ids=["with_slots", "tokens_only"])
+def test_after_a_quiet_spell_the_token_grant_follows_the_new_requests_not_an_old_big_one(slots):
+    """A tenant's token grant is sized by its largest request since it was last quiet: a big
+    request, a quiet spell (one long request still running keeps the tenant's allowance),
+    then small requests ask for 8 x their own cost, not 8 x the old big one's."""
+    cluster = Cluster()
+    gw = cluster.gateway()
+    acme = cluster.principal("acme", tokens_per_minute=100_000, max_concurrent_requests=slots)
+
+    async def scenario():
+        big = await request(gw, acme, "big", prompt=10, max_tokens=990)         # cost 1,000
+        await finish(gw, acme, "big", big, 20)
+        await gw.lane.sync()                                                      # 8 x 1,000 granted
+        long = await request(gw, acme, "long")                                   # cost 20
+        assert isinstance(long, LocalTicket) and gw.lane.tenants["acme"].tokens >= 7_000
+        for _ in range(QUIET_SYNCS + 1):
+            await gw.lane.sync()
+        assert gw.lane.tenants["acme"].tokens == 0                                # all back
+        small = await request(gw, acme, "small")                                  # cost 20
+        await gw.lane.sync()
+        assert 0 < gw.lane.tenants["acme"].tokens <= 8 * 20, gw.lane.tenants["acme"]
+        for rid, ticket in (("long", long), ("small", small)):
+            await finish(gw, acme, rid, ticket, 20)
+
+    run(scenario())
