@@ -167,7 +167,7 @@ def test_replica_records_requests_by_lora_adapter_and_zeroes_an_unloaded_one(tmp
     engine.step()                                      # two run, the third waits
     rec = _recorder_with_fakes()
     replica = SimpleNamespace(engine=engine, replica_id="r1", _reported={"evictions": 0}, metrics=rec,
-                              _record_session_metrics=lambda: None, _direct=None)
+                              _record_session_metrics=lambda: None, _open_direct_streams=lambda: 0)
     LLMReplica._record_metrics(replica)
     got = {(t["adapter"], t["state"]): n for n, t in rec._m["kvharbor_lora_requests"].calls}
     assert got == {("a", "running"): 2, ("a", "waiting"): 0, ("idle", "running"): 0, ("idle", "waiting"): 0}
@@ -194,7 +194,7 @@ def test_replica_counts_speculative_draft_and_accepted_tokens_once():
     assert spec.accepted_tokens > 0
     rec = _recorder_with_fakes()
     replica = SimpleNamespace(engine=llm.engine, replica_id="r1", _reported={"evictions": 0}, metrics=rec,
-                              _record_session_metrics=lambda: None, _direct=None)
+                              _record_session_metrics=lambda: None, _open_direct_streams=lambda: 0)
     LLMReplica._record_metrics(replica)
     got = {t["kind"]: n for n, t in rec._m["kvharbor_spec_decode_tokens"].calls}
     assert got == {"draft": spec.draft_tokens, "accepted": spec.accepted_tokens}
