@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from kvharbor.platform.direct_stream import (TOKEN_BYTES, DirectStream, DirectStreamFailed,
-                                             DirectStreamServer, _frame)
+from kvharbor.platform.direct_stream import (HEADER, MAX_REQUEST_BYTES, TOKEN_BYTES, DirectStream,
+                                             DirectStreamFailed, DirectStreamServer, _frame)
 from kvharbor.platform.protocol import GenerateRequest
 from tests.platform.test_router_unit import PROMPT
 
@@ -142,6 +142,28 @@ def test_a_wrong_token_is_refused_before_anything_is_unpickled():
     assert answers == [b"", b""]
     # The wrong token: closed unread. The right one: read, and refused as no GenerateRequest.
     assert UNPICKLED == ["marker"] and replica.seen == []
+
+
+def test_a_request_frame_over_the_limit_is_refused_unread():
+    """With the right token, a frame announcing more than MAX_REQUEST_BYTES is refused from
+    its 4-byte header: the connection closes without the replica waiting for (or allocating)
+    the body, and nothing is generated."""
+    replica = Replica()
+
+    async def main():
+        server = DirectStreamServer(replica.generate, "127.0.0.1")
+        await server.start()
+        host, port, token = server.address
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(bytes.fromhex(token) + HEADER.pack(MAX_REQUEST_BYTES + 1) + b"x" * 1024)
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), 3)            # b"": closed on us
+        writer.close()
+        server.close()
+        return answer, server.open_streams
+
+    assert asyncio.run(main()) == (b"", 0)
+    assert replica.seen == []
 
 
 def test_a_replica_that_dies_mid_stream_or_cannot_be_reached_fails_the_stream():
