@@ -20,6 +20,21 @@ def random_prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(256) for _ in range(n)]
 
 
+def start_request(kv, rid: str, prompt: list[int], use_cache: bool = True, pinned: bool = False):
+    """Schedule ``prompt`` whole on a ``KVCacheManager`` (a request of a pinned class when
+    ``pinned``), compute it and cache its full blocks; the ``Request``."""
+    from kvharbor.engine.request import Request
+
+    req = Request(rid, prompt, SamplingParams(), pinned=pinned)
+    hit = kv.get_computed_blocks(req) if use_cache else None
+    done = hit.num_tokens if hit else 0
+    assert kv.can_allocate(req, req.num_tokens - done, hit)
+    kv.allocate(req, req.num_tokens - done, hit)
+    req.num_computed_tokens = req.num_tokens
+    kv.cache_full_blocks(req)
+    return req
+
+
 def greedy(n: int) -> SamplingParams:
     """Exactly ``n`` greedy tokens."""
     return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)

@@ -9,6 +9,8 @@ from kvharbor import LLM, SamplingParams
 from kvharbor.engine import block_pool
 from kvharbor.engine.block_pool import BlockPool
 
+from .conftest import start_request
+
 
 class _CountingList(list):
     """A list that counts the items its iterations and index reads hand out."""
@@ -130,18 +132,12 @@ def test_premium_demand_counts_each_block_once_and_borrowed_shared_blocks_too():
     that overflows the 2-block region borrows shared blocks, hits on them count, and blocks
     two premium requests share count once."""
     from kvharbor.engine.kv_cache_manager import KVCacheManager
-    from kvharbor.engine.request import Request
 
     pool = BlockPool(num_blocks=8, num_pinned=2)
     kv = KVCacheManager(pool, 4)
 
-    def premium(rid: str) -> Request:
-        req = Request(rid, [1] * 16, SamplingParams(), pinned=True)
-        hit = kv.get_computed_blocks(req)
-        kv.allocate(req, req.num_tokens - hit.num_tokens, hit)
-        req.num_computed_tokens = req.num_tokens
-        kv.cache_full_blocks(req)
-        return req
+    def premium(rid: str):
+        return start_request(kv, rid, [1] * 16, pinned=True)
 
     a = premium("a")                 # 2 pinned blocks + 2 borrowed shared ones
     assert [b.region for b in a.blocks] == ["pinned", "pinned", "shared", "shared"]

@@ -10,19 +10,9 @@ from kvharbor.engine.block_pool import BlockPool
 from kvharbor.engine.kv_cache_manager import KVCacheManager
 from kvharbor.engine.request import Request, SamplingParams
 
+from .conftest import start_request
+
 BS = 4
-
-
-def _start(kv: KVCacheManager, rid: str, prompt: list[int], use_cache: bool = True) -> Request:
-    """Schedule ``prompt`` whole, compute it and cache its full blocks."""
-    req = Request(rid, prompt, SamplingParams())
-    hit = kv.get_computed_blocks(req) if use_cache else None
-    done = hit.num_tokens if hit else 0
-    assert kv.can_allocate(req, req.num_tokens - done, hit)
-    kv.allocate(req, req.num_tokens - done, hit)
-    req.num_computed_tokens = req.num_tokens
-    kv.cache_full_blocks(req)
-    return req
 
 
 def _closed_by_chains(pool: BlockPool, parents: dict) -> bool:
@@ -44,8 +34,8 @@ def test_a_copy_takes_the_place_of_an_evicted_block_so_the_chain_stays_reachable
     pool = BlockPool(num_blocks=8)
     kv = KVCacheManager(pool, BS)
     prompt = list(range(12)) + [99]
-    a = _start(kv, "a", prompt)
-    b = _start(kv, "b", prompt, use_cache=False)       # computed in the same step as A
+    a = start_request(kv, "a", prompt)
+    b = start_request(kv, "b", prompt, use_cache=False)       # computed in the same step as A
     assert pool.prefix_closed and len(pool.cached) == 3
     b.all_token_ids.extend([5, 6, 7])                  # fills B's 4th block
     kv.allocate(b, 3)
@@ -55,7 +45,7 @@ def test_a_copy_takes_the_place_of_an_evicted_block_so_the_chain_stays_reachable
     pool.drain_events()
     a_first = a.blocks[0]
     kv.free(a)                                         # A's 4 blocks become free, tail first
-    filler = _start(kv, "filler", [200 + i for i in range(11)])   # takes 3: A's 2nd and 3rd go
+    filler = start_request(kv, "filler", [200 + i for i in range(11)])   # takes 3: A's 2nd and 3rd go
     pool.check_integrity()
     assert pool.prefix_closed and pool.orphans == 0
     held = [pool.lookup(h) for h in b.block_hashes[:4]]
@@ -75,22 +65,22 @@ def test_a_copy_is_forgotten_when_its_block_is_reused_or_the_cache_is_reset():
     pool = BlockPool(num_blocks=6)
     kv = KVCacheManager(pool, BS)
     prompt = list(range(8)) + [99]                     # 2 full blocks
-    a = _start(kv, "a", prompt)
-    b = _start(kv, "b", prompt, use_cache=False)
+    a = start_request(kv, "a", prompt)
+    b = start_request(kv, "b", prompt, use_cache=False)
     kv.free(b)                                         # B's copies are free, uncached
     kv.free(a)                                         # then A's blocks: queue b0 b1 b2 a0 a1 a2
-    filler = _start(kv, "f", [300 + i for i in range(8)] + [1])   # reuses B's three blocks
+    filler = start_request(kv, "f", [300 + i for i in range(8)] + [1])   # reuses B's three blocks
     pool.check_integrity()
     assert not pool._copies                            # B's blocks hold the filler now
     kv.free(filler)
-    _start(kv, "g", [400 + i for i in range(16)])      # 4 blocks: A's three go, nothing inherits
+    start_request(kv, "g", [400 + i for i in range(16)])      # 4 blocks: A's three go, nothing inherits
     pool.check_integrity()
     assert all(pool.lookup(h) is None for h in a.block_hashes[:2])
 
     pool = BlockPool(num_blocks=8)
     kv = KVCacheManager(pool, BS)
-    a = _start(kv, "a", prompt)
-    b = _start(kv, "b", prompt, use_cache=False)
+    a = start_request(kv, "a", prompt)
+    b = start_request(kv, "b", prompt, use_cache=False)
     kv.free(a)
     assert pool.evict_all_cached() == 2 and not pool.cached and not pool._copies
     pool.check_integrity()
