@@ -4,6 +4,8 @@ drafts really are verified and kept, and they never cost another request its blo
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvharbor import LLM, SamplingParams
 from kvharbor.engine.request import Request
@@ -89,6 +91,62 @@ def test_adaptive_drafting_prefers_the_likelier_drafts_of_any_request():
     poor, good = _Drafted(1), _Drafted(4)
     proposer._keep_paying([poor, good], 2, cost)
     assert poor.spec_token_ids == [] and len(good.spec_token_ids) >= 3
+
+
+@settings(max_examples=300, deadline=None)
+@given(hits=st.floats(0, 100), misses=st.floats(0, 100), n=st.integers(1, 64),
+       a=st.floats(1e-4, 0.05), b=st.floats(0, 2e-3), c=st.floats(0, 2e-3))
+def test_adaptive_drafting_keeps_the_count_with_the_most_tokens_per_second(hits, misses, n, a, b, c):
+    """One drafted request among ``n`` decodes: the drafts kept are as many as give the step
+    the most expected tokens per second, each draft costing one more decode row."""
+    proposer = NgramProposer(4, 1, 4)
+    proposer._hits[4], proposer._trials[4] = hits, hits + misses
+    cost = StepCostModel()
+    cost.coef = [a, b, c]
+    req = _Drafted(4)
+    proposer._keep_paying([req], n, cost)
+    alpha = proposer.acceptance(4)
+
+    def tokens_per_second(k: int) -> float:
+        return (n + sum(alpha ** j for j in range(1, k + 1))) / (cost.estimate(n, n) + k * (b + c))
+
+    best = max(tokens_per_second(k) for k in range(5))
+    assert tokens_per_second(len(req.spec_token_ids)) == pytest.approx(best, rel=1e-9)
+
+
+def test_propose_trims_drafts_by_the_step_cost_unless_adaptive_is_off():
+    """The engine's call: with its cost model, drafts that do not pay are dropped (a batch
+    whose cost is all per token, drafts at the prior's one in two); ``adaptive: false`` or no
+    cost model keeps every draft."""
+    def batch() -> list[Request]:
+        reqs = []
+        for i in range(8):
+            req = Request(f"r{i}", [5, 6, 7, 8] * 4, SamplingParams(max_tokens=50, temperature=0))
+            req.num_computed_tokens = req.num_tokens - 1
+            reqs.append(req)
+        return reqs
+
+    per_token = StepCostModel()
+    per_token.coef = [0.002, 1e-3, 0.0]
+    for proposer, cost, kept in [(NgramProposer(4, 1, 4), per_token, 0),
+                                 (NgramProposer(4, 1, 4, adaptive=False), per_token, 4),
+                                 (NgramProposer(4, 1, 4), None, 4)]:
+        reqs = batch()
+        proposer.propose(reqs, 1000, cost)
+        assert [len(r.spec_token_ids) for r in reqs] == [kept] * 8
+
+
+def test_a_request_still_prefilling_drafts_nothing():
+    """Drafts follow a request's last token: one with prompt tokens left to compute (a chunked
+    prefill) drafts none, though its prompt repeats."""
+    proposer = NgramProposer(4, 1, 4, adaptive=False)
+    req = Request("r", [5, 6, 7, 8] * 4, SamplingParams(max_tokens=50, temperature=0))
+    req.num_computed_tokens = 8
+    proposer.propose([req], 1000)
+    assert req.spec_token_ids == []
+    req.num_computed_tokens = req.num_tokens - 1
+    proposer.propose([req], 1000)
+    assert req.spec_token_ids == [5, 6, 7, 8]
 
 
 def test_acceptance_counts_rejections_and_forgets_old_verifications():
