@@ -158,11 +158,22 @@ def test_preempted_requests_keep_their_grammar_state():
     ({"json_object": "yes"}, "json_object must be true"),
     ({"json": {"enum": ["x" * 70_000]}}, "structured_outputs.json is longer than 65536 characters"),
     ({"choice": ["ab"] * 12_000}, "structured_outputs.choice is longer than 65536 characters"),
+    ({"regex": 5}, "structured_outputs.regex must be a string"),
+    ({"json": ["a"]}, "structured_outputs.json must be a JSON schema"),
 ])
 def test_bad_specs_are_refused_by_name(llm, spec, words):
     with pytest.raises(ValueError, match=re.escape(words)):
         llm.generate(["hi"], SamplingParams(structured_outputs=spec))
     assert not llm.engine.requests
+
+
+@pytest.mark.parametrize("spec", [{"regex": "("}, {"grammar": "start ::= 'a'"}, {"json": {"type": 5}}])
+def test_compile_errors_read_without_xgrammars_source_location(llm, spec):
+    """xgrammar prefixes its errors with a time and its C++ source line; the client is told
+    what is wrong with its spec, not where xgrammar noticed."""
+    with pytest.raises(ValueError, match="does not compile: ") as refused:
+        llm.generate(["hi"], SamplingParams(structured_outputs=spec))
+    assert not re.search(r"\[\d+:\d+:\d+\]|\.cc:\d+", str(refused.value)), str(refused.value)
 
 
 def test_min_tokens_cannot_hold_back_the_end_of_a_grammar(llm):
@@ -198,3 +209,15 @@ def test_json_whitespace_runs_are_bounded(llm, spec):
     between = re.sub(r'"(?:[^"\\]|\\.)*"?', '""', out.text)     # strings' own blanks are content
     runs = [len(r) for r in re.findall(r"\s+", between)]
     assert max(runs) == MAX_WHITESPACE, (runs, out.text)
+
+
+def test_compact_json_has_no_blanks_and_keys_in_the_schemas_order(llm):
+    """``disable_any_whitespace``: not a blank in the answer, though ``logit_bias`` pushes
+    spaces and newlines; the object's keys come in the schema's property order (ok, n, tag,
+    not sorted)."""
+    blanks = {t: 100.0 for t in (llm.engine.tokenizer.encode(" \n", add_special_tokens=False))}
+    out = llm.generate([random_prompt(10, seed=3)], SamplingParams(
+        max_tokens=60, temperature=0, logit_bias=blanks, structured_outputs=SPECS["json"]))[0]
+    assert out.finish_reason == "stop" and holds("json", out.text), out.text
+    assert not re.search(r"\s", out.text), out.text
+    assert list(json.loads(out.text)) == ["ok", "n", "tag"]
