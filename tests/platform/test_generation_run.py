@@ -28,15 +28,27 @@ class FailingStream(Stream):
         yield {"error": "this choice's sampling parameters are bad", "status": 400, "retryable": False}
 
 
-def _run(stream_of, n: int = 1, principal=None, **gateway) -> generation.GenerationRun:
+def _run(stream_of, n: int = 1, principal=None, tool_mode: str | None = None,
+         **gateway) -> generation.GenerationRun:
     """A run of ``n`` choices of one prompt; each replica call answers with the ``Stream``
     class ``stream_of(request)`` returns. ``gateway``: fields of the fake gateway (metrics
-    default to none)."""
+    default to none). ``tool_mode``: a chat run calling that function (or ``required``)."""
     replicas = Replicas()
     replicas.remote = lambda request, replica_id=None: stream_of(request)(replicas.log, request,
                                                                           replica_id or "replica-0")
     gw = SimpleNamespace(**{"llm": replicas, "metrics": NoMetrics(), **gateway})
-    return generation.GenerationRun(gw, _batch([[1, 2, 3]], n=n), principal, None, chat=False, model="m")
+    return generation.GenerationRun(gw, _batch([[1, 2, 3]], n=n), principal, None, chat=tool_mode is not None,
+                                    model="m", tool_mode=tool_mode)
+
+
+def _answering_run(stream_of, slo_ms: float | None = None, **kw) -> generation.GenerationRun:
+    """``_run`` with the fake gateway's fields that a run's ``finish`` needs (admission
+    release, request bookkeeping, the principal's class SLO ``slo_ms``)."""
+    async def release(ticket, tokens):
+        return None
+
+    return _run(stream_of, principal=SimpleNamespace(qos=SimpleNamespace(ttft_slo_ms=slo_ms)), ingress="main",
+                request_done=lambda qos, rid: None, admitter=SimpleNamespace(release=release), **kw)
 
 
 def _events_of(run: generation.GenerationRun) -> tuple[list, BaseException | None]:
@@ -57,6 +69,31 @@ def _events_of(run: generation.GenerationRun) -> tuple[list, BaseException | Non
 def test_a_stream_the_replica_ends_early_finishes_its_choice_as_aborted():
     events, error = _events_of(_run(lambda request: CutStream))
     assert error is None and events == [(0, "a", None), (0, "", "abort")]
+
+
+def test_a_named_function_call_the_server_aborted_answers_its_text_not_a_call():
+    """Arguments cut by ``max_tokens`` are still the call (finish ``length``, as vLLM answers);
+    a request the server stopped (finish ``abort``) answers the text it had as content, with
+    no call made of it."""
+    aborted = asyncio.run(_answering_run(lambda request: CutStream, tool_mode="get_weather").complete())
+    message = aborted["choices"][0]["message"]
+    assert aborted["choices"][0]["finish_reason"] == "abort"
+    assert message["content"] == "a" and "tool_calls" not in message
+    cut = asyncio.run(_answering_run(lambda request: SlowStream, tool_mode="get_weather").complete())
+    assert cut["choices"][0]["finish_reason"] == "length"
+    assert cut["choices"][0]["message"]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": "a"}
+
+
+def test_a_streamed_list_of_calls_cut_by_max_tokens_ends_as_its_text():
+    """Streamed ``required``: nothing until the choice ends; then a list of calls cut short
+    (not JSON) comes as the text it is, finish ``length``, and the stream ends cleanly."""
+    async def chunks():
+        return [c async for c in _answering_run(lambda request: SlowStream, tool_mode="required").stream_chunks(False)]
+
+    out = asyncio.run(chunks())
+    assert out[-1] == "[DONE]" and not any("error" in c for c in out[:-1]), out
+    last = out[-2]["choices"][0]
+    assert last["delta"] == {"content": "a"} and last["finish_reason"] == "length", out
 
 
 def test_one_siblings_error_fails_the_whole_request():
@@ -80,17 +117,10 @@ def test_a_first_token_later_than_the_class_slo_counts_as_missed():
     class's ``ttft_slo_ms`` (50 ms against 20) and ``met`` when before."""
     def outcomes(slo_ms: float) -> list[bool]:
         seen: list[bool] = []
-
-        async def release(ticket, tokens):
-            return None
-
         metrics = SimpleNamespace(slo=lambda tenant, qos, met: seen.append(met),
                                   **{name: (lambda *args: None) for name in (
                                       "request_finished", "request_latency", "tokens", "ttft")})
-        run = _run(lambda request: SlowStream, principal=SimpleNamespace(qos=SimpleNamespace(ttft_slo_ms=slo_ms)),
-                   metrics=metrics, ingress="main", request_done=lambda qos, rid: None,
-                   admitter=SimpleNamespace(release=release))
-        asyncio.run(run.complete())
+        asyncio.run(_answering_run(lambda request: SlowStream, slo_ms, metrics=metrics).complete())
         return seen
 
     assert outcomes(20.0) == [False]
