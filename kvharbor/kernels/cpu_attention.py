@@ -282,7 +282,8 @@ def store_kv_cpu(key: torch.Tensor, value: torch.Tensor, cache, slot_mapping: to
     """Write this step's ``key``/``value`` ``[T, Hkv, D]`` (any strides) at ``slot_mapping``
     ``[T]`` (int64, every slot valid: no padding): a float32 cache through
     :func:`cpu_ops.store_rows` (one copy per row) where the rows' heads and dims are
-    contiguous, else ``index_copy_`` (quantized caches converted first)."""
+    contiguous, else ``index_copy_`` (quantized caches converted first; float8 rows copied as
+    their bytes, since ``index_copy_`` has no float8 CPU kernel)."""
     n, bs, hkv, d = cache.key.shape
     if (cache.k_scale is None and cache.v_scale is None and key.dtype == value.dtype == torch.float32
             and cache.key.dtype == cache.value.dtype == torch.float32
@@ -292,6 +293,11 @@ def store_kv_cpu(key: torch.Tensor, value: torch.Tensor, cache, slot_mapping: to
         cpu_ops.store_rows(cache.key.view(n * bs, hkv, d), slot_mapping, key)
         cpu_ops.store_rows(cache.value.view(n * bs, hkv, d), slot_mapping, value)
         return
-    cache.key.view(n * bs, hkv, d).index_copy_(0, slot_mapping, quantize_kv(key, cache.k_scale, cache.key.dtype))
-    cache.value.view(n * bs, hkv, d).index_copy_(0, slot_mapping,
-                                                 quantize_kv(value, cache.v_scale, cache.value.dtype))
+    for rows, layer, scale in ((key, cache.key, cache.k_scale), (value, cache.value, cache.v_scale)):
+        _bytes_if_fp8(layer.view(n * bs, hkv, d)).index_copy_(
+            0, slot_mapping, _bytes_if_fp8(quantize_kv(rows, scale, layer.dtype)))
+
+
+def _bytes_if_fp8(t: torch.Tensor) -> torch.Tensor:
+    """A float8 tensor as its bytes (``uint8``, same shape); any other as it is."""
+    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t

@@ -9,6 +9,7 @@ import pytest
 from kvharbor import LLM, SamplingParams
 from kvharbor.actors.prefix_directory import PrefixIndex
 from kvharbor.engine.hashing import hash_prompt_blocks
+from kvharbor.kernels import KV_CACHE_DTYPES
 
 from .conftest import hf_greedy
 
@@ -75,6 +76,22 @@ def test_swap_preemption_round_trips_exactly(mode, unpreempted):
     assert stats["preemptions"] > 0
     assert stats["swap_outs"] > 0 and stats["swap_ins"] > 0 and stats["host_blocks_loaded"] > 0
     assert stats["host_blocks_swapped"] == 0      # every swap came back
+    llm.check_integrity()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "int8"])
+def test_swap_preemption_round_trips_a_quantized_cache_exactly(kv_cache_dtype):
+    """One-byte caches (float8 blocks are copied as raw bytes) come back from host memory
+    bit for bit: the same tokens as with room for every request, in the same cache dtype."""
+    prompts = [_tokens(*p) for p in SWAP_PROMPTS]
+    roomy = LLM(device="cpu", num_kv_blocks=256, kv_cache_dtype=kv_cache_dtype).generate(prompts, SWAP_PARAMS)
+    llm = LLM(device="cpu", num_kv_blocks=16, host_kv_blocks=64, preemption_mode="swap",
+              kv_cache_dtype=kv_cache_dtype)
+    got = llm.generate(prompts, SWAP_PARAMS)
+    stats = llm.stats()
+    assert stats["kv_cache_dtype"] == str(KV_CACHE_DTYPES[kv_cache_dtype]).removeprefix("torch.")
+    assert stats["swap_outs"] > 0 and stats["swap_ins"] > 0
+    assert [g.token_ids for g in got] == [r.token_ids for r in roomy]
     llm.check_integrity()
 
 

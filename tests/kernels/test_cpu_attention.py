@@ -125,7 +125,7 @@ def test_store_kv_cpu_writes_the_same_bytes_as_the_reference():
     assert torch.equal(ours.value.view(torch.int32), ref.value.view(torch.int32))
 
 
-@pytest.mark.parametrize("cache_dtype", ["float32", "int8"])
+@pytest.mark.parametrize("cache_dtype", ["float32", "int8", "fp8_e4m3"])
 def test_store_kv_cpu_from_qkv_columns_matches_the_reference(cache_dtype, monkeypatch):
     """k and v as the engine passes them (column slices of one qkv product): a float32 cache
     is written by the row-copy op, a quantized one by the reference's conversion; either way
