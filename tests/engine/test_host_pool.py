@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvharbor.engine.block_pool import BlockPool
@@ -37,6 +38,35 @@ def test_host_pool_is_lru_bounded_and_reports_events():
     assert host.drain_events() == ([_h(0), _h(2), _h(3)], [_h(1)])
     assert host.num_used == 3
     host.check_integrity()
+
+
+def _corrupt(how: str) -> HostKVPool:
+    """A 3-slot pool holding h0, then broken as ``how`` says."""
+    host = _pool(3)
+    slot = host.reserve(_h(0))
+    if how == "lost":
+        host.free.pop()
+    elif how == "freed twice":                    # h0's slot forgotten, another listed twice
+        del host.cached[_h(0)], host.slot_hash[slot]
+        host.free.append(host.free[0])
+    elif how == "free and cached":                # a free slot replaced by h0's
+        host.free.pop()
+        host.free.append(slot)
+    elif how == "maps disagree":
+        host.slot_hash[slot] = _h(5)
+    elif how == "lock on a free slot":
+        host.locks[host.free[0]] = 1
+    return host
+
+
+@pytest.mark.parametrize("how, says", [("lost", "host slot lost"), ("freed twice", "host slot freed twice"),
+                                       ("free and cached", "host slot both free and cached"),
+                                       ("maps disagree", "host maps disagree"),
+                                       ("lock on a free slot", "lock on a slot that is not cached")])
+def test_check_integrity_catches_each_broken_invariant(how, says):
+    _pool(3).check_integrity()
+    with pytest.raises(AssertionError, match=says):
+        _corrupt(how).check_integrity()
 
 
 def test_locked_and_owned_slots_are_never_reused():
