@@ -18,13 +18,10 @@ from collections.abc import Sequence
 
 import torch
 
+from kvharbor.kernels.reference import float8_as_bytes
+
 from .hashing import BlockHash
 from .host_pool import HostKVPool, HostSlot
-
-
-def _raw(t: torch.Tensor) -> torch.Tensor:
-    """float8 tensors as uint8 (index copies of float8 are not implemented everywhere)."""
-    return t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
 
 
 class KVTransfer:
@@ -92,19 +89,19 @@ class KVTransfer:
         dev = self.caches[0].key.device
         ids = torch.tensor(block_ids, dtype=torch.long, device=dev)
         # [n, layers, 2, bs, Hkv, D]: gather on the device, then one copy to host memory.
-        blocks = torch.stack([torch.stack((_raw(c.key)[ids], _raw(c.value)[ids]), 1)
+        blocks = torch.stack([torch.stack((float8_as_bytes(c.key)[ids], float8_as_bytes(c.value)[ids]), 1)
                               for c in self.caches], 1)
-        _raw(self.host.data)[torch.tensor(slots, dtype=torch.long)] = blocks.cpu()
+        float8_as_bytes(self.host.data)[torch.tensor(slots, dtype=torch.long)] = blocks.cpu()
         self.blocks_to_host += len(block_ids)
 
     def _to_device(self, slots: list[int], block_ids: list[int]) -> None:
         dev = self.caches[0].key.device
-        src = _raw(self.host.data)[torch.tensor(slots, dtype=torch.long)]
+        src = float8_as_bytes(self.host.data)[torch.tensor(slots, dtype=torch.long)]
         if dev.type == "cuda":
             src = src.pin_memory()
         src = src.to(dev, non_blocking=True)                   # [n, layers, 2, bs, Hkv, D]
         ids = torch.tensor(block_ids, dtype=torch.long, device=dev)
         for layer, c in enumerate(self.caches):
-            _raw(c.key)[ids] = src[:, layer, 0]
-            _raw(c.value)[ids] = src[:, layer, 1]
+            float8_as_bytes(c.key)[ids] = src[:, layer, 0]
+            float8_as_bytes(c.value)[ids] = src[:, layer, 1]
         self.blocks_to_device += len(block_ids)

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_decode, cpu_ops, cpu_prefill
-from .reference import dequantize_kv, quantize_kv
+from .reference import dequantize_kv, float8_as_bytes, quantize_kv
 
 DECODE_GROUP = 16
 SHORT_QUERY = 17        # longest continuation query run as decode rows (16 drafts + 1)
@@ -294,10 +294,5 @@ def store_kv_cpu(key: torch.Tensor, value: torch.Tensor, cache, slot_mapping: to
         cpu_ops.store_rows(cache.value.view(n * bs, hkv, d), slot_mapping, value)
         return
     for rows, layer, scale in ((key, cache.key, cache.k_scale), (value, cache.value, cache.v_scale)):
-        _bytes_if_fp8(layer.view(n * bs, hkv, d)).index_copy_(
-            0, slot_mapping, _bytes_if_fp8(quantize_kv(rows, scale, layer.dtype)))
-
-
-def _bytes_if_fp8(t: torch.Tensor) -> torch.Tensor:
-    """A float8 tensor as its bytes (``uint8``, same shape); any other as it is."""
-    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
+        float8_as_bytes(layer.view(n * bs, hkv, d)).index_copy_(
+            0, slot_mapping, float8_as_bytes(quantize_kv(rows, scale, layer.dtype)))

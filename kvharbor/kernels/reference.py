@@ -33,6 +33,12 @@ def quantize_kv(x: torch.Tensor, scale: torch.Tensor | None, cache_dtype: torch.
     return y.clamp(-448.0, 448.0).to(cache_dtype)
 
 
+def float8_as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A float8 tensor as its bytes (``uint8``, same shape), any other as it is: index copies
+    of float8 lack kernels on some devices (``index_copy_`` on the CPU)."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
+
+
 def dequantize_kv(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """Inverse of :func:`quantize_kv` for rows ``[..., Hkv, D]``, returned in ``dtype``."""
     if scale is None:
