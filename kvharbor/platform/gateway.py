@@ -95,11 +95,26 @@ class RunStream(StreamingResponse):
     ``receive`` (the proxy cancels the gateway's pending call for the client's next message)
     instead of an ``http.disconnect`` message. That is the same disconnect, not a server
     error: the stream ends quietly rather than through the 500 handler's stack trace.
+
+    The status line waits for the first chunk: a run that fails before it (``stream_chunks``
+    raises the ``APIError``) is answered with that error's status and JSON body instead.
     """
 
     def __init__(self, run: GenerationRun, chunks) -> None:
         super().__init__(chunks, media_type="text/event-stream")
         self.run = run
+
+    async def stream_response(self, send) -> None:
+        chunks = aiter(self.body_iterator)
+        try:
+            first = await anext(chunks)
+        except APIError as e:
+            error = e.response()
+            await send({"type": "http.response.start", "status": error.status_code, "headers": error.raw_headers})
+            await send({"type": "http.response.body", "body": error.body})
+            return
+        self.body_iterator = _prepend(first, chunks)
+        await super().stream_response(send)
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -110,6 +125,12 @@ class RunStream(StreamingResponse):
         finally:
             self.run.cancel()
             await self.run.finish()
+
+
+async def _prepend(first, rest):
+    yield first
+    async for item in rest:
+        yield item
 
 
 def _bearer(request: Request) -> str | None:

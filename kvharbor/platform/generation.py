@@ -469,12 +469,20 @@ class GenerationRun:
     async def stream_chunks(self, include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[dict | str]:
         """Streaming: one chunk per event (``stream_interval`` tokens, see
         ``kvharbor.actors.stream_events``), an error event on failure, then ``[DONE]``.
-        ``continuous_usage``: every chunk carries the usage so far."""
+        ``continuous_usage``: every chunk carries the usage so far.
+
+        Nothing is sent before the first event (a chat stream's role chunk comes with it): an
+        error before then, a request the replica refuses (it can never fit in the KV cache) or
+        no replica able to take it, is raised, and ``RunStream`` answers it with its own HTTP
+        status and JSON body, as vLLM answers a stream's invalid request and as a non-streamed
+        request is answered; not as a 200 stream that carries the error."""
+        started = False
         try:
-            if self.chat:
-                yield self._chunk([shapes.choice(i, "", None, True, final=False, first=True)
-                                   for i in range(len(self.reqs))], continuous_usage)
             async for index, event in self.all_events():
+                if not started and self.chat:
+                    yield self._chunk([shapes.choice(i, "", None, True, final=False, first=True)
+                                       for i in range(len(self.reqs))], continuous_usage)
+                started = True
                 text, part = self._answer(index, event)
                 if self.tool_mode is not None:          # calls, not content (see _tool_chunk)
                     chunk = self._tool_chunk(index, text, event, part)
@@ -488,6 +496,8 @@ class GenerationRun:
                 yield {**self._envelope([], chunk=True, final=True), "usage": self.usage()}
         except APIError as e:
             self.status = "error" if self.status == "aborted" else self.status
+            if not started:
+                raise
             yield {"error": {"message": e.message, "type": error_type(e.status), "param": e.param,
                              "code": e.code}}
         finally:

@@ -4,11 +4,13 @@ error and a request's time to first token reach the answer and the metrics."""
 from __future__ import annotations
 
 import asyncio
+import json
 from types import SimpleNamespace
 
 import pytest
 
 from kvharbor.platform import generation
+from kvharbor.platform.gateway import RunStream
 from tests.platform.test_prompt_batches import NoMetrics, Replicas, Stream, _batch
 
 
@@ -28,16 +30,17 @@ class FailingStream(Stream):
         yield {"error": "this choice's sampling parameters are bad", "status": 400, "retryable": False}
 
 
-def _run(stream_of, n: int = 1, principal=None, tool_mode: str | None = None,
+def _run(stream_of, n: int = 1, principal=None, tool_mode: str | None = None, chat: bool = False,
          **gateway) -> generation.GenerationRun:
     """A run of ``n`` choices of one prompt; each replica call answers with the ``Stream``
     class ``stream_of(request)`` returns. ``gateway``: fields of the fake gateway (metrics
-    default to none). ``tool_mode``: a chat run calling that function (or ``required``)."""
+    default to none). ``tool_mode``: a chat run calling that function (or ``required``);
+    ``chat``: a chat run without tools."""
     replicas = Replicas()
     replicas.remote = lambda request, replica_id=None: stream_of(request)(replicas.log, request,
                                                                           replica_id or "replica-0")
     gw = SimpleNamespace(**{"llm": replicas, "metrics": NoMetrics(), **gateway})
-    return generation.GenerationRun(gw, _batch([[1, 2, 3]], n=n), principal, None, chat=tool_mode is not None,
+    return generation.GenerationRun(gw, _batch([[1, 2, 3]], n=n), principal, None, chat=chat or tool_mode is not None,
                                     model="m", tool_mode=tool_mode)
 
 
@@ -144,3 +147,59 @@ def test_inter_token_latency_is_per_token_when_an_event_carries_several(monkeypa
     events, error = _events_of(_run(lambda request: Chunked, metrics=metrics))
     assert error is None and len(events) == 2
     assert gaps == [pytest.approx(0.010)]
+
+
+class LateFailingStream(Stream):
+    """A replica call that streams two tokens, then a non-retryable error event."""
+
+    async def _events(self):
+        yield {"token_ids": [7], "text": "a", "finish_reason": None, "replica_id": self.replica}
+        yield {"token_ids": [8], "text": "b", "finish_reason": None}
+        yield {"error": "the engine refused to go on", "status": 400, "retryable": False}
+
+
+def _served(run: generation.GenerationRun) -> tuple[int, list[str]]:
+    """``run`` streamed through ``RunStream`` to a client that stays: the HTTP status and the
+    body's SSE ``data`` payloads (or the whole body, when it is not SSE)."""
+    sent: list[dict] = []
+
+    async def receive():
+        await asyncio.Event().wait()
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async def serve() -> None:
+        response = RunStream(run, generation.sse(run.stream_chunks(False)))
+        await asyncio.wait_for(response({"type": "http", "path": "/v1/completions"}, receive, send), timeout=10)
+
+    asyncio.run(serve())
+    body = b"".join(m.get("body", b"") for m in sent[1:]).decode()
+    events = [part.removeprefix("data: ") for part in body.split("\n\n") if part]
+    return sent[0]["status"], events
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+def test_a_stream_refused_before_its_first_token_answers_with_the_errors_status(chat):
+    """The replica refuses the request (400) before any token: the client gets HTTP 400 and
+    the OpenAI error body, as an unstreamed request does (and vLLM for a stream's invalid
+    request), not a 200 stream that carries the error, nor a chat role chunk before it."""
+    status, body = _served(_answering_run(lambda request: FailingStream, chat=chat))
+    assert status == 400, body
+    error = json.loads(body[0])["error"]
+    assert error["message"] == "this choice's sampling parameters are bad" and error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+def test_an_error_after_the_first_token_ends_the_200_stream_with_an_error_event(chat):
+    """Once a token went out the status is sent: the error comes as the stream's last event
+    before ``[DONE]``, after the tokens (and, for chat, after the one role chunk that came
+    with the first)."""
+    status, events = _served(_answering_run(lambda request: LateFailingStream, chat=chat))
+    assert status == 200 and events[-1] == "[DONE]", events
+    assert json.loads(events[-2])["error"]["message"] == "the engine refused to go on"
+    chunks = [json.loads(e)["choices"][0] for e in events[:-2]]
+    if chat:
+        assert [c["delta"] for c in chunks] == [{"role": "assistant", "content": ""}, {"content": "a"}, {"content": "b"}]
+    else:
+        assert [c["text"] for c in chunks] == ["a", "b"]

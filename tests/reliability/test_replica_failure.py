@@ -70,19 +70,14 @@ class Load:
             return Outcome("lost", sent, detail=repr(e))
         if r.status_code == 200 and r.json()["usage"]["completion_tokens"] == GEN["max_tokens"]:
             return Outcome("ok", sent)
-        if _shed(r):
-            return Outcome("shed", sent, detail=r.text[:300], retry_after_s=float(r.headers["retry-after"]))
-        err = r.json().get("error", {}) if r.headers.get("content-type", "").startswith("application/json") else {}
-        kind = "error" if r.status_code == 503 and {"message", "type", "code"} <= set(err) else "lost"
-        return Outcome(kind, sent, code=err.get("code"), detail=r.text[:300])
+        return _refused(r, sent)
 
     def _stream(self, c, body: dict, sent: float) -> Outcome:
         out = Outcome("lost", sent)
         with c.stream("POST", "/v1/completions", json=body) as r:
-            if _shed(r):
-                return Outcome("shed", sent, detail=r.read()[:300].decode(), retry_after_s=float(r.headers["retry-after"]))
-            if r.status_code != 200:
-                return Outcome("lost", sent, detail=f"{r.status_code} {r.read()[:300]!r}")
+            if r.status_code != 200:      # refused before its first token: a JSON error, as unstreamed
+                r.read()
+                return _refused(r, sent)
             events = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
         if not events or events[-1] != "[DONE]":
             out.detail = f"stream ended without [DONE]: {events[-2:]}"
@@ -105,6 +100,16 @@ class Load:
                     self.first_replica = json.loads(line[6:])["kvharbor"]["replica_id"]
                     self.first_token.set()
                     break
+
+
+def _refused(r, sent: float) -> Outcome:
+    """A request answered with an HTTP error (streamed or not): shed by the overload guard, an
+    OpenAI-shaped 503, or lost (anything else)."""
+    if _shed(r):
+        return Outcome("shed", sent, detail=r.text[:300], retry_after_s=float(r.headers["retry-after"]))
+    err = r.json().get("error", {}) if r.headers.get("content-type", "").startswith("application/json") else {}
+    kind = "error" if r.status_code == 503 and {"message", "type", "code"} <= set(err) else "lost"
+    return Outcome(kind, sent, code=err.get("code"), detail=r.text[:300])
 
 
 def _shed(r) -> bool:
