@@ -13,7 +13,7 @@ def _req(logprobs: int | None, temperature: float = 1.0) -> Request:
 
 
 def test_rows_that_ask_get_the_log_softmax_and_the_top_k():
-    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 0.0, 5.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 0.0, 5.0, 0.0], [0.0, 1.0, 2.0, 3.0]])
     out = token_logprobs(logits, [_req(2), _req(None), _req(0, temperature=0.1)], [1, 2, 3])
     ref = torch.log_softmax(logits, dim=-1)
     assert out[1] is None

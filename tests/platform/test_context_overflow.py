@@ -63,6 +63,14 @@ def test_the_one_turn_before_the_last_may_go_too():
     assert (fitted.dropped_messages, fitted.dropped_tokens) == (1, 501)
 
 
+def test_the_last_message_stays_when_it_is_an_assistant_turn():
+    """A chat that ends with an assistant turn (an answer to continue): the turns before it
+    go, the last one stays even though it is an assistant's."""
+    messages = chat(2)[:-1]                          # ... u1, a1
+    fitted = truncate_oldest(messages, render, 21 + 101)
+    assert (fitted.dropped_messages, len(fitted.token_ids)) == (3, 21 + 101)
+
+
 def test_nothing_is_dropped_when_even_system_plus_last_do_not_fit():
     fitted = truncate_oldest(chat(3), render, 50)
     assert fitted.dropped_tokens == 0 and len(fitted.token_ids) == len(render(chat(3)))

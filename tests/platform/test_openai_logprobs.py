@@ -7,6 +7,7 @@ from __future__ import annotations
 import openai
 import pytest
 
+from kvharbor.platform import openai_shapes as shapes
 from tests.conftest import DEMO
 
 
@@ -203,3 +204,20 @@ def test_echo_with_max_tokens_zero_answers_the_prompt_alone(client, kvharbor_app
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.chat.completions.create(model=kvharbor_app.model, messages=[{"role": "user", "content": "x"}],
                                        max_tokens=0)
+
+
+# ---- the shapes for tokens of several characters, and beyond ASCII -----------------------------
+# (the builtin tokenizers' tokens are single bytes, so the HTTP tests above cannot tell these apart)
+TEXT_OF = {1: "Hello", 2: ",", 3: " w\u00f6rld"}.get
+
+
+def test_text_offsets_count_each_tokens_characters():
+    part = shapes.completion_logprobs([(-0.1, ()), (-0.2, ()), (-0.3, ())], [1, 2, 3], TEXT_OF, 4)
+    assert part["tokens"] == ["Hello", ",", " w\u00f6rld"]
+    assert part["text_offset"] == [4, 9, 10]
+
+
+def test_chat_logprob_bytes_are_each_tokens_utf8():
+    entry = shapes.chat_logprobs([(-0.5, ((3, -0.5), (1, -1.5)))], [3], TEXT_OF)["content"][0]
+    assert entry["bytes"] == [32, 119, 195, 182, 114, 108, 100]
+    assert [t["bytes"] for t in entry["top_logprobs"]] == [[32, 119, 195, 182, 114, 108, 100], list(b"Hello")]
