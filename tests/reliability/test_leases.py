@@ -80,8 +80,9 @@ def test_a_failed_renewal_is_tried_again_next_period():
 
 def test_a_hung_renewal_gives_up_and_a_keeper_that_went_idle_starts_again():
     """A renewal call that never answers (a wedged actor) is abandoned after ``timeout_s`` and
-    tried again, and a keeper whose leases were all dropped (its loop ended) renews the next
-    lease it holds: either way the leases of running requests keep being renewed."""
+    tried again, and a keeper whose leases were all dropped (its loop ended, with no call for
+    no leases) renews the next lease it holds: either way the leases of running requests keep
+    being renewed."""
     table = LeaseTable(lease_s=0.6)
     calls = []
 
@@ -100,16 +101,17 @@ def test_a_hung_renewal_gives_up_and_a_keeper_that_went_idle_starts_again():
         keeper.drop("a")
         table.pop("a")                            # released, as a finished request does
         await asyncio.sleep(0.3)                  # nothing held: the loop ends
-        renewals = len(calls)
+        renewals, idle = len(calls), keeper._task.done()
         table.add("b", "slot-b")
         keeper.hold("b")
         await asyncio.sleep(1.3)
         expired_b = table.expire()
         keeper.drop("b")
-        return expired_a, calls[renewals:], expired_b
+        return expired_a, calls[renewals:], expired_b, idle
 
-    expired_a, after_idle, expired_b = asyncio.run(scenario())
+    expired_a, after_idle, expired_b, idle = asyncio.run(scenario())
     assert expired_a == [], "the lease ran out behind a renewal that never answered"
+    assert idle and all(calls), "a keeper that holds nothing still ran (or called the actor with no leases)"
     assert expired_b == [] and len(after_idle) >= 4 and all(ids == ["b"] for ids in after_idle), after_idle
 
 
