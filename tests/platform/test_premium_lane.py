@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import socket
 
 import pytest
 
 from kvharbor.platform.openai_protocol import APIError
-from kvharbor.platform.premium_lane import check_lane
+from kvharbor.platform.premium_lane import check_lane, listening_socket
 from kvharbor.tenants.schema import QoSClassConfig
 from tests.conftest import DEMO
 
@@ -77,3 +78,24 @@ def test_the_lane_listens_on_loopback_unless_a_host_is_named(monkeypatch):
         assert lane_host() == "127.0.0.1"
     monkeypatch.setenv(HOST_VAR, " ::1 ")
     assert lane_host() == "::1"
+
+
+def test_the_lane_binds_an_ipv6_host_and_a_busy_port_fails_its_start_by_name():
+    """``::1`` (as ``KVHARBOR_PREMIUM_HOST`` may name) gets an IPv6 socket; a port another
+    server listens on fails the lane's start with the address and what to change."""
+    taken = listening_socket("127.0.0.1", 0)
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        with pytest.raises(RuntimeError, match=f"cannot listen on 127.0.0.1:{port} .*another premium_port"):
+            listening_socket("127.0.0.1", port)
+    finally:
+        taken.close()
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("this host has no IPv6 loopback")
+    v6 = listening_socket("::1", 0)
+    assert v6.family == socket.AF_INET6
+    v6.close()
