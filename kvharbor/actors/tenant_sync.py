@@ -2,8 +2,9 @@
 prefixes, LoRA adapters.
 
 Region bounds: the floor is ``max(engine pinned_kv_blocks, sum of tenants' pinned_kv_blocks,
-pinned_region.floor_blocks)``; the ceiling is ``pinned_region.ceiling_blocks`` (None: a fixed
-region of the floor). Between them the engine sizes the region by premium demand
+pinned_region.floor_blocks)``; the ceiling is ``pinned_region.ceiling_blocks``, else the
+engine's own ``pinned_kv_blocks_max`` (None: a fixed region of the floor), at start and
+after every reload alike. Between them the engine sizes the region by premium demand
 (``kvharbor.engine.pinned_sizer``) and retries every step until it has its target size.
 
 A reload applies, in this order: QoS classes; release of prefixes no longer configured (so
@@ -36,19 +37,24 @@ class TenantSync:
     def __init__(self, path: str) -> None:
         self.registry = TenantRegistry(path)
         self.base_pinned = 0
+        self.base_ceiling: int | None = None        # the engine's own pinned_kv_blocks_max
         self.pinned: dict[tuple[str, str], list] = {}       # (tenant, text) -> blocks
 
     def floor(self) -> int:
         region = self.registry.config.pinned_region
         return max(self.base_pinned, self.registry.pinned_kv_blocks_total(), region.floor_blocks)
 
+    def ceiling(self) -> int | None:
+        """``pinned_region.ceiling_blocks``, else the engine's own (None: a fixed region)."""
+        region = self.registry.config.pinned_region
+        return region.ceiling_blocks if region.ceiling_blocks is not None else self.base_ceiling
+
     def apply_to_config(self, config: EngineConfig) -> EngineConfig:
-        self.base_pinned = config.pinned_kv_blocks
+        self.base_pinned, self.base_ceiling = config.pinned_kv_blocks, config.pinned_kv_blocks_max
         region = self.registry.config.pinned_region
         return config.model_copy(update={
             "qos_classes": qos_specs(self.registry), "pinned_kv_blocks": self.floor(),
-            "pinned_kv_blocks_max": region.ceiling_blocks or config.pinned_kv_blocks_max,
-            "pinned_demand_window_s": region.demand_window_s})
+            "pinned_kv_blocks_max": self.ceiling(), "pinned_demand_window_s": region.demand_window_s})
 
     def pin_prefixes(self, engine) -> None:
         """Release prefixes no longer configured, then pin every configured one not pinned yet."""
@@ -126,9 +132,7 @@ class TenantSync:
         self._release_removed(engine, self._wanted())
         region = self.registry.config.pinned_region
         sizer = engine.scheduler.sizer
-        sizer.floor, sizer.window_s = self.floor(), region.demand_window_s
-        sizer.ceiling = region.ceiling_blocks if region.ceiling_blocks is not None else \
-            engine.config.pinned_kv_blocks_max
+        sizer.floor, sizer.ceiling, sizer.window_s = self.floor(), self.ceiling(), region.demand_window_s
         self.tick(engine)
         self.pin_prefixes(engine)
         return True

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import random
 
+import pytest
 import yaml
 
 from kvharbor.actors.tenant_sync import TenantSync
@@ -212,8 +213,36 @@ def test_a_reload_reaches_the_classes_sessions_region_bounds_and_prefixes(tenant
     assert engine.config.qos_classes["batch"].priority == priority + 1
     assert engine.sessions.limits_for("acme").ttl_s == 7.0
     sizer = engine.scheduler.sizer
-    assert sizer.window_s == 2.0 and sizer.ceiling == engine.config.pinned_kv_blocks_max
+    assert sizer.window_s == 2.0 and sizer.ceiling is None     # the engine's config sets none
     assert len(engine.pinned_prefixes) == 2       # the new prompt pinned, the old one not again
+    engine.check_integrity()
+
+
+@pytest.mark.parametrize("own_ceiling", [None, 20])
+def test_a_reload_that_drops_the_ceiling_gives_the_engines_own_back(tenants_file, own_ceiling):
+    """tenants.yaml set ceiling_blocks 48 at start; a reload without it leaves the engine's own
+    ceiling (build_app's pinned_kv_blocks_max), as a start without it would: none, a region
+    fixed at its floor that premium demand no longer grows; or 20. (The reload kept the 48
+    tenants.yaml had set.)"""
+    def bounded(data):
+        _reserve(4, prefixes=[])(data)
+        data["pinned_region"] = {"floor_blocks": 4, "ceiling_blocks": 48, "demand_window_s": 1.0}
+    _write(tenants_file, bounded)
+    sync = TenantSync(str(tenants_file))
+    engine = _engine(sync, pinned_kv_blocks_max=own_ceiling)
+    assert engine.scheduler.sizer.ceiling == 48
+    _write(tenants_file, lambda data: data["pinned_region"].pop("ceiling_blocks"))
+    assert sync.maybe_reload(engine)
+    rng = random.Random(4)
+    for i in range(3):                                       # 3 x 10 blocks of premium work
+        engine.add_request(f"p{i}", [rng.randrange(256) for _ in range(150)],
+                           SamplingParams(max_tokens=8, ignore_eos=True), qos="premium")
+    peak = 0
+    for _ in range(40):
+        engine.step()
+        peak = max(peak, engine.pool.num_pinned)
+    assert not engine.has_unfinished()
+    assert peak == (4 if own_ceiling is None else 20), f"region peaked at {peak} blocks"
     engine.check_integrity()
 
 
