@@ -38,7 +38,7 @@ class TenantSync:
         self.registry = TenantRegistry(path)
         self.base_pinned = 0
         self.base_ceiling: int | None = None        # the engine's own pinned_kv_blocks_max
-        self.pinned: dict[tuple[str, str], list] = {}       # (tenant, text) -> blocks
+        self.pinned: dict[tuple, list] = {}       # (tenant, text, cache salt, class) -> blocks
 
     def floor(self) -> int:
         region = self.registry.config.pinned_region
@@ -60,13 +60,14 @@ class TenantSync:
         """Release prefixes no longer configured, then pin every configured one not pinned yet."""
         wanted = self._wanted()
         self._release_removed(engine, wanted)
-        for (name, text), tenant in wanted.items():
-            if (name, text) in self.pinned:
+        for key in wanted:
+            if key in self.pinned:
                 continue
+            name, text, salt, qos = key
             tokens = system_prompt_tokens(engine.tokenizer, text)
             try:
-                engine.pin_prefix(tokens, qos=tenant.qos, cache_salt=self.registry.cache_salt(name))
-                self.pinned[(name, text)] = engine.pinned_prefixes[-1]
+                engine.pin_prefix(tokens, qos=qos, cache_salt=salt)
+                self.pinned[key] = engine.pinned_prefixes[-1]
             except (RuntimeError, ValueError) as e:
                 logger.error("cannot pin prefix of tenant %s: %s", name, e)
 
@@ -113,11 +114,15 @@ class TenantSync:
             ttl, cap = tenant.session_limits(config.qos_classes[tenant.qos])
             engine.set_session_limits(name, ttl, cap)
 
-    def _wanted(self) -> dict:
-        return {(name, text): tenant for name, tenant in self.registry.config.tenants.items()
-                for text in tenant.pinned_prefixes}
+    def _wanted(self) -> dict[tuple, None]:
+        """Each configured prefix as (tenant, text, cache salt, class), in the file's order: a
+        tenant moved to another cache scope or class has its prefixes pinned again there (the
+        old copies are released as removed ones)."""
+        return dict.fromkeys((name, text, self.registry.cache_salt(name), tenant.qos)
+                             for name, tenant in self.registry.config.tenants.items()
+                             for text in tenant.pinned_prefixes)
 
-    def _release_removed(self, engine, wanted: dict) -> None:
+    def _release_removed(self, engine, wanted: dict[tuple, None]) -> None:
         for key in list(self.pinned):
             if key not in wanted:
                 engine.unpin_prefix(self.pinned.pop(key))

@@ -193,6 +193,29 @@ def test_a_tenants_pinned_prompt_is_pinned_in_that_tenants_cache_scope(tenants_f
     assert out.num_cached_tokens == len(system) // 16 * 16 > 0
 
 
+def test_a_pinned_prompt_follows_its_tenant_into_a_new_cache_scope(tenants_file):
+    """acme moves from its private scope to the public one: its pinned prompt is pinned again
+    under the new scope's hashes (its requests, which now carry no salt, hit it) and the old
+    copy is released, not left holding pinned blocks no request can reach."""
+    from kvharbor.actors.replica_sync import system_prompt_tokens
+
+    _write(tenants_file, _reserve(16))
+    sync = TenantSync(str(tenants_file))
+    engine = _engine(sync)
+    held = engine.pool.region_counts("pinned")["permanent"]
+    _write(tenants_file, lambda data: data["tenants"]["acme"].update(cache_scope="public"))
+    assert sync.maybe_reload(engine)
+    assert sync.registry.cache_salt("acme") is None
+    assert len(engine.pinned_prefixes) == 1
+    assert engine.pool.region_counts("pinned")["permanent"] == held
+    system = system_prompt_tokens(engine.tokenizer, sync.registry.config.tenants["acme"].pinned_prefixes[0])
+    engine.add_request("turn", system + [5] * 20, SamplingParams(max_tokens=1), tenant="acme",
+                       qos="premium", cache_salt=None)
+    out = next(o for o in engine.step() if o.request_id == "turn")
+    assert out.num_cached_tokens == len(system) // 16 * 16 > 0
+    engine.check_integrity()
+
+
 def test_a_reload_reaches_the_classes_sessions_region_bounds_and_prefixes(tenants_file):
     def before(data):
         _reserve(4)(data)
