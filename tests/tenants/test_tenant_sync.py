@@ -37,6 +37,22 @@ def _reserve(blocks: int, prefixes: list[str] | None = None):
     return edit
 
 
+def _premium_peak(engine: Engine, seed: int) -> int:
+    """Run 3 premium requests of 150 random tokens + 8 generated (~30 blocks of demand) to the
+    end, checking the pool's integrity each step; the pinned region's largest size meanwhile."""
+    rng = random.Random(seed)
+    for i in range(3):
+        engine.add_request(f"p{i}", [rng.randrange(256) for _ in range(150)],
+                           SamplingParams(max_tokens=8, ignore_eos=True), qos="premium")
+    peak = 0
+    for _ in range(40):
+        engine.step()
+        peak = max(peak, engine.pool.num_pinned)
+        engine.check_integrity()
+    assert not engine.has_unfinished()
+    return peak
+
+
 def test_reload_releases_removed_prefixes_before_shrinking(tenants_file):
     _write(tenants_file, _reserve(16))
     sync = TenantSync(str(tenants_file))
@@ -84,16 +100,7 @@ def test_region_grows_with_premium_demand_and_shrinks_back_to_its_floor(tenants_
     now = [0.0]
     engine.scheduler.clock = lambda: now[0]
     engine.scheduler.sizer.shrink_after_s = 1.0
-    rng = random.Random(1)
-    for i in range(3):                                       # 3 x 10 blocks of premium work
-        engine.add_request(f"p{i}", [rng.randrange(256) for _ in range(150)],
-                           SamplingParams(max_tokens=8, ignore_eos=True), qos="premium")
-    peak = 0
-    for _ in range(40):
-        engine.step()
-        peak = max(peak, engine.pool.num_pinned)
-        engine.check_integrity()
-    assert not engine.has_unfinished()
+    peak = _premium_peak(engine, seed=1)
     assert 30 <= peak <= 48, f"region peaked at {peak} blocks for ~30 blocks of premium demand"
     for t in (5.0, 6.5):                                     # window over, then the shrink delay
         now[0] = t
@@ -256,15 +263,7 @@ def test_a_reload_that_drops_the_ceiling_gives_the_engines_own_back(tenants_file
     assert engine.scheduler.sizer.ceiling == 48
     _write(tenants_file, lambda data: data["pinned_region"].pop("ceiling_blocks"))
     assert sync.maybe_reload(engine)
-    rng = random.Random(4)
-    for i in range(3):                                       # 3 x 10 blocks of premium work
-        engine.add_request(f"p{i}", [rng.randrange(256) for _ in range(150)],
-                           SamplingParams(max_tokens=8, ignore_eos=True), qos="premium")
-    peak = 0
-    for _ in range(40):
-        engine.step()
-        peak = max(peak, engine.pool.num_pinned)
-    assert not engine.has_unfinished()
+    peak = _premium_peak(engine, seed=4)
     assert peak == (4 if own_ceiling is None else 20), f"region peaked at {peak} blocks"
     engine.check_integrity()
 
