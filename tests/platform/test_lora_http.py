@@ -110,3 +110,27 @@ def test_an_adapter_added_to_tenants_yaml_is_served_until_it_is_removed(client, 
         client.completions.create(model="hot", prompt="Once upon a time", max_tokens=2)
     for stats in kvharbor_app.replica_call("stats").values():             # unloaded everywhere
         assert list(stats["lora_adapters"]) == [LORA]
+
+
+@pytest.mark.parametrize("key", [DEMO["standard"], DEMO["premium"]], ids=["standard", "premium"])
+def test_a_request_for_an_adapter_that_failed_to_load_is_a_400_streamed_or_not(kvharbor_app, key):
+    """tenants.yaml lists an adapter whose weights are broken: the gateways serve its name, the
+    replicas refuse its requests with the reason. Streamed (through Serve for standard, a
+    direct stream for premium) the client gets the same HTTP 400 and JSON body as unstreamed,
+    not a 200 stream that carries the error."""
+    from tests.conftest import write_test_adapter
+    from tests.reliability.helpers import edited_tenants
+
+    broken = kvharbor_app.tenants_path.parent / "broken-lora"
+    write_test_adapter(broken, seed=12)
+    (broken / "adapter_model.safetensors").write_bytes(b"not safetensors")
+
+    def add(doc):
+        doc["lora_adapters"] = {"broken": {"path": "broken-lora"}}
+
+    body = {"model": "broken", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
+    with edited_tenants(kvharbor_app, add), kvharbor_app.client(key) as c:
+        for stream in (False, True):
+            r = c.post("/v1/chat/completions", json={**body, "stream": stream})
+            assert r.status_code == 400, (stream, r.text)
+            assert "LoRA adapter 'broken' could not be loaded" in r.json()["error"]["message"], r.text
