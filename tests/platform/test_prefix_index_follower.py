@@ -407,3 +407,108 @@ def test_closed_flags_reach_the_follower_by_replay_and_by_snapshot():
     assert follower.counters.snapshots == 2
     assert follower.index.closed_replicas() == ["b", "c"] == shard._index.closed_replicas()
     assert views(follower.index) == views(shard._index)
+
+
+def test_a_shard_never_heard_from_makes_the_lag_unbounded():
+    """The router exports ``lag_s`` as its index lag: a shard that never answered is not
+    'just synced' (0 s) but infinitely behind."""
+    answering, silent = LocalShard(DirectoryShard()), LocalShard(DirectoryShard())
+    silent.fail = True
+    follower = IndexFollower([answering, silent])
+    asyncio.run(follower.poll_once())
+    assert follower.lag_s() == float("inf")
+    silent.fail = False
+    asyncio.run(follower.poll_once())
+    assert follower.lag_s() < 1.0
+
+
+def test_a_directory_outage_is_logged_once_until_the_shard_answers_again(caplog):
+    """Polls run every 20 ms: a shard that stays down logs one warning, not one per poll;
+    a new outage after it answered again logs once more."""
+    local = LocalShard(DirectoryShard())
+    follower = IndexFollower([local])
+    local.fail = True
+    with caplog.at_level("WARNING", logger="kvharbor.platform.index_follower"):
+        for _ in range(3):
+            asyncio.run(follower.poll_once())
+        assert len(caplog.records) == 1 and "poll failed" in caplog.records[0].getMessage()
+        local.fail = False
+        asyncio.run(follower.poll_once())
+        local.fail = True
+        asyncio.run(follower.poll_once())
+    assert len(caplog.records) == 2
+    assert follower.counters.poll_errors == 4
+
+
+def test_an_actor_shard_waits_retry_s_before_looking_a_missing_directory_up_again():
+    """Each lookup asks Ray's GCS (in a thread): a directory that does not exist yet is looked
+    up again only after ``retry_s``, not at every poll."""
+    from kvharbor.platform.index_follower import ActorShard
+
+    lookups = []
+
+    def missing():
+        lookups.append(1)
+        raise ValueError("Failed to look up actor 'kvh-test'")
+
+    shard = ActorShard("kvh-test", None, timeout_s=1.0, retry_s=60.0)
+    shard._get_actor = missing
+    with pytest.raises(ValueError):
+        asyncio.run(shard.poll(None, 0, 16))
+    for _ in range(3):
+        with pytest.raises(LookupError, match="not found yet"):
+            asyncio.run(shard.poll(None, 0, 16))
+    assert len(lookups) == 1
+
+
+def test_a_busy_follower_pauses_poll_interval_s_not_the_idle_interval():
+    follower = IndexFollower([], poll_interval_s=0.01, idle_poll_interval_s=1.0, stale_after_s=5.0)
+
+    async def paused() -> float:
+        follower.hurry()
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        await follower.pause()
+        return loop.time() - start
+
+    assert asyncio.run(paused()) < 0.5
+
+
+def test_a_snapshot_lets_routing_decisions_run_between_its_replicas():
+    """A snapshot of a big fleet is applied a replica at a time, yielding the router's loop
+    in between, so decisions made meanwhile are not held up for the whole snapshot."""
+    shard = DirectoryShard()
+    for r in "abcd":
+        shard.apply_events(r, 0, chain(3, r))
+    follower = IndexFollower([LocalShard(shard)])
+
+    async def go() -> list[int]:
+        seen: list[int] = []
+
+        async def decisions():
+            for _ in range(20):
+                seen.append(len(follower.index.replicas()))
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(decisions())
+        await asyncio.sleep(0)
+        await follower.poll_once()                         # a new follower: a snapshot
+        await task
+        return seen
+
+    seen = asyncio.run(go())
+    assert any(0 < n < 4 for n in seen), seen
+    assert follower.index.replicas() == list("abcd")
+
+
+def test_a_snapshot_keeps_the_follower_at_full_pace():
+    """A snapshot (a new router, a restarted directory) means the fleet's views just changed:
+    the follower polls at full pace after it, as after entries, not at the idle pace."""
+    now = [10.0]
+    shard = DirectoryShard()
+    shard.apply_events("a", 0, chain(2, "a"))
+    follower = IndexFollower([LocalShard(shard)], idle_after_s=1.0, clock=lambda: now[0])
+    now[0] = 20.0
+    assert follower.idle()
+    asyncio.run(follower.poll_once())                   # a new follower: a snapshot
+    assert follower.counters.snapshots == 1 and not follower.idle()
