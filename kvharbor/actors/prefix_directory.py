@@ -180,13 +180,11 @@ class PrefixIndex:
         """
         bits = {tier: _tier_bit(tier) for tier in hashes_by_tier}
         with self._lock:
-            self._drop_replica(replica_id)
+            self._drop_replica(replica_id)            # also ends awaiting a resync, trimmed
             self._by_replica[replica_id] = set()
             for tier, hashes in hashes_by_tier.items():
                 self._store(replica_id, hashes, bits[tier])
             self._next_seq[replica_id] = seq_no + 1
-            self._resync_needed.discard(replica_id)
-            self._trimmed.discard(replica_id)
             self._set_closed(replica_id, closed)
             self._evict_overflow()
             self._counters["resyncs"] += 1

@@ -144,6 +144,11 @@ def test_remove_replica_forgets_it_and_restarts_its_sequence(make_index):
     assert idx.match(h)["a"].blocks == 2
     assert idx.stats()["num_entries"] == 3
     idx.check_integrity()
+    assert not idx.apply_events("b", 5, stored=h)                # a gap: awaiting a resync
+    idx.remove_replica("b")
+    assert not idx.needs_resync("b")
+    assert idx.apply_events("b", 0, stored=h[:1])               # forgotten: starts afresh
+    assert idx.match(h)["b"].blocks == 1
 
 
 def test_memory_bound_evicts_least_recently_stored_or_matched(make_index):
@@ -163,6 +168,18 @@ def test_memory_bound_evicts_least_recently_stored_or_matched(make_index):
     assert idx.apply_events("b", 1, removed=hot)   # removal of forgotten blocks is a no-op
     idx.check_integrity()
 
+
+def test_the_bound_forgetting_a_host_only_entry_keeps_the_host_count(make_index):
+    """Host-only entries are counted (while any exist, a router's read-only match takes the
+    slow path that counts host blocks); one the bound forgets leaves the count."""
+    idx = make_index(max_blocks=3)
+    host, dev = chain(2, "host"), chain(2, "dev")
+    assert idx.apply_events("a", 0, stored=host, tier="host")
+    assert idx.apply_events("a", 1, stored=dev)                  # 4 > 3: host[0] goes
+    assert idx.match(host) == {}
+    idx.check_integrity()
+    assert idx.apply_events("a", 2, stored=chain(2, "more"))     # host[1] goes too
+    idx.check_integrity()
 
 def test_a_hash_stored_again_becomes_the_most_recent(make_index):
     """A hash another replica stores (a second holder of a popular prefix) is fresh again for
