@@ -88,7 +88,8 @@ class LoRAAdapter:
                 raise ValueError(f"LoRA adapter {name!r}: tensor {key!r} is not a LoRA weight of "
                                  f"a projection kvharbor adapts ({', '.join(TARGETS)})")
             pairs.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = value
-        alpha, rslora = float(config.get("lora_alpha", config.get("r", 8))), bool(config.get("use_rslora"))
+        # a config without lora_alpha gets PEFT's default (LoraConfig.lora_alpha = 8), as PEFT loads it
+        alpha, rslora = float(config.get("lora_alpha", 8)), bool(config.get("use_rslora"))
         layers: list[dict] = [{} for _ in inner.layers]
         rank = 0
         ref = next(iter(model.parameters()))

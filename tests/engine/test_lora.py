@@ -158,6 +158,14 @@ REFUSALS = {
                                          torch.zeros(8, 256)}, "layer 9 q_proj has no such layer"),
     "B missing": (None, lambda w: {k: v for k, v in w.items() if "layers.2.mlp.up_proj.lora_B" not in k},
                   "layer 2 up_proj has only lora_A"),
+    "B of another model": (None, lambda w: {k: torch.zeros(7, v.shape[1]) if k.endswith("layers.0.self_attn.q_proj.lora_B.weight")
+                                            else v for k, v in w.items()}, r"q_proj has A \(8, 256\) and B \(7, 8\)"),
+    "no projection": (None, lambda w: {**w, "base_model.model.model.layers.0.mlp.act_fn.lora_A.weight": torch.zeros(8, 256)},
+                      "act_fn.lora_A.weight' is not a LoRA weight of a projection"),
+    "no weights": (None, lambda w: {}, "holds no LoRA weights"),
+    "peft_type": ({"peft_type": "IA3"}, None, "peft_type 'IA3'"),
+    "lora_bias": ({"lora_bias": True}, None, "trained biases"),
+    "fan_in_fan_out": ({"fan_in_fan_out": True}, None, "fan_in_fan_out"),
 }
 
 
@@ -172,12 +180,82 @@ def test_checkpoints_it_cannot_serve_are_refused_by_reason(case, adapters, tmp_p
 
 
 def test_rank_limit_and_missing_checkpoints_are_refused(adapters, tmp_path):
-    with pytest.raises(ValueError, match="rank 8 at layer 0 .* exceeds max_lora_rank=4"):
-        LLM("kvharbor/tiny-llama", device="cpu", num_kv_blocks=64, max_lora_rank=4,
+    with pytest.raises(ValueError, match="rank 8 at layer 0 .* exceeds max_lora_rank=7"):
+        LLM("kvharbor/tiny-llama", device="cpu", num_kv_blocks=64, max_lora_rank=7,
             lora_modules={"all": str(adapters["root"] / "all")})
+    assert LLM("kvharbor/tiny-llama", device="cpu", num_kv_blocks=64, max_lora_rank=8,
+               lora_modules={"all": str(adapters["root"] / "all")}).stats()["lora_adapters"]["all"]["rank"] == 8
     llm = LLM("kvharbor/tiny-llama", device="cpu", num_kv_blocks=64)
     with pytest.raises(ValueError, match="no readable adapter_config.json"):
         llm.engine.add_lora("gone", str(tmp_path / "nowhere"))
     with pytest.raises(ValueError, match="LoRA adapters run on kvharbor's model path"):
         LLM("kvharbor/tiny-llama", device="cpu", num_kv_blocks=64, model_path="transformers",
             lora_modules={"all": str(adapters["root"] / "all")})
+
+
+def test_one_adapter_beside_base_rows_changes_only_its_own_rows(adapters):
+    """A batch of one adapter's requests and base-model requests: the adapter's delta goes to
+    its rows only (each output equals its own model's)."""
+    llm = LLM("kvharbor/tiny-llama", device="cpu", num_kv_blocks=256)
+    prompts = [random_prompt(n, seed) for seed, n in enumerate((12, 40, 7, 25))]
+    names = ["all", None, "all", None]
+    outs = llm.generate(prompts, greedy(NEW), lora_request=_requests(adapters, names))
+    for name, model in (("all", adapters["oracles"]["all"]), (None, adapters["base"])):
+        idx = [i for i, n in enumerate(names) if n == name]
+        assert [outs[i].token_ids for i in idx] == hf_greedy(model, [prompts[i] for i in idx], NEW), name
+
+
+def test_a_config_without_lora_alpha_scales_as_peft_loads_it(adapters, tmp_path):
+    """PEFT fills a missing lora_alpha with its default (8), not with r: an r-4 adapter then
+    scales its delta by 2, and generates what PEFT generates from the same directory."""
+    from peft import PeftModel
+
+    src = tmp_path / "r4"
+    _adapter(adapters["base"], src, 3, r=4, lora_alpha=4, target_modules=["q_proj", "v_proj", "down_proj"])
+    cfg = json.loads((src / "adapter_config.json").read_text())
+    del cfg["lora_alpha"]
+    (src / "adapter_config.json").write_text(json.dumps(cfg))
+    oracle = PeftModel.from_pretrained(copy.deepcopy(adapters["base"]), str(src)).eval()
+    assert oracle.base_model.model.model.layers[0].self_attn.q_proj.scaling["default"] == 2.0
+    llm = LLM("kvharbor/tiny-llama", device="cpu", num_kv_blocks=64, lora_modules={"r4": str(src)})
+    prompt = random_prompt(30, 4)
+    [out] = llm.generate([prompt], greedy(NEW), lora_request=LoRARequest("r4", 1, str(src)))
+    assert out.token_ids == hf_greedy(oracle, [prompt], NEW)[0]
+
+
+def test_the_reported_rank_is_the_largest_of_the_modules(adapters, tmp_path):
+    """Per-module ranks (PEFT's rank_pattern): stats report the adapter's largest rank."""
+    def shrink(w):
+        out = dict(w)
+        for k in [k for k in w if ".layers.3.self_attn.v_proj." in k]:
+            out[k] = (w[k][:4] if "lora_A" in k else w[k][:, :4]).contiguous()
+        return out
+
+    path = _edited(adapters["root"] / "all", tmp_path / "mixed", tensors=shrink)
+    llm = LLM("kvharbor/tiny-llama", device="cpu", num_kv_blocks=64, lora_modules={"mixed": str(path)})
+    assert llm.stats()["lora_adapters"]["mixed"]["rank"] == 8
+
+
+def test_loads_by_name_and_path_and_failures_are_kept_until_a_good_load(adapters, tmp_path):
+    """One checkpoint spelled two ways is one adapter; a failed load is kept (stats, and the
+    error a request naming it gets) until the name loads from a good checkpoint or is removed;
+    an adapter needs a name."""
+    llm = LLM("kvharbor/tiny-llama", device="cpu", num_kv_blocks=64)
+    good = adapters["root"] / "all"
+    (good.parent / "elsewhere").mkdir(exist_ok=True)
+    llm.engine.add_lora("all", f"{good.parent}/elsewhere/../all/")
+    llm.engine.add_lora("all", str(good))                   # the same path: no error, no reload
+    assert list(llm.engine.loras.adapters) == ["all"]
+    with pytest.raises(ValueError, match="non-empty name"):
+        llm.engine.add_lora("", str(good))
+    with pytest.raises(ValueError, match="no readable adapter_config.json"):
+        llm.engine.add_lora("late", str(tmp_path / "not yet"))
+    assert "no readable adapter_config.json" in llm.stats()["lora_adapters_failed"]["late"]
+    with pytest.raises(ValueError, match="'late' could not be loaded: .*no readable adapter_config"):
+        llm.engine.add_request("r", [1, 2, 3], greedy(2), lora="late")
+    llm.engine.add_lora("late", str(good))
+    assert llm.stats()["lora_adapters_failed"] == {}
+    with pytest.raises(ValueError):
+        llm.engine.add_lora("broken", str(tmp_path / "nowhere"))
+    assert llm.engine.loras.remove("broken") is False
+    assert llm.stats()["lora_adapters_failed"] == {}
