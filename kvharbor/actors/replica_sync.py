@@ -48,10 +48,7 @@ class DirectorySync:
     def publish(self, engine) -> None:
         """Submit this step's event batches (engine lock held; does not wait)."""
         batches = engine.drain_kv_events()
-        if not batches or self._resync_due:
-            return
-        if self._handle is None:          # the snapshot at the next resync covers them
-            self._resync_due = True
+        if not batches or self._resync_due:    # the snapshot due covers them (due from start)
             return
         for events in batches:
             self._pending.append(self._handle.apply_events.remote(

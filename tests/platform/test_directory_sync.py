@@ -4,6 +4,7 @@ replica's sync with it never waits while holding the engine lock."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
 import time
 
@@ -245,3 +246,73 @@ def test_batches_and_resyncs_tell_the_directory_whether_the_cache_is_prefix_clos
         assert handle.shard._index.is_closed("rep")
 
     asyncio.run(go())
+
+
+def test_a_snapshot_alone_carries_the_events_it_covers():
+    """While a snapshot is due no batch is sent (the directory, awaiting it, would refuse the
+    batch and the refusal would ask for yet another snapshot), and events the snapshot covers
+    are not sent again after it."""
+    engine, handle, sync = _synced_engine()
+
+    def sent():
+        return [call[0] for call in handle.calls]
+
+    async def go():
+        _run_prompt(engine, "a", list(range(100)))
+        sync.publish(engine)                             # a snapshot is due: nothing sent
+        assert sent() == []
+        _run_prompt(engine, "b", list(range(50, 150)))   # events after the last publish
+        await tick(sync, engine)
+        assert sent() == ["resync", "heartbeat"]
+        sync.publish(engine)                             # nothing happened since the snapshot
+        await tick(sync, engine)
+        assert sent() == ["resync", "heartbeat", "heartbeat"]
+        assert handle.shard.replica_hashes("rep") == engine.cached_block_hashes() != set()
+
+    asyncio.run(go())
+    assert sync.resyncs == 1
+
+
+def test_a_failed_snapshot_is_sent_again_at_the_next_tick():
+    """A snapshot call that failed leaves the directory's view as it was, even when its
+    heartbeat still knows the replica: the next tick sends another."""
+    engine, handle, sync = _synced_engine()
+
+    async def go():
+        _run_prompt(engine, "a", list(range(100)))
+        await tick(sync, engine)                                   # start: snapshot
+        _run_prompt(engine, "b", list(range(50, 150)))
+        resync, calls = handle.shard.resync, []
+
+        def flaky(*args):
+            calls.append(args)
+            if len(calls) == 1:
+                raise ConnectionError("the call failed")
+            return resync(*args)
+
+        handle.shard.resync = flaky
+        sync._resync_due = True                                    # e.g. after a gap
+        await tick(sync, engine)                                   # fails; the heartbeat knows "rep"
+        due = sync._resync_due
+        await tick(sync, engine)
+        return due
+
+    due = asyncio.run(go())
+    gc.collect()          # a call's unretrieved error is logged now, not while pytest reports
+    assert due, "the failed snapshot was not sent again"
+    assert handle.shard.replica_hashes("rep") == engine.cached_block_hashes()
+    assert sync.resyncs == 3
+
+
+def test_a_replica_closing_makes_the_directory_forget_it():
+    engine, handle, sync = _synced_engine()
+
+    async def go():
+        _run_prompt(engine, "a", list(range(100)))
+        await tick(sync, engine)
+        assert handle.shard.replicas() == ["rep"]
+        sync.close()
+        await asyncio.sleep(0)
+
+    asyncio.run(go())
+    assert handle.shard.replicas() == [] and ("remove_replica", "rep") in handle.calls
