@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from types import SimpleNamespace
 
 import httpx
@@ -54,6 +55,20 @@ def test_a_running_replica_is_ok_and_serve_is_asked_at_most_every_ttl(monkeypatc
         assert code == 200 and body["status"] == "ok" and body["llm_replicas"] == 2
     assert len(calls) == 1                            # the next two answers came from the cache
 
+
+def test_health_follows_the_replicas_once_its_cached_count_is_older_than_the_ttl(monkeypatch):
+    """Starting, then running: a gateway that first saw no replica reports them once its
+    cached count is ``ttl_s`` old (and is 503 until then)."""
+    running = [0]
+    monkeypatch.setattr(gateway.serve, "status", lambda: _status(running[0]))
+    gw = _gateway()
+    gw.llm_replicas.ttl_s = 0.05
+    assert _health(gw)[0] == 503
+    running[0] = 2
+    assert _health(gw)[0] == 503                      # within the ttl: the cached 0
+    time.sleep(0.06)
+    code, body = _health(gw)
+    assert code == 200 and body["llm_replicas"] == 2
 
 def test_health_does_not_flap_when_serve_cannot_say(monkeypatch):
     def down():
