@@ -180,7 +180,7 @@ class PrefixIndex:
         """
         bits = {tier: _tier_bit(tier) for tier in hashes_by_tier}
         with self._lock:
-            self._drop_replica(replica_id)            # also ends awaiting a resync, trimmed
+            self._drop_replica(replica_id)       # also clears its resync-needed and trimmed flags
             self._by_replica[replica_id] = set()
             for tier, hashes in hashes_by_tier.items():
                 self._store(replica_id, hashes, bits[tier])

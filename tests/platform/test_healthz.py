@@ -70,6 +70,7 @@ def test_health_follows_the_replicas_once_its_cached_count_is_older_than_the_ttl
     code, body = _health(gw)
     assert code == 200 and body["llm_replicas"] == 2
 
+
 def test_health_does_not_flap_when_serve_cannot_say(monkeypatch):
     def down():
         raise ConnectionError("controller restarting")

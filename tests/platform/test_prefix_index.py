@@ -181,6 +181,7 @@ def test_the_bound_forgetting_a_host_only_entry_keeps_the_host_count(make_index)
     assert idx.apply_events("a", 2, stored=chain(2, "more"))     # host[1] goes too
     idx.check_integrity()
 
+
 def test_a_hash_stored_again_becomes_the_most_recent(make_index):
     """A hash another replica stores (a second holder of a popular prefix) is fresh again for
     the bound: an older hash is forgotten before it."""
