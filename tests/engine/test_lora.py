@@ -49,6 +49,16 @@ def _requests(adapters, names):
             for i, n in enumerate(names)]
 
 
+def _assert_each_generates_as_its_model(adapters, prompts, names, outs) -> None:
+    """Each output equals PEFT's greedy generate with its adapter (``names[i]``; None: the base
+    model's)."""
+    for name in dict.fromkeys(names):
+        idx = [i for i, n in enumerate(names) if n == name]
+        model = adapters["base"] if name is None else adapters["oracles"][name]
+        want = hf_greedy(model, [prompts[i] for i in idx], NEW)
+        assert [outs[i].token_ids for i in idx] == want, name
+
+
 @pytest.mark.parametrize("path", ["fused", "unfused", "modules"])
 def test_adapters_and_base_in_one_batch_match_peft(path, adapters, monkeypatch):
     """16 prompts (1 to 330 tokens, chunked at 96) spread over 'all', 'attn' and the base
@@ -64,12 +74,7 @@ def test_adapters_and_base_in_one_batch_match_peft(path, adapters, monkeypatch):
     prompts = mixed_prompts()
     names = [("all", "attn", None)[i % 3] for i in range(len(prompts))]
     outs = llm.generate(prompts, greedy(NEW), lora_request=_requests(adapters, names))
-    oracles = adapters["oracles"]
-    for name in ("all", "attn", None):
-        idx = [i for i, n in enumerate(names) if n == name]
-        model = adapters["base"] if name is None else oracles[name]
-        want = hf_greedy(model, [prompts[i] for i in idx], NEW)
-        assert [outs[i].token_ids for i in idx] == want, name
+    _assert_each_generates_as_its_model(adapters, prompts, names, outs)
     base_of_adapted = hf_greedy(adapters["base"], [prompts[i] for i in range(len(prompts)) if names[i]], NEW)
     adapted = [outs[i].token_ids for i in range(len(prompts)) if names[i]]
     assert sum(a != b for a, b in zip(adapted, base_of_adapted)) >= len(adapted) // 2   # they change tokens
@@ -200,9 +205,7 @@ def test_one_adapter_beside_base_rows_changes_only_its_own_rows(adapters):
     prompts = [random_prompt(n, seed) for seed, n in enumerate((12, 40, 7, 25))]
     names = ["all", None, "all", None]
     outs = llm.generate(prompts, greedy(NEW), lora_request=_requests(adapters, names))
-    for name, model in (("all", adapters["oracles"]["all"]), (None, adapters["base"])):
-        idx = [i for i, n in enumerate(names) if n == name]
-        assert [outs[i].token_ids for i in idx] == hf_greedy(model, [prompts[i] for i in idx], NEW), name
+    _assert_each_generates_as_its_model(adapters, prompts, names, outs)
 
 
 def test_a_config_without_lora_alpha_scales_as_peft_loads_it(adapters, tmp_path):

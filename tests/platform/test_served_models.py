@@ -35,5 +35,6 @@ def test_lora_modules_win_a_name_tenants_yaml_also_gives_as_in_the_replicas():
     assert models.adapters == {"support": "/static/support"}
     with pytest.raises(APIError) as refused:
         models.check("extra")
-    assert refused.value.status == 404 and refused.value.code == "model_not_found" and "'base', 'support'" in str(refused.value)
+    assert refused.value.status == 404 and refused.value.code == "model_not_found"
+    assert "'base', 'support'" in str(refused.value)
     assert models.names() == ["base", "support"]
