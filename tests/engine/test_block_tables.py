@@ -118,6 +118,9 @@ def test_token_slots_are_each_tokens_own():
     pos, slots = token_slots(table[:4], decodes, [0, 1, 2, 3, 4], bs)
     assert (pos.tolist(), slots.tolist()) == expected_slots(blocks, decodes, [1] * 4, bs)
     assert pos.dtype == slots.dtype == np.int64
+    big = np.array([[2**28, 2**29]], dtype=np.int32)   # slot ids past int32: computed in int64
+    assert token_slots(big, [3], [0, 2], 16)[1].tolist() == [2**32 + 3, 2**32 + 4]
+    assert token_slots(big, [17], [0, 1], 16)[1].tolist() == [2**33 + 1]
 
 
 def test_every_step_computes_each_tokens_position_and_slot():

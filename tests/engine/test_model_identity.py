@@ -33,6 +33,20 @@ def test_identity_follows_the_checkpoint_files_not_the_name(tmp_path):
     assert len({first, new_weights, new_config}) == 3
 
 
+def test_identity_ignores_files_that_are_not_config_or_weights_and_follows_which_shard_holds_what(tmp_path):
+    """A README or tokenizer file added to a checkpoint leaves its identity (and so every cached
+    block) as it was; two weight shards that swap contents are another model."""
+    a = _checkpoint(tmp_path / "m", b"weights")
+    (tmp_path / "m" / "model-2.safetensors").write_bytes(b"second-shard")
+    before = model_identity(a)
+    (tmp_path / "m" / "README.md").write_text("a model card")
+    (tmp_path / "m" / "tokenizer_config.json").write_text("{}")
+    assert model_identity(a) == before
+    (tmp_path / "m" / "model.safetensors").write_bytes(b"second-shard")
+    (tmp_path / "m" / "model-2.safetensors").write_bytes(b"weights")
+    assert model_identity(a) != before
+
+
 def test_a_builtin_models_identity_follows_its_fields_and_the_library_versions(monkeypatch):
     """Read without transformers' config objects: a field kvharbor sets, the transformers
     version (every other field's default) and, for random weights, the torch version count."""

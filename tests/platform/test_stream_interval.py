@@ -63,6 +63,21 @@ def test_a_backlog_goes_as_one_event_and_keeps_logprobs_in_order():
     assert [lp for lp, _ in out[0]["logprobs"]] == [0.0, -1.0, -2.0, -3.0, -4.0]
 
 
+def test_the_final_event_is_not_merged_with_an_abort_queued_behind_it():
+    """``abort()`` racing the request's own end queues an abort event after the final one: the
+    stream ends with the request's own finish reason and tokens, and nothing after them."""
+    abort = {"token_ids": [], "text": "", "finish_reason": "abort"}
+    out = _run([_token(0), _token(1), _token(2, last=True), abort], interval=8, arrive_together=True)
+    assert [e["token_ids"] for e in out] == [[0, 1, 2]]
+    assert out[-1]["finish_reason"] == "length"
+
+
+def test_an_event_without_tokens_is_not_sent_as_the_first_token():
+    empty = {"token_ids": [], "text": "", "finish_reason": None}
+    out = _run([empty, _token(0), _token(1), _token(2, last=True)], interval=8)
+    assert [e["token_ids"] for e in out] == [[0], [1, 2]]
+
+
 def test_an_error_flushes_what_is_held_then_ends_the_stream():
     error = {"error": "replica engine failed", "status": 500}
     out = _run([_token(0), _token(1), _token(2), error, _token(3)], interval=8)
