@@ -65,8 +65,7 @@ def install_error_handlers(api: FastAPI) -> None:
             message = f"no route {request.url.path!r}; see /openapi.json for the API"
         elif exc.status_code == 405:
             message = f"method {request.method} is not allowed on {request.url.path!r}"
-        code = "request_too_large" if exc.status_code == 413 else None
-        return error_response(exc.status_code, message, code, headers=exc.headers)
+        return error_response(exc.status_code, message, headers=exc.headers)   # a 413: request_too_large
 
 
     @api.exception_handler(APIError)
