@@ -82,7 +82,9 @@ def test_counters_match_a_recount_after_a_workload():
         assert counts["cached"] == sum(b.ref_cnt == 0 and b.block_hash is not None for b in blocks)
         assert counts["free"] == sum(b.ref_cnt == 0 and b.block_hash is None for b in blocks)
         assert counts["permanent"] == sum(b.pin_cnt > 0 for b in blocks)
-    assert llm.stats()["pinned_blocks_used"] == 3
+    s = llm.stats()
+    assert s["pinned_blocks_used"] == 3 and s["blocks_used"] == 3 + s["shared_blocks_used"]
+    assert s["blocks_used"] + s["blocks_free"] == s["blocks_total"]
     llm.check_integrity()
 
 

@@ -151,8 +151,8 @@ def test_replica_records_sessions_blocks_by_tenant_expirations_and_hits():
 
 def test_replica_records_requests_by_lora_adapter_and_zeroes_an_unloaded_one(tmp_path):
     """Running and waiting requests per loaded adapter (an idle one at 0, base-model requests
-    not counted), the adapters' bytes as memory kind lora_adapters; once an adapter is no
-    longer loaded its series go to 0."""
+    not counted), the adapters' bytes as memory kind lora_adapters; an adapter removed while a
+    request of it waits is still counted, and once none is left its series go to 0."""
     from types import SimpleNamespace
 
     from kvharbor import LLM, SamplingParams
@@ -160,24 +160,34 @@ def test_replica_records_requests_by_lora_adapter_and_zeroes_an_unloaded_one(tmp
     from tests.conftest import write_test_adapter
 
     path = write_test_adapter(tmp_path / "a")
-    llm = LLM(device="cpu", num_kv_blocks=64, max_num_seqs=2, lora_modules={"a": path, "idle": path})
+    llm = LLM(device="cpu", num_kv_blocks=64, max_num_seqs=2, lora_modules={"a": path, "b": path, "idle": path})
     engine, sp = llm.engine, SamplingParams(max_tokens=8, ignore_eos=True)
-    for i, lora in enumerate(["a", "a", None]):
+    for i, lora in enumerate(["a", "a", None, "b"]):
         engine.add_request(f"r{i}", [3, 4, 5, 6], sp, lora=lora)
-    engine.step()                                      # two run, the third waits
+    engine.step()                                      # two run, the other two wait
     rec = _recorder_with_fakes()
     replica = SimpleNamespace(engine=engine, replica_id="r1", _reported={"evictions": 0}, metrics=rec,
                               _record_session_metrics=lambda: None, _open_direct_streams=lambda: 0)
     LLMReplica._record_metrics(replica)
     got = {(t["adapter"], t["state"]): n for n, t in rec._m["kvharbor_lora_requests"].calls}
-    assert got == {("a", "running"): 2, ("a", "waiting"): 0, ("idle", "running"): 0, ("idle", "waiting"): 0}
+    assert got == {("a", "running"): 2, ("a", "waiting"): 0, ("b", "running"): 0, ("b", "waiting"): 1,
+                   ("idle", "running"): 0, ("idle", "waiting"): 0}
     memory = {(t["location"], t["kind"]): n for n, t in rec._m["kvharbor_memory_bytes"].calls}
-    assert memory[("device", "lora_adapters")] == 2 * engine.loras.adapters["a"].nbytes > 0
+    assert memory[("device", "lora_adapters")] == 3 * engine.loras.adapters["a"].nbytes > 0
+
+    def record():
+        rec._m["kvharbor_lora_requests"].calls.clear()
+        LLMReplica._record_metrics(replica)
+        return {(t["adapter"], t["state"]): n for n, t in rec._m["kvharbor_lora_requests"].calls}
+
     engine.loras.remove("idle")
-    rec._m["kvharbor_lora_requests"].calls.clear()
-    LLMReplica._record_metrics(replica)
-    got = {(t["adapter"], t["state"]): n for n, t in rec._m["kvharbor_lora_requests"].calls}
+    engine.loras.remove("b")
+    got = record()
     assert got[("idle", "running")] == got[("idle", "waiting")] == 0 and got[("a", "running")] == 2
+    assert got[("b", "waiting")] == 1, "a removed adapter's queued request is still counted"
+    assert engine.abort("r3")
+    got = record()
+    assert got[("b", "running")] == got[("b", "waiting")] == 0
 
 
 def test_replica_counts_speculative_draft_and_accepted_tokens_once():
