@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
+import operator
 from dataclasses import dataclass, field
 
 from .block_pool import KVCacheBlock
@@ -42,11 +44,23 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | dict | None = None
 
     def validate(self) -> None:
-        """Raise ValueError naming the field to fix."""
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        """Raise ValueError naming the field to fix.
+
+        Types are checked here too: a value the engine step cannot use (a float seed, a stop
+        list of numbers) would otherwise fail that step for every request in the batch.
+        """
+        self.max_tokens = _integer("max_tokens", self.max_tokens, " >= 1")
+        self.top_k = _integer("top_k", self.top_k, " >= 0 (0 disables it)")
+        self.min_tokens = _integer("min_tokens", self.min_tokens, f" in [0, max_tokens={self.max_tokens}]")
+        if self.seed is not None:
+            self.seed = _integer("seed", self.seed)
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            setattr(self, name, _number(name, getattr(self, name)))
+        if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.temperature < 1e-5:
             self.temperature = 0.0          # greedy (far below, logits / temperature overflow to inf)
         if self.seed is not None and not -2**63 <= self.seed < 2**63:
@@ -55,13 +69,15 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
+        if not all(isinstance(s, str) for s in self.stop):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        self.stop_token_ids = [_integer("stop_token_ids", t) for t in self.stop_token_ids or ()]
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
             if k is not None and not (isinstance(k, int) and 0 <= k <= 20):
                 raise ValueError(f"{name} must be an integer in [0, 20], got {k!r}")
-        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+        if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
                              f"got {self.min_tokens!r}")
         if not 0 <= self.min_p <= 1:
@@ -74,7 +90,7 @@ class SamplingParams:
         if self.logit_bias:
             try:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
-            except (TypeError, ValueError):
+            except (AttributeError, TypeError, ValueError):
                 raise ValueError("logit_bias maps token ids to numbers") from None
             if not all(-100 <= v <= 100 for v in self.logit_bias.values()):
                 raise ValueError("logit_bias values must be in [-100, 100]")
@@ -88,6 +104,20 @@ class SamplingParams:
     def penalized(self) -> bool:
         """Any penalty that depends on the tokens so far."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+
+
+def _integer(name: str, value, rule: str = "") -> int:
+    """``value`` as an int (a numpy integer too); a float, a string or None is refused."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer{rule}, got {value!r}") from None
+
+
+def _number(name: str, value) -> float:
+    if isinstance(value, numbers.Real):
+        return float(value)
+    raise ValueError(f"{name} must be a number, got {value!r}")
 
 
 class Status(enum.Enum):

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import re
 
+import numpy as np
 import pytest
 
 from kvharbor import LLM, SamplingParams
@@ -109,11 +111,36 @@ def test_a_temperature_too_small_to_sample_with_is_greedy(llm):
     ("logprobs", 21, "logprobs must be an integer in [0, 20]"),
     ("logprobs", -1, "logprobs must be an integer in [0, 20]"),
     ("max_tokens", 2.5, "max_tokens must be an integer >= 1"),
+    ("max_tokens", None, "max_tokens must be an integer >= 1"),
+    ("temperature", math.nan, "temperature must be a finite number >= 0"),
+    ("temperature", math.inf, "temperature must be a finite number >= 0"),
+    ("temperature", "0.5", "temperature must be a number"),
+    ("presence_penalty", "1", "presence_penalty must be a number"),
+    ("seed", 1.5, "seed must be an integer"),
+    ("top_k", 2.5, "top_k must be an integer >= 0"),
+    ("stop", [5], "stop must be a string or a list of strings"),
+    ("stop_token_ids", ["a"], "stop_token_ids must be an integer"),
+    ("logit_bias", [1, 2], "logit_bias maps token ids to numbers"),
 ])
 def test_sampling_params_out_of_range_are_refused_naming_the_field(llm, field, value, words):
     with pytest.raises(ValueError, match=re.escape(words)):
         llm.generate(["hi"], SamplingParams(**{"max_tokens": 2, field: value}))
     assert not llm.engine.has_unfinished()
+
+
+def test_a_refused_request_leaves_the_engine_serving_and_numpy_integers_are_integers(llm):
+    """A float seed or a stop list of numbers was queued, then failed every later step: the
+    engine served nothing more. A numpy integer is an integer (seed, top_k); no stop is []."""
+    greedy = dict(max_tokens=4, temperature=0, ignore_eos=True)
+    want = llm.generate([[3, 4, 5, 6]], SamplingParams(**greedy))[0].token_ids
+    for bad in (dict(seed=1.5), dict(stop=[5]), dict(stop_token_ids=[2.0])):
+        with pytest.raises(ValueError):
+            llm.generate([[3, 4, 5, 6]], SamplingParams(**greedy, **bad))
+        assert llm.generate([[3, 4, 5, 6]], SamplingParams(**greedy))[0].token_ids == want
+    sampled = dict(max_tokens=6, temperature=1.0, ignore_eos=True)
+    plain = llm.generate([[3, 4, 5, 6]], SamplingParams(**sampled, seed=7, top_k=5))[0].token_ids
+    numpy = SamplingParams(**sampled, seed=np.int64(7), top_k=np.int32(5), stop=None)
+    assert llm.generate([[3, 4, 5, 6]], numpy)[0].token_ids == plain
 
 
 def test_a_stop_string_may_be_given_alone(llm):

@@ -279,6 +279,28 @@ def test_a_second_stream_under_a_running_request_id_is_refused_and_the_first_kee
     replica.engine.check_integrity()
 
 
+def test_sampling_the_engine_cannot_use_gets_a_400_and_the_running_request_keeps_its_tokens():
+    """``sampling`` is a plain dict on the handle: a float seed or a stop list of numbers
+    used to be queued and then fail every engine step, the running tenant's request too."""
+    replica = LLMReplica({"device": "cpu", "num_kv_blocks": 64})
+
+    def bad(rid, **sampling):
+        return GenerateRequest(request_id=rid, tenant="u", qos="standard", prompt_token_ids=[5, 6, 7],
+                               block_hashes=[], sampling={"max_tokens": 4, **sampling})
+
+    async def scenario():
+        running = asyncio.create_task(_collect(replica, _req("ok", 10, max_tokens=20)))
+        await until(lambda: "ok" in replica._streams, 30)
+        refused = [await _collect(replica, bad("seed", seed=1.5)), await _collect(replica, bad("stop", stop=[5]))]
+        return await running, refused
+
+    running, refused = asyncio.run(asyncio.wait_for(scenario(), 60))
+    for events, field in zip(refused, ("seed", "stop")):
+        assert len(events) == 1 and events[0]["status"] == 400 and field in events[0]["error"], events
+    assert running[-1]["finish_reason"] == "length" and sum(len(e["token_ids"]) for e in running) == 20
+    assert not replica.engine.has_unfinished()
+
+
 def test_a_stream_its_caller_stops_reading_aborts_the_request():
     """The caller goes away mid-stream (its iterator closed): the request is aborted at the
     next step boundary and its blocks are freed, not generated to max_tokens for nobody."""
