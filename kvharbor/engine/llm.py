@@ -63,11 +63,16 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         loras = self._loras(lora_request, len(prompts))
         ids = []
-        for prompt, sp, lora in zip(prompts, params, loras):
-            rid = f"offline-{next(self._ids)}"
-            self.engine.add_request(rid, self.encode(prompt), _copy(sp), tenant=tenant, qos=qos,
-                                    cache_salt=cache_salt, session_id=session_id, lora=lora)
-            ids.append(rid)
+        try:
+            for prompt, sp, lora in zip(prompts, params, loras):
+                rid = f"offline-{next(self._ids)}"
+                self.engine.add_request(rid, self.encode(prompt), _copy(sp), tenant=tenant, qos=qos,
+                                        cache_salt=cache_salt, session_id=session_id, lora=lora)
+                ids.append(rid)
+        except BaseException:
+            for rid in ids:                 # a refused prompt refuses the call: none of it runs
+                self.engine.abort(rid)
+            raise
         final: dict[str, RequestOutput] = {}
         while len(final) < len(ids):
             outs = self.engine.step()

@@ -128,6 +128,18 @@ def test_sampling_params_out_of_range_are_refused_naming_the_field(llm, field, v
     assert not llm.engine.has_unfinished()
 
 
+def test_one_refused_prompt_refuses_the_whole_call_and_leaves_none_of_it_queued(llm):
+    """As vLLM's ``LLM.generate``: the prompts added before the bad one are aborted, not left
+    to run (and take KV blocks) inside later calls whose outputs never include them."""
+    sp = SamplingParams(max_tokens=40, ignore_eos=True)
+    with pytest.raises(ValueError, match="prompt token ids"):
+        llm.generate([[3, 4, 5], [6, 7, 8], [9, 10**6]], sp)
+    assert not llm.engine.has_unfinished()
+    generated = llm.stats()["generated_tokens"]
+    llm.generate([[3, 4, 5]], SamplingParams(max_tokens=2, temperature=0))
+    assert llm.stats()["generated_tokens"] == generated + 2
+
+
 def test_a_refused_request_leaves_the_engine_serving_and_numpy_integers_are_integers(llm):
     """A float seed or a stop list of numbers was queued, then failed every later step: the
     engine served nothing more. A numpy integer is an integer (seed, top_k); no stop is []."""
