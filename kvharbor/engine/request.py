@@ -69,9 +69,12 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
-        if not all(isinstance(s, str) for s in self.stop):
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        if not (stop is None or isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop)):
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        self.stop = list(stop or ())
+        if not (self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple))):
+            raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
         self.stop_token_ids = [_integer("stop_token_ids", t) for t in self.stop_token_ids or ()]
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
