@@ -80,6 +80,7 @@ class SamplingParams:
             k = getattr(self, name)
             if k is not None and not (isinstance(k, int) and 0 <= k <= 20):
                 raise ValueError(f"{name} must be an integer in [0, 20], got {k!r}")
+            setattr(self, name, None if k is None else int(k))
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
                              f"got {self.min_tokens!r}")
@@ -112,7 +113,7 @@ class SamplingParams:
 def _integer(name: str, value, rule: str = "") -> int:
     """``value`` as an int (a numpy integer too); a float, a string or None is refused."""
     try:
-        return operator.index(value)
+        return int(operator.index(value))       # int(): True is 1, not a bool torch refuses as k
     except TypeError:
         raise ValueError(f"{name} must be an integer{rule}, got {value!r}") from None
 
