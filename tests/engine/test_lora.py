@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 
 import pytest
 import torch
@@ -127,6 +128,7 @@ def test_adapters_load_at_start_and_requests_name_them(adapters):
     # r 8 on 7 projections x 4 layers of tiny-llama (hidden 256, 512 intermediate), fp32
     per_layer = 8 * ((256 + 256) * 2 + (256 + 64) * 2 + (256 + 512) * 2 + (512 + 256))
     assert stats["lora_adapters"]["all"]["rank"] == 8
+    assert os.path.samefile(stats["lora_adapters"]["all"]["path"], adapters["root"] / "all")
     assert stats["memory_bytes"]["device"]["lora_adapters"] == stats["lora_adapters"]["all"]["bytes"] == 4 * 4 * per_layer
     prompt = random_prompt(20, 9)
     llm.engine.add_request("r", prompt, greedy(NEW), lora="all")

@@ -154,3 +154,20 @@ def test_premium_demand_counts_each_block_once_and_borrowed_shared_blocks_too():
     kv.free(c)
     assert pool.pinned_class_blocks() == 0
     pool.check_integrity()
+
+
+def test_stats_count_prefix_lookups_and_waiting_requests():
+    """prefix_query_tokens: every prompt token looked up, hits or not; prefix_hit_tokens: of
+    those, the ones found (whole blocks). num_waiting: requests queued behind max_num_seqs."""
+    llm = LLM(device="cpu", num_kv_blocks=48, max_num_seqs=2)
+    sp = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    prompt = [i % 200 for i in range(40)]
+    llm.generate([prompt], sp)
+    llm.generate([prompt], sp)
+    s = llm.stats()
+    assert (s["prefix_query_tokens"], s["prefix_hit_tokens"]) == (80, 32)
+    for i in range(3):
+        llm.engine.add_request(f"w{i}", [5, 6, 7], sp)
+    llm.engine.step()
+    s = llm.stats()
+    assert (s["num_running"], s["num_waiting"]) == (2, 1)

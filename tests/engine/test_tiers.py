@@ -111,6 +111,7 @@ def test_sliding_window_releases_blocks_with_identical_tokens():
     # computed - window + 1 are released.
     expect = sum(max(0, (len(p) + new - 1 - window + 1) // bs) for p in prompts)
     assert llm.stats()["sliding_window_freed_blocks"] == expect == 16
+    assert llm.stats()["sliding_window"] == window
     again = llm.generate(prompts, sp)             # prefix hits over released (cached) blocks
     assert [o.token_ids for o in first] == [o.token_ids for o in again] == want
     assert llm.stats()["prefix_hit_tokens"] > 0
