@@ -168,18 +168,17 @@ def test_replica_records_requests_by_lora_adapter_and_zeroes_an_unloaded_one(tmp
     rec = _recorder_with_fakes()
     replica = SimpleNamespace(engine=engine, replica_id="r1", _reported={"evictions": 0}, metrics=rec,
                               _record_session_metrics=lambda: None, _open_direct_streams=lambda: 0)
-    LLMReplica._record_metrics(replica)
-    got = {(t["adapter"], t["state"]): n for n, t in rec._m["kvharbor_lora_requests"].calls}
-    assert got == {("a", "running"): 2, ("a", "waiting"): 0, ("b", "running"): 0, ("b", "waiting"): 1,
-                   ("idle", "running"): 0, ("idle", "waiting"): 0}
-    memory = {(t["location"], t["kind"]): n for n, t in rec._m["kvharbor_memory_bytes"].calls}
-    assert memory[("device", "lora_adapters")] == 3 * engine.loras.adapters["a"].nbytes > 0
 
     def record():
         rec._m["kvharbor_lora_requests"].calls.clear()
         LLMReplica._record_metrics(replica)
         return {(t["adapter"], t["state"]): n for n, t in rec._m["kvharbor_lora_requests"].calls}
 
+    got = record()
+    assert got == {("a", "running"): 2, ("a", "waiting"): 0, ("b", "running"): 0, ("b", "waiting"): 1,
+                   ("idle", "running"): 0, ("idle", "waiting"): 0}
+    memory = {(t["location"], t["kind"]): n for n, t in rec._m["kvharbor_memory_bytes"].calls}
+    assert memory[("device", "lora_adapters")] == 3 * engine.loras.adapters["a"].nbytes > 0
     engine.loras.remove("idle")
     engine.loras.remove("b")
     got = record()
