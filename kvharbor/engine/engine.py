@@ -31,7 +31,7 @@ from .hashing import adapter_salt, model_root
 from .model_identity import model_identity
 from .models import load_model, uniform_sliding_window
 from .preemption import PreemptionPolicy
-from .request import Request, RequestOutput, SamplingParams, Status
+from .request import Request, RequestOutput, SamplingParams, Status, token_ids
 from .scheduler import Scheduler
 from .step_budget import NO_PRIORITY, StepInterrupt, StepInterrupted
 from .sessions import SessionLimits, SessionManager
@@ -165,10 +165,12 @@ class Engine:
         its blocks are cached in a scope of their own.
         """
         sampling.validate()
+        prompt_token_ids = token_ids("prompt", prompt_token_ids)
         adapter = None if lora is None else self.loras.get(lora)
-        if session_id is not None and (not isinstance(session_id, str) or not session_id):
-            raise ValueError(f"session_id must be a non-empty string, got {session_id!r}")
-        if qos not in self.config.qos_classes:
+        for name, value in (("tenant", tenant), ("session_id", session_id), ("cache_salt", cache_salt)):
+            if not (value is None and name != "tenant" or isinstance(value, str) and value):
+                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+        if not isinstance(qos, str) or qos not in self.config.qos_classes:
             raise ValueError(f"unknown QoS class {qos!r}; known: {sorted(self.config.qos_classes)}")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -187,7 +189,7 @@ class Engine:
         spec = self.config.qos_classes[qos]
         priority = spec.priority if self.config.scheduling == "priority" else 0
         salt = adapter_salt(cache_salt, lora, adapter and adapter.path)
-        req = Request(request_id, list(prompt_token_ids), sampling, tenant=tenant, qos=qos,
+        req = Request(request_id, prompt_token_ids, sampling, tenant=tenant, qos=qos,
                       priority=priority, pinned=spec.pinned, cache_salt=salt,
                       hash_root=self.hash_root, session_id=session_id,
                       arrival=time.monotonic(), arrival_seq=next(self._arrivals), lora=adapter)

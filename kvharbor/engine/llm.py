@@ -9,9 +9,9 @@ from kvharbor.config import EngineConfig
 
 from .engine import Engine
 from .lora import LoRARequest
-from .request import RequestOutput, SamplingParams
+from .request import RequestOutput, SamplingParams, is_index, token_ids
 
-Prompt = str | Sequence[int]
+Prompt = str | Sequence[int] | dict
 
 
 class LLM:
@@ -37,9 +37,18 @@ class LLM:
         return self.engine.tokenizer
 
     def encode(self, prompt: Prompt) -> list[int]:
+        """A prompt's token ids. A prompt is text, token ids, or vLLM's dict forms
+        ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``; anything else is a ValueError."""
+        if isinstance(prompt, dict):
+            if len(prompt) != 1 or not {"prompt", "prompt_token_ids"} >= prompt.keys():
+                raise ValueError("a dict prompt is {'prompt': text} or {'prompt_token_ids': [ids]}, "
+                                 f"got keys {sorted(map(str, prompt))}")
+            (key, prompt), = prompt.items()
+            if key == "prompt" and not isinstance(prompt, str):
+                raise ValueError(f"'prompt' must be a string, got {type(prompt).__name__}")
         if isinstance(prompt, str):
             return list(self.tokenizer(prompt)["input_ids"])
-        return [int(t) for t in prompt]
+        return token_ids("prompt", prompt)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -54,11 +63,13 @@ class LLM:
         ``lora_request``: the LoRA adapter of every prompt, or one per prompt (None: the base
         model), as in vLLM; an adapter is loaded from its ``lora_path`` on first use.
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params = sampling_params or SamplingParams()
+        prompts = _prompt_list(prompts)
+        params = SamplingParams() if sampling_params is None else sampling_params
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
+        if not (isinstance(params, Sequence) and all(isinstance(p, SamplingParams) for p in params)):
+            raise ValueError("sampling_params must be a SamplingParams or a list of them, one per "
+                             f"prompt; got {type(params).__name__}")
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         loras = self._loras(lora_request, len(prompts))
@@ -127,6 +138,18 @@ class LLM:
 
     def check_integrity(self) -> None:
         self.engine.check_integrity()
+
+
+def _prompt_list(prompts) -> list:
+    """``generate``'s prompts as a list: one prompt (text, a dict, token ids) or a list of them."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, (bytes, bytearray)) or not hasattr(prompts, "__len__"):
+        raise ValueError("prompts must be a prompt (text, token ids, or a dict) or a list of them, "
+                         f"got {type(prompts).__name__}")
+    if len(prompts) and is_index(prompts[0]):
+        return [prompts]                    # one prompt of token ids
+    return list(prompts)
 
 
 def _copy(sp: SamplingParams) -> SamplingParams:

@@ -78,9 +78,11 @@ class SamplingParams:
         self.stop_token_ids = [_integer("stop_token_ids", t) for t in self.stop_token_ids or ()]
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
-            if k is not None and not (isinstance(k, int) and 0 <= k <= 20):
-                raise ValueError(f"{name} must be an integer in [0, 20], got {k!r}")
-            setattr(self, name, None if k is None else int(k))
+            if k is not None:
+                k = _integer(name, k, " in [0, 20]")
+                if not 0 <= k <= 20:
+                    raise ValueError(f"{name} must be an integer in [0, 20], got {k!r}")
+                setattr(self, name, k)
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
                              f"got {self.min_tokens!r}")
@@ -93,9 +95,10 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}")
         if self.logit_bias:
             try:
-                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+                self.logit_bias = {_bias_key(k): _number("logit_bias", v) for k, v in self.logit_bias.items()}
             except (AttributeError, TypeError, ValueError):
-                raise ValueError("logit_bias maps token ids to numbers") from None
+                raise ValueError("logit_bias maps token ids to numbers (an id is an integer or, as in "
+                                 f"OpenAI's API, its decimal string), got {self.logit_bias!r}") from None
             if not all(-100 <= v <= 100 for v in self.logit_bias.values()):
                 raise ValueError("logit_bias values must be in [-100, 100]")
         if self.structured_outputs is not None:
@@ -116,6 +119,34 @@ def _integer(name: str, value, rule: str = "") -> int:
         return int(operator.index(value))       # int(): True is 1, not a bool torch refuses as k
     except TypeError:
         raise ValueError(f"{name} must be an integer{rule}, got {value!r}") from None
+
+
+def _bias_key(key) -> int:
+    """A logit_bias key: a token id, or its decimal string (JSON keys are strings); 2.5 is refused,
+    not truncated to token 2."""
+    return int(key) if isinstance(key, str) else operator.index(key)
+
+
+def token_ids(name: str, ids) -> list[int]:
+    """``ids`` as a list of ints (numpy integers too); a float, string, bytes or None is refused,
+    where ``int()`` would truncate 4.5 to token 4 or read "4" as token 4."""
+    if isinstance(ids, (str, bytes, bytearray, dict)) or not hasattr(ids, "__iter__"):
+        raise ValueError(f"{name} must be a list of token ids (integers), got {type(ids).__name__}")
+    if type(ids) is list and all(type(t) is int for t in ids):
+        return list(ids)
+    try:
+        return [int(operator.index(t)) for t in ids]
+    except TypeError:
+        bad = next(t for t in ids if not is_index(t))
+        raise ValueError(f"{name} must be a list of token ids (integers), got {bad!r} in it") from None
+
+
+def is_index(value) -> bool:
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
 
 
 def _number(name: str, value) -> float:

@@ -121,6 +121,9 @@ def test_a_temperature_too_small_to_sample_with_is_greedy(llm):
     ("stop", [5], "stop must be a string or a list of strings"),
     ("stop_token_ids", ["a"], "stop_token_ids must be an integer"),
     ("logit_bias", [1, 2], "logit_bias maps token ids to numbers"),
+    ("logit_bias", {2.5: 100}, "logit_bias maps token ids to numbers"),
+    ("logit_bias", {"2.5": 100}, "logit_bias maps token ids to numbers"),
+    ("logprobs", 1.0, "logprobs must be an integer in [0, 20]"),
 ])
 def test_sampling_params_out_of_range_are_refused_naming_the_field(llm, field, value, words):
     with pytest.raises(ValueError, match=re.escape(words)):
@@ -163,3 +166,48 @@ def test_a_stop_string_may_be_given_alone(llm):
              and min(text.find(text[k]), text.find(text[k + 1])) < k)
     out = llm.generate(["The function"], SamplingParams(**greedy, stop=text[k:k + 2]))[0]
     assert (out.text, out.finish_reason) == (text[:k], "stop")
+
+
+@pytest.mark.parametrize("prompt,words", [
+    ([3, 4.5, 6], "got 4.5 in it"),             # int() made it token 4
+    ([3, "4", 6], "got '4' in it"),             # int() made it token 4
+    ([3, None, 6], "got None in it"),
+    ([[3, 4], [[5]]], "got [5] in it"),
+    (b"Once upon", "got bytes"),                # its bytes were taken as token ids
+    (None, "got NoneType"),
+    (7.0, "got float"),
+    ({"text": "hi"}, "got keys ['text']"),
+    ({"prompt": [3, 4]}, "'prompt' must be a string"),
+])
+def test_a_prompt_that_is_not_text_or_token_ids_is_refused(llm, prompt, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        llm.generate(prompt, SamplingParams(max_tokens=2))
+    assert not llm.engine.has_unfinished()
+
+
+def test_prompts_may_be_vllm_dicts_numpy_arrays_and_logit_bias_keys_strings(llm):
+    """vLLM's ``{"prompt": text}`` and ``{"prompt_token_ids": ids}`` are prompts; a numpy array
+    is one prompt (1-D) or a batch (2-D); "5" is token 5 in logit_bias, as in OpenAI's API."""
+    greedy = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    ids = llm.encode("Once upon")
+    want = llm.generate([ids], greedy)[0].token_ids
+    outs = llm.generate([{"prompt": "Once upon"}, {"prompt_token_ids": ids}, np.array(ids)], greedy)
+    assert [o.token_ids for o in outs] == [want] * 3
+    assert [o.token_ids for o in llm.generate(np.array([ids, ids]), greedy)] == [want] * 2
+    biased = [SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logit_bias=bias)
+              for bias in ({"5": 100}, {np.int64(5): 100})]
+    assert [o.token_ids for o in llm.generate([ids, ids], biased)] == [[5, 5, 5]] * 2
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(sampling_params={"max_tokens": 2}), "sampling_params must be a SamplingParams"),
+    (dict(tenant=None), "tenant must be a non-empty string"),
+    (dict(tenant=""), "tenant must be a non-empty string"),
+    (dict(cache_salt=5), "cache_salt must be a non-empty string"),
+    (dict(cache_salt=""), "cache_salt must be a non-empty string"),
+    (dict(qos=["premium"]), "unknown QoS class ['premium']"),
+])
+def test_generate_arguments_of_the_wrong_type_are_refused(llm, kwargs, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        llm.generate([3, 4, 5], **kwargs)
+    assert not llm.engine.has_unfinished()
