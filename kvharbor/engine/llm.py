@@ -62,6 +62,7 @@ class LLM:
         prompt + output KV blocks stay referenced for the next turn (``LLM.end_session``).
         ``lora_request``: the LoRA adapter of every prompt, or one per prompt (None: the base
         model), as in vLLM; an adapter is loaded from its ``lora_path`` on first use.
+        With ``SamplingParams(logprobs=k)`` an output's ``logprobs`` holds each of its tokens'.
         """
         prompts = _prompt_list(prompts)
         params = SamplingParams() if sampling_params is None else sampling_params
@@ -85,10 +86,14 @@ class LLM:
                 self.engine.abort(rid)
             raise
         final: dict[str, RequestOutput] = {}
+        logprobs = {rid: [] for rid, sp in zip(ids, params) if sp.logprobs is not None}
         while len(final) < len(ids):
             outs = self.engine.step()
             for out in outs:
+                if out.new_logprobs and out.request_id in logprobs:
+                    logprobs[out.request_id] += out.new_logprobs
                 if out.finished:
+                    out.logprobs = logprobs.get(out.request_id)
                     final[out.request_id] = out
             if not outs and not self.engine.scheduler.running:
                 self._fail_if_stuck(ids, final)

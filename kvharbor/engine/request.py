@@ -258,13 +258,14 @@ class RequestOutput:
     """
 
     __slots__ = ("request_id", "prompt_token_ids", "_token_ids", "text", "finish_reason",
-                 "num_cached_tokens", "new_token_ids", "new_text", "new_logprobs", "prompt_logprobs")
+                 "num_cached_tokens", "new_token_ids", "new_text", "new_logprobs", "prompt_logprobs",
+                 "logprobs")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  token_ids: list[int] | OutputIds, text: str, finish_reason: str | None,
                  num_cached_tokens: int, new_token_ids: list[int] | None = None,
                  new_text: str = "", new_logprobs: list | None = None,
-                 prompt_logprobs: list | None = None) -> None:
+                 prompt_logprobs: list | None = None, logprobs: list | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self._token_ids = token_ids
@@ -275,6 +276,7 @@ class RequestOutput:
         self.new_text = new_text
         self.new_logprobs = new_logprobs        # TokenLogprobs per new token, when asked for
         self.prompt_logprobs = prompt_logprobs  # prompt_logprobs asked: None, then TokenLogprobs per prompt token
+        self.logprobs = logprobs                # LLM.generate, logprobs asked: TokenLogprobs per token_ids entry
 
     @property
     def token_ids(self) -> list[int]:
@@ -300,7 +302,7 @@ class RequestOutput:
     def _fields(self) -> tuple:
         return (self.request_id, self.prompt_token_ids, self.token_ids, self.text,
                 self.finish_reason, self.num_cached_tokens, self.new_token_ids, self.new_text,
-                self.new_logprobs, self.prompt_logprobs)
+                self.new_logprobs, self.prompt_logprobs, self.logprobs)
 
     def __eq__(self, other: object) -> bool:
         if type(other) is not RequestOutput:
@@ -314,7 +316,8 @@ class RequestOutput:
 
     def __repr__(self) -> str:
         names = ("request_id", "prompt_token_ids", "token_ids", "text", "finish_reason",
-                 "num_cached_tokens", "new_token_ids", "new_text", "new_logprobs", "prompt_logprobs")
+                 "num_cached_tokens", "new_token_ids", "new_text", "new_logprobs", "prompt_logprobs",
+                 "logprobs")
         return "RequestOutput(" + ", ".join(f"{n}={v!r}" for n, v in zip(names, self._fields())) + ")"
 
 

@@ -26,6 +26,8 @@ def test_offline_engine_reports_logprobs_per_generated_token():
     from kvharbor import LLM
 
     llm = LLM(device="cpu", num_kv_blocks=64)
+    want = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True,
+                                                       logprobs=3))[0]
     engine = llm.engine
     engine.add_request("a", [5, 6, 7, 8], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=3))
     engine.add_request("b", [9, 10], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
@@ -38,3 +40,7 @@ def test_offline_engine_reports_logprobs_per_generated_token():
         (lp,) = lps
         assert len(lp.top) == 3 and abs(lp.logprob - lp.top[0][1]) < 1e-5      # greedy: the best one
         assert lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1]
+    # LLM.generate returns every token's logprobs, as vLLM's does, not only the last step's
+    assert want.logprobs == [lps[0] for lps in seen["a"]]
+    assert [lp.top[0][0] for lp in want.logprobs] == want.token_ids
+    assert llm.generate([[9, 10]], SamplingParams(max_tokens=2))[0].logprobs is None
