@@ -103,6 +103,10 @@ class LLM:
         """Each prompt's adapter name, loading the adapters not loaded yet."""
         if lora_request is None or isinstance(lora_request, LoRARequest):
             lora_request = [lora_request] * n
+        if not (isinstance(lora_request, Sequence) and not isinstance(lora_request, str)
+                and all(lr is None or isinstance(lr, LoRARequest) for lr in lora_request)):
+            raise ValueError("lora_request must be a LoRARequest, None, or a list of them (one per "
+                             f"prompt), got {lora_request!r}")
         if len(lora_request) != n:
             raise ValueError(f"got {len(lora_request)} LoRA requests for {n} prompts")
         for lr in lora_request:

@@ -206,6 +206,7 @@ def test_prompts_may_be_vllm_dicts_numpy_arrays_and_logit_bias_keys_strings(llm)
     (dict(cache_salt=5), "cache_salt must be a non-empty string"),
     (dict(cache_salt=""), "cache_salt must be a non-empty string"),
     (dict(qos=["premium"]), "unknown QoS class ['premium']"),
+    (dict(lora_request="my-adapter"), "lora_request must be a LoRARequest, None, or a list"),
 ])
 def test_generate_arguments_of_the_wrong_type_are_refused(llm, kwargs, words):
     with pytest.raises(ValueError, match=re.escape(words)):
