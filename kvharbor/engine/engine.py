@@ -165,6 +165,9 @@ class Engine:
         its blocks are cached in a scope of their own.
         """
         sampling.validate()
+        if sampling.n != 1:
+            raise ValueError(f"n={sampling.n}: an engine request is one sample; add one request per "
+                             "sample with its own seed (LLM.generate does)")
         prompt_token_ids = token_ids("prompt", prompt_token_ids)
         adapter = None if lora is None else self.loras.get(lora)
         for name, value in (("tenant", tenant), ("session_id", session_id), ("cache_salt", cache_salt)):

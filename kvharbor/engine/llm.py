@@ -9,7 +9,7 @@ from kvharbor.config import EngineConfig
 
 from .engine import Engine
 from .lora import LoRARequest
-from .request import RequestOutput, SamplingParams, is_index, token_ids
+from .request import CompletionOutput, RequestOutput, SamplingParams, is_index, sibling_seed, token_ids
 
 Prompt = str | Sequence[int] | dict
 
@@ -63,6 +63,8 @@ class LLM:
         ``lora_request``: the LoRA adapter of every prompt, or one per prompt (None: the base
         model), as in vLLM; an adapter is loaded from its ``lora_path`` on first use.
         With ``SamplingParams(logprobs=k)`` an output's ``logprobs`` holds each of its tokens'.
+        With ``SamplingParams(n=k)`` each prompt's output holds k samples in ``outputs`` (as
+        vLLM's; its own fields are sample 0's); with a seed, sample j's seed is derived from it.
         """
         prompts = _prompt_list(prompts)
         params = SamplingParams() if sampling_params is None else sampling_params
@@ -74,30 +76,57 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         loras = self._loras(lora_request, len(prompts))
-        ids = []
+        ids, groups, logprobs = [], [], {}
+        later: dict[str, list[tuple]] = {}  # sample 0's id -> the other samples' requests
         try:
             for prompt, sp, lora in zip(prompts, params, loras):
-                rid = f"offline-{next(self._ids)}"
-                self.engine.add_request(rid, self.encode(prompt), _copy(sp), tenant=tenant, qos=qos,
-                                        cache_salt=cache_salt, session_id=session_id, lora=lora)
-                ids.append(rid)
+                sp = _copy(sp)
+                sp.validate()
+                prompt_ids = self.encode(prompt)
+                group = [f"offline-{next(self._ids)}" for _ in range(sp.n)]
+                groups.append(group)
+                for j, rid in enumerate(group):     # sample j: its own request and seed
+                    one = _copy(sp)
+                    one.n, one.seed = 1, sibling_seed(sp.seed, j)
+                    one.prompt_logprobs = sp.prompt_logprobs if j == 0 else None
+                    request = (rid, prompt_ids, one, dict(tenant=tenant, qos=qos, cache_salt=cache_salt,
+                                                          session_id=None if j else session_id, lora=lora))
+                    if sp.logprobs is not None:
+                        logprobs[rid] = []
+                    if j == 0:
+                        self._add(ids, request)
+                    else:
+                        later.setdefault(group[0], []).append(request)
+            final: dict[str, RequestOutput] = {}
+            total = sum(map(len, groups))
+            while len(final) < total:
+                outs = self.engine.step()
+                for out in outs:
+                    rid = out.request_id
+                    if out.new_logprobs and rid in logprobs:
+                        logprobs[rid] += out.new_logprobs
+                    if out.finished:
+                        out.logprobs = logprobs.get(rid)
+                        final[rid] = out
+                    if rid in later and (out.new_token_ids or out.finished):
+                        for request in later.pop(rid):   # sample 0's prompt is cached now: the
+                            self._add(ids, request)      # other samples hit it, as HTTP's n does
+                if not outs and not self.engine.scheduler.running:
+                    self._fail_if_stuck()
         except BaseException:
-            for rid in ids:                 # a refused prompt refuses the call: none of it runs
-                self.engine.abort(rid)
+            for rid in ids:                 # a refused prompt, a failed step or an interrupt: none
+                self.engine.abort(rid)      # of the call stays queued
             raise
-        final: dict[str, RequestOutput] = {}
-        logprobs = {rid: [] for rid, sp in zip(ids, params) if sp.logprobs is not None}
-        while len(final) < len(ids):
-            outs = self.engine.step()
-            for out in outs:
-                if out.new_logprobs and out.request_id in logprobs:
-                    logprobs[out.request_id] += out.new_logprobs
-                if out.finished:
-                    out.logprobs = logprobs.get(out.request_id)
-                    final[out.request_id] = out
-            if not outs and not self.engine.scheduler.running:
-                self._fail_if_stuck(ids, final)
-        return [final[i] for i in ids]
+        outs = [final[group[0]] for group in groups]
+        for out, group in zip(outs, groups):
+            if len(group) > 1:
+                out.outputs = [CompletionOutput.of(j, final[rid]) for j, rid in enumerate(group)]
+        return outs
+
+    def _add(self, ids: list[str], request: tuple) -> None:
+        rid, prompt_ids, sampling, kwargs = request
+        self.engine.add_request(rid, prompt_ids, sampling, **kwargs)
+        ids.append(rid)
 
     def _loras(self, lora_request, n: int) -> list[str | None]:
         """Each prompt's adapter name, loading the adapters not loaded yet."""
@@ -114,12 +143,10 @@ class LLM:
                 self.engine.add_lora(lr.lora_name, lr.lora_path)
         return [None if lr is None else lr.lora_name for lr in lora_request]
 
-    def _fail_if_stuck(self, ids: list[str], final: dict) -> None:
-        """Nothing ran: raise (after aborting this call's requests) if one can never fit."""
+    def _fail_if_stuck(self) -> None:
+        """Nothing ran: raise if a request can never fit (``generate`` aborts the call's others)."""
         failed = self.engine.reject_unfittable()
         if failed:
-            for rid in ids:
-                self.engine.abort(rid)
             raise ValueError(next(iter(failed.values())))
 
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,

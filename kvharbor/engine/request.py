@@ -42,6 +42,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0     # vLLM's: scales logits of tokens in the prompt or output
     logit_bias: dict[int, float] | None = None      # token id -> added to its logit, in [-100, 100]
     structured_outputs: StructuredOutputsParams | dict | None = None
+    n: int = 1                          # LLM.generate: samples per prompt (RequestOutput.outputs)
 
     def validate(self) -> None:
         """Raise ValueError naming the field to fix.
@@ -54,6 +55,9 @@ class SamplingParams:
         self.min_tokens = _integer("min_tokens", self.min_tokens, f" in [0, max_tokens={self.max_tokens}]")
         if self.seed is not None:
             self.seed = _integer("seed", self.seed)
+        self.n = _integer("n", self.n, f" in [1, {MAX_N}]")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n}")
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             setattr(self, name, _number(name, getattr(self, name)))
@@ -119,6 +123,18 @@ def _integer(name: str, value, rule: str = "") -> int:
         return int(operator.index(value))       # int(): True is 1, not a bool torch refuses as k
     except TypeError:
         raise ValueError(f"{name} must be an integer{rule}, got {value!r}") from None
+
+
+MAX_N = 256
+"""Most samples per prompt (``SamplingParams.n``) one ``LLM.generate`` call takes."""
+
+
+def sibling_seed(seed: int | None, index: int) -> int | None:
+    """Sample ``index``'s seed among ``n``: distinct per sample, reproducible, still a signed
+    64-bit int (sample 0 keeps the caller's)."""
+    if seed is None or index == 0:
+        return seed
+    return (seed + index + 2**63) % 2**64 - 2**63
 
 
 def _bias_key(key) -> int:
@@ -259,13 +275,14 @@ class RequestOutput:
 
     __slots__ = ("request_id", "prompt_token_ids", "_token_ids", "text", "finish_reason",
                  "num_cached_tokens", "new_token_ids", "new_text", "new_logprobs", "prompt_logprobs",
-                 "logprobs")
+                 "logprobs", "_outputs")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  token_ids: list[int] | OutputIds, text: str, finish_reason: str | None,
                  num_cached_tokens: int, new_token_ids: list[int] | None = None,
                  new_text: str = "", new_logprobs: list | None = None,
-                 prompt_logprobs: list | None = None, logprobs: list | None = None) -> None:
+                 prompt_logprobs: list | None = None, logprobs: list | None = None,
+                 outputs: list[CompletionOutput] | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self._token_ids = token_ids
@@ -277,6 +294,7 @@ class RequestOutput:
         self.new_logprobs = new_logprobs        # TokenLogprobs per new token, when asked for
         self.prompt_logprobs = prompt_logprobs  # prompt_logprobs asked: None, then TokenLogprobs per prompt token
         self.logprobs = logprobs                # LLM.generate, logprobs asked: TokenLogprobs per token_ids entry
+        self._outputs = outputs                 # LLM.generate with n > 1: every sample
 
     @property
     def token_ids(self) -> list[int]:
@@ -299,10 +317,23 @@ class RequestOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """The prompt's samples, as vLLM's ``RequestOutput.outputs``: ``SamplingParams.n`` of
+        them from ``LLM.generate``; otherwise this output's own text and tokens as sample 0 (the
+        fields above are sample 0's)."""
+        if self._outputs is None:
+            return [CompletionOutput.of(0, self)]
+        return self._outputs
+
+    @outputs.setter
+    def outputs(self, value: list[CompletionOutput]) -> None:
+        self._outputs = value
+
     def _fields(self) -> tuple:
         return (self.request_id, self.prompt_token_ids, self.token_ids, self.text,
                 self.finish_reason, self.num_cached_tokens, self.new_token_ids, self.new_text,
-                self.new_logprobs, self.prompt_logprobs, self.logprobs)
+                self.new_logprobs, self.prompt_logprobs, self.logprobs, self._outputs)
 
     def __eq__(self, other: object) -> bool:
         if type(other) is not RequestOutput:
@@ -317,8 +348,26 @@ class RequestOutput:
     def __repr__(self) -> str:
         names = ("request_id", "prompt_token_ids", "token_ids", "text", "finish_reason",
                  "num_cached_tokens", "new_token_ids", "new_text", "new_logprobs", "prompt_logprobs",
-                 "logprobs")
+                 "logprobs", "outputs")
         return "RequestOutput(" + ", ".join(f"{n}={v!r}" for n, v in zip(names, self._fields())) + ")"
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One sample of a prompt (vLLM's ``CompletionOutput``): ``RequestOutput.outputs[index]``."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list | None = None        # TokenLogprobs per token, when asked for
+    cumulative_logprob: float | None = None     # sum of the sampled tokens' logprobs, when asked for
+
+    @classmethod
+    def of(cls, index: int, out: RequestOutput) -> CompletionOutput:
+        lps = out.logprobs
+        return cls(index, out.text, out.token_ids, out.finish_reason, lps,
+                   None if lps is None else sum(lp.logprob for lp in lps))
 
 
 @dataclass(slots=True)

@@ -38,6 +38,7 @@ from kvharbor.actors.calls import detached, on_event_loop, start_background
 from kvharbor.engine.hashing import hash_prompt_blocks, model_root
 from kvharbor.engine.model_identity import model_identity
 from kvharbor.engine.model_info import load_tokenizer, model_context_length
+from kvharbor.engine.request import sibling_seed
 from kvharbor.observability.metrics import get_metrics
 from kvharbor.platform.admission_flow import Admitter, unavailable
 from kvharbor.platform.api_errors import install_error_handlers
@@ -153,13 +154,6 @@ def _logprobs(body, chat: bool) -> int | None:
     if chat:
         return (body.top_logprobs or 0) if body.logprobs else None
     return body.logprobs
-
-
-def _sibling_seed(seed: int | None, index: int) -> int | None:
-    """Choice ``index``'s seed: distinct per choice, reproducible, still a signed 64-bit int."""
-    if seed is None or index == 0:
-        return seed
-    return (seed + index + 2**63) % 2**64 - 2**63
 
 
 def _own_actor_name() -> tuple[str, str] | None:
@@ -486,7 +480,7 @@ class Gateway:
                 siblings.append(GenerateRequest(
                     request_id=rid if i == 0 else f"{rid}-{i}", tenant=tenant, qos=qos,
                     prompt_token_ids=ids, block_hashes=hashes,
-                    sampling={**sampling, "seed": _sibling_seed(body.seed, j),
+                    sampling={**sampling, "seed": sibling_seed(body.seed, j),
                               "prompt_logprobs": scored if j == 0 else None},
                     cache_salt=principal.cache_salt, priority=principal.qos.priority,
                     pinned=principal.qos.pinned, session_id=session_id if i == 0 else None, lora=lora,

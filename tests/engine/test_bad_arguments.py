@@ -124,6 +124,9 @@ def test_a_temperature_too_small_to_sample_with_is_greedy(llm):
     ("logit_bias", {2.5: 100}, "logit_bias maps token ids to numbers"),
     ("logit_bias", {"2.5": 100}, "logit_bias maps token ids to numbers"),
     ("logprobs", 1.0, "logprobs must be an integer in [0, 20]"),
+    ("n", 0, "n must be an integer in [1, 256]"),
+    ("n", 257, "n must be an integer in [1, 256]"),
+    ("n", 2.0, "n must be an integer in [1, 256]"),
 ])
 def test_sampling_params_out_of_range_are_refused_naming_the_field(llm, field, value, words):
     with pytest.raises(ValueError, match=re.escape(words)):

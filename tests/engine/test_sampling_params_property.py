@@ -33,6 +33,7 @@ VALID = {                               # what a careful caller passes
     "frequency_penalty": st.floats(-2, 2),
     "repetition_penalty": st.floats(0.1, 3),
     "logit_bias": st.dictionaries(st.integers(0, 258), st.floats(-100, 100), max_size=3),
+    "n": st.integers(1, 3),
 }
 ANY = st.one_of(ODD, st.integers(-2**64, 2**64), st.floats(-300, 300), st.text(max_size=2),
                 st.lists(st.one_of(st.integers(-2, 300), st.floats(0, 5), st.text(max_size=2), ODD), max_size=3),
@@ -64,6 +65,8 @@ def test_params_are_refused_up_front_or_served_without_hurting_the_batch(llm, fi
     event(f"served {len(params)}")
     assert outs[0].token_ids == want, "an accepted request changed a greedy neighbour's tokens"
     for out, sp in zip(outs, params):
-        assert out.finish_reason in ("length", "stop") and len(out.token_ids) <= sp.max_tokens
+        assert len(out.outputs) == sp.n
+        for sample in out.outputs:
+            assert sample.finish_reason in ("length", "stop") and len(sample.token_ids) <= sp.max_tokens
     assert not llm.engine.has_unfinished()
     llm.engine.check_integrity()
