@@ -8,6 +8,7 @@ owns the app's listening port, and the gateway's own ``/healthz``).
 from __future__ import annotations
 
 import os
+import socket
 
 import httpx
 import pytest
@@ -158,3 +159,49 @@ def test_the_haproxy_ray_ships_still_misses_a_client_giving_up_on_a_split_reques
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     assert script.measure(get_haproxy_binary(), requests=3) == {"one_segment": 3, "two_segments": 0}
+
+
+def test_haproxy_is_available_only_with_a_binary_serve_can_find(monkeypatch):
+    monkeypatch.delenv("RAY_SERVE_HAPROXY_BINARY_PATH", raising=False)
+    monkeypatch.setattr(ingress.importlib.util, "find_spec", lambda name: None)
+    assert not ingress.haproxy_available()
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", "/usr/sbin/haproxy")
+    assert ingress.haproxy_available()
+
+
+def test_the_callers_proxy_lag_target_wins_over_the_argument():
+    env = {ingress.PROXY_LAG_VAR: "250"}
+    apply_ingress("proxy", env, overload_lag_ms=100)
+    assert env[ingress.PROXY_LAG_VAR] == "250"
+    env = {}
+    apply_ingress("proxy", env, overload_lag_ms=None)
+    assert env[ingress.PROXY_LAG_VAR] == "off"
+
+
+def test_haproxy_runs_only_with_direct_ingress_on():
+    """Serve's HAProxy forwards to the replicas' own ports: without direct ingress there are
+    none, and Serve's proxy takes the requests."""
+    haproxy, direct = FLAGS
+    assert running_mode({haproxy: "1", direct: "0"}) == "proxy"
+    assert running_mode({haproxy: "1", direct: "1"}) == "haproxy"
+    assert running_mode({haproxy: "0", direct: "1"}) == "direct"
+    assert running_mode({}) == "proxy"
+
+
+def test_a_taken_port_is_named_before_the_cluster_starts_and_a_closed_one_is_free():
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn and HAProxy
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        with pytest.raises(RuntimeError, match=f"cannot serve HTTP on 127.0.0.1:{port}.*KVHARBOR_HTTP_PORT"):
+            ingress.check_port_free(port)
+        # a connection the server closed first leaves the port in TIME_WAIT once the server
+        # stops (serve run stopped and started again): the servers bind it again with
+        # SO_REUSEADDR, so the check must not call it taken
+        client = socket.create_connection(("127.0.0.1", port))
+        accepted, _ = server.accept()
+        accepted.close()
+        client.recv(1)
+        client.close()
+    ingress.check_port_free(port)
