@@ -61,7 +61,9 @@ def test_serves_grpc_server_binds_the_node_address_only_on_a_loopback_node(monke
     monkeypatch.setattr(serve_replica, "add_port_to_grpc_server",
                         lambda server, address: calls.append(address) or 1234)
     loopback.serve_grpc_on_node_address(node)
+    wrapped = serve_replica.add_port_to_grpc_server
     loopback.serve_grpc_on_node_address(node)              # twice: wrapped once
+    assert serve_replica.add_port_to_grpc_server is wrapped
     assert serve_replica.add_port_to_grpc_server(object(), "[::]:0") == 1234
     assert calls == [bound]
 
@@ -74,8 +76,13 @@ def test_is_loopback(address, expected):
 
 
 @pytest.mark.parametrize("address, changed", [(None, True), ("127.0.0.1:6379", True),
-                                              ("10.1.2.3:6379", False)],
-                         ids=["starts-a-cluster", "joins-a-loopback-one", "joins-a-routable-one"])
+                                              ("10.1.2.3:6379", False), ("[::1]:6379", True),
+                                              ("localhost:6379", True), ("head-node:6379", False),
+                                              ("ray://10.1.2.3:10001", False),
+                                              ("ray://127.0.0.1:10001", True), ("local", True)],
+                         ids=["starts-a-cluster", "joins-a-loopback-one", "joins-a-routable-one",
+                              "ipv6-loopback", "localhost", "host-name", "ray-client",
+                              "ray-client-loopback", "local"])
 def test_on_loopback_leaves_a_routable_cluster_to_ray(monkeypatch, address, changed):
     """Joining a running cluster on a routable address (a multi-node one, named by
     RAY_ADDRESS or left by ``ray start``): Ray's switch is left alone, else this driver would
@@ -87,12 +94,25 @@ def test_on_loopback_leaves_a_routable_cluster_to_ray(monkeypatch, address, chan
         monkeypatch.setattr(loopback, "running_cluster_address", lambda: None)
     else:
         monkeypatch.setenv("RAY_ADDRESS", address)
+    monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", True)    # Ray's default on Linux
     before = ray_constants.ENABLE_RAY_CLUSTER
     with loopback.on_loopback() as ip:
         assert ip == "127.0.0.1"
         assert ray_constants.ENABLE_RAY_CLUSTER is (not changed and before)
         assert (os.environ.get(loopback.LOOPBACK_VAR) == "0") is changed
     assert ray_constants.ENABLE_RAY_CLUSTER is before
+
+
+def test_a_cluster_ray_cannot_find_means_a_new_one_starts(monkeypatch):
+    """Ray's lookup raises when ``RAY_ADDRESS=auto`` finds no cluster: ``ray.init`` would fail
+    or start one, and the cluster is not a routable one to leave alone."""
+    from ray._private import services
+
+    def lookup(*args):
+        raise ConnectionError("Could not find any running Ray instance.")
+
+    monkeypatch.setattr(services, "get_ray_address_from_environment", lookup)
+    assert loopback.running_cluster_address() is None and not loopback.joins_routable_cluster()
 
 
 def test_serve_run_joins_a_running_cluster_with_serves_port_on_the_apps(monkeypatch):
