@@ -29,10 +29,26 @@ def flush_denormals(enabled: bool):
 
 
 def resolve_device(name: str) -> torch.device:
-    """``name`` ('cpu', 'cuda', 'cuda:N') as a device; 'auto': CUDA when available."""
+    """``name`` ('cpu', 'cuda', 'cuda:N') as a device; 'auto': CUDA when available.
+
+    Raises:
+        ValueError: another device type, or CUDA asked for where this torch has none (torch
+            itself would fail later, with a RuntimeError or an AssertionError).
+    """
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N' or 'auto', got {name!r}")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) >= count:
+            raise ValueError(f"device {name!r}: this machine's torch sees {count} CUDA device(s) "
+                             f"(torch {torch.__version__}); use device='cpu' or 'auto'")
+    return device
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

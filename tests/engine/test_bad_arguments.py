@@ -58,6 +58,12 @@ def test_bad_engine_options():
         LLM(device="cpu", kv_cache_dtype="int4")
     with pytest.raises(ValueError, match="pinned_kv_blocks"):
         LLM(device="cpu", num_kv_blocks=8, pinned_kv_blocks=9)
+    # torch's own errors came later: RuntimeError "Expected one of cpu, cuda, ...", and on a
+    # CPU-only torch an AssertionError "Torch not compiled with CUDA enabled"
+    with pytest.raises(ValueError, match="device must be 'cpu', 'cuda', 'cuda:N' or 'auto', got 'tpu'"):
+        LLM(device="tpu")
+    with pytest.raises(ValueError, match=r"device 'cuda:64': this machine's torch sees \d+ CUDA device"):
+        LLM(device="cuda:64")
 
 
 def test_prompt_and_max_tokens_may_fill_the_context_exactly(llm):
