@@ -9,6 +9,11 @@ from typing import Annotated
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 
+DTYPES = "^(auto|float32|float16|bfloat16)$"
+BACKENDS = "^(auto|cpu|reference|triton)$"
+KV_DTYPES = "^(auto|int8|fp8_e4m3)$"
+
+
 class QoSSpec(BaseModel):
     """What the engine needs to know about a QoS class."""
 
@@ -90,10 +95,10 @@ class EngineConfig(BaseModel):
     pinned_demand_window_s: float = Field(30.0, gt=0, description="Window (s) of the peak pinned-class "
                                           "demand that sizes the pinned region.")
     device: str = Field("auto", description="'cpu', 'cuda', 'cuda:N' or 'auto' (CUDA when available).")
-    dtype: str = Field("auto", description="'float32', 'float16', 'bfloat16' or 'auto' (bf16 on CUDA, fp32 on CPU).")
-    attention_backend: str = Field("auto", description="'auto' (Triton on CUDA, reference on CPU), 'reference' or 'triton'.")
-    kv_cache_dtype: str = Field("auto", description="'auto' (model dtype), 'int8' or 'fp8_e4m3'.")
-    model_path: str = Field("auto", description="'auto' (kvharbor's own forward for Llama/Qwen2/Mistral, else transformers'), 'kvharbor' or 'transformers'.")
+    dtype: str = Field("auto", pattern=DTYPES, description="'float32', 'float16', 'bfloat16' or 'auto' (bf16 on CUDA, fp32 on CPU).")
+    attention_backend: str = Field("auto", pattern=BACKENDS, description="'auto' (Triton on CUDA, the CPU kernels on CPU), 'cpu', 'reference' or 'triton'.")
+    kv_cache_dtype: str = Field("auto", pattern=KV_DTYPES, description="'auto' (model dtype), 'int8' or 'fp8_e4m3'.")
+    model_path: str = Field("auto", pattern="^(auto|kvharbor|transformers)$", description="'auto' (kvharbor's own forward for Llama/Qwen2/Mistral, else transformers'), 'kvharbor' or 'transformers'.")
     max_num_batched_tokens: int = Field(2048, ge=1, description="Token budget per step (chunked prefill above it).")
     max_num_seqs: int = Field(128, ge=1, description="Most requests in one step.")
     enforce_eager: bool = Field(False, description="Never replay CUDA graphs: run every step eagerly. "
@@ -200,10 +205,10 @@ class PlatformConfig(BaseModel):
     num_kv_blocks: int | None = Field(None, ge=2, description="KV blocks per replica (None: engine default).")
     block_size: int = Field(16, ge=1, description="Tokens per KV block.")
     pinned_kv_blocks: int = Field(0, ge=0, description="Minimum pinned region per replica (tenants.yaml may ask for more).")
-    device: str = Field("auto", description="Replica device: 'auto', 'cpu' or 'cuda'.")
-    dtype: str = Field("auto", description="Model dtype (see EngineConfig).")
-    attention_backend: str = Field("auto", description="'auto', 'reference' or 'triton'.")
-    kv_cache_dtype: str = Field("auto", description="'auto', 'int8' or 'fp8_e4m3'.")
+    device: str = Field("auto", pattern="^(auto|cpu|cuda)$", description="Replica device: 'auto', 'cpu' or 'cuda' (one GPU per replica).")
+    dtype: str = Field("auto", pattern=DTYPES, description="Model dtype (see EngineConfig).")
+    attention_backend: str = Field("auto", pattern=BACKENDS, description="'auto', 'cpu', 'reference' or 'triton'.")
+    kv_cache_dtype: str = Field("auto", pattern=KV_DTYPES, description="'auto', 'int8' or 'fp8_e4m3'.")
     max_num_batched_tokens: int = Field(2048, ge=1, description="Token budget per engine step.")
     low_priority_prefill_cap: int | None = Field(256, ge=0, description="Prefill tokens per step for lower classes while higher-class requests are unfinished (None: no cap).")
     scheduling: str = Field("priority", pattern="^(priority|fcfs)$", description="Engine scheduling: 'priority' or 'fcfs'.")
@@ -213,7 +218,7 @@ class PlatformConfig(BaseModel):
     enforce_eager: bool = Field(False, description="GPU replicas never replay CUDA graphs (see EngineConfig).")
     async_scheduling: bool = Field(True, description="GPU replicas launch a decode step before reading the "
                                    "previous one's tokens (see EngineConfig).")
-    router: str = Field("kv", description="Request router: 'kv' (KV-aware), 'pow2' (Serve default) or 'round_robin'.")
+    router: str = Field("kv", pattern="^(kv|pow2|round_robin)$", description="Request router: 'kv' (KV-aware), 'pow2' (Serve default) or 'round_robin'.")
     replica_cpus: float = Field(0.5, gt=0, description="num_cpus per LLM replica when on CPU.")
     cpu_threads: int | None = Field(1, ge=1, description="torch threads per CPU replica (None: torch default).")
     cpu_replica_nice: int = Field(10, ge=0, le=19, description="OS nice increment of the thread that runs a CPU "

@@ -131,6 +131,9 @@ def llm_replicas(cfg: PlatformConfig, tenants: str):
     size (a fixed ``replicas``, or Serve's autoscaling with kvharbor's policy). Creates the
     prefix directory actor when it does not exist; Ray must be running."""
     gpus = _gpus() if cfg.device in ("auto", "cuda") else 0
+    if cfg.device == "cuda" and not gpus:
+        raise ValueError("device='cuda' but the Ray cluster has no GPUs (ray.cluster_resources()); "
+                         "use device='cpu', or 'auto' to take GPUs when there are some")
     on_gpu = gpus > 0 and cfg.device != "cpu"
     engine = engine_kwargs(cfg, on_gpu)
     get_or_create_directory(cfg.directory_name, namespace="kvharbor", detached=True)

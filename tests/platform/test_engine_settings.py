@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kvharbor.config import EngineConfig, PlatformConfig
 from kvharbor.platform.app import engine_kwargs
 
@@ -29,3 +31,29 @@ def test_direct_streams_need_the_kv_router():
     assert PlatformConfig().uses_direct_streams                       # on by default
     assert not PlatformConfig(router="pow2").uses_direct_streams      # no route_direct there
     assert not PlatformConfig(direct_streams=False).uses_direct_streams
+
+
+@pytest.mark.parametrize("field, value", [("device", "tpu"), ("device", "cuda:1"), ("router", "kvv"),
+                                          ("attention_backend", "cudnn"), ("dtype", "fp64"),
+                                          ("kv_cache_dtype", "int4")])
+def test_an_option_the_replicas_cannot_run_is_refused_before_the_cluster_starts(field, value):
+    """``serve run kvharbor:build_app device=tpu`` ran CPU replicas (device=cuda:1 too: only
+    'auto' and 'cuda' looked for GPUs); attention_backend=cudnn failed each replica's start."""
+    with pytest.raises(ValueError, match=rf"{field}\n.*should match pattern"):
+        PlatformConfig(**{field: value})
+
+
+def test_cuda_asked_for_on_a_cluster_without_gpus_is_refused(monkeypatch):
+    from kvharbor.platform import app
+
+    monkeypatch.setattr(app, "_gpus", lambda: 0)
+    with pytest.raises(ValueError, match="device='cuda' but the Ray cluster has no GPUs"):
+        app.llm_replicas(PlatformConfig(device="cuda"), "tenants.yaml")
+
+
+def test_the_engine_refuses_unknown_backends_dtypes_and_model_paths():
+    for field, value in [("attention_backend", "cudnn"), ("dtype", "fp64"), ("kv_cache_dtype", "int4"),
+                         ("model_path", "onnx")]:
+        with pytest.raises(ValueError, match=field):
+            EngineConfig(**{field: value})
+    assert EngineConfig(attention_backend="cpu", dtype="bfloat16", kv_cache_dtype="fp8_e4m3").dtype == "bfloat16"
