@@ -70,7 +70,10 @@ class Engine:
         self.model_name, self.model, self.tokenizer = loaded.name, loaded.model, loaded.tokenizer
         self.model_identity = model_identity(config.model, config.seed)   # once, at load
         self.hash_root = model_root(self.model_identity)                  # every chain starts here
-        self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
+        if (config.max_model_len or 0) > loaded.max_model_len:     # as vLLM: not cut silently
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context of "
+                             f"{loaded.max_model_len} tokens; lower it or leave it unset (the model's)")
+        self.max_model_len = config.max_model_len or loaded.max_model_len
         self.block_size = config.block_size
         num_blocks = config.num_kv_blocks or self._default_num_blocks()
         self.pool = BlockPool(num_blocks, config.pinned_kv_blocks, make_eviction_policy(config.eviction_policy))

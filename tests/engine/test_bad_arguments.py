@@ -60,6 +60,8 @@ def test_bad_engine_options():
         LLM(device="cpu", num_kv_blocks=8, pinned_kv_blocks=9)
     # torch's own errors came later: RuntimeError "Expected one of cpu, cuda, ...", and on a
     # CPU-only torch an AssertionError "Torch not compiled with CUDA enabled"
+    with pytest.raises(ValueError, match="max_model_len=4097 exceeds the model's context of 4096 tokens"):
+        LLM(device="cpu", max_model_len=4097)             # was cut to 4096 without a word
     with pytest.raises(ValueError, match="device must be 'cpu', 'cuda', 'cuda:N' or 'auto', got 'tpu'"):
         LLM(device="tpu")
     with pytest.raises(ValueError, match=r"device 'cuda:64': this machine's torch sees \d+ CUDA device"):
