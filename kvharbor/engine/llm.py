@@ -149,13 +149,28 @@ class LLM:
         if failed:
             raise ValueError(next(iter(failed.values())))
 
-    def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
-             **kwargs) -> RequestOutput:
-        """One chat turn through the tokenizer's chat template."""
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return self.generate([list(ids)], sampling_params, **kwargs)[0]
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             **kwargs) -> RequestOutput | list[RequestOutput]:
+        """A chat turn through the tokenizer's chat template: one conversation (a list of
+        messages) gives its output; a list of conversations, run together as vLLM's ``chat``
+        runs them, gives a list of outputs. ``kwargs`` are ``generate``'s."""
+        batch = bool(messages) and isinstance(messages[0], (list, tuple))
+        conversations = messages if batch else [messages]
+        prompts = []
+        for conversation in conversations:
+            if not (isinstance(conversation, (list, tuple))
+                    and all(isinstance(m, dict) and "role" in m for m in conversation)):
+                got = repr(conversation)[:200]
+                raise ValueError("messages must be a conversation (a list of {'role': ..., 'content': "
+                                 f"...}} dicts) or a list of conversations, got {got}")
+            ids = self.tokenizer.apply_chat_template(list(conversation), add_generation_prompt=True,
+                                                     tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            prompts.append(list(ids))
+        outs = self.generate(prompts, sampling_params, **kwargs)
+        return outs if batch else outs[0]
 
     def stats(self) -> dict:
         return self.engine.stats()

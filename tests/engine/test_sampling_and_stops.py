@@ -211,6 +211,21 @@ def test_chat_uses_the_chat_template(llm):
     assert len(out.prompt_token_ids) == len(templated.encode())
 
 
+def test_chat_takes_a_list_of_conversations_as_vllms_does(llm):
+    """A list of conversations runs together and gives one output each, in order, each what
+    that conversation alone gives; a message that is not a role dict is refused by name."""
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    chats = [[{"role": "user", "content": "hi"}],
+             [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "and you?"}]]
+    outs = llm.chat(chats, greedy)
+    assert [o.token_ids for o in outs] == [llm.chat(c, greedy).token_ids for c in chats]
+    assert outs[0].prompt_token_ids != outs[1].prompt_token_ids
+    for bad in ("hi", [["hi"]], [{"content": "no role"}]):
+        with pytest.raises(ValueError, match="messages must be a conversation"):
+            llm.chat(bad, greedy)
+    assert not llm.engine.has_unfinished()
+
+
 def test_denormal_top_p_keeps_the_most_likely_token(llm):
     greedy = llm.generate(["edge"], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
     out = llm.generate(["edge"], SamplingParams(max_tokens=6, temperature=1.0, top_p=5e-324, seed=1,
