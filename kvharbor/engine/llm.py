@@ -113,6 +113,10 @@ class LLM:
                             self._add(ids, request)      # other samples hit it, as HTTP's n does
                 if not outs and not self.engine.scheduler.running:
                     self._fail_if_stuck()
+                    lost = [rid for rid in ids if rid not in final]
+                    if lost and not self.engine.has_unfinished():
+                        raise RuntimeError(f"requests {lost} ended without a final output (aborted "
+                                           "outside this call?)")
         except BaseException:
             for rid in ids:                 # a refused prompt, a failed step or an interrupt: none
                 self.engine.abort(rid)      # of the call stays queued

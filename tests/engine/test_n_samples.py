@@ -102,3 +102,19 @@ def test_an_interrupted_call_leaves_none_of_its_requests_queued(llm, monkeypatch
     assert not llm.engine.has_unfinished()
     monkeypatch.undo()
     assert len(llm.generate(["Once upon"], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids) == 3
+
+
+def test_a_request_aborted_outside_the_call_ends_it_with_an_error_not_a_spin(llm, monkeypatch):
+    step, calls = llm.engine.step, []
+
+    def aborting():
+        calls.append(1)
+        assert len(calls) < 1000, "generate kept stepping an engine with nothing left to run"
+        for rid in list(llm.engine.requests):
+            llm.engine.abort(rid)
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", aborting)
+    with pytest.raises(RuntimeError, match=r"ended without a final output"):
+        llm.generate(["Once upon"], SamplingParams(max_tokens=4, n=2))
+    assert not llm.engine.has_unfinished()
