@@ -71,16 +71,16 @@ class Detokenizer:
 
     def truncate_at_stop(self, req: Request, stops: list[str], changed: int) -> bool:
         """Cut ``req.output_text`` before the first stop string that ends at or after
-        ``changed``; True if one did. The search reads only the text from ``changed`` on and
-        the ``len(stop) - 1`` characters before it."""
-        text, cut = req.output_text, -1
+        ``changed`` (after it with ``include_stop_str_in_output``); True if one did. The search
+        reads only the text from ``changed`` on and the ``len(stop) - 1`` characters before it."""
+        text, cut, end = req.output_text, -1, -1
         for stop in stops:
             at = text.find(stop, max(0, changed - len(stop) + 1)) if stop else -1
             if at >= 0 and (cut < 0 or at < cut):
-                cut = at
+                cut, end = at, at + len(stop)
         if cut < 0:
             return False
-        req.output_text = text[:cut]
+        req.output_text = text[:end if req.sampling.include_stop_str_in_output else cut]
         return True
 
     def delta(self, req: Request, final: bool) -> str:

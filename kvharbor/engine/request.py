@@ -43,6 +43,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None      # token id -> added to its logit, in [-100, 100]
     structured_outputs: StructuredOutputsParams | dict | None = None
     n: int = 1                          # LLM.generate: samples per prompt (RequestOutput.outputs)
+    include_stop_str_in_output: bool = False    # vLLM's: the text keeps the stop string that ended it
 
     def validate(self) -> None:
         """Raise ValueError naming the field to fix.
@@ -56,6 +57,10 @@ class SamplingParams:
         if self.seed is not None:
             self.seed = _integer("seed", self.seed)
         self.n = _integer("n", self.n, f" in [1, {MAX_N}]")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if getattr(self, name) not in (True, False):    # "false" would be true
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+            setattr(self, name, bool(getattr(self, name)))
         if not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n}")
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",

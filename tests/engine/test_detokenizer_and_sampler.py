@@ -274,3 +274,14 @@ def test_a_finished_request_leaves_nothing_in_the_detokenizer():
     llm.engine.step()
     llm.engine.abort("gone")
     assert llm.engine.detok._cursors == {} and llm.engine.detok._sent == {}
+
+
+@pytest.mark.parametrize("include, want", [(False, "the harb"), (True, "the harbor k")])
+def test_a_stop_string_inside_the_text_cuts_everything_after_it(include, want):
+    """The text a token brought may run past a stop string: it is cut before the earliest
+    stop, or right after it with ``include_stop_str_in_output``."""
+    detok = Detokenizer(_metaspace_tokenizer())
+    req = Request("r", [1], SamplingParams(stop=["kv", "or k"], include_stop_str_in_output=include))
+    req.output_text = "the harbor kv café"
+    assert detok.truncate_at_stop(req, req.sampling.stop, 0)
+    assert req.output_text == want

@@ -62,6 +62,28 @@ def test_stop_string_truncates_text(llm):
     assert stop not in out.text
 
 
+def test_include_stop_str_in_output_keeps_the_stop_string_and_nothing_after_it(llm):
+    """vLLM's ``include_stop_str_in_output``: the text ends with the earliest stop string
+    (the rest of its token's text is cut), in the final output and in the streamed deltas."""
+    sp = dict(max_tokens=24, temperature=0, ignore_eos=True)
+    text = llm.generate(["The harbor"], SamplingParams(**sp))[0].text
+    early, late = text[3:5], text[12:15]
+    assert text.find(early) == 3 and text.find(late) > 3
+    kept = SamplingParams(**sp, stop=[late, early], include_stop_str_in_output=True)
+    out = llm.generate(["The harbor"], kept)[0]
+    assert (out.text, out.finish_reason) == (text[:5], "stop")
+    engine, streamed = llm.engine, ""
+    engine.add_request("kept-stop", llm.encode("The harbor"), kept)
+    while engine.has_unfinished():
+        streamed += "".join(o.new_text for o in engine.step())
+    assert streamed == text[:5]
+    for bad in ("false", None):
+        with pytest.raises(ValueError, match="include_stop_str_in_output must be true or false"):
+            llm.generate(["The harbor"], SamplingParams(max_tokens=2, include_stop_str_in_output=bad))
+    with pytest.raises(ValueError, match="ignore_eos must be true or false"):
+        llm.generate(["The harbor"], SamplingParams(max_tokens=2, ignore_eos="false"))
+
+
 def test_the_earliest_of_several_stop_strings_ends_the_text(llm):
     sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     text = llm.generate(["The harbor"], sp)[0].text

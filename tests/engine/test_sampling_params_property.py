@@ -34,6 +34,7 @@ VALID = {                               # what a careful caller passes
     "repetition_penalty": st.floats(0.1, 3),
     "logit_bias": st.dictionaries(st.integers(0, 258), st.floats(-100, 100), max_size=3),
     "n": st.integers(1, 3),
+    "include_stop_str_in_output": st.booleans(),
 }
 ANY = st.one_of(ODD, st.integers(-2**64, 2**64), st.floats(-300, 300), st.text(max_size=2),
                 st.lists(st.one_of(st.integers(-2, 300), st.floats(0, 5), st.text(max_size=2), ODD), max_size=3),
