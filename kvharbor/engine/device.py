@@ -44,7 +44,7 @@ def resolve_device(name: str) -> torch.device:
     if device is None or device.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N' or 'auto', got {name!r}")
     if device.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        count = torch.cuda.device_count()       # 0 on a CPU-only torch
         if (device.index or 0) >= count:
             raise ValueError(f"device {name!r}: this machine's torch sees {count} CUDA device(s) "
                              f"(torch {torch.__version__}); use device='cpu' or 'auto'")

@@ -31,7 +31,7 @@ from .hashing import adapter_salt, model_root
 from .model_identity import model_identity
 from .models import load_model, uniform_sliding_window
 from .preemption import PreemptionPolicy
-from .request import Request, RequestOutput, SamplingParams, Status, token_ids
+from .request import Request, RequestOutput, SamplingParams, Status, check_request
 from .scheduler import Scheduler
 from .step_budget import NO_PRIORITY, StepInterrupt, StepInterrupted
 from .sessions import SessionLimits, SessionManager
@@ -167,31 +167,12 @@ class Engine:
         ``lora``: the name of a loaded LoRA adapter to generate with (None: the base model);
         its blocks are cached in a scope of their own.
         """
-        sampling.validate()
-        if sampling.n != 1:
-            raise ValueError(f"n={sampling.n}: an engine request is one sample; add one request per "
-                             "sample with its own seed (LLM.generate does)")
-        prompt_token_ids = token_ids("prompt", prompt_token_ids)
+        prompt_token_ids = check_request(prompt_token_ids, sampling, tenant, qos, cache_salt, session_id,
+                                         self.config.qos_classes, self.model.config.vocab_size,
+                                         self.max_model_len)
         adapter = None if lora is None else self.loras.get(lora)
-        for name, value in (("tenant", tenant), ("session_id", session_id), ("cache_salt", cache_salt)):
-            if not (value is None and name != "tenant" or isinstance(value, str) and value):
-                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
-        if not isinstance(qos, str) or qos not in self.config.qos_classes:
-            raise ValueError(f"unknown QoS class {qos!r}; known: {sorted(self.config.qos_classes)}")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if not prompt_token_ids:
-            raise ValueError("prompt must contain at least one token")
-        vocab = self.model.config.vocab_size
-        for name, ids in (("prompt", prompt_token_ids), ("stop_token_ids", sampling.stop_token_ids),
-                          ("logit_bias", sampling.logit_bias or ())):
-            if not 0 <= min(ids, default=0) <= max(ids, default=0) < vocab:
-                raise ValueError(f"{name} token ids must be in [0, {vocab})")
-        total = len(prompt_token_ids) + sampling.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({sampling.max_tokens}) = "
-                             f"{total} exceeds the model's context of {self.max_model_len} tokens; "
-                             f"shorten the prompt or lower max_tokens")
         spec = self.config.qos_classes[qos]
         priority = spec.priority if self.config.scheduling == "priority" else 0
         salt = adapter_salt(cache_salt, lora, adapter and adapter.path)

@@ -57,12 +57,12 @@ class SamplingParams:
         if self.seed is not None:
             self.seed = _integer("seed", self.seed)
         self.n = _integer("n", self.n, f" in [1, {MAX_N}]")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n}")
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if getattr(self, name) not in (True, False):    # "false" would be true
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
             setattr(self, name, bool(getattr(self, name)))
-        if not 1 <= self.n <= MAX_N:
-            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n}")
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             setattr(self, name, _number(name, getattr(self, name)))
@@ -148,6 +148,34 @@ def _bias_key(key) -> int:
     return int(key) if isinstance(key, str) else operator.index(key)
 
 
+def check_request(prompt_token_ids, sampling: SamplingParams, tenant, qos, cache_salt, session_id,
+                  qos_classes: dict, vocab_size: int, max_model_len: int) -> list[int]:
+    """Check the arguments of ``Engine.add_request`` (``sampling`` is validated in place) and
+    return the prompt's ids as ints. Raises ValueError naming the argument to fix."""
+    sampling.validate()
+    if sampling.n != 1:
+        raise ValueError(f"n={sampling.n}: an engine request is one sample; add one request per "
+                         "sample with its own seed (LLM.generate does)")
+    prompt = token_ids("prompt", prompt_token_ids)
+    for name, value in (("tenant", tenant), ("session_id", session_id), ("cache_salt", cache_salt)):
+        if not (value is None and name != "tenant" or isinstance(value, str) and value):
+            raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+    if not isinstance(qos, str) or qos not in qos_classes:
+        raise ValueError(f"unknown QoS class {qos!r}; known: {sorted(qos_classes)}")
+    if not prompt:
+        raise ValueError("prompt must contain at least one token")
+    for name, ids in (("prompt", prompt), ("stop_token_ids", sampling.stop_token_ids),
+                      ("logit_bias", sampling.logit_bias or ())):
+        if not 0 <= min(ids, default=0) <= max(ids, default=0) < vocab_size:
+            raise ValueError(f"{name} token ids must be in [0, {vocab_size})")
+    total = len(prompt) + sampling.max_tokens
+    if total > max_model_len:
+        raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({sampling.max_tokens}) = "
+                         f"{total} exceeds the model's context of {max_model_len} tokens; "
+                         f"shorten the prompt or lower max_tokens")
+    return prompt
+
+
 def token_ids(name: str, ids) -> list[int]:
     """``ids`` as a list of ints (numpy integers too); a float, string, bytes or None is refused,
     where ``int()`` would truncate 4.5 to token 4 or read "4" as token 4."""
@@ -155,11 +183,13 @@ def token_ids(name: str, ids) -> list[int]:
         raise ValueError(f"{name} must be a list of token ids (integers), got {type(ids).__name__}")
     if type(ids) is list and all(type(t) is int for t in ids):
         return list(ids)
-    try:
-        return [int(operator.index(t)) for t in ids]
-    except TypeError:
-        bad = next(t for t in ids if not is_index(t))
-        raise ValueError(f"{name} must be a list of token ids (integers), got {bad!r} in it") from None
+    out = []
+    for t in ids:
+        try:
+            out.append(int(operator.index(t)))
+        except TypeError:
+            raise ValueError(f"{name} must be a list of token ids (integers), got {t!r} in it") from None
+    return out
 
 
 def is_index(value) -> bool:

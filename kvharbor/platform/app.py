@@ -137,9 +137,7 @@ def llm_replicas(cfg: PlatformConfig, tenants: str):
     on_gpu = gpus > 0 and cfg.device != "cpu"
     engine = engine_kwargs(cfg, on_gpu)
     get_or_create_directory(cfg.directory_name, namespace="kvharbor", detached=True)
-    router_class = ROUTERS.get(cfg.router, "missing")
-    if router_class == "missing":
-        raise ValueError(f"router must be one of {sorted(ROUTERS)}, got {cfg.router!r}")
+    router_class = ROUTERS[cfg.router]          # PlatformConfig's pattern admits only these
     scaling = ({"autoscaling_config": cfg.autoscaling} if cfg.autoscaling else
                {"num_replicas": cfg.replicas or (gpus if on_gpu else 2)})
     options = {"name": "LLMReplica", **scaling, "max_ongoing_requests": 512,
