@@ -146,6 +146,7 @@ class _Common(BaseModel):
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS, description=f"Stop at any of these token ids (up to {MAX_STOP_TOKEN_IDS}); the stop token's text is left out of the answer, as in vLLM. Not in OpenAI's API.")
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1, description="Seed for reproducible sampling (a signed 64-bit integer).")
     ignore_eos: bool = Field(False, description="Keep generating after the end-of-sequence token. Not in OpenAI's API.")
+    include_stop_str_in_output: bool = Field(False, description="Keep the stop string that ended the answer at its end (vLLM's; text after it is still cut). Not in OpenAI's API.")
     user: str | None = Field(None, description=_ignored("end-user id"))
     frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0, description="In [-2, 2]: subtracted from a token's logit once per time it occurs in the output so far (OpenAI's formula).")
     presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0, description="In [-2, 2]: subtracted from a token's logit once it occurs in the output so far (OpenAI's formula).")

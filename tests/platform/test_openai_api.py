@@ -252,6 +252,32 @@ def test_stop_token_ids_end_the_answer_before_the_stop_tokens_text(client, kvhar
         client.completions.create(prompt="x", extra_body={"stop_token_ids": [10**6]}, **kw)
 
 
+def test_stop_strings_cut_the_answer_and_include_stop_str_in_output_keeps_them(client, kvharbor_app):
+    """A stop string ends the answer before it, or, with vLLM's include_stop_str_in_output, just
+    after it; streamed or not, on both routes."""
+    kw = dict(model=kvharbor_app.model, max_tokens=16, temperature=0)
+    free = client.completions.create(prompt="The harbor at dawn", extra_body={"ignore_eos": True}, **kw)
+    text = free.choices[0].text
+    stop = text[6:9]
+    at = text.find(stop)
+    for keep, expected in ((False, text[:at]), (True, text[:at + len(stop)])):
+        extra = {"ignore_eos": True, "include_stop_str_in_output": keep}
+        out = client.completions.create(prompt="The harbor at dawn", stop=[stop], extra_body=extra, **kw)
+        assert (out.choices[0].text, out.choices[0].finish_reason) == (expected, "stop")
+        streamed = client.completions.create(prompt="The harbor at dawn", stop=stop, stream=True,
+                                             extra_body=extra, **kw)
+        assert "".join(c.choices[0].text for c in streamed if c.choices) == expected
+    messages = [{"role": "user", "content": "Tides?"}]
+    chat = client.chat.completions.create(messages=messages, extra_body={"ignore_eos": True}, **kw)
+    answer = chat.choices[0].message.content
+    stop = answer[4:7]
+    kept = client.chat.completions.create(messages=messages, stop=stop, extra_body={
+        "ignore_eos": True, "include_stop_str_in_output": True}, **kw)
+    assert kept.choices[0].message.content == answer[:answer.find(stop) + len(stop)]
+    with pytest.raises(openai.BadRequestError, match="include_stop_str_in_output"):
+        client.completions.create(prompt="x", extra_body={"include_stop_str_in_output": "maybe"}, **kw)
+
+
 # ---- penalties, logit_bias, min_tokens, min_p -------------------------------------------------
 def test_penalties_and_logit_bias_answer_as_the_offline_engine(client, kvharbor_app):
     """OpenAI's frequency / presence penalties and logit_bias, vLLM's repetition_penalty: the
