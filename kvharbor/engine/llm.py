@@ -155,10 +155,10 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             **kwargs) -> RequestOutput | list[RequestOutput]:
-        """A chat turn through the tokenizer's chat template: one conversation (a list of
-        messages) gives its output; a list of conversations, run together as vLLM's ``chat``
-        runs them, gives a list of outputs. ``kwargs`` are ``generate``'s."""
+             **kwargs) -> list[RequestOutput]:
+        """A chat turn through the tokenizer's chat template. ``messages`` is one conversation
+        (a list of messages) or a list of conversations, run together; as vLLM's ``chat``, the
+        answer is a list of outputs, one per conversation. ``kwargs`` are ``generate``'s."""
         batch = bool(messages) and isinstance(messages[0], (list, tuple))
         conversations = messages if batch else [messages]
         prompts = []
@@ -173,8 +173,7 @@ class LLM:
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
             prompts.append(list(ids))
-        outs = self.generate(prompts, sampling_params, **kwargs)
-        return outs if batch else outs[0]
+        return self.generate(prompts, sampling_params, **kwargs)
 
     def stats(self) -> dict:
         return self.engine.stats()

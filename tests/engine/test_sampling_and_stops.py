@@ -226,7 +226,9 @@ def test_streamed_deltas_add_up_and_abort_frees_blocks(llm):
 
 
 def test_chat_uses_the_chat_template(llm):
-    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=4, temperature=0))
+    outs = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=4, temperature=0))
+    assert len(outs) == 1                      # a list, one conversation or many, as vLLM's
+    out = outs[0]
     templated = llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}],
                                                   add_generation_prompt=True, tokenize=False)
     assert templated.endswith("<|assistant|>\n")
@@ -240,7 +242,7 @@ def test_chat_takes_a_list_of_conversations_as_vllms_does(llm):
     chats = [[{"role": "user", "content": "hi"}],
              [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "and you?"}]]
     outs = llm.chat(chats, greedy)
-    assert [o.token_ids for o in outs] == [llm.chat(c, greedy).token_ids for c in chats]
+    assert [o.token_ids for o in outs] == [llm.chat(c, greedy)[0].token_ids for c in chats]
     assert outs[0].prompt_token_ids != outs[1].prompt_token_ids
     for bad in ("hi", [["hi"]], [{"content": "no role"}]):
         with pytest.raises(ValueError, match="messages must be a conversation"):
