@@ -22,7 +22,7 @@ from .host_pool import HostKVPool
 from .integrity import check_engine
 from .kv_cache_manager import KVCacheManager
 from .kv_transfer import KVTransfer
-from .logits_processors import depends_on_outputs
+from .logits_processors import bad_word_ids, depends_on_outputs
 from .structured_output import Grammars
 from .lora import LoRAs
 from .model_runner import ModelRunner, ScheduledRequest, kv_bytes_per_token
@@ -184,6 +184,8 @@ class Engine:
             req.prompt_lps = [None]             # the first prompt token has no logprob
         if sampling.structured_outputs is not None:
             req.matcher = self.grammars.matcher(sampling.structured_outputs)
+        if sampling.bad_words:
+            req.bad_words = bad_word_ids(self.tokenizer, sampling.bad_words, sampling.allowed_token_ids)
         if sampling.min_tokens:
             req.held_stops = tuple(sorted(set(sampling.stop_token_ids)
                                           | (set() if sampling.ignore_eos else self.eos_ids)))

@@ -5,6 +5,9 @@ Applied in vLLM's order, to the rows whose request asks for one, greedy rows inc
 - ``min_tokens``: until the request has generated that many tokens, its stop token ids and
   (unless ``ignore_eos``) the end-of-sequence ids get ``-inf`` (``Request.held_stops``).
 - ``logit_bias``: each named id's bias is added to its logit (OpenAI's semantics).
+- ``allowed_token_ids`` and ``bad_words`` (vLLM's): every id but the allowed ones, and the last
+  token of a bad word whose other tokens end the output so far, get ``-inf`` (after the bias,
+  so no bias lifts them).
 - ``repetition_penalty`` (vLLM's, from the CTRL paper): the logit of a token that is in the
   prompt or the output so far is divided by it when positive and multiplied by it otherwise.
 - ``frequency_penalty`` and ``presence_penalty``: OpenAI's formula,
@@ -36,11 +39,41 @@ def holds_stops(req: Request) -> bool:
 def depends_on_outputs(req: Request) -> bool:
     """The request's next logits depend on its output so far (so a step launched before the
     previous token reaches the host would process them wrongly)."""
-    return req.sampling.penalized or holds_stops(req) or req.matcher is not None
+    return (req.sampling.penalized or holds_stops(req) or req.matcher is not None
+            or any(len(seq) > 1 for seq in req.bad_words))
 
 
 def _processed(req: Request) -> bool:
-    return depends_on_outputs(req) or bool(req.sampling.logit_bias)
+    return (depends_on_outputs(req) or bool(req.sampling.logit_bias or req.bad_words)
+            or req.sampling.allowed_token_ids is not None)
+
+
+def bad_word_ids(tokenizer, words: list[str], allowed: list[int] | None = None) -> tuple[tuple[int, ...], ...]:
+    """The token sequences that spell ``words``: each word alone and after a space, since a
+    tokenizer may spell a word differently at the start of a text and inside it. Raises
+    ValueError when they ban every one of the ``allowed`` ids (nothing could be picked)."""
+    seqs = []
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+            if ids and ids not in seqs:
+                seqs.append(ids)
+    if allowed is not None and set(allowed) <= {seq[0] for seq in seqs if len(seq) == 1}:
+        raise ValueError("bad_words ban every one of the allowed_token_ids; nothing could be generated")
+    return tuple(seqs)
+
+
+def _banned(req: Request) -> list[int]:
+    """The ids ``req`` may not pick this step: ``min_tokens``'s held ids, and each bad word's
+    last token where the output so far ends with the word's other tokens (vLLM's rule: the
+    prompt is not looked at)."""
+    banned = list(req.held_stops) if holds_stops(req) else []
+    ids, generated = req.all_token_ids, req.num_output_tokens
+    for seq in req.bad_words:
+        k = len(seq) - 1
+        if k == 0 or k <= generated and tuple(ids[-k:]) == seq[:-1]:
+            banned.append(seq[-1])
+    return banned
 
 
 def apply(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -54,6 +87,13 @@ def apply(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     x = logits.index_select(0, index)                                  # [R, V], a copy
     reqs = [requests[i] for i in rows]
     _add_biases(x, reqs)
+    for j, r in enumerate(reqs):
+        if r.sampling.allowed_token_ids is not None:
+            if r.allowed is None or r.allowed.device != x.device:
+                blocked = torch.ones(x.shape[1], dtype=torch.bool)
+                blocked[r.sampling.allowed_token_ids] = False
+                r.allowed = blocked.to(x.device)
+            x[j].masked_fill_(r.allowed, float("-inf"))
     penalized = [j for j, r in enumerate(reqs) if r.sampling.penalized]
     if penalized:
         at = upload(penalized, torch.int64, dev)
@@ -65,15 +105,15 @@ def apply(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
 
 
 def _add_biases(x: torch.Tensor, reqs: list[Request]) -> None:
-    """``logit_bias`` added, then ``min_tokens``'s held ids set to ``-inf``: each one sparse
+    """``logit_bias`` added, then the banned ids (``_banned``) set to ``-inf``: each one sparse
     write over (row, id) pairs."""
     rows, cols, vals, held_rows, held_cols = [], [], [], [], []
     for j, r in enumerate(reqs):
         for token, bias in (r.sampling.logit_bias or {}).items():
             rows.append(j), cols.append(token), vals.append(bias)
-        if holds_stops(r):
-            held_rows += [j] * len(r.held_stops)
-            held_cols += r.held_stops
+        banned = _banned(r)
+        held_rows += [j] * len(banned)
+        held_cols += banned
     dev = x.device
     if rows:
         x.index_put_((upload(rows, torch.int64, dev), upload(cols, torch.int64, dev)),

@@ -44,6 +44,8 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | dict | None = None
     n: int = 1                          # LLM.generate: samples per prompt (RequestOutput.outputs)
     include_stop_str_in_output: bool = False    # vLLM's: the text keeps the stop string that ended it
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these ids may be generated
+    bad_words: list[str] | None = None  # vLLM's: these words are never generated (bad_word_ids)
 
     def validate(self) -> None:
         """Raise ValueError naming the field to fix.
@@ -110,6 +112,15 @@ class SamplingParams:
                                  f"OpenAI's API, its decimal string), got {self.logit_bias!r}") from None
             if not all(-100 <= v <= 100 for v in self.logit_bias.values()):
                 raise ValueError("logit_bias values must be in [-100, 100]")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = token_ids("allowed_token_ids", self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must name at least one token (None allows all)")
+        words = [self.bad_words] if isinstance(self.bad_words, str) else self.bad_words
+        if not (words is None or isinstance(words, (list, tuple))
+                and all(isinstance(w, str) and w.strip() for w in words)):
+            raise ValueError(f"bad_words must be a list of non-blank strings, got {self.bad_words!r}")
+        self.bad_words = list(words) if words else None
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
             if self.min_tokens:
@@ -165,7 +176,8 @@ def check_request(prompt_token_ids, sampling: SamplingParams, tenant, qos, cache
     if not prompt:
         raise ValueError("prompt must contain at least one token")
     for name, ids in (("prompt", prompt), ("stop_token_ids", sampling.stop_token_ids),
-                      ("logit_bias", sampling.logit_bias or ())):
+                      ("logit_bias", sampling.logit_bias or ()),
+                      ("allowed_token_ids", sampling.allowed_token_ids or ())):
         if not 0 <= min(ids, default=0) <= max(ids, default=0) < vocab_size:
             raise ValueError(f"{name} token ids must be in [0, {vocab_size})")
     total = len(prompt) + sampling.max_tokens
@@ -257,6 +269,8 @@ class Request:
     rng_states: list = field(default_factory=list)   # its state before each draft's row (sampling.py)
     cached_blocks_cursor: int = 0        # blocks [0, cursor) were registered in the prefix cache
     held_stops: tuple[int, ...] = ()     # ids masked until min_tokens (stop ids, EOS unless ignored)
+    bad_words: tuple[tuple[int, ...], ...] = ()   # bad_words' token sequences (bad_word_ids)
+    allowed: object = None               # allowed_token_ids as a bool mask [V] (logits_processors)
     prompt_lps: list | None = None       # prompt_logprobs asked: TokenLogprobs per prompt token so far
     matcher: object = None               # structured_outputs: its xgrammar GrammarMatcher
     lora: object = None                  # the LoRAAdapter it generates with (None: the base model)

@@ -22,6 +22,7 @@ from .tool_calls import (MAX_TOOLS, Tool, ToolCall, ToolChoice, constraint, temp
 MAX_STOP_STRINGS = 8
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+MAX_BAD_WORDS = 64
 GREEDY_BELOW = 1e-5
 """Temperatures below this are treated as 0 (greedy): dividing logits by them overflows."""
 
@@ -146,6 +147,8 @@ class _Common(BaseModel):
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS, description=f"Stop at any of these token ids (up to {MAX_STOP_TOKEN_IDS}); the stop token's text is left out of the answer, as in vLLM. Not in OpenAI's API.")
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1, description="Seed for reproducible sampling (a signed 64-bit integer).")
     ignore_eos: bool = Field(False, description="Keep generating after the end-of-sequence token. Not in OpenAI's API.")
+    allowed_token_ids: list[TokenId] | None = Field(None, min_length=1, max_length=MAX_PROMPT_TOKEN_IDS, description="Only these token ids may be generated (vLLM's). Not in OpenAI's API.")
+    bad_words: list[Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]] | None = Field(None, max_length=MAX_BAD_WORDS, description=f"Words never generated, up to {MAX_BAD_WORDS} of up to {MAX_STOP_CHARS} characters (vLLM's: a word's last token is banned where the output ends with its other tokens, the word spelt alone and after a space). Not in OpenAI's API.")
     include_stop_str_in_output: bool = Field(False, description="Keep the stop string that ended the answer at its end (vLLM's; text after it is still cut). Not in OpenAI's API.")
     user: str | None = Field(None, description=_ignored("end-user id"))
     frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0, description="In [-2, 2]: subtracted from a token's logit once per time it occurs in the output so far (OpenAI's formula).")
@@ -184,6 +187,13 @@ class _Common(BaseModel):
     def _null_is_the_default(cls, value, info):
         """An explicit null (SDKs send them) asks for the field's default."""
         return cls.model_fields[info.field_name].default if value is None else value
+
+    @field_validator("bad_words")
+    @classmethod
+    def _words_not_blank(cls, value):
+        if any(not w.strip() for w in value or ()):
+            raise ValueError("each bad word must have a character other than whitespace")
+        return value
 
     @field_validator("stop")
     @classmethod

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
+from kvharbor.engine.logits_processors import bad_word_ids
 from kvharbor.platform.context_overflow import truncate_oldest
 from kvharbor.platform.openai_protocol import APIError, ChatRequest, CompletionRequest
 
@@ -90,6 +91,12 @@ class Prompts:
         max_tokens = self._max_tokens(body, prompts, chat, principal, prompt_only)
         self.check_token_ids(body.stop_token_ids or [], "stop_token_ids")
         self.check_token_ids(list(body.logit_bias or ()), "logit_bias")
+        self.check_token_ids(body.allowed_token_ids or [], "allowed_token_ids")
+        if body.bad_words:
+            try:
+                bad_word_ids(self.tokenizer, body.bad_words, body.allowed_token_ids)
+            except ValueError as e:
+                raise APIError(400, str(e), param="bad_words") from None
         answered = 0 if prompt_only else max_tokens
         if body.min_tokens > answered:
             raise APIError(400, f"min_tokens ({body.min_tokens}) is more than max_tokens ({answered}); "

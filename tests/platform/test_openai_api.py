@@ -278,6 +278,33 @@ def test_stop_strings_cut_the_answer_and_include_stop_str_in_output_keeps_them(c
         client.completions.create(prompt="x", extra_body={"include_stop_str_in_output": "maybe"}, **kw)
 
 
+def test_allowed_token_ids_and_bad_words_answer_as_the_offline_engine(client, kvharbor_app):
+    """vLLM's allowed_token_ids and bad_words over HTTP: the answer is the offline engine's with
+    the same restriction, on both routes; a restriction nothing can satisfy is a 400 naming it."""
+    from kvharbor import LLM, SamplingParams
+
+    llm = LLM(device="cpu", num_kv_blocks=64)
+    kw = dict(model=kvharbor_app.model, max_tokens=12, temperature=0)
+    free = client.completions.create(prompt="The harbor at dawn", extra_body={"ignore_eos": True}, **kw)
+    word = free.choices[0].text.split()[1]
+    allowed = sorted(set(llm.encode("harbor tides")))
+    for extra in ({"bad_words": [word]}, {"allowed_token_ids": allowed}):
+        out = client.completions.create(prompt="The harbor at dawn", extra_body={"ignore_eos": True, **extra}, **kw)
+        ref = llm.generate(["The harbor at dawn"], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                                   **extra))[0]
+        assert out.choices[0].text == ref.text != free.choices[0].text
+        assert word not in out.choices[0].text if "bad_words" in extra else set(ref.token_ids) <= set(allowed)
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": "Tides?"}], extra_body={
+        "ignore_eos": True, "allowed_token_ids": allowed}, **kw)
+    assert set(llm.encode(chat.choices[0].message.content)) <= set(allowed)
+    for extra, field in (({"bad_words": ["a"], "allowed_token_ids": [97]}, "bad_words"),
+                         ({"allowed_token_ids": [10**6]}, "allowed_token_ids"),
+                         ({"allowed_token_ids": []}, "allowed_token_ids"), ({"bad_words": [" "]}, "bad_words")):
+        with pytest.raises(openai.BadRequestError, match=field) as e:
+            client.completions.create(prompt="x", extra_body=extra, **kw)
+        assert e.value.body["param"] == field
+
+
 # ---- penalties, logit_bias, min_tokens, min_p -------------------------------------------------
 def test_penalties_and_logit_bias_answer_as_the_offline_engine(client, kvharbor_app):
     """OpenAI's frequency / presence penalties and logit_bias, vLLM's repetition_penalty: the

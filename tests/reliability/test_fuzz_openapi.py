@@ -96,6 +96,7 @@ def test_route_conforms_to_its_schema(gateway_schema, method, path, mode):
     def run(case) -> None:
         if mode is POSITIVE and isinstance(case.body, dict) and "model" in case.body:
             case.body["model"] = gateway_schema.model      # else nearly every case is a 404
+            _only_assistants_call_tools(case.body.get("messages"))
         response = _send(case, gateway_schema.base_url, headers)
         statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
         case.validate_response(response, checks=checks)
@@ -104,6 +105,17 @@ def test_route_conforms_to_its_schema(gateway_schema, method, path, mode):
     print(f"{method} {path} {mode.value}: statuses {statuses}")
     if mode is POSITIVE and method == "POST":
         assert statuses.get(200, 0) > 0, statuses       # the route's work was reached
+
+
+def _only_assistants_call_tools(messages) -> None:
+    """The rule the schema states in words but JSON Schema cannot give the generator: only an
+    assistant message carries tool_calls, and only one with tool_calls may have null content
+    (without this nearly every generated chat case is a 400 on it)."""
+    for m in messages if isinstance(messages, list) else ():
+        if isinstance(m, dict) and m.get("role") != "assistant":
+            m.pop("tool_calls", None)
+        if isinstance(m, dict) and m.get("content") is None and not m.get("tool_calls"):
+            m["content"] = "Hello"
 
 
 def _send(case, base_url: str, headers: dict) -> httpx.Response:
