@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
+from tqdm import tqdm
+
 from kvharbor.config import EngineConfig
 
 from .engine import Engine
@@ -36,6 +38,10 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def get_tokenizer(self):
+        """The tokenizer (vLLM's name for ``tokenizer``)."""
+        return self.engine.tokenizer
+
     def encode(self, prompt: Prompt) -> list[int]:
         """A prompt's token ids. A prompt is text, token ids, or vLLM's dict forms
         ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``; anything else is a ValueError."""
@@ -55,7 +61,7 @@ class LLM:
                  tenant: str = "default", qos: str = "standard",
                  cache_salt: str | None = None, session_id: str | None = None,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-                 ) -> list[RequestOutput]:
+                 use_tqdm: bool = False) -> list[RequestOutput]:
         """Run all prompts together (continuous batching); outputs in prompt order.
 
         ``session_id``: the prompts are turns of that session of ``tenant``: after each, its
@@ -65,6 +71,8 @@ class LLM:
         With ``SamplingParams(logprobs=k)`` an output's ``logprobs`` holds each of its tokens'.
         With ``SamplingParams(n=k)`` each prompt's output holds k samples in ``outputs`` (as
         vLLM's; its own fields are sample 0's); with a seed, sample j's seed is derived from it.
+        An output's ``prompt`` is its prompt's text (None for token ids). ``use_tqdm``: a
+        progress bar of finished requests on stderr (vLLM shows one by default; kvharbor does not).
         """
         prompts = _prompt_list(prompts)
         params = SamplingParams() if sampling_params is None else sampling_params
@@ -99,6 +107,7 @@ class LLM:
                         later.setdefault(group[0], []).append(request)
             final: dict[str, RequestOutput] = {}
             total = sum(map(len, groups))
+            bar = tqdm(total=total, desc="Processed prompts", disable=not use_tqdm)
             while len(final) < total:
                 outs = self.engine.step()
                 for out in outs:
@@ -108,6 +117,7 @@ class LLM:
                     if out.finished:
                         out.logprobs = logprobs.get(rid)
                         final[rid] = out
+                        bar.update(1)
                     if rid in later and (out.new_token_ids or out.finished):
                         for request in later.pop(rid):   # sample 0's prompt is cached now: the
                             self._add(ids, request)      # other samples hit it, as HTTP's n does
@@ -117,12 +127,14 @@ class LLM:
                     if lost and not self.engine.has_unfinished():
                         raise RuntimeError(f"requests {lost} ended without a final output (aborted "
                                            "outside this call?)")
+            bar.close()
         except BaseException:
             for rid in ids:                 # a refused prompt, a failed step or an interrupt: none
                 self.engine.abort(rid)      # of the call stays queued
             raise
         outs = [final[group[0]] for group in groups]
-        for out, group in zip(outs, groups):
+        for out, group, prompt in zip(outs, groups, prompts):
+            out.prompt = prompt.get("prompt") if isinstance(prompt, dict) else prompt if isinstance(prompt, str) else None
             if len(group) > 1:
                 out.outputs = [CompletionOutput.of(j, final[rid]) for j, rid in enumerate(group)]
         return outs

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import enum
 import math
 import numbers
@@ -126,6 +127,10 @@ class SamplingParams:
             if self.min_tokens:
                 raise ValueError("min_tokens cannot be combined with structured_outputs: the grammar "
                                  "decides where the output may end")
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (vLLM's ``clone``): changing it leaves these params as they are."""
+        return copy.deepcopy(self)
 
     @property
     def penalized(self) -> bool:
@@ -324,14 +329,14 @@ class RequestOutput:
 
     __slots__ = ("request_id", "prompt_token_ids", "_token_ids", "text", "finish_reason",
                  "num_cached_tokens", "new_token_ids", "new_text", "new_logprobs", "prompt_logprobs",
-                 "logprobs", "_outputs")
+                 "logprobs", "_outputs", "prompt")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  token_ids: list[int] | OutputIds, text: str, finish_reason: str | None,
                  num_cached_tokens: int, new_token_ids: list[int] | None = None,
                  new_text: str = "", new_logprobs: list | None = None,
                  prompt_logprobs: list | None = None, logprobs: list | None = None,
-                 outputs: list[CompletionOutput] | None = None) -> None:
+                 outputs: list[CompletionOutput] | None = None, prompt: str | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self._token_ids = token_ids
@@ -344,6 +349,7 @@ class RequestOutput:
         self.prompt_logprobs = prompt_logprobs  # prompt_logprobs asked: None, then TokenLogprobs per prompt token
         self.logprobs = logprobs                # LLM.generate, logprobs asked: TokenLogprobs per token_ids entry
         self._outputs = outputs                 # LLM.generate with n > 1: every sample
+        self.prompt = prompt                    # LLM.generate: the prompt's text (None: given as ids)
 
     @property
     def token_ids(self) -> list[int]:
@@ -382,7 +388,7 @@ class RequestOutput:
     def _fields(self) -> tuple:
         return (self.request_id, self.prompt_token_ids, self.token_ids, self.text,
                 self.finish_reason, self.num_cached_tokens, self.new_token_ids, self.new_text,
-                self.new_logprobs, self.prompt_logprobs, self.logprobs, self._outputs)
+                self.new_logprobs, self.prompt_logprobs, self.logprobs, self._outputs, self.prompt)
 
     def __eq__(self, other: object) -> bool:
         if type(other) is not RequestOutput:
@@ -397,7 +403,7 @@ class RequestOutput:
     def __repr__(self) -> str:
         names = ("request_id", "prompt_token_ids", "token_ids", "text", "finish_reason",
                  "num_cached_tokens", "new_token_ids", "new_text", "new_logprobs", "prompt_logprobs",
-                 "logprobs", "outputs")
+                 "logprobs", "outputs", "prompt")
         return "RequestOutput(" + ", ".join(f"{n}={v!r}" for n, v in zip(names, self._fields())) + ")"
 
 
