@@ -47,6 +47,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False    # vLLM's: the text keeps the stop string that ended it
     allowed_token_ids: list[int] | None = None  # vLLM's: only these ids may be generated
     bad_words: list[str] | None = None  # vLLM's: these words are never generated (bad_word_ids)
+    truncate_prompt_tokens: int | None = None   # vLLM's: keep only the prompt's last k tokens
 
     def validate(self) -> None:
         """Raise ValueError naming the field to fix.
@@ -59,6 +60,10 @@ class SamplingParams:
         self.min_tokens = _integer("min_tokens", self.min_tokens, f" in [0, max_tokens={self.max_tokens}]")
         if self.seed is not None:
             self.seed = _integer("seed", self.seed)
+        if self.truncate_prompt_tokens is not None:
+            self.truncate_prompt_tokens = _integer("truncate_prompt_tokens", self.truncate_prompt_tokens, " >= 1")
+            if self.truncate_prompt_tokens < 1:
+                raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, got {self.truncate_prompt_tokens}")
         self.n = _integer("n", self.n, f" in [1, {MAX_N}]")
         if not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n}")
@@ -173,6 +178,8 @@ def check_request(prompt_token_ids, sampling: SamplingParams, tenant, qos, cache
         raise ValueError(f"n={sampling.n}: an engine request is one sample; add one request per "
                          "sample with its own seed (LLM.generate does)")
     prompt = token_ids("prompt", prompt_token_ids)
+    if sampling.truncate_prompt_tokens:
+        prompt = prompt[-sampling.truncate_prompt_tokens:]
     for name, value in (("tenant", tenant), ("session_id", session_id), ("cache_salt", cache_salt)):
         if not (value is None and name != "tenant" or isinstance(value, str) and value):
             raise ValueError(f"{name} must be a non-empty string, got {value!r}")

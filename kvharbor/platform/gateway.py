@@ -445,6 +445,8 @@ class Gateway:
         marks["queued"] = time.perf_counter()
         try:
             prompts = await self.prompts.off_loop(tokenize, size)
+            if body.truncate_prompt_tokens:
+                prompts = [ids[-body.truncate_prompt_tokens:] for ids in prompts]
             max_tokens, prompt_only = self.prompts.limits(body, prompts, chat, principal)
             unparsed = await parse_problem(body, tenant)
             if unparsed:

@@ -78,8 +78,9 @@ class Prompts:
 
     def echo_texts(self, body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
         """The text ``echo`` puts before each prompt's choices: the prompt as sent, or its
-        token ids decoded (as vLLM echoes them)."""
-        return [p if isinstance(p, str) else self.tokenizer.decode(ids, skip_special_tokens=True)
+        token ids decoded (as vLLM echoes them; also a text cut by ``truncate_prompt_tokens``)."""
+        return [p if isinstance(p, str) and not body.truncate_prompt_tokens
+                else self.tokenizer.decode(ids, skip_special_tokens=True)
                 for p, ids in zip(body.prompts(), prompts)]
 
     def limits(self, body, prompts: list[list[int]], chat: bool, principal) -> tuple[int, bool]:

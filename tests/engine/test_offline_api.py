@@ -39,3 +39,18 @@ def test_use_tqdm_shows_a_progress_bar_of_finished_requests(llm, capsys):
     llm.generate(["a", "b", "c"], SamplingParams(max_tokens=2, n=2), use_tqdm=True)
     err = capsys.readouterr().err
     assert "Processed prompts" in err and "6/6" in err
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm):
+    ids = llm.encode("The harbor at dawn, where the ships wait for the tide")
+    greedy = dict(max_tokens=4, temperature=0, ignore_eos=True)
+    cut, tail = llm.generate([ids, ids[-7:]], [SamplingParams(truncate_prompt_tokens=7, **greedy),
+                                               SamplingParams(**greedy)])
+    assert cut.prompt_token_ids == ids[-7:] and cut.token_ids == tail.token_ids
+    assert llm.generate([ids], SamplingParams(truncate_prompt_tokens=len(ids) + 5, **greedy))[0].prompt_token_ids == ids
+    context = llm.engine.max_model_len
+    long = (ids * (context // len(ids) + 1))[:context + 10]
+    assert len(llm.generate([long], SamplingParams(truncate_prompt_tokens=16, **greedy))[0].token_ids) == 4
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens must be an integer >= 1"):
+            llm.generate([ids], SamplingParams(truncate_prompt_tokens=bad, **greedy))

@@ -305,6 +305,31 @@ def test_allowed_token_ids_and_bad_words_answer_as_the_offline_engine(client, kv
         assert e.value.body["param"] == field
 
 
+def test_truncate_prompt_tokens_answers_as_the_prompts_last_tokens(client, kvharbor_app):
+    """vLLM's truncate_prompt_tokens: the answer and usage are those of the prompt's last k
+    tokens (echo shows them), on both routes; a prompt beyond the context fits once cut."""
+    from kvharbor.engine.model_info import load_tokenizer
+
+    tokenizer = load_tokenizer(kvharbor_app.model)
+    kw = dict(model=kvharbor_app.model, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    text = "The harbor at dawn, where the ships wait for the tide"
+    ids = tokenizer(text)["input_ids"]
+    tail = client.completions.create(prompt=ids[-9:], **kw)
+    cut = client.completions.create(prompt=text, echo=True, **{**kw, "extra_body": {
+        "ignore_eos": True, "truncate_prompt_tokens": 9}})
+    assert cut.usage.prompt_tokens == 9
+    assert cut.choices[0].text == tokenizer.decode(ids[-9:]) + tail.choices[0].text
+    long = client.completions.create(prompt=text * 400, **{**kw, "extra_body": {
+        "ignore_eos": True, "truncate_prompt_tokens": 9}})
+    assert (long.usage.prompt_tokens, long.usage.completion_tokens) == (9, 6)
+    messages = [{"role": "user", "content": text}]
+    chat = client.chat.completions.create(messages=messages, **{**kw, "extra_body": {
+        "ignore_eos": True, "truncate_prompt_tokens": 5}})
+    assert chat.usage.prompt_tokens == 5
+    with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens"):
+        client.completions.create(prompt=text, **{**kw, "extra_body": {"truncate_prompt_tokens": 0}})
+
+
 # ---- penalties, logit_bias, min_tokens, min_p -------------------------------------------------
 def test_penalties_and_logit_bias_answer_as_the_offline_engine(client, kvharbor_app):
     """OpenAI's frequency / presence penalties and logit_bias, vLLM's repetition_penalty: the
