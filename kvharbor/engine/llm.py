@@ -167,10 +167,15 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
              **kwargs) -> list[RequestOutput]:
         """A chat turn through the tokenizer's chat template. ``messages`` is one conversation
         (a list of messages) or a list of conversations, run together; as vLLM's ``chat``, the
-        answer is a list of outputs, one per conversation. ``kwargs`` are ``generate``'s."""
+        answer is a list of outputs, one per conversation. ``continue_final_message``: the
+        answer continues each conversation's last message (with ``add_generation_prompt``
+        false). ``kwargs`` are ``generate``'s."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt=False")
         batch = bool(messages) and isinstance(messages[0], (list, tuple))
         conversations = messages if batch else [messages]
         prompts = []
@@ -180,8 +185,9 @@ class LLM:
                 got = repr(conversation)[:200]
                 raise ValueError("messages must be a conversation (a list of {'role': ..., 'content': "
                                  f"...}} dicts) or a list of conversations, got {got}")
-            ids = self.tokenizer.apply_chat_template(list(conversation), add_generation_prompt=True,
-                                                     tokenize=True)
+            ids = self.tokenizer.apply_chat_template(list(conversation), tokenize=True,
+                                                     add_generation_prompt=add_generation_prompt,
+                                                     continue_final_message=continue_final_message)
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
             prompts.append(list(ids))

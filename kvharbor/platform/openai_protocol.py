@@ -346,6 +346,8 @@ class ChatRequest(_Common):
     reasoning_effort: NullOnlyStr = Field(None, description="Not supported: only null.")
     verbosity: NullOnlyStr = Field(None, description="Not supported: only null.")
     web_search_options: NullOnlyDict = Field(None, description="Not supported: only null.")
+    add_generation_prompt: bool = Field(True, description="End the prompt with the assistant turn's opening (vLLM's). Not in OpenAI's API.")
+    continue_final_message: bool = Field(False, description="The answer continues the last message, e.g. the start of an assistant reply, instead of opening a new turn (vLLM's; with add_generation_prompt false). Not in OpenAI's API.")
 
     @field_validator("tool_choice", mode="after")
     @classmethod
@@ -376,6 +378,9 @@ class ChatRequest(_Common):
             self.max_tokens = self.max_completion_tokens
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        if self.continue_final_message and (self.add_generation_prompt or not self.messages[-1].text().strip()):
+            raise ValueError("continue_final_message needs add_generation_prompt: false and a last message "
+                             "with text to continue")
         return self
 
 

@@ -54,3 +54,18 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm):
     for bad in (0, -1, 1.5):
         with pytest.raises(ValueError, match="truncate_prompt_tokens must be an integer >= 1"):
             llm.generate([ids], SamplingParams(truncate_prompt_tokens=bad, **greedy))
+
+
+def test_chat_can_continue_the_final_message(llm):
+    """vLLM's continue_final_message: the prompt ends where the last message's text ends (no
+    end of turn, no new assistant turn), so the answer carries on from it."""
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    chat = [{"role": "user", "content": "Tides?"}, {"role": "assistant", "content": "The tide"}]
+    out = llm.chat(chat, greedy, add_generation_prompt=False, continue_final_message=True)[0]
+    text = "<|user|>\nTides?\n<|assistant|>\nThe tide"
+    assert out.prompt_token_ids == llm.encode(text)
+    assert out.token_ids == llm.generate(text, greedy)[0].token_ids
+    closed = llm.chat(chat, greedy, add_generation_prompt=False)[0]
+    assert closed.prompt_token_ids == llm.encode(text + "\n")
+    with pytest.raises(ValueError, match="continue_final_message needs add_generation_prompt=False"):
+        llm.chat(chat, greedy, continue_final_message=True)

@@ -330,6 +330,30 @@ def test_truncate_prompt_tokens_answers_as_the_prompts_last_tokens(client, kvhar
         client.completions.create(prompt=text, **{**kw, "extra_body": {"truncate_prompt_tokens": 0}})
 
 
+def test_chat_continues_the_final_message_as_the_offline_engine(client, kvharbor_app):
+    """vLLM's continue_final_message: the answer carries on from the last message's text, as
+    the offline engine's on the same text; add_generation_prompt false ends the prompt with the
+    last message's turn; continuing needs add_generation_prompt false and text to continue."""
+    from kvharbor import LLM, SamplingParams
+
+    llm = LLM(device="cpu", num_kv_blocks=64)
+    kw = dict(model=kvharbor_app.model, max_tokens=6, temperature=0)
+    chat = [{"role": "user", "content": "Tides?"}, {"role": "assistant", "content": [{"type": "text", "text": "The tide"}]}]
+    text = "<|user|>\nTides?\n<|assistant|>\nThe tide"
+    out = client.chat.completions.create(messages=chat, **kw, extra_body={
+        "ignore_eos": True, "add_generation_prompt": False, "continue_final_message": True})
+    ref = llm.generate(text, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+    assert out.choices[0].message.content == ref.text
+    assert out.usage.prompt_tokens == len(ref.prompt_token_ids)
+    closed = client.chat.completions.create(messages=chat, **kw, extra_body={"add_generation_prompt": False})
+    assert closed.usage.prompt_tokens == len(llm.encode(text + "\n"))
+    for extra, last in (({"continue_final_message": True}, "The tide"),
+                        ({"continue_final_message": True, "add_generation_prompt": False}, " ")):
+        with pytest.raises(openai.BadRequestError, match="continue_final_message needs add_generation_prompt"):
+            client.chat.completions.create(messages=chat[:1] + [{"role": "assistant", "content": last}],
+                                           extra_body=extra, **kw)
+
+
 # ---- penalties, logit_bias, min_tokens, min_p -------------------------------------------------
 def test_penalties_and_logit_bias_answer_as_the_offline_engine(client, kvharbor_app):
     """OpenAI's frequency / presence penalties and logit_bias, vLLM's repetition_penalty: the
