@@ -499,6 +499,8 @@ class TokenizeRequest(BaseModel):
         description=f"A chat (1 to {MAX_MESSAGES} messages), rendered with the model's chat template.")
     add_generation_prompt: bool = Field(True, description="With messages: end with the assistant "
                                         "turn's opening, as /v1/chat/completions does.")
+    continue_final_message: bool = Field(False, description="With messages and add_generation_prompt false: "
+                                         "end where the last message's text ends, as chat's does.")
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS, description="With messages: the chat's tools, "
                                      "shown to the chat template as /v1/chat/completions shows them.")
 
@@ -508,6 +510,8 @@ class TokenizeRequest(BaseModel):
             raise ValueError("send exactly one of prompt (a text) or messages (a chat)")
         if self.tools and self.messages is None:
             raise ValueError("tools go with messages (a chat), not with a prompt")
+        if self.continue_final_message and (self.add_generation_prompt or not self.messages):
+            raise ValueError("continue_final_message needs messages and add_generation_prompt: false")
         return self
 
     def template_tools(self) -> list[dict] | None:

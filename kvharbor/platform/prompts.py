@@ -68,7 +68,7 @@ class Prompts:
         """The token ids of a chat as /tokenize counts them: its messages and tools through the
         chat template (``add_generation_prompt`` as asked), nothing dropped."""
         return self.render([m.for_template() for m in body.messages], body.add_generation_prompt,
-                           tools=body.template_tools())
+                           body.template_tools(), body.continue_final_message)
 
     def fit_chat(self, body: ChatRequest, principal):
         """The chat's prompt, with the oldest turns dropped when the tenant's

@@ -471,6 +471,8 @@ def test_tokenize_counts_what_the_generation_routes_count(client, kvharbor_app):
         chat = c.post("/tokenize", json={"model": kvharbor_app.model, "messages": messages}).json()
         bare = c.post("/tokenize", json={"model": kvharbor_app.model, "messages": messages,
                                          "add_generation_prompt": False}).json()
+        cont = c.post("/tokenize", json={"model": kvharbor_app.model, "messages": messages,
+                                         "add_generation_prompt": False, "continue_final_message": True}).json()
         back = c.post("/detokenize", json={"model": kvharbor_app.model, "tokens": text["tokens"]}).json()
     kw = dict(model=kvharbor_app.model, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
     by_text = client.completions.create(prompt="Harbor lights", **kw)
@@ -480,6 +482,7 @@ def test_tokenize_counts_what_the_generation_routes_count(client, kvharbor_app):
     assert text["max_model_len"] == 4096
     assert chat["count"] == client.chat.completions.create(messages=messages, **kw).usage.prompt_tokens
     assert bare["tokens"] == chat["tokens"][:bare["count"]] and bare["count"] < chat["count"]
+    assert cont["tokens"] == bare["tokens"][:-1] and cont["count"] == bare["count"] - 1   # no "\n" after "Tides?"
     assert back == {"prompt": "Harbor lights"}
 
 
