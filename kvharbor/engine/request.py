@@ -48,6 +48,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # vLLM's: only these ids may be generated
     bad_words: list[str] | None = None  # vLLM's: these words are never generated (bad_word_ids)
     truncate_prompt_tokens: int | None = None   # vLLM's: keep only the prompt's last k tokens
+    skip_special_tokens: bool = True    # vLLM's: False keeps special tokens (e.g. EOS) in the text
 
     def validate(self) -> None:
         """Raise ValueError naming the field to fix.
@@ -67,7 +68,7 @@ class SamplingParams:
         self.n = _integer("n", self.n, f" in [1, {MAX_N}]")
         if not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n}")
-        for name in ("ignore_eos", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if getattr(self, name) not in (True, False):    # "false" would be true
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
             setattr(self, name, bool(getattr(self, name)))

@@ -467,6 +467,7 @@ class Gateway:
                     "stop_token_ids": body.stop_token_ids or [],
                     "ignore_eos": body.ignore_eos, "include_stop_str_in_output": body.include_stop_str_in_output,
                     "allowed_token_ids": body.allowed_token_ids, "bad_words": body.bad_words,
+                    "skip_special_tokens": body.skip_special_tokens,
                     "logprobs": logprobs, "min_tokens": body.min_tokens,
                     "min_p": body.min_p, "presence_penalty": body.presence_penalty,
                     "frequency_penalty": body.frequency_penalty,

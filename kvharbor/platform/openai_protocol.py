@@ -150,6 +150,7 @@ class _Common(BaseModel):
     allowed_token_ids: list[TokenId] | None = Field(None, min_length=1, max_length=MAX_PROMPT_TOKEN_IDS, description="Only these token ids may be generated (vLLM's). Not in OpenAI's API.")
     bad_words: list[Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]] | None = Field(None, max_length=MAX_BAD_WORDS, description=f"Words never generated, up to {MAX_BAD_WORDS} of up to {MAX_STOP_CHARS} characters (vLLM's: a word's last token is banned where the output ends with its other tokens, the word spelt alone and after a space). Not in OpenAI's API.")
     truncate_prompt_tokens: int | None = Field(None, ge=1, description="Keep only the prompt's last this many tokens (vLLM's; after the chat template on chat; usage counts what is kept). Not in OpenAI's API.")
+    skip_special_tokens: bool = Field(True, description="Leave special tokens (e.g. the end-of-sequence token) out of the text (vLLM's). Not in OpenAI's API.")
     include_stop_str_in_output: bool = Field(False, description="Keep the stop string that ended the answer at its end (vLLM's; text after it is still cut). Not in OpenAI's API.")
     user: str | None = Field(None, description=_ignored("end-user id"))
     frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0, description="In [-2, 2]: subtracted from a token's logit once per time it occurs in the output so far (OpenAI's formula).")

@@ -83,7 +83,7 @@ class Prompts:
         """The text ``echo`` puts before each prompt's choices: the prompt as sent, or its
         token ids decoded (as vLLM echoes them; also a text cut by ``truncate_prompt_tokens``)."""
         return [p if isinstance(p, str) and not body.truncate_prompt_tokens
-                else self.tokenizer.decode(ids, skip_special_tokens=True)
+                else self.tokenizer.decode(ids, skip_special_tokens=body.skip_special_tokens)
                 for p, ids in zip(body.prompts(), prompts)]
 
     def limits(self, body, prompts: list[list[int]], chat: bool, principal) -> tuple[int, bool]:

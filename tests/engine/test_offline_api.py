@@ -69,3 +69,22 @@ def test_chat_can_continue_the_final_message(llm):
     assert closed.prompt_token_ids == llm.encode(text + "\n")
     with pytest.raises(ValueError, match="continue_final_message needs add_generation_prompt=False"):
         llm.chat(chat, greedy, continue_final_message=True)
+
+
+def test_skip_special_tokens_false_keeps_them_in_the_text(llm):
+    """The end-of-sequence token, forced and not stopping: left out of the text by default
+    (as vLLM), spelt out with skip_special_tokens=False, streamed or not."""
+    eos = llm.tokenizer.eos_token_id
+    sp = dict(max_tokens=3, temperature=0, ignore_eos=True, logit_bias={eos: 100})
+    skipped, kept = llm.generate(["The harbor"] * 2, [SamplingParams(**sp),
+                                                    SamplingParams(skip_special_tokens=False, **sp)])
+    assert skipped.token_ids == kept.token_ids == [eos] * 3
+    assert (skipped.text, kept.text) == ("", llm.tokenizer.eos_token * 3)
+    engine = llm.engine
+    engine.add_request("special-stream", llm.encode("The harbor"), SamplingParams(skip_special_tokens=False, **sp))
+    deltas = []
+    while engine.has_unfinished():
+        deltas += [o.new_text for o in engine.step()]
+    assert "".join(deltas) == kept.text
+    with pytest.raises(ValueError, match="skip_special_tokens must be true or false"):
+        llm.generate(["hi"], SamplingParams(skip_special_tokens="no"))

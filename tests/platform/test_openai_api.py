@@ -354,6 +354,21 @@ def test_chat_continues_the_final_message_as_the_offline_engine(client, kvharbor
                                            extra_body=extra, **kw)
 
 
+def test_skip_special_tokens_false_spells_them_out(client, kvharbor_app):
+    """vLLM's skip_special_tokens: a forced end-of-sequence token (not stopping) is left out of
+    the text by default and spelt out with false, streamed or not."""
+    from kvharbor.engine.model_info import load_tokenizer
+
+    tokenizer = load_tokenizer(kvharbor_app.model)
+    kw = dict(model=kvharbor_app.model, prompt="The harbor", max_tokens=3, temperature=0,
+              logit_bias={str(tokenizer.eos_token_id): 100})
+    assert client.completions.create(extra_body={"ignore_eos": True}, **kw).choices[0].text == ""
+    extra = {"ignore_eos": True, "skip_special_tokens": False}
+    assert client.completions.create(extra_body=extra, **kw).choices[0].text == tokenizer.eos_token * 3
+    streamed = client.completions.create(stream=True, extra_body=extra, **kw)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == tokenizer.eos_token * 3
+
+
 # ---- penalties, logit_bias, min_tokens, min_p -------------------------------------------------
 def test_penalties_and_logit_bias_answer_as_the_offline_engine(client, kvharbor_app):
     """OpenAI's frequency / presence penalties and logit_bias, vLLM's repetition_penalty: the
