@@ -186,6 +186,8 @@ class Engine:
             req.matcher = self.grammars.matcher(sampling.structured_outputs)
         if sampling.bad_words:
             req.bad_words = bad_word_ids(self.tokenizer, sampling.bad_words, sampling.allowed_token_ids)
+        if sampling.allowed_token_ids is not None:
+            req.allowed_ids = frozenset(sampling.allowed_token_ids)
         if sampling.min_tokens:
             req.held_stops = tuple(sorted(set(sampling.stop_token_ids)
                                           | (set() if sampling.ignore_eos else self.eos_ids)))
@@ -457,6 +459,9 @@ class Engine:
         and stays."""
         sp = req.sampling
         n_out = req.num_output_tokens
+        if req.allowed_ids is not None and token not in req.allowed_ids:
+            req.output_text = req.output_text[:text_before]     # bad_words or min_tokens banned
+            return "stop"                                       # every allowed id this step
         if req.matcher is not None:
             if not req.matcher.accept_token(token):    # only non-finite logits could lead here
                 logger.warning("%s: token %d is outside its grammar; stopped", req.request_id, token)

@@ -284,6 +284,7 @@ class Request:
     held_stops: tuple[int, ...] = ()     # ids masked until min_tokens (stop ids, EOS unless ignored)
     bad_words: tuple[tuple[int, ...], ...] = ()   # bad_words' token sequences (bad_word_ids)
     allowed: object = None               # allowed_token_ids as a bool mask [V] (logits_processors)
+    allowed_ids: frozenset | None = None  # allowed_token_ids as a set (Engine._finish_reason)
     prompt_lps: list | None = None       # prompt_logprobs asked: TokenLogprobs per prompt token so far
     matcher: object = None               # structured_outputs: its xgrammar GrammarMatcher
     lora: object = None                  # the LoRAAdapter it generates with (None: the base model)

@@ -35,6 +35,10 @@ VALID = {                               # what a careful caller passes
     "logit_bias": st.dictionaries(st.integers(0, 258), st.floats(-100, 100), max_size=3),
     "n": st.integers(1, 3),
     "include_stop_str_in_output": st.booleans(),
+    "allowed_token_ids": st.one_of(st.none(), st.lists(st.integers(0, 258), min_size=1, max_size=4)),
+    "bad_words": st.one_of(st.none(), st.lists(st.text(min_size=1, max_size=3), max_size=2)),
+    "truncate_prompt_tokens": st.one_of(st.none(), st.integers(1, 8)),
+    "skip_special_tokens": st.booleans(),
 }
 ANY = st.one_of(ODD, st.integers(-2**64, 2**64), st.floats(-300, 300), st.text(max_size=2),
                 st.lists(st.one_of(st.integers(-2, 300), st.floats(0, 5), st.text(max_size=2), ODD), max_size=3),
@@ -69,5 +73,10 @@ def test_params_are_refused_up_front_or_served_without_hurting_the_batch(llm, fi
         assert len(out.outputs) == sp.n
         for sample in out.outputs:
             assert sample.finish_reason in ("length", "stop") and len(sample.token_ids) <= sp.max_tokens
+            if sp.allowed_token_ids is not None:
+                allowed = set(map(int, sp.allowed_token_ids))
+                assert set(sample.token_ids[:-1]) <= allowed, "a token outside allowed_token_ids"
+                can_ban_all = bool(sp.bad_words or sp.min_tokens)   # a step may ban every allowed id
+                assert sample.token_ids[-1] in allowed or can_ban_all and sample.finish_reason == "stop"
     assert not llm.engine.has_unfinished()
     llm.engine.check_integrity()

@@ -111,3 +111,19 @@ def test_bad_restrictions_are_refused_by_name(llm, kw, message):
         llm.generate(["hi"], SamplingParams(max_tokens=4, **kw))
     assert not llm.engine.has_unfinished()
     assert llm.generate(["hi"], SamplingParams(max_tokens=4, bad_words="a"))[0].text.count("a") == 0
+
+
+def test_a_step_where_every_allowed_id_is_banned_ends_the_request(llm):
+    """Only "a" allowed and "aa" a bad word: after one "a" nothing may follow, so the request
+    stops there (its text keeps no token outside the allowed ids), as it does when min_tokens
+    holds back the only allowed id; a neighbour in the batch is untouched."""
+    eos = llm.tokenizer.eos_token_id
+    plain = llm.generate(["The harbor"], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+    outs = llm.generate(["The harbor"] * 3, [
+        SamplingParams(max_tokens=6, temperature=0.7, seed=1, allowed_token_ids=[97], bad_words=["aa"]),
+        SamplingParams(max_tokens=6, min_tokens=2, allowed_token_ids=[eos]),
+        SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)])
+    assert (outs[0].text, outs[0].finish_reason, outs[0].token_ids[0]) == ("a", "stop", 97)
+    assert len(outs[0].token_ids) == 2
+    assert (outs[1].text, outs[1].finish_reason, len(outs[1].token_ids)) == ("", "stop", 1)
+    assert outs[2].token_ids == plain.token_ids
