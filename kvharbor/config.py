@@ -12,6 +12,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 DTYPES = "^(auto|float32|float16|bfloat16)$"
 BACKENDS = "^(auto|cpu|reference|triton)$"
 KV_DTYPES = "^(auto|int8|fp8_e4m3)$"
+KvCacheDtype = Annotated[str, BeforeValidator(lambda v: "fp8_e4m3" if v == "fp8" else v), Field(pattern=KV_DTYPES)]
+"""A KV cache dtype; vLLM's ``fp8`` is read as ``fp8_e4m3``."""
 
 
 class QoSSpec(BaseModel):
@@ -97,7 +99,7 @@ class EngineConfig(BaseModel):
     device: str = Field("auto", description="'cpu', 'cuda', 'cuda:N' or 'auto' (CUDA when available).")
     dtype: str = Field("auto", pattern=DTYPES, description="'float32', 'float16', 'bfloat16' or 'auto' (bf16 on CUDA, fp32 on CPU).")
     attention_backend: str = Field("auto", pattern=BACKENDS, description="'auto' (Triton on CUDA, the CPU kernels on CPU), 'cpu', 'reference' or 'triton'.")
-    kv_cache_dtype: str = Field("auto", pattern=KV_DTYPES, description="'auto' (model dtype), 'int8' or 'fp8_e4m3'.")
+    kv_cache_dtype: KvCacheDtype = Field("auto", description="'auto' (model dtype), 'int8' or 'fp8_e4m3' ('fp8', vLLM's name, is fp8_e4m3).")
     model_path: str = Field("auto", pattern="^(auto|kvharbor|transformers)$", description="'auto' (kvharbor's own forward for Llama/Qwen2/Mistral, else transformers'), 'kvharbor' or 'transformers'.")
     max_num_batched_tokens: int = Field(2048, ge=1, description="Token budget per step (chunked prefill above it).")
     max_num_seqs: int = Field(128, ge=1, description="Most requests in one step.")
@@ -208,7 +210,7 @@ class PlatformConfig(BaseModel):
     device: str = Field("auto", pattern="^(auto|cpu|cuda)$", description="Replica device: 'auto', 'cpu' or 'cuda' (one GPU per replica).")
     dtype: str = Field("auto", pattern=DTYPES, description="Model dtype (see EngineConfig).")
     attention_backend: str = Field("auto", pattern=BACKENDS, description="'auto', 'cpu', 'reference' or 'triton'.")
-    kv_cache_dtype: str = Field("auto", pattern=KV_DTYPES, description="'auto', 'int8' or 'fp8_e4m3'.")
+    kv_cache_dtype: KvCacheDtype = Field("auto", description="'auto', 'int8' or 'fp8_e4m3' ('fp8', vLLM's name, is fp8_e4m3).")
     max_num_batched_tokens: int = Field(2048, ge=1, description="Token budget per engine step.")
     low_priority_prefill_cap: int | None = Field(256, ge=0, description="Prefill tokens per step for lower classes while higher-class requests are unfinished (None: no cap).")
     scheduling: str = Field("priority", pattern="^(priority|fcfs)$", description="Engine scheduling: 'priority' or 'fcfs'.")

@@ -57,3 +57,5 @@ def test_the_engine_refuses_unknown_backends_dtypes_and_model_paths():
         with pytest.raises(ValueError, match=field):
             EngineConfig(**{field: value})
     assert EngineConfig(attention_backend="cpu", dtype="bfloat16", kv_cache_dtype="fp8_e4m3").dtype == "bfloat16"
+    assert EngineConfig(kv_cache_dtype="fp8").kv_cache_dtype == "fp8_e4m3"      # vLLM's name for it
+    assert PlatformConfig(kv_cache_dtype="fp8").kv_cache_dtype == "fp8_e4m3"
