@@ -103,6 +103,9 @@ class EngineConfig(BaseModel):
     model_path: str = Field("auto", pattern="^(auto|kvharbor|transformers)$", description="'auto' (kvharbor's own forward for Llama/Qwen2/Mistral, else transformers'), 'kvharbor' or 'transformers'.")
     max_num_batched_tokens: int = Field(2048, ge=1, description="Token budget per step (chunked prefill above it).")
     max_num_seqs: int = Field(128, ge=1, description="Most requests in one step.")
+    enable_prefix_caching: bool = Field(True, description="Requests reuse the cached KV blocks of the prompt "
+                                        "prefixes they share (vLLM's name). False: every prompt is computed "
+                                        "in full (e.g. to measure the engine without reuse).")
     enforce_eager: bool = Field(False, description="Never replay CUDA graphs: run every step eagerly. "
                                 "On CUDA with the Triton backend and kvharbor's model path, decode steps "
                                 "(every request one token) are otherwise captured once per batch bucket "

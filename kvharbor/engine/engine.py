@@ -87,7 +87,7 @@ class Engine:
         self.host, self.transfer = self._make_host_tier()
         self.sliding_window = uniform_sliding_window(self.model.config)
         self.kv = KVCacheManager(self.pool, self.block_size, self.host, self.transfer,
-                                 self.sliding_window)
+                                 self.sliding_window, config.enable_prefix_caching)
         policy = PreemptionPolicy(config.preemption_mode, self.block_size)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs, policy)
         self.scheduler.fcfs = config.scheduling == "fcfs"

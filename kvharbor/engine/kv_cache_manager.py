@@ -59,8 +59,10 @@ class KVCacheManager:
     """
 
     def __init__(self, pool: BlockPool, block_size: int, host: HostKVPool | None = None,
-                 transfer: KVTransfer | None = None, sliding_window: int | None = None) -> None:
+                 transfer: KVTransfer | None = None, sliding_window: int | None = None,
+                 prefix_caching: bool = True) -> None:
         self.pool = pool
+        self.prefix_caching = prefix_caching    # False: no request reads another's blocks
         self.block_size = block_size
         self.host, self.transfer = host, transfer
         self.sliding_window = sliding_window
@@ -78,7 +80,7 @@ class KVCacheManager:
         blocks first, then host copies; a swapped-out request's own swap extends it."""
         bs = self.block_size
         req.update_block_hashes(bs)
-        max_blocks = (req.num_tokens - 1) // bs
+        max_blocks = (req.num_tokens - 1) // bs if self.prefix_caching else 0
         if req.prompt_lps_missing:          # the positions whose logits give the missing ones run
             max_blocks = min(max_blocks, (len(req.prompt_lps) - 1) // bs)
         hits: list[KVCacheBlock] = []
@@ -111,7 +113,7 @@ class KVCacheManager:
         total = -(-(len(req.prompt_token_ids) + req.sampling.max_tokens) // bs)
         req.update_block_hashes(bs)
         hits = 0
-        for block_hash in req.block_hashes[:(req.num_tokens - 1) // bs]:
+        for block_hash in req.block_hashes[:(req.num_tokens - 1) // bs if self.prefix_caching else 0]:
             block = self.pool.lookup(block_hash)
             if block is None or block.pin_cnt == 0 or (block.region == PINNED and not req.pinned):
                 break
@@ -268,8 +270,14 @@ class KVCacheManager:
             req.swap = None
 
     def pin_prefix(self, req: Request) -> list[KVCacheBlock]:
-        """Keep ``req``'s full computed blocks referenced forever (a pinned system prompt)."""
+        """Keep ``req``'s full computed blocks referenced forever (a pinned system prompt).
+        Where a block is a copy of one already cached under its hash (the prefix was cached,
+        and ``req`` recomputed its last block), the cached one is pinned when ``req``'s class
+        may read it (as a prefix hit may): lookups would not find the copy while it lives."""
         self.cache_full_blocks(req)
-        keep = req.blocks[:req.num_computed_tokens // self.block_size]
+        keep = []
+        for block in req.blocks[:req.num_computed_tokens // self.block_size]:
+            cached = self.pool.lookup(block.copy_of) if block.copy_of is not None else None
+            keep.append(cached if cached is not None and (cached.region != PINNED or req.pinned) else block)
         self.pool.pin(keep)
         return keep

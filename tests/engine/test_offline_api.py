@@ -88,3 +88,24 @@ def test_skip_special_tokens_false_keeps_them_in_the_text(llm):
     assert "".join(deltas) == kept.text
     with pytest.raises(ValueError, match="skip_special_tokens must be true or false"):
         llm.generate(["hi"], SamplingParams(skip_special_tokens="no"))
+
+
+def test_enable_prefix_caching_false_computes_every_prompt_in_full():
+    """vLLM's enable_prefix_caching: off, a repeated prompt hits nothing (same tokens), and a
+    prefix pinned forever no longer counts as free room, so a request that only fit by reading
+    it is refused up front instead of waiting for room that never comes."""
+    prompt = list(range(40, 80))                                   # 2 full blocks + 8 tokens
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    outs = {}
+    for caching in (True, False):
+        llm = LLM(device="cpu", num_kv_blocks=8, enable_prefix_caching=caching)
+        first, again = llm.generate([prompt], greedy)[0], llm.generate([prompt], greedy)[0]
+        outs[caching] = (again.num_cached_tokens, again.token_ids == first.token_ids)
+        llm.engine.pin_prefix(prompt[:32], qos="standard")           # 2 blocks held forever
+        long = SamplingParams(max_tokens=8 * 16 - 40, temperature=0, ignore_eos=True)   # all 8 blocks
+        if caching:
+            assert len(llm.generate([prompt], long)[0].token_ids) == 8 * 16 - 40
+        else:
+            with pytest.raises(ValueError, match="KV blocks but only 6 exist"):
+                llm.generate([prompt], long)
+    assert outs == {True: (32, True), False: (0, True)}

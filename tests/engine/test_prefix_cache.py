@@ -86,3 +86,32 @@ def test_blocks_recomputed_after_a_preemption_are_cached_again():
     assert done["batch"].num_cached_tokens == 0 and len(done["batch"].token_ids) == 20
     assert e.kv.pool.prefix_closed
     assert llm.generate([prompt], GREEDY)[0].num_cached_tokens == 64
+
+
+def test_pinning_a_cached_prefix_pins_the_blocks_lookups_find():
+    """The prefix was cached by a request, so pinning it reuses its first block and recomputes
+    the last (a copy under the same hash): the cached blocks are the ones pinned, no copy stays
+    held, and a request reading the prefix counts both as free room."""
+    llm = LLM(device="cpu", num_kv_blocks=8)
+    engine = llm.engine
+    prompt = list(range(40, 80))
+    llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert engine.pin_prefix(prompt[:32], qos="standard") == 2
+    hashes = hash_prompt_blocks(prompt, 16, None, parent=engine.hash_root)[:2]
+    assert [engine.pool.lookup(h).pin_cnt for h in hashes] == [1, 1]
+    assert engine.pool.num_free(False) == 8 - 2
+    out = llm.generate([prompt], SamplingParams(max_tokens=8 * 16 - 40, temperature=0, ignore_eos=True))[0]
+    assert out.num_cached_tokens == 32 and len(out.token_ids) == 8 * 16 - 40
+    engine.check_integrity()
+    # a pinned class pins what it may read: the shared blocks a standard request cached
+    llm = LLM(device="cpu", num_kv_blocks=16, pinned_kv_blocks=4)
+    llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert llm.engine.pin_prefix(prompt[:32], qos="premium") == 2
+    assert [llm.engine.pool.lookup(h).pin_cnt for h in hashes] == [1, 1]
+    llm.engine.check_integrity()
+    # and the pinned-region blocks a premium request cached
+    llm = LLM(device="cpu", num_kv_blocks=16, pinned_kv_blocks=4)
+    llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), qos="premium")
+    assert llm.engine.pin_prefix(prompt[:32], qos="premium") == 2
+    assert [llm.engine.pool.lookup(h).pin_cnt for h in hashes] == [1, 1]
+    llm.engine.check_integrity()
