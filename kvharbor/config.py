@@ -12,7 +12,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 DTYPES = "^(auto|float32|float16|bfloat16)$"
 BACKENDS = "^(auto|cpu|reference|triton)$"
 KV_DTYPES = "^(auto|int8|fp8_e4m3)$"
-KvCacheDtype = Annotated[str, BeforeValidator(lambda v: "fp8_e4m3" if v == "fp8" else v), Field(pattern=KV_DTYPES)]
+KvCacheDtype = Annotated[str, BeforeValidator(lambda v: "fp8_e4m3" if v == "fp8" else v),
+                         Field(pattern=KV_DTYPES)]
 """A KV cache dtype; vLLM's ``fp8`` is read as ``fp8_e4m3``."""
 
 

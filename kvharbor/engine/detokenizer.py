@@ -26,10 +26,10 @@ class _Cursor:
 
 
 def _decoder(tokenizer, skip_special_tokens: bool):
-    """``ids -> text``, without special tokens when ``skip_special_tokens``. For a fast tokenizer that does no clean-up
-    this calls its Rust ``tokenizers.Tokenizer`` directly: what ``tokenizer.decode`` returns
-    then, without the Python layers around it (two decodes per token per request were a
-    third of a 64-request decode step's host time)."""
+    """``ids -> text``, without special tokens when ``skip_special_tokens``. For a fast
+    tokenizer that does no clean-up this calls its Rust ``tokenizers.Tokenizer`` directly: what
+    ``tokenizer.decode`` returns then, without the Python layers around it (two decodes per
+    token per request were a third of a 64-request decode step's host time)."""
     backend = getattr(tokenizer, "_tokenizer", None)
     if backend is not None and hasattr(backend, "decode") and \
             getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:

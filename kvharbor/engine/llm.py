@@ -134,7 +134,8 @@ class LLM:
             raise
         outs = [final[group[0]] for group in groups]
         for out, group, prompt in zip(outs, groups, prompts):
-            out.prompt = prompt.get("prompt") if isinstance(prompt, dict) else prompt if isinstance(prompt, str) else None
+            out.prompt = prompt.get("prompt") if isinstance(prompt, dict) else \
+                prompt if isinstance(prompt, str) else None
             if len(group) > 1:
                 out.outputs = [CompletionOutput.of(j, final[rid]) for j, rid in enumerate(group)]
         return outs

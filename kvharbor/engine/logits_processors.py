@@ -48,7 +48,8 @@ def _processed(req: Request) -> bool:
             or req.sampling.allowed_token_ids is not None)
 
 
-def bad_word_ids(tokenizer, words: list[str], allowed: list[int] | None = None) -> tuple[tuple[int, ...], ...]:
+def bad_word_ids(tokenizer, words: list[str],
+                 allowed: list[int] | None = None) -> tuple[tuple[int, ...], ...]:
     """The token sequences that spell ``words``: each word alone and after a space, since a
     tokenizer may spell a word differently at the start of a text and inside it. Raises
     ValueError when they ban every one of the ``allowed`` ids (nothing could be picked)."""

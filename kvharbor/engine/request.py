@@ -62,9 +62,9 @@ class SamplingParams:
         if self.seed is not None:
             self.seed = _integer("seed", self.seed)
         if self.truncate_prompt_tokens is not None:
-            self.truncate_prompt_tokens = _integer("truncate_prompt_tokens", self.truncate_prompt_tokens, " >= 1")
-            if self.truncate_prompt_tokens < 1:
-                raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, got {self.truncate_prompt_tokens}")
+            k = self.truncate_prompt_tokens = _integer("truncate_prompt_tokens", self.truncate_prompt_tokens, " >= 1")
+            if k < 1:
+                raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, got {k}")
         self.n = _integer("n", self.n, f" in [1, {MAX_N}]")
         if not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n}")
