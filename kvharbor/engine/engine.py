@@ -22,7 +22,7 @@ from .host_pool import HostKVPool
 from .integrity import check_engine
 from .kv_cache_manager import KVCacheManager
 from .kv_transfer import KVTransfer
-from .logits_processors import bad_word_ids, depends_on_outputs
+from .logits_processors import depends_on_outputs
 from .structured_output import Grammars
 from .lora import LoRAs
 from .model_runner import ModelRunner, ScheduledRequest, kv_bytes_per_token
@@ -31,7 +31,7 @@ from .hashing import adapter_salt, model_root
 from .model_identity import model_identity
 from .models import load_model, uniform_sliding_window
 from .preemption import PreemptionPolicy
-from .request import Request, RequestOutput, SamplingParams, Status, check_request
+from .request import Request, RequestOutput, SamplingParams, Status, bad_word_ids, check_request
 from .scheduler import Scheduler
 from .step_budget import NO_PRIORITY, StepInterrupt, StepInterrupted
 from .sessions import SessionLimits, SessionManager

@@ -48,22 +48,6 @@ def _processed(req: Request) -> bool:
             or req.sampling.allowed_token_ids is not None)
 
 
-def bad_word_ids(tokenizer, words: list[str],
-                 allowed: list[int] | None = None) -> tuple[tuple[int, ...], ...]:
-    """The token sequences that spell ``words``: each word alone and after a space, since a
-    tokenizer may spell a word differently at the start of a text and inside it. Raises
-    ValueError when they ban every one of the ``allowed`` ids (nothing could be picked)."""
-    seqs = []
-    for word in words:
-        for text in (word.lstrip(), " " + word.lstrip()):
-            ids = tuple(tokenizer.encode(text, add_special_tokens=False))
-            if ids and ids not in seqs:
-                seqs.append(ids)
-    if allowed is not None and set(allowed) <= {seq[0] for seq in seqs if len(seq) == 1}:
-        raise ValueError("bad_words ban every one of the allowed_token_ids; nothing could be generated")
-    return tuple(seqs)
-
-
 def _banned(req: Request) -> list[int]:
     """The ids ``req`` may not pick this step: ``min_tokens``'s held ids, and each bad word's
     last token where the output so far ends with the word's other tokens (vLLM's rule: the

@@ -170,6 +170,22 @@ def _bias_key(key) -> int:
     return int(key) if isinstance(key, str) else operator.index(key)
 
 
+def bad_word_ids(tokenizer, words: list[str],
+                 allowed: list[int] | None = None) -> tuple[tuple[int, ...], ...]:
+    """The token sequences that spell ``words``: each word alone and after a space, since a
+    tokenizer may spell a word differently at the start of a text and inside it. Raises
+    ValueError when they ban every one of the ``allowed`` ids (nothing could be picked)."""
+    seqs = []
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+            if ids and ids not in seqs:
+                seqs.append(ids)
+    if allowed is not None and set(allowed) <= {seq[0] for seq in seqs if len(seq) == 1}:
+        raise ValueError("bad_words ban every one of the allowed_token_ids; nothing could be generated")
+    return tuple(seqs)
+
+
 def check_request(prompt_token_ids, sampling: SamplingParams, tenant, qos, cache_salt, session_id,
                   qos_classes: dict, vocab_size: int, max_model_len: int) -> list[int]:
     """Check the arguments of ``Engine.add_request`` (``sampling`` is validated in place) and

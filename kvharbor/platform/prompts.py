@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
-from kvharbor.engine.logits_processors import bad_word_ids
+from kvharbor.engine.request import bad_word_ids
 from kvharbor.platform.context_overflow import truncate_oldest
 from kvharbor.platform.openai_protocol import APIError, ChatRequest, CompletionRequest
 

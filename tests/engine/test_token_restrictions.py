@@ -13,7 +13,7 @@ from transformers import NoBadWordsLogitsProcessor, PrefixConstrainedLogitsProce
 
 from kvharbor import LLM, SamplingParams
 from kvharbor.engine import logits_processors
-from kvharbor.engine.request import Request
+from kvharbor.engine.request import Request, bad_word_ids
 
 from .test_logits_processors import greedy, hf_greedy
 
@@ -39,7 +39,7 @@ def test_bad_words_and_allowed_token_ids_match_transformers_in_a_mixed_batch(llm
     prompts = [llm.encode(t) for t in texts]
     free = llm.generate(prompts, greedy())
     words = [free[0].text.split()[1], free[1].text.split()[0]]     # words the free answers spell
-    seqs = logits_processors.bad_word_ids(llm.tokenizer, words)
+    seqs = bad_word_ids(llm.tokenizer, words)
     allowed = sorted(set(llm.encode("harbor tides")))
     outs = llm.generate(prompts, [greedy(bad_words=words), greedy(bad_words=words),
                                   greedy(allowed_token_ids=allowed), greedy()])
@@ -87,7 +87,7 @@ def test_a_bad_word_is_banned_as_spelt_at_the_start_and_after_a_space():
         def encode(self, text, add_special_tokens=True):
             assert not add_special_tokens
             return {"harbor": [10, 11], " harbor": [12], "tide": [13], " tide": [14, 13]}[text]
-    assert logits_processors.bad_word_ids(Spelling(), [" harbor", "tide"]) == ((10, 11), (12,), (13,), (14, 13))
+    assert bad_word_ids(Spelling(), [" harbor", "tide"]) == ((10, 11), (12,), (13,), (14, 13))
 
 
 def test_sampled_tokens_stay_in_allowed_token_ids(llm):
