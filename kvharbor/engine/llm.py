@@ -12,6 +12,7 @@ from kvharbor.config import EngineConfig
 from .engine import Engine
 from .lora import LoRARequest
 from .request import CompletionOutput, RequestOutput, SamplingParams, is_index, sibling_seed, token_ids
+from .tokenizer import template_kwargs
 
 Prompt = str | Sequence[int] | dict
 
@@ -169,14 +170,16 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             **kwargs) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, **kwargs) -> list[RequestOutput]:
         """A chat turn through the tokenizer's chat template. ``messages`` is one conversation
         (a list of messages) or a list of conversations, run together; as vLLM's ``chat``, the
         answer is a list of outputs, one per conversation. ``continue_final_message``: the
         answer continues each conversation's last message (with ``add_generation_prompt``
-        false). ``kwargs`` are ``generate``'s."""
+        false). ``chat_template_kwargs``: extra variables for the template (vLLM's, e.g.
+        ``{"enable_thinking": False}``). ``kwargs`` are ``generate``'s."""
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message needs add_generation_prompt=False")
+        extra = template_kwargs(chat_template_kwargs)
         batch = bool(messages) and isinstance(messages[0], (list, tuple))
         conversations = messages if batch else [messages]
         prompts = []
@@ -188,7 +191,7 @@ class LLM:
                                  f"...}} dicts) or a list of conversations, got {got}")
             ids = self.tokenizer.apply_chat_template(list(conversation), tokenize=True,
                                                      add_generation_prompt=add_generation_prompt,
-                                                     continue_final_message=continue_final_message)
+                                                     continue_final_message=continue_final_message, **extra)
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
             prompts.append(list(ids))

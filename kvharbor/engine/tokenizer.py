@@ -37,6 +37,28 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
+TEMPLATE_NAMES = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "bos_token", "eos_token",
+    "pad_token", "unk_token", "raise_exception", "strftime_now"})
+"""Names ``apply_chat_template`` or the template itself already give a meaning."""
+
+
+def template_kwargs(kwargs: dict | None) -> dict:
+    """vLLM's ``chat_template_kwargs`` (e.g. ``{"enable_thinking": False}``): extra variables
+    for the chat template. Raises ValueError for a key that is not a name or that would
+    replace one the template is already given."""
+    kwargs = kwargs or {}
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"chat_template_kwargs must be a dict, got {type(kwargs).__name__}")
+    for key in kwargs:
+        if not (isinstance(key, str) and key.isidentifier()) or key in TEMPLATE_NAMES:
+            raise ValueError(f"chat_template_kwargs may not set {key!r}: use a name the chat "
+                             f"template reads, other than {sorted(TEMPLATE_NAMES)}")
+    return kwargs
+
+
 def _bytes_to_unicode() -> dict[int, str]:
     """The GPT-2 byte -> printable character table that ByteLevel uses."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \

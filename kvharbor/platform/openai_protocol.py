@@ -15,6 +15,8 @@ from fastapi.responses import JSONResponse
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator,
                       model_validator)
 
+from kvharbor.engine.tokenizer import template_kwargs
+
 from .structured_request import ResponseFormat, StructuredOutputs, structured_spec
 from .tool_calls import (MAX_TOOLS, Tool, ToolCall, ToolChoice, constraint, template_calls, template_tools,
                          tool_mode)
@@ -349,6 +351,7 @@ class ChatRequest(_Common):
     web_search_options: NullOnlyDict = Field(None, description="Not supported: only null.")
     add_generation_prompt: bool = Field(True, description="End the prompt with the assistant turn's opening (vLLM's). Not in OpenAI's API.")
     continue_final_message: bool = Field(False, description="The answer continues the last message, e.g. the start of an assistant reply, instead of opening a new turn (vLLM's; with add_generation_prompt false). Not in OpenAI's API.")
+    chat_template_kwargs: Annotated[dict, AfterValidator(template_kwargs)] | None = Field(None, max_length=32, description="Extra variables for the chat template, e.g. {\"enable_thinking\": false} (vLLM's; not the names the template is already given). Not in OpenAI's API.")
 
     @field_validator("tool_choice", mode="after")
     @classmethod
@@ -502,6 +505,7 @@ class TokenizeRequest(BaseModel):
                                         "turn's opening, as /v1/chat/completions does.")
     continue_final_message: bool = Field(False, description="With messages and add_generation_prompt false: "
                                          "end where the last message's text ends, as chat's does.")
+    chat_template_kwargs: Annotated[dict, AfterValidator(template_kwargs)] | None = Field(None, max_length=32, description="With messages: extra variables for the chat template, as chat's.")
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS, description="With messages: the chat's tools, "
                                      "shown to the chat template as /v1/chat/completions shows them.")
 

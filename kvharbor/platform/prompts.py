@@ -56,19 +56,21 @@ class Prompts:
         return out
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True,
-               tools: list[dict] | None = None, continue_final_message: bool = False) -> list[int]:
-        """``messages`` (and ``tools``) through the model's chat template, as token ids; with
-        ``continue_final_message``, cut where the last message's text ends."""
+               tools: list[dict] | None = None, continue_final_message: bool = False,
+               template_kwargs: dict | None = None) -> list[int]:
+        """``messages`` (and ``tools``, and ``template_kwargs``' variables) through the model's
+        chat template, as token ids; with ``continue_final_message``, cut where the last
+        message's text ends."""
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                  continue_final_message=continue_final_message,
-                                                 tokenize=True, tools=tools)
+                                                 tokenize=True, tools=tools, **(template_kwargs or {}))
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     def chat_ids(self, body) -> list[int]:
         """The token ids of a chat as /tokenize counts them: its messages and tools through the
         chat template (``add_generation_prompt`` as asked), nothing dropped."""
         return self.render([m.for_template() for m in body.messages], body.add_generation_prompt,
-                           body.template_tools(), body.continue_final_message)
+                           body.template_tools(), body.continue_final_message, body.chat_template_kwargs)
 
     def fit_chat(self, body: ChatRequest, principal):
         """The chat's prompt, with the oldest turns dropped when the tenant's
@@ -76,8 +78,9 @@ class Prompts:
         messages, tools = [m.for_template() for m in body.messages], body.template_tools()
         want = body.max_tokens or min(256, principal.limits.max_tokens_per_request or 256)
         limit = self.context - want if principal.config.context_overflow == "truncate_oldest" else 10**12
-        return truncate_oldest(messages, lambda msgs: self.render(msgs, body.add_generation_prompt, tools,
-                                                                  body.continue_final_message), limit)
+        return truncate_oldest(messages, lambda msgs: self.render(
+            msgs, body.add_generation_prompt, tools, body.continue_final_message,
+            body.chat_template_kwargs), limit)
 
     def echo_texts(self, body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
         """The text ``echo`` puts before each prompt's choices: the prompt as sent, or its

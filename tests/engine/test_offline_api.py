@@ -109,3 +109,23 @@ def test_enable_prefix_caching_false_computes_every_prompt_in_full():
             with pytest.raises(ValueError, match="KV blocks but only 6 exist"):
                 llm.generate([prompt], long)
     assert outs == {True: (32, True), False: (0, True)}
+
+
+def test_chat_template_kwargs_reach_the_template(llm):
+    """vLLM's chat_template_kwargs: extra variables the chat template reads (here a template
+    with a ``thinking`` switch, as Qwen3's enable_thinking); names the template is already given
+    are refused."""
+    tokenizer = llm.tokenizer
+    builtin = tokenizer.chat_template
+    tokenizer.chat_template = builtin + "{% if thinking %}<think>{% endif %}"
+    try:
+        chat = [{"role": "user", "content": "hi"}]
+        greedy = SamplingParams(max_tokens=2, temperature=0)
+        plain = llm.chat(chat, greedy)[0].prompt_token_ids
+        thinking = llm.chat(chat, greedy, chat_template_kwargs={"thinking": True})[0].prompt_token_ids
+        assert thinking == plain + llm.encode("<think>")
+        for bad in ({"messages": []}, {"add_generation_prompt": False}, {"not a name": 1}):
+            with pytest.raises(ValueError, match="chat_template_kwargs may not set"):
+                llm.chat(chat, greedy, chat_template_kwargs=bad)
+    finally:
+        tokenizer.chat_template = builtin

@@ -369,6 +369,19 @@ def test_skip_special_tokens_false_spells_them_out(client, kvharbor_app):
     assert "".join(c.choices[0].text for c in streamed if c.choices) == tokenizer.eos_token * 3
 
 
+def test_chat_template_kwargs_are_taken_and_reserved_names_refused(client, kvharbor_app):
+    """vLLM's chat_template_kwargs pass to the template (the builtin one reads none, so the
+    prompt is unchanged; tests/platform/test_prompts.py shows one read); a name the template is
+    already given is a 400 naming the field."""
+    kw = dict(model=kvharbor_app.model, max_tokens=2, temperature=0, messages=[{"role": "user", "content": "hi"}])
+    plain = client.chat.completions.create(**kw)
+    extra = client.chat.completions.create(**kw, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert extra.usage.prompt_tokens == plain.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError, match="chat_template_kwargs may not set") as e:
+        client.chat.completions.create(**kw, extra_body={"chat_template_kwargs": {"messages": []}})
+    assert e.value.body["param"].startswith("chat_template_kwargs")
+
+
 # ---- penalties, logit_bias, min_tokens, min_p -------------------------------------------------
 def test_penalties_and_logit_bias_answer_as_the_offline_engine(client, kvharbor_app):
     """OpenAI's frequency / presence penalties and logit_bias, vLLM's repetition_penalty: the

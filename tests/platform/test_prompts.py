@@ -134,3 +134,23 @@ def test_a_chat_is_truncated_for_the_answer_it_asks_for_only_when_the_tenant_cho
     assert fitted(context - whole) == whole         # it fits whole: nothing dropped
     assert fitted(None, cap=want) == last           # the tenant's default answer
     assert fitted(want, "reject") == whole
+
+
+def test_chat_template_kwargs_reach_the_template_on_chat_and_tokenize():
+    """A template with a ``thinking`` switch (as Qwen3's enable_thinking): chat's prompt and
+    /tokenize's ids both get it; a name the template is already given is refused by the model."""
+    from kvharbor.platform.openai_protocol import TokenizeRequest
+
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template += "{% if thinking %}<think>{% endif %}"
+    own = Prompts(tokenizer, 4096)
+    messages = [{"role": "user", "content": "hi"}]
+    plain = own.fit_chat(ChatRequest(model="m", messages=messages), tenant()).token_ids
+    body = ChatRequest(model="m", messages=messages, chat_template_kwargs={"thinking": True})
+    thinking = own.fit_chat(body, tenant()).token_ids
+    assert thinking == plain + list(b"<think>")
+    counted = own.chat_ids(TokenizeRequest(model="m", messages=messages, chat_template_kwargs={"thinking": True}))
+    assert counted == thinking
+    for bad in ({"tools": []}, {"bos_token": "x"}, {"1x": 1}):
+        with pytest.raises(ValueError, match="chat_template_kwargs may not set"):
+            ChatRequest(model="m", messages=messages, chat_template_kwargs=bad)
