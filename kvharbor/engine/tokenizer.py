@@ -41,8 +41,9 @@ TEMPLATE_NAMES = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
     "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "bos_token", "eos_token",
-    "pad_token", "unk_token", "raise_exception", "strftime_now"})
-"""Names ``apply_chat_template`` or the template itself already give a meaning."""
+    "pad_token", "unk_token", "raise_exception", "strftime_now",
+    "range", "dict", "lipsum", "cycler", "joiner", "namespace", "loop"})
+"""Names ``apply_chat_template``, the template or Jinja already give a meaning."""
 
 
 def template_kwargs(kwargs: dict | None) -> dict:

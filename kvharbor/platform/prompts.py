@@ -61,9 +61,15 @@ class Prompts:
         """``messages`` (and ``tools``, and ``template_kwargs``' variables) through the model's
         chat template, as token ids; with ``continue_final_message``, cut where the last
         message's text ends."""
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                 continue_final_message=continue_final_message,
-                                                 tokenize=True, tools=tools, **(template_kwargs or {}))
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                     continue_final_message=continue_final_message,
+                                                     tokenize=True, tools=tools, **(template_kwargs or {}))
+        except Exception as e:      # the caller's variables broke the template: their error, a 400
+            if not template_kwargs:
+                raise
+            raise APIError(400, f"the chat template failed with these chat_template_kwargs: {e}",
+                           param="chat_template_kwargs") from None
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     def chat_ids(self, body) -> list[int]:

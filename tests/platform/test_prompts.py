@@ -151,6 +151,9 @@ def test_chat_template_kwargs_reach_the_template_on_chat_and_tokenize():
     assert thinking == plain + list(b"<think>")
     counted = own.chat_ids(TokenizeRequest(model="m", messages=messages, chat_template_kwargs={"thinking": True}))
     assert counted == thinking
-    for bad in ({"tools": []}, {"bos_token": "x"}, {"1x": 1}):
+    for bad in ({"tools": []}, {"bos_token": "x"}, {"1x": 1}, {"namespace": 1}):
         with pytest.raises(ValueError, match="chat_template_kwargs may not set"):
             ChatRequest(model="m", messages=messages, chat_template_kwargs=bad)
+    tokenizer.chat_template += "{{ thinking + 1 }}"             # a variable of the wrong type
+    broken = ChatRequest(model="m", messages=messages, chat_template_kwargs={"thinking": "yes"})
+    assert refused(own.fit_chat, broken, tenant()).param == "chat_template_kwargs"
