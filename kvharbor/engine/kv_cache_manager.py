@@ -50,6 +50,11 @@ class PrefixHit:
         return len(self.blocks) + sum(s is None for s in self.swap_slots)
 
 
+def usable_by(block: KVCacheBlock, req: Request) -> bool:
+    """Whether ``req`` may hold ``block``: a pinned-region block only by a pinned class."""
+    return block.region != PINNED or req.pinned
+
+
 class KVCacheManager:
     """Allocates and frees KV blocks for requests.
 
@@ -75,19 +80,24 @@ class KVCacheManager:
         # neither tier holds when it outgrows twice the two tiers
         self.scopes: dict[BlockHash, str | None] = {}
 
+    def _hit_limit(self, req: Request) -> int:
+        """Most leading blocks of ``req`` a prefix hit may cover: all full ones but the last
+        token's (one token is always computed); none with prefix caching off."""
+        return (req.num_tokens - 1) // self.block_size if self.prefix_caching else 0
+
     def get_computed_blocks(self, req: Request) -> PrefixHit:
         """Longest cached prefix of ``req`` (always leaving one token to compute): device
         blocks first, then host copies; a swapped-out request's own swap extends it."""
         bs = self.block_size
         req.update_block_hashes(bs)
-        max_blocks = (req.num_tokens - 1) // bs if self.prefix_caching else 0
+        max_blocks = self._hit_limit(req)
         if req.prompt_lps_missing:          # the positions whose logits give the missing ones run
             max_blocks = min(max_blocks, (len(req.prompt_lps) - 1) // bs)
         hits: list[KVCacheBlock] = []
         host: list[HostSlot] = []
         for block_hash in req.block_hashes[:max_blocks]:
             block = None if host else self.pool.lookup(block_hash)
-            if block is not None and (block.region != PINNED or req.pinned):
+            if block is not None and usable_by(block, req):
                 hits.append(block)
                 continue
             slot = self.host.lookup(block_hash) if self.host is not None else None
@@ -113,9 +123,9 @@ class KVCacheManager:
         total = -(-(len(req.prompt_token_ids) + req.sampling.max_tokens) // bs)
         req.update_block_hashes(bs)
         hits = 0
-        for block_hash in req.block_hashes[:(req.num_tokens - 1) // bs if self.prefix_caching else 0]:
+        for block_hash in req.block_hashes[:self._hit_limit(req)]:
             block = self.pool.lookup(block_hash)
-            if block is None or block.pin_cnt == 0 or (block.region == PINNED and not req.pinned):
+            if block is None or block.pin_cnt == 0 or not usable_by(block, req):
                 break
             hits += 1
         return total - hits
@@ -278,6 +288,6 @@ class KVCacheManager:
         keep = []
         for block in req.blocks[:req.num_computed_tokens // self.block_size]:
             cached = self.pool.lookup(block.copy_of) if block.copy_of is not None else None
-            keep.append(cached if cached is not None and (cached.region != PINNED or req.pinned) else block)
+            keep.append(cached if cached is not None and usable_by(cached, req) else block)
         self.pool.pin(keep)
         return keep

@@ -49,9 +49,8 @@ from bisect import insort
 from dataclasses import dataclass, field
 from operator import attrgetter
 
-from .block_pool import PINNED
 from .fairness import FairShare
-from .kv_cache_manager import KVCacheManager, PrefixHit
+from .kv_cache_manager import KVCacheManager, PrefixHit, usable_by
 from .model_runner import ScheduledRequest
 from .pinned_sizer import PinnedSizer
 from .preemption import PreemptionPolicy
@@ -378,7 +377,7 @@ class Scheduler:
                     blocks[b.block_id] = b
         mine = {b.block_id for b in hit.blocks} if hit else set()
         return sum(1 for bid, n in holds.items() if blocks[bid].ref_cnt == n and bid not in mine
-                   and (req.pinned or blocks[bid].region != PINNED))
+                   and usable_by(blocks[bid], req))
 
     def _never_fits(self, req: Request) -> bool:
         """True when ``req``'s whole length exceeds every block its class could ever get."""
