@@ -171,3 +171,20 @@ def test_stats_count_prefix_lookups_and_waiting_requests():
     llm.engine.step()
     s = llm.stats()
     assert (s["num_running"], s["num_waiting"]) == (2, 1)
+
+
+def test_stats_count_prompt_and_generated_tokens_and_how_requests_ended():
+    """The request counters a replica exports: every prompt token added, every token
+    generated, requests finished and requests aborted (by the caller or as never fitting)."""
+    llm = LLM(device="cpu", num_kv_blocks=32)
+    e = llm.engine
+    llm.generate([[1, 2, 3], [4, 5, 6, 7, 8]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    e.add_request("cut", [9] * 6, SamplingParams(max_tokens=50))
+    e.step()
+    e.abort("cut")
+    big = e.add_request("big", [10] * 300, SamplingParams(max_tokens=20))  # 20 blocks of 32
+    e.pin_prefix([11] * 320, qos="standard")                                # leaves 12
+    assert e.reject_unfittable() and big.finish_reason == "error"
+    s = llm.stats()
+    assert (s["prompt_tokens"], s["generated_tokens"]) == (3 + 5 + 6 + 300, 3 + 3 + 1)
+    assert (s["requests_finished"], s["requests_aborted"]) == (2, 2)

@@ -35,6 +35,18 @@ def test_higher_class_admitted_first(llm):
     assert order[:2] == ["premium", "standard"]
 
 
+def test_fcfs_admits_in_arrival_order_whatever_the_class_or_tenant():
+    """``scheduling="fcfs"`` (the benchmarks' baseline): classes and tenants do not count."""
+    e = LLM(device="cpu", num_kv_blocks=128, max_num_seqs=2, scheduling="fcfs").engine
+    sp = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    arrivals = [("batch-0", "batch", "a"), ("batch-1", "batch", "a"), ("standard", "standard", "b"),
+                ("batch-2", "batch", "a"), ("premium", "premium", "c")]
+    for i, (rid, qos, tenant) in enumerate(arrivals):
+        e.add_request(rid, _p(20, i), sp, qos=qos, tenant=tenant)
+    assert _admission_order(e) == [rid for rid, _, _ in arrivals]
+    assert e.scheduler.num_preemptions == 0
+
+
 def test_tenants_share_a_class_fairly(llm):
     sp = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     e = llm.engine
