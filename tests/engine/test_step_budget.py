@@ -35,17 +35,17 @@ def _plan(engine) -> dict[str, int]:
     return seen
 
 
-def _batch_decoding_then_premium(target_ms: float):
+def _batch_decoding_then_premium(target_ms: float, llm: LLM | None = None, qos: str = "premium"):
     """An engine with a frozen cost model (2 ms + 0.1 ms/token + 1 ms/seq), 8 batch requests
-    decoding, and a 30-token premium request just added."""
-    e = _llm(target_ms=target_ms).engine
+    decoding, and a 30-token premium request (of class ``qos``) just added."""
+    e = (llm or _llm(target_ms=target_ms)).engine
     e.scheduler.cost.coef = [0.002, 0.0001, 0.001]
     e.scheduler._learn_step_cost = lambda now: None          # frozen for the test
     for i in range(8):
         e.add_request(f"batch-{i}", _p(20, i), _sp(20), qos="batch")
     while e.scheduler.waiting:
         e.step()
-    e.add_request("premium", _p(30, 99), _sp(4), qos="premium")
+    e.add_request("premium", _p(30, 99), _sp(4), qos=qos)
     return e
 
 
@@ -62,6 +62,21 @@ def test_lower_class_work_is_trimmed_to_the_premium_step_target():
         done.update({o.request_id: len(o.token_ids) for o in e.step() if o.finished})
     assert done == {"premium": 4, **{f"batch-{i}": 20 for i in range(8)}}
     e.check_integrity()
+
+
+def test_classes_of_one_priority_are_held_to_the_tightest_of_their_step_targets():
+    """A second top class ("gold", same priority, 100 ms target) does not loosen premium's
+    10 ms: lower classes' decodes are trimmed to 10 ms whichever of the two is about."""
+    for qos in ("premium", "gold"):
+        classes = dict(DEFAULT_QOS)
+        classes["premium"] = classes["premium"].model_copy(update={"step_target_ms": 10.0})
+        classes["gold"] = classes["premium"].model_copy(update={"step_target_ms": 100.0})
+        llm = LLM(device="cpu", num_kv_blocks=512, qos_classes=classes, low_priority_prefill_cap=None)
+        e = _batch_decoding_then_premium(10.0, llm, qos=qos)
+        assert _plan(e)["premium"] == 30
+        decode = _plan(e)                    # premium decodes: 8 batch decodes would be 11.9 ms
+        assert decode["premium"] == 1 and len(decode) < 9, (qos, decode)
+        assert e.scheduler.cost.estimate(sum(decode.values()), len(decode)) <= 0.010 + 1e-9, qos
 
 
 def test_without_a_target_every_decode_runs():
