@@ -24,6 +24,7 @@ dies gives them back within the lease time; every control-plane call has a timeo
 
 
 import asyncio
+import importlib.metadata
 import logging
 import time
 import uuid
@@ -70,8 +71,9 @@ from kvharbor.tenants import ActorAdmission, TenantError, TenantRegistry, get_or
 from kvharbor.tenants.admission_actor import CALL_TIMEOUT_S
 
 logger = logging.getLogger("kvharbor.gateway")
+VERSION = importlib.metadata.version("kvharbor")
 
-api = FastAPI(title="kvharbor", version="0.1.0",
+api = FastAPI(title="kvharbor", version=VERSION,
               description="OpenAI-compatible, tenant-aware LLM serving on Ray Serve.")
 api.add_middleware(BodyLimitMiddleware)
 api.add_middleware(AuthGateMiddleware)     # added last: runs first, before the body limit
@@ -288,12 +290,14 @@ class Gateway:
         self.registry.check_model(principal, model)
 
     # ---- routes --------------------------------------------------------------------------
+    @api.get("/health", responses={503: {"description": "no LLM replica is running"}})
     @api.get("/healthz", responses={503: {"description": "no LLM replica is running (the same "
                                                          "health object, status unavailable)"}})
     async def healthz(self) -> JSONResponse:
         """200 ``ok`` while at least one LLM replica runs; 503 ``unavailable`` while none does
         (the app still starting, or every replica gone): with direct ingress the gateway serves
-        HTTP before the replicas finish loading, and a request sent then waits for one."""
+        HTTP before the replicas finish loading, and a request sent then waits for one.
+        ``/health`` is the same answer at vLLM's path (probes written for vLLM)."""
         self._start_watcher()                # tenants.yaml reloads even before the first call
         replicas = await self.llm_replicas.count()
         body = {"status": "ok" if replicas != 0 else "unavailable", "llm_replicas": replicas,
@@ -305,6 +309,11 @@ class Gateway:
             body["detail"] = ("no LLM replica is running yet (the app is starting, or its "
                               "replicas failed): requests wait until one is")
         return JSONResponse(body, status_code=503 if replicas == 0 else 200)
+
+    @api.get("/version")
+    async def version(self) -> dict:
+        """kvharbor's version, as vLLM's ``/version`` answers its own (no key needed)."""
+        return {"version": VERSION}
 
     @api.get("/v1/models", response_model=ModelList, responses=error_responses(401))
     async def models(self, request: Request) -> dict:

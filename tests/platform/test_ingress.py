@@ -7,6 +7,7 @@ owns the app's listening port, and the gateway's own ``/healthz``).
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import socket
 
@@ -121,6 +122,16 @@ def test_http_enters_where_the_cluster_was_told(kvharbor_app):
     health = httpx.get(kvharbor_app.base_url + "/healthz", timeout=10).json()
     assert health["ingress"] == expected
     assert_served_on_loopback_by(APP_PORT, expected)
+
+
+def test_vllm_health_and_version_paths_answer_without_a_key(kvharbor_app):
+    """Probes and clients written for vLLM: ``GET /health`` is ``/healthz``'s answer and
+    ``GET /version`` names the installed kvharbor; neither needs an API key."""
+    health = httpx.get(kvharbor_app.base_url + "/health", timeout=10)
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    version = httpx.get(kvharbor_app.base_url + "/version", timeout=10)
+    assert version.status_code == 200
+    assert version.json() == {"version": importlib.metadata.version("kvharbor")}
 
 
 def test_the_gateway_reports_the_throughput_preset_it_runs_with(kvharbor_app):
