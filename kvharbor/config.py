@@ -119,7 +119,8 @@ class EngineConfig(BaseModel):
         256, ge=0, description="While requests of a higher class are unfinished (or were in the "
         "last 2 s), lower classes get at most this many prefill tokens per step (their decodes "
         "still run), so steps stay short for premium arrivals. None: no cap (plain priority order).")
-    max_model_len: int | None = Field(None, ge=1, description="Longest prompt + output (None: the model's limit).")
+    max_model_len: int | None = Field(None, ge=1, description="Longest prompt + output (None: the model's, as vLLM derives it: "
+                                         "its length fields, stretched by a linear, dynamic or YaRN RoPE scaling).")
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="Share of free GPU memory for the KV cache when num_kv_blocks is None.")
     seed: int = Field(0, description="Seed of the builtin models' random weights (tiny-llama's "
                                      "are trained and do not depend on it).")

@@ -53,10 +53,32 @@ def load_tokenizer(name: str):
 
 
 def model_context_length(name: str) -> int:
-    """The model's maximum context (``max_position_embeddings``) without loading weights."""
+    """The model's maximum context (:func:`context_length`) without loading weights."""
     if name in BUILTIN_NAMES:
         return BUILTIN_CONTEXT
     from transformers import AutoConfig  # noqa: PLC0415
 
-    config = AutoConfig.from_pretrained(name)
-    return int(getattr(config, "max_position_embeddings", None) or 2048)
+    return context_length(AutoConfig.from_pretrained(name))
+
+
+_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
+                "max_sequence_length", "max_seq_length", "seq_len")
+_STRETCHING_ROPE = ("linear", "dynamic", "yarn")
+"""RoPE scalings that stretch the positions a model was trained on by their ``factor``
+(``llama3`` and ``longrope`` configs already give the stretched length)."""
+
+
+def context_length(config) -> int:
+    """The longest prompt + output a model with transformers config ``config`` takes, as vLLM
+    derives it: the smallest length the config sets under any of :data:`_LENGTH_KEYS` (2048
+    when none), times the factor of a RoPE scaling that stretches positions (YaRN's from its
+    ``original_max_position_embeddings``): a Qwen2.5 checkpoint given YaRN x4 over 32,768
+    positions takes 131,072 tokens."""
+    lengths = [v for key in _LENGTH_KEYS if isinstance(v := getattr(config, key, None), int) and v > 0]
+    length = min(lengths, default=2048)
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    if kind in _STRETCHING_ROPE and (factor := rope.get("factor") or 1.0) > 1:
+        base = rope.get("original_max_position_embeddings") if kind == "yarn" else None
+        length = int((base or length) * factor)
+    return length

@@ -19,7 +19,7 @@ import torch
 from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MistralConfig,
                           PretrainedConfig, Qwen2Config)
 
-from .model_info import BUILTIN_SPECS, TRAINED_WEIGHTS
+from .model_info import BUILTIN_SPECS, TRAINED_WEIGHTS, context_length
 from .tokenizer import byte_tokenizer
 
 _CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
@@ -58,8 +58,7 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device, seed: int = 
     else:
         model, tokenizer = _load_pretrained(name)
     model = model.to(device=device, dtype=dtype).eval()
-    max_len = getattr(model.config, "max_position_embeddings", None) or 2048
-    return LoadedModel(name, model, tokenizer, int(max_len))
+    return LoadedModel(name, model, tokenizer, context_length(model.config))
 
 
 def _draw_biases(model: torch.nn.Module, std: float) -> None:
