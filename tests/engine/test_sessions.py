@@ -84,6 +84,16 @@ def test_expired_session_blocks_are_free_again(llm):
     llm.check_integrity()
 
 
+def test_engine_steps_release_sessions_past_their_ttl_without_being_asked(llm):
+    """Offline (no replica calling ``expire_sessions``): any later work releases them."""
+    llm.engine.set_session_limits("acme", ttl_s=30.0)
+    llm.generate([_tokens(100, 3)], _greedy(10), tenant="acme", session_id="s")
+    llm.engine.sessions.clock.now += 31.0
+    llm.generate([_tokens(20, 4)], _greedy(2), tenant="other")
+    stats = llm.stats()
+    assert (stats["session_expirations"], stats["sessions_active"], stats["session_blocks_held"]) == (1, 0, 0)
+
+
 def test_the_ttl_counts_from_the_end_of_the_last_turn(llm):
     """A turn that ran longer than the ttl does not leave a session that expires at once."""
     llm.engine.set_session_limits("acme", ttl_s=30.0)
