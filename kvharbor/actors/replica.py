@@ -21,7 +21,9 @@ A request aborted by ``abort()`` (not by its client) ends its stream with finish
 a token yet, when there are some and others besides them (each of the others has come through a
 step that succeeded with its whole prompt). Only the suspects are failed, with a non-retryable error event (the gateway must not
 send a request that breaks steps to another replica); the others keep running. A step that
-fails with no newcomer, or with only newcomers, fails every request in it.
+fails with no newcomer, or with only newcomers, fails every request in it. A failure after the
+forward, while the engine accounts for one request's tokens (``Engine.take_failures``), fails
+that request alone, and the others' tokens of that step are delivered.
 """
 
 from __future__ import annotations
@@ -332,11 +334,11 @@ class LLMReplica:
                     self._wake.clear()
                     await self._wake.wait()
                 async with self._engine_lock:
-                    outputs, rejected = await self._step()
-                    for rid, message in rejected:
+                    outputs, ended = await self._step()
+                    for rid, event in ended:
                         queue = self._streams.get(rid)
                         if queue is not None:
-                            queue.put_nowait({"error": message, "status": 400, "retryable": False})
+                            queue.put_nowait(event)
                     for out in outputs:
                         self._dispatch(out)
                     # The streams forward this step's tokens before its KV events go out (an
@@ -368,9 +370,7 @@ class LLMReplica:
                 self.engine.abort(rid)
                 queue = self._streams.get(rid)
                 if queue is not None:
-                    queue.put_nowait({"error": f"the engine step failed on this request ({type(e).__name__}); "
-                                      "it was not retried", "status": 500, "code": "engine_step_failed",
-                                      "retryable": not isolated})
+                    queue.put_nowait(_step_failed(type(e).__name__, retryable=not isolated))
             self._snapshot = self._take_snapshot()
             return [], []
 
@@ -380,8 +380,9 @@ class LLMReplica:
         newcomers = [rid for rid, req in self.engine.requests.items() if not req.num_output_tokens]
         return newcomers if newcomers and len(newcomers) < len(running) else running
 
-    def _step_in_thread(self) -> tuple[list, list[tuple[str, str]]]:
-        """Worker thread: drain inboxes, step, snapshot. Returns (outputs, rejections)."""
+    def _step_in_thread(self) -> tuple[list, list[tuple[str, dict]]]:
+        """Worker thread: drain inboxes, step, snapshot. Returns (outputs, the last event of
+        each request refused or failed alone)."""
         rejected = self._drain_inbox()
         while self._aborts:
             self.engine.abort(self._aborts.popleft())
@@ -389,7 +390,10 @@ class LLMReplica:
         if not outputs and not self.engine.scheduler.running and self.engine.has_unfinished():
             rejected += list(self.engine.reject_unfittable().items())
         self._snapshot = self._take_snapshot()
-        return outputs, rejected
+        ended = [(rid, _refused(message)) for rid, message in rejected]
+        ended += [(rid, _step_failed(type(e).__name__, retryable=False))
+                  for rid, e in self.engine.take_failures().items()]
+        return outputs, ended
 
     def _drain_inbox(self) -> list[tuple[str, str]]:
         rejected = []
@@ -565,6 +569,15 @@ def _actor_alive(namespace: str, name: str) -> bool:
     except Exception:  # noqa: BLE001 - GCS unreachable: assume alive, check again later
         return True
     return True
+
+
+def _refused(message: str) -> dict:
+    return {"error": message, "status": 400, "retryable": False}
+
+
+def _step_failed(why: str, retryable: bool) -> dict:
+    return {"error": f"the engine step failed on this request ({why}); it was not retried",
+            "status": 500, "code": "engine_step_failed", "retryable": retryable}
 
 
 def _lower_priority(nice: int) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -20,6 +19,7 @@ from . import host_memory
 from .engine_stats import engine_stats
 from .host_pool import HostKVPool
 from .integrity import check_engine
+from .kv_events import KVEvents
 from .kv_cache_manager import KVCacheManager
 from .kv_transfer import KVTransfer
 from .logits_processors import depends_on_outputs
@@ -38,22 +38,6 @@ from .sessions import SessionLimits, SessionManager
 from .spec_decode import NgramProposer
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class KVEvents:
-    """Block hashes stored in / removed from one KV tier ("device" or "host") since the
-    previous batch of that tier; ``seq_no`` counts batches of all tiers together.
-
-    ``closed``: on a device batch, whether the device cache is prefix-closed after it (every
-    cached block's parent cached too; ``BlockPool.prefix_closed``); None on a host batch.
-    """
-
-    seq_no: int
-    stored: list
-    removed: list
-    tier: str = "device"
-    closed: bool | None = None
 
 
 class Engine:
@@ -100,6 +84,7 @@ class Engine:
         self.sessions = SessionManager(self.pool, self.block_size,
                                        SessionLimits(config.session_ttl_s, max_blocks))
         self.requests: dict[str, Request] = {}
+        self.failures: dict[str, Exception] = {}     # see take_failures
         spec = config.speculative_config
         self.spec = NgramProposer.from_config(spec) if spec is not None else None
         # Decode steps run ahead (see ``_runs_ahead``): where the decode graphs run (CUDA), and
@@ -317,21 +302,41 @@ class Engine:
         finally:
             self.interrupt.disarm()
         sampled, logprobs = iter(tokens), iter(self.runner.last_logprobs)
-        for item in plan.scheduled:
-            req, samples, drafts = item.request, item.samples, item.num_drafts
-            if drafts:                      # 1 + drafts rows: keep the accepted drafts + one
-                rows = [next(sampled) for _ in range(drafts + 1)]
-                lps = [next(logprobs) for _ in range(drafts + 1)]
-                kept = self.spec.accept(req, req.spec_token_ids[:drafts], rows)
-                if kept < drafts and req.rng_states:       # seeded: undraw the discarded rows
-                    req.generator.set_state(req.rng_states[kept])
-                self._advance(req, item.num_new_tokens - (drafts - kept))
-                outputs.append(self._append_tokens(req, rows[:kept + 1], lps[:kept + 1]))
+        for item in plan.scheduled:         # a sampling request has 1 + its drafts rows
+            n = item.num_drafts + 1 if item.samples else 0
+            rows, lps = [next(sampled) for _ in range(n)], [next(logprobs) for _ in range(n)]
+            try:
+                out = self._account(item, rows, lps)
+            except Exception as e:  # noqa: BLE001 - fails this request alone (take_failures)
+                self._fail(item.request, e)
                 continue
-            self._advance(req, item.num_new_tokens)
-            if samples:
-                outputs.append(self._append_token(req, next(sampled), next(logprobs)))
+            if out is not None:
+                outputs.append(out)
         return outputs
+
+    def _account(self, item: ScheduledRequest, rows: list[int], lps: list) -> RequestOutput | None:
+        """Advance ``item``'s request and append its sampled ``rows``; its output, if any."""
+        req, drafts = item.request, item.num_drafts
+        if drafts:
+            kept = self.spec.accept(req, req.spec_token_ids[:drafts], rows)
+            if kept < drafts and req.rng_states:           # seeded: undraw the discarded rows
+                req.generator.set_state(req.rng_states[kept])
+            self._advance(req, item.num_new_tokens - (drafts - kept))
+            return self._append_tokens(req, rows[:kept + 1], lps[:kept + 1])
+        self._advance(req, item.num_new_tokens)
+        return self._append_token(req, rows[0], lps[0]) if rows else None
+
+    def _fail(self, req: Request, error: Exception) -> None:
+        """Abort ``req`` alone: accounting for its step raised (detokenizing, stops, grammar)."""
+        logger.error("%s failed in an engine step: %r", req.request_id, error, exc_info=error)
+        self.abort(req.request_id)                  # False when it had finished already
+        req.finish_reason = "error"
+        self.failures[req.request_id] = error
+
+    def take_failures(self) -> dict[str, Exception]:
+        """``{request id: error}`` of the requests steps failed alone (``_fail``) since the last call."""
+        failures, self.failures = self.failures, {}
+        return failures
 
     def _advance(self, req: Request, num_new: int) -> None:
         """``num_new`` more tokens of ``req`` are computed: cache its filled blocks, release
@@ -402,8 +407,11 @@ class Engine:
             req = item.request
             if self.requests.get(req.request_id) is not req:
                 continue                          # finished or aborted meanwhile: dropped
-            self._advance(req, 1)
-            outputs.append(self._append_token(req, token, None))
+            try:
+                self._advance(req, 1)
+                outputs.append(self._append_token(req, token, None))
+            except Exception as e:  # noqa: BLE001 - as in step
+                self._fail(req, e)
         return outputs
 
     def _flush_transfers(self) -> None:

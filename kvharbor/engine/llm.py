@@ -111,6 +111,8 @@ class LLM:
             bar = tqdm(total=total, desc="Processed prompts", disable=not use_tqdm)
             while len(final) < total:
                 outs = self.engine.step()
+                for rid, error in self.engine.take_failures().items():
+                    raise RuntimeError(f"request {rid} failed in an engine step: {error!r}") from error
                 for out in outs:
                     rid = out.request_id
                     if out.new_logprobs and rid in logprobs:

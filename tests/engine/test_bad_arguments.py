@@ -223,3 +223,36 @@ def test_generate_arguments_of_the_wrong_type_are_refused(llm, kwargs, words):
     with pytest.raises(ValueError, match=re.escape(words)):
         llm.generate([3, 4, 5], **kwargs)
     assert not llm.engine.has_unfinished()
+
+
+def test_a_request_whose_token_cannot_be_appended_fails_alone(monkeypatch):
+    """An error while the engine accounts for one request's sampled token (its detokenization
+    here) aborts that request only: the others of the step keep that step's token, and finish
+    as they would without it. ``LLM.generate`` raises for the failed one, queueing nothing."""
+    llm = LLM(device="cpu", num_kv_blocks=64)
+    sp = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    prompts = {"a": [5, 6, 7], "bad": [8, 9, 10], "b": [11, 12, 13]}
+    clean = {rid: out.outputs[0].token_ids for rid, out in zip(prompts, llm.generate(list(prompts.values()), sp))}
+    engine, update = llm.engine, llm.engine.detok.update
+
+    def poisoned(req):
+        if req.request_id == "bad" or req.prompt_token_ids == prompts["bad"]:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "poisoned")
+        return update(req)
+
+    monkeypatch.setattr(engine.detok, "update", poisoned)
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, sp)
+    tokens = {"a": [], "b": []}
+    for _ in range(20):
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    assert not engine.has_unfinished()
+    failures = engine.take_failures()
+    assert list(failures) == ["bad"] and isinstance(failures["bad"], UnicodeDecodeError)
+    assert tokens == {"a": clean["a"], "b": clean["b"]}
+    assert engine.take_failures() == {}
+    engine.check_integrity()
+    with pytest.raises(RuntimeError, match="failed in an engine step: UnicodeDecodeError"):
+        llm.generate([prompts["a"], prompts["bad"]], sp)
+    assert not engine.has_unfinished()

@@ -80,6 +80,39 @@ def test_a_poison_request_fails_alone_and_the_batch_finishes(replica):
     assert not replica.engine.requests
 
 
+def test_a_request_failing_after_the_forward_fails_alone_and_the_others_lose_no_token(replica, monkeypatch):
+    """The failure comes while the engine appends the poison request's sampled token (its
+    detokenization here), after the requests before it in the batch got theirs: the poison
+    request fails alone and every other stream has each of its tokens, as a run without it."""
+    prompts = {f"good-{i}": [60 + i] * 30 for i in range(3)}
+
+    async def run(with_poison: bool):
+        started = asyncio.Event()
+        good = [asyncio.create_task(_collect(replica, _request(rid, p, 24), started if i == 0 else None))
+                for i, (rid, p) in enumerate(prompts.items())]
+        await started.wait()
+        bad = (await asyncio.wait_for(_collect(replica, _request("late-bad", [POISON + 1] + [30] * 40, 8)), 60)
+               if with_poison else None)
+        done = await asyncio.wait_for(asyncio.gather(*good), 60)
+        return [[t for e in events for t in e.get("token_ids", [])] for events in done], bad
+
+    clean, _ = asyncio.run(run(with_poison=False))
+    update = replica.engine.detok.update
+
+    def poisoned(req):
+        if req.prompt_token_ids[0] == POISON + 1:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "poisoned")
+        return update(req)
+
+    monkeypatch.setattr(replica.engine.detok, "update", poisoned)
+    good, bad = asyncio.run(run(with_poison=True))
+    assert bad == [{"error": "the engine step failed on this request (UnicodeDecodeError); it was not "
+                             "retried", "status": 500, "code": "engine_step_failed", "retryable": False}]
+    assert good == clean and all(len(ids) == 24 for ids in good)
+    replica.engine.check_integrity()
+    assert not replica.engine.requests
+
+
 def test_out_of_vocabulary_ids_are_refused_before_any_step(replica):
     """Refused by ``Engine.add_request``; the replica turns that ValueError into one
     non-retryable 400 event, and the engine holds nothing of the request afterwards."""
