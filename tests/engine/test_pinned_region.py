@@ -89,6 +89,24 @@ def test_pinned_prefix_survives_a_flood_that_evicts_everything_else():
     llm.check_integrity()
 
 
+def test_pinning_a_long_prefix_keeps_to_the_step_token_budget_and_answers_as_computed():
+    """A replica pins tenants' prefixes between steps (a tenants.yaml reload): each forward of
+    a 300-token prefix holds at most max_num_batched_tokens, as a step's would, and a request
+    over the pinned prefix answers as one over the same prefix computed with it."""
+    llm = LLM(device="cpu", num_kv_blocks=64, pinned_kv_blocks=24, max_num_batched_tokens=64)
+    runner, sizes = llm.engine.runner, []
+    forward = runner.forward_logits
+    runner.forward_logits = lambda batch: sizes.append(sum(s.num_new_tokens for s in batch)) or forward(batch)
+    system = _prompt(300, 5)
+    assert llm.engine.pin_prefix(system, qos="premium") == 300 // 16
+    assert sizes == [64, 64, 64, 64, 44]
+    runner.forward_logits = forward
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    out = llm.generate([system + _prompt(20, 6)], sp, qos="premium")[0]
+    cold = LLM(device="cpu", num_kv_blocks=64).generate([system + _prompt(20, 6)], sp)[0]
+    assert out.num_cached_tokens == 288 and out.outputs[0].token_ids == cold.outputs[0].token_ids
+
+
 def test_region_resizes_from_free_blocks():
     llm = LLM(device="cpu", num_kv_blocks=64, pinned_kv_blocks=8)
     pool = llm.engine.pool

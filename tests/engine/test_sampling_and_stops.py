@@ -271,3 +271,20 @@ def test_eos_stops_a_request_unless_ignore_eos(llm):
         engine.eos_ids = saved
     assert stopped.finish_reason == "stop" and stopped.token_ids == free.token_ids[:k + 1]
     assert ignored.finish_reason == "length" and ignored.token_ids == free.token_ids
+
+
+def test_every_eos_id_of_a_checkpoints_generation_config_stops(llm, tmp_path):
+    """Chat checkpoints list several end ids in generation_config.json (Llama 3: <|eot_id|>
+    beside <|end_of_text|>); any of them ends the request, as in transformers and vLLM."""
+    free = llm.generate(["tide"], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    k = next(i for i in range(2, 12) if free.token_ids[i] not in free.token_ids[:i])
+    config = llm.hf_model.generation_config
+    saved, config.eos_token_id = config.eos_token_id, [llm.engine.tokenizer.eos_token_id, free.token_ids[k]]
+    try:
+        llm.hf_model.save_pretrained(tmp_path)
+    finally:
+        config.eos_token_id = saved
+    llm.engine.tokenizer.save_pretrained(tmp_path)
+    stopped = LLM(model=str(tmp_path), device="cpu", num_kv_blocks=64).generate(
+        ["tide"], SamplingParams(max_tokens=12, temperature=0))[0]
+    assert stopped.finish_reason == "stop" and stopped.token_ids == free.token_ids[:k + 1]
