@@ -54,6 +54,22 @@ def _agreement(full: list[list[int]], quant: list[list[int]]) -> float:
 
 
 @pytest.mark.parametrize("kv", ["int8", "fp8_e4m3"])
+def test_a_quantized_cache_scores_a_prompt_the_same_whole_or_in_chunks(kv):
+    """Every query of a prefill attends to the cache's quantized keys and values, its own
+    chunk's included, as later chunks and decodes do: a 120-token prompt's logprobs are the
+    same computed in one step or in chunks of 32 (CPU backend: measured mean gaps 0.00005
+    nats for int8 and 0 for fp8; with a chunk's own keys read unquantized, 0.043 and 0.115)."""
+    prompt = [(37 * i + 11) % 256 for i in range(120)]
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+    runs = [LLM(model=MODEL, device="cpu", kv_cache_dtype=kv, num_kv_blocks=64,
+                max_num_batched_tokens=budget).generate([prompt], sp)[0] for budget in (2048, 32)]
+    whole, chunked = ([lp.logprob for lp in out.prompt_logprobs[1:]] for out in runs)
+    gaps = [abs(a - b) for a, b in zip(whole, chunked)]
+    assert sum(gaps) / len(gaps) < 0.005, max(gaps)        # a value that rounds to another
+    assert runs[0].token_ids == runs[1].token_ids          # 8-bit step moves a few logprobs
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3"])
 def test_quantized_cache_uses_at_most_half_the_fp16_bytes(quantized_runs, kv):
     """A 1-byte cache holds a token in <= half of what an fp16 cache needs."""
     cfg = quantized_runs["config"]
