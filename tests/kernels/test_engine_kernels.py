@@ -54,6 +54,18 @@ def _agreement(full: list[list[int]], quant: list[list[int]]) -> float:
 
 
 @pytest.mark.parametrize("kv", ["int8", "fp8_e4m3"])
+def test_the_cpu_backend_decodes_a_quantized_cache_as_the_reference_does(kv):
+    """The CPU backend (the default on CPU) with a 1-byte cache: the tokens and logprobs of the
+    reference backend (its float32 C++ decode kernel is for float32 caches only)."""
+    prompt = [(37 * i + 11) % 256 for i in range(120)]
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+    cpu, ref = (LLM(model=MODEL, device="cpu", kv_cache_dtype=kv, num_kv_blocks=64,
+                    attention_backend=backend).generate([prompt], sp)[0] for backend in ("cpu", "reference"))
+    assert cpu.token_ids == ref.token_ids
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(cpu.logprobs, ref.logprobs)) < 0.01
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3"])
 def test_a_quantized_cache_scores_a_prompt_the_same_whole_or_in_chunks(kv):
     """Every query of a prefill attends to the cache's quantized keys and values, its own
     chunk's included, as later chunks and decodes do: a 120-token prompt's logprobs are the
