@@ -3,12 +3,16 @@
 Every scheduled token of a step is flattened into one sequence (batch 1) with explicit
 position ids. Per layer, the attention function stores the new K/V into the paged cache at
 ``slot_mapping`` and attends over each sequence's blocks. The per-step ``AttentionContext``
-reaches it through the model's forward kwargs (``kvh_ctx=...``), not a global.
+reaches it through the model's forward kwargs (``kvh_ctx=...``); models whose layers do not
+pass those on to their attention (e.g. StableLM) find it in a context variable the runner sets
+for the forward (:func:`stepping`: per thread, so engines on other threads do not see it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +48,19 @@ class AttentionContext:
     interrupt: StepInterrupt | None = None  # a higher-class arrival may cut the step short
 
 
+_STEP: ContextVar[AttentionContext | None] = ContextVar("kvharbor_step", default=None)
+
+
+@contextmanager
+def stepping(ctx: AttentionContext) -> Iterator[None]:
+    """``ctx`` is the attention context of the forward run inside (see the module doc)."""
+    token = _STEP.set(ctx)
+    try:
+        yield
+    finally:
+        _STEP.reset(token)
+
+
 def paged_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext,
                layer_idx: int, scaling: float, sliding_window: int | None,
                rows: Sequence[int] | None = None) -> torch.Tensor:
@@ -68,8 +85,9 @@ def paged_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Attention
 def kvharbor_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                        sliding_window=None, kvh_ctx: AttentionContext | None = None, **kwargs):
     """transformers attention interface: query ``[1, H, T, D]``, key/value ``[1, Hkv, T, D]``."""
+    kvh_ctx = kvh_ctx or _STEP.get()
     if kvh_ctx is None:
-        raise RuntimeError("kvharbor attention needs the engine's per-step context (kvh_ctx)")
+        raise RuntimeError("kvharbor attention runs only inside an engine step (no kvh_ctx)")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     out = paged_step(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),

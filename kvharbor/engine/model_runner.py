@@ -216,8 +216,9 @@ class ModelRunner:
         # ``llm.hf_model`` stays a stock transformers model (the tests' oracle).
         self.model.config._attn_implementation = attention.ATTN_IMPLEMENTATION
         try:
-            out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False,
-                             logits_to_keep=keep, kvh_ctx=ctx)
+            with attention.stepping(ctx):
+                out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False,
+                                 logits_to_keep=keep, kvh_ctx=ctx)
         finally:
             self.model.config._attn_implementation = self._hf_attention
         return out.logits[0] if rows.numel() else out.logits[0, :0]
