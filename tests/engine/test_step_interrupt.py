@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvharbor import LLM
+from kvharbor import LLM, SamplingParams
 from kvharbor.config import DEFAULT_QOS
 
 from .conftest import greedy as _sp
@@ -140,3 +140,26 @@ def test_a_spent_step_budget_stops_the_walk_over_a_lower_class_backlog():
     e.kv.get_computed_blocks = counting
     e.step()
     assert lookups <= 3, f"{lookups} prefix lookups for one step over a 200-request backlog"
+
+
+def test_a_cut_prefill_step_leaves_the_prompt_logprobs_as_uninterrupted():
+    """The cut step had planned prompt-logprob rows for the request's chunk; they are not
+    scored on top of the next step's own: each prompt token is scored once, as without a cut."""
+    def prompt_logprobs(cut: bool) -> list:
+        e = _engine()
+        hook = install_announcer(e)
+        e.add_request("b", _p(200, 5), SamplingParams(max_tokens=2, temperature=0, ignore_eos=True,
+                                                      prompt_logprobs=1), qos="batch")
+        e.step()                                      # the first 96-token chunk
+        if cut:
+            hook.due = [("premium", 1)]
+            assert e.step() == [] and e.interrupt.num_interrupted == 1
+            e.interrupt.clear()
+        outs = [o for _ in range(10) for o in e.step() if o.finished]
+        return [(lp.logprob, *lp.top[0]) for lp in outs[0].prompt_logprobs[1:]]
+
+    whole, cut = prompt_logprobs(cut=False), prompt_logprobs(cut=True)
+    assert len(whole) == len(cut) == 199
+    assert [c[1] for c in cut] == [w[1] for w in whole]
+    # Each engine measures its own GEMM paths at start: logprobs 1e-6 apart, not equal.
+    assert [x for c in cut for x in c] == pytest.approx([x for w in whole for x in w], abs=1e-4)
