@@ -29,14 +29,21 @@ ARCHITECTURES = {
 }
 
 
-@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
-def test_a_checkpoint_outside_kvharbors_forward_serves_transformers_greedy_tokens(arch, tmp_path):
-    config_class, fields = ARCHITECTURES[arch]
+def save_checkpoint(architecture: tuple[str, dict], path) -> str:
+    """A seeded random checkpoint of ``architecture`` (an ``ARCHITECTURES`` value) with the
+    byte tokenizer, saved at ``path``; the path as a string."""
+    config_class, fields = architecture
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_class)(**fields))
-    model.save_pretrained(tmp_path)
-    byte_tokenizer().save_pretrained(tmp_path)
-    llm = LLM(model=str(tmp_path), device="cpu", num_kv_blocks=128, max_num_batched_tokens=64)
+    model.save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_a_checkpoint_outside_kvharbors_forward_serves_transformers_greedy_tokens(arch, tmp_path):
+    llm = LLM(model=save_checkpoint(ARCHITECTURES[arch], tmp_path), device="cpu", num_kv_blocks=128,
+              max_num_batched_tokens=64)
     assert llm.engine.runner.fast is None                  # transformers' forward
     shared = random_prompt(70, 1)
     prompts = [random_prompt(5, 0), shared, random_prompt(130, 2)]

@@ -33,29 +33,7 @@ def test_serve_run_from_a_clean_directory(tmp_path, shell):
     elif shell == "proxy":
         env["KVHARBOR_INGRESS"] = "proxy"
     env["KVHARBOR_METRICS_PORT"] = "18185"
-    serve_bin = Path(sys.executable).parent / "serve"
-    # As from a fresh terminal: SIGINT neither ignored nor blocked. A child inherits an ignored
-    # disposition and the signal mask across exec, and this pytest process (Ray's and torch's
-    # threads, earlier tests) may have either; then `serve run` never sees Ctrl-C.
-    terminal = ("import os, signal, sys; signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); "
-                "signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])")
-    proc = subprocess.Popen([sys.executable, "-c", terminal, str(serve_bin), "run", "kvharbor.app"],
-                            cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    lines: list[str] = []
-    ready_lines: list[str] = []
-    ready = threading.Event()
-
-    def read_output() -> None:
-        for line in proc.stdout:
-            lines.append(line)
-            if "is ready at" in line:
-                ready_lines.append(line)
-                ready.set()
-
-    reader = threading.Thread(target=read_output, daemon=True)
-    reader.start()
+    proc, lines, ready_lines, ready, reader = _serve_run(["kvharbor.app"], tmp_path, env)
     try:
         body = None
         deadline = time.time() + 300
@@ -96,10 +74,7 @@ def test_serve_run_from_a_clean_directory(tmp_path, shell):
         # ... at the address it serves (with direct ingress Serve's proxy has another port)
         assert "is ready at http://127.0.0.1:8000/" in ready_lines[0], ready_lines
     finally:
-        killed = not _ctrl_c(proc, presses=3, every_s=30)
-        if killed:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        killed = not _stop(proc)
         reader.join(timeout=30)
         out = "".join(lines)
     # Ctrl-C stops everything by itself: no SIGKILL needed, a clean exit, the port released.
@@ -107,6 +82,87 @@ def test_serve_run_from_a_clean_directory(tmp_path, shell):
     assert proc.returncode == 0, f"exit code {proc.returncode}:\n{out[-3000:]}"
     assert not _accepts_connections("127.0.0.1", 8000), "port 8000 still served after Ctrl-C"
     assert "demo API keys are active" in out
+
+
+def _serve_run(args: list[str], cwd: Path, env: dict[str, str]):
+    """Start ``serve run *args`` as from a terminal; (process, its output lines, the lines
+    saying the app is ready, an event set at the first, the thread reading the output)."""
+    serve_bin = Path(sys.executable).parent / "serve"
+    # As from a fresh terminal: SIGINT neither ignored nor blocked. A child inherits an ignored
+    # disposition and the signal mask across exec, and this pytest process (Ray's and torch's
+    # threads, earlier tests) may have either; then `serve run` never sees Ctrl-C.
+    terminal = ("import os, signal, sys; signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); "
+                "signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])")
+    proc = subprocess.Popen([sys.executable, "-c", terminal, str(serve_bin), "run", *args],
+                            cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    lines: list[str] = []
+    ready_lines: list[str] = []
+    ready = threading.Event()
+
+    def read_output() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if "is ready at" in line:
+                ready_lines.append(line)
+                ready.set()
+
+    reader = threading.Thread(target=read_output, daemon=True)
+    reader.start()
+    return proc, lines, ready_lines, ready, reader
+
+
+def _stop(proc: subprocess.Popen) -> bool:
+    """Ctrl-C ``proc`` (SIGKILL its group if it ignores three); True if Ctrl-C stopped it."""
+    stopped = _ctrl_c(proc, presses=3, every_s=30)
+    if not stopped:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    return stopped
+
+
+def test_serve_run_serves_a_local_checkpoint_as_the_offline_engine_does(tmp_path):
+    """The README's way to serve one's own model: ``serve run kvharbor:build_app
+    model=<checkpoint directory>``. A tiny random Qwen3 checkpoint (transformers' forward:
+    not an architecture of kvharbor's own) answers completions and chat over HTTP with the
+    offline engine's text for the same requests, and /v1/models gives its context."""
+    from kvharbor import LLM, SamplingParams
+    from tests.engine.test_other_architectures import ARCHITECTURES, save_checkpoint
+
+    checkpoint = save_checkpoint(ARCHITECTURES["qwen3"], tmp_path / "qwen3")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**_fresh_shell_env(), "KVHARBOR_HTTP_PORT": str(port), "KVHARBOR_METRICS_PORT": "18186"}
+    proc, lines, _, _, reader = _serve_run(["kvharbor:build_app", f"model={checkpoint}", "replicas=1"],
+                                           tmp_path, env)
+    base, key = f"http://127.0.0.1:{port}", {"Authorization": "Bearer kvh-demo-standard"}
+    greedy = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    try:
+        answer, deadline = None, time.time() + 300
+        while answer is None and time.time() < deadline and proc.poll() is None:
+            try:
+                r = httpx.post(base + "/v1/completions", headers=key, timeout=30,
+                               json={"model": checkpoint, "prompt": "Hello", **greedy})
+                answer = r.json() if r.status_code == 200 else None
+            except httpx.HTTPError:
+                pass
+            time.sleep(0 if answer else 2)
+        assert answer is not None, "".join(lines)[-3000:]
+        chat = httpx.post(base + "/v1/chat/completions", headers=key, timeout=30,
+                          json={"model": checkpoint, "messages": [{"role": "user", "content": "Hi"}],
+                                **greedy}).json()
+        (card,) = httpx.get(base + "/v1/models", headers=key, timeout=10).json()["data"]
+    finally:
+        stopped = _stop(proc)
+        reader.join(timeout=30)
+    llm = LLM(model=checkpoint, device="cpu", num_kv_blocks=64)
+    sp = SamplingParams(**greedy)
+    assert answer["choices"][0]["text"] == llm.generate(["Hello"], sp)[0].outputs[0].text
+    assert chat["choices"][0]["message"]["content"] == \
+        llm.chat([{"role": "user", "content": "Hi"}], sp)[0].outputs[0].text
+    assert (card["id"], card["max_model_len"]) == (checkpoint, 512)
+    assert stopped, "".join(lines)[-3000:]
 
 
 def _fresh_shell_env() -> dict[str, str]:
