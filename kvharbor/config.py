@@ -6,7 +6,7 @@ import json
 
 from typing import Annotated
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 
 DTYPES = "^(auto|float32|float16|bfloat16)$"
@@ -84,6 +84,18 @@ class SpeculativeConfig(BaseModel):
 # EngineConfig's and PlatformConfig's field: a SpeculativeConfig, its dict, or its JSON.
 SpeculativeOption = Annotated[SpeculativeConfig | None, BeforeValidator(SpeculativeConfig.parse)]
 
+
+def _chat_template(value):
+    from kvharbor.engine.model_info import chat_template_text  # noqa: PLC0415 - no import cycle
+
+    return chat_template_text(value)
+
+
+# EngineConfig's and PlatformConfig's field: a Jinja file's path or the template, kept as its text.
+ChatTemplateOption = Annotated[str | None, AfterValidator(_chat_template)]
+CHAT_TEMPLATE_DOC = ("The chat template (vLLM's --chat-template): a Jinja file's path or the template "
+                     "itself, instead of the tokenizer's (None: the tokenizer's own).")
+
 class EngineConfig(BaseModel):
     """Engine settings; the ``LLM`` keyword arguments of the same names."""
 
@@ -144,6 +156,7 @@ class EngineConfig(BaseModel):
     speculative_config: SpeculativeOption = Field(None, description="Speculative decoding (vLLM's "
                                                   "speculative_config), e.g. {\"method\": \"ngram\", "
                                                   "\"num_speculative_tokens\": 4}; None: off.")
+    chat_template: ChatTemplateOption = Field(None, description=CHAT_TEMPLATE_DOC)
 
 
 def _autoscaling(value):
@@ -179,6 +192,7 @@ class PlatformConfig(BaseModel):
         return self.direct_streams and self.router == "kv"
 
     model: str = Field("kvharbor/tiny-llama", description="Model served by every replica.")
+    chat_template: ChatTemplateOption = Field(None, description=CHAT_TEMPLATE_DOC)
     lora_modules: dict[str, str] = Field(default_factory=dict, description="LoRA adapters every replica "
                                          "serves beside the model, name -> PEFT checkpoint directory "
                                          "(on the command line: lora_modules=name=path,name2=path2); a "

@@ -52,6 +52,7 @@ class Engine:
             build_cpu_kernels()                   # a first start compiles them side by side
         loaded = load_model(config.model, self.dtype, self.device, config.seed)
         self.model_name, self.model, self.tokenizer = loaded.name, loaded.model, loaded.tokenizer
+        self.tokenizer.chat_template = config.chat_template or self.tokenizer.chat_template
         self.model_identity = model_identity(config.model, config.seed)   # once, at load
         self.hash_root = model_root(self.model_identity)                  # every chain starts here
         if (config.max_model_len or 0) > loaded.max_model_len:     # as vLLM: not cut silently
@@ -104,8 +105,7 @@ class Engine:
         self.loras = LoRAs(self.model, config.max_lora_rank)
         for name, path in config.lora_modules.items():
             self.add_lora(name, path)
-        # Host memory in huge pages once weights and KV cache are allocated (a CPU engine
-        # with none warns): reported by stats().
+        # Host memory in huge pages once weights and KV cache are allocated (none: a warning).
         self.host_huge_page_bytes = (host_memory.check_huge_pages() if self.device.type == "cpu"
                                      else host_memory.huge_page_bytes())
         host_memory.freeze_startup_objects()      # full GC passes stop walking the model

@@ -11,6 +11,7 @@ from kvharbor.config import EngineConfig
 
 from .engine import Engine
 from .lora import LoRARequest
+from .model_info import NO_CHAT_TEMPLATE, chat_template_text
 from .request import CompletionOutput, RequestOutput, SamplingParams, is_index, sibling_seed, token_ids
 from .tokenizer import template_kwargs
 
@@ -172,15 +173,20 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: dict | None = None, **kwargs) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, chat_template: str | None = None,
+             **kwargs) -> list[RequestOutput]:
         """A chat turn through the tokenizer's chat template. ``messages`` is one conversation
         (a list of messages) or a list of conversations, run together; as vLLM's ``chat``, the
         answer is a list of outputs, one per conversation. ``continue_final_message``: the
         answer continues each conversation's last message (with ``add_generation_prompt``
         false). ``chat_template_kwargs``: extra variables for the template (vLLM's, e.g.
-        ``{"enable_thinking": False}``). ``kwargs`` are ``generate``'s."""
+        ``{"enable_thinking": False}``). ``chat_template``: a Jinja file's path or the template,
+        for this call (vLLM's; None: the engine's). ``kwargs`` are ``generate``'s."""
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message needs add_generation_prompt=False")
+        template = chat_template_text(chat_template) or self.tokenizer.chat_template
+        if template is None:
+            raise ValueError(NO_CHAT_TEMPLATE)
         extra = template_kwargs(chat_template_kwargs)
         batch = bool(messages) and isinstance(messages[0], (list, tuple))
         conversations = messages if batch else [messages]
@@ -193,7 +199,8 @@ class LLM:
                                  f"...}} dicts) or a list of conversations, got {got}")
             ids = self.tokenizer.apply_chat_template(list(conversation), tokenize=True,
                                                      add_generation_prompt=add_generation_prompt,
-                                                     continue_final_message=continue_final_message, **extra)
+                                                     continue_final_message=continue_final_message,
+                                                     chat_template=template, **extra)
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
             prompts.append(list(ids))

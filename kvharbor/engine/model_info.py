@@ -82,3 +82,30 @@ def context_length(config) -> int:
         base = rope.get("original_max_position_embeddings") if kind == "yarn" else None
         length = int((base or length) * factor)
     return length
+
+
+NO_CHAT_TEMPLATE = ("the model's tokenizer has no chat template: give one with chat_template=<a Jinja "
+                    "file or the template itself> (vLLM's --chat-template), or send prompts to "
+                    "/v1/completions")
+
+
+def chat_template_text(value: str | None) -> str | None:
+    """vLLM's ``chat_template`` option as the template's text: the path of a Jinja file, or the
+    template itself (a text with ``{`` in it). Raises ValueError for a path that names no file
+    or a template Jinja cannot parse, so a bad one fails at start, not at each chat request."""
+    if value is None:
+        return None
+    text = value
+    if "{" not in value:
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise ValueError(f"chat_template {value!r} is neither a file nor a Jinja template "
+                             "(a template has {{ ... }} or {% ... %} in it)")
+        text = path.read_text()
+    import jinja2  # noqa: PLC0415 - transformers' own dependency, needed only here
+
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"chat_template is not a valid Jinja template: {e} (line {e.lineno})") from None
+    return text

@@ -204,6 +204,7 @@ class Gateway:
         self.model = config["model"]
         self.registry = TenantRegistry(config["tenants"])
         self.tokenizer = load_tokenizer(self.model)
+        self.tokenizer.chat_template = config.get("chat_template") or self.tokenizer.chat_template
         bound_token_ids(api.openapi(), len(self.tokenizer))     # /openapi.json: ids < vocabulary
         self.context = min(config.get("max_model_len") or 10**9, model_context_length(self.model))
         self.served = ServedModels(self.model, config.get("lora_modules"), self.registry, self.context)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
+from kvharbor.engine.model_info import NO_CHAT_TEMPLATE
 from kvharbor.engine.request import bad_word_ids
 from kvharbor.platform.context_overflow import truncate_oldest
 from kvharbor.platform.openai_protocol import APIError, ChatRequest, CompletionRequest
@@ -61,6 +62,8 @@ class Prompts:
         """``messages`` (and ``tools``, and ``template_kwargs``' variables) through the model's
         chat template, as token ids; with ``continue_final_message``, cut where the last
         message's text ends."""
+        if self.tokenizer.chat_template is None:
+            raise APIError(400, NO_CHAT_TEMPLATE, param="messages")
         try:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                      continue_final_message=continue_final_message,

@@ -124,18 +124,23 @@ def _stop(proc: subprocess.Popen) -> bool:
 def test_serve_run_serves_a_local_checkpoint_as_the_offline_engine_does(tmp_path):
     """The README's way to serve one's own model: ``serve run kvharbor:build_app
     model=<checkpoint directory>``. A tiny random Qwen3 checkpoint (transformers' forward:
-    not an architecture of kvharbor's own) answers completions and chat over HTTP with the
-    offline engine's text for the same requests, and /v1/models gives its context."""
+    not an architecture of kvharbor's own) whose tokenizer has no chat template, given one
+    with ``chat_template=<file>``, answers completions and chat over HTTP with the offline
+    engine's text for the same requests, and /v1/models gives its context."""
     from kvharbor import LLM, SamplingParams
+    from tests.engine.test_chat_template import TEMPLATE
     from tests.engine.test_other_architectures import ARCHITECTURES, save_checkpoint
 
     checkpoint = save_checkpoint(ARCHITECTURES["qwen3"], tmp_path / "qwen3")
+    (Path(checkpoint) / "chat_template.jinja").unlink()          # a base model's tokenizer
+    template = tmp_path / "chat.jinja"
+    template.write_text(TEMPLATE)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     env = {**_fresh_shell_env(), "KVHARBOR_HTTP_PORT": str(port), "KVHARBOR_METRICS_PORT": "18186"}
-    proc, lines, _, _, reader = _serve_run(["kvharbor:build_app", f"model={checkpoint}", "replicas=1"],
-                                           tmp_path, env)
+    proc, lines, _, _, reader = _serve_run(["kvharbor:build_app", f"model={checkpoint}", "replicas=1",
+                                            f"chat_template={template}"], tmp_path, env)
     base, key = f"http://127.0.0.1:{port}", {"Authorization": "Bearer kvh-demo-standard"}
     greedy = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
     try:
@@ -160,7 +165,7 @@ def test_serve_run_serves_a_local_checkpoint_as_the_offline_engine_does(tmp_path
     sp = SamplingParams(**greedy)
     assert answer["choices"][0]["text"] == llm.generate(["Hello"], sp)[0].outputs[0].text
     assert chat["choices"][0]["message"]["content"] == \
-        llm.chat([{"role": "user", "content": "Hi"}], sp)[0].outputs[0].text
+        llm.chat([{"role": "user", "content": "Hi"}], sp, chat_template=str(template))[0].outputs[0].text
     assert (card["id"], card["max_model_len"]) == (checkpoint, 512)
     assert stopped, "".join(lines)[-3000:]
 
