@@ -8,6 +8,8 @@ from typing import Annotated
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
+from kvharbor.engine.model_info import chat_template_text     # torch-free, as this module
+
 
 DTYPES = "^(auto|float32|float16|bfloat16)$"
 BACKENDS = "^(auto|cpu|reference|triton)$"
@@ -85,14 +87,8 @@ class SpeculativeConfig(BaseModel):
 SpeculativeOption = Annotated[SpeculativeConfig | None, BeforeValidator(SpeculativeConfig.parse)]
 
 
-def _chat_template(value):
-    from kvharbor.engine.model_info import chat_template_text  # noqa: PLC0415 - no import cycle
-
-    return chat_template_text(value)
-
-
 # EngineConfig's and PlatformConfig's field: a Jinja file's path or the template, kept as its text.
-ChatTemplateOption = Annotated[str | None, AfterValidator(_chat_template)]
+ChatTemplateOption = Annotated[str | None, AfterValidator(chat_template_text)]
 CHAT_TEMPLATE_DOC = ("The chat template (vLLM's --chat-template): a Jinja file's path or the template "
                      "itself, instead of the tokenizer's (None: the tokenizer's own).")
 

@@ -9,6 +9,7 @@ import logging
 import ray
 
 from kvharbor.actors.prefix_directory import shard_name, shard_of
+from kvharbor.engine.tokenizer import chat_token_ids
 from kvharbor.observability.metrics import get_metrics
 
 logger = logging.getLogger("kvharbor.replica")
@@ -16,9 +17,7 @@ logger = logging.getLogger("kvharbor.replica")
 
 def system_prompt_tokens(tokenizer, text: str) -> list[int]:
     """Tokens a chat that opens with ``text`` as its system message starts with."""
-    ids = tokenizer.apply_chat_template([{"role": "system", "content": text}], tokenize=True,
-                                        add_generation_prompt=False)
-    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return chat_token_ids(tokenizer, [{"role": "system", "content": text}], add_generation_prompt=False)
 
 
 class DirectorySync:

@@ -3,9 +3,9 @@
 Every scheduled token of a step is flattened into one sequence (batch 1) with explicit
 position ids. Per layer, the attention function stores the new K/V into the paged cache at
 ``slot_mapping`` and attends over each sequence's blocks. The per-step ``AttentionContext``
-reaches it through the model's forward kwargs (``kvh_ctx=...``); models whose layers do not
-pass those on to their attention (e.g. StableLM) find it in a context variable the runner sets
-for the forward (:func:`stepping`: per thread, so engines on other threads do not see it).
+reaches it through a context variable the runner sets for the forward (:func:`stepping`: per
+thread, so engines on other threads do not see it), not through the model's forward kwargs,
+which some models' layers do not pass on to their attention (e.g. StableLM).
 """
 
 from __future__ import annotations
@@ -83,15 +83,15 @@ def paged_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Attention
 
 
 def kvharbor_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                       sliding_window=None, kvh_ctx: AttentionContext | None = None, **kwargs):
+                       sliding_window=None, **kwargs):
     """transformers attention interface: query ``[1, H, T, D]``, key/value ``[1, Hkv, T, D]``."""
-    kvh_ctx = kvh_ctx or _STEP.get()
-    if kvh_ctx is None:
-        raise RuntimeError("kvharbor attention runs only inside an engine step (no kvh_ctx)")
+    ctx = _STEP.get()
+    if ctx is None:
+        raise RuntimeError("kvharbor attention runs only inside an engine step (see stepping)")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     out = paged_step(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-                     kvh_ctx, module.layer_idx, scaling, sliding_window)
+                     ctx, module.layer_idx, scaling, sliding_window)
     return out.unsqueeze(0), None                # [1, T, H, D]
 
 

@@ -13,7 +13,7 @@ from .engine import Engine
 from .lora import LoRARequest
 from .model_info import NO_CHAT_TEMPLATE, chat_template_text
 from .request import CompletionOutput, RequestOutput, SamplingParams, is_index, sibling_seed, token_ids
-from .tokenizer import template_kwargs
+from .tokenizer import chat_token_ids, template_kwargs
 
 Prompt = str | Sequence[int] | dict
 
@@ -197,13 +197,9 @@ class LLM:
                 got = repr(conversation)[:200]
                 raise ValueError("messages must be a conversation (a list of {'role': ..., 'content': "
                                  f"...}} dicts) or a list of conversations, got {got}")
-            ids = self.tokenizer.apply_chat_template(list(conversation), tokenize=True,
-                                                     add_generation_prompt=add_generation_prompt,
-                                                     continue_final_message=continue_final_message,
-                                                     chat_template=template, **extra)
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            prompts.append(list(ids))
+            prompts.append(chat_token_ids(self.tokenizer, list(conversation), chat_template=template,
+                                          add_generation_prompt=add_generation_prompt,
+                                          continue_final_message=continue_final_message, **extra))
         return self.generate(prompts, sampling_params, **kwargs)
 
     def stats(self) -> dict:

@@ -218,7 +218,7 @@ class ModelRunner:
         try:
             with attention.stepping(ctx):
                 out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False,
-                                 logits_to_keep=keep, kvh_ctx=ctx)
+                                 logits_to_keep=keep)
         finally:
             self.model.config._attn_implementation = self._hf_attention
         return out.logits[0] if rows.numel() else out.logits[0, :0]

@@ -60,6 +60,13 @@ def template_kwargs(kwargs: dict | None) -> dict:
     return kwargs
 
 
+def chat_token_ids(tokenizer, messages: list[dict], **kwargs) -> list[int]:
+    """``messages`` through ``tokenizer``'s chat template, as token ids (``kwargs`` are
+    ``apply_chat_template``'s; it answers a list or a BatchEncoding, by version and options)."""
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, **kwargs)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
 def _bytes_to_unicode() -> dict[int, str]:
     """The GPT-2 byte -> printable character table that ByteLevel uses."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \

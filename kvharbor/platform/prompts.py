@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from kvharbor.engine.model_info import NO_CHAT_TEMPLATE
 from kvharbor.engine.request import bad_word_ids
+from kvharbor.engine.tokenizer import chat_token_ids
 from kvharbor.platform.context_overflow import truncate_oldest
 from kvharbor.platform.openai_protocol import APIError, ChatRequest, CompletionRequest
 
@@ -65,15 +66,14 @@ class Prompts:
         if self.tokenizer.chat_template is None:
             raise APIError(400, NO_CHAT_TEMPLATE, param="messages")
         try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                     continue_final_message=continue_final_message,
-                                                     tokenize=True, tools=tools, **(template_kwargs or {}))
+            return chat_token_ids(self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
+                                  continue_final_message=continue_final_message, tools=tools,
+                                  **(template_kwargs or {}))
         except Exception as e:      # the caller's variables broke the template: their error, a 400
             if not template_kwargs:
                 raise
             raise APIError(400, f"the chat template failed with these chat_template_kwargs: {e}",
                            param="chat_template_kwargs") from None
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     def chat_ids(self, body) -> list[int]:
         """The token ids of a chat as /tokenize counts them: its messages and tools through the
