@@ -89,6 +89,28 @@ SpeculativeOption = Annotated[SpeculativeConfig | None, BeforeValidator(Speculat
 
 # EngineConfig's and PlatformConfig's field: a Jinja file's path or the template, kept as its text.
 ChatTemplateOption = Annotated[str | None, AfterValidator(chat_template_text)]
+GENERATION_CONFIG_DOC = ("Where requests' default sampling parameters come from (vLLM's --generation-config): "
+                         "'auto' (the model's generation_config.json: temperature, top_p, top_k, min_p, "
+                         "the penalties and max_new_tokens as max_tokens), 'vllm' (the neutral values) "
+                         "or a folder holding a generation_config.json.")
+OVERRIDE_GENERATION_CONFIG_DOC = ("Default sampling parameters that replace or add to the generation "
+                                  "config's (vLLM's --override-generation-config), e.g. "
+                                  "{\"temperature\": 0.5}; JSON on the command line.")
+
+
+def _json_dict(value):
+    """A dict given as JSON text (the ``serve run`` command line), or the dict itself."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f'expected a JSON object, e.g. {{"temperature": 0.5}}: {e}') from None
+    return value
+
+
+OverrideOption = Annotated[dict[str, float | int], BeforeValidator(_json_dict)]
+
+
 CHAT_TEMPLATE_DOC = ("The chat template (vLLM's --chat-template): a Jinja file's path or the template "
                      "itself, instead of the tokenizer's (None: the tokenizer's own).")
 
@@ -153,6 +175,9 @@ class EngineConfig(BaseModel):
                                                   "speculative_config), e.g. {\"method\": \"ngram\", "
                                                   "\"num_speculative_tokens\": 4}; None: off.")
     chat_template: ChatTemplateOption = Field(None, description=CHAT_TEMPLATE_DOC)
+    generation_config: str = Field("auto", description=GENERATION_CONFIG_DOC)
+    override_generation_config: OverrideOption = Field(default_factory=dict,
+                                                       description=OVERRIDE_GENERATION_CONFIG_DOC)
 
 
 def _autoscaling(value):
@@ -189,6 +214,9 @@ class PlatformConfig(BaseModel):
 
     model: str = Field("kvharbor/tiny-llama", description="Model served by every replica.")
     chat_template: ChatTemplateOption = Field(None, description=CHAT_TEMPLATE_DOC)
+    generation_config: str = Field("auto", description=GENERATION_CONFIG_DOC)
+    override_generation_config: OverrideOption = Field(default_factory=dict,
+                                                       description=OVERRIDE_GENERATION_CONFIG_DOC)
     lora_modules: dict[str, str] = Field(default_factory=dict, description="LoRA adapters every replica "
                                          "serves beside the model, name -> PEFT checkpoint directory "
                                          "(on the command line: lora_modules=name=path,name2=path2); a "

@@ -11,7 +11,7 @@ from kvharbor.config import EngineConfig
 
 from .engine import Engine
 from .lora import LoRARequest
-from .model_info import NO_CHAT_TEMPLATE, chat_template_text
+from .model_info import NO_CHAT_TEMPLATE, chat_template_text, sampling_defaults
 from .request import CompletionOutput, RequestOutput, SamplingParams, is_index, sibling_seed, token_ids
 from .tokenizer import chat_token_ids, template_kwargs
 
@@ -28,8 +28,16 @@ class LLM:
     """
 
     def __init__(self, model: str = "kvharbor/tiny-llama", **kwargs) -> None:
-        self.engine = Engine(EngineConfig(model=model, **kwargs))
+        config = EngineConfig(model=model, **kwargs)
+        self._defaults = sampling_defaults(model, config.generation_config, config.override_generation_config)
+        self.engine = Engine(config)
         self._ids = itertools.count()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` and ``chat`` sample with when given no ``sampling_params``: the
+        neutral values, with the model's generation config's (``generation_config``,
+        ``override_generation_config``) over them, as vLLM's."""
+        return SamplingParams(**self._defaults)
 
     @property
     def hf_model(self):
@@ -77,7 +85,7 @@ class LLM:
         progress bar of finished requests on stderr (vLLM shows one by default; kvharbor does not).
         """
         prompts = _prompt_list(prompts)
-        params = SamplingParams() if sampling_params is None else sampling_params
+        params = self.get_default_sampling_params() if sampling_params is None else sampling_params
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if not (isinstance(params, Sequence) and all(isinstance(p, SamplingParams) for p in params)):

@@ -109,3 +109,50 @@ def chat_template_text(value: str | None) -> str | None:
     except jinja2.TemplateSyntaxError as e:
         raise ValueError(f"chat_template is not a valid Jinja template: {e} (line {e.lineno})") from None
     return text
+
+
+SAMPLING_DEFAULT_KEYS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "temperature",
+                         "top_k", "top_p", "min_p", "max_new_tokens")
+"""The fields of a model's ``generation_config.json`` that become its default sampling
+parameters (vLLM's list; ``max_new_tokens`` becomes ``max_tokens``)."""
+
+
+def sampling_defaults(model: str, generation_config: str = "auto",
+                      override: dict | None = None) -> dict:
+    """The sampling parameters a request that leaves them unset gets, as vLLM's
+    ``--generation-config`` / ``--override-generation-config`` give them: from ``model``'s
+    ``generation_config.json`` (``"auto"``), none (``"vllm"``: the neutral values), or the one
+    in the folder ``generation_config`` names; ``override`` replaces or adds fields. The builtin
+    models have none. Raises ValueError (at start, not per request) for a folder without the
+    file, an override key that is not a sampling field, or a value the engine refuses."""
+    override = dict(override or {})
+    if unknown := sorted(set(override) - set(SAMPLING_DEFAULT_KEYS)):
+        raise ValueError(f"override_generation_config takes {', '.join(SAMPLING_DEFAULT_KEYS)}; "
+                         f"got {', '.join(unknown)}")
+    found: dict = {}
+    if generation_config != "vllm" and (generation_config != "auto" or model not in BUILTIN_NAMES):
+        from transformers import GenerationConfig  # noqa: PLC0415 - torch-free, as this module
+    if generation_config == "auto" and model not in BUILTIN_NAMES:
+        try:
+            found = GenerationConfig.from_pretrained(model).to_diff_dict()
+        except OSError:             # no generation_config.json: the neutral values
+            found = {}
+    elif generation_config not in ("auto", "vllm"):
+        if not (Path(generation_config).expanduser() / "generation_config.json").is_file():
+            raise ValueError(f"generation_config {generation_config!r} is not 'auto', 'vllm' or a "
+                             "folder holding a generation_config.json")
+        found = GenerationConfig.from_pretrained(Path(generation_config).expanduser()).to_diff_dict()
+    found.update(override)
+    defaults = {k: v for k in SAMPLING_DEFAULT_KEYS if (v := found.get(k)) is not None}
+    if "max_new_tokens" in defaults:
+        defaults["max_tokens"] = defaults.pop("max_new_tokens")
+    from kvharbor.engine.request import SamplingParams  # noqa: PLC0415 - torch-free too
+
+    try:
+        SamplingParams(**defaults).validate()
+    except (TypeError, ValueError) as e:
+        source = {"auto": f"{model}'s generation_config.json", "vllm": "vLLM's neutral values"}.get(
+            generation_config, f"{generation_config}/generation_config.json")
+        source += " and override_generation_config" if override else ""
+        raise ValueError(f"default sampling parameters {defaults} (from {source}): {e}") from None
+    return defaults

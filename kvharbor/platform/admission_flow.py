@@ -35,8 +35,8 @@ import time
 from ray.exceptions import RayActorError
 
 from kvharbor.actors.calls import await_or_undo
+from kvharbor.platform.error_body import APIError
 from kvharbor.platform.fast_lane import RECALL_WAIT_S, FastLane, LocalTicket
-from kvharbor.platform.openai_protocol import APIError
 from kvharbor.platform.overload_guard import OverloadGuard
 from kvharbor.tenants.admission_actor import CALL_TIMEOUT_S
 from kvharbor.tenants.leases import DEFAULT_LEASE_S, LeaseKeeper

@@ -1,5 +1,5 @@
 """The gateway's error answers: every error, including malformed JSON, invalid UTF-8, unknown
-routes and internal failures, is an OpenAI-shaped JSON body (``openai_protocol.ErrorResponse``),
+routes and internal failures, is an OpenAI-shaped JSON body (``error_body.ErrorResponse``),
 never a stack trace, and the OpenAPI schema declares no FastAPI 422 (validation errors are 400s).
 """
 
@@ -15,7 +15,7 @@ from ray.exceptions import RayActorError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvharbor.platform.admission_flow import unavailable
-from kvharbor.platform.openai_protocol import APIError, error_response
+from kvharbor.platform.error_body import APIError, error_response
 from kvharbor.tenants import TenantError
 
 logger = logging.getLogger("kvharbor.gateway")

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import time
 
-from kvharbor.platform.openai_protocol import error_response
+from kvharbor.platform.error_body import error_response
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 """The routes that generate (Serve's proxy guard sheds only these)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from fastapi import HTTPException
 
-from kvharbor.platform.openai_protocol import error_response
+from kvharbor.platform.error_body import error_response
 
 
 class BodyTooLarge(HTTPException):

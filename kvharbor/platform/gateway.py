@@ -49,15 +49,15 @@ from kvharbor.platform.body_limit import BodyLimitMiddleware, content_length
 from kvharbor.platform.class_queue import get_or_create_class_queue
 from kvharbor.platform.context_overflow import TRUNCATED_HEADER
 from kvharbor.platform.direct_stream import start_request_router
+from kvharbor.platform.error_body import APIError, error_responses
 from kvharbor.platform.generation import GenerationRun, sse
 from kvharbor.platform.health import RunningReplicas
 from kvharbor.platform.ingress import running_mode, running_preset
 from kvharbor.platform.loopback import serve_grpc_on_node_address
-from kvharbor.platform.openai_protocol import (APIError, ChatRequest, ChatResponse,
-                                               CompletionRequest, CompletionResponse,
-                                               DetokenizeRequest, DetokenizeResponse, ModelCard,
-                                               ModelList, TokenizeRequest, TokenizeResponse,
-                                               bound_token_ids, error_responses)
+from kvharbor.platform.openai_protocol import (ChatRequest, ChatResponse, CompletionRequest,
+                                               CompletionResponse, DetokenizeRequest, DetokenizeResponse,
+                                               ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
+                                               bound_token_ids)
 from kvharbor.platform.overload_guard import DEFAULT_LAG_TARGET_MS, OverloadGuard
 from kvharbor.platform.premium_lane import check_lane, listening_socket, start_server
 from kvharbor.platform.protocol import GenerateRequest
@@ -208,7 +208,7 @@ class Gateway:
         bound_token_ids(api.openapi(), len(self.tokenizer))     # /openapi.json: ids < vocabulary
         self.context = min(config.get("max_model_len") or 10**9, model_context_length(self.model))
         self.served = ServedModels(self.model, config.get("lora_modules"), self.registry, self.context)
-        self.prompts = Prompts(self.tokenizer, self.context)
+        self.prompts = Prompts(self.tokenizer, self.context, config.get("sampling_defaults"))
         self.block_size = config["block_size"]
         # The replicas' chain root, computed the same way from the model's files (no weights
         # loaded), so the routing hashes here equal the hashes replicas report.
@@ -472,16 +472,14 @@ class Gateway:
                                            len(prompts) * body.n)
         marks["admitted"] = time.perf_counter()
         logprobs = _logprobs(body, chat)
-        sampling = {"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
-                    "top_k": body.top_k, "seed": body.seed, "stop": body.stop_list(),
+        sampling = {"max_tokens": max_tokens, **body.sampling_values(self.prompts.defaults),
+                    "seed": body.seed, "stop": body.stop_list(),
                     "stop_token_ids": body.stop_token_ids or [],
                     "ignore_eos": body.ignore_eos, "include_stop_str_in_output": body.include_stop_str_in_output,
                     "allowed_token_ids": body.allowed_token_ids, "bad_words": body.bad_words,
                     "skip_special_tokens": body.skip_special_tokens,
                     "logprobs": logprobs, "min_tokens": body.min_tokens,
-                    "min_p": body.min_p, "presence_penalty": body.presence_penalty,
-                    "frequency_penalty": body.frequency_penalty,
-                    "repetition_penalty": body.repetition_penalty, "logit_bias": body.logit_bias,
+                    "logit_bias": body.logit_bias,
                     "structured_outputs": body.structured()}
         echo = not chat and body.echo and self.prompts.echo_texts(body, prompts)
         scored = logprobs if echo else None          # each prompt's leader scores its tokens

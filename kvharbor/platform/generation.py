@@ -43,7 +43,7 @@ from ray.serve.context import _serve_request_context
 from kvharbor.platform import openai_shapes as shapes
 from kvharbor.platform import tool_calls
 from kvharbor.platform.direct_stream import DirectStream
-from kvharbor.platform.openai_protocol import APIError, error_type
+from kvharbor.platform.error_body import APIError, error_type
 from kvharbor.platform.router import KVAwareRouter
 
 logger = logging.getLogger("kvharbor.gateway")

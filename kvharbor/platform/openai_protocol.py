@@ -1,4 +1,4 @@
-"""OpenAI-compatible request and response bodies, and the OpenAI-shaped error body.
+"""OpenAI-compatible request and response bodies (the error body is in ``error_body``).
 
 Every error the gateway answers has the body ``{"error": {"message", "type", "param",
 "code"}}`` (``ErrorResponse``); the message says what to change. Request models reject
@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 from typing import Annotated, Literal
 
-from fastapi.responses import JSONResponse
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator,
                       model_validator)
 
@@ -133,15 +132,21 @@ class StreamOptions(BaseModel):
     include_obfuscation: bool | None = Field(None, description=_ignored("no obfuscation padding is sent"))
 
 
+_MODEL_DEFAULT = " Default: the model's generation config (see the generation_config option), else "
+SAMPLING_NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+                    "presence_penalty": 0.0, "frequency_penalty": 0.0}
+"""The sampling fields a request may leave to the server's defaults, with their neutral values."""
+
+
 class _Common(BaseModel):
     """Fields both generation routes share. Unknown fields are a 400 (``extra="forbid"``)."""
 
     model_config = ConfigDict(extra="forbid")
     model: Text = Field(description="Model id, as listed by /v1/models.")
-    max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate (>= 1). Default: the rest of the context, at most the tenant's max_tokens_per_request (256 when it sets none).")
-    temperature: float | None = Field(1.0, ge=0.0, le=2.0, description=f"Sampling temperature in [0, 2]; 0 (or below {GREEDY_BELOW}) is greedy.")
-    top_p: float | None = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass in (0, 1].")
-    top_k: int = Field(0, ge=0, description="Keep only the k most likely tokens (0: off). Not in OpenAI's API.")
+    max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate (>= 1). Default: the generation config's max_new_tokens (see the generation_config option), else the tenant's max_tokens_per_request (256 when it sets none); at most that and the rest of the context.")
+    temperature: float | None = Field(None, ge=0.0, le=2.0, description=f"Sampling temperature in [0, 2]; 0 (or below {GREEDY_BELOW}) is greedy.{_MODEL_DEFAULT}1.")
+    top_p: float | None = Field(None, gt=0.0, le=1.0, description=f"Nucleus sampling mass in (0, 1].{_MODEL_DEFAULT}1.")
+    top_k: int | None = Field(None, ge=0, description=f"Keep only the k most likely tokens (0: off).{_MODEL_DEFAULT}0. Not in OpenAI's API.")
     n: int | None = Field(1, ge=1, le=MAX_N, description=f"Number of choices (1 to {MAX_N}); they share the prompt's KV cache.")
     stream: bool | None = Field(False, description="Stream Server-Sent Events ending in `data: [DONE]`.")
     stream_options: StreamOptions | None = Field(None, description="Streaming options.")
@@ -155,10 +160,10 @@ class _Common(BaseModel):
     skip_special_tokens: bool = Field(True, description="Leave special tokens (e.g. the end-of-sequence token) out of the text (vLLM's). Not in OpenAI's API.")
     include_stop_str_in_output: bool = Field(False, description="Keep the stop string that ended the answer at its end (vLLM's; text after it is still cut). Not in OpenAI's API.")
     user: str | None = Field(None, description=_ignored("end-user id"))
-    frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0, description="In [-2, 2]: subtracted from a token's logit once per time it occurs in the output so far (OpenAI's formula).")
-    presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0, description="In [-2, 2]: subtracted from a token's logit once it occurs in the output so far (OpenAI's formula).")
-    repetition_penalty: float | None = Field(1.0, gt=0.0, allow_inf_nan=False, description="Above 0 (1: off): a token in the prompt or the output so far has its logit divided by it when positive, multiplied when not (as vLLM). Not in OpenAI's API.")
-    min_p: float | None = Field(0.0, ge=0.0, le=1.0, description="In [0, 1]: sample only tokens at least min_p times as likely as the most likely one (as vLLM). Not in OpenAI's API.")
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, description=f"In [-2, 2]: subtracted from a token's logit once per time it occurs in the output so far (OpenAI's formula).{_MODEL_DEFAULT}0.")
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, description=f"In [-2, 2]: subtracted from a token's logit once it occurs in the output so far (OpenAI's formula).{_MODEL_DEFAULT}0.")
+    repetition_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False, description=f"Above 0 (1: off): a token in the prompt or the output so far has its logit divided by it when positive, multiplied when not (as vLLM).{_MODEL_DEFAULT}1. Not in OpenAI's API.")
+    min_p: float | None = Field(None, ge=0.0, le=1.0, description=f"In [0, 1]: sample only tokens at least min_p times as likely as the most likely one (as vLLM).{_MODEL_DEFAULT}0. Not in OpenAI's API.")
     min_tokens: int | None = Field(0, ge=0, description="Generate at least this many tokens (at most max_tokens): until then EOS and stop_token_ids cannot be picked and stop strings are not looked for (as vLLM). Not in OpenAI's API.")
     logit_bias: LogitBias | None = Field(None, description=f"Token id (as a string) to a bias in [-100, 100] added to its logit before sampling, at most {MAX_LOGIT_BIAS} entries; -100 in effect bans a token, 100 forces it.")
     response_format: ResponseFormat | None = Field(None, description='OpenAI\'s: {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema"}} constrains the output to JSON (to that schema); {"type": "text"} or null does not.')
@@ -182,11 +187,17 @@ class _Common(BaseModel):
 
     @field_validator("temperature", mode="after")
     @classmethod
-    def _tiny_is_greedy(cls, value: float | None) -> float:
-        return 1.0 if value is None else 0.0 if value < GREEDY_BELOW else value
+    def _tiny_is_greedy(cls, value: float | None) -> float | None:
+        return 0.0 if value is not None and value < GREEDY_BELOW else value
 
-    @field_validator("top_p", "n", "stream", "frequency_penalty", "presence_penalty", "min_p",
-                     "repetition_penalty", "min_tokens", mode="after")
+    def sampling_values(self, defaults: dict) -> dict:
+        """The fields of :data:`SAMPLING_NEUTRAL` as the engine gets them: the request's
+        value, else (unset or null) the server's default (``defaults``, the model's generation
+        config, see ``model_info.sampling_defaults``), else the neutral value (as vLLM)."""
+        return {name: value if (value := getattr(self, name)) is not None else defaults.get(name, neutral)
+                for name, neutral in SAMPLING_NEUTRAL.items()}
+
+    @field_validator("n", "stream", "min_tokens", mode="after")
     @classmethod
     def _null_is_the_default(cls, value, info):
         """An explicit null (SDKs send them) asks for the field's default."""
@@ -540,58 +551,3 @@ class DetokenizeRequest(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str = Field(description="The decoded text (special tokens included).")
-
-
-class ErrorBody(BaseModel):
-    message: str = Field(description="What went wrong and what to change.")
-    type: str = Field(description="Error class, e.g. invalid_request_error.")
-    param: str | None = Field(None, description="The request field at fault, if one is.")
-    code: str | None = Field(None, description="Stable machine-readable reason.")
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorBody = Field(description="The error.")
-
-
-class APIError(Exception):
-    """An error the client can fix, answered as an OpenAI-shaped JSON body."""
-
-    def __init__(self, status: int, message: str, code: str = "invalid_request_error",
-                 param: str | None = None, headers: dict | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.code, self.param = status, message, code, param
-        self.headers = headers or {}
-
-    def response(self) -> JSONResponse:
-        return error_response(self.status, self.message, self.code, self.param, self.headers)
-
-
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error",
-          413: "request_too_large",
-          429: "rate_limit_error", 503: "service_unavailable", 500: "server_error"}
-
-
-def error_type(status: int) -> str:
-    return _TYPES.get(status, "error")
-
-
-def error_response(status: int, message: str, code: str | None = None, param: str | None = None,
-                   headers: dict | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": error_type(status),
-                      "param": param, "code": code or error_type(status)}}
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
-_ERROR_WHY = {400: "Invalid request (the message names the field to fix).",
-              401: "Missing, unknown, expired or revoked API key.",
-              403: "The key may not do this.", 404: "Unknown model or session.",
-              409: "Conflict: the target already exists (e.g. a session id in use).",
-              413: "Request body too large.",
-              429: "Rate limit, budget, concurrency or class queue full (see Retry-After).",
-              500: "Internal error.", 503: "No replica could serve it (see Retry-After)."}
-
-
-def error_responses(*statuses: int) -> dict:
-    """``responses=`` for a FastAPI route: these statuses, each with ``ErrorResponse``."""
-    return {s: {"model": ErrorResponse, "description": _ERROR_WHY[s]} for s in statuses}

@@ -39,7 +39,7 @@ import statistics
 import time
 
 from kvharbor.actors.calls import start_background
-from kvharbor.platform.openai_protocol import APIError
+from kvharbor.platform.error_body import APIError
 
 TICK_S = 0.01
 WINDOW_S = 0.25

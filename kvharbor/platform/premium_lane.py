@@ -42,7 +42,7 @@ import logging
 import os
 import socket
 
-from kvharbor.platform.openai_protocol import APIError
+from kvharbor.platform.error_body import APIError
 
 logger = logging.getLogger("kvharbor.premium_lane")
 

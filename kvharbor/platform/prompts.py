@@ -12,7 +12,8 @@ from kvharbor.engine.model_info import NO_CHAT_TEMPLATE
 from kvharbor.engine.request import bad_word_ids
 from kvharbor.engine.tokenizer import chat_token_ids
 from kvharbor.platform.context_overflow import truncate_oldest
-from kvharbor.platform.openai_protocol import APIError, ChatRequest, CompletionRequest
+from kvharbor.platform.error_body import APIError
+from kvharbor.platform.openai_protocol import ChatRequest, CompletionRequest
 
 
 TOKENIZE_ON_LOOP_BYTES = 64 * 1024
@@ -26,8 +27,9 @@ they encode, and one thread keeps such prompts to one core."""
 class Prompts:
     """The prompt side of the gateway for one model (its tokenizer and context length)."""
 
-    def __init__(self, tokenizer, context: int) -> None:
+    def __init__(self, tokenizer, context: int, defaults: dict | None = None) -> None:
         self.tokenizer, self.context = tokenizer, context
+        self.defaults = defaults or {}   # the model's default sampling (model_info.sampling_defaults)
         self._thread = ThreadPoolExecutor(1, "kvharbor-tokenize")     # large bodies only
 
     async def off_loop(self, tokenize, size: int | None):
@@ -85,7 +87,7 @@ class Prompts:
         """The chat's prompt, with the oldest turns dropped when the tenant's
         ``context_overflow`` is ``truncate_oldest`` and it would not fit (``context_overflow``)."""
         messages, tools = [m.for_template() for m in body.messages], body.template_tools()
-        want = body.max_tokens or min(256, principal.limits.max_tokens_per_request or 256)
+        want = body.max_tokens or self.default_max_tokens(True, principal)
         limit = self.context - want if principal.config.context_overflow == "truncate_oldest" else 10**12
         return truncate_oldest(messages, lambda msgs: self.render(
             msgs, body.add_generation_prompt, tools, body.continue_final_message,
@@ -119,6 +121,14 @@ class Prompts:
                            "lower min_tokens or raise max_tokens", param="min_tokens")
         return max_tokens, prompt_only
 
+    def default_max_tokens(self, chat: bool, principal) -> int:
+        """``max_tokens`` when a request gives none: 16 on completions (OpenAI's and vLLM's);
+        on chat the generation config's ``max_new_tokens``, else the tenant's
+        ``max_tokens_per_request`` (256 when it sets none); never above that cap. The caller
+        also keeps it within the context."""
+        cap = principal.limits.max_tokens_per_request or 256
+        return min(self.defaults.get("max_tokens", cap) if chat else 16, cap)
+
     def _max_tokens(self, body, prompts: list[list[int]], chat: bool, principal, prompt_only: bool) -> int:
         """``max_tokens`` (or its default), checked against the longest prompt's room; 1 for
         ``prompt_only``."""
@@ -134,8 +144,7 @@ class Prompts:
         if prompt_only:
             return 1
         if body.max_tokens is None:
-            cap = principal.limits.max_tokens_per_request or 256
-            return max(1, min(room, 16 if not chat else cap, cap))
+            return max(1, min(room, self.default_max_tokens(chat, principal)))
         if body.max_tokens < 1:
             raise APIError(400, f"max_tokens must be >= 1 (0 only with echo: true), got {body.max_tokens}",
                            param="max_tokens")

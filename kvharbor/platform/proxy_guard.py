@@ -56,7 +56,7 @@ from collections import OrderedDict
 from kvharbor.platform.auth_gate import (BODY_IN_SCOPE, GENERATION_PATHS, HINT_REQUEST, HINT_RESPONSE,
                                          PROXY_AT, bearer_key, decode_hint, drained)
 from kvharbor.platform.body_limit import content_length
-from kvharbor.platform.openai_protocol import APIError
+from kvharbor.platform.error_body import APIError
 from kvharbor.platform.ingress import PROXY_LAG_VAR as LAG_VAR
 from kvharbor.platform.overload_guard import DEFAULT_LAG_TARGET_MS, SHED_HEADER, WINDOW_S, OverloadGuard
 

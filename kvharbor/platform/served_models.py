@@ -5,7 +5,7 @@ for any other name, and the cache scope of an adapter's blocks."""
 from __future__ import annotations
 
 from kvharbor.engine.hashing import adapter_salt
-from kvharbor.platform.openai_protocol import APIError
+from kvharbor.platform.error_body import APIError
 from kvharbor.tenants import TenantRegistry
 
 

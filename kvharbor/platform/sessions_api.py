@@ -19,7 +19,7 @@ import uuid
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvharbor.platform.openai_protocol import APIError
+from kvharbor.platform.error_body import APIError
 
 SESSION_HEADER = "X-Session-ID"
 SESSION_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")

@@ -11,7 +11,7 @@ from kvharbor import LLM, SamplingParams
 from kvharbor.engine.model_info import NO_CHAT_TEMPLATE, chat_template_text
 from kvharbor.engine.models import load_model
 from kvharbor.engine.tokenizer import byte_tokenizer
-from kvharbor.platform.openai_protocol import APIError
+from kvharbor.platform.error_body import APIError
 from kvharbor.platform.prompts import Prompts
 
 TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"

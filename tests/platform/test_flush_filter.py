@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from kvharbor.platform.openai_protocol import APIError
+from kvharbor.platform.error_body import APIError
 from kvharbor.platform.sessions_api import FlushRequest, flush_filter
 from kvharbor.tenants import TenantRegistry
 

@@ -7,10 +7,10 @@ import json
 import pytest
 from pydantic import ValidationError
 
+from kvharbor.platform.error_body import error_response
 from kvharbor.platform.openai_protocol import (GREEDY_BELOW, MAX_CHOICES, MAX_PROMPT_TOKEN_IDS, MAX_STOP_CHARS,
                                                MAX_STOP_STRINGS, ChatRequest, CompletionRequest,
-                                               DetokenizeRequest, TokenizeRequest, bound_token_ids,
-                                               error_response)
+                                               DetokenizeRequest, TokenizeRequest, bound_token_ids)
 
 
 def chat(content, **extra) -> ChatRequest:
@@ -61,17 +61,20 @@ def test_a_badly_shaped_prompt_or_batch_is_refused_with_one_message(prompt, n, m
     assert CompletionRequest(model="m", prompt=["a"] * 32, n=2).prompts() == ["a"] * 32     # 64 choices
 
 
-NULLABLE = {"temperature": 1.0, "top_p": 1.0, "n": 1, "stream": False, "frequency_penalty": 0.0,
-            "presence_penalty": 0.0, "min_p": 0.0, "repetition_penalty": 1.0, "min_tokens": 0}
+NULLABLE = {"n": 1, "stream": False, "min_tokens": 0}
+SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+            "min_p": 0.0, "repetition_penalty": 1.0}
 
 
 @pytest.mark.parametrize("make", [lambda **kw: CompletionRequest(model="m", prompt="hi", **kw),
                                   lambda **kw: chat("hi", **kw)], ids=["completions", "chat"])
 def test_an_explicit_null_reads_as_the_default(make):
     """SDKs send null for fields a user left unset: the request then runs with the defaults
-    (the engine takes numbers, never None)."""
-    request = make(**{field: None for field in NULLABLE})
+    (the engine takes numbers, never None): the sampling fields the model's default (see
+    tests/engine/test_generation_config.py), here none, so the neutral values."""
+    request = make(**{field: None for field in [*NULLABLE, *SAMPLING]})
     assert {field: getattr(request, field) for field in NULLABLE} == NULLABLE
+    assert request.sampling_values({}) == SAMPLING
 
 
 @pytest.mark.parametrize("bias,why", [

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvharbor.platform.openai_protocol import APIError
+from kvharbor.platform.error_body import APIError
 from kvharbor.platform.overload_guard import MIN_LIMIT, RELAX_WINDOWS, OverloadGuard
 from tests.tenants.fast_lane_harness import Cluster, request, run
 

@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from kvharbor.platform.openai_protocol import APIError
+from kvharbor.platform.error_body import APIError
 from kvharbor.platform.premium_lane import check_lane, listening_socket
 from kvharbor.tenants.schema import QoSClassConfig
 from tests.conftest import DEMO

@@ -10,7 +10,8 @@ import threading
 import pytest
 
 from kvharbor.engine.tokenizer import byte_tokenizer
-from kvharbor.platform.openai_protocol import APIError, ChatRequest, CompletionRequest
+from kvharbor.platform.error_body import APIError
+from kvharbor.platform.openai_protocol import ChatRequest, CompletionRequest
 from kvharbor.platform.prompts import TOKENIZE_ON_LOOP_BYTES, Prompts
 from tests.conftest import prompt_principal as tenant
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -126,13 +127,19 @@ def test_serve_run_serves_a_local_checkpoint_as_the_offline_engine_does(tmp_path
     model=<checkpoint directory>``. A tiny random Qwen3 checkpoint (transformers' forward:
     not an architecture of kvharbor's own) whose tokenizer has no chat template, given one
     with ``chat_template=<file>``, answers completions and chat over HTTP with the offline
-    engine's text for the same requests, and /v1/models gives its context."""
+    engine's text for the same requests, and /v1/models gives its context. Its
+    generation_config.json sets default sampling (top_k 1, a repetition penalty, 6 new
+    tokens): a chat that sets none is answered as the offline engine's default sampling
+    answers it, and the fields a request sets win."""
     from kvharbor import LLM, SamplingParams
     from tests.engine.test_chat_template import TEMPLATE
     from tests.engine.test_other_architectures import ARCHITECTURES, save_checkpoint
 
     checkpoint = save_checkpoint(ARCHITECTURES["qwen3"], tmp_path / "qwen3")
     (Path(checkpoint) / "chat_template.jinja").unlink()          # a base model's tokenizer
+    generation = Path(checkpoint) / "generation_config.json"
+    generation.write_text(json.dumps({**json.loads(generation.read_text()), "temperature": 0.7,
+                                      "top_k": 1, "repetition_penalty": 3.0, "max_new_tokens": 6}))
     template = tmp_path / "chat.jinja"
     template.write_text(TEMPLATE)
     with socket.socket() as probe:
@@ -142,7 +149,7 @@ def test_serve_run_serves_a_local_checkpoint_as_the_offline_engine_does(tmp_path
     proc, lines, _, _, reader = _serve_run(["kvharbor:build_app", f"model={checkpoint}", "replicas=1",
                                             f"chat_template={template}"], tmp_path, env)
     base, key = f"http://127.0.0.1:{port}", {"Authorization": "Bearer kvh-demo-standard"}
-    greedy = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    greedy = {"max_tokens": 8, "temperature": 0, "ignore_eos": True, "repetition_penalty": 1}
     try:
         answer, deadline = None, time.time() + 300
         while answer is None and time.time() < deadline and proc.poll() is None:
@@ -157,6 +164,9 @@ def test_serve_run_serves_a_local_checkpoint_as_the_offline_engine_does(tmp_path
         chat = httpx.post(base + "/v1/chat/completions", headers=key, timeout=30,
                           json={"model": checkpoint, "messages": [{"role": "user", "content": "Hi"}],
                                 **greedy}).json()
+        hi = [{"role": "user", "content": "Hi"}]
+        unset = httpx.post(base + "/v1/chat/completions", headers=key, timeout=30,
+                           json={"model": checkpoint, "messages": hi}).json()
         (card,) = httpx.get(base + "/v1/models", headers=key, timeout=10).json()["data"]
     finally:
         stopped = _stop(proc)
@@ -166,6 +176,9 @@ def test_serve_run_serves_a_local_checkpoint_as_the_offline_engine_does(tmp_path
     assert answer["choices"][0]["text"] == llm.generate(["Hello"], sp)[0].outputs[0].text
     assert chat["choices"][0]["message"]["content"] == \
         llm.chat([{"role": "user", "content": "Hi"}], sp, chat_template=str(template))[0].outputs[0].text
+    default = llm.chat(hi, chat_template=str(template))[0].outputs[0]
+    assert unset["choices"][0]["message"]["content"] == default.text
+    assert unset["usage"]["completion_tokens"] == len(default.token_ids) <= 6
     assert (card["id"], card["max_model_len"]) == (checkpoint, 512)
     assert stopped, "".join(lines)[-3000:]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvharbor.engine.hashing import adapter_salt
-from kvharbor.platform.openai_protocol import APIError
+from kvharbor.platform.error_body import APIError
 from kvharbor.platform.served_models import ServedModels
 
 

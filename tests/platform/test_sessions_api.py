@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvharbor.platform import sessions_api
-from kvharbor.platform.openai_protocol import APIError
+from kvharbor.platform.error_body import APIError
 
 HANDLE = SimpleNamespace(app_name="kvharbor", deployment_name="LLMReplica")
 

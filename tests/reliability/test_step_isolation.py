@@ -17,7 +17,7 @@ import pytest
 from kvharbor.actors.replica import LLMReplica
 from kvharbor.engine.request import SamplingParams
 from kvharbor.platform import generation
-from kvharbor.platform.openai_protocol import APIError
+from kvharbor.platform.error_body import APIError
 from kvharbor.platform.protocol import GenerateRequest
 
 POISON = 7

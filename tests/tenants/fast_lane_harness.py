@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 from kvharbor.platform.admission_flow import Admitter
 from kvharbor.platform.class_queue import ClassQueue
-from kvharbor.platform.openai_protocol import APIError
+from kvharbor.platform.error_body import APIError
 from kvharbor.tenants.leases import LeaseTable
 from kvharbor.tenants.limits import AdmissionController, LocalAdmission, TenantLimits
 

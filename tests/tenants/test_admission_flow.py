@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 from kvharbor.platform import admission_flow
 from kvharbor.platform.class_queue import ClassQueue
-from kvharbor.platform.openai_protocol import APIError
+from kvharbor.platform.error_body import APIError
 from kvharbor.platform.overload_guard import OverloadGuard
 from kvharbor.tenants.leases import LeaseTable
 from tests.tenants.fast_lane_harness import Cluster, finish, request, run

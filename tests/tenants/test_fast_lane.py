@@ -13,8 +13,8 @@ import pytest
 
 from kvharbor.platform.admission_flow import Admitter
 from kvharbor.platform.class_queue import ClassQueue
+from kvharbor.platform.error_body import APIError
 from kvharbor.platform.fast_lane import QUIET_SYNCS, LocalTicket
-from kvharbor.platform.openai_protocol import APIError
 from kvharbor.tenants.leases import LeaseTable
 from kvharbor.tenants.limits import AdmissionController
 from tests.tenants.fast_lane_harness import (Cluster, Counted, CountedAdmission, Metrics,

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvharbor.platform.error_body import APIError
 from kvharbor.platform.fast_lane import QUIET_SYNCS, LocalTicket
-from kvharbor.platform.openai_protocol import APIError
 from tests.tenants.fast_lane_harness import Cluster, assert_books_balance, finish, request, run
 
 # ---- limits hold exactly across gateways, whatever the interleaving ---------------------------

@@ -1,0 +1,63 @@
+"""The OpenAI-shaped error body every gateway error is answered with
+(``{"error": {"message", "type", "param", "code"}}``), the exception that carries one, and
+the error responses a route declares in /openapi.json."""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+
+
+class ErrorBody(BaseModel):
+    message: str = Field(description="What went wrong and what to change.")
+    type: str = Field(description="Error class, e.g. invalid_request_error.")
+    param: str | None = Field(None, description="The request field at fault, if one is.")
+    code: str | None = Field(None, description="Stable machine-readable reason.")
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody = Field(description="The error.")
+
+
+class APIError(Exception):
+    """An error the client can fix, answered as an OpenAI-shaped JSON body."""
+
+    def __init__(self, status: int, message: str, code: str = "invalid_request_error",
+                 param: str | None = None, headers: dict | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+        self.headers = headers or {}
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.message, self.code, self.param, self.headers)
+
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error",
+          413: "request_too_large",
+          429: "rate_limit_error", 503: "service_unavailable", 500: "server_error"}
+
+
+def error_type(status: int) -> str:
+    return _TYPES.get(status, "error")
+
+
+def error_response(status: int, message: str, code: str | None = None, param: str | None = None,
+                   headers: dict | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": error_type(status),
+                      "param": param, "code": code or error_type(status)}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+_ERROR_WHY = {400: "Invalid request (the message names the field to fix).",
+              401: "Missing, unknown, expired or revoked API key.",
+              403: "The key may not do this.", 404: "Unknown model or session.",
+              409: "Conflict: the target already exists (e.g. a session id in use).",
+              413: "Request body too large.",
+              429: "Rate limit, budget, concurrency or class queue full (see Retry-After).",
+              500: "Internal error.", 503: "No replica could serve it (see Retry-After)."}
+
+
+def error_responses(*statuses: int) -> dict:
+    """``responses=`` for a FastAPI route: these statuses, each with ``ErrorResponse``."""
+    return {s: {"model": ErrorResponse, "description": _ERROR_WHY[s]} for s in statuses}
