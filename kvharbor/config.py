@@ -255,6 +255,14 @@ class PlatformConfig(BaseModel):
     attention_backend: str = Field("auto", pattern=BACKENDS, description="'auto', 'cpu', 'reference' or 'triton'.")
     kv_cache_dtype: KvCacheDtype = Field("auto", description="'auto', 'int8' or 'fp8_e4m3' ('fp8', vLLM's name, is fp8_e4m3).")
     max_num_batched_tokens: int = Field(2048, ge=1, description="Token budget per engine step.")
+    max_num_seqs: int = Field(128, ge=1, description="Most requests in one engine step (vLLM's --max-num-seqs).")
+    max_model_len: int | None = Field(None, ge=1, description="Longest prompt + output (vLLM's --max-model-len; "
+                                      "None: the model's context). The gateway refuses longer requests with "
+                                      "a 400; above the model's context it fails at start.")
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="Share of a GPU's free memory a replica "
+                                          "takes for its KV cache when num_kv_blocks is None (vLLM's name).")
+    enable_prefix_caching: bool = Field(True, description="Requests reuse the cached KV of the prefixes they "
+                                        "share (vLLM's name); False computes every prompt in full.")
     low_priority_prefill_cap: int | None = Field(256, ge=0, description="Prefill tokens per step for lower classes while higher-class requests are unfinished (None: no cap).")
     scheduling: str = Field("priority", pattern="^(priority|fcfs)$", description="Engine scheduling: 'priority' or 'fcfs'.")
     eviction_policy: str = Field("lru", pattern="^(lru|lfu)$", description="Device KV eviction policy: 'lru' or 'lfu'.")

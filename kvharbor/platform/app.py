@@ -20,7 +20,7 @@ from ray.serve.config import RequestRouterConfig
 from kvharbor.actors.prefix_directory import get_or_create_directory
 from kvharbor.actors.replica import LLMReplica
 from kvharbor.config import EngineConfig, PlatformConfig
-from kvharbor.engine.model_info import sampling_defaults
+from kvharbor.engine.model_info import model_context_length, sampling_defaults
 from kvharbor.platform import premium_lane
 from kvharbor.platform.gateway import Gateway, PremiumGateway
 from kvharbor.platform.ingress import check_port_free, http_options, requested_mode, starting_cluster
@@ -107,13 +107,16 @@ def build_app(args: dict | None = None):
     """Build the kvharbor application from ``PlatformConfig`` fields (strings are parsed)."""
     cfg = PlatformConfig(**(args or {}))
     defaults = sampling_defaults(cfg.model, cfg.generation_config, cfg.override_generation_config)
+    if cfg.max_model_len and cfg.max_model_len > (context := model_context_length(cfg.model)):
+        raise ValueError(f"max_model_len={cfg.max_model_len} exceeds the model's context of {context} "
+                         "tokens; lower it or leave it unset (the model's)")
     _init_ray_on_loopback(cfg.overload_lag_ms, ingress_for(cfg.gateway_replicas))
     tenants = Path(cfg.tenants) if cfg.tenants else default_tenants_path()
     load_tenants_file(tenants)                          # fail fast, with file/line/field
     tenants = str(tenants.resolve())
     replica = llm_replicas(cfg, tenants)
     config = {"model": cfg.model, "chat_template": cfg.chat_template, "lora_modules": cfg.lora_modules,
-              "sampling_defaults": defaults,
+              "sampling_defaults": defaults, "max_model_len": cfg.max_model_len,
               "tenants": tenants, "block_size": cfg.block_size,
               "max_body_bytes": cfg.max_body_bytes, "overload_lag_ms": cfg.overload_lag_ms,
               "premium_port": cfg.premium_port, "direct_streams": cfg.uses_direct_streams}

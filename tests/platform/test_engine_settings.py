@@ -18,6 +18,22 @@ def test_replicas_get_the_engine_settings_the_app_is_given():
     assert engine_kwargs(cfg, on_gpu=False)["device"] == "cpu"      # no GPU found: CPU replicas
     engine = EngineConfig(**on_gpu)                                   # every key is a valid field
     assert engine.enforce_eager and engine.eviction_policy == "lfu"
+    vllm_names = PlatformConfig(max_model_len=1024, max_num_seqs=8, gpu_memory_utilization=0.5,
+                                enable_prefix_caching=False)          # vLLM's serve flags
+    assert {k: v for k, v in engine_kwargs(vllm_names, on_gpu=True).items() if k in (
+        "max_model_len", "max_num_seqs", "gpu_memory_utilization", "enable_prefix_caching")} == {
+        "max_model_len": 1024, "max_num_seqs": 8, "gpu_memory_utilization": 0.5, "enable_prefix_caching": False}
+
+
+def test_a_max_model_len_above_the_models_context_is_refused_before_the_cluster_starts(monkeypatch):
+    import kvharbor.platform.app as app
+
+    def started(*args, **kwargs):
+        raise AssertionError("Ray was started before max_model_len was checked")
+
+    monkeypatch.setattr(app, "_init_ray_on_loopback", started)
+    with pytest.raises(ValueError, match="max_model_len=5000 exceeds the model's context of 4096"):
+        app.build_app({"max_model_len": "5000"})
 
 
 def test_null_on_the_command_line_means_none():

@@ -127,11 +127,13 @@ def test_serve_run_serves_a_local_checkpoint_as_the_offline_engine_does(tmp_path
     model=<checkpoint directory>``. A tiny random Qwen3 checkpoint (transformers' forward:
     not an architecture of kvharbor's own) whose tokenizer has no chat template, given one
     with ``chat_template=<file>``, answers completions and chat over HTTP with the offline
-    engine's text for the same requests, and /v1/models gives its context. Its
+    engine's text for the same requests, and /v1/models gives the context it is served with
+    (``max_model_len=384``, vLLM's, below the model's 512; a longer request is a 400). Its
     generation_config.json sets default sampling (top_k 1, a repetition penalty, 6 new
     tokens): a chat that sets none is answered as the offline engine's default sampling
     answers it, and the fields a request sets win."""
     from kvharbor import LLM, SamplingParams
+    from kvharbor.engine.model_info import model_context_length
     from tests.engine.test_chat_template import TEMPLATE
     from tests.engine.test_other_architectures import ARCHITECTURES, save_checkpoint
 
@@ -147,7 +149,8 @@ def test_serve_run_serves_a_local_checkpoint_as_the_offline_engine_does(tmp_path
         port = probe.getsockname()[1]
     env = {**_fresh_shell_env(), "KVHARBOR_HTTP_PORT": str(port), "KVHARBOR_METRICS_PORT": "18186"}
     proc, lines, _, _, reader = _serve_run(["kvharbor:build_app", f"model={checkpoint}", "replicas=1",
-                                            f"chat_template={template}"], tmp_path, env)
+                                            f"chat_template={template}", "max_model_len=384"],
+                                           tmp_path, env)
     base, key = f"http://127.0.0.1:{port}", {"Authorization": "Bearer kvh-demo-standard"}
     greedy = {"max_tokens": 8, "temperature": 0, "ignore_eos": True, "repetition_penalty": 1}
     try:
@@ -167,6 +170,8 @@ def test_serve_run_serves_a_local_checkpoint_as_the_offline_engine_does(tmp_path
         hi = [{"role": "user", "content": "Hi"}]
         unset = httpx.post(base + "/v1/chat/completions", headers=key, timeout=30,
                            json={"model": checkpoint, "messages": hi}).json()
+        too_long = httpx.post(base + "/v1/completions", headers=key, timeout=30,
+                              json={"model": checkpoint, "prompt": "x" * 380, "max_tokens": 8})
         (card,) = httpx.get(base + "/v1/models", headers=key, timeout=10).json()["data"]
     finally:
         stopped = _stop(proc)
@@ -179,7 +184,9 @@ def test_serve_run_serves_a_local_checkpoint_as_the_offline_engine_does(tmp_path
     default = llm.chat(hi, chat_template=str(template))[0].outputs[0]
     assert unset["choices"][0]["message"]["content"] == default.text
     assert unset["usage"]["completion_tokens"] == len(default.token_ids) <= 6
-    assert (card["id"], card["max_model_len"]) == (checkpoint, 512)
+    assert (card["id"], card["max_model_len"]) == (checkpoint, 384)
+    assert model_context_length(checkpoint) == 512              # the model's own
+    assert too_long.status_code == 400 and "context of 384 tokens" in too_long.json()["error"]["message"]
     assert stopped, "".join(lines)[-3000:]
 
 
