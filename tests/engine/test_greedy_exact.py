@@ -30,6 +30,28 @@ def run_and_compare(llm: LLM, model: str, oracle_cache: dict) -> None:
     llm.check_integrity()
 
 
+@pytest.mark.parametrize("window_from_layer", [2, 0], ids=["mixed", "every-layer"])
+def test_qwen2_sliding_window_layers_match_transformers(window_from_layer, tmp_path):
+    """A Qwen2 checkpoint with ``use_sliding_window``: layers from ``max_window_layers`` on
+    attend to their last 32 keys, the others to all. kvharbor's forward gives each layer its
+    own window, as transformers does; the KV blocks behind the window are released only when
+    every layer slides (a full layer still reads them)."""
+    from .conftest import random_prompt
+    from .test_other_architectures import _SHAPE, save_checkpoint
+
+    fields = dict(_SHAPE, num_hidden_layers=4, use_sliding_window=True, sliding_window=32,
+                  max_window_layers=window_from_layer)
+    llm = LLM(model=save_checkpoint(("Qwen2Config", fields), tmp_path), device="cpu",
+              num_kv_blocks=128, max_num_batched_tokens=64)
+    assert llm.engine.runner.fast is not None                  # kvharbor's own forward
+    assert llm.engine.sliding_window == (32 if window_from_layer == 0 else None)
+    prompts = [random_prompt(100, 1), random_prompt(45, 2), random_prompt(10, 3)]
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = [o.token_ids for o in llm.generate(prompts, sp)]
+    assert outs == hf_greedy(llm.hf_model, prompts, new_tokens=12)
+    llm.check_integrity()
+
+
 @pytest.mark.parametrize("model", MODELS)
 def test_batched_greedy_matches_transformers(model, oracle_cache):
     llm = LLM(model=model, device="cpu", num_kv_blocks=1024)
