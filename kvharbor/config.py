@@ -213,6 +213,26 @@ class PlatformConfig(BaseModel):
         return self.direct_streams and self.router == "kv"
 
     model: str = Field("kvharbor/tiny-llama", description="Model served by every replica.")
+    served_model_name: list[str] | None = Field(None, min_length=1, description="The names requests give "
+                                                "the model and /v1/models lists (vLLM's --served-model-name; "
+                                                "on the command line name1,name2); answers carry the first. "
+                                                "None: the model's id or path.")
+
+    @field_validator("served_model_name", mode="before")
+    @classmethod
+    def _names(cls, value):
+        """``name1,name2`` (the ``serve run`` command line) as a list."""
+        return [n.strip() for n in value.split(",")] if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _names_distinct(self):
+        names = self.served_model_name or []
+        if any(not n for n in names) or len(set(names)) != len(names):
+            raise ValueError(f"served_model_name needs distinct, non-empty names, got {names}")
+        if clash := sorted(set(names) & set(self.lora_modules)):
+            raise ValueError(f"served_model_name and lora_modules both name {', '.join(clash)}: "
+                             "a request's model must say which it means")
+        return self
     chat_template: ChatTemplateOption = Field(None, description=CHAT_TEMPLATE_DOC)
     generation_config: str = Field("auto", description=GENERATION_CONFIG_DOC)
     override_generation_config: OverrideOption = Field(default_factory=dict,

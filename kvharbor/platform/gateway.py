@@ -207,7 +207,8 @@ class Gateway:
         self.tokenizer.chat_template = config.get("chat_template") or self.tokenizer.chat_template
         bound_token_ids(api.openapi(), len(self.tokenizer))     # /openapi.json: ids < vocabulary
         self.context = min(config.get("max_model_len") or 10**9, model_context_length(self.model))
-        self.served = ServedModels(self.model, config.get("lora_modules"), self.registry, self.context)
+        self.served = ServedModels(self.model, config.get("lora_modules"), self.registry, self.context,
+                                   config.get("served_model_name"))
         self.prompts = Prompts(self.tokenizer, self.context, config.get("sampling_defaults"))
         self.block_size = config["block_size"]
         # The replicas' chain root, computed the same way from the model's files (no weights
@@ -498,8 +499,8 @@ class Gateway:
                     cache_salt=principal.cache_salt, priority=principal.qos.priority,
                     pinned=principal.qos.pinned, session_id=session_id if i == 0 else None, lora=lora,
                     caller=self.caller, stream_interval=principal.qos.stream_interval if body.stream else 0))
-        run = GenerationRun(self, siblings, principal, ticket, chat, body.model, logprobs, marks,
-                            choices_per_prompt=body.n, echo=echo or None, prompt_only=prompt_only,
+        run = GenerationRun(self, siblings, principal, ticket, chat, self.served.answered_name(body.model),
+                            logprobs, marks, choices_per_prompt=body.n, echo=echo or None, prompt_only=prompt_only,
                             tool_mode=body.tool_mode() if chat else None)
         headers = {SESSION_HEADER: session_id} if session_id else {}
         dropped = (truncated or {}).get("tokens", 0)

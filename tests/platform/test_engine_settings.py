@@ -75,3 +75,12 @@ def test_the_engine_refuses_unknown_backends_dtypes_and_model_paths():
     assert EngineConfig(attention_backend="cpu", dtype="bfloat16", kv_cache_dtype="fp8_e4m3").dtype == "bfloat16"
     assert EngineConfig(kv_cache_dtype="fp8").kv_cache_dtype == "fp8_e4m3"      # vLLM's name for it
     assert PlatformConfig(kv_cache_dtype="fp8").kv_cache_dtype == "fp8_e4m3"
+
+
+def test_served_model_name_takes_distinct_names_apart_from_the_adapters():
+    assert PlatformConfig(served_model_name="qwen, qwen-latest").served_model_name == ["qwen", "qwen-latest"]
+    for bad, why in [({"served_model_name": "a,a"}, "distinct, non-empty"),
+                     ({"served_model_name": "a,"}, "distinct, non-empty"),
+                     ({"served_model_name": "x", "lora_modules": "x=/ckpt/x"}, "both name x")]:
+        with pytest.raises(ValueError, match=why):
+            PlatformConfig(**bad)

@@ -131,7 +131,9 @@ def test_serve_run_serves_a_local_checkpoint_as_the_offline_engine_does(tmp_path
     (``max_model_len=384``, vLLM's, below the model's 512; a longer request is a 400). Its
     generation_config.json sets default sampling (top_k 1, a repetition penalty, 6 new
     tokens): a chat that sets none is answered as the offline engine's default sampling
-    answers it, and the fields a request sets win."""
+    answers it, and the fields a request sets win. It is served as ``served_model_name=
+    tiny-qwen3,qwen3-alias`` (vLLM's): requests name either, answers carry the first, and
+    the checkpoint's path is a 404."""
     from kvharbor import LLM, SamplingParams
     from kvharbor.engine.model_info import model_context_length
     from tests.engine.test_chat_template import TEMPLATE
@@ -149,7 +151,8 @@ def test_serve_run_serves_a_local_checkpoint_as_the_offline_engine_does(tmp_path
         port = probe.getsockname()[1]
     env = {**_fresh_shell_env(), "KVHARBOR_HTTP_PORT": str(port), "KVHARBOR_METRICS_PORT": "18186"}
     proc, lines, _, _, reader = _serve_run(["kvharbor:build_app", f"model={checkpoint}", "replicas=1",
-                                            f"chat_template={template}", "max_model_len=384"],
+                                            f"chat_template={template}", "max_model_len=384",
+                                            "served_model_name=tiny-qwen3,qwen3-alias"],
                                            tmp_path, env)
     base, key = f"http://127.0.0.1:{port}", {"Authorization": "Bearer kvh-demo-standard"}
     greedy = {"max_tokens": 8, "temperature": 0, "ignore_eos": True, "repetition_penalty": 1}
@@ -158,21 +161,23 @@ def test_serve_run_serves_a_local_checkpoint_as_the_offline_engine_does(tmp_path
         while answer is None and time.time() < deadline and proc.poll() is None:
             try:
                 r = httpx.post(base + "/v1/completions", headers=key, timeout=30,
-                               json={"model": checkpoint, "prompt": "Hello", **greedy})
+                               json={"model": "tiny-qwen3", "prompt": "Hello", **greedy})
                 answer = r.json() if r.status_code == 200 else None
             except httpx.HTTPError:
                 pass
             time.sleep(0 if answer else 2)
         assert answer is not None, "".join(lines)[-3000:]
         chat = httpx.post(base + "/v1/chat/completions", headers=key, timeout=30,
-                          json={"model": checkpoint, "messages": [{"role": "user", "content": "Hi"}],
+                          json={"model": "tiny-qwen3", "messages": [{"role": "user", "content": "Hi"}],
                                 **greedy}).json()
         hi = [{"role": "user", "content": "Hi"}]
         unset = httpx.post(base + "/v1/chat/completions", headers=key, timeout=30,
-                           json={"model": checkpoint, "messages": hi}).json()
+                           json={"model": "qwen3-alias", "messages": hi}).json()
         too_long = httpx.post(base + "/v1/completions", headers=key, timeout=30,
-                              json={"model": checkpoint, "prompt": "x" * 380, "max_tokens": 8})
-        (card,) = httpx.get(base + "/v1/models", headers=key, timeout=10).json()["data"]
+                              json={"model": "tiny-qwen3", "prompt": "x" * 380, "max_tokens": 8})
+        by_path = httpx.post(base + "/v1/completions", headers=key, timeout=30,
+                             json={"model": checkpoint, "prompt": "Hello"})
+        cards = httpx.get(base + "/v1/models", headers=key, timeout=10).json()["data"]
     finally:
         stopped = _stop(proc)
         reader.join(timeout=30)
@@ -184,7 +189,10 @@ def test_serve_run_serves_a_local_checkpoint_as_the_offline_engine_does(tmp_path
     default = llm.chat(hi, chat_template=str(template))[0].outputs[0]
     assert unset["choices"][0]["message"]["content"] == default.text
     assert unset["usage"]["completion_tokens"] == len(default.token_ids) <= 6
-    assert (card["id"], card["max_model_len"]) == (checkpoint, 384)
+    assert [(c["id"], c["root"], c["max_model_len"]) for c in cards] == [
+        ("tiny-qwen3", checkpoint, 384), ("qwen3-alias", checkpoint, 384)]
+    assert (answer["model"], unset["model"]) == ("tiny-qwen3", "tiny-qwen3")
+    assert by_path.status_code == 404 and by_path.json()["error"]["code"] == "model_not_found"
     assert model_context_length(checkpoint) == 512              # the model's own
     assert too_long.status_code == 400 and "context of 384 tokens" in too_long.json()["error"]["message"]
     assert stopped, "".join(lines)[-3000:]

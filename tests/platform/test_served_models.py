@@ -38,3 +38,25 @@ def test_lora_modules_win_a_name_tenants_yaml_also_gives_as_in_the_replicas():
     assert refused.value.status == 404 and refused.value.code == "model_not_found"
     assert "'base', 'support'" in str(refused.value)
     assert models.names() == ["base", "support"]
+
+
+def test_served_model_names_replace_the_models_path_as_vllms_do():
+    """``served_model_name=qwen,qwen-latest`` for a checkpoint at /ckpt: requests name either,
+    not the path (a 404 naming what is served); answers and adapters' ``parent`` carry the
+    first; cards keep the path as ``root``."""
+    models = ServedModels("/ckpt", {"support": "/static/support"}, FakeRegistry({}), context=4096,
+                          served_names=["qwen", "qwen-latest"])
+    assert models.names() == ["qwen", "qwen-latest", "support"]
+    for name in ("qwen", "qwen-latest"):
+        models.check(name)
+        assert models.adapter(name) is None                       # the base model
+        assert models.answered_name(name) == "qwen"
+        assert (models.card(name)["id"], models.card(name)["root"]) == (name, "/ckpt")
+    with pytest.raises(APIError) as refused:
+        models.check("/ckpt")
+    assert refused.value.status == 404 and "'qwen', 'qwen-latest', 'support'" in str(refused.value)
+    assert (models.adapter("support"), models.answered_name("support")) == ("support", "support")
+    assert models.card("support")["parent"] == "qwen"
+    plain = ServedModels("/ckpt", None, FakeRegistry({}), context=4096)
+    plain.check("/ckpt")
+    assert plain.names() == ["/ckpt"] and plain.answered_name("/ckpt") == "/ckpt"
