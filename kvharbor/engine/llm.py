@@ -182,14 +182,17 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              chat_template_kwargs: dict | None = None, chat_template: str | None = None,
-             **kwargs) -> list[RequestOutput]:
+             tools: list[dict] | None = None, **kwargs) -> list[RequestOutput]:
         """A chat turn through the tokenizer's chat template. ``messages`` is one conversation
         (a list of messages) or a list of conversations, run together; as vLLM's ``chat``, the
         answer is a list of outputs, one per conversation. ``continue_final_message``: the
         answer continues each conversation's last message (with ``add_generation_prompt``
         false). ``chat_template_kwargs``: extra variables for the template (vLLM's, e.g.
         ``{"enable_thinking": False}``). ``chat_template``: a Jinja file's path or the template,
-        for this call (vLLM's; None: the engine's). ``kwargs`` are ``generate``'s."""
+        for this call (vLLM's; None: the engine's). ``tools``: function definitions
+        (``{"type": "function", "function": {...}}``) the template shows the model, as vLLM's;
+        the answer is text (parse its calls as the model's format says). ``kwargs`` are
+        ``generate``'s."""
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message needs add_generation_prompt=False")
         template = chat_template_text(chat_template) or self.tokenizer.chat_template
@@ -206,7 +209,7 @@ class LLM:
                 raise ValueError("messages must be a conversation (a list of {'role': ..., 'content': "
                                  f"...}} dicts) or a list of conversations, got {got}")
             prompts.append(chat_token_ids(self.tokenizer, list(conversation), chat_template=template,
-                                          add_generation_prompt=add_generation_prompt,
+                                          tools=tools, add_generation_prompt=add_generation_prompt,
                                           continue_final_message=continue_final_message, **extra))
         return self.generate(prompts, sampling_params, **kwargs)
 

@@ -61,3 +61,18 @@ def test_the_gateway_refuses_a_chat_without_a_template_with_a_400_saying_what_to
     assert refused.value.status == 400 and NO_CHAT_TEMPLATE in str(refused.value.message)
     tokenizer.chat_template = TEMPLATE
     assert Prompts(tokenizer, 4096).render(MESSAGES) == list(b"<user>Hi there\n<assistant>")
+
+
+def test_offline_chat_shows_the_model_its_tools_through_the_template(bare_checkpoint):
+    """``LLM.chat(tools=...)`` (vLLM's): the template renders the tools into the prompt, the
+    same prompt the gateway builds for a chat request with those tools."""
+    from tests.platform.test_tool_calls import TEMPLATE as TOOLS_TEMPLATE, TOOLS
+
+    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    llm = LLM(model=bare_checkpoint, device="cpu", num_kv_blocks=64, chat_template=TOOLS_TEMPLATE)
+    with_tools, without = llm.chat(MESSAGES, sp, tools=TOOLS)[0], llm.chat(MESSAGES, sp)[0]
+    text = llm.tokenizer.decode(with_tools.prompt_token_ids)
+    assert text.startswith("TOOLS get_weather") and "TOOLS" not in llm.tokenizer.decode(without.prompt_token_ids)
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    assert with_tools.prompt_token_ids == Prompts(tokenizer, 4096).render(MESSAGES, tools=TOOLS)
