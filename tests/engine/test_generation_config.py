@@ -3,7 +3,8 @@ sampling field unset samples with the model's ``generation_config.json`` value (
 temperature 0.6, top_p 0.95, top_k 20), offline (``LLM.generate`` / ``chat`` without
 sampling params) and over HTTP (the gateway fills the request's unset or null fields);
 ``"vllm"`` keeps the neutral values. The HTTP path end to end is in
-``tests/platform/test_serve_run.py`` (a checkpoint with a generation config, served)."""
+``tests/platform/test_serve_run.py`` (a checkpoint with a generation config, served); a bad
+one refused before Ray starts in ``tests/platform/test_engine_settings.py``."""
 
 from __future__ import annotations
 
@@ -121,13 +122,3 @@ def test_a_chat_without_max_tokens_gets_the_generation_configs_within_the_tenant
     completion = CompletionRequest(model="m", prompt="hi")      # completions: 16, as vLLM's
     assert prompts.limits(completion, prompts.completion_ids(completion), False, tenant())[0] == 16
 
-
-def test_serve_run_refuses_a_bad_generation_config_before_starting_ray(monkeypatch):
-    import kvharbor.platform.app as app
-
-    def started(*args, **kwargs):
-        raise AssertionError("Ray was started before the generation config was checked")
-
-    monkeypatch.setattr(app, "_init_ray_on_loopback", started)
-    with pytest.raises(ValueError, match="top_p must be in"):
-        app.build_app({"override_generation_config": '{"top_p": 0}'})

@@ -25,15 +25,19 @@ def test_replicas_get_the_engine_settings_the_app_is_given():
         "max_model_len": 1024, "max_num_seqs": 8, "gpu_memory_utilization": 0.5, "enable_prefix_caching": False}
 
 
-def test_a_max_model_len_above_the_models_context_is_refused_before_the_cluster_starts(monkeypatch):
+@pytest.mark.parametrize("args, message", [
+    ({"max_model_len": "5000"}, "max_model_len=5000 exceeds the model's context of 4096"),
+    ({"override_generation_config": '{"top_p": 0}'}, "top_p must be in"),
+])
+def test_an_option_the_model_cannot_run_is_refused_before_ray_starts(monkeypatch, args, message):
     import kvharbor.platform.app as app
 
     def started(*args, **kwargs):
-        raise AssertionError("Ray was started before max_model_len was checked")
+        raise AssertionError("Ray was started before the options were checked against the model")
 
     monkeypatch.setattr(app, "_init_ray_on_loopback", started)
-    with pytest.raises(ValueError, match="max_model_len=5000 exceeds the model's context of 4096"):
-        app.build_app({"max_model_len": "5000"})
+    with pytest.raises(ValueError, match=message):
+        app.build_app(args)
 
 
 def test_null_on_the_command_line_means_none():
