@@ -129,19 +129,16 @@ def sampling_defaults(model: str, generation_config: str = "auto",
     if unknown := sorted(set(override) - set(SAMPLING_DEFAULT_KEYS)):
         raise ValueError(f"override_generation_config takes {', '.join(SAMPLING_DEFAULT_KEYS)}; "
                          f"got {', '.join(unknown)}")
-    found: dict = {}
-    if generation_config != "vllm" and (generation_config != "auto" or model not in BUILTIN_NAMES):
-        from transformers import GenerationConfig  # noqa: PLC0415 - torch-free, as this module
-    if generation_config == "auto" and model not in BUILTIN_NAMES:
-        try:
-            found = GenerationConfig.from_pretrained(model).to_diff_dict()
-        except OSError:             # no generation_config.json: the neutral values
-            found = {}
-    elif generation_config not in ("auto", "vllm"):
-        if not (Path(generation_config).expanduser() / "generation_config.json").is_file():
+    if generation_config == "vllm" or (generation_config == "auto" and model in BUILTIN_NAMES):
+        found = {}
+    elif generation_config == "auto":
+        found = _generation_config(model)
+    else:
+        folder = Path(generation_config).expanduser()
+        if not (folder / "generation_config.json").is_file():
             raise ValueError(f"generation_config {generation_config!r} is not 'auto', 'vllm' or a "
                              "folder holding a generation_config.json")
-        found = GenerationConfig.from_pretrained(Path(generation_config).expanduser()).to_diff_dict()
+        found = _generation_config(str(folder))
     found.update(override)
     defaults = {k: v for k in SAMPLING_DEFAULT_KEYS if (v := found.get(k)) is not None}
     if "max_new_tokens" in defaults:
@@ -156,3 +153,14 @@ def sampling_defaults(model: str, generation_config: str = "auto",
         source += " and override_generation_config" if override else ""
         raise ValueError(f"default sampling parameters {defaults} (from {source}): {e}") from None
     return defaults
+
+
+def _generation_config(where: str) -> dict:
+    """The fields of ``where``'s generation_config.json that differ from transformers'
+    defaults, as vLLM reads them ({} without the file: the neutral values)."""
+    from transformers import GenerationConfig  # noqa: PLC0415 - torch-free, as this module
+
+    try:
+        return GenerationConfig.from_pretrained(where).to_diff_dict()
+    except OSError:
+        return {}
