@@ -210,3 +210,15 @@ def test_an_idle_gap_between_steps_is_not_a_step_cost_sample():
     now[0] += 0.01
     e.step()
     assert e.scheduler.cost.samples == samples + 1
+
+
+def test_a_classs_ttft_slo_budgets_its_steps_at_half_unless_step_target_ms_says_otherwise():
+    """tenants.yaml's ``ttft_slo_ms`` of a class keeps steps under half of it while the class
+    is about (a request waits at most about one step, then runs its own); ``step_target_ms``
+    replaces that target, also when it is looser."""
+    for fields, want_s in [({"ttft_slo_ms": 80.0}, 0.040), ({"ttft_slo_ms": 80.0, "step_target_ms": 5.0}, 0.005),
+                           ({"ttft_slo_ms": 80.0, "step_target_ms": 60.0}, 0.060)]:
+        classes = dict(DEFAULT_QOS)
+        classes["premium"] = classes["premium"].model_copy(update=fields)
+        llm = LLM(device="cpu", num_kv_blocks=64, qos_classes=classes)
+        assert llm.engine.scheduler.step_target_s == {DEFAULT_QOS["premium"].priority: want_s}, fields

@@ -88,3 +88,17 @@ def test_served_model_name_takes_distinct_names_apart_from_the_adapters():
                      ({"served_model_name": "x", "lora_modules": "x=/ckpt/x"}, "both name x")]:
         with pytest.raises(ValueError, match=why):
             PlatformConfig(**bad)
+
+
+@pytest.mark.parametrize("args, message", [
+    ({"lora_modules": "support=/ckpt/support,legal"}, "name=path pairs"),
+    ({"lora_modules": "=/ckpt/x"}, "name=path pairs"),
+    ({"lora_modules": "x="}, "name=path pairs"),
+    ({"speculative_config": '{"prompt_lookup_min": 3, "prompt_lookup_max": 2}'},
+     r"prompt_lookup_min \(3\) must be <= prompt_lookup_max \(2\)"),
+])
+def test_a_malformed_command_line_option_says_what_to_fix(args, message):
+    with pytest.raises(ValueError, match=message):
+        PlatformConfig(**args)
+    assert PlatformConfig(lora_modules="support=/ckpt/support, legal=/ckpt/legal").lora_modules == {
+        "support": "/ckpt/support", "legal": "/ckpt/legal"}
