@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-
+import re
 from typing import Annotated
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
@@ -87,6 +87,31 @@ class SpeculativeConfig(BaseModel):
 SpeculativeOption = Annotated[SpeculativeConfig | None, BeforeValidator(SpeculativeConfig.parse)]
 
 
+def _human_int(value):
+    """vLLM's token counts on the command line: ``32k`` is 32,000, ``32K`` 32,768 (decimals only
+    with k, m, g: ``25.6k``); ``auto`` (max_model_len) is None, the model's own."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if text.lower() == "auto":
+        return None
+    if match := re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgG])", text):
+        number, suffix = match.groups()
+        if suffix.islower():
+            return int(float(number) * 10 ** (3 * ("kmg".index(suffix) + 1)))
+        if "." in number:
+            raise ValueError(f"{value!r}: no decimals with K, M or G (powers of 1024); did you mean "
+                             f"{number}{suffix.lower()}?")
+        return int(number) * 1024 ** ("KMG".index(suffix) + 1)
+    return text
+
+
+TokenCount = Annotated[int, BeforeValidator(_human_int)]
+"""A number of tokens: an int, or vLLM's ``32k`` / ``32K`` (see ``_human_int``)."""
+ModelLength = Annotated[int | None, BeforeValidator(_human_int)]
+"""``max_model_len``: a :data:`TokenCount`, or None / ``auto`` for the model's own."""
+
+
 # EngineConfig's and PlatformConfig's field: a Jinja file's path or the template, kept as its text.
 ChatTemplateOption = Annotated[str | None, AfterValidator(chat_template_text)]
 GENERATION_CONFIG_DOC = ("Where requests' default sampling parameters come from (vLLM's --generation-config): "
@@ -132,7 +157,7 @@ class EngineConfig(BaseModel):
     attention_backend: str = Field("auto", pattern=BACKENDS, description="'auto' (Triton on CUDA, the CPU kernels on CPU), 'cpu', 'reference' or 'triton'.")
     kv_cache_dtype: KvCacheDtype = Field("auto", description="'auto' (model dtype), 'int8' or 'fp8_e4m3' ('fp8', vLLM's name, is fp8_e4m3).")
     model_path: str = Field("auto", pattern="^(auto|kvharbor|transformers)$", description="'auto' (kvharbor's own forward for Llama/Qwen2/Mistral, else transformers'), 'kvharbor' or 'transformers'.")
-    max_num_batched_tokens: int = Field(2048, ge=1, description="Token budget per step (chunked prefill above it).")
+    max_num_batched_tokens: TokenCount = Field(2048, ge=1, description="Token budget per step (chunked prefill above it).")
     max_num_seqs: int = Field(128, ge=1, description="Most requests in one step.")
     enable_prefix_caching: bool = Field(True, description="Requests reuse the cached KV blocks of the prompt "
                                         "prefixes they share (vLLM's name). False: every prompt is computed "
@@ -149,7 +174,7 @@ class EngineConfig(BaseModel):
         256, ge=0, description="While requests of a higher class are unfinished (or were in the "
         "last 2 s), lower classes get at most this many prefill tokens per step (their decodes "
         "still run), so steps stay short for premium arrivals. None: no cap (plain priority order).")
-    max_model_len: int | None = Field(None, ge=1, description="Longest prompt + output (None: the model's, as vLLM derives it: "
+    max_model_len: ModelLength = Field(None, ge=1, description="Longest prompt + output (None: the model's, as vLLM derives it: "
                                          "its length fields, stretched by a linear, dynamic or YaRN RoPE scaling).")
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="Share of free GPU memory for the KV cache when num_kv_blocks is None.")
     seed: int = Field(0, description="Seed of the builtin models' random weights (tiny-llama's "
@@ -274,9 +299,9 @@ class PlatformConfig(BaseModel):
     dtype: str = Field("auto", pattern=DTYPES, description="Model dtype (see EngineConfig).")
     attention_backend: str = Field("auto", pattern=BACKENDS, description="'auto', 'cpu', 'reference' or 'triton'.")
     kv_cache_dtype: KvCacheDtype = Field("auto", description="'auto', 'int8' or 'fp8_e4m3' ('fp8', vLLM's name, is fp8_e4m3).")
-    max_num_batched_tokens: int = Field(2048, ge=1, description="Token budget per engine step.")
+    max_num_batched_tokens: TokenCount = Field(2048, ge=1, description="Token budget per engine step.")
     max_num_seqs: int = Field(128, ge=1, description="Most requests in one engine step (vLLM's --max-num-seqs).")
-    max_model_len: int | None = Field(None, ge=1, description="Longest prompt + output (vLLM's --max-model-len; "
+    max_model_len: ModelLength = Field(None, ge=1, description="Longest prompt + output (vLLM's --max-model-len; "
                                       "None: the model's context). The gateway refuses longer requests with "
                                       "a 400; above the model's context it fails at start.")
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="Share of a GPU's free memory a replica "

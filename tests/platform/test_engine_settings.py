@@ -102,3 +102,18 @@ def test_a_malformed_command_line_option_says_what_to_fix(args, message):
         PlatformConfig(**args)
     assert PlatformConfig(lora_modules="support=/ckpt/support, legal=/ckpt/legal").lora_modules == {
         "support": "/ckpt/support", "legal": "/ckpt/legal"}
+
+
+@pytest.mark.parametrize("value, want", [("32k", 32_000), ("32K", 32_768), ("25.6k", 25_600), ("2M", 2 * 2**20),
+                                         ("4096", 4096), (4096, 4096), ("auto", None)])
+def test_token_counts_take_vllms_suffixes(value, want):
+    """``max_model_len=32k`` as vLLM's ``--max-model-len 32k`` (k: 1,000, K: 1,024; ``auto``:
+    the model's own), also for ``max_num_batched_tokens``."""
+    assert PlatformConfig(max_model_len=value).max_model_len == EngineConfig(max_model_len=value).max_model_len == want
+    if want is not None:
+        assert PlatformConfig(max_num_batched_tokens=value).max_num_batched_tokens == want
+
+
+def test_a_binary_suffix_takes_no_decimals():
+    with pytest.raises(ValueError, match="no decimals with K, M or G .* did you mean 1.5k"):
+        PlatformConfig(max_model_len="1.5K")
