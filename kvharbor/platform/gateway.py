@@ -387,9 +387,7 @@ class Gateway:
         as the generation routes compute them: ``count`` is their ``usage.prompt_tokens``."""
         principal = self._authenticate(request)
         self._check_model(principal, body.model)
-        ids_of = partial(self.prompts.text_ids, body.prompt) if body.messages is None \
-            else partial(self.prompts.chat_ids, body)
-        ids = await self.prompts.off_loop(ids_of, content_length(request.scope))
+        ids = await self.prompts.off_loop(partial(self.prompts.tokenize_ids, body), content_length(request.scope))
         return {"count": len(ids), "max_model_len": self.context, "tokens": ids}
 
     @api.post("/detokenize", response_model=DetokenizeResponse, responses=error_responses(400, 401, 403, 404, 413))

@@ -270,6 +270,8 @@ class CompletionRequest(_Common):
     max_tokens: int | None = Field(None, ge=0, description="Most tokens to generate (>= 1; 0 with echo: only the prompt and, with logprobs, its scores, as vLLM). Default 16, capped by the tenant's max_tokens_per_request.")
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=f"Return the log-probability of each generated token and of the this many most likely tokens (0 to {MAX_TOP_LOGPROBS}).")
     best_of: unsupported(int | None, 1) = Field(None, description="Not supported: only 1 or null.")
+    add_special_tokens: bool = Field(True, description="Add the tokenizer's special tokens (e.g. BOS) to a "
+                                     "text prompt (vLLM's). Not in OpenAI's API.")
     echo: bool | None = Field(False, description="Put each prompt before its choices' text; with logprobs, "
                               "the prompt's tokens come first in the logprobs object, the first with a null "
                               "logprob (nothing precedes it), as vLLM answers. The prompt is computed in "
@@ -341,6 +343,8 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES, description=f"The conversation so far (1 to {MAX_MESSAGES} messages).")
+    add_special_tokens: bool = Field(False, description="Add the tokenizer's special tokens (e.g. BOS) on top "
+                                     "of what the chat template writes (vLLM's). Not in OpenAI's API.")
     max_completion_tokens: int | None = Field(None, ge=1, description="Most tokens to generate (>= 1); the same as max_tokens (send one of them).")
     logprobs: bool | None = Field(False, description="Return the log-probability of each generated token.")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=f"With logprobs: also the this many most likely tokens at each position (0 to {MAX_TOP_LOGPROBS}).")
@@ -519,6 +523,9 @@ class TokenizeRequest(BaseModel):
     chat_template_kwargs: Annotated[dict, AfterValidator(template_kwargs)] | None = Field(None, max_length=32, description="With messages: extra variables for the chat template, as chat's.")
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS, description="With messages: the chat's tools, "
                                      "shown to the chat template as /v1/chat/completions shows them.")
+    add_special_tokens: bool | None = Field(None, description="Add the tokenizer's special tokens (e.g. BOS), "
+                                            "as the generation routes do (vLLM's; default: true for a "
+                                            "prompt, false for messages).")
 
     @model_validator(mode="after")
     def _one_input(self):

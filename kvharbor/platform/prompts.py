@@ -45,15 +45,15 @@ class Prompts:
         if not 0 <= min(ids, default=0) <= max(ids, default=0) < vocab:
             raise APIError(400, f"{where} token ids must be in [0, {vocab})", param=where)
 
-    def text_ids(self, text: str) -> list[int]:
-        return list(self.tokenizer(text)["input_ids"])
+    def text_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def completion_ids(self, body: CompletionRequest) -> list[list[int]]:
         """The token ids of each prompt (one, or each of a batch)."""
         out = []
         for p, prompt in enumerate(body.prompts()):
             if isinstance(prompt, str):
-                out.append(self.text_ids(prompt))
+                out.append(self.text_ids(prompt, body.add_special_tokens))
             else:
                 self.check_token_ids(prompt, f"prompt.{p}" if body.batched else "prompt")
                 out.append(list(prompt))
@@ -61,16 +61,19 @@ class Prompts:
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True,
                tools: list[dict] | None = None, continue_final_message: bool = False,
-               template_kwargs: dict | None = None) -> list[int]:
+               template_kwargs: dict | None = None, add_special_tokens: bool = False) -> list[int]:
         """``messages`` (and ``tools``, and ``template_kwargs``' variables) through the model's
         chat template, as token ids; with ``continue_final_message``, cut where the last
-        message's text ends."""
+        message's text ends; with ``add_special_tokens``, the rendered text is tokenized with the
+        tokenizer's special tokens added (vLLM's: on top of those the template writes)."""
         if self.tokenizer.chat_template is None:
             raise APIError(400, NO_CHAT_TEMPLATE, param="messages")
         try:
-            return chat_token_ids(self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
-                                  continue_final_message=continue_final_message, tools=tools,
-                                  **(template_kwargs or {}))
+            options = dict(add_generation_prompt=add_generation_prompt, tools=tools,
+                           continue_final_message=continue_final_message, **(template_kwargs or {}))
+            if add_special_tokens:
+                return self.text_ids(self.tokenizer.apply_chat_template(messages, tokenize=False, **options))
+            return chat_token_ids(self.tokenizer, messages, **options)
         except Exception as e:      # the caller's variables broke the template: their error, a 400
             if not template_kwargs:
                 raise
@@ -81,7 +84,16 @@ class Prompts:
         """The token ids of a chat as /tokenize counts them: its messages and tools through the
         chat template (``add_generation_prompt`` as asked), nothing dropped."""
         return self.render([m.for_template() for m in body.messages], body.add_generation_prompt,
-                           body.template_tools(), body.continue_final_message, body.chat_template_kwargs)
+                           body.template_tools(), body.continue_final_message, body.chat_template_kwargs,
+                           bool(body.add_special_tokens))
+
+    def tokenize_ids(self, body) -> list[int]:
+        """``/tokenize``: a prompt's ids (special tokens added unless ``add_special_tokens`` is
+        false) or a chat's (:meth:`chat_ids`; added only when it is true), as the generation
+        routes compute them by default."""
+        if body.messages is None:
+            return self.text_ids(body.prompt, body.add_special_tokens is not False)
+        return self.chat_ids(body)
 
     def fit_chat(self, body: ChatRequest, principal):
         """The chat's prompt, with the oldest turns dropped when the tenant's
@@ -91,7 +103,7 @@ class Prompts:
         limit = self.context - want if principal.config.context_overflow == "truncate_oldest" else 10**12
         return truncate_oldest(messages, lambda msgs: self.render(
             msgs, body.add_generation_prompt, tools, body.continue_final_message,
-            body.chat_template_kwargs), limit)
+            body.chat_template_kwargs, body.add_special_tokens), limit)
 
     def echo_texts(self, body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
         """The text ``echo`` puts before each prompt's choices: the prompt as sent, or its

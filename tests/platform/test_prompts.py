@@ -158,3 +158,30 @@ def test_chat_template_kwargs_reach_the_template_on_chat_and_tokenize():
     tokenizer.chat_template += "{{ thinking + 1 }}"             # a variable of the wrong type
     broken = ChatRequest(model="m", messages=messages, chat_template_kwargs={"thinking": "yes"})
     assert refused(own.fit_chat, broken, tenant()).param == "chat_template_kwargs"
+
+
+def test_add_special_tokens_as_vllm_a_text_prompt_gets_them_a_chat_only_when_asked():
+    """A tokenizer that puts BOS (<s>, id 257) before a text, as Llama's does: completions add
+    it unless ``add_special_tokens`` is false; chat leaves it to the template unless true
+    (then it is added on top, as vLLM's); /tokenize follows the route it stands for."""
+    from tokenizers import processors
+
+    from kvharbor.platform.openai_protocol import TokenizeRequest
+
+    tokenizer = byte_tokenizer()
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", 257)])
+    own = Prompts(tokenizer, 4096)
+    assert own.completion_ids(completion(prompt="ab")) == [[257, 97, 98]]
+    assert own.completion_ids(completion(prompt="ab", add_special_tokens=False)) == [[97, 98]]
+    assert own.completion_ids(completion(prompt=[97, 98], add_special_tokens=True)) == [[97, 98]]
+    messages = [{"role": "user", "content": "hi"}]
+    chat = ChatRequest(model="m", messages=messages)
+    templated = own.fit_chat(chat, tenant()).token_ids
+    assert templated[0] != 257 and templated == own.render(messages)
+    with_bos = own.fit_chat(chat.model_copy(update={"add_special_tokens": True}), tenant()).token_ids
+    assert with_bos == [257, *templated]
+    assert own.tokenize_ids(TokenizeRequest(model="m", prompt="ab")) == [257, 97, 98]
+    assert own.tokenize_ids(TokenizeRequest(model="m", prompt="ab", add_special_tokens=False)) == [97, 98]
+    assert own.tokenize_ids(TokenizeRequest(model="m", messages=messages)) == templated
+    assert own.tokenize_ids(TokenizeRequest(model="m", messages=messages, add_special_tokens=True)) == with_bos
