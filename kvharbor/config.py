@@ -19,6 +19,17 @@ KvCacheDtype = Annotated[str, BeforeValidator(lambda v: "fp8_e4m3" if v == "fp8"
 """A KV cache dtype; vLLM's ``fp8`` is read as ``fp8_e4m3``."""
 
 
+def json_option(value, name: str, example: str):
+    """An option given as JSON text (the ``serve run`` command line), parsed; any other value as
+    it is. Raises ValueError naming the option ``name`` and showing ``example``."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{name} takes JSON, e.g. {example}: {e}") from None
+
+
 class QoSSpec(BaseModel):
     """What the engine needs to know about a QoS class."""
 
@@ -73,14 +84,7 @@ class SpeculativeConfig(BaseModel):
     @classmethod
     def parse(cls, value):
         """A JSON string (the ``serve run`` command line, vLLM's ``--speculative-config``) as a dict."""
-        if isinstance(value, str):
-            try:
-                return json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f'speculative_config takes JSON, e.g. {{"method": "ngram", '
-                                 f'"num_speculative_tokens": 4}}: {e}') from None
-        return value
-
+        return json_option(value, "speculative_config", '{"method": "ngram", "num_speculative_tokens": 4}')
 
 
 # EngineConfig's and PlatformConfig's field: a SpeculativeConfig, its dict, or its JSON.
@@ -114,6 +118,11 @@ ModelLength = Annotated[int | None, BeforeValidator(_human_int)]
 
 # EngineConfig's and PlatformConfig's field: a Jinja file's path or the template, kept as its text.
 ChatTemplateOption = Annotated[str | None, AfterValidator(chat_template_text)]
+CHAT_TEMPLATE_DOC = ("The chat template (vLLM's --chat-template): a Jinja file's path or the template "
+                     "itself, instead of the tokenizer's (None: the tokenizer's own).")
+
+
+# EngineConfig's and PlatformConfig's fields: where default sampling comes from.
 GENERATION_CONFIG_DOC = ("Where requests' default sampling parameters come from (vLLM's --generation-config): "
                          "'auto' (the model's generation_config.json: temperature, top_p, top_k, min_p, "
                          "the penalties and max_new_tokens as max_tokens), 'vllm' (the neutral values) "
@@ -121,23 +130,9 @@ GENERATION_CONFIG_DOC = ("Where requests' default sampling parameters come from 
 OVERRIDE_GENERATION_CONFIG_DOC = ("Default sampling parameters that replace or add to the generation "
                                   "config's (vLLM's --override-generation-config), e.g. "
                                   "{\"temperature\": 0.5}; JSON on the command line.")
+OverrideOption = Annotated[dict[str, float | int], BeforeValidator(
+    lambda v: json_option(v, "override_generation_config", '{"temperature": 0.5}'))]
 
-
-def _json_dict(value):
-    """A dict given as JSON text (the ``serve run`` command line), or the dict itself."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f'expected a JSON object, e.g. {{"temperature": 0.5}}: {e}') from None
-    return value
-
-
-OverrideOption = Annotated[dict[str, float | int], BeforeValidator(_json_dict)]
-
-
-CHAT_TEMPLATE_DOC = ("The chat template (vLLM's --chat-template): a Jinja file's path or the template "
-                     "itself, instead of the tokenizer's (None: the tokenizer's own).")
 
 class EngineConfig(BaseModel):
     """Engine settings; the ``LLM`` keyword arguments of the same names."""

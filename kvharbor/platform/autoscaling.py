@@ -25,8 +25,9 @@ test_autoscaling.py`` and ``serve run`` with premium HTTP traffic): a second rep
 
 from __future__ import annotations
 
-import json
 from typing import Any
+
+from kvharbor.config import json_option
 
 DIRECT_STREAMS = "kvharbor_direct_streams"
 """The custom autoscaling metric: direct streams open on a replica."""
@@ -59,12 +60,7 @@ def parse(value: Any) -> dict | None:
     """
     if value is None:
         return None
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f'autoscaling takes JSON, e.g. {{"min_replicas": 1, "max_replicas": 4}}: '
-                             f"{e}") from None
+    value = json_option(value, "autoscaling", '{"min_replicas": 1, "max_replicas": 4}')
     if not isinstance(value, dict):
         raise ValueError(f"autoscaling takes an object of Serve's autoscaling_config fields, "
                          f"got {type(value).__name__}")

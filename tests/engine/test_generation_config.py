@@ -66,7 +66,7 @@ def test_a_generation_config_the_engine_cannot_use_is_refused_at_start(tmp_path,
 def test_serve_runs_override_generation_config_takes_json():
     cfg = PlatformConfig(override_generation_config='{"temperature": 0.5, "top_k": 4}')
     assert cfg.override_generation_config == {"temperature": 0.5, "top_k": 4}
-    with pytest.raises(ValidationError, match="expected a JSON object"):
+    with pytest.raises(ValidationError, match="override_generation_config takes JSON"):
         PlatformConfig(override_generation_config="temperature=0.5")
 
 
