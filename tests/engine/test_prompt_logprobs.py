@@ -14,9 +14,11 @@ from .conftest import random_prompt
 
 
 def reference(llm: LLM, prompt: list[int]) -> torch.Tensor:
-    """transformers' log-softmax at every prompt position ``[len(prompt), V]``."""
+    """transformers' log-softmax at every prompt position ``[len(prompt), V]`` (on the CPU),
+    from the engine's own weights (on its device)."""
+    ids = torch.tensor([prompt], device=llm.hf_model.device)
     with torch.inference_mode():
-        return torch.log_softmax(llm.hf_model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+        return torch.log_softmax(llm.hf_model(ids).logits[0].float(), dim=-1).cpu()
 
 
 TOL = 5e-4
