@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
@@ -245,6 +245,13 @@ class PlatformConfig(BaseModel):
         return [n.strip() for n in value.split(",")] if isinstance(value, str) else value
 
     @model_validator(mode="after")
+    def _auto_tools_need_a_parser(self):
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser (hermes): the format "
+                             "the model writes its calls in")
+        return self
+
+    @model_validator(mode="after")
     def _names_distinct(self):
         names = self.served_model_name or []
         if any(not n for n in names) or len(set(names)) != len(names):
@@ -254,6 +261,12 @@ class PlatformConfig(BaseModel):
                              "a request's model must say which it means")
         return self
     chat_template: ChatTemplateOption = Field(None, description=CHAT_TEMPLATE_DOC)
+    enable_auto_tool_choice: bool = Field(False, description='Serve tool_choice "auto" (the default '
+                                          'when a chat sends tools): the model answers text or calls in its '
+                                          'own format, read by tool_call_parser (vLLM\'s flag).')
+    tool_call_parser: Literal["hermes"] | None = Field(None, description="The model's tool-call format "
+                                                       "(vLLM's flag): hermes, <tool_call>{json}</tool_call> "
+                                                       "blocks (Qwen2.5, Qwen3, Hermes).")
     generation_config: str = Field("auto", description=GENERATION_CONFIG_DOC)
     override_generation_config: OverrideOption = Field(default_factory=dict,
                                                        description=OVERRIDE_GENERATION_CONFIG_DOC)

@@ -63,6 +63,7 @@ from kvharbor.platform.premium_lane import check_lane, listening_socket, start_s
 from kvharbor.platform.protocol import GenerateRequest
 from kvharbor.platform.prompts import Prompts
 from kvharbor.platform.structured_request import parse_problem
+from kvharbor.platform.tool_calls import AUTO_NEEDS_PARSER
 from kvharbor.platform.served_models import ServedModels
 from kvharbor.platform.sessions_api import (SESSION_HEADER, ForkRequest, check_session_id,
                                             FlushRequest, end_session_everywhere,
@@ -210,6 +211,7 @@ class Gateway:
         self.served = ServedModels(self.model, config.get("lora_modules"), self.registry, self.context,
                                    config.get("served_model_name"))
         self.prompts = Prompts(self.tokenizer, self.context, config.get("sampling_defaults"))
+        self.tool_parser = config.get("tool_call_parser")      # tool_choice "auto" (None: refused)
         self.block_size = config["block_size"]
         # The replicas' chain root, computed the same way from the model's files (no weights
         # loaded), so the routing hashes here equal the hashes replicas report.
@@ -453,6 +455,9 @@ class Gateway:
         await self.admitter.early(principal, rid)
         marks["queued"] = time.perf_counter()
         try:
+            tools = body.tool_mode() if chat else None
+            if tools == "auto" and self.tool_parser is None:
+                raise APIError(400, AUTO_NEEDS_PARSER, param="tool_choice")
             prompts = await self.prompts.off_loop(tokenize, size)
             if body.truncate_prompt_tokens:
                 prompts = [ids[-body.truncate_prompt_tokens:] for ids in prompts]
@@ -476,7 +481,8 @@ class Gateway:
                     "stop_token_ids": body.stop_token_ids or [],
                     "ignore_eos": body.ignore_eos, "include_stop_str_in_output": body.include_stop_str_in_output,
                     "allowed_token_ids": body.allowed_token_ids, "bad_words": body.bad_words,
-                    "skip_special_tokens": body.skip_special_tokens,
+                    # a model's call tags may be special tokens: the parser reads them (as vLLM's)
+                    "skip_special_tokens": body.skip_special_tokens and tools != "auto",
                     "logprobs": logprobs, "min_tokens": body.min_tokens,
                     "logit_bias": body.logit_bias,
                     "structured_outputs": body.structured()}
@@ -499,7 +505,7 @@ class Gateway:
                     caller=self.caller, stream_interval=principal.qos.stream_interval if body.stream else 0))
         run = GenerationRun(self, siblings, principal, ticket, chat, self.served.answered_name(body.model),
                             logprobs, marks, choices_per_prompt=body.n, echo=echo or None, prompt_only=prompt_only,
-                            tool_mode=body.tool_mode() if chat else None)
+                            tool_mode=tools)
         headers = {SESSION_HEADER: session_id} if session_id else {}
         dropped = (truncated or {}).get("tokens", 0)
         if dropped:

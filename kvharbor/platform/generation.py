@@ -41,7 +41,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.context import _serve_request_context
 
 from kvharbor.platform import openai_shapes as shapes
-from kvharbor.platform import tool_calls
+from kvharbor.platform import tool_calls, tool_parsers
 from kvharbor.platform.direct_stream import DirectStream
 from kvharbor.platform.error_body import APIError, error_type
 from kvharbor.platform.router import KVAwareRouter
@@ -105,6 +105,7 @@ class Choice:
     last_token_at: float | None = None
     echoed: bool = False
     call_id: str | None = None        # a streamed named function call's id, once its first delta went out
+    parser: tool_parsers.StreamParser | None = None     # tool_choice "auto": the calls in its stream
 
 
 class GenerationRun:
@@ -122,7 +123,8 @@ class GenerationRun:
         tool_mode: chat's function calling (``tool_calls.tool_mode``): each choice's text is
             the constrained call(s), answered as ``message.tool_calls`` (a stream sends them in
             a named function's arguments as they come, ``required``'s calls in one delta when
-            the choice ends); None: text.
+            the choice ends); ``auto``: the model's text, its calls read by the parser
+            (``tool_parsers``); None: text.
     """
 
     def __init__(self, gateway, requests, principal, ticket, chat: bool, model: str,
@@ -350,15 +352,19 @@ class GenerationRun:
 
     def _final_choice(self, index: int, c) -> dict:
         text, logprobs = "".join(c.text), shapes.merge_logprobs(c.logprobs, self.chat)
-        calls = self._calls(text, c.finish_reason)
+        content, calls = self._calls(text, c.finish_reason)
         if calls is None:
             return shapes.choice(index, text, c.finish_reason, self.chat, final=True, logprobs=logprobs)
-        return shapes.tool_choice(index, calls, self._tool_reason(c.finish_reason), logprobs=logprobs)
+        return shapes.tool_choice(index, calls, self._tool_reason(c.finish_reason), logprobs, content)
 
-    def _calls(self, text: str, reason: str) -> list[dict] | None:
-        """A finished choice's ``tool_calls`` (None: its text is the answer, e.g. not a tool
-        call, aborted, or a list of calls ``max_tokens`` cut short)."""
-        return tool_calls.calls_of(text, self.tool_mode) if self.tool_mode and reason != "abort" else None
+    def _calls(self, text: str, reason: str) -> tuple[str | None, list[dict] | None]:
+        """A finished choice's content and ``tool_calls`` (None: its text is the answer, e.g.
+        not a tool call, aborted, or a list of calls ``max_tokens`` cut short)."""
+        if not self.tool_mode or reason == "abort":
+            return text, None
+        if self.tool_mode == "auto":
+            return tool_parsers.parse(text)
+        return None, tool_calls.calls_of(text, self.tool_mode)
 
     def _tool_chunk(self, index: int, text: str, event: dict, part: dict | None) -> dict | None:
         """A stream's chunk for a tool-calling choice. A named function: its arguments as they
@@ -366,6 +372,8 @@ class GenerationRun:
         choice ends (its text and logprobs are kept), then its calls, or its text when
         ``max_tokens`` cut them short."""
         choice, reason = self.choices[index], self._finish_reason(event)
+        if self.tool_mode == "auto":
+            return self._auto_chunk(index, choice, text, reason, part)
         if self.tool_mode != "required":
             call = {"index": 0, "function": {"arguments": text}}
             if choice.call_id is None:
@@ -379,17 +387,35 @@ class GenerationRun:
         if reason is None:
             return None
         whole, logprobs = "".join(choice.text), shapes.merge_logprobs(choice.logprobs, True)
-        calls = self._calls(whole, reason)
+        _, calls = self._calls(whole, reason)
         if calls is None:
             return shapes.choice(index, whole, reason, True, final=False, logprobs=logprobs)
         return shapes.tool_delta(index, [{"index": i, **c} for i, c in enumerate(calls)],
                                  self._tool_reason(reason), logprobs)
 
+    def _auto_chunk(self, index: int, choice: Choice, text: str, reason: str | None,
+                    part: dict | None) -> dict | None:
+        """A stream's chunk for ``tool_choice: "auto"``: the content so far, each call once its
+        block closes (``tool_parsers.StreamParser``); None while the text is held back (its
+        logprobs go out with the next chunk)."""
+        choice.parser = choice.parser or tool_parsers.StreamParser()
+        content, calls = choice.parser.feed(text, last=reason is not None)
+        if part is not None:
+            choice.logprobs.append(part)
+        if not content and not calls and reason is None:
+            return None
+        first = choice.parser.calls - len(calls)
+        logprobs, choice.logprobs = shapes.merge_logprobs(choice.logprobs, True), []
+        if reason not in (None, "abort") and choice.parser.calls:
+            reason = self._tool_reason(reason)
+        return shapes.tool_delta(index, [{"index": first + i, **c} for i, c in enumerate(calls)], reason,
+                                 logprobs, content)
+
     def _tool_reason(self, reason: str) -> str:
         """OpenAI's finish reason of an answer of tool calls: ``tool_calls`` when the model
-        chose them (``required``), else the engine's (a named function: ``stop``, or
-        ``length`` when ``max_tokens`` cut its arguments)."""
-        return "tool_calls" if self.tool_mode == "required" else reason
+        chose them (``required``, or calls in an ``auto`` answer), else the engine's (a named
+        function: ``stop``, or ``length`` when ``max_tokens`` cut its arguments)."""
+        return "tool_calls" if self.tool_mode in ("required", "auto") else reason
 
     def _finish_reason(self, event: dict) -> str | None:
         reason = event.get("finish_reason")
@@ -484,7 +510,7 @@ class GenerationRun:
                                        for i in range(len(self.reqs))], continuous_usage)
                 started = True
                 text, part = self._answer(index, event)
-                if self.tool_mode is not None:          # calls, not content (see _tool_chunk)
+                if self.tool_mode is not None:          # calls (see _tool_chunk)
                     chunk = self._tool_chunk(index, text, event, part)
                     if chunk is not None:
                         yield self._chunk([chunk], continuous_usage)

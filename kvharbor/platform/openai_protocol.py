@@ -355,7 +355,7 @@ class ChatRequest(_Common):
     store: unsupported(bool | None, False) = Field(None, description="Not supported: only false or null.")
     metadata: unsupported(dict[str, str] | None, {}) = Field(None, description="Not supported: only {} or null.")
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS, description=f"Functions the model may call (at most {MAX_TOOLS}); shown to the chat template.")
-    tool_choice: ToolChoice | None = Field(None, validate_default=True, description='A named function ({"type": "function", "function": {"name"}}: the answer is its arguments) or "required" (one or more calls of the tools), answered as message.tool_calls; "none": a text answer. "auto" (the default with tools) is not supported: it needs a parser of the model\'s own tool-call format.')
+    tool_choice: ToolChoice | None = Field(None, validate_default=True, description='A named function ({"type": "function", "function": {"name"}}: the answer is its arguments), "required" (one or more calls of the tools) or "auto" (the default with tools: text or calls in the model\'s own format, with a server started with enable_auto_tool_choice and tool_call_parser), answered as message.tool_calls; "none": a text answer.')
     functions: EmptyList = Field(None, description="Not supported: only [] or null.")
     function_call: unsupported(str | dict | None, "none") = Field(None, description='Not supported: only "none" or null.')
     audio: NullOnlyDict = Field(None, description="Not supported: only null.")
@@ -375,12 +375,13 @@ class ChatRequest(_Common):
         return value
 
     def tool_mode(self) -> str | None:
-        """``"required"``, the named function, or None (a text answer): see ``tool_calls``."""
+        """``"auto"``, ``"required"``, the named function, or None (a text answer): see
+        ``tool_calls``."""
         return tool_mode(self.tools, self.tool_choice)
 
     def structured(self) -> dict | None:
         mode, asked = self.tool_mode(), super().structured()
-        if mode is None:
+        if mode in (None, "auto"):
             return asked
         if asked is not None:
             raise ValueError("tool calls (tool_choice) cannot be combined with response_format or structured_outputs")

@@ -97,12 +97,18 @@ def choice(index: int, text: str, finish_reason: str | None, chat: bool, final: 
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def tool_choice(index: int, calls: list[dict], finish_reason: str, logprobs: dict | None = None) -> dict:
-    """A response's chat choice whose answer is ``calls`` (``message.tool_calls``), content null."""
-    return {"index": index, "message": {"role": "assistant", "content": None, "tool_calls": calls},
+def tool_choice(index: int, calls: list[dict], finish_reason: str, logprobs: dict | None = None,
+                content: str | None = None) -> dict:
+    """A response's chat choice whose answer is ``calls`` (``message.tool_calls``), with the
+    ``content`` the model wrote before them (null: none)."""
+    return {"index": index, "message": {"role": "assistant", "content": content, "tool_calls": calls},
             "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def tool_delta(index: int, calls: list[dict], finish_reason: str | None, logprobs: dict | None = None) -> dict:
-    """A streamed chat choice carrying ``delta.tool_calls`` (each numbered by its ``index``)."""
-    return {"index": index, "delta": {"tool_calls": calls}, "logprobs": logprobs, "finish_reason": finish_reason}
+def tool_delta(index: int, calls: list[dict], finish_reason: str | None, logprobs: dict | None = None,
+               content: str | None = None) -> dict:
+    """A streamed chat choice carrying ``delta.tool_calls`` (each numbered by its ``index``;
+    none: left out) and ``delta.content`` when there is some."""
+    delta = {"content": content} if content or not calls else {}
+    return {"index": index, "delta": {**delta, **({"tool_calls": calls} if calls else {})},
+            "logprobs": logprobs, "finish_reason": finish_reason}

@@ -4,8 +4,9 @@ function (``tool_choice: {"type": "function", "function": {"name"}}``) or to a l
 of the given tools (``tool_choice: "required"``), and comes back as ``message.tool_calls``.
 
 ``tool_choice: "none"`` shows the tools to the chat template and answers text. ``"auto"`` (the
-default with tools) needs a parser that tells a tool call from text in a model's own format,
-which kvharbor does not have: it is a 400 naming ``tool_choice``. History messages may carry
+default with tools) lets the model answer text or calls in its own format, told apart by a
+parser (``tool_parsers``; the server's ``tool_call_parser``); without one it is a 400 naming
+``tool_choice``. History messages may carry
 the assistant's ``tool_calls`` and the ``tool`` role's ``tool_call_id``; the template gets the
 arguments as objects, as vLLM hands them over.
 """
@@ -69,21 +70,24 @@ def _arguments_schema(tool: Tool) -> dict:
     return tool.function.parameters or {"type": "object"}
 
 
+AUTO_NEEDS_PARSER = ('tool_choice "auto" (the default with tools) needs a parser of the model\'s own '
+                     'tool-call format: start the server with enable_auto_tool_choice=true '
+                     'tool_call_parser=hermes (vLLM\'s flags), or send "required", '
+                     '{"type": "function", "function": {"name": ...}} or "none"')
+
+
 def tool_mode(tools: list[Tool] | None, choice: ToolChoice | None) -> str | None:
-    """``"required"``, the named function, or None (an answer in text). Raises ValueError for a
-    choice that cannot be served."""
+    """``"auto"`` (the model's own calls, read by a parser: ``tool_parsers``), ``"required"``,
+    the named function, or None (an answer in text). Raises ValueError for a choice that
+    cannot be served."""
     if choice is None:
         choice = "auto" if tools else "none"
     if choice == "none":
         return None
     if not tools:
         raise ValueError("tool_choice needs tools: send the functions in tools")
-    if choice == "auto":
-        raise ValueError('tool_choice "auto" (the default with tools) needs a parser of the model\'s own '
-                         'tool-call format, which kvharbor does not have: send "required", '
-                         '{"type": "function", "function": {"name": ...}} or "none"')
-    if choice == "required":
-        return "required"
+    if choice in ("auto", "required"):
+        return choice
     names = [t.function.name for t in tools]
     if choice.function.name not in names:
         raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools {names}")

@@ -31,17 +31,18 @@ class FailingStream(Stream):
 
 
 def _run(stream_of, n: int = 1, principal=None, tool_mode: str | None = None, chat: bool = False,
-         **gateway) -> generation.GenerationRun:
+         logprobs: int | None = None, **gateway) -> generation.GenerationRun:
     """A run of ``n`` choices of one prompt; each replica call answers with the ``Stream``
     class ``stream_of(request)`` returns. ``gateway``: fields of the fake gateway (metrics
     default to none). ``tool_mode``: a chat run calling that function (or ``required``);
-    ``chat``: a chat run without tools."""
+    ``chat``: a chat run without tools; ``logprobs``: the request's (the fake gateway then
+    needs a ``tokenizer``)."""
     replicas = Replicas()
     replicas.remote = lambda request, replica_id=None: stream_of(request)(replicas.log, request,
                                                                           replica_id or "replica-0")
     gw = SimpleNamespace(**{"llm": replicas, "metrics": NoMetrics(), **gateway})
     return generation.GenerationRun(gw, _batch([[1, 2, 3]], n=n), principal, None, chat=chat or tool_mode is not None,
-                                    model="m", tool_mode=tool_mode)
+                                    model="m", logprobs=logprobs, tool_mode=tool_mode)
 
 
 def _answering_run(stream_of, slo_ms: float | None = None, **kw) -> generation.GenerationRun:

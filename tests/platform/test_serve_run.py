@@ -133,7 +133,10 @@ def test_serve_run_serves_a_local_checkpoint_as_the_offline_engine_does(tmp_path
     tokens): a chat that sets none is answered as the offline engine's default sampling
     answers it, and the fields a request sets win. It is served as ``served_model_name=
     tiny-qwen3,qwen3-alias`` (vLLM's): requests name either, answers carry the first, and
-    the checkpoint's path is a 404."""
+    the checkpoint's path is a 404. Started with ``enable_auto_tool_choice=true
+    tool_call_parser=hermes`` (vLLM's), a chat that sends tools (``tool_choice`` "auto" by
+    default) is served: this model writes no call, so the answer is its text, special tokens
+    kept (as vLLM's hermes parser asks)."""
     from kvharbor import LLM, SamplingParams
     from kvharbor.engine.model_info import model_context_length
     from tests.engine.test_chat_template import TEMPLATE
@@ -152,7 +155,8 @@ def test_serve_run_serves_a_local_checkpoint_as_the_offline_engine_does(tmp_path
     env = {**_fresh_shell_env(), "KVHARBOR_HTTP_PORT": str(port), "KVHARBOR_METRICS_PORT": "18186"}
     proc, lines, _, _, reader = _serve_run(["kvharbor:build_app", f"model={checkpoint}", "replicas=1",
                                             f"chat_template={template}", "max_model_len=384",
-                                            "served_model_name=tiny-qwen3,qwen3-alias"],
+                                            "served_model_name=tiny-qwen3,qwen3-alias",
+                                            "enable_auto_tool_choice=true", "tool_call_parser=hermes"],
                                            tmp_path, env)
     base, key = f"http://127.0.0.1:{port}", {"Authorization": "Bearer kvh-demo-standard"}
     greedy = {"max_tokens": 8, "temperature": 0, "ignore_eos": True, "repetition_penalty": 1}
@@ -178,6 +182,9 @@ def test_serve_run_serves_a_local_checkpoint_as_the_offline_engine_does(tmp_path
         by_path = httpx.post(base + "/v1/completions", headers=key, timeout=30,
                              json={"model": checkpoint, "prompt": "Hello"})
         cards = httpx.get(base + "/v1/models", headers=key, timeout=10).json()["data"]
+        auto = httpx.post(base + "/v1/chat/completions", headers=key, timeout=30,
+                          json={"model": "tiny-qwen3", "messages": hi, "tools": TOOLS, **greedy,
+                                "logit_bias": {"257": 100}}).json()          # <s>, a special token
     finally:
         stopped = _stop(proc)
         reader.join(timeout=30)
@@ -195,7 +202,14 @@ def test_serve_run_serves_a_local_checkpoint_as_the_offline_engine_does(tmp_path
     assert by_path.status_code == 404 and by_path.json()["error"]["code"] == "model_not_found"
     assert model_context_length(checkpoint) == 512              # the model's own
     assert too_long.status_code == 400 and "context of 384 tokens" in too_long.json()["error"]["message"]
+    spoken = llm.chat(hi, SamplingParams(**greedy, skip_special_tokens=False, logit_bias={257: 100}),
+                      chat_template=str(template), tools=TOOLS)[0].outputs[0].text
+    assert spoken == "<s>" * 8                  # kept: a parser must see tags that are special tokens
+    assert auto["choices"][0]["message"] == {"role": "assistant", "content": spoken}, auto
     assert stopped, "".join(lines)[-3000:]
+
+
+TOOLS = [{"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}]
 
 
 def _fresh_shell_env() -> dict[str, str]:

@@ -76,9 +76,9 @@ def test_a_named_function_constrains_to_its_arguments_and_required_to_a_list_of_
 def test_which_tool_choices_can_be_served():
     tools = [Tool.model_validate(t) for t in TOOLS]
     named = NamedToolChoice.model_validate({"type": "function", "function": {"name": "get_weather"}})
-    assert (tool_mode(tools, "required"), tool_mode(tools, named), tool_mode(tools, "none"), tool_mode(None, None)) == (
-        "required", "get_weather", None, None)
-    for choice_tools, choice, why in ((tools, None, '"auto"'), (tools, "auto", '"auto"'), (None, "required", "needs tools"),
+    assert (tool_mode(tools, "required"), tool_mode(tools, named), tool_mode(tools, "none"), tool_mode(None, None),
+            tool_mode(tools, "auto"), tool_mode(tools, None)) == ("required", "get_weather", None, None, "auto", "auto")
+    for choice_tools, choice, why in ((None, "auto", "needs tools"), (None, "required", "needs tools"),
                                       (tools, NamedToolChoice.model_validate({"type": "function", "function": {"name": "x"}}),
                                        "'x', which is not among")):
         with pytest.raises(ValueError, match=why):
