@@ -267,6 +267,10 @@ class PlatformConfig(BaseModel):
     tool_call_parser: Literal["hermes"] | None = Field(None, description="The model's tool-call format "
                                                        "(vLLM's flag): hermes, <tool_call>{json}</tool_call> "
                                                        "blocks (Qwen2.5, Qwen3, Hermes).")
+    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(None, description="A thinking model's "
+                                                                 "reasoning apart (vLLM's flag): each chat "
+                                                                 "message's reasoning field holds what it wrote "
+                                                                 "inside <think>...</think>.")
     generation_config: str = Field("auto", description=GENERATION_CONFIG_DOC)
     override_generation_config: OverrideOption = Field(default_factory=dict,
                                                        description=OVERRIDE_GENERATION_CONFIG_DOC)

@@ -119,6 +119,7 @@ def build_app(args: dict | None = None):
               "sampling_defaults": defaults, "max_model_len": cfg.max_model_len,
               "served_model_name": cfg.served_model_name,
               "tool_call_parser": cfg.tool_call_parser if cfg.enable_auto_tool_choice else None,
+              "reasoning_parser": cfg.reasoning_parser,
               "tenants": tenants, "block_size": cfg.block_size,
               "max_body_bytes": cfg.max_body_bytes, "overload_lag_ms": cfg.overload_lag_ms,
               "premium_port": cfg.premium_port, "direct_streams": cfg.uses_direct_streams}

@@ -212,6 +212,7 @@ class Gateway:
                                    config.get("served_model_name"))
         self.prompts = Prompts(self.tokenizer, self.context, config.get("sampling_defaults"))
         self.tool_parser = config.get("tool_call_parser")      # tool_choice "auto" (None: refused)
+        self.reasoning_parser = config.get("reasoning_parser")
         self.block_size = config["block_size"]
         # The replicas' chain root, computed the same way from the model's files (no weights
         # loaded), so the routing hashes here equal the hashes replicas report.
@@ -442,6 +443,15 @@ class Gateway:
         return {"object": "cache.flush", **filt, **await flush_everywhere(self.llm, salts, tenants)}
 
     # ---- generation ----------------------------------------------------------------------
+    def _reasoning(self, body, tools: str | None) -> tuple[str, bool] | None:
+        """A chat's reasoning parser and whether its model thinks (``chat_template_kwargs``'
+        ``enable_thinking``, Qwen3's switch). None without a parser, and for answers constrained
+        from their first token (structured outputs, a named function, ``required``): they hold
+        no reasoning to take apart."""
+        if self.reasoning_parser is None or tools not in (None, "auto") or body.structured() is not None:
+            return None
+        return self.reasoning_parser, (body.chat_template_kwargs or {}).get("enable_thinking", True) is not False
+
     async def _serve(self, principal, body, tokenize, chat: bool, marks: dict[str, float],
                      session_id: str | None = None, truncated: dict | None = None,
                      size: int | None = None):
@@ -505,7 +515,7 @@ class Gateway:
                     caller=self.caller, stream_interval=principal.qos.stream_interval if body.stream else 0))
         run = GenerationRun(self, siblings, principal, ticket, chat, self.served.answered_name(body.model),
                             logprobs, marks, choices_per_prompt=body.n, echo=echo or None, prompt_only=prompt_only,
-                            tool_mode=tools)
+                            tool_mode=tools, reasoning=self._reasoning(body, tools) if chat else None)
         headers = {SESSION_HEADER: session_id} if session_id else {}
         dropped = (truncated or {}).get("tokens", 0)
         if dropped:

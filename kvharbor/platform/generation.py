@@ -41,7 +41,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.context import _serve_request_context
 
 from kvharbor.platform import openai_shapes as shapes
-from kvharbor.platform import tool_calls, tool_parsers
+from kvharbor.platform import reasoning, tool_calls, tool_parsers
 from kvharbor.platform.direct_stream import DirectStream
 from kvharbor.platform.error_body import APIError, error_type
 from kvharbor.platform.router import KVAwareRouter
@@ -106,6 +106,7 @@ class Choice:
     echoed: bool = False
     call_id: str | None = None        # a streamed named function call's id, once its first delta went out
     parser: tool_parsers.StreamParser | None = None     # tool_choice "auto": the calls in its stream
+    thinker: reasoning.ReasoningStream | None = None    # a reasoning parser: the reasoning in its stream
 
 
 class GenerationRun:
@@ -125,12 +126,15 @@ class GenerationRun:
             a named function's arguments as they come, ``required``'s calls in one delta when
             the choice ends); ``auto``: the model's text, its calls read by the parser
             (``tool_parsers``); None: text.
+        reasoning: a chat's reasoning parser and whether the model thinks (``reasoning``):
+            each message's ``reasoning`` apart from its content; None: no parser.
     """
 
     def __init__(self, gateway, requests, principal, ticket, chat: bool, model: str,
                  logprobs: int | None = None, marks: dict[str, float] | None = None,
                  choices_per_prompt: int | None = None, echo: list[str] | None = None,
-                 prompt_only: bool = False, tool_mode: str | None = None) -> None:
+                 prompt_only: bool = False, tool_mode: str | None = None,
+                 reasoning: tuple[str, bool] | None = None) -> None:
         self.gw, self.reqs, self.principal, self.ticket = gateway, requests, principal, ticket
         self.req = requests[0]
         self.per_prompt = choices_per_prompt or len(requests)
@@ -154,7 +158,7 @@ class GenerationRun:
         self._replica_of: dict[int, str] = {}      # leader index -> the replica serving it
         self._finished = False
         self._text_of = shapes.TokenText(gateway.tokenizer) if self.want_logprobs else None
-        self.echo, self.prompt_only, self.tool_mode = echo, prompt_only, tool_mode
+        self.echo, self.prompt_only, self.tool_mode, self.reasoning = echo, prompt_only, tool_mode, reasoning
         self._prompt_lps: dict[int, list] = {}     # leader index -> its prompt's scored tokens
 
     # ---- replica events --------------------------------------------------------------------
@@ -352,15 +356,22 @@ class GenerationRun:
 
     def _final_choice(self, index: int, c) -> dict:
         text, logprobs = "".join(c.text), shapes.merge_logprobs(c.logprobs, self.chat)
+        said = None
+        if self.reasoning is not None:
+            said, text = reasoning.split(text, *self.reasoning)
         content, calls = self._calls(text, c.finish_reason)
         if calls is None:
-            return shapes.choice(index, text, c.finish_reason, self.chat, final=True, logprobs=logprobs)
-        return shapes.tool_choice(index, calls, self._tool_reason(c.finish_reason), logprobs, content)
+            out = shapes.choice(index, text, c.finish_reason, self.chat, final=True, logprobs=logprobs)
+        else:
+            out = shapes.tool_choice(index, calls, self._tool_reason(c.finish_reason), logprobs, content)
+        if self.reasoning is not None:
+            out["message"]["reasoning"] = said
+        return out
 
-    def _calls(self, text: str, reason: str) -> tuple[str | None, list[dict] | None]:
+    def _calls(self, text: str | None, reason: str) -> tuple[str | None, list[dict] | None]:
         """A finished choice's content and ``tool_calls`` (None: its text is the answer, e.g.
         not a tool call, aborted, or a list of calls ``max_tokens`` cut short)."""
-        if not self.tool_mode or reason == "abort":
+        if text is None or not self.tool_mode or reason == "abort":
             return text, None
         if self.tool_mode == "auto":
             return tool_parsers.parse(text)
@@ -372,8 +383,6 @@ class GenerationRun:
         choice ends (its text and logprobs are kept), then its calls, or its text when
         ``max_tokens`` cut them short."""
         choice, reason = self.choices[index], self._finish_reason(event)
-        if self.tool_mode == "auto":
-            return self._auto_chunk(index, choice, text, reason, part)
         if self.tool_mode != "required":
             call = {"index": 0, "function": {"arguments": text}}
             if choice.call_id is None:
@@ -393,23 +402,32 @@ class GenerationRun:
         return shapes.tool_delta(index, [{"index": i, **c} for i, c in enumerate(calls)],
                                  self._tool_reason(reason), logprobs)
 
-    def _auto_chunk(self, index: int, choice: Choice, text: str, reason: str | None,
-                    part: dict | None) -> dict | None:
-        """A stream's chunk for ``tool_choice: "auto"``: the content so far, each call once its
-        block closes (``tool_parsers.StreamParser``); None while the text is held back (its
-        logprobs go out with the next chunk)."""
-        choice.parser = choice.parser or tool_parsers.StreamParser()
-        content, calls = choice.parser.feed(text, last=reason is not None)
+    def _parsed_chunk(self, index: int, text: str, event: dict, part: dict | None) -> dict | None:
+        """A stream's chunk when its text is parsed as it comes: the reasoning apart
+        (``reasoning.ReasoningStream``) and, with ``tool_choice: "auto"``, the content apart
+        from each call, sent once its block closes (``tool_parsers.StreamParser``). None while
+        the text is held back (a possible tag); its logprobs go out with the next chunk."""
+        choice, reason = self.choices[index], self._finish_reason(event)
+        said, calls, last = "", [], reason is not None
+        if self.reasoning is not None:
+            choice.thinker = choice.thinker or reasoning.ReasoningStream(*self.reasoning)
+            said, text = choice.thinker.feed(text, last)
+        if self.tool_mode == "auto":
+            choice.parser = choice.parser or tool_parsers.StreamParser()
+            text, calls = choice.parser.feed(text, last)
         if part is not None:
             choice.logprobs.append(part)
-        if not content and not calls and reason is None:
+        if not (said or text or calls or last):
             return None
-        first = choice.parser.calls - len(calls)
         logprobs, choice.logprobs = shapes.merge_logprobs(choice.logprobs, True), []
-        if reason not in (None, "abort") and choice.parser.calls:
+        made = choice.parser.calls if choice.parser else 0
+        if reason not in (None, "abort") and made:
             reason = self._tool_reason(reason)
-        return shapes.tool_delta(index, [{"index": first + i, **c} for i, c in enumerate(calls)], reason,
-                                 logprobs, content)
+        chunk = shapes.tool_delta(index, [{"index": made - len(calls) + i, **c} for i, c in enumerate(calls)],
+                                  reason, logprobs, text)
+        if said:
+            chunk["delta"] = {"reasoning": said, **({} if chunk["delta"] == {"content": ""} else chunk["delta"])}
+        return chunk
 
     def _tool_reason(self, reason: str) -> str:
         """OpenAI's finish reason of an answer of tool calls: ``tool_calls`` when the model
@@ -510,8 +528,9 @@ class GenerationRun:
                                        for i in range(len(self.reqs))], continuous_usage)
                 started = True
                 text, part = self._answer(index, event)
-                if self.tool_mode is not None:          # calls (see _tool_chunk)
-                    chunk = self._tool_chunk(index, text, event, part)
+                if self.reasoning is not None or self.tool_mode is not None:
+                    chunk = (self._parsed_chunk if self.reasoning is not None or self.tool_mode == "auto"
+                             else self._tool_chunk)(index, text, event, part)
                     if chunk is not None:
                         yield self._chunk([chunk], continuous_usage)
                     continue

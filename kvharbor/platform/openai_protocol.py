@@ -309,7 +309,7 @@ class ChatMessage(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "tool", "developer"] = Field(description="Author role.")
-    content: Text | list[TextPart] | None = Field(None, description="Text, or a list of {type: text, text} parts; null only on an assistant message with tool_calls.")
+    content: Text | list[TextPart] | None = Field(None, description="Text, or a list of {type: text, text} parts; null only on an assistant message with tool_calls or reasoning.")
     name: NullOnlyStr = Field(None, description="Not supported: only null.")
     tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS, description="An assistant message's function calls (as an answer returned them).")
     tool_call_id: str | None = Field(None, max_length=256, description="A tool message: the id of the call it answers.")
@@ -317,11 +317,14 @@ class ChatMessage(BaseModel):
     refusal: NullOnlyStr = Field(None, description="Only null.")
     audio: NullOnlyDict = Field(None, description="Not supported: only null.")
     annotations: EmptyList = Field(None, description="Only [] or null.")
+    reasoning: str | None = Field(None, description="An assistant message's reasoning, as an answer returned it (vLLM's); given to the chat template as reasoning and reasoning_content.")
+    reasoning_content: str | None = Field(None, description="The former name of reasoning (vLLM's, deprecated).")
 
     @model_validator(mode="after")
     def _content_or_calls(self):
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError("content is required (null only on an assistant message with tool_calls)")
+        said = self.reasoning is not None or self.reasoning_content is not None
+        if self.content is None and not (self.role == "assistant" and (self.tool_calls or said)):
+            raise ValueError("content is required (null only on an assistant message with tool_calls or reasoning)")
         if self.tool_calls and self.role != "assistant":
             raise ValueError("only an assistant message carries tool_calls")
         return self
@@ -338,6 +341,8 @@ class ChatMessage(BaseModel):
             out["tool_calls"] = template_calls(self.tool_calls)
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        if (said := self.reasoning if self.reasoning is not None else self.reasoning_content) is not None:
+            out["reasoning"] = out["reasoning_content"] = said
         return out
 
 
@@ -458,7 +463,8 @@ class CompletionResponse(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = Field(description="Always 'assistant'.")
     content: str | None = Field(description="Generated text; null when the answer is tool_calls.")
-    tool_calls: list[ToolCall] | None = Field(None, description="With tool_choice required or a named function: the calls (their arguments as JSON text).")
+    tool_calls: list[ToolCall] | None = Field(None, description="With tool_choice required, a named function, or auto and the model's calls: the calls (their arguments as JSON text).")
+    reasoning: str | None = Field(None, description="With a reasoning parser (server option reasoning_parser): what the model wrote inside <think>...</think> (vLLM's).")
 
 
 class TopLogprob(BaseModel):

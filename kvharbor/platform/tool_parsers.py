@@ -9,7 +9,8 @@ their chat templates use::
 
 Read as vLLM's hermes parser reads it: the calls are every ``<tool_call>`` block (the last may
 be unclosed); the content is the text before the first one (null when empty); if a block is
-not a JSON object with a ``name``, nothing is a call and the whole text is the content.
+not a JSON object with a ``name`` and ``arguments``, nothing is a call and the whole text is
+the content.
 
 A stream sends the content as it comes, holding back only what could be the start of
 ``<tool_call>``, then each call in one delta when its block closes (vLLM sends a call's
@@ -34,9 +35,9 @@ def _call(body: str) -> dict | None:
         obj = json.loads(body)
     except json.JSONDecodeError:
         return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or "arguments" not in obj:
         return None
-    arguments = json.dumps(obj.get("arguments", {}), ensure_ascii=False)
+    arguments = json.dumps(obj["arguments"], ensure_ascii=False)
     return {"id": call_id(), "type": "function", "function": {"name": obj["name"], "arguments": arguments}}
 
 
@@ -68,7 +69,7 @@ class StreamParser:
         if not self.in_calls:
             at = self.held.find(START)
             if at < 0:
-                keep = 0 if last else _partial_start(self.held)
+                keep = 0 if last else tag_overlap(self.held, START)
                 content, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
                 return content, []
             content, self.held, self.in_calls = self.held[:at], self.held[at:], True
@@ -94,9 +95,9 @@ class StreamParser:
         return content, calls
 
 
-def _partial_start(text: str) -> int:
-    """How many of ``text``'s last characters could begin START."""
-    for n in range(min(len(START) - 1, len(text)), 0, -1):
-        if START.startswith(text[-n:]):
+def tag_overlap(text: str, tag: str) -> int:
+    """How many of ``text``'s last characters could begin ``tag`` (what a stream holds back)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
             return n
     return 0

@@ -136,7 +136,9 @@ def test_serve_run_serves_a_local_checkpoint_as_the_offline_engine_does(tmp_path
     the checkpoint's path is a 404. Started with ``enable_auto_tool_choice=true
     tool_call_parser=hermes`` (vLLM's), a chat that sends tools (``tool_choice`` "auto" by
     default) is served: this model writes no call, so the answer is its text, special tokens
-    kept (as vLLM's hermes parser asks)."""
+    kept (as vLLM's hermes parser asks). With ``reasoning_parser=qwen3`` that text is the
+    message's ``reasoning`` (it never closes ``</think>``), unless the chat turns thinking off
+    (``chat_template_kwargs``), as the other chats here do."""
     from kvharbor import LLM, SamplingParams
     from kvharbor.engine.model_info import model_context_length
     from tests.engine.test_chat_template import TEMPLATE
@@ -156,7 +158,8 @@ def test_serve_run_serves_a_local_checkpoint_as_the_offline_engine_does(tmp_path
     proc, lines, _, _, reader = _serve_run(["kvharbor:build_app", f"model={checkpoint}", "replicas=1",
                                             f"chat_template={template}", "max_model_len=384",
                                             "served_model_name=tiny-qwen3,qwen3-alias",
-                                            "enable_auto_tool_choice=true", "tool_call_parser=hermes"],
+                                            "enable_auto_tool_choice=true", "tool_call_parser=hermes",
+                                            "reasoning_parser=qwen3"],
                                            tmp_path, env)
     base, key = f"http://127.0.0.1:{port}", {"Authorization": "Bearer kvh-demo-standard"}
     greedy = {"max_tokens": 8, "temperature": 0, "ignore_eos": True, "repetition_penalty": 1}
@@ -173,10 +176,10 @@ def test_serve_run_serves_a_local_checkpoint_as_the_offline_engine_does(tmp_path
         assert answer is not None, "".join(lines)[-3000:]
         chat = httpx.post(base + "/v1/chat/completions", headers=key, timeout=30,
                           json={"model": "tiny-qwen3", "messages": [{"role": "user", "content": "Hi"}],
-                                **greedy}).json()
+                                **greedy, **NO_THINKING}).json()
         hi = [{"role": "user", "content": "Hi"}]
         unset = httpx.post(base + "/v1/chat/completions", headers=key, timeout=30,
-                           json={"model": "qwen3-alias", "messages": hi}).json()
+                           json={"model": "qwen3-alias", "messages": hi, **NO_THINKING}).json()
         too_long = httpx.post(base + "/v1/completions", headers=key, timeout=30,
                               json={"model": "tiny-qwen3", "prompt": "x" * 380, "max_tokens": 8})
         by_path = httpx.post(base + "/v1/completions", headers=key, timeout=30,
@@ -205,11 +208,14 @@ def test_serve_run_serves_a_local_checkpoint_as_the_offline_engine_does(tmp_path
     spoken = llm.chat(hi, SamplingParams(**greedy, skip_special_tokens=False, logit_bias={257: 100}),
                       chat_template=str(template), tools=TOOLS)[0].outputs[0].text
     assert spoken == "<s>" * 8                  # kept: a parser must see tags that are special tokens
-    assert auto["choices"][0]["message"] == {"role": "assistant", "content": spoken}, auto
+    # thinking (Qwen3's default) and no </think>: all reasoning
+    assert auto["choices"][0]["message"] == {"role": "assistant", "content": None, "reasoning": spoken}, auto
+    assert chat["choices"][0]["message"]["reasoning"] is None
     assert stopped, "".join(lines)[-3000:]
 
 
 TOOLS = [{"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}]
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}    # the test template ignores it
 
 
 def _fresh_shell_env() -> dict[str, str]:

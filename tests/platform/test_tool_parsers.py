@@ -43,10 +43,11 @@ def test_calls_and_the_content_before_them():
     ('x<tool_call>{"name": "now", "arguments": {"a": "é"}}', "x", ["now"]),  # the last block unclosed
     ("x<tool_call>{'name': 'now'}</tool_call>", "x<tool_call>{'name': 'now'}</tool_call>", None),  # not JSON
     (WEATHER + '<tool_call>{"arguments": {}}</tool_call>', None, None),   # a block without a name
+    ('<tool_call>{"name": "now"}</tool_call>', None, None),              # nor arguments (vLLM's KeyError)
     ('<tool_call>["now"]</tool_call>', None, None),                     # not an object
 ])
 def test_what_is_a_call_and_what_is_content(text, content, names):
-    """As vLLM's hermes parser: any block that is not a JSON object with a name makes the whole
+    """As vLLM's hermes parser: any block that is not a JSON object with a name and arguments makes the whole
     text the content (``content`` None in the table: the text itself)."""
     got_content, calls = parse(text)
     if names is None:
@@ -87,7 +88,7 @@ def test_a_stream_cut_anywhere_sends_what_the_whole_answer_says(before, calls, b
 def test_a_stream_holds_back_only_what_could_begin_a_call():
     _, _, sent = streamed(["Hi <", "tool", "_c", "ow!"])
     assert sent == ["Hi ", "", "", "<tool_cow!"]
-    _, calls, sent = streamed(["Hi <tool", "_call>", '{"name": "now"}', "</tool_call>", "\n"])
+    _, calls, sent = streamed(["Hi <tool", "_call>", '{"name": "now", "arguments": {}}', "</tool_call>", "\n"])
     assert sent == ["Hi ", "", "", "", ""] and functions(calls) == [{"name": "now", "arguments": "{}"}]
 
 
