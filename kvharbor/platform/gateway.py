@@ -443,14 +443,16 @@ class Gateway:
         return {"object": "cache.flush", **filt, **await flush_everywhere(self.llm, salts, tenants)}
 
     # ---- generation ----------------------------------------------------------------------
-    def _reasoning(self, body, tools: str | None) -> tuple[str, bool] | None:
-        """A chat's reasoning parser and whether its model thinks (``chat_template_kwargs``'
-        ``enable_thinking``, Qwen3's switch). None without a parser, and for answers constrained
+    def _reasoning(self, body, tools: str | None) -> tuple[str, bool, bool] | None:
+        """A chat's reasoning parser, whether its model thinks (``enable_thinking``, Qwen3's
+        switch, from ``chat_template_kwargs`` or ``reasoning_effort``) and whether the answer
+        shows the reasoning (``include_reasoning``). None without a parser, and for answers constrained
         from their first token (structured outputs, a named function, ``required``): they hold
         no reasoning to take apart."""
         if self.reasoning_parser is None or tools not in (None, "auto") or body.structured() is not None:
             return None
-        return self.reasoning_parser, (body.chat_template_kwargs or {}).get("enable_thinking", True) is not False
+        return (self.reasoning_parser, body.template_variables().get("enable_thinking", True) is not False,
+                body.include_reasoning)
 
     async def _serve(self, principal, body, tokenize, chat: bool, marks: dict[str, float],
                      session_id: str | None = None, truncated: dict | None = None,

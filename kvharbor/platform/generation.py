@@ -126,15 +126,16 @@ class GenerationRun:
             a named function's arguments as they come, ``required``'s calls in one delta when
             the choice ends); ``auto``: the model's text, its calls read by the parser
             (``tool_parsers``); None: text.
-        reasoning: a chat's reasoning parser and whether the model thinks (``reasoning``):
-            each message's ``reasoning`` apart from its content; None: no parser.
+        reasoning: a chat's reasoning parser, whether the model thinks and whether the answer
+            shows its reasoning (``reasoning``; ``Gateway._reasoning``): each message's
+            ``reasoning`` apart from its content; None: no parser.
     """
 
     def __init__(self, gateway, requests, principal, ticket, chat: bool, model: str,
                  logprobs: int | None = None, marks: dict[str, float] | None = None,
                  choices_per_prompt: int | None = None, echo: list[str] | None = None,
                  prompt_only: bool = False, tool_mode: str | None = None,
-                 reasoning: tuple[str, bool] | None = None) -> None:
+                 reasoning: tuple[str, bool, bool] | None = None) -> None:
         self.gw, self.reqs, self.principal, self.ticket = gateway, requests, principal, ticket
         self.req = requests[0]
         self.per_prompt = choices_per_prompt or len(requests)
@@ -358,14 +359,14 @@ class GenerationRun:
         text, logprobs = "".join(c.text), shapes.merge_logprobs(c.logprobs, self.chat)
         said = None
         if self.reasoning is not None:
-            said, text = reasoning.split(text, *self.reasoning)
+            said, text = reasoning.split(text, *self.reasoning[:2])
         content, calls = self._calls(text, c.finish_reason)
         if calls is None:
             out = shapes.choice(index, text, c.finish_reason, self.chat, final=True, logprobs=logprobs)
         else:
             out = shapes.tool_choice(index, calls, self._tool_reason(c.finish_reason), logprobs, content)
         if self.reasoning is not None:
-            out["message"]["reasoning"] = said
+            out["message"]["reasoning"] = said if self.reasoning[2] else None
         return out
 
     def _calls(self, text: str | None, reason: str) -> tuple[str | None, list[dict] | None]:
@@ -410,8 +411,9 @@ class GenerationRun:
         choice, reason = self.choices[index], self._finish_reason(event)
         said, calls, last = "", [], reason is not None
         if self.reasoning is not None:
-            choice.thinker = choice.thinker or reasoning.ReasoningStream(*self.reasoning)
+            choice.thinker = choice.thinker or reasoning.ReasoningStream(*self.reasoning[:2])
             said, text = choice.thinker.feed(text, last)
+            said = said if self.reasoning[2] else ""              # include_reasoning false
         if self.tool_mode == "auto":
             choice.parser = choice.parser or tool_parsers.StreamParser()
             text, calls = choice.parser.feed(text, last)

@@ -366,7 +366,8 @@ class ChatRequest(_Common):
     audio: NullOnlyDict = Field(None, description="Not supported: only null.")
     modalities: unsupported(list[str] | None, ["text"]) = Field(None, description='Only ["text"] or null.')
     prediction: NullOnlyDict = Field(None, description="Not supported: only null.")
-    reasoning_effort: NullOnlyStr = Field(None, description="Not supported: only null.")
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = Field(None, description="How hard a reasoning model thinks (vLLM's): given to the chat template as reasoning_effort, and \"none\" turns thinking off (enable_thinking false, unless chat_template_kwargs sets it).")
+    include_reasoning: bool = Field(True, description="With a reasoning parser: false leaves the reasoning out of the answer (vLLM's). Not in OpenAI's API.")
     verbosity: NullOnlyStr = Field(None, description="Not supported: only null.")
     web_search_options: NullOnlyDict = Field(None, description="Not supported: only null.")
     add_generation_prompt: bool = Field(True, description="End the prompt with the assistant turn's opening (vLLM's). Not in OpenAI's API.")
@@ -378,6 +379,14 @@ class ChatRequest(_Common):
     def _servable(cls, value, info):
         tool_mode(info.data.get("tools"), value)
         return value
+
+    def template_variables(self) -> dict:
+        """The chat template's extra variables: ``chat_template_kwargs``, with
+        ``reasoning_effort`` (and ``enable_thinking`` from it, unless set) as vLLM adds them."""
+        asked = self.chat_template_kwargs or {}
+        if self.reasoning_effort is None:
+            return asked
+        return {"reasoning_effort": self.reasoning_effort, "enable_thinking": self.reasoning_effort != "none", **asked}
 
     def tool_mode(self) -> str | None:
         """``"auto"``, ``"required"``, the named function, or None (a text answer): see
@@ -533,6 +542,9 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool | None = Field(None, description="Add the tokenizer's special tokens (e.g. BOS), "
                                             "as the generation routes do (vLLM's; default: true for a "
                                             "prompt, false for messages).")
+
+    def template_variables(self) -> dict:
+        return self.chat_template_kwargs or {}
 
     @model_validator(mode="after")
     def _one_input(self):

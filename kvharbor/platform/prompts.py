@@ -84,7 +84,7 @@ class Prompts:
         """The token ids of a chat as /tokenize counts them: its messages and tools through the
         chat template (``add_generation_prompt`` as asked), nothing dropped."""
         return self.render([m.for_template() for m in body.messages], body.add_generation_prompt,
-                           body.template_tools(), body.continue_final_message, body.chat_template_kwargs,
+                           body.template_tools(), body.continue_final_message, body.template_variables(),
                            bool(body.add_special_tokens))
 
     def tokenize_ids(self, body) -> list[int]:
@@ -103,7 +103,7 @@ class Prompts:
         limit = self.context - want if principal.config.context_overflow == "truncate_oldest" else 10**12
         return truncate_oldest(messages, lambda msgs: self.render(
             msgs, body.add_generation_prompt, tools, body.continue_final_message,
-            body.chat_template_kwargs, body.add_special_tokens), limit)
+            body.template_variables(), body.add_special_tokens), limit)
 
     def echo_texts(self, body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
         """The text ``echo`` puts before each prompt's choices: the prompt as sent, or its

@@ -31,13 +31,13 @@ class FailingStream(Stream):
 
 
 def _run(stream_of, n: int = 1, principal=None, tool_mode: str | None = None, chat: bool = False,
-         logprobs: int | None = None, reasoning: tuple[str, bool] | None = None,
+         logprobs: int | None = None, reasoning: tuple[str, bool, bool] | None = None,
          **gateway) -> generation.GenerationRun:
     """A run of ``n`` choices of one prompt; each replica call answers with the ``Stream``
     class ``stream_of(request)`` returns. ``gateway``: fields of the fake gateway (metrics
     default to none). ``tool_mode``: a chat run calling that function (or ``required``);
     ``chat``: a chat run without tools; ``logprobs``: the request's (the fake gateway then
-    needs a ``tokenizer``); ``reasoning``: the run's reasoning parser and thinking switch."""
+    needs a ``tokenizer``); ``reasoning``: the run's reasoning parser, thinking switch and include_reasoning."""
     replicas = Replicas()
     replicas.remote = lambda request, replica_id=None: stream_of(request)(replicas.log, request,
                                                                           replica_id or "replica-0")

@@ -113,7 +113,7 @@ def test_unsupported_completion_fields_are_400_naming_the_field(client, kvharbor
     ("store", True),
     ("metadata", {"k": "v"}), ("audio", {"voice": "alloy", "format": "wav"}),
     ("modalities", ["text", "audio"]), ("prediction", {"type": "content", "content": "x"}),
-    ("reasoning_effort", "high"), ("verbosity", "low"), ("web_search_options", {}),
+    ("reasoning_effort", "extreme"), ("verbosity", "low"), ("web_search_options", {}),
     ("service_tier", "flex"),
 ])
 def test_unsupported_chat_fields_are_400_naming_the_field(client, kvharbor_app, field, value):

@@ -160,6 +160,23 @@ def test_chat_template_kwargs_reach_the_template_on_chat_and_tokenize():
     assert refused(own.fit_chat, broken, tenant()).param == "chat_template_kwargs"
 
 
+def test_reasoning_effort_reaches_the_template_and_none_turns_thinking_off():
+    """vLLM's ``reasoning_effort``: the template reads it, and ``"none"`` sets
+    ``enable_thinking`` false unless ``chat_template_kwargs`` sets it."""
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template += ("{{ reasoning_effort or '-' }}"
+                                "{% if enable_thinking is defined and not enable_thinking %}/nothink{% endif %}")
+    own = Prompts(tokenizer, 4096)
+    messages = [{"role": "user", "content": "hi"}]
+
+    def tail(**body) -> str:
+        return bytes(own.fit_chat(ChatRequest(model="m", messages=messages, **body), tenant()).token_ids[-14:]).decode()
+
+    assert tail().endswith("-") and tail(reasoning_effort="high").endswith("high")
+    assert tail(reasoning_effort="none").endswith("none/nothink")
+    assert tail(reasoning_effort="none", chat_template_kwargs={"enable_thinking": True}).endswith("none")
+
+
 def test_add_special_tokens_as_vllm_a_text_prompt_gets_them_a_chat_only_when_asked():
     """A tokenizer that puts BOS (<s>, id 257) before a text, as Llama's does: completions add
     it unless ``add_special_tokens`` is false; chat leaves it to the template unless true

@@ -82,23 +82,38 @@ class ThinkingStream(Stream):
 
 
 def test_an_answer_carries_its_reasoning_content_and_calls():
-    run = _answering_run(lambda request: ThinkingStream, tool_mode="auto", reasoning=("qwen3", True))
+    run = _answering_run(lambda request: ThinkingStream, tool_mode="auto", reasoning=("qwen3", True, True))
     choice = asyncio.run(run.complete())["choices"][0]
     message = choice["message"]
     assert (message["reasoning"], message["content"]) == ("I should call it.", "\n\nOn it.")
     assert [c["function"]["name"] for c in message["tool_calls"]] == ["now"]
     assert choice["finish_reason"] == "tool_calls"
-    plain = asyncio.run(_answering_run(lambda request: Stream, chat=True, reasoning=("qwen3", True)).complete())
+    plain = asyncio.run(_answering_run(lambda request: Stream, chat=True, reasoning=("qwen3", True, True)).complete())
     assert plain["choices"][0]["message"] == {"role": "assistant", "content": None, "reasoning": "ab"}
-    still = asyncio.run(_answering_run(lambda request: Stream, tool_mode="auto", reasoning=("qwen3", True)).complete())
+    still = asyncio.run(_answering_run(lambda request: Stream, tool_mode="auto", reasoning=("qwen3", True, True)).complete())
     assert still["choices"][0]["message"] == {"role": "assistant", "content": None, "reasoning": "ab"}
-    off = asyncio.run(_answering_run(lambda request: Stream, chat=True, reasoning=("qwen3", False)).complete())
+    off = asyncio.run(_answering_run(lambda request: Stream, chat=True, reasoning=("qwen3", False, True)).complete())
     assert off["choices"][0]["message"] == {"role": "assistant", "content": "ab", "reasoning": None}
+
+
+def test_include_reasoning_false_leaves_it_out():
+    """vLLM's ``include_reasoning: false``: the content alone, streamed or not."""
+    run = _answering_run(lambda request: ThinkingStream, tool_mode="auto", reasoning=("qwen3", True, False))
+    message = asyncio.run(run.complete())["choices"][0]["message"]
+    assert (message["reasoning"], message["content"]) == (None, "\n\nOn it.")
+
+    async def chunks():
+        run = _answering_run(lambda request: ThinkingStream, tool_mode="auto", reasoning=("qwen3", True, False))
+        return [c async for c in run.stream_chunks(False)]
+
+    deltas = [c["choices"][0]["delta"] for c in asyncio.run(chunks())[1:-1]]
+    assert not any("reasoning" in d for d in deltas) and all(deltas)
+    assert "".join(d.get("content") or "" for d in deltas) == "\n\nOn it."
 
 
 def test_a_stream_sends_reasoning_then_content_then_the_call_each_token_scored_once():
     async def chunks():
-        run = _answering_run(lambda request: ThinkingStream, tool_mode="auto", reasoning=("qwen3", True),
+        run = _answering_run(lambda request: ThinkingStream, tool_mode="auto", reasoning=("qwen3", True, True),
                              logprobs=1, tokenizer=byte_tokenizer())
         return [c async for c in run.stream_chunks(False)]
 
@@ -127,16 +142,21 @@ def test_the_history_gives_the_template_a_messages_reasoning():
 
 def test_which_chats_are_parsed():
     """Answers constrained from their first token (a named function, ``required``, structured
-    outputs) hold no reasoning; Qwen3's ``enable_thinking: false`` turns it off."""
+    outputs) hold no reasoning; Qwen3's ``enable_thinking: false`` turns it off, as does
+    ``reasoning_effort: "none"`` unless the kwargs say otherwise; ``include_reasoning``."""
     def parsed(parser, **body):
         request = ChatRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}], **body})
         return Gateway._reasoning(SimpleNamespace(reasoning_parser=parser), request,
                                   request.tool_mode())
 
     tools = [{"type": "function", "function": {"name": "now"}}]
-    assert parsed("qwen3") == ("qwen3", True) and parsed(None) is None
-    assert parsed("qwen3", chat_template_kwargs={"enable_thinking": False}) == ("qwen3", False)
-    assert parsed("deepseek_r1", tools=tools) == ("deepseek_r1", True)                 # auto
+    assert parsed("qwen3") == ("qwen3", True, True) and parsed(None) is None
+    assert parsed("qwen3", chat_template_kwargs={"enable_thinking": False}) == ("qwen3", False, True)
+    assert parsed("qwen3", reasoning_effort="none") == ("qwen3", False, True)
+    assert parsed("qwen3", reasoning_effort="none", chat_template_kwargs={"enable_thinking": True}) == (
+        "qwen3", True, True)                                                            # the kwargs win
+    assert parsed("qwen3", reasoning_effort="low", include_reasoning=False) == ("qwen3", True, False)
+    assert parsed("deepseek_r1", tools=tools) == ("deepseek_r1", True, True)           # auto
     assert parsed("qwen3", tools=tools, tool_choice="required") is None
     assert parsed("qwen3", response_format={"type": "json_object"}) is None
     with pytest.raises(ValueError, match="deepseek_r1"):
