@@ -63,11 +63,11 @@ from kvharbor.platform.premium_lane import check_lane, listening_socket, start_s
 from kvharbor.platform.protocol import GenerateRequest
 from kvharbor.platform.prompts import Prompts
 from kvharbor.platform.structured_request import parse_problem
-from kvharbor.platform.tool_calls import AUTO_NEEDS_PARSER
 from kvharbor.platform.served_models import ServedModels
 from kvharbor.platform.sessions_api import (SESSION_HEADER, ForkRequest, check_session_id,
                                             FlushRequest, end_session_everywhere,
                                             flush_everywhere, flush_filter, fork_session_everywhere, session_header)
+from kvharbor.platform.tool_calls import AUTO_NEEDS_PARSER
 from kvharbor.tenants import ActorAdmission, TenantError, TenantRegistry, get_or_create_admission_actor
 from kvharbor.tenants.admission_actor import CALL_TIMEOUT_S
 

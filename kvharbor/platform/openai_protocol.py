@@ -317,8 +317,8 @@ class ChatMessage(BaseModel):
     refusal: NullOnlyStr = Field(None, description="Only null.")
     audio: NullOnlyDict = Field(None, description="Not supported: only null.")
     annotations: EmptyList = Field(None, description="Only [] or null.")
-    reasoning: str | None = Field(None, description="An assistant message's reasoning, as an answer returned it (vLLM's); given to the chat template as reasoning and reasoning_content.")
-    reasoning_content: str | None = Field(None, description="The former name of reasoning (vLLM's, deprecated).")
+    reasoning: Text | None = Field(None, description="An assistant message's reasoning, as an answer returned it (vLLM's); given to the chat template as reasoning and reasoning_content.")
+    reasoning_content: Text | None = Field(None, description="The former name of reasoning (vLLM's, deprecated).")
 
     @model_validator(mode="after")
     def _content_or_calls(self):
