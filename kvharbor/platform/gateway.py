@@ -517,7 +517,8 @@ class Gateway:
                     caller=self.caller, stream_interval=principal.qos.stream_interval if body.stream else 0))
         run = GenerationRun(self, siblings, principal, ticket, chat, self.served.answered_name(body.model),
                             logprobs, marks, choices_per_prompt=body.n, echo=echo or None, prompt_only=prompt_only,
-                            tool_mode=tools, reasoning=self._reasoning(body, tools) if chat else None)
+                            tool_mode=tools, reasoning=self._reasoning(body, tools) if chat else None,
+                            one_call=chat and body.parallel_tool_calls is False)
         headers = {SESSION_HEADER: session_id} if session_id else {}
         dropped = (truncated or {}).get("tokens", 0)
         if dropped:

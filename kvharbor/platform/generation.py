@@ -129,13 +129,15 @@ class GenerationRun:
         reasoning: a chat's reasoning parser, whether the model thinks and whether the answer
             shows its reasoning (``reasoning``; ``Gateway._reasoning``): each message's
             ``reasoning`` apart from its content; None: no parser.
+        one_call: ``parallel_tool_calls`` false: an ``auto`` answer keeps its first call only
+            (``required`` is constrained to one).
     """
 
     def __init__(self, gateway, requests, principal, ticket, chat: bool, model: str,
                  logprobs: int | None = None, marks: dict[str, float] | None = None,
                  choices_per_prompt: int | None = None, echo: list[str] | None = None,
                  prompt_only: bool = False, tool_mode: str | None = None,
-                 reasoning: tuple[str, bool, bool] | None = None) -> None:
+                 reasoning: tuple[str, bool, bool] | None = None, one_call: bool = False) -> None:
         self.gw, self.reqs, self.principal, self.ticket = gateway, requests, principal, ticket
         self.req = requests[0]
         self.per_prompt = choices_per_prompt or len(requests)
@@ -160,6 +162,7 @@ class GenerationRun:
         self._finished = False
         self._text_of = shapes.TokenText(gateway.tokenizer) if self.want_logprobs else None
         self.echo, self.prompt_only, self.tool_mode, self.reasoning = echo, prompt_only, tool_mode, reasoning
+        self.one_call = one_call
         self._prompt_lps: dict[int, list] = {}     # leader index -> its prompt's scored tokens
 
     # ---- replica events --------------------------------------------------------------------
@@ -375,7 +378,8 @@ class GenerationRun:
         if text is None or not self.tool_mode or reason == "abort":
             return text, None
         if self.tool_mode == "auto":
-            return tool_parsers.parse(text)
+            content, calls = tool_parsers.parse(text)
+            return content, calls[:1] if calls and self.one_call else calls
         return None, tool_calls.calls_of(text, self.tool_mode)
 
     def _tool_chunk(self, index: int, text: str, event: dict, part: dict | None) -> dict | None:
@@ -417,16 +421,17 @@ class GenerationRun:
         if self.tool_mode == "auto":
             choice.parser = choice.parser or tool_parsers.StreamParser()
             text, calls = choice.parser.feed(text, last)
+        made = choice.parser.calls if choice.parser else 0
+        numbered = enumerate(calls, start=made - len(calls))
+        calls = [{"index": i, **c} for i, c in numbered if not (self.one_call and i)]   # parallel_tool_calls false
         if part is not None:
             choice.logprobs.append(part)
         if not (said or text or calls or last):
             return None
         logprobs, choice.logprobs = shapes.merge_logprobs(choice.logprobs, True), []
-        made = choice.parser.calls if choice.parser else 0
         if reason not in (None, "abort") and made:
             reason = self._tool_reason(reason)
-        chunk = shapes.tool_delta(index, [{"index": made - len(calls) + i, **c} for i, c in enumerate(calls)],
-                                  reason, logprobs, text)
+        chunk = shapes.tool_delta(index, calls, reason, logprobs, text)
         if said:
             chunk["delta"] = {"reasoning": said, **({} if chunk["delta"] == {"content": ""} else chunk["delta"])}
         return chunk

@@ -353,7 +353,7 @@ class ChatRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1, description="Most tokens to generate (>= 1); the same as max_tokens (send one of them).")
     logprobs: bool | None = Field(False, description="Return the log-probability of each generated token.")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=f"With logprobs: also the this many most likely tokens at each position (0 to {MAX_TOP_LOGPROBS}).")
-    parallel_tool_calls: bool | None = Field(None, description=_ignored('"required" may answer several calls'))
+    parallel_tool_calls: bool | None = Field(None, description='false: at most one tool call ("required" is constrained to one, "auto" answers its first), as vLLM\'s.')
     prompt_cache_key: str | None = Field(None, description=_ignored("prefix caching is automatic"))
     safety_identifier: str | None = Field(None, description=_ignored("end-user id"))
     service_tier: unsupported(str | None, "auto", "default") = Field(None, description="Only auto, default or null: the QoS class comes from the API key.")
@@ -399,7 +399,7 @@ class ChatRequest(_Common):
             return asked
         if asked is not None:
             raise ValueError("tool calls (tool_choice) cannot be combined with response_format or structured_outputs")
-        return constraint(self.tools, mode)
+        return constraint(self.tools, mode, one=self.parallel_tool_calls is False)
 
     def template_tools(self) -> list[dict] | None:
         return template_tools(self.tools)

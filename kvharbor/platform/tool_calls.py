@@ -94,17 +94,19 @@ def tool_mode(tools: list[Tool] | None, choice: ToolChoice | None) -> str | None
     return choice.function.name
 
 
-def constraint(tools: list[Tool], mode: str) -> dict:
+def constraint(tools: list[Tool], mode: str, one: bool = False) -> dict:
     """The engine's ``structured_outputs`` for ``mode``: the named function's arguments, or a
-    non-empty JSON list of ``{"name", "parameters"}`` calls of the tools (vLLM's shape); compact
-    JSON (whitespace between its tokens would only cost tokens)."""
+    non-empty JSON list of ``{"name", "parameters"}`` calls of the tools (vLLM's shape; of one
+    call when ``one``: ``parallel_tool_calls`` false); compact JSON (whitespace between its
+    tokens would only cost tokens)."""
     if mode != "required":
         tool = next(t for t in tools if t.function.name == mode)
         return {"json": _arguments_schema(tool), "disable_any_whitespace": True}
     calls = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
               "properties": {"name": {"enum": [t.function.name]}, "parameters": _arguments_schema(t)}}
              for t in tools]
-    return {"json": {"type": "array", "minItems": 1, "items": {"anyOf": calls}}, "disable_any_whitespace": True}
+    return {"json": {"type": "array", "minItems": 1, **({"maxItems": 1} if one else {}), "items": {"anyOf": calls}},
+            "disable_any_whitespace": True}
 
 
 def call_id() -> str:

@@ -32,18 +32,20 @@ class FailingStream(Stream):
 
 def _run(stream_of, n: int = 1, principal=None, tool_mode: str | None = None, chat: bool = False,
          logprobs: int | None = None, reasoning: tuple[str, bool, bool] | None = None,
-         **gateway) -> generation.GenerationRun:
+         one_call: bool = False, **gateway) -> generation.GenerationRun:
     """A run of ``n`` choices of one prompt; each replica call answers with the ``Stream``
     class ``stream_of(request)`` returns. ``gateway``: fields of the fake gateway (metrics
     default to none). ``tool_mode``: a chat run calling that function (or ``required``);
     ``chat``: a chat run without tools; ``logprobs``: the request's (the fake gateway then
-    needs a ``tokenizer``); ``reasoning``: the run's reasoning parser, thinking switch and include_reasoning."""
+    needs a ``tokenizer``); ``reasoning``: the run's reasoning parser, thinking switch and include_reasoning;
+    ``one_call``: ``parallel_tool_calls`` false."""
     replicas = Replicas()
     replicas.remote = lambda request, replica_id=None: stream_of(request)(replicas.log, request,
                                                                           replica_id or "replica-0")
     gw = SimpleNamespace(**{"llm": replicas, "metrics": NoMetrics(), **gateway})
     return generation.GenerationRun(gw, _batch([[1, 2, 3]], n=n), principal, None, chat=chat or tool_mode is not None,
-                                    model="m", logprobs=logprobs, tool_mode=tool_mode, reasoning=reasoning)
+                                    model="m", logprobs=logprobs, tool_mode=tool_mode, reasoning=reasoning,
+                                    one_call=one_call)
 
 
 def _answering_run(stream_of, slo_ms: float | None = None, **kw) -> generation.GenerationRun:

@@ -71,6 +71,9 @@ def test_a_named_function_constrains_to_its_arguments_and_required_to_a_list_of_
     for wrong in ([], [{"name": "get_time", "parameters": {}}], [{"name": "get_weather", "parameters": {}}],
                   [{"name": "now", "parameters": {}, "why": "x"}], [{"name": "now", "parameters": 3}]):
         assert not check(wrong), wrong
+    one = jsonschema.Draft202012Validator(constraint(tools, "required", one=True)["json"]).is_valid
+    assert one([{"name": "now", "parameters": {}}])
+    assert not one([{"name": "now", "parameters": {}}, {"name": "now", "parameters": {}}])     # parallel_tool_calls false
 
 
 def test_which_tool_choices_can_be_served():

@@ -68,6 +68,17 @@ def test_required_streams_its_calls_in_one_delta(client, kvharbor_app):
         [(i, c.function.name, c.function.arguments) for i, c in enumerate(whole)]
 
 
+def test_parallel_tool_calls_false_answers_one_call(client, kvharbor_app):
+    """vLLM's ``parallel_tool_calls: false``: ``required`` answers a list of one call (greedy,
+    this model would repeat calls until ``max_tokens`` cut the list)."""
+    kw = dict(model=kvharbor_app.model, messages=ASK, max_tokens=300, temperature=0, tools=[WEATHER, TIME],
+              tool_choice="required")
+    assert client.chat.completions.create(**kw).choices[0].finish_reason == "length"     # many, cut
+    one = client.chat.completions.create(**kw, parallel_tool_calls=False).choices[0]
+    assert one.finish_reason == "tool_calls" and len(one.message.tool_calls) == 1, one
+    check_calls(one.message.tool_calls, ["get_weather", "get_time"])
+
+
 def test_required_answers_calls_of_the_tools(client, kvharbor_app):
     out = client.chat.completions.create(model=kvharbor_app.model, messages=ASK, max_tokens=300, temperature=1.0,
                                          seed=5, n=3, tools=[WEATHER, TIME], tool_choice="required")

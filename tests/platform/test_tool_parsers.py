@@ -147,6 +147,24 @@ def test_an_auto_streams_logprobs_reach_the_client_once_each_in_order():
     assert scored == [0.0, -1.0, -2.0, -3.0, -4.0, -5.0]
 
 
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    """vLLM's ``parallel_tool_calls: false`` on an ``auto`` answer: its first call only,
+    streamed or not (``required`` is constrained to one: ``test_tool_calls_http.py``)."""
+    answer = asyncio.run(_answering_run(lambda request: CallingStream, tool_mode="auto", one_call=True).complete())
+    choice = answer["choices"][0]
+    assert [f["name"] for f in functions(choice["message"]["tool_calls"])] == ["get_weather"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Checking "
+
+    async def chunks():
+        run = _answering_run(lambda request: CallingStream, tool_mode="auto", one_call=True)
+        return [c async for c in run.stream_chunks(False)]
+
+    deltas = [c["choices"][0] for c in asyncio.run(chunks())[1:-1]]
+    calls = [call for d in deltas for call in d["delta"].get("tool_calls", [])]
+    assert [(c["index"], c["function"]["name"]) for c in calls] == [(0, "get_weather")]
+    assert deltas[-1]["finish_reason"] == "tool_calls"
+
+
 def test_the_parser_is_a_server_option_with_vllms_names():
     on = PlatformConfig(enable_auto_tool_choice="true", tool_call_parser="hermes")
     assert (on.enable_auto_tool_choice, on.tool_call_parser) == (True, "hermes")
