@@ -14,10 +14,14 @@ A stream sends each part as it comes, holding back only what could begin a tag.
 
 from __future__ import annotations
 
-from kvharbor.platform.tool_parsers import tag_overlap
+from kvharbor.platform.tool_parsers import releasable
 
-PARSERS = ("deepseek_r1", "qwen3")
 START, END, TOOL_START = "<think>", "</think>", "<tool_call>"
+
+
+def _thinks(parser: str, thinking: bool) -> bool:
+    """Does the answer start in reasoning? Only Qwen3 has a switch (``enable_thinking``)."""
+    return thinking or parser != "qwen3"
 
 
 def _ends(parser: str) -> tuple[str, ...]:
@@ -37,7 +41,7 @@ def _drop_start(text: str) -> str:
 
 def split(text: str, parser: str, thinking: bool = True) -> tuple[str | None, str | None]:
     """``(reasoning, content)`` of a whole answer."""
-    if parser == "qwen3" and not thinking:
+    if not _thinks(parser, thinking):
         return None, text
     text = _drop_start(text)
     end = _first_end(text, parser)
@@ -55,7 +59,7 @@ class ReasoningStream:
 
     def __init__(self, parser: str, thinking: bool = True) -> None:
         self.parser = parser
-        self.thinking = not (parser == "qwen3" and not thinking)   # still in the reasoning
+        self.thinking = _thinks(parser, thinking)                  # still in the reasoning
         self.held = ""
         self.started = False                                       # its opening <think> is settled
 
@@ -74,7 +78,6 @@ class ReasoningStream:
             said, rest = self.held[:end], self.held[end:]
             self.held, self.thinking = "", False
             return said, rest[len(END):] if rest.startswith(END) else rest
-        keep = 0 if last else max(tag_overlap(self.held, tag) for tag in _ends(self.parser))
-        said, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
+        said, self.held = releasable(self.held, _ends(self.parser), last)
         return said, ""
 

@@ -24,7 +24,6 @@ import re
 
 from kvharbor.platform.tool_calls import call_id
 
-PARSERS = ("hermes",)
 START, END = "<tool_call>", "</tool_call>"
 _BLOCKS = re.compile(re.escape(START) + r"(.*?)" + re.escape(END) + "|" + re.escape(START) + r"(.*)", re.DOTALL)
 
@@ -69,8 +68,7 @@ class StreamParser:
         if not self.in_calls:
             at = self.held.find(START)
             if at < 0:
-                keep = 0 if last else tag_overlap(self.held, START)
-                content, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
+                content, self.held = releasable(self.held, (START,), last)
                 return content, []
             content, self.held, self.in_calls = self.held[:at], self.held[at:], True
         else:
@@ -95,8 +93,15 @@ class StreamParser:
         return content, calls
 
 
-def tag_overlap(text: str, tag: str) -> int:
-    """How many of ``text``'s last characters could begin ``tag`` (what a stream holds back)."""
+def releasable(text: str, tags: tuple[str, ...], last: bool) -> tuple[str, str]:
+    """``text`` as a stream's ``(what it sends now, what it holds back)``: it holds back an end
+    that could begin one of ``tags``, and nothing once the ``last`` piece came."""
+    keep = 0 if last else max(_overlap(text, tag) for tag in tags)
+    return text[:len(text) - keep], text[len(text) - keep:]
+
+
+def _overlap(text: str, tag: str) -> int:
+    """How many of ``text``'s last characters could begin ``tag``."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-n:]):
             return n

@@ -146,8 +146,8 @@ def test_which_chats_are_parsed():
     ``reasoning_effort: "none"`` unless the kwargs say otherwise; ``include_reasoning``."""
     def parsed(parser, **body):
         request = ChatRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}], **body})
-        return Gateway._reasoning(SimpleNamespace(reasoning_parser=parser), request,
-                                  request.tool_mode())
+        return Gateway._reasoning(SimpleNamespace(reasoning_parser=parser), request, request.tool_mode(),
+                                  request.structured())
 
     tools = [{"type": "function", "function": {"name": "now"}}]
     assert parsed("qwen3") == ("qwen3", True, True) and parsed(None) is None
