@@ -404,7 +404,7 @@ class LLMReplica:
                 self.engine.add_request(request.request_id, request.prompt_token_ids, sampling,
                                         tenant=request.tenant, qos=request.qos,
                                         cache_salt=request.cache_salt, session_id=request.session_id,
-                                        lora=request.lora)
+                                        lora=request.lora, request_salt=request.request_salt)
             except ValueError as e:
                 rejected.append((request.request_id, str(e)))
         return rejected

@@ -27,7 +27,7 @@ from .structured_output import Grammars
 from .lora import LoRAs
 from .model_runner import ModelRunner, ScheduledRequest, kv_bytes_per_token
 from .eviction import make_eviction_policy
-from .hashing import adapter_salt, model_root
+from .hashing import adapter_salt, model_root, with_request_salt
 from .model_identity import model_identity
 from .models import load_model, uniform_sliding_window
 from .preemption import PreemptionPolicy
@@ -144,25 +144,26 @@ class Engine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                     tenant: str = "default", qos: str = "standard", cache_salt: str | None = None,
-                    session_id: str | None = None, lora: str | None = None) -> Request:
+                    session_id: str | None = None, lora: str | None = None,
+                    request_salt: str | None = None) -> Request:
         """Queue a request. Raises ValueError for arguments a caller must fix.
 
-        ``session_id``: the request is a turn of that session of ``tenant``; when it ends, its
-        prompt + output blocks stay referenced for the next turn (see ``sessions.py``).
-        ``lora``: the name of a loaded LoRA adapter to generate with (None: the base model);
-        its blocks are cached in a scope of their own.
+        ``session_id``: a turn of that session of ``tenant``: its prompt + output blocks stay
+        referenced for the next turn (``sessions.py``). ``lora``: a loaded LoRA adapter (None:
+        the base model), cached in a scope of its own. ``cache_salt``: the tenant's cache scope
+        (None: public; what a scope flush matches); ``request_salt``: vLLM's ``cache_salt``.
         """
         prompt_token_ids = check_request(prompt_token_ids, sampling, tenant, qos, cache_salt, session_id,
                                          self.config.qos_classes, self.model.config.vocab_size,
-                                         self.max_model_len)
+                                         self.max_model_len, request_salt)
         adapter = None if lora is None else self.loras.get(lora)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         spec = self.config.qos_classes[qos]
         priority = spec.priority if self.config.scheduling == "priority" else 0
-        salt = adapter_salt(cache_salt, lora, adapter and adapter.path)
+        salt = adapter_salt(with_request_salt(cache_salt, request_salt), lora, adapter and adapter.path)
         req = Request(request_id, prompt_token_ids, sampling, tenant=tenant, qos=qos,
-                      priority=priority, pinned=spec.pinned, cache_salt=salt,
+                      priority=priority, pinned=spec.pinned, cache_salt=salt, scope=cache_salt,
                       hash_root=self.hash_root, session_id=session_id,
                       arrival=time.monotonic(), arrival_seq=next(self._arrivals), lora=adapter)
         if sampling.prompt_logprobs is not None:
@@ -207,11 +208,9 @@ class Engine:
 
     def reject_unfittable(self) -> dict[str, str]:
         """Abort waiting requests that can never fit (capacity shrank after they were added:
-        the pinned region grew or prefixes were pinned). Returns ``{request id: reason}``.
-
-        The scheduler skips such requests without blocking others; drivers call this when a
-        step made no progress (nothing ran) so callers get an error instead of a wait.
-        """
+        the pinned region grew or prefixes were pinned). Returns ``{request id: reason}``. The
+        scheduler skips such requests without blocking others; drivers call this when a step
+        made no progress (nothing ran) so callers get an error instead of a wait."""
         failed = {}
         for req in list(self.scheduler.waiting):
             problem = self._never_fits(req)
@@ -537,7 +536,8 @@ class Engine:
         """
         spec = self.config.qos_classes[qos]
         req = Request(f"pin-{next(self._arrivals)}", list(token_ids), SamplingParams(max_tokens=1),
-                      qos=qos, pinned=spec.pinned, cache_salt=cache_salt, hash_root=self.hash_root)
+                      qos=qos, pinned=spec.pinned, cache_salt=cache_salt, scope=cache_salt,
+                      hash_root=self.hash_root)
         hit = self.kv.get_computed_blocks(req)
         if not self.kv.can_allocate(req, req.num_tokens - hit.num_tokens, hit):
             raise RuntimeError(f"no room to pin a {req.num_tokens}-token prefix; raise pinned_kv_blocks")

@@ -53,6 +53,16 @@ def model_root(identity: str | None) -> BlockHash | None:
     return BlockHash(hashlib.blake2b(b"\x02model:" + identity.encode(), digest_size=_DIGEST_BYTES).digest())
 
 
+def with_request_salt(salt: str | None, request_salt: str | None) -> str | None:
+    """The cache-scope salt of a request that sends its own ``cache_salt`` (vLLM's request
+    field) in scope ``salt``: its blocks are reused only by requests of that scope sending the
+    same string. The string enters as a digest, so none can spell another scope's or an
+    adapter's salt."""
+    if request_salt is None:
+        return salt
+    return f"{salt or ''}|request:{hashlib.blake2b(request_salt.encode(), digest_size=16).hexdigest()}"
+
+
 def adapter_salt(salt: str | None, adapter: str | None, path: str = "") -> str | None:
     """The cache-scope salt of a request of LoRA ``adapter`` loaded from ``path`` (None: the
     base model) in scope ``salt``: an adapter's KV differs from the base model's for the same

@@ -212,7 +212,7 @@ class KVCacheManager:
             if block.block_hash is None and block is not null:
                 self.pool.cache_block(block, req.block_hashes[i],
                                       req.block_hashes[i - 1] if i else None)
-                self.scopes[req.block_hashes[i]] = req.cache_salt
+                self.scopes[req.block_hashes[i]] = req.scope
         req.cached_blocks_cursor = max(start, num_full)
         if len(self.scopes) > 2 * (len(self.pool.blocks) + (self.host.num_slots if self.host else 0)) + 64:
             self._prune_scopes()

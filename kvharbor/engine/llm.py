@@ -54,12 +54,18 @@ class LLM:
 
     def encode(self, prompt: Prompt) -> list[int]:
         """A prompt's token ids. A prompt is text, token ids, or vLLM's dict forms
-        ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``; anything else is a ValueError."""
+        ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``, either with an optional
+        ``"cache_salt"`` (see ``generate``); anything else is a ValueError."""
         if isinstance(prompt, dict):
-            if len(prompt) != 1 or not {"prompt", "prompt_token_ids"} >= prompt.keys():
-                raise ValueError("a dict prompt is {'prompt': text} or {'prompt_token_ids': [ids]}, "
-                                 f"got keys {sorted(map(str, prompt))}")
-            (key, prompt), = prompt.items()
+            keys = prompt.keys() - {"cache_salt"}
+            if len(keys) != 1 or not {"prompt", "prompt_token_ids"} >= keys:
+                raise ValueError("a dict prompt is {'prompt': text} or {'prompt_token_ids': [ids]} "
+                                 f"with an optional 'cache_salt', got keys {sorted(map(str, prompt))}")
+            salt = prompt.get("cache_salt", "x")
+            if not (isinstance(salt, str) and salt):
+                raise ValueError(f"a dict prompt's 'cache_salt' must be a non-empty string, got {salt!r}")
+            (key,) = keys
+            prompt = prompt[key]
             if key == "prompt" and not isinstance(prompt, str):
                 raise ValueError(f"'prompt' must be a string, got {type(prompt).__name__}")
         if isinstance(prompt, str):
@@ -81,7 +87,9 @@ class LLM:
         With ``SamplingParams(logprobs=k)`` an output's ``logprobs`` holds each of its tokens'.
         With ``SamplingParams(n=k)`` each prompt's output holds k samples in ``outputs`` (as
         vLLM's; its own fields are sample 0's); with a seed, sample j's seed is derived from it.
-        An output's ``prompt`` is its prompt's text (None for token ids). ``use_tqdm``: a
+        An output's ``prompt`` is its prompt's text (None for token ids). A dict prompt's
+        ``"cache_salt"`` (vLLM's): its blocks are reused only by prompts with the same salt
+        (within ``cache_salt``, the tenant's cache scope). ``use_tqdm``: a
         progress bar of finished requests on stderr (vLLM shows one by default; kvharbor does not).
         """
         prompts = _prompt_list(prompts)
@@ -101,6 +109,7 @@ class LLM:
                 sp = _copy(sp)
                 sp.validate()
                 prompt_ids = self.encode(prompt)
+                salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
                 group = [f"offline-{next(self._ids)}" for _ in range(sp.n)]
                 groups.append(group)
                 for j, rid in enumerate(group):     # sample j: its own request and seed
@@ -108,7 +117,8 @@ class LLM:
                     one.n, one.seed = 1, sibling_seed(sp.seed, j)
                     one.prompt_logprobs = sp.prompt_logprobs if j == 0 else None
                     request = (rid, prompt_ids, one, dict(tenant=tenant, qos=qos, cache_salt=cache_salt,
-                                                          session_id=None if j else session_id, lora=lora))
+                                                          session_id=None if j else session_id, lora=lora,
+                                                          request_salt=salt))
                     if sp.logprobs is not None:
                         logprobs[rid] = []
                     if j == 0:

@@ -187,7 +187,8 @@ def bad_word_ids(tokenizer, words: list[str],
 
 
 def check_request(prompt_token_ids, sampling: SamplingParams, tenant, qos, cache_salt, session_id,
-                  qos_classes: dict, vocab_size: int, max_model_len: int) -> list[int]:
+                  qos_classes: dict, vocab_size: int, max_model_len: int,
+                  request_salt: str | None = None) -> list[int]:
     """Check the arguments of ``Engine.add_request`` (``sampling`` is validated in place) and
     return the prompt's ids as ints. Raises ValueError naming the argument to fix."""
     sampling.validate()
@@ -197,7 +198,8 @@ def check_request(prompt_token_ids, sampling: SamplingParams, tenant, qos, cache
     prompt = token_ids("prompt", prompt_token_ids)
     if sampling.truncate_prompt_tokens:
         prompt = prompt[-sampling.truncate_prompt_tokens:]
-    for name, value in (("tenant", tenant), ("session_id", session_id), ("cache_salt", cache_salt)):
+    for name, value in (("tenant", tenant), ("session_id", session_id), ("cache_salt", cache_salt),
+                        ("request_salt", request_salt)):
         if not (value is None and name != "tenant" or isinstance(value, str) and value):
             raise ValueError(f"{name} must be a non-empty string, got {value!r}")
     if not isinstance(qos, str) or qos not in qos_classes:
@@ -277,7 +279,8 @@ class Request:
     qos: str = "standard"
     priority: int = 0
     pinned: bool = False
-    cache_salt: str | None = None
+    cache_salt: str | None = None        # the hashing salt: scope + the request's own + adapter
+    scope: str | None = None             # the tenant's cache scope, what a scope flush matches
     hash_root: BlockHash | None = None   # the model's chain root (hashing.model_root)
     session_id: str | None = None        # the turn of this session (sessions.py); None: no session
     arrival: float = 0.0

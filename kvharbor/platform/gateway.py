@@ -502,7 +502,7 @@ class Gateway:
         scored = logprobs if echo else None          # each prompt's leader scores its tokens
         siblings = []
         lora = self.served.adapter(body.model)
-        salt = self.served.salt(principal.cache_salt, lora)
+        salt = self.served.salt(principal.cache_salt, lora, body.cache_salt)
         for ids in prompts:
             hashes = hash_prompt_blocks(ids, self.block_size, salt, parent=self.hash_root)
             for j in range(body.n):          # choice i is prompt i // n's j-th
@@ -512,7 +512,7 @@ class Gateway:
                     prompt_token_ids=ids, block_hashes=hashes,
                     sampling={**sampling, "seed": sibling_seed(body.seed, j),
                               "prompt_logprobs": scored if j == 0 else None},
-                    cache_salt=principal.cache_salt, priority=principal.qos.priority,
+                    cache_salt=principal.cache_salt, request_salt=body.cache_salt, priority=principal.qos.priority,
                     pinned=principal.qos.pinned, session_id=session_id if i == 0 else None, lora=lora,
                     caller=self.caller, stream_interval=principal.qos.stream_interval if body.stream else 0))
         run = GenerationRun(self, siblings, principal, ticket, chat, self.served.answered_name(body.model),

@@ -12,7 +12,8 @@ from kvharbor.engine.hashing import BlockHash
 class GenerateRequest:
     """One generation request, as the gateway hands it to ``LLMReplica.generate``.
 
-    ``block_hashes`` are the prompt's full-block hashes, salted by the tenant's cache scope;
+    ``block_hashes`` are the prompt's full-block hashes, salted by the tenant's cache scope
+    (``cache_salt``), the request's own ``request_salt`` (vLLM's ``cache_salt``) and its adapter;
     the router matches them against the prefix directory and the engine recomputes the same
     hashes (one implementation: :mod:`kvharbor.engine.hashing`).
     """
@@ -24,6 +25,7 @@ class GenerateRequest:
     block_hashes: list[BlockHash]
     sampling: dict                      # SamplingParams fields
     cache_salt: str | None = None
+    request_salt: str | None = None     # the body's cache_salt: blocks shared only with its senders
     priority: int = 0                   # higher is more important
     pinned: bool = False                # QoS class reserves pinned KV blocks
     deadline_s: float | None = None     # absolute time.time() after which to give up

@@ -4,7 +4,7 @@ for any other name, and the cache scope of an adapter's blocks."""
 
 from __future__ import annotations
 
-from kvharbor.engine.hashing import adapter_salt
+from kvharbor.engine.hashing import adapter_salt, with_request_salt
 from kvharbor.platform.error_body import APIError
 from kvharbor.tenants import TenantRegistry
 
@@ -58,7 +58,8 @@ class ServedModels:
         served name whichever of its names was asked for (as vLLM), else the adapter's."""
         return self.base_names[0] if model in self.base_names else model
 
-    def salt(self, cache_salt: str | None, adapter: str | None) -> str | None:
-        """The cache-scope salt of a request of ``adapter`` in scope ``cache_salt``, as the
-        engine hashes its blocks (so the router matches them)."""
-        return adapter_salt(cache_salt, adapter, adapter and self.adapters[adapter])
+    def salt(self, cache_salt: str | None, adapter: str | None, request_salt: str | None = None) -> str | None:
+        """The salt of a request of ``adapter`` in scope ``cache_salt`` sending its own
+        ``request_salt``, as the engine hashes its blocks (so the router matches them)."""
+        return adapter_salt(with_request_salt(cache_salt, request_salt), adapter,
+                            adapter and self.adapters[adapter])

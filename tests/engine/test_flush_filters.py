@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from kvharbor import LLM, SamplingParams
 
 A, B = "tenant:a:0123456789abcdef0123456789abcdef", "tenant:b:fedcba9876543210fedcba9876543210"
@@ -60,4 +62,36 @@ def test_scope_flush_ends_only_the_named_tenants_sessions():
     assert counts["sessions"] == 1 and counts["device_blocks"] >= 6
     assert set(llm.engine.sessions.sessions) == {("b", "s")}
     assert _cached(llm, pb, "b", B) == 96 and _cached(llm, pa, "a", A) == 0
+    llm.check_integrity()
+
+
+def test_a_request_salt_is_reused_only_by_its_senders_in_the_same_scope():
+    """vLLM's per-request ``cache_salt``: the same prompt hits the cache only when both the
+    tenant's scope and the request's salt match; unsalted requests never reuse salted blocks."""
+    llm = LLM(device="cpu", num_kv_blocks=64)
+    prompt = _tokens(100, 9)
+
+    def cached(scope, salt):
+        one = {"prompt_token_ids": prompt} if salt is None else {"prompt_token_ids": prompt, "cache_salt": salt}
+        return llm.generate(one, _greedy(), tenant="a", cache_salt=scope)[0].num_cached_tokens
+
+    assert [cached(A, "user-1"), cached(A, "user-1"), cached(A, "user-2"), cached(A, None),
+            cached(B, "user-1"), cached(None, "user-1"), cached(A, None)] == [0, 96, 0, 0, 0, 0, 96]
+    with pytest.raises(ValueError, match="'cache_salt' must be a non-empty string"):
+        llm.generate({"prompt_token_ids": prompt, "cache_salt": ""}, _greedy())
+    llm.check_integrity()
+
+
+def test_a_scope_flush_drops_the_scopes_request_salted_blocks():
+    """A tenant's flush forgets its blocks whatever request salt they were cached under, and
+    nothing of another scope's."""
+    llm = LLM(device="cpu", num_kv_blocks=64)
+    pa, pb = _tokens(100, 10), _tokens(100, 11)
+    llm.generate({"prompt_token_ids": pa, "cache_salt": "user-1"}, _greedy(), tenant="a", cache_salt=A)
+    llm.generate({"prompt_token_ids": pb, "cache_salt": "user-1"}, _greedy(), tenant="b", cache_salt=B)
+    counts = llm.engine.flush_cache(salts=[A], tenants=["a"])
+    assert counts["device_blocks"] == 6, counts
+    again = [llm.generate({"prompt_token_ids": p, "cache_salt": "user-1"}, _greedy(), cache_salt=s)[0].num_cached_tokens
+             for p, s in ((pa, A), (pb, B))]
+    assert again == [0, 96]
     llm.check_integrity()

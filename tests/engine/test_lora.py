@@ -264,3 +264,21 @@ def test_loads_by_name_and_path_and_failures_are_kept_until_a_good_load(adapters
         llm.engine.add_lora("broken", str(tmp_path / "nowhere"))
     assert llm.engine.loras.remove("broken") is False
     assert llm.stats()["lora_adapters_failed"] == {}
+
+
+def test_a_scope_flush_drops_that_scopes_adapter_blocks_too(adapters):
+    """Flushing a tenant's cache scope forgets the prefixes it cached under an adapter as well
+    as under the base model; another scope's adapter prefixes stay."""
+    llm = LLM("kvharbor/tiny-llama", device="cpu", num_kv_blocks=256)
+    prompt = random_prompt(70, 8)
+    [all_] = _requests(adapters, ["all"])
+
+    def cached(salt, lora):
+        return llm.generate([prompt], greedy(1), lora_request=lora, cache_salt=salt)[0].num_cached_tokens
+
+    for salt, lora in (("tenant-a", None), ("tenant-a", all_), ("tenant-b", all_)):
+        cached(salt, lora)
+    counts = llm.engine.flush_cache(salts=["tenant-a"], tenants=["a"])
+    assert counts["device_blocks"] == 8, counts            # 4 full blocks, base and adapter
+    assert [cached("tenant-a", None), cached("tenant-a", all_), cached("tenant-b", all_)] == [0, 0, 64]
+    llm.check_integrity()

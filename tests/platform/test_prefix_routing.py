@@ -38,3 +38,27 @@ def test_distinct_prefixes_spread_over_both_replicas(kvharbor_app):
         for i in range(8):
             replicas.add(_complete(c, kvharbor_app.model, _text(300, 100 + i))["kvharbor"]["replica_id"])
     assert len(replicas) == 2
+
+
+def test_a_cache_salt_is_routed_to_and_reused_only_by_requests_that_send_it(kvharbor_app):
+    """vLLM's ``cache_salt``: follow-ups sending the first request's salt land on its replica
+    (the router hashes with the salt, as the engine does) and reuse its 512-token prefix; the
+    same prompt with another salt or none reuses nothing; an empty salt is a 400."""
+    prefix = _text(512, 78)
+    with kvharbor_app.client(DEMO["standard"]) as c:
+        def complete(suffix: str, **salt) -> dict:
+            r = c.post("/v1/completions", json={"model": kvharbor_app.model, "prompt": prefix + suffix,
+                                                "max_tokens": 2, "temperature": 0, **salt})
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        first = complete("first?", cache_salt="user-1")
+        time.sleep(1.5)                     # KV events reach the routers
+        follow = [complete(f"then {i}!", cache_salt="user-1") for i in range(3)]
+        others = [complete("first?", cache_salt="user-2"), complete("first?")]
+        empty = c.post("/v1/chat/completions", json={"model": kvharbor_app.model, "cache_salt": "",
+                                                     "messages": [{"role": "user", "content": "hi"}]})
+    assert {f["kvharbor"]["replica_id"] for f in follow} == {first["kvharbor"]["replica_id"]}
+    assert all(f["usage"]["prompt_tokens_details"]["cached_tokens"] >= 496 for f in follow)
+    assert [o["usage"]["prompt_tokens_details"]["cached_tokens"] for o in others] == [0, 0]
+    assert empty.status_code == 400 and "cache_salt" in empty.text, empty.text
