@@ -268,7 +268,7 @@ class CompletionRequest(_Common):
                     f"{MAX_PROMPT_TOKEN_IDS}), or a batch: a list of up to {MAX_PROMPTS} texts or of "
                     f"token-id lists. A batch answers n choices per prompt, in the order of the "
                     f"prompts (choice p x n + j is prompt p's j-th), at most {MAX_CHOICES} in all.")
-    max_tokens: int | None = Field(None, ge=0, description="Most tokens to generate (>= 1; 0 with echo: only the prompt and, with logprobs, its scores, as vLLM). Default 16, capped by the tenant's max_tokens_per_request.")
+    max_tokens: int | None = Field(None, ge=0, description="Most tokens to generate (>= 1; 0 with echo: only the prompt and, with logprobs, its scores, as vLLM). Default 16; null (vLLM's): the rest of the context, at most the generation config's max_new_tokens, else the tenant's max_tokens_per_request (256 when it sets none). Capped by the tenant's max_tokens_per_request.")
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=f"Return the log-probability of each generated token and of the this many most likely tokens (0 to {MAX_TOP_LOGPROBS}).")
     best_of: unsupported(int | None, 1) = Field(None, description="Not supported: only 1 or null.")
     add_special_tokens: bool = Field(True, description="Add the tokenizer's special tokens (e.g. BOS) to a "

@@ -135,9 +135,9 @@ class Prompts:
 
     def default_max_tokens(self, chat: bool, principal) -> int:
         """``max_tokens`` when a request gives none: 16 on completions (OpenAI's and vLLM's);
-        on chat the generation config's ``max_new_tokens``, else the tenant's
-        ``max_tokens_per_request`` (256 when it sets none); never above that cap. The caller
-        also keeps it within the context."""
+        on chat, or a completion's ``"max_tokens": null``, the generation config's
+        ``max_new_tokens``, else the tenant's ``max_tokens_per_request`` (256 when it sets
+        none); never above that cap. The caller also keeps it within the context."""
         cap = principal.limits.max_tokens_per_request or 256
         return min(self.defaults.get("max_tokens", cap) if chat else 16, cap)
 
@@ -155,8 +155,9 @@ class Prompts:
         room = self.context - len(ids)
         if prompt_only:
             return 1
-        if body.max_tokens is None:
-            return max(1, min(room, self.default_max_tokens(chat, principal)))
+        if body.max_tokens is None:          # an explicit null is vLLM's "the rest of the context"
+            unbounded = chat or "max_tokens" in body.model_fields_set
+            return max(1, min(room, self.default_max_tokens(unbounded, principal)))
         if body.max_tokens < 1:
             raise APIError(400, f"max_tokens must be >= 1 (0 only with echo: true), got {body.max_tokens}",
                            param="max_tokens")

@@ -67,6 +67,9 @@ def test_max_tokens_defaults_to_16_for_completions_and_the_rest_of_the_context_f
     assert limits(prompts, completion()) == (16, False)
     assert limits(prompts, completion(), cap=8) == (8, False)                  # the tenant's cap
     assert limits(prompts, completion(prompt="x" * (CONTEXT - 5))) == (5, False)   # the room left
+    room = CONTEXT - len(prompts.completion_ids(completion())[0])
+    assert limits(prompts, completion(max_tokens=None)) == (room, False)       # null: vLLM's rest
+    assert limits(prompts, completion(max_tokens=None), cap=20) == (20, False)
     chat = ChatRequest(model="m", messages=[{"role": "user", "content": "hi"}])
     room = CONTEXT - len(prompts.fit_chat(chat, tenant()).token_ids)
     assert 0 < room < 256
