@@ -34,7 +34,10 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # (pydantic at the version of this checkout's venv: its core's version must match). The `suite`
 # stage also wants ruamel.yaml (the CLI tests) and xgrammar with apache-tvm-ffi (structured
 # output, spec decode); add --platform manylinux_2_28_x86_64 for those two. Without them their
-# test modules fail to import and are reported as such.
+# test modules fail to import and are reported as such. fastapi (with starlette, anyio, sniffio,
+# idna, annotated-doc, opentelemetry-api) and jsonschema (with jsonschema-specifications,
+# referencing, rpds-py, attrs) let three more engine modules collect; two import Ray, too big
+# to carry, and run in CI only.
 if ! python3 -c "import pydantic" 2>/dev/null; then
   ls .whl/*.whl >/dev/null 2>&1 || { echo "pydantic missing and no .whl/ to install it from"; exit 2; }
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

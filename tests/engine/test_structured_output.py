@@ -75,7 +75,7 @@ def oracle(llm, prompt: list[int], spec: dict | None, max_tokens: int) -> list[i
     ids, out = list(prompt), []
     while len(out) < max_tokens:
         with torch.inference_mode():
-            logits = llm.hf_model(torch.tensor([ids])).logits[0, -1].float()[None]
+            logits = llm.hf_model(torch.tensor([ids], device=llm.hf_model.device)).logits[0, -1].float().cpu()[None]
         if matcher is not None:
             bitmask = xgr.allocate_token_bitmask(1, logits.shape[1])
             matcher.fill_next_token_bitmask(bitmask, 0)
