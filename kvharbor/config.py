@@ -133,6 +133,13 @@ OVERRIDE_GENERATION_CONFIG_DOC = ("Default sampling parameters that replace or a
 OverrideOption = Annotated[dict[str, float | int], BeforeValidator(
     lambda v: json_option(v, "override_generation_config", '{"temperature": 0.5}'))]
 
+# EngineConfig's and PlatformConfig's field: a thinking model's format.
+ReasoningParser = Literal["deepseek_r1", "qwen3"] | None
+REASONING_PARSER_DOC = ("A thinking model's format (vLLM's --reasoning-parser): each chat message's "
+                        "reasoning field holds what the model wrote inside <think>...</think>, and a "
+                        "structured output (response_format, structured_outputs) constrains only the "
+                        "answer after </think>, unless the prompt already closed it.")
+
 
 class EngineConfig(BaseModel):
     """Engine settings; the ``LLM`` keyword arguments of the same names."""
@@ -198,6 +205,7 @@ class EngineConfig(BaseModel):
     generation_config: str = Field("auto", description=GENERATION_CONFIG_DOC)
     override_generation_config: OverrideOption = Field(default_factory=dict,
                                                        description=OVERRIDE_GENERATION_CONFIG_DOC)
+    reasoning_parser: ReasoningParser = Field(None, description=REASONING_PARSER_DOC)
 
 
 def _autoscaling(value):
@@ -267,10 +275,7 @@ class PlatformConfig(BaseModel):
     tool_call_parser: Literal["hermes"] | None = Field(None, description="The model's tool-call format "
                                                        "(vLLM's flag): hermes, <tool_call>{json}</tool_call> "
                                                        "blocks (Qwen2.5, Qwen3, Hermes).")
-    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(None, description="A thinking model's "
-                                                                 "reasoning apart (vLLM's flag): each chat "
-                                                                 "message's reasoning field holds what it wrote "
-                                                                 "inside <think>...</think>.")
+    reasoning_parser: ReasoningParser = Field(None, description=REASONING_PARSER_DOC)
     generation_config: str = Field("auto", description=GENERATION_CONFIG_DOC)
     override_generation_config: OverrideOption = Field(default_factory=dict,
                                                        description=OVERRIDE_GENERATION_CONFIG_DOC)

@@ -23,7 +23,7 @@ from .kv_events import KVEvents
 from .kv_cache_manager import KVCacheManager
 from .kv_transfer import KVTransfer
 from .logits_processors import depends_on_outputs
-from .structured_output import Grammars
+from .structured_output import Grammars, advance, hold_while_reasoning
 from .lora import LoRAs
 from .model_runner import ModelRunner, ScheduledRequest, kv_bytes_per_token
 from .eviction import make_eviction_policy
@@ -170,6 +170,8 @@ class Engine:
             req.prompt_lps = [None]             # the first prompt token has no logprob
         if sampling.structured_outputs is not None:
             req.matcher = self.grammars.matcher(sampling.structured_outputs)
+            if self.config.reasoning_parser is not None:
+                hold_while_reasoning(req, self.tokenizer)
         if sampling.bad_words:
             req.bad_words = bad_word_ids(self.tokenizer, sampling.bad_words, sampling.allowed_token_ids)
         if sampling.allowed_token_ids is not None:
@@ -469,12 +471,9 @@ class Engine:
         if req.allowed_ids is not None and token not in req.allowed_ids:
             req.output_text = req.output_text[:text_before]     # bad_words or min_tokens banned
             return "stop"                                       # every allowed id this step
-        if req.matcher is not None:
-            if not req.matcher.accept_token(token):    # only non-finite logits could lead here
-                logger.warning("%s: token %d is outside its grammar; stopped", req.request_id, token)
-                return "abort"
-            if req.matcher.is_terminated():
-                return "stop"                      # the grammar is complete (its EOS accepted)
+        if req.matcher is not None or req.grammar_wait is not None:
+            if ended := advance(req, token, changed):       # the grammar: complete, or broken
+                return ended
         if n_out >= sp.min_tokens:
             if not sp.ignore_eos and token in self.eos_ids:
                 return "stop"

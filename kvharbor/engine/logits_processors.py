@@ -40,7 +40,7 @@ def depends_on_outputs(req: Request) -> bool:
     """The request's next logits depend on its output so far (so a step launched before the
     previous token reaches the host would process them wrongly)."""
     return (req.sampling.penalized or holds_stops(req) or req.matcher is not None
-            or any(len(seq) > 1 for seq in req.bad_words))
+            or req.grammar_wait is not None or any(len(seq) > 1 for seq in req.bad_words))
 
 
 def _processed(req: Request) -> bool:

@@ -306,6 +306,7 @@ class Request:
     allowed_ids: frozenset | None = None  # allowed_token_ids as a set (Engine._finish_reason)
     prompt_lps: list | None = None       # prompt_logprobs asked: TokenLogprobs per prompt token so far
     matcher: object = None               # structured_outputs: its xgrammar GrammarMatcher
+    grammar_wait: object = None          # the matcher held back while the model reasons (until </think>)
     lora: object = None                  # the LoRAAdapter it generates with (None: the base model)
     spec_token_ids: list[int] = field(default_factory=list)   # draft tokens this step verifies (spec_decode.py)
     spec: object = None                  # its NgramIndex (speculative decoding drafts from it)

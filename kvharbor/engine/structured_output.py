@@ -13,6 +13,7 @@ an output short (finish reason ``length``), as in vLLM.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
 from dataclasses import dataclass, fields
@@ -20,6 +21,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
+
+logger = logging.getLogger(__name__)
 
 MAX_SPEC_CHARS = 65_536
 """Longest schema, regex, grammar or list of choices (as text) a request may send."""
@@ -151,6 +154,34 @@ class Grammars:
                                                           stop_token_ids=self._eos or None)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=self._cache_bytes)
             return self._compiler
+
+
+THINK_START, THINK_END = "<think>", "</think>"
+
+
+def hold_while_reasoning(req, tokenizer) -> None:
+    """With a reasoning parser (vLLM's ``reasoning_parser``), ``req``'s grammar waits for the
+    end of its reasoning: the model thinks freely, then its answer after ``</think>`` is
+    constrained. Not when the prompt already closed it (its last think tag, in its last 64
+    tokens, is ``</think>``: Qwen3's template with thinking off)."""
+    tail = tokenizer.decode(req.prompt_token_ids[-64:])
+    if tail.rfind(THINK_END) <= tail.rfind(THINK_START):
+        req.grammar_wait, req.matcher = req.matcher, None
+
+
+def advance(req, token: int, changed: int) -> str | None:
+    """``req``'s matcher takes ``token``: "stop" when the grammar is complete (its EOS
+    accepted), "abort" when the token is outside it (only non-finite logits could lead there).
+    A grammar waiting for the end of the reasoning starts once the text from ``changed`` on
+    (what ``token`` changed) closes it: the next token is constrained."""
+    if req.matcher is None:
+        if req.output_text.find(THINK_END, max(0, changed - len(THINK_END) + 1)) >= 0:
+            req.matcher, req.grammar_wait = req.grammar_wait, None
+        return None
+    if not req.matcher.accept_token(token):
+        logger.warning("%s: token %d is outside its grammar; stopped", req.request_id, token)
+        return "abort"
+    return "stop" if req.matcher.is_terminated() else None
 
 
 def mask(logits: torch.Tensor, matchers: dict) -> None:

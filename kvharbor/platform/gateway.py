@@ -443,13 +443,13 @@ class Gateway:
         return {"object": "cache.flush", **filt, **await flush_everywhere(self.llm, salts, tenants)}
 
     # ---- generation ----------------------------------------------------------------------
-    def _reasoning(self, body, tools: str | None, structured: dict | None) -> tuple[str, bool, bool] | None:
+    def _reasoning(self, body) -> tuple[str, bool, bool] | None:
         """A chat's reasoning parser, whether its model thinks (``enable_thinking``, Qwen3's
         switch, from ``chat_template_kwargs`` or ``reasoning_effort``) and whether the answer
-        shows the reasoning (``include_reasoning``). None without a parser, and for answers constrained
-        from their first token (``structured``: the request's structured outputs; a named
-        function, ``required``): they hold no reasoning to take apart."""
-        if self.reasoning_parser is None or tools not in (None, "auto") or structured is not None:
+        shows the reasoning (``include_reasoning``). None without a parser. A structured
+        output (``response_format``, a named function, ``required``) constrains what follows
+        the reasoning (the engines have the parser too)."""
+        if self.reasoning_parser is None:
             return None
         return (self.reasoning_parser, body.template_variables().get("enable_thinking", True) is not False,
                 body.include_reasoning)
@@ -517,7 +517,7 @@ class Gateway:
                     caller=self.caller, stream_interval=principal.qos.stream_interval if body.stream else 0))
         run = GenerationRun(self, siblings, principal, ticket, chat, self.served.answered_name(body.model),
                             logprobs, marks, choices_per_prompt=body.n, echo=echo or None, prompt_only=prompt_only,
-                            tool_mode=tools, reasoning=self._reasoning(body, tools, sampling["structured_outputs"]) if chat else None,
+                            tool_mode=tools, reasoning=self._reasoning(body) if chat else None,
                             one_call=chat and body.parallel_tool_calls is False)
         headers = {SESSION_HEADER: session_id} if session_id else {}
         dropped = (truncated or {}).get("tokens", 0)

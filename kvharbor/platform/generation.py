@@ -418,6 +418,8 @@ class GenerationRun:
             choice.thinker = choice.thinker or reasoning.ReasoningStream(*self.reasoning[:2])
             said, text = choice.thinker.feed(text, last)
             said = said if self.reasoning[2] else ""              # include_reasoning false
+        if self.tool_mode not in (None, "auto"):
+            return self._forced_after_reasoning(index, said, text, event, part)
         if self.tool_mode == "auto":
             choice.parser = choice.parser or tool_parsers.StreamParser()
             text, calls = choice.parser.feed(text, last)
@@ -431,10 +433,22 @@ class GenerationRun:
         logprobs, choice.logprobs = shapes.merge_logprobs(choice.logprobs, True), []
         if reason not in (None, "abort") and made:
             reason = self._tool_reason(reason)
-        chunk = shapes.tool_delta(index, calls, reason, logprobs, text)
-        if said:
-            chunk["delta"] = {"reasoning": said, **({} if chunk["delta"] == {"content": ""} else chunk["delta"])}
-        return chunk
+        return _with_reasoning(shapes.tool_delta(index, calls, reason, logprobs, text), said)
+
+    def _forced_after_reasoning(self, index: int, said: str, text: str, event: dict, part: dict | None):
+        """A forced call's stream (a named function, ``required``) when the model reasons
+        first (its grammar starts after ``</think>``): the reasoning as it comes, then what
+        follows it as ``_tool_chunk`` streams a call."""
+        choice = self.choices[index]
+        choice.logprobs += [part] if part is not None else []
+        if text or self._finish_reason(event) is not None:
+            parts, choice.logprobs = choice.logprobs, []
+            chunk = self._tool_chunk(index, text, event, shapes.merge_logprobs(parts, True))
+            return _with_reasoning(chunk or shapes.tool_delta(index, [], None, None, ""), said) if said else chunk
+        if not said:
+            return None
+        logprobs, choice.logprobs = shapes.merge_logprobs(choice.logprobs, True), []
+        return _with_reasoning(shapes.tool_delta(index, [], None, logprobs, ""), said)
 
     def _tool_reason(self, reason: str) -> str:
         """OpenAI's finish reason of an answer of tool calls: ``tool_calls`` when the model
@@ -565,3 +579,11 @@ def _raise_error_event(event: dict) -> None:
         raise ReplicaFailed(event["error"])
     code = event.get("code") or ("engine_step_failed" if status >= 500 else "invalid_request_error")
     raise APIError(status, event["error"], code)
+
+
+def _with_reasoning(chunk: dict, said: str) -> dict:
+    """``chunk`` with ``said`` as its ``delta.reasoning`` (none: unchanged), before its calls
+    or content (an empty content dropped)."""
+    if said:
+        chunk["delta"] = {"reasoning": said, **({} if chunk["delta"] == {"content": ""} else chunk["delta"])}
+    return chunk

@@ -10,7 +10,7 @@ from kvharbor.platform.app import engine_kwargs
 
 def test_replicas_get_the_engine_settings_the_app_is_given():
     cfg = PlatformConfig(enforce_eager=True, eviction_policy="lfu", block_size=32,
-                         preemption_mode="swap", host_kv_blocks=64, device="cuda")
+                         preemption_mode="swap", host_kv_blocks=64, device="cuda", reasoning_parser="qwen3")
     on_gpu = engine_kwargs(cfg, on_gpu=True)
     assert on_gpu["enforce_eager"] is True and on_gpu["device"] == "cuda"
     assert (on_gpu["eviction_policy"], on_gpu["block_size"], on_gpu["preemption_mode"],
@@ -18,6 +18,7 @@ def test_replicas_get_the_engine_settings_the_app_is_given():
     assert engine_kwargs(cfg, on_gpu=False)["device"] == "cpu"      # no GPU found: CPU replicas
     engine = EngineConfig(**on_gpu)                                   # every key is a valid field
     assert engine.enforce_eager and engine.eviction_policy == "lfu"
+    assert engine.reasoning_parser == "qwen3"           # structured outputs wait for </think> there
     vllm_names = PlatformConfig(max_model_len=1024, max_num_seqs=8, gpu_memory_utilization=0.5,
                                 enable_prefix_caching=False)          # vLLM's serve flags
     assert {k: v for k, v in engine_kwargs(vllm_names, on_gpu=True).items() if k in (

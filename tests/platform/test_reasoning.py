@@ -141,13 +141,12 @@ def test_the_history_gives_the_template_a_messages_reasoning():
 
 
 def test_which_chats_are_parsed():
-    """Answers constrained from their first token (a named function, ``required``, structured
-    outputs) hold no reasoning; Qwen3's ``enable_thinking: false`` turns it off, as does
+    """Every chat of a server with a parser, structured ones too (the engine constrains what
+    follows the reasoning); Qwen3's ``enable_thinking: false`` turns it off, as does
     ``reasoning_effort: "none"`` unless the kwargs say otherwise; ``include_reasoning``."""
     def parsed(parser, **body):
         request = ChatRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}], **body})
-        return Gateway._reasoning(SimpleNamespace(reasoning_parser=parser), request, request.tool_mode(),
-                                  request.structured())
+        return Gateway._reasoning(SimpleNamespace(reasoning_parser=parser), request)
 
     tools = [{"type": "function", "function": {"name": "now"}}]
     assert parsed("qwen3") == ("qwen3", True, True) and parsed(None) is None
@@ -157,8 +156,55 @@ def test_which_chats_are_parsed():
         "qwen3", True, True)                                                            # the kwargs win
     assert parsed("qwen3", reasoning_effort="low", include_reasoning=False) == ("qwen3", True, False)
     assert parsed("deepseek_r1", tools=tools) == ("deepseek_r1", True, True)           # auto
-    assert parsed("qwen3", tools=tools, tool_choice="required") is None
-    assert parsed("qwen3", response_format={"type": "json_object"}) is None
+    assert parsed("qwen3", tools=tools, tool_choice="required") == ("qwen3", True, True)
+    assert parsed("qwen3", response_format={"type": "json_object"}) == ("qwen3", True, True)
     with pytest.raises(ValueError, match="deepseek_r1"):
         PlatformConfig(reasoning_parser="granite")
     assert PlatformConfig(reasoning_parser="qwen3").reasoning_parser == "qwen3"
+
+
+class ForcedAfterThinking(Stream):
+    """A DeepSeek-R1 answer to a forced call: reasoning (the grammar waits), then the call's
+    arguments, as the engine constrains them after ``</think>`` (token ``i`` scored ``-i``)."""
+
+    pieces = ["Let me", " think", '.</think>{"tz": ', '"UTC"}']    # the reasoning's end and the call's start
+
+    async def _events(self):
+        for i, piece in enumerate(self.pieces):
+            yield {"token_ids": [65 + i], "text": piece, "finish_reason": "stop" if i == len(self.pieces) - 1 else None,
+                   "replica_id": self.replica, "logprobs": [(-float(i), [(65 + i, -float(i))])]}
+
+
+class RequiredAfterThinking(ForcedAfterThinking):
+    pieces = ["Let me", " think.</think>", '[{"name": "now", ', '"parameters": {}}]']
+
+
+def test_a_forced_call_follows_the_reasoning_streamed_or_not():
+    """A named function and ``required`` with a reasoning parser (the engine starts their
+    grammar after ``</think>``): the message's reasoning, then the call made of what follows;
+    streamed, the reasoning as it comes, then the call, each token scored once."""
+    reasoning = ("deepseek_r1", True, True)
+    named = asyncio.run(_answering_run(lambda request: ForcedAfterThinking, tool_mode="now",
+                                       reasoning=reasoning).complete())["choices"][0]["message"]
+    assert named["reasoning"] == "Let me think." and named["content"] is None
+    assert named["tool_calls"][0]["function"] == {"name": "now", "arguments": '{"tz": "UTC"}'}
+    required = asyncio.run(_answering_run(lambda request: RequiredAfterThinking, tool_mode="required",
+                                          reasoning=reasoning).complete())["choices"][0]
+    assert required["message"]["reasoning"] == "Let me think." and required["finish_reason"] == "tool_calls"
+    assert [c["function"] for c in required["message"]["tool_calls"]] == [{"name": "now", "arguments": "{}"}]
+
+    async def chunks(stream, mode):
+        run = _answering_run(lambda request: stream, tool_mode=mode, reasoning=reasoning,
+                             logprobs=1, tokenizer=byte_tokenizer())
+        return [c["choices"][0] for c in [c async for c in run.stream_chunks(False)][1:-1]]
+
+    for stream, mode, arguments in ((ForcedAfterThinking, "now", '{"tz": "UTC"}'), (RequiredAfterThinking, "required", "{}")):
+        deltas = asyncio.run(chunks(stream, mode))
+        assert deltas[0]["delta"] == {"reasoning": "Let me"} and all(d["delta"] for d in deltas), deltas
+        assert "".join(d["delta"].get("reasoning", "") for d in deltas) == "Let me think."
+        calls = [c for d in deltas for c in d["delta"].get("tool_calls", [])]
+        assert calls[0]["function"]["name"] == "now" and not any("content" in d["delta"] for d in deltas)
+        assert "".join(c["function"]["arguments"] for c in calls) == arguments, calls
+        scored = [e["logprob"] for d in deltas for e in (d["logprobs"] or {"content": []})["content"]]
+        assert scored == [-float(i) for i in range(len(stream.pieces))]
+        assert deltas[-1]["finish_reason"] == ("stop" if mode == "now" else "tool_calls")

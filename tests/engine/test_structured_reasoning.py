@@ -1,0 +1,78 @@
+"""Structured outputs of a thinking model (an engine with a ``reasoning_parser``, vLLM's): the
+grammar waits for the end of the reasoning (``</think>``) and then constrains the answer; a
+prompt that already closed the reasoning is constrained from its first token.
+
+The tiny model never writes ``</think>`` by itself, so the first tokens of an answer are
+scripted (each sampled token replaced before the engine appends it); what follows them is the
+model's own, masked by the grammar once the script closed the reasoning."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+
+from kvharbor import LLM, SamplingParams
+from kvharbor.engine.logits_processors import depends_on_outputs
+
+from .conftest import random_prompt
+from .test_structured_output import SPECS, holds, oracle
+
+THOUGHT = list(b"hmm, ok</think>")      # the byte tokenizer: one token per byte
+
+
+def _scripted(llm, script: list[int], monkeypatch) -> None:
+    """Every request's first ``len(script)`` tokens are ``script``'s."""
+    left: dict[str, deque] = {}
+    append = llm.engine._append_token
+
+    def forced(req, token, logprobs=None):
+        queue = left.setdefault(req.request_id, deque(script))
+        return append(req, queue.popleft() if queue else token, logprobs)
+
+    monkeypatch.setattr(llm.engine, "_append_token", forced)
+
+
+@pytest.mark.parametrize("kind", ["regex", "json"])
+def test_the_grammar_constrains_the_answer_after_the_reasoning(kind, monkeypatch):
+    llm = LLM(device="cpu", num_kv_blocks=64, reasoning_parser="deepseek_r1")
+    _scripted(llm, THOUGHT, monkeypatch)
+    prompt = random_prompt(12, seed=3)
+    out = llm.generate([prompt], SamplingParams(max_tokens=60, temperature=0, structured_outputs=SPECS[kind]))[0]
+    assert out.token_ids[:len(THOUGHT)] == THOUGHT
+    assert out.token_ids[len(THOUGHT):] == oracle(llm, prompt + THOUGHT, SPECS[kind], 60 - len(THOUGHT))
+    answer = out.text.removeprefix(bytes(THOUGHT).decode())
+    assert out.finish_reason == "stop" and holds(kind, answer), out.text
+
+
+def test_without_a_reasoning_parser_the_grammar_holds_from_the_first_token(monkeypatch):
+    """The same scripted reasoning breaks the grammar at once (so the test above could not pass
+    with the grammar applied from the start)."""
+    llm = LLM(device="cpu", num_kv_blocks=64)
+    _scripted(llm, THOUGHT, monkeypatch)
+    out = llm.generate([random_prompt(12, seed=3)],
+                       SamplingParams(max_tokens=60, temperature=0, structured_outputs=SPECS["regex"]))[0]
+    assert out.finish_reason == "abort" and out.token_ids == list(b"hmm,")  # "," breaks [a-z]{3}-
+
+
+def test_a_prompt_that_closed_the_reasoning_is_constrained_from_the_first_token():
+    """Qwen3's template with thinking off ends the prompt with an empty ``<think></think>``:
+    the answer is constrained at once, as without a parser; one that opens ``<think>`` is not."""
+    closed = random_prompt(12, seed=4) + list(b"<think>\n\n</think>\n\n")
+    params = SamplingParams(max_tokens=40, temperature=0, structured_outputs=SPECS["choice"])
+    thinking = LLM(device="cpu", num_kv_blocks=64, reasoning_parser="qwen3")
+    plain = LLM(device="cpu", num_kv_blocks=64)
+    ours, theirs = (m.generate([closed], params)[0] for m in (thinking, plain))
+    assert ours.token_ids == theirs.token_ids and holds("choice", ours.text)
+    opened = random_prompt(12, seed=4) + list(b"<think>\n")
+    free = thinking.generate([opened], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
+    held = thinking.generate([opened], params)[0]
+    assert held.token_ids == free.token_ids and not holds("choice", held.text)
+
+
+def test_a_request_waiting_for_its_grammar_is_not_run_ahead():
+    """Its next logits depend on whether its last token closed the reasoning."""
+    llm = LLM(device="cpu", num_kv_blocks=64, reasoning_parser="deepseek_r1")
+    req = llm.engine.add_request("r", random_prompt(12, seed=5),
+                                 SamplingParams(max_tokens=8, structured_outputs=SPECS["regex"]))
+    assert req.matcher is None and req.grammar_wait is not None and depends_on_outputs(req)
