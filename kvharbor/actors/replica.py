@@ -433,6 +433,7 @@ class LLMReplica:
                           "finish_reason": out.finish_reason, "num_cached_tokens": out.num_cached_tokens,
                           "num_prompt_tokens": len(out.prompt_token_ids),
                           "num_output_tokens": out.num_output_tokens, "replica_id": self.replica_id,
+                          **({"num_reasoning_tokens": out.num_reasoning_tokens} if out.finish_reason else {}),
                           **({"logprobs": [(lp.logprob, lp.top) for lp in out.new_logprobs]}
                              if out.new_logprobs else {}),
                           **({"prompt_logprobs": [lp and (lp.logprob, lp.top) for lp in out.prompt_logprobs]}

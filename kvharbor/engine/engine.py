@@ -23,7 +23,7 @@ from .kv_events import KVEvents
 from .kv_cache_manager import KVCacheManager
 from .kv_transfer import KVTransfer
 from .logits_processors import depends_on_outputs
-from .structured_output import Grammars, advance, hold_while_reasoning
+from .structured_output import Grammars, advance, start_reasoning
 from .lora import LoRAs
 from .model_runner import ModelRunner, ScheduledRequest, kv_bytes_per_token
 from .eviction import make_eviction_policy
@@ -170,8 +170,8 @@ class Engine:
             req.prompt_lps = [None]             # the first prompt token has no logprob
         if sampling.structured_outputs is not None:
             req.matcher = self.grammars.matcher(sampling.structured_outputs)
-            if self.config.reasoning_parser is not None:
-                hold_while_reasoning(req, self.tokenizer)
+        if self.config.reasoning_parser is not None:
+            start_reasoning(req, self.tokenizer)        # counts its thought; a grammar waits
         if sampling.bad_words:
             req.bad_words = bad_word_ids(self.tokenizer, sampling.bad_words, sampling.allowed_token_ids)
         if sampling.allowed_token_ids is not None:
@@ -458,7 +458,7 @@ class Engine:
         return RequestOutput(req.request_id, req.prompt_token_ids, req.output_ids,
                              req.output_text, req.finish_reason, max(req.num_cached_tokens, 0),
                              [token], new_text, None if logprobs is None else [logprobs],
-                             req.prompt_lps)
+                             req.prompt_lps, num_reasoning_tokens=req.reasoning_tokens)
 
     def _finish_reason(self, req: Request, token: int, text_before: int, changed: int) -> str | None:
         """Why ``req`` ends with ``token`` (None: it goes on). A stop token's text is left out
@@ -471,7 +471,7 @@ class Engine:
         if req.allowed_ids is not None and token not in req.allowed_ids:
             req.output_text = req.output_text[:text_before]     # bad_words or min_tokens banned
             return "stop"                                       # every allowed id this step
-        if req.matcher is not None or req.grammar_wait is not None:
+        if req.matcher is not None or req.reasoning:
             if ended := advance(req, token, changed):       # the grammar: complete, or broken
                 return ended
         if n_out >= sp.min_tokens:

@@ -307,6 +307,8 @@ class Request:
     prompt_lps: list | None = None       # prompt_logprobs asked: TokenLogprobs per prompt token so far
     matcher: object = None               # structured_outputs: its xgrammar GrammarMatcher
     grammar_wait: object = None          # the matcher held back while the model reasons (until </think>)
+    reasoning: bool = False              # with a reasoning parser: the model is still thinking
+    reasoning_tokens: int = 0            # its output tokens until the one that closed </think>
     lora: object = None                  # the LoRAAdapter it generates with (None: the base model)
     spec_token_ids: list[int] = field(default_factory=list)   # draft tokens this step verifies (spec_decode.py)
     spec: object = None                  # its NgramIndex (speculative decoding drafts from it)
@@ -358,14 +360,15 @@ class RequestOutput:
 
     __slots__ = ("request_id", "prompt_token_ids", "_token_ids", "text", "finish_reason",
                  "num_cached_tokens", "new_token_ids", "new_text", "new_logprobs", "prompt_logprobs",
-                 "logprobs", "_outputs", "prompt")
+                 "logprobs", "_outputs", "prompt", "num_reasoning_tokens")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  token_ids: list[int] | OutputIds, text: str, finish_reason: str | None,
                  num_cached_tokens: int, new_token_ids: list[int] | None = None,
                  new_text: str = "", new_logprobs: list | None = None,
                  prompt_logprobs: list | None = None, logprobs: list | None = None,
-                 outputs: list[CompletionOutput] | None = None, prompt: str | None = None) -> None:
+                 outputs: list[CompletionOutput] | None = None, prompt: str | None = None,
+                 num_reasoning_tokens: int = 0) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self._token_ids = token_ids
@@ -379,6 +382,7 @@ class RequestOutput:
         self.logprobs = logprobs                # LLM.generate, logprobs asked: TokenLogprobs per token_ids entry
         self._outputs = outputs                 # LLM.generate with n > 1: every sample
         self.prompt = prompt                    # LLM.generate: the prompt's text (None: given as ids)
+        self.num_reasoning_tokens = num_reasoning_tokens   # with a reasoning parser: tokens until </think>
 
     @property
     def token_ids(self) -> list[int]:
@@ -417,7 +421,8 @@ class RequestOutput:
     def _fields(self) -> tuple:
         return (self.request_id, self.prompt_token_ids, self.token_ids, self.text,
                 self.finish_reason, self.num_cached_tokens, self.new_token_ids, self.new_text,
-                self.new_logprobs, self.prompt_logprobs, self.logprobs, self._outputs, self.prompt)
+                self.new_logprobs, self.prompt_logprobs, self.logprobs, self._outputs, self.prompt,
+                self.num_reasoning_tokens)
 
     def __eq__(self, other: object) -> bool:
         if type(other) is not RequestOutput:
@@ -432,7 +437,7 @@ class RequestOutput:
     def __repr__(self) -> str:
         names = ("request_id", "prompt_token_ids", "token_ids", "text", "finish_reason",
                  "num_cached_tokens", "new_token_ids", "new_text", "new_logprobs", "prompt_logprobs",
-                 "logprobs", "outputs", "prompt")
+                 "logprobs", "outputs", "prompt", "num_reasoning_tokens")
         return "RequestOutput(" + ", ".join(f"{n}={v!r}" for n, v in zip(names, self._fields())) + ")"
 
 

@@ -159,23 +159,27 @@ class Grammars:
 THINK_START, THINK_END = "<think>", "</think>"
 
 
-def hold_while_reasoning(req, tokenizer) -> None:
-    """With a reasoning parser (vLLM's ``reasoning_parser``), ``req``'s grammar waits for the
-    end of its reasoning: the model thinks freely, then its answer after ``</think>`` is
-    constrained. Not when the prompt already closed it (its last think tag, in its last 64
-    tokens, is ``</think>``: Qwen3's template with thinking off)."""
+def start_reasoning(req, tokenizer) -> None:
+    """With a reasoning parser (vLLM's ``reasoning_parser``), ``req``'s answer starts in
+    reasoning unless the prompt already closed it (its last think tag, in its last 64 tokens,
+    is ``</think>``: Qwen3's template with thinking off). While it reasons its tokens are
+    counted (``reasoning_tokens``) and its grammar waits: the model thinks freely, then its
+    answer after ``</think>`` is constrained."""
     tail = tokenizer.decode(req.prompt_token_ids[-64:])
     if tail.rfind(THINK_END) <= tail.rfind(THINK_START):
+        req.reasoning = True
         req.grammar_wait, req.matcher = req.matcher, None
 
 
 def advance(req, token: int, changed: int) -> str | None:
     """``req``'s matcher takes ``token``: "stop" when the grammar is complete (its EOS
     accepted), "abort" when the token is outside it (only non-finite logits could lead there).
-    A grammar waiting for the end of the reasoning starts once the text from ``changed`` on
-    (what ``token`` changed) closes it: the next token is constrained."""
-    if req.matcher is None:
+    While ``req`` reasons, ``token`` is counted; once the text from ``changed`` on (what it
+    changed) closes the reasoning, a grammar that waited constrains the next token."""
+    if req.reasoning:
+        req.reasoning_tokens += 1
         if req.output_text.find(THINK_END, max(0, changed - len(THINK_END) + 1)) >= 0:
+            req.reasoning = False
             req.matcher, req.grammar_wait = req.grammar_wait, None
         return None
     if not req.matcher.accept_token(token):

@@ -102,6 +102,7 @@ class Choice:
     tokens: int = 0
     chars: int = 0
     cached_tokens: int = 0
+    reasoning_tokens: int = 0          # the engine's count, with a reasoning parser
     last_token_at: float | None = None
     echoed: bool = False
     call_id: str | None = None        # a streamed named function call's id, once its first delta went out
@@ -288,6 +289,7 @@ class GenerationRun:
             choice.last_token_at = now
         choice.tokens += n
         choice.cached_tokens = event.get("num_cached_tokens", choice.cached_tokens)
+        choice.reasoning_tokens = event.get("num_reasoning_tokens", choice.reasoning_tokens)
         if "prompt_logprobs" in event:
             self._prompt_lps[index] = event["prompt_logprobs"]
         if index % self.per_prompt == 0 and "replica_id" in event:
@@ -333,9 +335,12 @@ class GenerationRun:
 
     def usage(self) -> dict:
         prompt = self.prompt_tokens
+        thought = sum(c.reasoning_tokens for c in self.choices) if self.reasoning and self.reasoning[1] else 0
+        thought = {"completion_tokens_details": {"reasoning_tokens": thought}}    # vLLM's, with a parser
         return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
                 "total_tokens": prompt + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+                **(thought if self.reasoning is not None else {})}
 
     # ---- OpenAI shapes ---------------------------------------------------------------------
     def _answer(self, index: int, event: dict) -> tuple[str, dict | None]:

@@ -424,11 +424,16 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = Field(description="Prompt tokens served from the prefix cache.")
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = Field(description="Tokens the model spent thinking, until the one that closed </think>.")
+
+
 class Usage(BaseModel):
     prompt_tokens: int = Field(description="Tokens in the prompt.")
     completion_tokens: int = Field(description="Tokens generated.")
     total_tokens: int = Field(description="prompt_tokens + completion_tokens.")
     prompt_tokens_details: PromptTokensDetails = Field(description="Prefix-cache hits.")
+    completion_tokens_details: CompletionTokensDetails | None = Field(None, description="Chat, with a reasoning parser (vLLM's).")
 
 
 class KvharborInfo(BaseModel):

@@ -43,6 +43,7 @@ def test_the_grammar_constrains_the_answer_after_the_reasoning(kind, monkeypatch
     assert out.token_ids[len(THOUGHT):] == oracle(llm, prompt + THOUGHT, SPECS[kind], 60 - len(THOUGHT))
     answer = out.text.removeprefix(bytes(THOUGHT).decode())
     assert out.finish_reason == "stop" and holds(kind, answer), out.text
+    assert out.num_reasoning_tokens == len(THOUGHT)         # up to the token that closed </think>
 
 
 def test_without_a_reasoning_parser_the_grammar_holds_from_the_first_token(monkeypatch):
@@ -53,6 +54,7 @@ def test_without_a_reasoning_parser_the_grammar_holds_from_the_first_token(monke
     out = llm.generate([random_prompt(12, seed=3)],
                        SamplingParams(max_tokens=60, temperature=0, structured_outputs=SPECS["regex"]))[0]
     assert out.finish_reason == "abort" and out.token_ids == list(b"hmm,")  # "," breaks [a-z]{3}-
+    assert out.num_reasoning_tokens == 0                    # no parser: nothing counted
 
 
 def test_a_prompt_that_closed_the_reasoning_is_constrained_from_the_first_token():
@@ -64,10 +66,12 @@ def test_a_prompt_that_closed_the_reasoning_is_constrained_from_the_first_token(
     plain = LLM(device="cpu", num_kv_blocks=64)
     ours, theirs = (m.generate([closed], params)[0] for m in (thinking, plain))
     assert ours.token_ids == theirs.token_ids and holds("choice", ours.text)
+    assert ours.num_reasoning_tokens == 0
     opened = random_prompt(12, seed=4) + list(b"<think>\n")
     free = thinking.generate([opened], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
     held = thinking.generate([opened], params)[0]
     assert held.token_ids == free.token_ids and not holds("choice", held.text)
+    assert free.num_reasoning_tokens == held.num_reasoning_tokens == 40     # never closed: all thought
 
 
 def test_a_request_waiting_for_its_grammar_is_not_run_ahead():

@@ -171,8 +171,10 @@ class ForcedAfterThinking(Stream):
 
     async def _events(self):
         for i, piece in enumerate(self.pieces):
-            yield {"token_ids": [65 + i], "text": piece, "finish_reason": "stop" if i == len(self.pieces) - 1 else None,
-                   "replica_id": self.replica, "logprobs": [(-float(i), [(65 + i, -float(i))])]}
+            last = i == len(self.pieces) - 1
+            yield {"token_ids": [65 + i], "text": piece, "finish_reason": "stop" if last else None,
+                   "replica_id": self.replica, "logprobs": [(-float(i), [(65 + i, -float(i))])],
+                   **({"num_reasoning_tokens": 3} if last else {})}          # the engine's count
 
 
 class RequiredAfterThinking(ForcedAfterThinking):
@@ -184,8 +186,10 @@ def test_a_forced_call_follows_the_reasoning_streamed_or_not():
     grammar after ``</think>``): the message's reasoning, then the call made of what follows;
     streamed, the reasoning as it comes, then the call, each token scored once."""
     reasoning = ("deepseek_r1", True, True)
-    named = asyncio.run(_answering_run(lambda request: ForcedAfterThinking, tool_mode="now",
-                                       reasoning=reasoning).complete())["choices"][0]["message"]
+    answer = asyncio.run(_answering_run(lambda request: ForcedAfterThinking, tool_mode="now", n=2,
+                                        reasoning=reasoning).complete())
+    named = answer["choices"][0]["message"]
+    assert answer["usage"]["completion_tokens_details"] == {"reasoning_tokens": 6}     # both choices
     assert named["reasoning"] == "Let me think." and named["content"] is None
     assert named["tool_calls"][0]["function"] == {"name": "now", "arguments": '{"tz": "UTC"}'}
     required = asyncio.run(_answering_run(lambda request: RequiredAfterThinking, tool_mode="required",
@@ -208,3 +212,15 @@ def test_a_forced_call_follows_the_reasoning_streamed_or_not():
         scored = [e["logprob"] for d in deltas for e in (d["logprobs"] or {"content": []})["content"]]
         assert scored == [-float(i) for i in range(len(stream.pieces))]
         assert deltas[-1]["finish_reason"] == ("stop" if mode == "now" else "tool_calls")
+
+
+def test_usage_counts_reasoning_tokens_only_with_a_parser_and_thinking_on():
+    """vLLM's ``usage.completion_tokens_details.reasoning_tokens``: the engine's count (tokens
+    until the one that closed ``</think>``); 0 when the chat turned thinking off (its answer
+    is all content); no such field without a parser."""
+    def usage(**kw):
+        return asyncio.run(_answering_run(lambda request: ForcedAfterThinking, chat=True, **kw).complete())["usage"]
+
+    assert usage(reasoning=("deepseek_r1", True, True))["completion_tokens_details"] == {"reasoning_tokens": 3}
+    assert usage(reasoning=("qwen3", False, True))["completion_tokens_details"] == {"reasoning_tokens": 0}
+    assert "completion_tokens_details" not in usage()

@@ -138,7 +138,7 @@ def test_serve_run_serves_a_local_checkpoint_as_the_offline_engine_does(tmp_path
     default) is served: this model writes no call, so the answer is its text, special tokens
     kept (as vLLM's hermes parser asks). With ``reasoning_parser=qwen3`` that text is the
     message's ``reasoning`` (it never closes ``</think>``), unless the chat turns thinking off
-    (``chat_template_kwargs``), as the other chats here do."""
+    (``chat_template_kwargs``), as the other chats here do; usage counts its reasoning tokens."""
     from kvharbor import LLM, SamplingParams
     from kvharbor.engine.model_info import model_context_length
     from tests.engine.test_chat_template import TEMPLATE
@@ -210,7 +210,9 @@ def test_serve_run_serves_a_local_checkpoint_as_the_offline_engine_does(tmp_path
     assert spoken == "<s>" * 8                  # kept: a parser must see tags that are special tokens
     # thinking (Qwen3's default) and no </think>: all reasoning
     assert auto["choices"][0]["message"] == {"role": "assistant", "content": None, "reasoning": spoken}, auto
+    assert auto["usage"]["completion_tokens_details"] == {"reasoning_tokens": 8}    # the replica's count
     assert chat["choices"][0]["message"]["reasoning"] is None
+    assert chat["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}    # thinking off
     assert stopped, "".join(lines)[-3000:]
 
 
