@@ -138,7 +138,8 @@ class GenerationRun:
                  logprobs: int | None = None, marks: dict[str, float] | None = None,
                  choices_per_prompt: int | None = None, echo: list[str] | None = None,
                  prompt_only: bool = False, tool_mode: str | None = None,
-                 reasoning: tuple[str, bool, bool] | None = None, one_call: bool = False) -> None:
+                 reasoning: tuple[str, bool, bool] | None = None, one_call: bool = False,
+                 chat_echo: str | None = None) -> None:
         self.gw, self.reqs, self.principal, self.ticket = gateway, requests, principal, ticket
         self.req = requests[0]
         self.per_prompt = choices_per_prompt or len(requests)
@@ -163,7 +164,7 @@ class GenerationRun:
         self._finished = False
         self._text_of = shapes.TokenText(gateway.tokenizer) if self.want_logprobs else None
         self.echo, self.prompt_only, self.tool_mode, self.reasoning = echo, prompt_only, tool_mode, reasoning
-        self.one_call = one_call
+        self.one_call, self.chat_echo = one_call, chat_echo      # chat_echo: vLLM's chat echo, before each content
         self._prompt_lps: dict[int, list] = {}     # leader index -> its prompt's scored tokens
 
     # ---- replica events --------------------------------------------------------------------
@@ -375,6 +376,8 @@ class GenerationRun:
             out = shapes.tool_choice(index, calls, self._tool_reason(c.finish_reason), logprobs, content)
         if self.reasoning is not None:
             out["message"]["reasoning"] = said if self.reasoning[2] else None
+        if self.chat_echo:
+            out["message"]["content"] = self.chat_echo + (out["message"]["content"] or "")
         return out
 
     def _calls(self, text: str | None, reason: str) -> tuple[str | None, list[dict] | None]:
@@ -552,6 +555,9 @@ class GenerationRun:
                 if not started and self.chat:
                     yield self._chunk([shapes.choice(i, "", None, True, final=False, first=True)
                                        for i in range(len(self.reqs))], continuous_usage)
+                    if self.chat_echo:
+                        yield self._chunk([shapes.choice(i, self.chat_echo, None, True, final=False)
+                                           for i in range(len(self.reqs))], continuous_usage)
                 started = True
                 text, part = self._answer(index, event)
                 if self.reasoning is not None or self.tool_mode is not None:

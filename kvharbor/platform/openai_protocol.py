@@ -373,6 +373,7 @@ class ChatRequest(_Common):
     web_search_options: NullOnlyDict = Field(None, description="Not supported: only null.")
     add_generation_prompt: bool = Field(True, description="End the prompt with the assistant turn's opening (vLLM's). Not in OpenAI's API.")
     continue_final_message: bool = Field(False, description="The answer continues the last message, e.g. the start of an assistant reply, instead of opening a new turn (vLLM's; with add_generation_prompt false). Not in OpenAI's API.")
+    echo: bool = Field(False, description="Each choice's content starts with the last message's text when that message has the answer's role (assistant; with add_generation_prompt false, any), e.g. a reply continued with continue_final_message (vLLM's). Not in OpenAI's API.")
     chat_template_kwargs: Annotated[dict, AfterValidator(template_kwargs)] | None = Field(None, max_length=32, description="Extra variables for the chat template, e.g. {\"enable_thinking\": false} (vLLM's; not the names the template is already given). Not in OpenAI's API.")
 
     @field_validator("tool_choice", mode="after")
@@ -388,6 +389,13 @@ class ChatRequest(_Common):
         if self.reasoning_effort is None:
             return asked
         return {"reasoning_effort": self.reasoning_effort, "enable_thinking": self.reasoning_effort != "none", **asked}
+
+    def echo_text(self) -> str | None:
+        """What ``echo`` puts before each choice's content (None: nothing)."""
+        last = self.messages[-1]
+        if not self.echo or (self.add_generation_prompt and last.role != "assistant"):
+            return None
+        return last.text() or None
 
     def tool_mode(self) -> str | None:
         """``"auto"``, ``"required"``, the named function, or None (a text answer): see

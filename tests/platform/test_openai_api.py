@@ -347,6 +347,15 @@ def test_chat_continues_the_final_message_as_the_offline_engine(client, kvharbor
     assert out.usage.prompt_tokens == len(ref.prompt_token_ids)
     closed = client.chat.completions.create(messages=chat, **kw, extra_body={"add_generation_prompt": False})
     assert closed.usage.prompt_tokens == len(llm.encode(text + "\n"))
+    # vLLM's echo: the continued message's text before the answer, streamed or not
+    echo = {"ignore_eos": True, "add_generation_prompt": False, "continue_final_message": True, "echo": True}
+    echoed = client.chat.completions.create(messages=chat, **kw, extra_body=echo)
+    streamed = client.chat.completions.create(messages=chat, **kw, extra_body=echo, stream=True)
+    assert echoed.choices[0].message.content == "The tide" + ref.text
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == "The tide" + ref.text
+    opened = client.chat.completions.create(messages=chat[:1], **kw, extra_body={"echo": True, "ignore_eos": True})
+    plain = client.chat.completions.create(messages=chat[:1], **kw, extra_body={"ignore_eos": True})
+    assert opened.choices[0].message.content == plain.choices[0].message.content   # a user's turn: no echo
     for extra, last in (({"continue_final_message": True}, "The tide"),
                         ({"continue_final_message": True, "add_generation_prompt": False}, " ")):
         with pytest.raises(openai.BadRequestError, match="continue_final_message needs add_generation_prompt"):
