@@ -518,7 +518,8 @@ class Gateway:
         run = GenerationRun(self, siblings, principal, ticket, chat, self.served.answered_name(body.model),
                             logprobs, marks, choices_per_prompt=body.n, echo=echo or None, prompt_only=prompt_only,
                             tool_mode=tools, reasoning=self._reasoning(body) if chat else None,
-                            one_call=chat and body.parallel_tool_calls is False, chat_echo=chat and body.echo_text())
+                            one_call=chat and body.parallel_tool_calls is False, chat_echo=chat and body.echo_text(),
+                            return_token_ids=bool(body.return_token_ids))
         headers = {SESSION_HEADER: session_id} if session_id else {}
         dropped = (truncated or {}).get("tokens", 0)
         if dropped:

@@ -109,6 +109,9 @@ class Choice:
     call_id: str | None = None        # a streamed named function call's id, once its first delta went out
     parser: tool_parsers.StreamParser | None = None     # tool_choice "auto": the calls in its stream
     thinker: reasoning.ReasoningStream | None = None    # a reasoning parser: the reasoning in its stream
+    ids: list[int] = field(default_factory=list)        # return_token_ids: its output token ids
+    ids_sent: int = 0                                   # how many of them went out in chunks
+    prompt_ids_sent: bool = False
 
 
 class GenerationRun(ParsedAnswers):
@@ -140,7 +143,7 @@ class GenerationRun(ParsedAnswers):
                  choices_per_prompt: int | None = None, echo: list[str] | None = None,
                  prompt_only: bool = False, tool_mode: str | None = None,
                  reasoning: tuple[str, bool, bool] | None = None, one_call: bool = False,
-                 chat_echo: str | None = None) -> None:
+                 chat_echo: str | None = None, return_token_ids: bool = False) -> None:
         self.gw, self.reqs, self.principal, self.ticket = gateway, requests, principal, ticket
         self.req = requests[0]
         self.per_prompt = choices_per_prompt or len(requests)
@@ -166,6 +169,7 @@ class GenerationRun(ParsedAnswers):
         self._text_of = shapes.TokenText(gateway.tokenizer) if self.want_logprobs else None
         self.echo, self.prompt_only, self.tool_mode, self.reasoning = echo, prompt_only, tool_mode, reasoning
         self.one_call, self.chat_echo = one_call, chat_echo      # chat_echo: vLLM's chat echo, before each content
+        self.return_token_ids, self._prompt_ids_sent = return_token_ids, False
         self._prompt_lps: dict[int, list] = {}     # leader index -> its prompt's scored tokens
 
     # ---- replica events --------------------------------------------------------------------
@@ -290,6 +294,8 @@ class GenerationRun(ParsedAnswers):
         if n:
             choice.last_token_at = now
         choice.tokens += n
+        if self.return_token_ids:
+            choice.ids += event.get("token_ids", ())
         choice.cached_tokens = event.get("num_cached_tokens", choice.cached_tokens)
         choice.reasoning_tokens = event.get("num_reasoning_tokens", choice.reasoning_tokens)
         if "prompt_logprobs" in event:
@@ -434,7 +440,27 @@ class GenerationRun(ParsedAnswers):
         chunk = self._envelope(choices, chunk=True)
         if with_usage:
             chunk["usage"] = self.usage()
-        return chunk
+        return self._token_ids(chunk)
+
+    def _token_ids(self, out: dict) -> dict:
+        """vLLM's ``return_token_ids`` on a response or chunk ``out``: each choice's output
+        token ids (in a chunk, those not sent yet; none on a chat's role chunk) and the
+        prompt's (chat: on the response, or the stream's first chunk; completions: on each
+        choice, or its first chunk)."""
+        if not self.return_token_ids:
+            return out
+        for c in out["choices"]:
+            choice = self.choices[c["index"]]
+            if "role" in c.get("delta", ()):
+                continue
+            ids = [] if self.prompt_only else choice.ids
+            c["token_ids"], choice.ids_sent = ids[choice.ids_sent:], len(ids)
+            if not self.chat and not choice.prompt_ids_sent:
+                c["prompt_token_ids"] = self.reqs[self._lead(c["index"])].prompt_token_ids
+                choice.prompt_ids_sent = True
+        if self.chat and not self._prompt_ids_sent:
+            out["prompt_token_ids"], self._prompt_ids_sent = self.req.prompt_token_ids, True
+        return out
 
     async def complete(self) -> dict:
         """Non-streaming: the whole answer as one OpenAI response."""
@@ -454,7 +480,7 @@ class GenerationRun(ParsedAnswers):
             self.cancel()
             await self.finish()
         choices = [self._final_choice(i, c) for i, c in enumerate(self.choices)]
-        return {**self._envelope(choices, chunk=False, final=True), "usage": self.usage()}
+        return self._token_ids({**self._envelope(choices, chunk=False, final=True), "usage": self.usage()})
 
     async def stream_chunks(self, include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[dict | str]:
         """Streaming: one chunk per event (``stream_interval`` tokens, see

@@ -570,3 +570,26 @@ def test_the_response_says_where_the_time_to_first_token_went(kvharbor_app):
             chunks = [line for line in r.iter_lines() if line.startswith("data: {")]
         usage_chunk = json.loads(chunks[-1][6:])
         assert "usage" in usage_chunk and sorted(usage_chunk["kvharbor"]["timings_ms"]) == sorted(phases())
+
+
+def test_return_token_ids_gives_the_engines_ids_streamed_or_not(client, kvharbor_app):
+    """vLLM's ``return_token_ids``: the prompt's ids and each choice's output ids, the offline
+    engine's for the same request; streamed, the chunks' ids join to the same and the prompt's
+    come once (a completion choice's first chunk; a chat's first chunk)."""
+    from kvharbor import LLM, SamplingParams
+
+    llm = LLM(device="cpu", num_kv_blocks=64)
+    kw = dict(model=kvharbor_app.model, max_tokens=6, temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
+    ref = llm.generate("Tides?", SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+    done = client.completions.create(prompt="Tides?", n=2, **kw)
+    assert [(c.prompt_token_ids, c.token_ids) for c in done.choices] == [(ref.prompt_token_ids, ref.token_ids)] * 2
+    chunks = [c.choices[0] for c in client.completions.create(prompt="Tides?", stream=True, **kw) if c.choices]
+    assert sum((c.token_ids for c in chunks), []) == ref.token_ids and len(ref.token_ids) == 6
+    assert [c.prompt_token_ids for c in chunks if getattr(c, "prompt_token_ids", None)] == [ref.prompt_token_ids]
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": "Tides?"}], **kw)
+    assert len(chat.prompt_token_ids) == chat.usage.prompt_tokens and len(chat.choices[0].token_ids) == 6
+    streamed = list(client.chat.completions.create(messages=[{"role": "user", "content": "Tides?"}], stream=True, **kw))
+    assert streamed[0].prompt_token_ids == chat.prompt_token_ids
+    assert sum((c.choices[0].token_ids for c in streamed[1:] if c.choices), []) == chat.choices[0].token_ids
+    assert not hasattr(client.completions.create(model=kvharbor_app.model, prompt="Tides?", max_tokens=2).choices[0],
+                       "token_ids")
