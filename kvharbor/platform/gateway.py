@@ -487,7 +487,9 @@ class Gateway:
         ticket = await self.admitter.admit(principal, rid, sum(map(len, prompts)), max_tokens,
                                            len(prompts) * body.n)
         marks["admitted"] = time.perf_counter()
-        logprobs = _logprobs(body, chat)
+        thinking = self._reasoning(body) if chat else None
+        hidden = thinking is not None and not thinking[2]   # include_reasoning false: no logprobs or ids (vLLM's)
+        logprobs = None if hidden else _logprobs(body, chat)
         sampling = {"max_tokens": max_tokens, **body.sampling_values(self.prompts.defaults),
                     "seed": body.seed, "stop": body.stop_list(),
                     "stop_token_ids": body.stop_token_ids or [],
@@ -517,9 +519,9 @@ class Gateway:
                     caller=self.caller, stream_interval=principal.qos.stream_interval if body.stream else 0))
         run = GenerationRun(self, siblings, principal, ticket, chat, self.served.answered_name(body.model),
                             logprobs, marks, choices_per_prompt=body.n, echo=echo or None, prompt_only=prompt_only,
-                            tool_mode=tools, reasoning=self._reasoning(body) if chat else None,
+                            tool_mode=tools, reasoning=thinking,
                             one_call=chat and body.parallel_tool_calls is False, chat_echo=chat and body.echo_text(),
-                            return_token_ids=bool(body.return_token_ids))
+                            return_token_ids=bool(body.return_token_ids) and not hidden)
         headers = {SESSION_HEADER: session_id} if session_id else {}
         dropped = (truncated or {}).get("tokens", 0)
         if dropped:

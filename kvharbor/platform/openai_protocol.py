@@ -369,7 +369,7 @@ class ChatRequest(_Common):
     modalities: unsupported(list[str] | None, ["text"]) = Field(None, description='Only ["text"] or null.')
     prediction: NullOnlyDict = Field(None, description="Not supported: only null.")
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = Field(None, description="How hard a reasoning model thinks (vLLM's): given to the chat template as reasoning_effort, and \"none\" turns thinking off (enable_thinking false, unless chat_template_kwargs sets it).")
-    include_reasoning: bool = Field(True, description="With a reasoning parser: false leaves the reasoning out of the answer (vLLM's). Not in OpenAI's API.")
+    include_reasoning: bool = Field(True, description="With a reasoning parser: false leaves the reasoning out of the answer, and with it the logprobs and token ids, which would spell it (vLLM's). Not in OpenAI's API.")
     verbosity: NullOnlyStr = Field(None, description="Not supported: only null.")
     web_search_options: NullOnlyDict = Field(None, description="Not supported: only null.")
     add_generation_prompt: bool = Field(True, description="End the prompt with the assistant turn's opening (vLLM's). Not in OpenAI's API.")

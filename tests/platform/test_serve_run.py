@@ -188,6 +188,9 @@ def test_serve_run_serves_a_local_checkpoint_as_the_offline_engine_does(tmp_path
         auto = httpx.post(base + "/v1/chat/completions", headers=key, timeout=30,
                           json={"model": "tiny-qwen3", "messages": hi, "tools": TOOLS, **greedy,
                                 "logit_bias": {"257": 100}}).json()          # <s>, a special token
+        hidden = httpx.post(base + "/v1/chat/completions", headers=key, timeout=30,
+                            json={"model": "tiny-qwen3", "messages": hi, **greedy, "include_reasoning": False,
+                                  "logprobs": True, "return_token_ids": True}).json()
     finally:
         stopped = _stop(proc)
         reader.join(timeout=30)
@@ -213,6 +216,9 @@ def test_serve_run_serves_a_local_checkpoint_as_the_offline_engine_does(tmp_path
     assert auto["usage"]["completion_tokens_details"] == {"reasoning_tokens": 8}    # the replica's count
     assert chat["choices"][0]["message"]["reasoning"] is None
     assert chat["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}    # thinking off
+    # include_reasoning false: nothing spells the reasoning, logprobs and token ids neither (vLLM's)
+    assert hidden["choices"][0]["message"]["reasoning"] is None and hidden["choices"][0]["logprobs"] is None
+    assert "token_ids" not in hidden["choices"][0] and "prompt_token_ids" not in hidden, hidden
     assert stopped, "".join(lines)[-3000:]
 
 
