@@ -521,7 +521,8 @@ class Gateway:
                             logprobs, marks, choices_per_prompt=body.n, echo=echo or None, prompt_only=prompt_only,
                             tool_mode=tools, reasoning=thinking,
                             one_call=chat and body.parallel_tool_calls is False, chat_echo=chat and body.echo_text(),
-                            return_token_ids=bool(body.return_token_ids) and not hidden)
+                            return_token_ids=bool(body.return_token_ids) and not hidden,
+                            tokens_as_ids=bool(body.return_tokens_as_token_ids))
         headers = {SESSION_HEADER: session_id} if session_id else {}
         dropped = (truncated or {}).get("tokens", 0)
         if dropped:

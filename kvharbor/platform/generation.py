@@ -143,7 +143,8 @@ class GenerationRun(ParsedAnswers):
                  choices_per_prompt: int | None = None, echo: list[str] | None = None,
                  prompt_only: bool = False, tool_mode: str | None = None,
                  reasoning: tuple[str, bool, bool] | None = None, one_call: bool = False,
-                 chat_echo: str | None = None, return_token_ids: bool = False) -> None:
+                 chat_echo: str | None = None, return_token_ids: bool = False,
+                 tokens_as_ids: bool = False) -> None:
         self.gw, self.reqs, self.principal, self.ticket = gateway, requests, principal, ticket
         self.req = requests[0]
         self.per_prompt = choices_per_prompt or len(requests)
@@ -166,7 +167,7 @@ class GenerationRun(ParsedAnswers):
         self._prefilled = {lead: asyncio.Event() for lead in self.leaders}
         self._replica_of: dict[int, str] = {}      # leader index -> the replica serving it
         self._finished = False
-        self._text_of = shapes.TokenText(gateway.tokenizer) if self.want_logprobs else None
+        self._text_of = shapes.TokenText(gateway.tokenizer, tokens_as_ids) if self.want_logprobs else None
         self.echo, self.prompt_only, self.tool_mode, self.reasoning = echo, prompt_only, tool_mode, reasoning
         self.one_call, self.chat_echo = one_call, chat_echo      # chat_echo: vLLM's chat echo, before each content
         self.return_token_ids, self._prompt_ids_sent = return_token_ids, False

@@ -168,6 +168,7 @@ class _Common(BaseModel):
     logit_bias: LogitBias | None = Field(None, description=f"Token id (as a string) to a bias in [-100, 100] added to its logit before sampling, at most {MAX_LOGIT_BIAS} entries; -100 in effect bans a token, 100 forces it.")
     response_format: ResponseFormat | None = Field(None, description='OpenAI\'s: {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema"}} constrains the output to JSON (to that schema); {"type": "text"} or null does not.')
     structured_outputs: StructuredOutputs | None = Field(None, description="vLLM's: the output follows a JSON schema, a regex, one of a list of strings or an EBNF grammar. Not in OpenAI's API; not with response_format.")
+    return_tokens_as_token_ids: bool | None = Field(False, description="vLLM's: logprobs name each token as the string token_id:<id> (chat's bytes stay its text's). Not in OpenAI's API.")
     return_token_ids: bool | None = Field(False, description="vLLM's: each choice also carries its output's token_ids, and the answer the prompt's prompt_token_ids (chat: on the response; completions: on each choice); streamed, each chunk the ids of its tokens and the first chunk the prompt's. Not in OpenAI's API.")
     cache_salt: Text | None = Field(None, min_length=1, description="vLLM's: this request's KV blocks are cached under this string within the tenant's cache scope, reused only by requests that send the same string (a secret per end user keeps another user from probing its prompts through cache timing). Not in OpenAI's API.")
 

@@ -17,13 +17,18 @@ from __future__ import annotations
 
 
 class TokenText:
-    """Token id -> the text of that token alone (cached; the tokenizer is the gateway's)."""
+    """Token id -> the text of that token alone (cached; the tokenizer is the gateway's), or
+    with ``as_ids`` (vLLM's ``return_tokens_as_token_ids``) the string ``token_id:<id>``, which
+    names even a token whose text is no valid UTF-8 on its own."""
 
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, as_ids: bool = False) -> None:
+        self.tokenizer, self.as_ids = tokenizer, as_ids
         self._cache: dict[int, str] = {}
 
     def __call__(self, token_id: int) -> str:
+        return f"token_id:{token_id}" if self.as_ids else self.text(token_id)
+
+    def text(self, token_id: int) -> str:
         text = self._cache.get(token_id)
         if text is None:
             text = self._cache[token_id] = self.tokenizer.decode([token_id])
@@ -68,8 +73,7 @@ def prompt_logprobs(scored, token_ids, text_of: TokenText) -> dict:
 def chat_logprobs(event_lps, token_ids, text_of: TokenText) -> dict:
     """The chat ``logprobs`` object (``{"content": [...], "refusal": None}``) of one event."""
     def entry(token_id: int, logprob: float) -> dict:
-        text = text_of(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": text_of(token_id), "logprob": logprob, "bytes": list(text_of.text(token_id).encode("utf-8"))}
     content = [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top]}
                for t, (lp, top) in zip(token_ids, event_lps)]
     return {"content": content, "refusal": None}

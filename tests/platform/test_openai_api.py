@@ -593,3 +593,22 @@ def test_return_token_ids_gives_the_engines_ids_streamed_or_not(client, kvharbor
     assert sum((c.choices[0].token_ids for c in streamed[1:] if c.choices), []) == chat.choices[0].token_ids
     assert not hasattr(client.completions.create(model=kvharbor_app.model, prompt="Tides?", max_tokens=2).choices[0],
                        "token_ids")
+
+
+def test_return_tokens_as_token_ids_names_logprobs_tokens_by_id(client, kvharbor_app):
+    """vLLM's ``return_tokens_as_token_ids``: each logprobs token (chosen and alternatives) is
+    ``token_id:<id>``, the ids ``return_token_ids`` gives; chat's bytes stay the token's text."""
+    from kvharbor.engine.model_info import load_tokenizer
+
+    tokenizer = load_tokenizer(kvharbor_app.model)
+    kw = dict(model=kvharbor_app.model, max_tokens=5, temperature=0,
+              extra_body={"ignore_eos": True, "return_token_ids": True, "return_tokens_as_token_ids": True})
+    done = client.completions.create(prompt="Tides?", logprobs=2, **kw).choices[0]
+    assert done.logprobs.tokens == [f"token_id:{i}" for i in done.token_ids]
+    assert all(all(k.startswith("token_id:") for k in top) for top in done.logprobs.top_logprobs)
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": "Tides?"}], logprobs=True,
+                                          top_logprobs=2, **kw).choices[0]
+    entries = chat.logprobs.content
+    assert [e.token for e in entries] == [f"token_id:{i}" for i in chat.token_ids]
+    assert [bytes(e.bytes).decode() for e in entries] == [tokenizer.decode([i]) for i in chat.token_ids]
+    assert all(t.token.startswith("token_id:") for e in entries for t in e.top_logprobs)
