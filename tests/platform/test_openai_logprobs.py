@@ -208,7 +208,14 @@ def test_echo_with_max_tokens_zero_answers_the_prompt_alone(client, kvharbor_app
 
 # ---- the shapes for tokens of several characters, and beyond ASCII -----------------------------
 # (the builtin tokenizers' tokens are single bytes, so the HTTP tests above cannot tell these apart)
-TEXT_OF = {1: "Hello", 2: ",", 3: " w\u00f6rld"}.get
+class _Pieces:
+    """A tokenizer of three multi-character tokens."""
+
+    def decode(self, ids: list[int]) -> str:
+        return {1: "Hello", 2: ",", 3: " w\u00f6rld"}[ids[0]]
+
+
+TEXT_OF = shapes.TokenText(_Pieces())
 
 
 def test_text_offsets_count_each_tokens_characters():
