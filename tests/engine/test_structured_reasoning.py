@@ -74,9 +74,14 @@ def test_a_prompt_that_closed_the_reasoning_is_constrained_from_the_first_token(
     assert free.num_reasoning_tokens == held.num_reasoning_tokens == 40     # never closed: all thought
 
 
-def test_a_request_waiting_for_its_grammar_is_not_run_ahead():
-    """Its next logits depend on whether its last token closed the reasoning."""
+def test_a_request_waiting_for_its_grammar_is_not_run_ahead(monkeypatch):
+    """Its next logits depend on whether its last token closed the reasoning; once it did,
+    only the grammar's own dependence remains (nothing is left waiting)."""
     llm = LLM(device="cpu", num_kv_blocks=64, reasoning_parser="deepseek_r1")
+    _scripted(llm, THOUGHT, monkeypatch)
     req = llm.engine.add_request("r", random_prompt(12, seed=5),
-                                 SamplingParams(max_tokens=8, structured_outputs=SPECS["regex"]))
+                                 SamplingParams(max_tokens=30, structured_outputs=SPECS["regex"]))
     assert req.matcher is None and req.grammar_wait is not None and depends_on_outputs(req)
+    while req.num_output_tokens < len(THOUGHT):
+        llm.engine.step()
+    assert req.matcher is not None and req.grammar_wait is None and not req.reasoning
