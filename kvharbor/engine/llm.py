@@ -61,8 +61,8 @@ class LLM:
             if len(keys) != 1 or not {"prompt", "prompt_token_ids"} >= keys:
                 raise ValueError("a dict prompt is {'prompt': text} or {'prompt_token_ids': [ids]} "
                                  f"with an optional 'cache_salt', got keys {sorted(map(str, prompt))}")
-            salt = prompt.get("cache_salt", "x")
-            if not (isinstance(salt, str) and salt):
+            salt = prompt.get("cache_salt")
+            if "cache_salt" in prompt and not (isinstance(salt, str) and salt):
                 raise ValueError(f"a dict prompt's 'cache_salt' must be a non-empty string, got {salt!r}")
             (key,) = keys
             prompt = prompt[key]

@@ -109,8 +109,7 @@ class Choice:
     call_id: str | None = None        # a streamed named function call's id, once its first delta went out
     parser: tool_parsers.StreamParser | None = None     # tool_choice "auto": the calls in its stream
     thinker: reasoning.ReasoningStream | None = None    # a reasoning parser: the reasoning in its stream
-    ids: list[int] = field(default_factory=list)        # return_token_ids: its output token ids
-    ids_sent: int = 0                                   # how many of them went out in chunks
+    ids: list[int] = field(default_factory=list)        # return_token_ids: its output ids not yet sent
     prompt_ids_sent: bool = False
 
 
@@ -344,12 +343,13 @@ class GenerationRun(ParsedAnswers):
 
     def usage(self) -> dict:
         prompt = self.prompt_tokens
-        thought = sum(c.reasoning_tokens for c in self.choices) if self.reasoning and self.reasoning[1] else 0
-        thought = {"completion_tokens_details": {"reasoning_tokens": thought}}    # vLLM's, with a parser
-        return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
-                "total_tokens": prompt + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-                **(thought if self.reasoning is not None else {})}
+        usage = {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
+                 "total_tokens": prompt + self.completion_tokens,
+                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        if self.reasoning is not None:                  # vLLM's, with a parser; 0 with thinking off
+            thought = sum(c.reasoning_tokens for c in self.choices) if self.reasoning[1] else 0
+            usage["completion_tokens_details"] = {"reasoning_tokens": thought}
+        return usage
 
     # ---- OpenAI shapes ---------------------------------------------------------------------
     def _answer(self, index: int, event: dict) -> tuple[str, dict | None]:
@@ -454,8 +454,7 @@ class GenerationRun(ParsedAnswers):
             choice = self.choices[c["index"]]
             if "role" in c.get("delta", ()):
                 continue
-            ids = [] if self.prompt_only else choice.ids
-            c["token_ids"], choice.ids_sent = ids[choice.ids_sent:], len(ids)
+            c["token_ids"], choice.ids = [] if self.prompt_only else choice.ids, []
             if not self.chat and not choice.prompt_ids_sent:
                 c["prompt_token_ids"] = self.reqs[self._lead(c["index"])].prompt_token_ids
                 choice.prompt_ids_sent = True
@@ -534,4 +533,3 @@ def _raise_error_event(event: dict) -> None:
         raise ReplicaFailed(event["error"])
     code = event.get("code") or ("engine_step_failed" if status >= 500 else "invalid_request_error")
     raise APIError(status, event["error"], code)
-

@@ -14,9 +14,11 @@ A stream sends each part as it comes, holding back only what could begin a tag.
 
 from __future__ import annotations
 
+# The engine's tags: its grammar waits for END (structured_output.start_reasoning).
+from kvharbor.engine.structured_output import THINK_END as END
+from kvharbor.engine.structured_output import THINK_START as START
+from kvharbor.platform.tool_parsers import START as TOOL_START
 from kvharbor.platform.tool_parsers import releasable
-
-START, END, TOOL_START = "<think>", "</think>", "<tool_call>"
 
 
 def _thinks(parser: str, thinking: bool) -> bool:
