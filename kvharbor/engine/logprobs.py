@@ -3,7 +3,9 @@
 The numbers are the model's own: ``log_softmax`` of the raw logits of the step, before
 temperature, top-k or top-p (as vLLM reports them by default), in natural log units. For a
 request whose ``SamplingParams.logprobs`` is ``k`` (not None), each sampled token gets
-``TokenLogprobs(logprob, top)`` with ``top`` the ``k`` most likely ids, most likely first.
+``TokenLogprobs(logprob, top, rank)`` with ``top`` the ``k`` most likely ids, most likely
+first, and ``rank`` the token's place in the whole vocabulary (vLLM's ``Logprob.rank``: 1 for
+the most likely; the count of tokens at least as likely, so a tie ranks it last).
 ``SamplingParams.prompt_logprobs`` scores the prompt's tokens the same way (vLLM's field):
 each one's logprob given the tokens before it (the first has none).
 """
@@ -19,21 +21,24 @@ from .request import Request
 
 @dataclass(slots=True, frozen=True)
 class TokenLogprobs:
-    """The sampled token's log-probability and the ``k`` best ``(token id, logprob)``."""
+    """The sampled token's log-probability, the ``k`` best ``(token id, logprob)`` and its rank."""
 
     logprob: float
     top: tuple[tuple[int, float], ...]
+    rank: int
 
 
 def scored_logprobs(logits: torch.Tensor, targets: list[int], ks: list[int]) -> list[TokenLogprobs]:
     """Row ``i`` of ``logits`` ``[N, V]`` scores token ``targets[i]`` with its ``ks[i]`` best
-    alternatives: one ``log_softmax``, one copy to the host."""
+    alternatives and its rank: one ``log_softmax``, one copy to the host per result."""
     lp = torch.log_softmax(logits.float(), dim=-1)
-    picked = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])[:, 0]
+    picked = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])
+    ranks = (lp >= picked).sum(dim=-1)
     k = max(ks)
     top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
-    picked, top_v, top_i = picked.cpu().tolist(), top_v.cpu().tolist(), top_i.cpu().tolist()
-    return [TokenLogprobs(picked[i], tuple(zip(top_i[i][:want], top_v[i][:want])))
+    picked, ranks = picked[:, 0].cpu().tolist(), ranks.cpu().tolist()
+    top_v, top_i = top_v.cpu().tolist(), top_i.cpu().tolist()
+    return [TokenLogprobs(picked[i], tuple(zip(top_i[i][:want], top_v[i][:want])), ranks[i])
             for i, want in enumerate(ks)]
 
 

@@ -22,6 +22,14 @@ def test_rows_that_ask_get_the_log_softmax_and_the_top_k():
     assert out[2].top == () and abs(out[2].logprob - float(ref[2, 3])) < 1e-6   # temperature not applied
 
 
+
+def test_rank_is_the_tokens_place_in_the_whole_vocabulary():
+    """vLLM's ``Logprob.rank``: 1 for the most likely token; a tie ranks it after its equals."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [2.0, 1.0, 0.0, -1.0], [0.0, 0.0, 5.0, 0.0],
+                           [3.0, 2.0, 1.0, 0.0]])
+    out = token_logprobs(logits, [_req(0), _req(1), _req(2), _req(0)], [0, 3, 1, 2])
+    assert [lp.rank for lp in out] == [1, 4, 4, 3]
+
 def test_offline_engine_reports_logprobs_per_generated_token():
     from kvharbor import LLM
 
@@ -40,7 +48,12 @@ def test_offline_engine_reports_logprobs_per_generated_token():
         (lp,) = lps
         assert len(lp.top) == 3 and abs(lp.logprob - lp.top[0][1]) < 1e-5      # greedy: the best one
         assert lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1]
-    # LLM.generate returns every token's logprobs, as vLLM's does, not only the last step's
-    assert want.logprobs == [lps[0] for lps in seen["a"]]
+    # LLM.generate returns every token's logprobs, as vLLM's does, not only the last step's (the
+    # same up to float noise: alone here, batched with "b" above, the matmuls round differently)
+    stepped = [lps[0] for lps in seen["a"]]
+    assert [([i for i, _ in lp.top], lp.rank) for lp in want.logprobs] == [([i for i, _ in lp.top], lp.rank)
+                                                                         for lp in stepped]
+    assert all(abs(a.logprob - b.logprob) < 1e-4 and all(abs(x[1] - y[1]) < 1e-4 for x, y in zip(a.top, b.top))
+               for a, b in zip(want.logprobs, stepped))
     assert [lp.top[0][0] for lp in want.logprobs] == want.token_ids
     assert llm.generate([[9, 10]], SamplingParams(max_tokens=2))[0].logprobs is None
