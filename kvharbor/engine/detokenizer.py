@@ -70,19 +70,19 @@ class Detokenizer:
         req.output_text = cur.text + tail
         return changed
 
-    def truncate_at_stop(self, req: Request, stops: list[str], changed: int) -> bool:
+    def truncate_at_stop(self, req: Request, stops: list[str], changed: int) -> str | None:
         """Cut ``req.output_text`` before the first stop string that ends at or after
-        ``changed`` (after it with ``include_stop_str_in_output``); True if one did. The search
-        reads only the text from ``changed`` on and the ``len(stop) - 1`` characters before it."""
-        text, cut, end = req.output_text, -1, -1
+        ``changed`` (after it with ``include_stop_str_in_output``); that stop string, or None.
+        The search reads only the text from ``changed`` on and the ``len(stop) - 1``
+        characters before it."""
+        text, cut, end, found = req.output_text, -1, -1, None
         for stop in stops:
             at = text.find(stop, max(0, changed - len(stop) + 1)) if stop else -1
             if at >= 0 and (cut < 0 or at < cut):
-                cut, end = at, at + len(stop)
-        if cut < 0:
-            return False
-        req.output_text = text[:end if req.sampling.include_stop_str_in_output else cut]
-        return True
+                cut, end, found = at, at + len(stop), stop
+        if found is not None:
+            req.output_text = text[:end if req.sampling.include_stop_str_in_output else cut]
+        return found
 
     def delta(self, req: Request, final: bool) -> str:
         """Text not streamed before; on ``final`` all of it, and the request is forgotten."""

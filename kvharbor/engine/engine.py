@@ -155,7 +155,7 @@ class Engine:
         """
         prompt_token_ids = check_request(prompt_token_ids, sampling, tenant, qos, cache_salt, session_id,
                                          self.config.qos_classes, self.model.config.vocab_size,
-                                         self.max_model_len, request_salt)
+                                         self.max_model_len, request_salt, self.config.reasoning_parser)
         adapter = None if lora is None else self.loras.get(lora)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -455,17 +455,17 @@ class Engine:
             self.scheduler.remove(req)
             self.requests.pop(req.request_id, None)
             self.counters["finished"] += 1
-        return RequestOutput(req.request_id, req.prompt_token_ids, req.output_ids,
-                             req.output_text, req.finish_reason, max(req.num_cached_tokens, 0),
-                             [token], new_text, None if logprobs is None else [logprobs],
-                             req.prompt_lps, num_reasoning_tokens=req.reasoning_tokens)
+        return RequestOutput(req.request_id, req.prompt_token_ids, req.output_ids, req.output_text,
+                             req.finish_reason, max(req.num_cached_tokens, 0), [token], new_text,
+                             None if logprobs is None else [logprobs], req.prompt_lps,
+                             num_reasoning_tokens=req.reasoning_tokens, stop_reason=req.stop_reason)
 
     def _finish_reason(self, req: Request, token: int, text_before: int, changed: int) -> str | None:
-        """Why ``req`` ends with ``token`` (None: it goes on). A stop token's text is left out
-        of the output (as vLLM does; the token stays in the ids); a stop string and what
-        follows it too. Only stop strings that end in the text from ``changed`` on (what this
-        token changed) count, as in vLLM: one completed before ``min_tokens`` was streamed
-        and stays."""
+        """Why ``req`` ends with ``token`` (None: it goes on), and in ``req.stop_reason`` the
+        stop token id or string that ended it (vLLM's). A stop token's text is left out of the
+        output (as vLLM; the token stays in the ids); a stop string and what follows it too.
+        Only stop strings ending in the text from ``changed`` on (what this token changed)
+        count, as in vLLM: one completed before ``min_tokens`` was streamed and stays."""
         sp = req.sampling
         n_out = req.num_output_tokens
         if req.allowed_ids is not None and token not in req.allowed_ids:
@@ -478,9 +478,10 @@ class Engine:
             if not sp.ignore_eos and token in self.eos_ids:
                 return "stop"
             if token in sp.stop_token_ids:
-                req.output_text = req.output_text[:text_before]
+                req.output_text, req.stop_reason = req.output_text[:text_before], token
                 return "stop"
-            if sp.stop and self.detok.truncate_at_stop(req, sp.stop, changed):
+            if sp.stop and (stop := self.detok.truncate_at_stop(req, sp.stop, changed)) is not None:
+                req.stop_reason = stop
                 return "stop"
         if n_out >= sp.max_tokens or req.num_tokens >= self.max_model_len:
             return "length"

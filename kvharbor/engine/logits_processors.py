@@ -15,7 +15,8 @@ Applied in vLLM's order, to the rows whose request asks for one, greedy rows inc
   ``count[j]`` the occurrences of ``j`` in the output so far.
 
 - ``structured_outputs``: last, the tokens the request's grammar forbids get ``-inf``
-  (``structured_output.mask``).
+  (``structured_output.mask``); a token the engine forces (``Request.forced_ids``: the
+  ``</think>`` that closes a spent ``thinking_token_budget``) leaves every other at ``-inf``.
 
 ``min_p`` acts after temperature, in ``sampling.py``. The rows that need none of this are left
 as they are (no copy when no row does). Log-probabilities stay the model's own, read from the
@@ -40,7 +41,8 @@ def depends_on_outputs(req: Request) -> bool:
     """The request's next logits depend on its output so far (so a step launched before the
     previous token reaches the host would process them wrongly)."""
     return (req.sampling.penalized or holds_stops(req) or req.matcher is not None
-            or req.grammar_wait is not None or any(len(seq) > 1 for seq in req.bad_words))
+            or req.grammar_wait is not None or any(len(seq) > 1 for seq in req.bad_words)
+            or req.reasoning and req.sampling.thinking_token_budget is not None)
 
 
 def _processed(req: Request) -> bool:
@@ -86,6 +88,9 @@ def apply(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     constrained = {j: r.matcher for j, r in enumerate(reqs) if r.matcher is not None}
     if constrained:
         structured_output.mask(x, constrained)
+    for j, r in enumerate(reqs):
+        if r.forced_ids:
+            x[j] = torch.where(torch.arange(x.shape[1], device=dev) == r.forced_ids[0], 0.0, float("-inf"))
     return logits.index_copy(0, index, x)
 
 

@@ -49,6 +49,7 @@ class SamplingParams:
     bad_words: list[str] | None = None  # vLLM's: these words are never generated (bad_word_ids)
     truncate_prompt_tokens: int | None = None   # vLLM's: keep only the prompt's last k tokens
     skip_special_tokens: bool = True    # vLLM's: False keeps special tokens (e.g. EOS) in the text
+    thinking_token_budget: int | None = None    # vLLM's: reasoning closed after this many tokens
 
     def validate(self) -> None:
         """Raise ValueError naming the field to fix.
@@ -61,6 +62,11 @@ class SamplingParams:
         self.min_tokens = _integer("min_tokens", self.min_tokens, f" in [0, max_tokens={self.max_tokens}]")
         if self.seed is not None:
             self.seed = _integer("seed", self.seed)
+        if self.thinking_token_budget is not None:
+            budget = _integer("thinking_token_budget", self.thinking_token_budget, " >= 0, or -1 (no budget)")
+            if budget < -1:
+                raise ValueError(f"thinking_token_budget must be an integer >= 0, or -1 (no budget), got {budget}")
+            self.thinking_token_budget = None if budget == -1 else budget
         if self.truncate_prompt_tokens is not None:
             k = self.truncate_prompt_tokens = _integer("truncate_prompt_tokens", self.truncate_prompt_tokens, " >= 1")
             if k < 1:
@@ -188,10 +194,13 @@ def bad_word_ids(tokenizer, words: list[str],
 
 def check_request(prompt_token_ids, sampling: SamplingParams, tenant, qos, cache_salt, session_id,
                   qos_classes: dict, vocab_size: int, max_model_len: int,
-                  request_salt: str | None = None) -> list[int]:
+                  request_salt: str | None = None, reasoning_parser: str | None = None) -> list[int]:
     """Check the arguments of ``Engine.add_request`` (``sampling`` is validated in place) and
     return the prompt's ids as ints. Raises ValueError naming the argument to fix."""
     sampling.validate()
+    if sampling.thinking_token_budget is not None and reasoning_parser is None:
+        raise ValueError("thinking_token_budget needs an engine with a reasoning_parser (the end of "
+                         "the reasoning, which a spent budget forces, is the parser's)")
     if sampling.n != 1:
         raise ValueError(f"n={sampling.n}: an engine request is one sample; add one request per "
                          "sample with its own seed (LLM.generate does)")
@@ -294,6 +303,7 @@ class Request:
     swap: SwapState | None = None        # set while swapped out to host memory
     status: Status = Status.WAITING
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop token id or string that ended it
     output_text: str = ""
     num_preemptions: int = 0
     first_token_time: float | None = None
@@ -309,6 +319,8 @@ class Request:
     grammar_wait: object = None          # the matcher held back while the model reasons (until </think>)
     reasoning: bool = False              # with a reasoning parser: the model is still thinking
     reasoning_tokens: int = 0            # its output tokens until the one that closed </think>
+    think_end: tuple[int, ...] = ()      # thinking_token_budget: the ids of </think>, forced when spent
+    forced_ids: list[int] = field(default_factory=list)   # ids its next tokens must be, in order
     lora: object = None                  # the LoRAAdapter it generates with (None: the base model)
     spec_token_ids: list[int] = field(default_factory=list)   # draft tokens this step verifies (spec_decode.py)
     spec: object = None                  # its NgramIndex (speculative decoding drafts from it)
@@ -360,7 +372,7 @@ class RequestOutput:
 
     __slots__ = ("request_id", "prompt_token_ids", "_token_ids", "text", "finish_reason",
                  "num_cached_tokens", "new_token_ids", "new_text", "new_logprobs", "prompt_logprobs",
-                 "logprobs", "_outputs", "prompt", "num_reasoning_tokens")
+                 "logprobs", "_outputs", "prompt", "num_reasoning_tokens", "stop_reason")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  token_ids: list[int] | OutputIds, text: str, finish_reason: str | None,
@@ -368,7 +380,7 @@ class RequestOutput:
                  new_text: str = "", new_logprobs: list | None = None,
                  prompt_logprobs: list | None = None, logprobs: list | None = None,
                  outputs: list[CompletionOutput] | None = None, prompt: str | None = None,
-                 num_reasoning_tokens: int = 0) -> None:
+                 num_reasoning_tokens: int = 0, stop_reason: int | str | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self._token_ids = token_ids
@@ -383,6 +395,7 @@ class RequestOutput:
         self._outputs = outputs                 # LLM.generate with n > 1: every sample
         self.prompt = prompt                    # LLM.generate: the prompt's text (None: given as ids)
         self.num_reasoning_tokens = num_reasoning_tokens   # with a reasoning parser: tokens until </think>
+        self.stop_reason = stop_reason          # vLLM's: the stop token id or stop string that ended it
 
     @property
     def token_ids(self) -> list[int]:
@@ -422,7 +435,7 @@ class RequestOutput:
         return (self.request_id, self.prompt_token_ids, self.token_ids, self.text,
                 self.finish_reason, self.num_cached_tokens, self.new_token_ids, self.new_text,
                 self.new_logprobs, self.prompt_logprobs, self.logprobs, self._outputs, self.prompt,
-                self.num_reasoning_tokens)
+                self.num_reasoning_tokens, self.stop_reason)
 
     def __eq__(self, other: object) -> bool:
         if type(other) is not RequestOutput:
@@ -437,7 +450,7 @@ class RequestOutput:
     def __repr__(self) -> str:
         names = ("request_id", "prompt_token_ids", "token_ids", "text", "finish_reason",
                  "num_cached_tokens", "new_token_ids", "new_text", "new_logprobs", "prompt_logprobs",
-                 "logprobs", "outputs", "prompt", "num_reasoning_tokens")
+                 "logprobs", "outputs", "prompt", "num_reasoning_tokens", "stop_reason")
         return "RequestOutput(" + ", ".join(f"{n}={v!r}" for n, v in zip(names, self._fields())) + ")"
 
 
@@ -451,12 +464,13 @@ class CompletionOutput:
     finish_reason: str | None
     logprobs: list | None = None        # TokenLogprobs per token, when asked for
     cumulative_logprob: float | None = None     # sum of the sampled tokens' logprobs, when asked for
+    stop_reason: int | str | None = None        # the stop token id or stop string that ended it
 
     @classmethod
     def of(cls, index: int, out: RequestOutput) -> CompletionOutput:
         lps = out.logprobs
         return cls(index, out.text, out.token_ids, out.finish_reason, lps,
-                   None if lps is None else sum(lp.logprob for lp in lps))
+                   None if lps is None else sum(lp.logprob for lp in lps), out.stop_reason)
 
 
 @dataclass(slots=True)

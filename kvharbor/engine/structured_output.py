@@ -164,11 +164,16 @@ def start_reasoning(req, tokenizer) -> None:
     reasoning unless the prompt already closed it (its last think tag, in its last 64 tokens,
     is ``</think>``: Qwen3's template with thinking off). While it reasons its tokens are
     counted (``reasoning_tokens``) and its grammar waits: the model thinks freely, then its
-    answer after ``</think>`` is constrained."""
+    answer after ``</think>`` is constrained. With ``thinking_token_budget`` (vLLM's), once
+    that many tokens were counted the next ones are forced to spell ``</think>``."""
     tail = tokenizer.decode(req.prompt_token_ids[-64:])
     if tail.rfind(THINK_END) <= tail.rfind(THINK_START):
         req.reasoning = True
         req.grammar_wait, req.matcher = req.matcher, None
+        if req.sampling.thinking_token_budget is not None:
+            req.think_end = tuple(tokenizer.encode(THINK_END, add_special_tokens=False))
+            if req.sampling.thinking_token_budget == 0:
+                req.forced_ids = list(req.think_end)
 
 
 def advance(req, token: int, changed: int) -> str | None:
@@ -178,9 +183,13 @@ def advance(req, token: int, changed: int) -> str | None:
     changed) closes the reasoning, a grammar that waited constrains the next token."""
     if req.reasoning:
         req.reasoning_tokens += 1
+        if req.forced_ids and token == req.forced_ids[0]:
+            del req.forced_ids[0]
         if req.output_text.find(THINK_END, max(0, changed - len(THINK_END) + 1)) >= 0:
             req.reasoning = False
             req.matcher, req.grammar_wait = req.grammar_wait, None
+        elif req.reasoning_tokens == req.sampling.thinking_token_budget:
+            req.forced_ids = list(req.think_end)            # the budget is spent: close it
         return None
     if not req.matcher.accept_token(token):
         logger.warning("%s: token %d is outside its grammar; stopped", req.request_id, token)

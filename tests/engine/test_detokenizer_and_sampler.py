@@ -131,7 +131,7 @@ def test_stop_strings_are_found_where_the_text_changed_as_in_a_full_search(stop)
         full = tok.decode(ids[:n], skip_special_tokens=True)
         assert req.output_text == full
         found = detok.truncate_at_stop(req, [stop], changed)
-        assert found == (stop in full), f"after {n} tokens"
+        assert (found == stop) == (stop in full) and (found is None) == (stop not in full), f"after {n} tokens"
         if found:
             assert req.output_text == full[:full.find(stop)]
             return
@@ -146,7 +146,7 @@ def test_of_several_stop_strings_the_text_is_cut_at_the_earliest():
     req.all_token_ids.extend(b"xaxb")
     detok.update(req)
     assert req.output_text == "xaxb"
-    assert detok.truncate_at_stop(req, ["b", "a"], 0) and req.output_text == "x"
+    assert detok.truncate_at_stop(req, ["b", "a"], 0) == "a" and req.output_text == "x"
 
 
 def test_a_re_spelled_window_searches_the_whole_text_for_stops():

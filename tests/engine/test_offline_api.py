@@ -129,3 +129,19 @@ def test_chat_template_kwargs_reach_the_template(llm):
                 llm.chat(chat, greedy, chat_template_kwargs=bad)
     finally:
         tokenizer.chat_template = builtin
+
+
+def test_stop_reason_names_the_stop_token_or_string_that_ended_the_output(llm):
+    """vLLM's ``CompletionOutput.stop_reason``: the stop token id, or the stop string (the
+    earliest in the text when several match); None when max_tokens (or EOS) ended it."""
+    greedy = dict(temperature=0, ignore_eos=True, max_tokens=12)
+    free = llm.generate(["The harbor"], SamplingParams(**greedy))[0].outputs[0]
+    assert free.finish_reason == "length" and free.stop_reason is None
+    token = free.token_ids[4]
+    by_id = llm.generate(["The harbor"], SamplingParams(**greedy, stop_token_ids=[token]))[0]
+    assert by_id.outputs[0].stop_reason == token == by_id.stop_reason and by_id.finish_reason == "stop"
+    late, early = free.text[-3:], free.text[2:4]
+    by_text = llm.generate(["The harbor"], SamplingParams(**greedy, stop=[late, early]))[0].outputs[0]
+    assert (by_text.stop_reason, by_text.text, by_text.finish_reason) == (early, free.text[:free.text.find(early)], "stop")
+    kept = llm.generate(["The harbor"], SamplingParams(**greedy, stop=[late], include_stop_str_in_output=True))[0]
+    assert kept.outputs[0].stop_reason == late and kept.outputs[0].text.endswith(late)

@@ -85,3 +85,37 @@ def test_a_request_waiting_for_its_grammar_is_not_run_ahead(monkeypatch):
     while req.num_output_tokens < len(THOUGHT):
         llm.engine.step()
     assert req.matcher is not None and req.grammar_wait is None and not req.reasoning
+
+
+END = list(b"</think>")
+
+
+def test_a_spent_thinking_budget_closes_the_reasoning_and_the_answer_follows():
+    """vLLM's ``thinking_token_budget``: after that many tokens of thought the engine forces
+    ``</think>``; what follows is the model's own answer (its grammar's, when it has one)."""
+    llm = LLM(device="cpu", num_kv_blocks=64, reasoning_parser="deepseek_r1")
+    plain = LLM(device="cpu", num_kv_blocks=64)
+    prompt = random_prompt(12, seed=6)
+    greedy = dict(max_tokens=30, temperature=0, ignore_eos=True)
+    free = llm.generate([prompt], SamplingParams(**greedy))[0]
+    assert free.num_reasoning_tokens == 30 and bytes(END).decode() not in free.text    # never closes by itself
+    out = llm.generate([prompt], SamplingParams(**greedy, thinking_token_budget=5))[0]
+    thought = out.token_ids[:5 + len(END)]
+    assert thought == free.token_ids[:5] + END and out.num_reasoning_tokens == 5 + len(END)
+    rest = plain.generate([prompt + thought], SamplingParams(**{**greedy, "max_tokens": 30 - len(thought)}))[0]
+    assert out.token_ids[len(thought):] == rest.token_ids
+    assert llm.generate([prompt], SamplingParams(**greedy, thinking_token_budget=0))[0].token_ids[:len(END)] == END
+    shaped = llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0, thinking_token_budget=3,
+                                                   structured_outputs=SPECS["regex"]))[0]
+    assert shaped.token_ids[3:3 + len(END)] == END
+    assert holds("regex", shaped.text.split(bytes(END).decode(), 1)[1]) and shaped.finish_reason == "stop"
+    assert llm.generate([prompt], SamplingParams(**greedy, thinking_token_budget=-1))[0].token_ids == free.token_ids
+
+
+def test_a_thinking_budget_needs_a_reasoning_parser():
+    plain = LLM(device="cpu", num_kv_blocks=64)
+    with pytest.raises(ValueError, match="reasoning_parser"):
+        plain.generate([[5, 6]], SamplingParams(thinking_token_budget=4))
+    assert plain.generate([[5, 6]], SamplingParams(max_tokens=2, thinking_token_budget=-1))[0].token_ids  # none
+    with pytest.raises(ValueError, match="thinking_token_budget"):
+        SamplingParams(thinking_token_budget=-2).validate()
