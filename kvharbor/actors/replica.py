@@ -433,10 +433,12 @@ class LLMReplica:
                           "finish_reason": out.finish_reason, "num_cached_tokens": out.num_cached_tokens,
                           "num_prompt_tokens": len(out.prompt_token_ids),
                           "num_output_tokens": out.num_output_tokens, "replica_id": self.replica_id,
-                          **({"num_reasoning_tokens": out.num_reasoning_tokens} if out.finish_reason else {}),
+                          **({"stop_reason": out.stop_reason} if out.finish_reason else {}),
+                          **({"num_reasoning_tokens": out.num_reasoning_tokens}    # so far: continuous usage shows it
+                             if out.num_reasoning_tokens or out.finish_reason else {}),
                           **({"logprobs": [(lp.logprob, lp.top) for lp in out.new_logprobs]}
                              if out.new_logprobs else {}),
-                          **({"prompt_logprobs": [lp and (lp.logprob, lp.top) for lp in out.prompt_logprobs]}
+                          **({"prompt_logprobs": [lp and (lp.logprob, lp.top, lp.rank) for lp in out.prompt_logprobs]}
                              if out.prompt_logprobs is not None and out.num_output_tokens == len(out.new_token_ids)
                              else {})})
 

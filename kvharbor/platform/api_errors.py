@@ -43,8 +43,9 @@ def install_error_handlers(api: FastAPI) -> None:
         if first.get("type") == "extra_forbidden":
             return error_response(400, f"unknown field '{where}': this route does not take it; remove it "
                                   "(see /openapi.json for the fields)", "unknown_field", where)
-        if not where and first.get("type") == "value_error":
-            return error_response(400, str(first.get("msg", "invalid request")).removeprefix("Value error, "))
+        if not where and first.get("type") == "value_error":        # a model validator's (FieldError: its field)
+            return error_response(400, str(first.get("msg", "invalid request")).removeprefix("Value error, "),
+                                  param=getattr(first.get("ctx", {}).get("error"), "param", None))
         if not where:
             return error_response(400, "request body must be a JSON object (UTF-8 encoded) with the "
                                        "fields of this route")

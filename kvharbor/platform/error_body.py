@@ -32,6 +32,15 @@ class APIError(Exception):
         return error_response(self.status, self.message, self.code, self.param, self.headers)
 
 
+class FieldError(ValueError):
+    """A check across a request's fields (a model validator) that one field fails: the 400's
+    ``param`` names it (a plain ``ValueError`` there has no field to name)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error",
           413: "request_too_large",

@@ -54,10 +54,9 @@ from kvharbor.platform.generation import GenerationRun, sse
 from kvharbor.platform.health import RunningReplicas
 from kvharbor.platform.ingress import running_mode, running_preset
 from kvharbor.platform.loopback import serve_grpc_on_node_address
-from kvharbor.platform.openai_protocol import (ChatRequest, ChatResponse, CompletionRequest,
-                                               CompletionResponse, DetokenizeRequest, DetokenizeResponse,
-                                               ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
-                                               bound_token_ids)
+from kvharbor.platform.openai_protocol import (ChatRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
+                                               TokenizeRequest, TokenizeResponse, bound_token_ids)
+from kvharbor.platform.openai_responses import ChatResponse, CompletionResponse, ModelCard, ModelList
 from kvharbor.platform.overload_guard import DEFAULT_LAG_TARGET_MS, OverloadGuard
 from kvharbor.platform.premium_lane import check_lane, listening_socket, start_server
 from kvharbor.platform.protocol import GenerateRequest
@@ -157,6 +156,14 @@ def _logprobs(body, chat: bool) -> int | None:
     if chat:
         return (body.top_logprobs or 0) if body.logprobs else None
     return body.logprobs
+
+
+def _prompt_logprobs(body, logprobs: int | None, echo) -> int | None:
+    """Alternatives per prompt token the answer's ``prompt_logprobs`` shows (None: no field):
+    the request's, else completions' echo with logprobs (as vLLM answers); never on a stream."""
+    if body.stream:
+        return None
+    return body.prompt_logprobs if body.prompt_logprobs is not None else logprobs if echo else None
 
 
 def _own_actor_name() -> tuple[str, str] | None:
@@ -470,9 +477,12 @@ class Gateway:
             tools = body.tool_mode() if chat else None
             if tools == "auto" and self.tool_parser is None:
                 raise APIError(400, AUTO_NEEDS_PARSER, param="tool_choice")
+            if body.thinking_token_budget not in (None, -1) and self.reasoning_parser is None:
+                raise APIError(400, "thinking_token_budget needs a server started with reasoning_parser "
+                               "(e.g. qwen3): without one nothing tells where the thought ends",
+                               param="thinking_token_budget")
             prompts = await self.prompts.off_loop(tokenize, size)
-            if body.truncate_prompt_tokens:
-                prompts = [ids[-body.truncate_prompt_tokens:] for ids in prompts]
+            prompts = self.prompts.truncate(body, prompts)
             max_tokens, prompt_only = self.prompts.limits(body, prompts, chat, principal)
             unparsed = await parse_problem(body, tenant)
             if unparsed:
@@ -498,10 +508,12 @@ class Gateway:
                     # a model's call tags may be special tokens: the parser reads them (as vLLM's)
                     "skip_special_tokens": body.skip_special_tokens and tools != "auto",
                     "logprobs": logprobs, "min_tokens": body.min_tokens,
-                    "logit_bias": body.logit_bias,
+                    "logit_bias": body.logit_bias, "thinking_token_budget": body.thinking_token_budget,
                     "structured_outputs": body.structured()}
         echo = not chat and body.echo and self.prompts.echo_texts(body, prompts)
-        scored = logprobs if echo else None          # each prompt's leader scores its tokens
+        prompt_k = _prompt_logprobs(body, logprobs, echo)
+        asked = [k for k in (prompt_k, logprobs if echo else None) if k is not None]
+        scored = max(asked) if asked else None       # each prompt's leader scores its tokens
         siblings = []
         lora = self.served.adapter(body.model)
         salt = self.served.salt(principal.cache_salt, lora, body.cache_salt)
@@ -522,7 +534,7 @@ class Gateway:
                             tool_mode=tools, reasoning=thinking,
                             one_call=chat and body.parallel_tool_calls is False, chat_echo=chat and body.echo_text(),
                             return_token_ids=bool(body.return_token_ids) and not hidden,
-                            tokens_as_ids=bool(body.return_tokens_as_token_ids))
+                            tokens_as_ids=bool(body.return_tokens_as_token_ids), prompt_logprobs=prompt_k)
         headers = {SESSION_HEADER: session_id} if session_id else {}
         dropped = (truncated or {}).get("tokens", 0)
         if dropped:

@@ -99,6 +99,7 @@ class Choice:
 
     text: list[str] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop token id or string that ended it
     logprobs: list[dict] = field(default_factory=list)
     tokens: int = 0
     chars: int = 0
@@ -135,6 +136,8 @@ class GenerationRun(ParsedAnswers):
             ``reasoning`` apart from its content; None: no parser.
         one_call: ``parallel_tool_calls`` false: an ``auto`` answer keeps its first call only
             (``required`` is constrained to one).
+        prompt_logprobs: vLLM's field: each prompt's leader asked the engine to score its
+            tokens, and the answer shows this many alternatives per token (None: no field).
     """
 
     def __init__(self, gateway, requests, principal, ticket, chat: bool, model: str,
@@ -143,12 +146,12 @@ class GenerationRun(ParsedAnswers):
                  prompt_only: bool = False, tool_mode: str | None = None,
                  reasoning: tuple[str, bool, bool] | None = None, one_call: bool = False,
                  chat_echo: str | None = None, return_token_ids: bool = False,
-                 tokens_as_ids: bool = False) -> None:
+                 tokens_as_ids: bool = False, prompt_logprobs: int | None = None) -> None:
         self.gw, self.reqs, self.principal, self.ticket = gateway, requests, principal, ticket
         self.req = requests[0]
         self.per_prompt = choices_per_prompt or len(requests)
         self.leaders = range(0, len(requests), self.per_prompt)
-        self.chat, self.model, self.want_logprobs = chat, model, logprobs is not None
+        self.chat, self.model, self.want_logprobs, self.top_k = chat, model, logprobs is not None, logprobs
         self.created = int(time.time())
         # perf_counter() marks of the gateway's phases ("proxied", "received", "arrived",
         # "queued", "tokenized", "admitted"); TTFT and latency count from "arrived", the
@@ -166,7 +169,9 @@ class GenerationRun(ParsedAnswers):
         self._prefilled = {lead: asyncio.Event() for lead in self.leaders}
         self._replica_of: dict[int, str] = {}      # leader index -> the replica serving it
         self._finished = False
-        self._text_of = shapes.TokenText(gateway.tokenizer, tokens_as_ids) if self.want_logprobs else None
+        self.prompt_k = prompt_logprobs
+        self._text_of = shapes.TokenText(gateway.tokenizer, tokens_as_ids) \
+            if self.want_logprobs or prompt_logprobs is not None else None
         self.echo, self.prompt_only, self.tool_mode, self.reasoning = echo, prompt_only, tool_mode, reasoning
         self.one_call, self.chat_echo = one_call, chat_echo      # chat_echo: vLLM's chat echo, before each content
         self.return_token_ids, self._prompt_ids_sent = return_token_ids, False
@@ -297,6 +302,7 @@ class GenerationRun(ParsedAnswers):
         if self.return_token_ids:
             choice.ids += event.get("token_ids", ())
         choice.cached_tokens = event.get("num_cached_tokens", choice.cached_tokens)
+        choice.stop_reason = event.get("stop_reason", choice.stop_reason)
         choice.reasoning_tokens = event.get("num_reasoning_tokens", choice.reasoning_tokens)
         if "prompt_logprobs" in event:
             self._prompt_lps[index] = event["prompt_logprobs"]
@@ -364,7 +370,7 @@ class GenerationRun(ParsedAnswers):
             head = self.echo[lead // self.per_prompt]
             if self.want_logprobs and lead in self._prompt_lps:
                 parts.append(shapes.prompt_logprobs(self._prompt_lps[lead], self.reqs[lead].prompt_token_ids,
-                                                    self._text_of))
+                                                    self._text_of, self.top_k))
                 choice.chars = sum(map(len, parts[0]["tokens"]))
         if self.prompt_only:
             return head, shapes.merge_logprobs(parts, False)
@@ -386,7 +392,15 @@ class GenerationRun(ParsedAnswers):
             out["message"]["reasoning"] = said if self.reasoning[2] else None
         if self.chat_echo:
             out["message"]["content"] = self.chat_echo + (out["message"]["content"] or "")
+        if self.prompt_k is not None and not self.chat:
+            out["prompt_logprobs"] = self._vllm_prompt_logprobs(self._lead(index))
+        out["stop_reason"] = None if self.prompt_only else c.stop_reason
         return out
+
+    def _vllm_prompt_logprobs(self, lead: int) -> list[dict | None] | None:
+        scored = self._prompt_lps.get(lead)
+        return None if scored is None else shapes.vllm_prompt_logprobs(
+            scored, self.reqs[lead].prompt_token_ids, self._text_of, self.prompt_k)
 
     def _finish_reason(self, event: dict) -> str | None:
         reason = event.get("finish_reason")
@@ -438,6 +452,9 @@ class GenerationRun(ParsedAnswers):
                 "choices": choices, "kvharbor": extra}
 
     def _chunk(self, choices: list, with_usage: bool) -> dict:
+        for c in choices:                       # vLLM's stop_reason, on each choice's last chunk
+            if c["finish_reason"] is not None:
+                c["stop_reason"] = self.choices[c["index"]].stop_reason
         chunk = self._envelope(choices, chunk=True)
         if with_usage:
             chunk["usage"] = self.usage()
@@ -480,7 +497,10 @@ class GenerationRun(ParsedAnswers):
             self.cancel()
             await self.finish()
         choices = [self._final_choice(i, c) for i, c in enumerate(self.choices)]
-        return self._token_ids({**self._envelope(choices, chunk=False, final=True), "usage": self.usage()})
+        out = {**self._envelope(choices, chunk=False, final=True), "usage": self.usage()}
+        if self.prompt_k is not None and self.chat:
+            out["prompt_logprobs"] = self._vllm_prompt_logprobs(0)
+        return self._token_ids(out)
 
     async def stream_chunks(self, include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[dict | str]:
         """Streaming: one chunk per event (``stream_interval`` tokens, see

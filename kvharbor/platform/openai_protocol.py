@@ -1,4 +1,5 @@
-"""OpenAI-compatible request and response bodies (the error body is in ``error_body``).
+"""OpenAI-compatible request bodies (the responses are in ``openai_responses``, the error body in
+``error_body``).
 
 Every error the gateway answers has the body ``{"error": {"message", "type", "param",
 "code"}}`` (``ErrorResponse``); the message says what to change. Request models reject
@@ -16,6 +17,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
 
 from kvharbor.engine.tokenizer import template_kwargs
 
+from .error_body import FieldError
 from .structured_request import ResponseFormat, StructuredOutputs, structured_spec
 from .tool_calls import (MAX_TOOLS, Tool, ToolCall, ToolChoice, constraint, template_calls, template_tools,
                          tool_mode)
@@ -156,7 +158,8 @@ class _Common(BaseModel):
     ignore_eos: bool = Field(False, description="Keep generating after the end-of-sequence token. Not in OpenAI's API.")
     allowed_token_ids: list[TokenId] | None = Field(None, min_length=1, max_length=MAX_PROMPT_TOKEN_IDS, description="Only these token ids may be generated (vLLM's). Not in OpenAI's API.")
     bad_words: list[Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]] | None = Field(None, max_length=MAX_BAD_WORDS, description=f"Words never generated, up to {MAX_BAD_WORDS} of up to {MAX_STOP_CHARS} characters (vLLM's: a word's last token is banned where the output ends with its other tokens, the word spelt alone and after a space). Not in OpenAI's API.")
-    truncate_prompt_tokens: int | None = Field(None, ge=1, description="Keep only the prompt's last this many tokens (vLLM's; after the chat template on chat; usage counts what is kept). Not in OpenAI's API.")
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, description="Keep only the prompt's last this many tokens (vLLM's; after the chat template on chat; usage counts what is kept); -1: as many as the context holds with room for one token to generate. Not in OpenAI's API.")
+    truncation_side: Literal["left", "right"] | None = Field(None, description="With truncate_prompt_tokens (vLLM's): \"left\" (the default) cuts the prompt's start, keeping its last tokens; \"right\" cuts its end, keeping its first tokens. Not in OpenAI's API.")
     skip_special_tokens: bool = Field(True, description="Leave special tokens (e.g. the end-of-sequence token) out of the text (vLLM's). Not in OpenAI's API.")
     include_stop_str_in_output: bool = Field(False, description="Keep the stop string that ended the answer at its end (vLLM's; text after it is still cut). Not in OpenAI's API.")
     user: str | None = Field(None, description=_ignored("end-user id"))
@@ -170,6 +173,8 @@ class _Common(BaseModel):
     structured_outputs: StructuredOutputs | None = Field(None, description="vLLM's: the output follows a JSON schema, a regex, one of a list of strings or an EBNF grammar. Not in OpenAI's API; not with response_format.")
     return_tokens_as_token_ids: bool | None = Field(False, description="vLLM's: logprobs name each token as the string token_id:<id> (chat's bytes stay its text's). Not in OpenAI's API.")
     return_token_ids: bool | None = Field(False, description="vLLM's: each choice also carries its output's token_ids, and the answer the prompt's prompt_token_ids (chat: on the response; completions: on each choice); streamed, each chunk the ids of its tokens and the first chunk the prompt's. Not in OpenAI's API.")
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=f"vLLM's: the answer also carries prompt_logprobs, each prompt token's log-probability given the tokens before it, with its rank in the vocabulary and the this many most likely tokens there (0 to {MAX_TOP_LOGPROBS}); the first token's entry is null. Not with stream (0 is accepted there and answers nothing, as vLLM). The prompt is computed in full, not read from the prefix cache. Not in OpenAI's API.")
+    thinking_token_budget: int | None = Field(None, ge=-1, description="vLLM's: with a reasoning parser, after this many tokens of thought the answer's next tokens are forced to close it (</think>) and the model answers; -1 or null: no budget. Not in OpenAI's API.")
     cache_salt: Text | None = Field(None, min_length=1, description="vLLM's: this request's KV blocks are cached under this string within the tenant's cache scope, reused only by requests that send the same string (a secret per end user keeps another user from probing its prompts through cache timing). Not in OpenAI's API.")
 
     @property
@@ -180,8 +185,11 @@ class _Common(BaseModel):
     @model_validator(mode="after")
     def _one_structure(self):
         if self.structured() is not None and self.min_tokens:
-            raise ValueError("min_tokens cannot be combined with a structured output (response_format or "
+            raise FieldError("min_tokens", "min_tokens cannot be combined with a structured output (response_format or "
                              "structured_outputs): the grammar decides where the output may end")
+        if self.stream and self.prompt_logprobs:
+            raise FieldError("prompt_logprobs", "prompt_logprobs are not available when stream is true: send the request "
+                             "without stream")
         return self
 
     def structured(self) -> dict | None:
@@ -205,6 +213,13 @@ class _Common(BaseModel):
     def _null_is_the_default(cls, value, info):
         """An explicit null (SDKs send them) asks for the field's default."""
         return cls.model_fields[info.field_name].default if value is None else value
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _keeps_some(cls, value):
+        if value == 0:
+            raise ValueError("must be at least 1 (the tokens to keep), or -1 (as many as the context holds)")
+        return value
 
     @field_validator("bad_words")
     @classmethod
@@ -284,7 +299,7 @@ class CompletionRequest(_Common):
     @model_validator(mode="after")
     def _few_choices(self):
         if self.batched and len(self.prompt) * self.n > MAX_CHOICES:
-            raise ValueError(f"{len(self.prompt)} prompts x n={self.n} is {len(self.prompt) * self.n} "
+            raise FieldError("n", f"{len(self.prompt)} prompts x n={self.n} is {len(self.prompt) * self.n} "
                              f"choices; at most {MAX_CHOICES} per request: send fewer prompts or a lower n")
         return self
 
@@ -419,124 +434,14 @@ class ChatRequest(_Common):
     def _one_length_limit(self):
         if self.max_completion_tokens is not None:
             if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
-                raise ValueError("max_tokens and max_completion_tokens differ: send only max_completion_tokens")
+                raise FieldError("max_completion_tokens", "max_tokens and max_completion_tokens differ: send only max_completion_tokens")
             self.max_tokens = self.max_completion_tokens
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs: true")
+            raise FieldError("top_logprobs", "top_logprobs needs logprobs: true")
         if self.continue_final_message and (self.add_generation_prompt or not self.messages[-1].text().strip()):
-            raise ValueError("continue_final_message needs add_generation_prompt: false and a last message "
+            raise FieldError("continue_final_message", "continue_final_message needs add_generation_prompt: false and a last message "
                              "with text to continue")
         return self
-
-
-# ---- responses (documented in the OpenAPI schema; the handlers build plain dicts) --------
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = Field(description="Prompt tokens served from the prefix cache.")
-
-
-class CompletionTokensDetails(BaseModel):
-    reasoning_tokens: int = Field(description="Tokens the model spent thinking, until the one that closed </think>.")
-
-
-class Usage(BaseModel):
-    prompt_tokens: int = Field(description="Tokens in the prompt.")
-    completion_tokens: int = Field(description="Tokens generated.")
-    total_tokens: int = Field(description="prompt_tokens + completion_tokens.")
-    prompt_tokens_details: PromptTokensDetails = Field(description="Prefix-cache hits.")
-    completion_tokens_details: CompletionTokensDetails | None = Field(None, description="Chat, with a reasoning parser (vLLM's).")
-
-
-class KvharborInfo(BaseModel):
-    replica_id: str | None = Field(description="The LLM replica that served the request.")
-    timings_ms: dict[str, float] | None = Field(
-        None, description="Where the time to first token went, in ms: proxy (Serve's proxy -> "
-                          "the gateway, behind Serve's proxy only), parse (reading and validating "
-                          "the body), queue (class-queue place), "
-                          "tokenize, admit (tenant limits), first_token (admitted -> first token), "
-                          "replica (the replica's share of first_token), hops (router and Ray calls). "
-                          "On the response, or the usage chunk of a stream.")
-    transport: str | None = Field(
-        None, description="How the replica's tokens reached the gateway: 'direct' (a connection "
-                          "of its own to the replica: pinned QoS classes, kvharbor.platform."
-                          "direct_stream) or 'serve' (a Ray Serve handle call). With timings_ms.")
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str] = Field(description="Each generated token's text.")
-    token_logprobs: list[float | None] = Field(description="Natural-log probability of each token (the model's raw distribution); null for an echoed prompt's first token.")
-    top_logprobs: list[dict[str, float] | None] = Field(description="The `logprobs` most likely tokens at each position and the chosen one (up to logprobs+1 entries, as OpenAI and vLLM answer); null for an echoed prompt's first token.")
-    text_offset: list[int] = Field(description="Character offset of each token in the choice's text.")
-
-
-class CompletionChoice(BaseModel):
-    index: int = Field(description="Choice number, 0 to n - 1.")
-    text: str = Field(description="Generated text.")
-    logprobs: CompletionLogprobs | None = Field(None, description="With `logprobs` set: per-token log-probabilities.")
-    finish_reason: str | None = Field(description="'stop', 'length', or 'abort' (stopped by the server).")
-
-
-class CompletionResponse(BaseModel):
-    id: str = Field(description="Request id.")
-    object: Literal["text_completion"] = Field(description="Object type.")
-    created: int = Field(description="Unix seconds.")
-    model: str = Field(description="Model id.")
-    choices: list[CompletionChoice] = Field(description="n choices.")
-    usage: Usage = Field(description="Token counts.")
-    kvharbor: KvharborInfo = Field(description="Serving details.")
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = Field(description="Always 'assistant'.")
-    content: str | None = Field(description="Generated text; null when the answer is tool_calls.")
-    tool_calls: list[ToolCall] | None = Field(None, description="With tool_choice required, a named function, or auto and the model's calls: the calls (their arguments as JSON text).")
-    reasoning: str | None = Field(None, description="With a reasoning parser (server option reasoning_parser): what the model wrote inside <think>...</think> (vLLM's).")
-
-
-class TopLogprob(BaseModel):
-    token: str = Field(description="Token text.")
-    logprob: float = Field(description="Natural-log probability.")
-    bytes: list[int] = Field(description="UTF-8 bytes of the token text.")
-
-
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(description="The `top_logprobs` most likely tokens here.")
-
-
-class ChatLogprobs(BaseModel):
-    content: list[TokenLogprob] = Field(description="One entry per generated token.")
-    refusal: None = Field(None, description="Always null.")
-
-
-class ChatChoice(BaseModel):
-    index: int = Field(description="Choice number, 0 to n - 1.")
-    message: AssistantMessage = Field(description="The answer.")
-    logprobs: ChatLogprobs | None = Field(None, description="With `logprobs: true`: per-token log-probabilities.")
-    finish_reason: str | None = Field(description="'stop', 'length', 'tool_calls' (tool_choice required), or 'abort' (stopped by the server).")
-
-
-class ChatResponse(BaseModel):
-    id: str = Field(description="Request id.")
-    object: Literal["chat.completion"] = Field(description="Object type.")
-    created: int = Field(description="Unix seconds.")
-    model: str = Field(description="Model id.")
-    choices: list[ChatChoice] = Field(description="n choices.")
-    usage: Usage = Field(description="Token counts.")
-    kvharbor: KvharborInfo = Field(description="Serving details.")
-
-
-class ModelCard(BaseModel):
-    id: str = Field(description="Model id.")
-    object: Literal["model"] = Field(description="Object type.")
-    created: int = Field(description="Unix seconds (0).")
-    owned_by: str = Field(description="Owner.")
-    max_model_len: int = Field(description="Context length in tokens.")
-    root: str = Field(description="The checkpoint: the base model's id, or a LoRA adapter's directory.")
-    parent: str | None = Field(None, description="A LoRA adapter's base model (null for the base model).")
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = Field(description="Object type.")
-    data: list[ModelCard] = Field(description="Served models.")
 
 
 class TokenizeRequest(BaseModel):
@@ -567,9 +472,9 @@ class TokenizeRequest(BaseModel):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("send exactly one of prompt (a text) or messages (a chat)")
         if self.tools and self.messages is None:
-            raise ValueError("tools go with messages (a chat), not with a prompt")
+            raise FieldError("tools", "tools go with messages (a chat), not with a prompt")
         if self.continue_final_message and (self.add_generation_prompt or not self.messages):
-            raise ValueError("continue_final_message needs messages and add_generation_prompt: false")
+            raise FieldError("continue_final_message", "continue_final_message needs messages and add_generation_prompt: false")
         return self
 
     def template_tools(self) -> list[dict] | None:

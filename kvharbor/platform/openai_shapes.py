@@ -60,14 +60,33 @@ def _with_chosen(top, token_id: int, logprob: float, text_of: TokenText) -> dict
     return best
 
 
-def prompt_logprobs(scored, token_ids, text_of: TokenText) -> dict:
-    """The completions ``logprobs`` object of an echoed prompt: ``scored`` holds None for the
-    first token (nothing precedes it) and ``(logprob, top)`` for each other, as vLLM answers."""
+def prompt_logprobs(scored, token_ids, text_of: TokenText, k: int) -> dict:
+    """The completions ``logprobs`` object of an echoed prompt, ``k`` alternatives a token:
+    ``scored`` holds None for the first token (nothing precedes it) and ``(logprob, top, rank)``
+    for each other, as vLLM answers."""
     part = completion_logprobs([], token_ids, text_of, 0)
     part["token_logprobs"] = [None if lp is None else lp[0] for lp in scored]
-    part["top_logprobs"] = [None if lp is None else _with_chosen(lp[1], t, lp[0], text_of)
+    part["top_logprobs"] = [None if lp is None else _with_chosen(lp[1][:k], t, lp[0], text_of)
                             for t, lp in zip(token_ids, scored)]
     return part
+
+
+def vllm_prompt_logprobs(scored, token_ids, text_of: TokenText, k: int) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs`` field from the same ``scored``: per token, token id (a
+    string) -> ``{"logprob", "rank", "decoded_token"}``, the prompt's token first, then the
+    ``k`` most likely (the prompt's token keeps its place when it is one of them)."""
+    def entry(logprob: float, rank: int, token_id: int) -> dict:
+        return {"logprob": max(logprob, -9999.0), "rank": rank, "decoded_token": text_of.text(token_id)}
+    out: list[dict | None] = []
+    for t, lp in zip(token_ids, scored):
+        if lp is None:
+            out.append(None)
+            continue
+        logprob, top, rank = lp
+        scores = {str(t): entry(logprob, rank, t)}
+        scores.update((str(i), entry(v, r, i)) for r, (i, v) in enumerate(top[:k], start=1))
+        out.append(scores)
+    return out
 
 
 def chat_logprobs(event_lps, token_ids, text_of: TokenText) -> dict:

@@ -105,6 +105,16 @@ class Prompts:
             msgs, body.add_generation_prompt, tools, body.continue_final_message,
             body.template_variables(), body.add_special_tokens), limit)
 
+    def truncate(self, body, prompts: list[list[int]]) -> list[list[int]]:
+        """vLLM's ``truncate_prompt_tokens``: each prompt's last ``k`` tokens (its first ``k``
+        with ``truncation_side`` "right"); -1: as many as the context holds with room for one
+        generated token (vLLM's)."""
+        k = body.truncate_prompt_tokens
+        if k is None:
+            return prompts
+        k = self.context - 1 if k == -1 else k
+        return [ids[:k] if body.truncation_side == "right" else ids[-k:] for ids in prompts]
+
     def echo_texts(self, body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
         """The text ``echo`` puts before each prompt's choices: the prompt as sent, or its
         token ids decoded (as vLLM echoes them; also a text cut by ``truncate_prompt_tokens``)."""

@@ -328,6 +328,14 @@ def test_truncate_prompt_tokens_answers_as_the_prompts_last_tokens(client, kvhar
     assert chat.usage.prompt_tokens == 5
     with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens"):
         client.completions.create(prompt=text, **{**kw, "extra_body": {"truncate_prompt_tokens": 0}})
+    head = client.completions.create(prompt=ids[:9], **kw)            # truncation_side "right": the first k
+    right = client.completions.create(prompt=text, **{**kw, "extra_body": {
+        "ignore_eos": True, "truncate_prompt_tokens": 9, "truncation_side": "right"}})
+    assert right.choices[0].text == head.choices[0].text != tail.choices[0].text
+    fill = client.completions.create(prompt=text * 400, **{**kw, "max_tokens": 1, "extra_body": {
+        "ignore_eos": True, "truncate_prompt_tokens": -1}})              # -1: the context less one token
+    context = client.models.retrieve(kvharbor_app.model).max_model_len
+    assert (fill.usage.prompt_tokens, fill.usage.completion_tokens) == (context - 1, 1)
 
 
 def test_chat_continues_the_final_message_as_the_offline_engine(client, kvharbor_app):

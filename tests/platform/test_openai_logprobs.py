@@ -122,8 +122,9 @@ def test_chat_logprobs_streamed_equal_non_streamed_and_the_model(client, kvharbo
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     _check_against_reference(reference, ids, [c.token for c in content], [c.logprob for c in content],
                              [[t.logprob for t in c.top_logprobs] for c in content], 2)
-    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs") as refused:
         client.chat.completions.create(model=kvharbor_app.model, messages=messages, top_logprobs=2)
+    assert refused.value.body["param"] == "top_logprobs"        # a check across fields names its field
 
 
 # ---- echo ---------------------------------------------------------------------------------------

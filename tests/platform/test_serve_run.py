@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from kvharbor.platform.ingress import DRAIN_VAR, FLAGS, PORTS, PRESET, haproxy_available, requested_mode
+from kvharbor.platform.reasoning import split
 from tests.conftest import assert_served_on_loopback_by, listeners_off_loopback
 
 
@@ -188,6 +189,9 @@ def test_serve_run_serves_a_local_checkpoint_as_the_offline_engine_does(tmp_path
         auto = httpx.post(base + "/v1/chat/completions", headers=key, timeout=30,
                           json={"model": "tiny-qwen3", "messages": hi, "tools": TOOLS, **greedy,
                                 "logit_bias": {"257": 100}}).json()          # <s>, a special token
+        budget = httpx.post(base + "/v1/chat/completions", headers=key, timeout=30,
+                            json={"model": "tiny-qwen3", "messages": hi, **greedy, "max_tokens": 16,
+                                  "thinking_token_budget": 2}).json()
         hidden = httpx.post(base + "/v1/chat/completions", headers=key, timeout=30,
                             json={"model": "tiny-qwen3", "messages": hi, **greedy, "include_reasoning": False,
                                   "logprobs": True, "return_token_ids": True}).json()
@@ -219,6 +223,13 @@ def test_serve_run_serves_a_local_checkpoint_as_the_offline_engine_does(tmp_path
     # include_reasoning false: nothing spells the reasoning, logprobs and token ids neither (vLLM's)
     assert hidden["choices"][0]["message"]["reasoning"] is None and hidden["choices"][0]["logprobs"] is None
     assert "token_ids" not in hidden["choices"][0] and "prompt_token_ids" not in hidden, hidden
+    # thinking_token_budget (vLLM's): </think> forced after 2 tokens of thought, then the answer
+    spent = LLM(model=checkpoint, device="cpu", num_kv_blocks=64, reasoning_parser="qwen3").chat(
+        hi, SamplingParams(**{**greedy, "max_tokens": 16}, thinking_token_budget=2), chat_template=str(template))[0]
+    assert "</think>" in spent.outputs[0].text, spent
+    message = budget["choices"][0]["message"]
+    assert (message["reasoning"], message["content"]) == split(spent.outputs[0].text, "qwen3"), budget
+    assert budget["usage"]["completion_tokens_details"] == {"reasoning_tokens": spent.num_reasoning_tokens}
     assert stopped, "".join(lines)[-3000:]
 
 

@@ -116,6 +116,19 @@ def test_replica_streams_the_same_tokens_in_interval_sized_events():
     replica.engine.check_integrity()
 
 
+
+def test_each_event_carries_the_reasoning_count_so_far():
+    """With a reasoning parser, every event has the engine's count of thinking tokens so far
+    (vLLM's continuous usage shows reasoning_tokens growing), not only the last one. The tiny
+    model never writes </think>: all its tokens are reasoning."""
+    replica = LLMReplica({"device": "cpu", "num_kv_blocks": 64, "reasoning_parser": "deepseek_r1"})
+
+    async def collect(request):
+        return [event async for event in replica.generate(request)]
+
+    events = asyncio.run(collect(_req("thinking", 2, max_tokens=7)))
+    assert [e.get("num_reasoning_tokens") for e in events] == [1, 3, 5, 7]
+
 def _sse(text: str) -> list[dict]:
     return [json.loads(line[6:]) for line in text.split("\n\n")
             if line.startswith("data: ") and line != "data: [DONE]"]

@@ -112,7 +112,7 @@ def _post(kvharbor_app, route: str, body: dict) -> httpx.Response:
      "response_format", ("json_schema.schema does not compile",)),
     ({"response_format": {"type": "xml"}}, "response_format.type", ("json_schema",)),
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, None, ("not both",)),
-    ({"response_format": {"type": "json_object"}, "min_tokens": 2}, None, ("min_tokens cannot",)),
+    ({"response_format": {"type": "json_object"}, "min_tokens": 2}, "min_tokens", ("min_tokens cannot",)),
 ])
 def test_bad_specs_are_400_by_name(kvharbor_app, route, body, param, words):
     r = _post(kvharbor_app, route, body)
