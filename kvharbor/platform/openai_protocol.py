@@ -175,6 +175,10 @@ class _Common(BaseModel):
     return_token_ids: bool | None = Field(False, description="vLLM's: each choice also carries its output's token_ids, and the answer the prompt's prompt_token_ids (chat: on the response; completions: on each choice); streamed, each chunk the ids of its tokens and the first chunk the prompt's. Not in OpenAI's API.")
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=f"vLLM's: the answer also carries prompt_logprobs, each prompt token's log-probability given the tokens before it, with its rank in the vocabulary and the this many most likely tokens there (0 to {MAX_TOP_LOGPROBS}); the first token's entry is null. Not with stream (0 is accepted there and answers nothing, as vLLM). The prompt is computed in full, not read from the prefix cache. Not in OpenAI's API.")
     thinking_token_budget: int | None = Field(None, ge=-1, description="vLLM's: with a reasoning parser, after this many tokens of thought the answer's next tokens are forced to close it (</think>) and the model answers; -1 or null: no budget. Not in OpenAI's API.")
+    use_beam_search: unsupported(bool | None, False) = Field(None, description="vLLM's; not supported: only false or null.")
+    length_penalty: unsupported(float | None, 1.0) = Field(None, description="vLLM's (beam search); not supported: only 1.0 or null.")
+    spaces_between_special_tokens: unsupported(bool | None, True) = Field(None, description="vLLM's; only true (its default) or null.")
+    priority: unsupported(int | None, 0) = Field(None, description="vLLM's; only 0 or null: the scheduling priority comes from the API key's QoS class (tenants.yaml).")
     cache_salt: Text | None = Field(None, min_length=1, description="vLLM's: this request's KV blocks are cached under this string within the tenant's cache scope, reused only by requests that send the same string (a secret per end user keeps another user from probing its prompts through cache timing). Not in OpenAI's API.")
 
     @property

@@ -2,7 +2,8 @@
 (each prompt token's score given the tokens before it, its rank in the vocabulary and the most
 likely tokens there, the offline engine's numbers; on completions' choices and chat's
 response), ``stop_reason`` (which stop token id or stop string ended each choice) and
-``thinking_token_budget`` (refused without a reasoning parser)."""
+``thinking_token_budget`` (refused without a reasoning parser); and those it does not implement,
+which take only their neutral values."""
 
 from __future__ import annotations
 
@@ -118,3 +119,18 @@ def test_a_thinking_budget_needs_a_server_with_a_reasoning_parser(client, kvharb
     assert client.chat.completions.create(**kw, extra_body={"thinking_token_budget": -1}).choices   # no budget
     with pytest.raises(openai.BadRequestError, match="thinking_token_budget"):
         client.chat.completions.create(**kw, extra_body={"thinking_token_budget": -2})
+
+
+def test_vllm_fields_kvharbor_does_not_implement_take_their_neutral_values_only(client, kvharbor_app):
+    """A client written for vLLM may send these with their defaults: accepted; any other value is
+    a 400 naming the field (not an answer that ignored it)."""
+    neutral = {"use_beam_search": False, "length_penalty": 1.0, "spaces_between_special_tokens": True, "priority": 0}
+    out = client.completions.create(model=kvharbor_app.model, prompt="hi", max_tokens=2,
+                                    extra_body={"ignore_eos": True, **neutral})
+    assert out.usage.completion_tokens == 2
+    for field, value in (("use_beam_search", True), ("length_penalty", 0.5),
+                         ("spaces_between_special_tokens", False), ("priority", 5)):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model=kvharbor_app.model, messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=2, extra_body={field: value})
+        assert refused.value.body["param"] == field and "not supported" in refused.value.body["message"]
