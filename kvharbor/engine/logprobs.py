@@ -30,16 +30,16 @@ class TokenLogprobs:
 
 def scored_logprobs(logits: torch.Tensor, targets: list[int], ks: list[int]) -> list[TokenLogprobs]:
     """Row ``i`` of ``logits`` ``[N, V]`` scores token ``targets[i]`` with its ``ks[i]`` best
-    alternatives and its rank: one ``log_softmax``, one copy to the host per result."""
+    alternatives and its rank: one ``log_softmax``, one copy to the host (float64 holds the
+    float32 logprobs, ranks and ids exactly)."""
     lp = torch.log_softmax(logits.float(), dim=-1)
     picked = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])
-    ranks = (lp >= picked).sum(dim=-1)
+    ranks = (lp >= picked).sum(dim=-1, keepdim=True)
     k = max(ks)
     top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
-    picked, ranks = picked[:, 0].cpu().tolist(), ranks.cpu().tolist()
-    top_v, top_i = top_v.cpu().tolist(), top_i.cpu().tolist()
-    return [TokenLogprobs(picked[i], tuple(zip(top_i[i][:want], top_v[i][:want])), ranks[i])
-            for i, want in enumerate(ks)]
+    rows = torch.cat([t.double() for t in (picked, ranks, top_v, top_i)], dim=1).cpu().tolist()
+    return [TokenLogprobs(row[0], tuple(zip(map(int, row[2 + k:2 + k + want]), row[2:2 + want])), int(row[1]))
+            for row, want in zip(rows, ks)]
 
 
 def token_logprobs(logits: torch.Tensor, requests: list[Request],
