@@ -37,7 +37,7 @@ import time
 
 from kvharbor.platform.error_body import error_response
 
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 """The routes that generate (Serve's proxy guard sheds only these)."""
 TOKEN_PATHS = ("/tokenize", "/detokenize")
 SHED_PATHS = GENERATION_PATHS + TOKEN_PATHS

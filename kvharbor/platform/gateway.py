@@ -31,9 +31,9 @@ import uuid
 from functools import partial
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from ray import serve
-from ray.exceptions import RayActorError, TaskCancelledError
+from ray.exceptions import RayActorError
 
 from kvharbor.actors.calls import detached, on_event_loop, start_background
 from kvharbor.engine.hashing import hash_prompt_blocks, model_root
@@ -61,6 +61,9 @@ from kvharbor.platform.overload_guard import DEFAULT_LAG_TARGET_MS, OverloadGuar
 from kvharbor.platform.premium_lane import check_lane, listening_socket, start_server
 from kvharbor.platform.protocol import GenerateRequest
 from kvharbor.platform.prompts import Prompts
+from kvharbor.platform.response_store import StoredResponses
+from kvharbor.platform.responses_api import ResponsesRequest, Turn, responses_error
+from kvharbor.platform.run_stream import RunStream
 from kvharbor.platform.structured_request import parse_problem
 from kvharbor.platform.served_models import ServedModels
 from kvharbor.platform.sessions_api import (SESSION_HEADER, ForkRequest, check_session_id,
@@ -85,55 +88,6 @@ GENERATE_ERRORS = error_responses(400, 401, 403, 404, 413, 429, 500, 503)
 
 
 install_error_handlers(api)
-
-
-class RunStream(StreamingResponse):
-    """SSE response that always settles its ``GenerationRun``.
-
-    If the client goes away, even before the first chunk was produced, the replica call is
-    cancelled (the engine aborts the request and frees its blocks) and the run's accounting
-    (metrics, admission ticket, class queue) is released exactly once.
-
-    Behind Serve's proxy a client's close can reach the stream as ``TaskCancelledError`` from
-    ``receive`` (the proxy cancels the gateway's pending call for the client's next message)
-    instead of an ``http.disconnect`` message. That is the same disconnect, not a server
-    error: the stream ends quietly rather than through the 500 handler's stack trace.
-
-    The status line waits for the first chunk: a run that fails before it (``stream_chunks``
-    raises the ``APIError``) is answered with that error's status and JSON body instead.
-    """
-
-    def __init__(self, run: GenerationRun, chunks) -> None:
-        super().__init__(chunks, media_type="text/event-stream")
-        self.run = run
-
-    async def stream_response(self, send) -> None:
-        chunks = aiter(self.body_iterator)
-        try:
-            first = await anext(chunks)
-        except APIError as e:
-            error = e.response()
-            await send({"type": "http.response.start", "status": error.status_code, "headers": error.raw_headers})
-            await send({"type": "http.response.body", "body": error.body})
-            return
-        self.body_iterator = _prepend(first, chunks)
-        await super().stream_response(send)
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        except TaskCancelledError:
-            logger.debug("client went away during %s (the proxy cancelled the call)",
-                         scope.get("path"))
-        finally:
-            self.run.cancel()
-            await self.run.finish()
-
-
-async def _prepend(first, rest):
-    yield first
-    async for item in rest:
-        yield item
 
 
 def _bearer(request: Request) -> str | None:
@@ -242,6 +196,7 @@ class Gateway:
                                  guard=self.guard)
         self._watcher: asyncio.Task | None = None
         self.llm_replicas = RunningReplicas(llm)              # for /healthz
+        self.stored = StoredResponses()                       # the Responses API's store
         if on_event_loop():                   # Serve runs constructors on the replica's loop
             self._start_watcher()
         self.caller = _own_actor_name()       # replicas abort our streams if this actor dies
@@ -357,8 +312,38 @@ class Gateway:
     async def chat_completions(self, body: ChatRequest, request: Request):
         arrived = time.perf_counter()
         principal = self._authenticate(request)
-        session_id = session_header(request.headers)
         self._check_model(principal, body.model)
+        return await self._chat(principal, body, request, arrived)
+
+    @api.post("/v1/responses", responses={200: {"content": {"text/event-stream": {}}}, **GENERATE_ERRORS})
+    async def create_response(self, body: ResponsesRequest, request: Request):
+        """OpenAI's Responses API, served on the chat path (``responses_api``); with ``store``
+        (the default) the response is kept for ``previous_response_id`` and GET."""
+        arrived = time.perf_counter()
+        principal = self._authenticate(request)
+        model = body.model or self.served.names()[0]
+        self._check_model(principal, model)
+        history = []
+        if body.previous_response_id is not None:
+            _, history = await self.stored.get(principal.tenant, body.previous_response_id, "previous_response_id")
+        turn = Turn(body, model, history, self.block_size)
+        if body.store:
+            turn.on_done = lambda turn, response: self.stored.put(principal.tenant, response, turn.history())
+        try:
+            return await self._chat(principal, turn.chat, request, arrived, turn)
+        except (APIError, TenantError) as e:
+            raise responses_error(e) from None
+
+    @api.get("/v1/responses/{response_id}", responses=error_responses(401, 404, 503))
+    async def get_response(self, response_id: str, request: Request) -> dict:
+        """A response this tenant stored."""
+        return (await self.stored.get(self._authenticate(request).tenant, response_id, "response_id"))[0]
+
+    @api.delete("/v1/responses/{response_id}", responses=error_responses(401, 404, 503))
+    async def delete_response(self, response_id: str, request: Request) -> dict:
+        return await self.stored.delete(self._authenticate(request).tenant, response_id)
+
+    async def _chat(self, principal, body: ChatRequest, request: Request, arrived: float, turn: Turn | None = None):
         truncated: dict = {}
 
         def tokenize() -> list[list[int]]:
@@ -366,9 +351,9 @@ class Gateway:
             truncated["tokens"] = fitted.dropped_tokens
             return [fitted.token_ids]
 
-        return await self._serve(principal, body, tokenize, True,
-                                 marks_of(request, arrived), session_id=session_id,
-                                 truncated=truncated, size=content_length(request.scope))
+        return await self._serve(principal, body, tokenize, True, marks_of(request, arrived),
+                                 session_id=session_header(request.headers), truncated=truncated,
+                                 size=content_length(request.scope), turn=turn)
 
     @api.delete("/v1/sessions/{session_id}", responses=error_responses(400, 401, 404, 503))
     async def delete_session(self, session_id: str, request: Request) -> dict:
@@ -463,7 +448,7 @@ class Gateway:
 
     async def _serve(self, principal, body, tokenize, chat: bool, marks: dict[str, float],
                      session_id: str | None = None, truncated: dict | None = None,
-                     size: int | None = None):
+                     size: int | None = None, turn: Turn | None = None):
         """Queue place (before tokenizing), prompt ids, tenant limits, then the generation.
         ``tokenize`` gives the token ids of each prompt (a batch has several; each gets
         ``body.n`` choices). ``marks``: the ``perf_counter()`` instants so far (``arrived`` at
@@ -540,12 +525,15 @@ class Gateway:
         if dropped:
             headers[TRUNCATED_HEADER] = str(dropped)
         if body.stream:
-            response = RunStream(run, sse(run.stream_chunks(body.include_usage(), body.continuous_usage())))
+            chunks = run.stream_chunks(body.include_usage(), body.continuous_usage())
+            response = RunStream(run, sse(chunks) if turn is None else turn.events(chunks))
             response.headers.update(headers)
             return response
         answer = await run.complete()
         if dropped:
             answer.setdefault("kvharbor", {})["truncated_prompt_tokens"] = dropped
+        if turn is not None:
+            answer = await turn.answer(answer)
         return JSONResponse(answer, headers=headers or None)
 
     def request_done(self, qos: str, rid: str) -> None:

@@ -195,9 +195,25 @@ def test_serve_run_serves_a_local_checkpoint_as_the_offline_engine_does(tmp_path
         hidden = httpx.post(base + "/v1/chat/completions", headers=key, timeout=30,
                             json={"model": "tiny-qwen3", "messages": hi, **greedy, "include_reasoning": False,
                                   "logprobs": True, "return_token_ids": True}).json()
+        plain = {"max_tokens": 8, "temperature": 0}
+        thought = httpx.post(base + "/v1/chat/completions", headers=key, timeout=30,
+                             json={"model": "tiny-qwen3", "messages": hi, **plain}).json()
+        said = {"model": "tiny-qwen3", "input": "Hi", "max_output_tokens": 8, "temperature": 0}
+        response = httpx.post(base + "/v1/responses", headers=key, timeout=30, json=said).json()
+        with httpx.stream("POST", base + "/v1/responses", headers=key, timeout=30,
+                          json={**said, "stream": True}) as streamed:
+            events = [json.loads(line[6:]) for line in streamed.iter_lines() if line.startswith("data: ")]
     finally:
         stopped = _stop(proc)
         reader.join(timeout=30)
+    # the Responses API: the reasoning the chat answer has, as a reasoning item (never closed: no message)
+    assert [(i["type"], i["content"][0]["text"]) for i in response["output"]] == \
+        [("reasoning", thought["choices"][0]["message"]["reasoning"])], response
+    assert response["status"] == "incomplete" and response["usage"]["output_tokens_details"] == \
+        thought["usage"]["completion_tokens_details"]
+    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == \
+        thought["choices"][0]["message"]["reasoning"]
+    assert events[-1]["response"]["output"] == [{**response["output"][0], "id": events[-1]["response"]["output"][0]["id"]}]
     llm = LLM(model=checkpoint, device="cpu", num_kv_blocks=64)
     sp = SamplingParams(**greedy)
     assert answer["choices"][0]["text"] == llm.generate(["Hello"], sp)[0].outputs[0].text

@@ -48,6 +48,8 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 POSITIVE, NEGATIVE = GenerationMode.POSITIVE, GenerationMode.NEGATIVE
 CASES = [("POST", "/v1/completions", POSITIVE), ("POST", "/v1/completions", NEGATIVE),
          ("POST", "/v1/chat/completions", POSITIVE), ("POST", "/v1/chat/completions", NEGATIVE),
+         ("POST", "/v1/responses", POSITIVE), ("POST", "/v1/responses", NEGATIVE),
+         ("GET", "/v1/responses/{response_id}", POSITIVE), ("DELETE", "/v1/responses/{response_id}", POSITIVE),
          ("POST", "/tokenize", POSITIVE), ("POST", "/tokenize", NEGATIVE),
          ("POST", "/detokenize", POSITIVE), ("POST", "/detokenize", NEGATIVE),
          ("GET", "/v1/models", POSITIVE), ("GET", "/v1/models/{model_id}", POSITIVE),
