@@ -112,12 +112,15 @@ def _logprobs(body, chat: bool) -> int | None:
     return body.logprobs
 
 
-def _prompt_logprobs(body, logprobs: int | None, echo) -> int | None:
+def _prompt_logprobs(body, logprobs: int | None, echo, chat: bool) -> int | None:
     """Alternatives per prompt token the answer's ``prompt_logprobs`` shows (None: no field):
-    the request's, else completions' echo with logprobs (as vLLM answers); never on a stream."""
+    the request's, else completions' echo with logprobs, or chat's echo with ``top_logprobs``
+    (as vLLM answers); never on a stream."""
     if body.stream:
         return None
-    return body.prompt_logprobs if body.prompt_logprobs is not None else logprobs if echo else None
+    if body.prompt_logprobs is not None:
+        return body.prompt_logprobs
+    return (body.top_logprobs if body.echo else None) if chat else logprobs if echo else None
 
 
 def _own_actor_name() -> tuple[str, str] | None:
@@ -496,7 +499,7 @@ class Gateway:
                     "logit_bias": body.logit_bias, "thinking_token_budget": body.thinking_token_budget,
                     "structured_outputs": body.structured()}
         echo = not chat and body.echo and self.prompts.echo_texts(body, prompts)
-        prompt_k = _prompt_logprobs(body, logprobs, echo)
+        prompt_k = _prompt_logprobs(body, logprobs, echo, chat)
         asked = [k for k in (prompt_k, logprobs if echo else None) if k is not None]
         scored = max(asked) if asked else None       # each prompt's leader scores its tokens
         siblings = []

@@ -286,11 +286,12 @@ def chat_request(body: ResponsesRequest, model: str, history: list[dict]) -> tup
         fields["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                            for t in body.tools]
     choice = body.tool_choice
-    if choice is not None and (body.tools or choice == "none"):
+    if choice is not None and body.tools:
         fields["tool_choice"] = choice if isinstance(choice, str) else {"type": "function",
                                                                         "function": {"name": choice.name}}
-    elif choice is not None:
-        raise APIError(400, "tool_choice needs tools (send tools, or leave tool_choice out)", param="tool_choice")
+    elif choice not in (None, "auto", "none"):         # without tools: nothing to call, as asked
+        raise APIError(400, "tool_choice needs tools to call (send tools, or leave tool_choice out)",
+                       param="tool_choice")
     try:
         return ChatRequest.model_validate({k: v for k, v in fields.items() if v is not None}), conversation
     except ValidationError as e:

@@ -63,10 +63,12 @@ def test_request_fields_map_onto_chats():
     assert chat.reasoning_effort == "none" and chat.template_variables()["enable_thinking"] is False
     assert chat.structured() == {"json": {"type": "object"}} and chat.include_usage()
     assert _turn().chat.logprobs is False and _turn().chat.top_logprobs is None
+    assert all(_turn(tool_choice=c).chat.tools is None for c in ("auto", "none"))   # no tools: nothing to call
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"tool_choice": "auto"}, "tool_choice"),                        # no tools
+    ({"tool_choice": "required"}, "tool_choice"),                    # no tools
+    ({"tool_choice": {"type": "function", "name": "f"}}, "tool_choice"),
     ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}}, "tool_choice"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, None),     # no arguments
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x", "role": "user"}]}, None),

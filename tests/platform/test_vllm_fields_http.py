@@ -72,6 +72,19 @@ def test_echo_with_logprobs_answers_prompt_logprobs_and_keeps_its_own_count(clie
     assert all(top is None or len(top) <= 2 for top in wide.logprobs.top_logprobs)
 
 
+def test_chat_echo_answers_prompt_logprobs_with_top_logprobs_alternatives(client, kvharbor_app):
+    """vLLM's chat: ``echo`` without ``prompt_logprobs`` scores the prompt with ``top_logprobs``
+    alternatives; a stream with echo is not refused (nothing to answer it with)."""
+    kw = dict(model=kvharbor_app.model, messages=[{"role": "user", "content": "Tides?"}], max_tokens=2,
+              temperature=0, logprobs=True, top_logprobs=2)
+    echoed = client.chat.completions.create(**kw, extra_body={"echo": True})
+    assert len(echoed.prompt_logprobs) == echoed.usage.prompt_tokens and echoed.prompt_logprobs[0] is None
+    assert all(len(pos) in (2, 3) for pos in echoed.prompt_logprobs[1:])       # the token, then ranks 1-2
+    assert any(len(pos) == 3 for pos in echoed.prompt_logprobs[1:])
+    assert getattr(client.chat.completions.create(**kw), "prompt_logprobs", None) is None
+    assert list(client.chat.completions.create(**kw, stream=True, extra_body={"echo": True}))
+
+
 def test_prompt_logprobs_on_a_stream_is_refused_as_vllm_does(client, kvharbor_app):
     kw = dict(model=kvharbor_app.model, prompt="Tides?", max_tokens=2, stream=True)
     with pytest.raises(openai.BadRequestError, match="prompt_logprobs") as refused:
