@@ -2,9 +2,10 @@
 
 A tenant with ``context_overflow: truncate_oldest`` (tenants.yaml) gets an over-long chat
 served instead of a 400: leading system messages and the last message always stay; the
-oldest other messages are dropped one at a time, and then any assistant message left at the
-front of the conversation (a conversation restarts with a user turn), until the rendered
-prompt plus the wanted output fits the context::
+oldest other messages are dropped one at a time, and then any assistant or tool message left
+at the front of the conversation (a conversation restarts with a user turn: no tool result
+without the call it answers), until the rendered prompt plus the wanted output fits the
+context (the Responses API's ``truncation: "auto"`` asks the same for one request)::
 
     [system][user1][asst1][user2][asst2][user3]      too long
     [system]              [user2][asst2][user3]      fits: user1 + asst1 dropped
@@ -46,7 +47,7 @@ def truncate_oldest(messages: list[dict], render: Callable[[list[dict]], list[in
     while len(rest) > 1:
         rest = rest[1:]
         dropped += 1
-        while len(rest) > 1 and rest[0]["role"] == "assistant":
+        while len(rest) > 1 and rest[0]["role"] in ("assistant", "tool"):
             rest = rest[1:]
             dropped += 1
         fitted = render(system + rest)

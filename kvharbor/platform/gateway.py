@@ -350,7 +350,7 @@ class Gateway:
         truncated: dict = {}
 
         def tokenize() -> list[list[int]]:
-            fitted = self.prompts.fit_chat(body, principal)
+            fitted = self.prompts.fit_chat(body, principal, oldest=turn is not None and turn.body.truncation == "auto")
             truncated["tokens"] = fitted.dropped_tokens
             return [fitted.token_ids]
 

@@ -95,12 +95,14 @@ class Prompts:
             return self.text_ids(body.prompt, body.add_special_tokens is not False)
         return self.chat_ids(body)
 
-    def fit_chat(self, body: ChatRequest, principal):
+    def fit_chat(self, body: ChatRequest, principal, oldest: bool = False):
         """The chat's prompt, with the oldest turns dropped when the tenant's
-        ``context_overflow`` is ``truncate_oldest`` and it would not fit (``context_overflow``)."""
+        ``context_overflow`` is ``truncate_oldest`` (or the request asks it: ``oldest``) and it
+        would not fit (``context_overflow``)."""
         messages, tools = [m.for_template() for m in body.messages], body.template_tools()
         want = body.max_tokens or self.default_max_tokens(True, principal)
-        limit = self.context - want if principal.config.context_overflow == "truncate_oldest" else 10**12
+        oldest = oldest or principal.config.context_overflow == "truncate_oldest"
+        limit = self.context - want if oldest else 10**12
         return truncate_oldest(messages, lambda msgs: self.render(
             msgs, body.add_generation_prompt, tools, body.continue_final_message,
             body.template_variables(), body.add_special_tokens), limit)

@@ -199,7 +199,9 @@ class ResponsesRequest(BaseModel):
     safety_identifier: str | None = Field(None, description="Accepted and ignored.")
     prompt_cache_key: str | None = Field(None, description="Accepted and ignored: prefix caching is automatic.")
     service_tier: unsupported(str | None, "auto", "default") = None
-    truncation: unsupported(str | None, "disabled") = None
+    truncation: Literal["auto", "disabled"] | None = Field(None, description="\"auto\": a conversation too "
+                                                          "long for the context drops its oldest items (the "
+                                                          "instructions stay), as a truncate_oldest tenant's chats.")
     background: unsupported(bool | None, False) = None
     max_tool_calls: unsupported(int | None) = None
     prompt: NullOnlyDict = None
@@ -355,7 +357,7 @@ class Turn:
                 "tool_choice": (body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedFunction)
                                 else body.tool_choice or ("auto" if body.tools else "none")),
                 "tools": [t.model_dump(exclude_none=True) for t in body.tools or ()],
-                "top_logprobs": body.top_logprobs, "top_p": body.top_p, "truncation": "disabled",
+                "top_logprobs": body.top_logprobs, "top_p": body.top_p, "truncation": body.truncation or "disabled",
                 "usage": _usage(usage, self.block_size), "user": body.user, **(extra or {})}
 
     def history(self) -> list[dict]:

@@ -43,6 +43,15 @@ def test_an_assistant_turn_is_not_left_first():
     assert fitted.dropped_messages == 2 and [m["content"][:2] for m in kept[-1][:2]] == ["SS", "u1"]
 
 
+def test_a_tool_result_is_not_left_first_without_its_call():
+    call = {"role": "assistant", "content": "", "tool_calls": [{"id": "c"}]}
+    messages = [{"role": "user", "content": "u" * 100}, call, {"role": "tool", "content": "t" * 100},
+                {"role": "tool", "content": "t" * 10}, {"role": "user", "content": "next"}, {"role": "user", "content": "last"}]
+    kept = []
+    fitted = truncate_oldest(messages, lambda m: kept.append(m) or render(m), 21)   # [t*10, next, last] would fit
+    assert [m["content"] for m in kept[-1]] == ["next", "last"] and fitted.dropped_messages == 4
+
+
 def test_oldest_turns_go_first_and_system_and_last_stay():
     messages = chat(5)                               # 21 + 11 * 101 = 1132 tokens
     kept = []

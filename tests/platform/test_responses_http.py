@@ -144,7 +144,7 @@ def test_a_json_schema_format_and_logprobs(client, kvharbor_app):
     ({"tool_choice": "required"}, "tool_choice"),
     ({"input": []}, "input"),
     ({"input": [{"type": "input_image", "image_url": "x"}]}, "input"),
-    ({"truncation": "auto"}, "truncation"),
+    ({"truncation": "middle"}, "truncation"),
     ({"previous_response_id": "resp_unknown"}, "previous_response_id"),
     ({"max_output_tokens": 100_000}, "max_output_tokens"),         # chat's checks, in this API's names
     ({"input": "word " * 5000}, "input"),
@@ -177,3 +177,19 @@ def test_one_store_serves_every_gateway_and_the_lane_takes_only_its_classes(kvha
     with kvharbor_app.client(DEMO["standard"], lane=True) as lane:
         r = lane.post("/v1/responses", json={"model": kvharbor_app.model, "input": "hi"})
     assert r.status_code == 403 and r.json()["error"]["code"] == "wrong_endpoint", r.text
+
+
+def test_truncation_auto_drops_the_oldest_items_of_a_conversation_too_long(kvharbor_app):
+    """OpenAI's ``truncation: "auto"``: the oldest turns go (a tenant's ``truncate_oldest`` for
+    one request); without it, the same input is a 400 naming ``input``."""
+    from tests.platform.test_context_overflow import chat
+
+    body = {"model": kvharbor_app.model, "input": chat(12, size=400), "max_output_tokens": 4}   # ~10,000 tokens
+    with kvharbor_app.client(DEMO["standard"]) as http:
+        cut = http.post("/v1/responses", json={**body, "truncation": "auto"})
+        refused = http.post("/v1/responses", json=body)
+    assert cut.status_code == 200, cut.text
+    dropped = int(cut.headers["x-truncated-tokens"])
+    assert dropped == cut.json()["kvharbor"]["truncated_prompt_tokens"] > 5000
+    assert cut.json()["usage"]["input_tokens"] + 4 <= 4096 and cut.json()["truncation"] == "auto"
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "input", refused.text
