@@ -7,13 +7,14 @@ Names are resolved lazily (PEP 562), so ``import kvharbor.tenants`` does not loa
 
 from __future__ import annotations
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "LoRARequest", "RequestOutput", "app",
-           "build_app"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RepetitionDetectionParams", "LoRARequest",
+           "RequestOutput", "app", "build_app"]
 
 _LAZY = {"LLM": ("kvharbor.engine.llm", "LLM"),
          "SamplingParams": ("kvharbor.engine.request", "SamplingParams"),
          "RequestOutput": ("kvharbor.engine.request", "RequestOutput"),
          "StructuredOutputsParams": ("kvharbor.engine.structured_output", "StructuredOutputsParams"),
+         "RepetitionDetectionParams": ("kvharbor.engine.repetition", "RepetitionDetectionParams"),
          "LoRARequest": ("kvharbor.engine.lora", "LoRARequest"),
          "build_app": ("kvharbor.platform.app", "build_app"),
          "app": ("kvharbor.platform.app", "app")}

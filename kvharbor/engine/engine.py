@@ -31,7 +31,7 @@ from .hashing import adapter_salt, model_root, with_request_salt
 from .model_identity import model_identity
 from .models import load_model, uniform_sliding_window
 from .preemption import PreemptionPolicy
-from .request import Request, RequestOutput, SamplingParams, Status, bad_word_ids, check_request
+from .request import Request, RequestOutput, SamplingParams, Status, bad_word_ids, check_request, repeated
 from .scheduler import Scheduler
 from .step_budget import NO_PRIORITY, StepInterrupt, StepInterrupted
 from .sessions import SessionLimits, SessionManager
@@ -485,7 +485,7 @@ class Engine:
                 return "stop"
         if n_out >= sp.max_tokens or req.num_tokens >= self.max_model_len:
             return "length"
-        return None
+        return "repetition" if repeated(req) else None
 
     # ---- sessions ---------------------------------------------------------------------------
     def set_session_limits(self, tenant: str, ttl_s: float | None = None,

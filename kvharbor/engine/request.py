@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from .block_pool import KVCacheBlock
 from .hashing import BlockHash, hash_prompt_blocks
+from .repetition import REASON as REPEATED, RepetitionDetectionParams
 from .structured_output import StructuredOutputsParams
 
 
@@ -50,6 +51,7 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None   # vLLM's: keep only the prompt's last k tokens
     skip_special_tokens: bool = True    # vLLM's: False keeps special tokens (e.g. EOS) in the text
     thinking_token_budget: int | None = None    # vLLM's: reasoning closed after this many tokens
+    repetition_detection: RepetitionDetectionParams | dict | None = None   # vLLM's: a loop ends it
 
     def validate(self) -> None:
         """Raise ValueError naming the field to fix.
@@ -134,6 +136,8 @@ class SamplingParams:
                 and all(isinstance(w, str) and w.strip() for w in words)):
             raise ValueError(f"bad_words must be a list of non-blank strings, got {self.bad_words!r}")
         self.bad_words = list(words) if words else None
+        if self.repetition_detection is not None:
+            self.repetition_detection = RepetitionDetectionParams.of(self.repetition_detection)
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
             if self.min_tokens:
@@ -156,6 +160,17 @@ def _integer(name: str, value, rule: str = "") -> int:
         return int(operator.index(value))       # int(): True is 1, not a bool torch refuses as k
     except TypeError:
         raise ValueError(f"{name} must be an integer{rule}, got {value!r}") from None
+
+
+def repeated(req: Request) -> bool:
+    """``req``'s output has fallen into a loop (``repetition_detection``, once ``min_tokens`` are
+    out); sets its ``stop_reason`` (vLLM's)."""
+    spec = req.sampling.repetition_detection
+    n_out = req.num_output_tokens
+    if spec is None or n_out < req.sampling.min_tokens or not spec.found(req.all_token_ids, n_out):
+        return False
+    req.stop_reason = REPEATED
+    return True
 
 
 MAX_N = 256

@@ -497,6 +497,7 @@ class Gateway:
                     "skip_special_tokens": body.skip_special_tokens and tools != "auto",
                     "logprobs": logprobs, "min_tokens": body.min_tokens,
                     "logit_bias": body.logit_bias, "thinking_token_budget": body.thinking_token_budget,
+                    "repetition_detection": body.repetition_detection and body.repetition_detection.model_dump(),
                     "structured_outputs": body.structured()}
         echo = not chat and body.echo and self.prompts.echo_texts(body, prompts)
         prompt_k = _prompt_logprobs(body, logprobs, echo, chat)

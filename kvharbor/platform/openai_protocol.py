@@ -124,6 +124,23 @@ def _ignored(what: str) -> str:
     return f"Accepted and ignored: {what}."
 
 
+class RepetitionDetection(BaseModel):
+    """vLLM's ``repetition_detection`` (``kvharbor.engine.repetition``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_pattern_size: int = Field(0, ge=0, le=1024, description="Longest pattern looked for, in tokens (0: off).")
+    min_pattern_size: int = Field(0, ge=0, le=1024, description="Shortest pattern looked for (0: 1).")
+    min_count: int = Field(0, ge=0, le=1024, description="Times in a row a pattern must occur (>= 2 when on).")
+
+    @model_validator(mode="after")
+    def _servable(self):
+        if self.min_pattern_size > self.max_pattern_size:
+            raise ValueError("min_pattern_size must be at most max_pattern_size")
+        if self.max_pattern_size and self.min_count < 2:
+            raise ValueError("min_count must be at least 2 (the times a pattern repeats in a row)")
+        return self
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool | None = Field(False, description="Send a final chunk with token usage.")
@@ -175,6 +192,7 @@ class _Common(BaseModel):
     return_token_ids: bool | None = Field(False, description="vLLM's: each choice also carries its output's token_ids, and the answer the prompt's prompt_token_ids (chat: on the response; completions: on each choice); streamed, each chunk the ids of its tokens and the first chunk the prompt's. Not in OpenAI's API.")
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=f"vLLM's: the answer also carries prompt_logprobs, each prompt token's log-probability given the tokens before it, with its rank in the vocabulary and the this many most likely tokens there (0 to {MAX_TOP_LOGPROBS}); the first token's entry is null. Not with stream (0 is accepted there and answers nothing, as vLLM). The prompt is computed in full, not read from the prefix cache. Not in OpenAI's API.")
     thinking_token_budget: int | None = Field(None, ge=-1, description="vLLM's: with a reasoning parser, after this many tokens of thought the answer's next tokens are forced to close it (</think>) and the model answers; -1 or null: no budget. Not in OpenAI's API.")
+    repetition_detection: RepetitionDetection | None = Field(None, description="vLLM's: the answer ends (finish_reason \"repetition\", stop_reason \"repetition_detected\") as soon as its last tokens are one pattern of min_pattern_size to max_pattern_size tokens repeated min_count times in a row (a model caught in a loop). Not in OpenAI's API.")
     use_beam_search: unsupported(bool | None, False) = Field(None, description="vLLM's; not supported: only false or null.")
     length_penalty: unsupported(float | None, 1.0) = Field(None, description="vLLM's (beam search); not supported: only 1.0 or null.")
     spaces_between_special_tokens: unsupported(bool | None, True) = Field(None, description="vLLM's; only true (its default) or null.")

@@ -124,6 +124,26 @@ def test_stop_reason_is_the_stop_token_or_string_streamed_or_not(client, kvharbo
     assert all(getattr(c, "stop_reason", None) is None for c in streamed)
 
 
+def test_repetition_detection_ends_a_looping_answer_as_the_engine_does(client, kvharbor_app):
+    from kvharbor import LLM, SamplingParams
+
+    spec = {"max_pattern_size": 8, "min_count": 2}
+    ref = LLM(device="cpu", num_kv_blocks=64).generate(
+        "Hello", SamplingParams(max_tokens=64, temperature=0, repetition_detection=spec))[0].outputs[0]
+    assert ref.finish_reason == "repetition"
+    kw = dict(model=kvharbor_app.model, prompt="Hello", max_tokens=64, temperature=0,
+              extra_body={"repetition_detection": spec})
+    done = client.completions.create(**kw).choices[0]
+    assert (done.text, done.finish_reason, done.stop_reason) == (ref.text, "repetition", "repetition_detected")
+    chunks = [c.choices[0] for c in client.completions.create(**kw, stream=True) if c.choices]
+    assert "".join(c.text for c in chunks) == ref.text and chunks[-1].finish_reason == "repetition"
+    free = client.completions.create(**{**kw, "extra_body": None}).choices[0]
+    assert free.finish_reason == "length" and free.text.startswith(ref.text) and free.text != ref.text
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(**{**kw, "extra_body": {"repetition_detection": {"max_pattern_size": 4, "min_count": 1}}})
+    assert refused.value.body["param"].startswith("repetition_detection") and "min_count" in refused.value.body["message"]
+
+
 def test_a_thinking_budget_needs_a_server_with_a_reasoning_parser(client, kvharbor_app):
     kw = dict(model=kvharbor_app.model, messages=[{"role": "user", "content": "Tides?"}], max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="reasoning_parser") as refused:
