@@ -31,7 +31,8 @@ from .hashing import adapter_salt, model_root, with_request_salt
 from .model_identity import model_identity
 from .models import load_model, uniform_sliding_window
 from .preemption import PreemptionPolicy
-from .request import Request, RequestOutput, SamplingParams, Status, bad_word_ids, check_request, repeated
+from .request import (Request, RequestOutput, SamplingParams, Status, bad_word_ids, check_request, repeated,
+                      stopped_on_token)
 from .scheduler import Scheduler
 from .step_budget import NO_PRIORITY, StepInterrupt, StepInterrupted
 from .sessions import SessionLimits, SessionManager
@@ -97,7 +98,7 @@ class Engine:
         self._event_seq = 0
         self.pinned_prefixes: list[list] = []
         self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "finished": 0, "aborted": 0}
-        eos = getattr(self.tokenizer, "eos_token_id", None)
+        self.eos_id = eos = getattr(self.tokenizer, "eos_token_id", None)
         gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
         self.eos_ids = {e for e in ([eos] + (gen_eos if isinstance(gen_eos, list) else [gen_eos]))
                         if e is not None}
@@ -475,11 +476,8 @@ class Engine:
             if ended := advance(req, token, changed):       # the grammar: complete, or broken
                 return ended
         if n_out >= sp.min_tokens:
-            if not sp.ignore_eos and token in self.eos_ids:
-                return "stop"
-            if token in sp.stop_token_ids:
-                req.output_text, req.stop_reason = req.output_text[:text_before], token
-                return "stop"
+            if (not sp.ignore_eos and token in self.eos_ids) or token in sp.stop_token_ids:
+                return stopped_on_token(req, token, text_before, self.eos_id)
             if sp.stop and (stop := self.detok.truncate_at_stop(req, sp.stop, changed)) is not None:
                 req.stop_reason = stop
                 return "stop"

@@ -162,6 +162,17 @@ def _integer(name: str, value, rule: str = "") -> int:
         raise ValueError(f"{name} must be an integer{rule}, got {value!r}") from None
 
 
+def stopped_on_token(req: Request, token: int, text_before: int, eos_id: int | None) -> str:
+    """``req`` ends on ``token``, an EOS id or one of its ``stop_token_ids`` (vLLM's rules): the
+    token's text leaves the output unless ``include_stop_str_in_output``, and ``stop_reason`` is
+    the id, but for the tokenizer's EOS (a generation config's other EOS ids are stop ids to
+    vLLM)."""
+    if not req.sampling.include_stop_str_in_output:
+        req.output_text = req.output_text[:text_before]
+    req.stop_reason = None if token == eos_id and not req.sampling.ignore_eos else token
+    return "stop"
+
+
 def repeated(req: Request) -> bool:
     """``req``'s output has fallen into a loop (``repetition_detection``, once ``min_tokens`` are
     out); sets its ``stop_reason`` (vLLM's)."""

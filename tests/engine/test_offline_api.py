@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import json
 import pickle
+from pathlib import Path
 
 import pytest
 
@@ -145,3 +147,45 @@ def test_stop_reason_names_the_stop_token_or_string_that_ended_the_output(llm):
     assert (by_text.stop_reason, by_text.text, by_text.finish_reason) == (early, free.text[:free.text.find(early)], "stop")
     kept = llm.generate(["The harbor"], SamplingParams(**greedy, stop=[late], include_stop_str_in_output=True))[0]
     assert kept.outputs[0].stop_reason == late and kept.outputs[0].text.endswith(late)
+
+
+def test_a_stop_tokens_text_leaves_the_output_unless_include_stop_str_in_output(llm):
+    """As vLLM's detokenizer: the text of the token that ended the output (EOS, a stop id) is
+    left out, also with special tokens spelt out (``skip_special_tokens`` false), and kept with
+    ``include_stop_str_in_output``; EOS's ``stop_reason`` is None, a stop id's the id."""
+    eos = llm.tokenizer.eos_token_id
+    forced = dict(temperature=0, max_tokens=8, skip_special_tokens=False, logit_bias={eos: 100})
+    out = llm.generate("Hello", SamplingParams(**forced))[0].outputs[0]
+    assert (list(out.token_ids), out.text, out.finish_reason, out.stop_reason) == ([eos], "", "stop", None)
+    kept = llm.generate("Hello", SamplingParams(**forced, include_stop_str_in_output=True))[0].outputs[0]
+    assert (kept.text, kept.stop_reason) == (llm.tokenizer.decode([eos]), None)
+    named = llm.generate("Hello", SamplingParams(**forced, ignore_eos=True, stop_token_ids=[eos]))[0].outputs[0]
+    assert (list(named.token_ids), named.stop_reason) == ([eos], eos)      # EOS as a stop id: named (vLLM's)
+    greedy = dict(temperature=0, ignore_eos=True, max_tokens=12)
+    ids = llm.generate(["The harbor"], SamplingParams(**greedy))[0].outputs[0].token_ids
+    i = next(i for i in range(1, 12) if ids[i] not in ids[:i])
+    cut, with_stop = (llm.generate(["The harbor"], SamplingParams(**greedy, stop_token_ids=[ids[i]],
+                                                                  include_stop_str_in_output=keep))[0].outputs[0]
+                      for keep in (False, True))
+    assert list(cut.token_ids) == list(with_stop.token_ids) == list(ids[:i + 1])
+    assert with_stop.text == cut.text + llm.tokenizer.decode([ids[i]]) and with_stop.stop_reason == ids[i]
+
+
+def test_a_generation_configs_other_eos_ids_stop_as_vllms_stop_token_ids(tmp_path):
+    """A checkpoint whose generation_config lists EOS ids besides the tokenizer's (Qwen2.5 and
+    Llama 3 ship such lists): vLLM makes them stop ids, so an output they end reports the id as
+    ``stop_reason`` and leaves its text out; ``ignore_eos`` lets the output run past them."""
+    from tests.engine.test_other_architectures import ARCHITECTURES, save_checkpoint
+
+    checkpoint = save_checkpoint(ARCHITECTURES["qwen3"], tmp_path / "qwen3")
+    greedy = dict(temperature=0, max_tokens=12)
+    free = LLM(model=checkpoint, device="cpu", num_kv_blocks=64).generate("Hello", SamplingParams(**greedy))[0]
+    ids = list(free.outputs[0].token_ids)
+    i = next(i for i in range(1, len(ids)) if ids[i] not in ids[:i])
+    config = Path(checkpoint) / "generation_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "eos_token_id": [258, ids[i]]}))
+    llm = LLM(model=checkpoint, device="cpu", num_kv_blocks=64)
+    out = llm.generate("Hello", SamplingParams(**greedy))[0].outputs[0]
+    assert (list(out.token_ids), out.finish_reason, out.stop_reason) == (ids[:i + 1], "stop", ids[i])
+    assert out.text == llm.tokenizer.decode(ids[:i])
+    assert list(llm.generate("Hello", SamplingParams(**greedy, ignore_eos=True))[0].outputs[0].token_ids) == ids
