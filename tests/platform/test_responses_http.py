@@ -16,6 +16,7 @@ from openai.types.responses import Response
 from tests.conftest import DEMO, TEST_KEYS
 
 ASK = "Name three colours."
+RIVERS = "List the rivers of Norway."
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
            "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
                           "properties": {"city": {"enum": ["Oslo", "Lima", "Pune"]}}}}
@@ -69,15 +70,18 @@ def test_a_stream_is_the_responses_event_sequence_of_the_same_answer(client, kvh
 
 def test_previous_response_id_continues_a_stored_conversation(client, kvharbor_app):
     kw = dict(model=kvharbor_app.model, temperature=0, max_output_tokens=8)
-    first = _checked(client.responses.create(input=ASK, instructions="Answer in English.", **kw))
+    first = _checked(client.responses.create(input=RIVERS, instructions="Answer in English.", **kw))
     second = _checked(client.responses.create(input="And two more?", previous_response_id=first.id, **kw))
     chat = client.chat.completions.create(model=kvharbor_app.model, temperature=0, max_tokens=8, messages=[
-        {"role": "user", "content": ASK}, {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": RIVERS}, {"role": "assistant", "content": first.output_text},
         {"role": "user", "content": "And two more?"}])     # instructions are not carried over (OpenAI's rule)
     assert second.output_text == chat.choices[0].message.content
     assert second.usage.input_tokens == chat.usage.prompt_tokens
     assert second.previous_response_id == first.id
-    assert second.usage.input_tokens_details.cached_tokens > 0     # the first turn's prefix
+    # a later turn reads the second turn's KV from the prefix cache (no other test sends RIVERS
+    # first; the first turn's prompt differs: it starts with its instructions)
+    third = _checked(client.responses.create(input="Which rivers flow north?", previous_response_id=second.id, **kw))
+    assert third.usage.input_tokens_details.cached_tokens >= 16
     assert _checked(client.responses.retrieve(first.id)).output_text == first.output_text
     other = openai.OpenAI(base_url=kvharbor_app.base_url + "/v1", api_key=DEMO["premium"], max_retries=0)
     with pytest.raises(openai.NotFoundError):
