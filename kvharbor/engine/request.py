@@ -177,8 +177,10 @@ def repeated(req: Request) -> bool:
     """``req``'s output has fallen into a loop (``repetition_detection``, once ``min_tokens`` are
     out); sets its ``stop_reason`` (vLLM's)."""
     spec = req.sampling.repetition_detection
+    if spec is None:                    # (every generated token asks: the common case first)
+        return False
     n_out = req.num_output_tokens
-    if spec is None or n_out < req.sampling.min_tokens or not spec.found(req.all_token_ids, n_out):
+    if n_out < req.sampling.min_tokens or not spec.found(req.all_token_ids, n_out):
         return False
     req.stop_reason = REPEATED
     return True

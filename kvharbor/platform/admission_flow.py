@@ -45,9 +45,10 @@ STICKY_LIMITS = ("requests_per_minute", "daily_token_budget")
 """Refusals that nothing but time clears (remembered per tenant until ``retry_after``)."""
 
 
-def unavailable(what: str) -> APIError:
+def unavailable(what: str, code: str = "admission_unavailable") -> APIError:
+    """The 503 for a control-plane actor (``what``) that did not answer in time."""
     return APIError(503, f"the {what} did not answer within {CALL_TIMEOUT_S:g} s; retry the request",
-                    "admission_unavailable", headers={"Retry-After": "1"})
+                    code, headers={"Retry-After": "1"})
 
 
 class Admitter:

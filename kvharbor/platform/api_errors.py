@@ -15,19 +15,10 @@ from ray.exceptions import RayActorError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvharbor.platform.admission_flow import unavailable
-from kvharbor.platform.error_body import APIError, error_response
+from kvharbor.platform.error_body import APIError, error_response, invalid_body
 from kvharbor.tenants import TenantError
 
 logger = logging.getLogger("kvharbor.gateway")
-
-_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "json-or-python"}
-
-
-def _field_path(loc) -> str:
-    """``("body", "prompt", "function-after[...]", 0)`` -> ``"prompt.0"`` (no union member tags)."""
-    parts = [str(p) for p in loc[1:] if isinstance(p, int) or
-             (p not in _TYPE_TAGS and "[" not in str(p) and "-" not in str(p))]
-    return ".".join(parts)
 
 
 def install_error_handlers(api: FastAPI) -> None:
@@ -35,26 +26,7 @@ def install_error_handlers(api: FastAPI) -> None:
 
     @api.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        if first.get("type") == "json_invalid":
-            return error_response(400, "request body is not valid JSON: send a JSON object encoded as UTF-8")
-        where = _field_path(first.get("loc", ()))
-        if first.get("type") == "extra_forbidden":
-            return error_response(400, f"unknown field '{where}': this route does not take it; remove it "
-                                  "(see /openapi.json for the fields)", "unknown_field", where)
-        if not where and first.get("type") == "value_error":        # a model validator's (FieldError: its field)
-            return error_response(400, str(first.get("msg", "invalid request")).removeprefix("Value error, "),
-                                  param=getattr(first.get("ctx", {}).get("error"), "param", None))
-        if not where:
-            return error_response(400, "request body must be a JSON object (UTF-8 encoded) with the "
-                                       "fields of this route")
-        # a union field (``prompt: str | list[int]``) fails once per alternative: name them all
-        field = where.split(".")[0]
-        reasons = [f"{path}: {e.get('msg', 'invalid').removeprefix('Value error, ')}" for e in errors
-                   if (path := _field_path(e.get("loc", ()))).split(".")[0] == field]
-        return error_response(400, " or ".join(dict.fromkeys(reasons)), param=where)
-
+        return invalid_body(exc.errors()).response()
 
     @api.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -32,6 +32,38 @@ class APIError(Exception):
         return error_response(self.status, self.message, self.code, self.param, self.headers)
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "json-or-python"}
+
+
+def _field_path(loc) -> str:
+    """``("body", "prompt", "function-after[...]", 0)`` -> ``"prompt.0"`` (no union member tags)."""
+    parts = [str(p) for p in loc[1:] if isinstance(p, int) or
+             (p not in _TYPE_TAGS and "[" not in str(p) and "-" not in str(p))]
+    return ".".join(parts)
+
+
+def invalid_body(errors: list[dict]) -> APIError:
+    """The 400 for a request body's validation ``errors`` (pydantic's, each ``loc`` starting
+    with ``"body"``): the first decides; a union field's alternatives are named together."""
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        return APIError(400, "request body is not valid JSON: send a JSON object encoded as UTF-8")
+    where = _field_path(first.get("loc", ()))
+    if first.get("type") == "extra_forbidden":
+        return APIError(400, f"unknown field '{where}': this route does not take it; remove it "
+                        "(see /openapi.json for the fields)", "unknown_field", where)
+    if not where and first.get("type") == "value_error":        # a model validator's (FieldError: its field)
+        return APIError(400, str(first.get("msg", "invalid request")).removeprefix("Value error, "),
+                        param=getattr(first.get("ctx", {}).get("error"), "param", None))
+    if not where:
+        return APIError(400, "request body must be a JSON object (UTF-8 encoded) with the fields of this route")
+    # a union field (``prompt: str | list[int]``) fails once per alternative: name them all
+    field = where.split(".")[0]
+    reasons = [f"{path}: {e.get('msg', 'invalid').removeprefix('Value error, ')}" for e in errors
+               if (path := _field_path(e.get("loc", ()))).split(".")[0] == field]
+    return APIError(400, " or ".join(dict.fromkeys(reasons)), param=where)
+
+
 class FieldError(ValueError):
     """A check across a request's fields (a model validator) that one field fails: the 400's
     ``param`` names it (a plain ``ValueError`` there has no field to name)."""

@@ -151,7 +151,7 @@ class GenerationRun(ParsedAnswers):
         self.req = requests[0]
         self.per_prompt = choices_per_prompt or len(requests)
         self.leaders = range(0, len(requests), self.per_prompt)
-        self.chat, self.model, self.want_logprobs, self.top_k = chat, model, logprobs is not None, logprobs
+        self.chat, self.model, self.top_k = chat, model, logprobs
         self.created = int(time.time())
         # perf_counter() marks of the gateway's phases ("proxied", "received", "arrived",
         # "queued", "tokenized", "admitted"); TTFT and latency count from "arrived", the
@@ -346,6 +346,11 @@ class GenerationRun(ParsedAnswers):
             await self.gw.admitter.release(self.ticket, prompt + self.completion_tokens)
         except Exception:  # noqa: BLE001 - never fail a finished request on accounting
             logger.exception("admission release failed")
+
+    @property
+    def want_logprobs(self) -> bool:
+        """The answer carries logprobs (``top_k`` alternatives a token)."""
+        return self.top_k is not None
 
     def usage(self) -> dict:
         prompt = self.prompt_tokens

@@ -23,6 +23,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from kvharbor.actors.calls import detached
+from kvharbor.platform.admission_flow import unavailable
 from kvharbor.platform.error_body import APIError
 from kvharbor.tenants.admission_actor import CALL_TIMEOUT_S
 
@@ -110,8 +111,7 @@ class StoredResponses:
         try:
             return await asyncio.wait_for(getattr(self._actor, method).remote(*args), CALL_TIMEOUT_S)
         except (TimeoutError, RayActorError):
-            raise APIError(503, f"the response store did not answer within {CALL_TIMEOUT_S:g} s; retry the "
-                           "request", "response_store_unavailable", headers={"Retry-After": "1"}) from None
+            raise unavailable("response store", "response_store_unavailable") from None
 
     async def get(self, tenant: str, response_id: str, param: str) -> tuple[dict, list[dict]]:
         found = await self._call("get", tenant, response_id)

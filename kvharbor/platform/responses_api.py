@@ -26,7 +26,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .error_body import APIError
+from .error_body import APIError, invalid_body
 from .openai_protocol import MAX_MESSAGES, MAX_TOP_LOGPROBS, ChatRequest, LogitBias, NullOnlyDict, Text, unsupported
 from .tool_calls import MAX_TOOLS, NAME
 
@@ -296,12 +296,8 @@ def chat_request(body: ResponsesRequest, model: str, history: list[dict]) -> tup
                        param="tool_choice")
     try:
         return ChatRequest.model_validate({k: v for k, v in fields.items() if v is not None}), conversation
-    except ValidationError as e:
-        error = e.errors()[0]
-        loc = [str(p) for p in error.get("loc", ())]
-        field = loc[0] if loc else getattr(error.get("ctx", {}).get("error"), "param", None)
-        param = _CHAT_PARAMS.get(field, field)
-        raise APIError(400, f"{param or 'request'}: {error.get('msg', 'invalid')}", param=param) from None
+    except ValidationError as e:               # chat's checks across fields, in this API's names
+        raise responses_error(invalid_body([{**d, "loc": ("body", *d["loc"])} for d in e.errors()])) from None
 
 
 def _id(prefix: str) -> str:
