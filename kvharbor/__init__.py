@@ -8,7 +8,7 @@ Names are resolved lazily (PEP 562), so ``import kvharbor.tenants`` does not loa
 from __future__ import annotations
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RepetitionDetectionParams", "LoRARequest",
-           "RequestOutput", "app", "build_app"]
+           "PoolingParams", "RequestOutput", "app", "build_app"]
 
 _LAZY = {"LLM": ("kvharbor.engine.llm", "LLM"),
          "SamplingParams": ("kvharbor.engine.request", "SamplingParams"),
@@ -16,6 +16,7 @@ _LAZY = {"LLM": ("kvharbor.engine.llm", "LLM"),
          "StructuredOutputsParams": ("kvharbor.engine.structured_output", "StructuredOutputsParams"),
          "RepetitionDetectionParams": ("kvharbor.engine.repetition", "RepetitionDetectionParams"),
          "LoRARequest": ("kvharbor.engine.lora", "LoRARequest"),
+         "PoolingParams": ("kvharbor.engine.pooling", "PoolingParams"),
          "build_app": ("kvharbor.platform.app", "build_app"),
          "app": ("kvharbor.platform.app", "app")}
 

@@ -32,6 +32,7 @@ import asyncio
 import logging
 import os
 import time
+from array import array
 from collections import deque
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -44,6 +45,7 @@ from kvharbor.actors.stream_events import coalesced, is_last
 from kvharbor.actors.tenant_sync import TenantSync
 from kvharbor.config import EngineConfig
 from kvharbor.engine.engine_stats import lora_requests, memory_breakdown
+from kvharbor.engine.pooling import PooledOutput, PoolingParams
 from kvharbor.engine.request import SamplingParams
 from kvharbor.observability.metrics import get_metrics
 from kvharbor.platform.autoscaling import DIRECT_STREAMS
@@ -404,8 +406,9 @@ class LLMReplica:
                 self.engine.add_request(request.request_id, request.prompt_token_ids, sampling,
                                         tenant=request.tenant, qos=request.qos,
                                         cache_salt=request.cache_salt, session_id=request.session_id,
-                                        lora=request.lora, request_salt=request.request_salt)
-            except ValueError as e:
+                                        lora=request.lora, request_salt=request.request_salt,
+                                        pooling=request.pooling and PoolingParams(**request.pooling))
+            except (TypeError, ValueError) as e:
                 rejected.append((request.request_id, str(e)))
         return rejected
 
@@ -434,6 +437,8 @@ class LLMReplica:
                           "num_prompt_tokens": len(out.prompt_token_ids),
                           "num_output_tokens": out.num_output_tokens, "replica_id": self.replica_id,
                           **({"stop_reason": out.stop_reason} if out.finish_reason else {}),
+                          **({"embedding": array("f", out.embedding).tobytes()}   # float32, as the wire's base64
+                             if type(out) is PooledOutput else {}),
                           **({"num_reasoning_tokens": out.num_reasoning_tokens}    # so far: continuous usage shows it
                              if out.num_reasoning_tokens or out.finish_reason else {}),
                           **({"logprobs": [(lp.logprob, lp.top) for lp in out.new_logprobs]}

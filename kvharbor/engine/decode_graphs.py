@@ -107,10 +107,11 @@ class DecodeGraphs:
 
     def eligible(self, batch) -> bool:
         """A decode step the graphs can run: every request one token and sampling, none of a
-        LoRA adapter (the graphs hold the base model's products only)."""
+        LoRA adapter (the graphs hold the base model's products only) or an embedding request
+        (whose hidden state they do not keep)."""
         return (0 < len(batch) <= self.max_batch
                 and all(item.num_new_tokens == 1 and item.samples and item.request.lora is None
-                        for item in batch))
+                        and item.request.pooling is None for item in batch))
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)

@@ -19,7 +19,7 @@ from . import host_memory
 from .engine_stats import engine_stats
 from .host_pool import HostKVPool
 from .integrity import check_engine
-from .kv_events import KVEvents
+from .kv_events import KVEvents, drain_tiers
 from .kv_cache_manager import KVCacheManager
 from .kv_transfer import KVTransfer
 from .logits_processors import depends_on_outputs
@@ -30,6 +30,7 @@ from .eviction import make_eviction_policy
 from .hashing import adapter_salt, model_root, with_request_salt
 from .model_identity import model_identity
 from .models import load_model, uniform_sliding_window
+from .pooling import PoolingParams, PooledOutput, check_pooling
 from .preemption import PreemptionPolicy
 from .request import (Request, RequestOutput, SamplingParams, Status, bad_word_ids, check_request, repeated,
                       stopped_on_token)
@@ -146,17 +147,20 @@ class Engine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                     tenant: str = "default", qos: str = "standard", cache_salt: str | None = None,
                     session_id: str | None = None, lora: str | None = None,
-                    request_salt: str | None = None) -> Request:
+                    request_salt: str | None = None, pooling: PoolingParams | None = None) -> Request:
         """Queue a request. Raises ValueError for arguments a caller must fix.
 
         ``session_id``: a turn of that session of ``tenant``: its prompt + output blocks stay
         referenced for the next turn (``sessions.py``). ``lora``: a loaded LoRA adapter (None:
         the base model), cached in a scope of its own. ``cache_salt``: the tenant's cache scope
         (None: public; what a scope flush matches); ``request_salt``: vLLM's ``cache_salt``.
+        ``pooling``: an embedding request (``pooling.py``), answered by a ``PooledOutput``.
         """
         prompt_token_ids = check_request(prompt_token_ids, sampling, tenant, qos, cache_salt, session_id,
                                          self.config.qos_classes, self.model.config.vocab_size,
                                          self.max_model_len, request_salt, self.config.reasoning_parser)
+        if pooling is not None:
+            check_pooling(pooling, sampling, session_id, self.model.config)
         adapter = None if lora is None else self.loras.get(lora)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -166,7 +170,8 @@ class Engine:
         req = Request(request_id, prompt_token_ids, sampling, tenant=tenant, qos=qos,
                       priority=priority, pinned=spec.pinned, cache_salt=salt, scope=cache_salt,
                       hash_root=self.hash_root, session_id=session_id,
-                      arrival=time.monotonic(), arrival_seq=next(self._arrivals), lora=adapter)
+                      arrival=time.monotonic(), arrival_seq=next(self._arrivals), lora=adapter,
+                      pooling=pooling)
         if sampling.prompt_logprobs is not None:
             req.prompt_lps = [None]             # the first prompt token has no logprob
         if sampling.structured_outputs is not None:
@@ -326,6 +331,10 @@ class Engine:
             self._advance(req, item.num_new_tokens - (drafts - kept))
             return self._append_tokens(req, rows[:kept + 1], lps[:kept + 1])
         self._advance(req, item.num_new_tokens)
+        if rows and req.pooling is not None:        # its prompt's last hidden state is the answer
+            self._finish(req, "stop")
+            return PooledOutput(req.request_id, req.prompt_token_ids, max(req.num_cached_tokens, 0),
+                                req.pooling.embed(self.runner.pooled.pop(req)))
         return self._append_token(req, rows[0], lps[0]) if rows else None
 
     def _fail(self, req: Request, error: Exception) -> None:
@@ -450,16 +459,19 @@ class Engine:
         reason = self._finish_reason(req, token, text_before, changed)
         new_text = self.detok.delta(req, final=reason is not None)
         if reason is not None:
-            req.finish_reason, req.status = reason, Status.FINISHED
-            if req.session_id is not None:
-                self.sessions.end_turn(req)        # before its blocks are freed
-            self.scheduler.remove(req)
-            self.requests.pop(req.request_id, None)
-            self.counters["finished"] += 1
+            self._finish(req, reason)
         return RequestOutput(req.request_id, req.prompt_token_ids, req.output_ids, req.output_text,
                              req.finish_reason, max(req.num_cached_tokens, 0), [token], new_text,
                              None if logprobs is None else [logprobs], req.prompt_lps,
                              num_reasoning_tokens=req.reasoning_tokens, stop_reason=req.stop_reason)
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.finish_reason, req.status = reason, Status.FINISHED
+        if req.session_id is not None:
+            self.sessions.end_turn(req)        # before its blocks are freed
+        self.scheduler.remove(req)
+        self.requests.pop(req.request_id, None)
+        self.counters["finished"] += 1
 
     def _finish_reason(self, req: Request, token: int, text_before: int, changed: int) -> str | None:
         """Why ``req`` ends with ``token`` (None: it goes on), and in ``req.stop_reason`` the
@@ -560,20 +572,10 @@ class Engine:
         self.pool.unpin(blocks)
 
     def drain_kv_events(self) -> list[KVEvents]:
-        """Event batches since the last call: at most one per tier, host first, none if empty.
-
-        Batches of all tiers share one numbering 0, 1, 2, ...; ``last_event_seq`` is the latest
-        number handed out. Host comes first so that a block moving device -> host is stored in
-        the host tier before it is removed from the device tier.
-        """
-        batches = []
-        tiers = [("host", self.host)] if self.host is not None else []
-        for tier, source in tiers + [("device", self.pool)]:
-            stored, removed = source.drain_events()
-            if stored or removed:
-                closed = self.pool.prefix_closed if tier == "device" else None
-                batches.append(KVEvents(self._event_seq, stored, removed, tier, closed))
-                self._event_seq += 1
+        """Event batches since the last call (``kv_events.drain_tiers``); batches of all tiers
+        share one numbering 0, 1, 2, ...; ``last_event_seq`` is the latest number handed out."""
+        batches = drain_tiers(self.pool, self.host, self._event_seq)
+        self._event_seq += len(batches)
         return batches
 
     @property

@@ -322,16 +322,18 @@ class FastCausalLM:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: attention.AttentionContext, logit_rows: torch.Tensor,
-                lora: LoRABatch | None = None) -> torch.Tensor:
+                lora: LoRABatch | None = None, kept: list | None = None) -> torch.Tensor:
         """``input_ids``/``positions`` ``[T]``; returns logits ``[len(logit_rows), vocab]``.
-        ``lora``: the step's rows by LoRA adapter (None: every row the base model's)."""
+        ``lora``: the step's rows by LoRA adapter (None: every row the base model's).
+        ``kept`` (a list): the final hidden states of those rows (after the last norm, what the
+        LM head reads) are appended to it, an embedding request's (``pooling.py``)."""
         h = self.embed(input_ids[None])                              # [1, T, hidden]
         cos, sin = self.rotary(h, position_ids=positions[None])      # [1, T, D] each
         cos, sin = cos[0], sin[0]
         t, d = input_ids.shape[0], self.head_dim
         h = h[0]
         if self.ops is not None:
-            return self._forward_fused(h, cos.contiguous(), sin.contiguous(), ctx, logit_rows, lora)
+            return self._forward_fused(h, cos.contiguous(), sin.contiguous(), ctx, logit_rows, lora, kept)
         last = len(self.layers) - 1
         for i, (layer, window, p) in enumerate(zip(self.layers, self.windows, self.projections)):
             a = layer.self_attn
@@ -349,11 +351,11 @@ class FastCausalLM:
                 hook = lora.hook(i, sampled=True) if lora else None
             h = h + p.o(o, hook)
             h = h + p.mlp(layer.post_attention_layernorm(h), hook)
-        return self.lm_head(self.norm(h))
+        return self._head(self.norm(h), kept)
 
     def _forward_fused(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        ctx: attention.AttentionContext, logit_rows: torch.Tensor,
-                       lora: LoRABatch | None) -> torch.Tensor:
+                       lora: LoRABatch | None, kept: list | None = None) -> torch.Tensor:
         """The forward above with each norm (the residual add folded in) and the rotary
         embedding of q and k one pass each: :mod:`..kernels.cpu_ops` (C++) on the CPU,
         :mod:`..kernels.triton_ops` on a GPU (there with the SiLU gate fused into ``p.mlp``).
@@ -381,7 +383,12 @@ class FastCausalLM:
                 x = ops.add_rms_norm(m, h, *args[2 * i + 2])
             else:
                 h.add_(m)
-        return self.lm_head(ops.rms_norm(h, *args[-1]))
+        return self._head(ops.rms_norm(h, *args[-1]), kept)
+
+    def _head(self, x: torch.Tensor, kept: list | None) -> torch.Tensor:
+        if kept is not None:
+            kept.append(x)
+        return self.lm_head(x)
 
 
 def _read_rows(ctx: attention.AttentionContext, logit_rows: torch.Tensor) -> list[int] | None:

@@ -11,6 +11,7 @@ from kvharbor.config import EngineConfig
 
 from .engine import Engine
 from .lora import LoRARequest
+from .pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams
 from .model_info import NO_CHAT_TEMPLATE, chat_template_text, sampling_defaults
 from .request import CompletionOutput, RequestOutput, SamplingParams, is_index, sibling_seed, token_ids
 from .tokenizer import chat_token_ids, template_kwargs
@@ -161,6 +162,44 @@ class LLM:
             if len(group) > 1:
                 out.outputs = [CompletionOutput.of(j, final[rid]) for j, rid in enumerate(group)]
         return outs
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | None = None,
+              truncate_prompt_tokens: int | None = None, lora_request: LoRARequest | None = None,
+              tenant: str = "default", qos: str = "standard", cache_salt: str | None = None,
+              use_tqdm: bool = False) -> list[EmbeddingRequestOutput]:
+        """Embed each prompt (vLLM's ``LLM.embed``): the final hidden state of its last token,
+        unit length unless ``pooling_params.normalize`` is false (``pooling.py``); in prompt
+        order. The prompts run together and with any generation, through the prefix cache.
+        ``truncate_prompt_tokens``: keep each prompt's last ``k`` tokens."""
+        prompts = _prompt_list(prompts)
+        params = PoolingParams() if pooling_params is None else pooling_params
+        sampling = SamplingParams(max_tokens=1, temperature=0.0, truncate_prompt_tokens=truncate_prompt_tokens)
+        (lora,) = self._loras(lora_request, 1)
+        ids: list[str] = []
+        final: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm)
+        try:
+            for prompt in prompts:
+                salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+                self._add(ids, (f"embed-{next(self._ids)}", self.encode(prompt), _copy(sampling),
+                                dict(tenant=tenant, qos=qos, cache_salt=cache_salt, lora=lora,
+                                     request_salt=salt, pooling=params)))
+            while len(final) < len(ids):
+                outs = self.engine.step()
+                for rid, error in self.engine.take_failures().items():
+                    raise RuntimeError(f"request {rid} failed in an engine step: {error!r}") from error
+                for out in outs:
+                    final[out.request_id] = out
+                    bar.update(1)
+                if not outs and not self.engine.scheduler.running:
+                    self._fail_if_stuck()
+            bar.close()
+        except BaseException:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        return [EmbeddingRequestOutput(rid, EmbeddingOutput(final[rid].embedding), final[rid].prompt_token_ids,
+                                       num_cached_tokens=final[rid].num_cached_tokens) for rid in ids]
 
     def _add(self, ids: list[str], request: tuple) -> None:
         rid, prompt_ids, sampling, kwargs = request

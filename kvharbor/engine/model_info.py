@@ -10,8 +10,10 @@ LLM replicas load their models on.
 
 from __future__ import annotations
 
+import functools
 from importlib.resources import files
 from pathlib import Path
+from types import SimpleNamespace
 
 VOCAB_SIZE = 259
 """The builtin models' vocabulary: the byte tokenizer's 256 bytes, <pad>, <s> and </s>."""
@@ -50,6 +52,17 @@ def load_tokenizer(name: str):
     from transformers import AutoTokenizer  # noqa: PLC0415
 
     return AutoTokenizer.from_pretrained(name)
+
+
+@functools.lru_cache(maxsize=8)
+def model_config(name: str):
+    """The model's transformers config without loading weights (a builtin's: its fields, as
+    attributes)."""
+    if name in BUILTIN_NAMES:
+        return SimpleNamespace(**BUILTIN_SPECS[name][1])
+    from transformers import AutoConfig  # noqa: PLC0415
+
+    return AutoConfig.from_pretrained(name)
 
 
 def model_context_length(name: str) -> int:

@@ -86,6 +86,8 @@ class ModelRunner:
         self._prompt_rows: list = []      # (request, first position, rows) scored by the last build
         self._sampling: list = []         # the request of each sampling row of the last build
         self.interrupt = None             # the engine's StepInterrupt (checked before each layer)
+        self._hidden = None               # the last forward's sampling rows' final hidden states, when kept
+        self.pooled: dict = {}            # the last step's embedding requests -> their hidden state
         self.graphs = None                # DecodeGraphs: decode steps replayed from CUDA graphs
         self._table = StepBlockTable()    # eager steps' block table, rows kept between steps
         self.backend = get_attention_backend(attention_backend, device)
@@ -139,8 +141,10 @@ class ModelRunner:
         prompt_rows = []                        # (forward_logits cleared self._prompt_rows)
         sampling = []                           # each sampling row's request
         requests = []
+        pools = False                           # an embedding request is in the step
         for item in batch:
             r, n = item.request, item.num_new_tokens
+            pools = pools or r.pooling is not None
             start, tokens = r.num_computed_tokens, r.all_token_ids
             end = start + n
             drafts = end - len(tokens)          # >0: speculative tokens after its last
@@ -159,7 +163,7 @@ class ModelRunner:
                 if first < last:
                     prompt_rows += range(qsl[-2] + first - start, qsl[-2] + last - start)
                     self._prompt_rows.append((r, first, last - first))
-        self._sampling = sampling
+        self._sampling, self._pools = sampling, pools
         if prompt_rows:          # rows in token order (the model may take all rows as they are)
             order = {row: i for i, row in enumerate(sorted(logit_rows + prompt_rows))}
             self._selects = ([order[row] for row in logit_rows], [order[row] for row in prompt_rows])
@@ -183,9 +187,9 @@ class ModelRunner:
         return (self._upload(ids, torch.int64)[None], self._upload(torch.from_numpy(pos), torch.int64)[None],
                 ctx, self._upload(logit_rows, torch.int64), lora)
 
-    def _score_prompts(self, logits: torch.Tensor) -> torch.Tensor:
+    def _score_prompts(self, logits: torch.Tensor, hidden: torch.Tensor | None):
         """Append the prompt logprobs of the last build's prompt rows to their requests;
-        return the sampling rows of ``logits``."""
+        return the sampling rows of ``logits`` and of ``hidden`` (None: None)."""
         rows, self._prompt_rows = self._prompt_rows, []
         sampling_sel, prompt_sel = (self._upload(s, torch.int64) for s in self._selects)
         targets = [r.all_token_ids[p + 1] for r, first, n in rows for p in range(first, first + n)]
@@ -193,7 +197,7 @@ class ModelRunner:
         scored = iter(scored_logprobs(logits.index_select(0, prompt_sel), targets, ks))
         for r, _, n in rows:
             r.prompt_lps += [next(scored) for _ in range(n)]
-        return logits.index_select(0, sampling_sel)
+        return logits.index_select(0, sampling_sel), hidden if hidden is None else hidden.index_select(0, sampling_sel)
 
     def _upload(self, values: list | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return upload(values, dtype, self.device)
@@ -203,15 +207,26 @@ class ModelRunner:
         """Run the step; return logits ``[num_sampling_requests, vocab]``. ``self.interrupt``
         (a ``StepInterrupt``, or None) may raise ``StepInterrupted`` before any layer; a decode
         step replayed from a CUDA graph (``self.graphs``) is not checked."""
-        self._prompt_rows = []
+        self._prompt_rows, self._hidden = [], None
         if self.graphs is not None and self.graphs.eligible(batch):
             self._sampling = [item.request for item in batch]       # one row each (eligible)
             return self.graphs.forward_logits(batch)
         input_ids, positions, ctx, rows, lora = self._build(batch)
         ctx.interrupt = self.interrupt
+        kept = [] if self._pools else None       # the rows' final hidden states (embeddings)
         if self.fast is not None:
-            return self.fast.forward(input_ids[0], positions[0], ctx, rows, lora)
+            logits = self.fast.forward(input_ids[0], positions[0], ctx, rows, lora, kept)
+        else:
+            logits = self._hf_forward(input_ids, positions, ctx, rows, kept)
+        self._hidden = kept[0] if kept else None
+        return logits
+
+    def _hf_forward(self, input_ids, positions, ctx, rows: torch.Tensor, kept: list | None) -> torch.Tensor:
+        """transformers' forward of the model with kvharbor's paged attention; ``kept`` as
+        ``FastModel.forward``'s (the decoder's last hidden state, read by a hook)."""
         keep = rows if rows.numel() else 1           # a pure prefill chunk samples nothing
+        hook = None if kept is None else self.model.get_decoder().register_forward_hook(
+            lambda module, args, out: kept.append(out.last_hidden_state[0].index_select(0, rows)))
         # The paged attention is switched on only for the engine's own forward, so
         # ``llm.hf_model`` stays a stock transformers model (the tests' oracle).
         self.model.config._attn_implementation = attention.ATTN_IMPLEMENTATION
@@ -221,6 +236,8 @@ class ModelRunner:
                                  logits_to_keep=keep)
         finally:
             self.model.config._attn_implementation = self._hf_attention
+            if hook is not None:
+                hook.remove()
         return out.logits[0] if rows.numel() else out.logits[0, :0]
 
     @torch.inference_mode()
@@ -234,9 +251,12 @@ class ModelRunner:
         per draft token it verifies (request order, then position); score the prompt tokens of
         requests that asked for prompt logprobs."""
         logits = self.forward_logits(batch)
-        sampling = self._sampling
+        sampling, hidden = self._sampling, self._hidden
         if self._prompt_rows:
-            logits = self._score_prompts(logits)
+            logits, hidden = self._score_prompts(logits, hidden)
+        # An embedding request's answer: its row's hidden state (Engine._account reads it).
+        self.pooled = {} if hidden is None else \
+            {r: hidden[i] for i, r in enumerate(sampling) if r.pooling is not None}
         tokens = sample(logits, sampling) if sampling else []
         self.last_logprobs = token_logprobs(logits, sampling, tokens)   # None where not asked
         return tokens

@@ -352,6 +352,7 @@ class Request:
     lora: object = None                  # the LoRAAdapter it generates with (None: the base model)
     spec_token_ids: list[int] = field(default_factory=list)   # draft tokens this step verifies (spec_decode.py)
     spec: object = None                  # its NgramIndex (speculative decoding drafts from it)
+    pooling: object = None               # an embedding request's PoolingParams (pooling.py); None: it generates
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

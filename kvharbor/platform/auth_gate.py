@@ -37,8 +37,8 @@ import time
 
 from kvharbor.platform.error_body import error_response
 
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
-"""The routes that generate (Serve's proxy guard sheds only these)."""
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings")
+"""The routes that run the engine (Serve's proxy guard sheds only these)."""
 TOKEN_PATHS = ("/tokenize", "/detokenize")
 SHED_PATHS = GENERATION_PATHS + TOKEN_PATHS
 """The routes the gateway's overload guard sheds: a token route tokenizes on the gateway's

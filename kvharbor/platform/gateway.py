@@ -49,6 +49,7 @@ from kvharbor.platform.body_limit import BodyLimitMiddleware, content_length
 from kvharbor.platform.class_queue import get_or_create_class_queue
 from kvharbor.platform.context_overflow import TRUNCATED_HEADER
 from kvharbor.platform.direct_stream import start_request_router
+from kvharbor.platform.embeddings import EmbeddingRequest, EmbeddingResponse, serve_embeddings
 from kvharbor.platform.error_body import APIError, error_responses
 from kvharbor.platform.generation import GenerationRun, sse
 from kvharbor.platform.health import RunningReplicas
@@ -336,6 +337,15 @@ class Gateway:
             return await self._chat(principal, turn.chat, request, arrived, turn)
         except (APIError, TenantError) as e:
             raise responses_error(e) from None
+
+    @api.post("/v1/embeddings", response_model=EmbeddingResponse, responses=GENERATE_ERRORS)
+    async def embeddings(self, body: EmbeddingRequest, request: Request) -> dict:
+        """OpenAI's embeddings: each input pooled by the engine (``embeddings``)."""
+        arrived = time.perf_counter()
+        principal = self._authenticate(request)
+        self._check_model(principal, body.model)
+        return await serve_embeddings(self, principal, body, marks_of(request, arrived),
+                                      content_length(request.scope))
 
     @api.get("/v1/responses/{response_id}", responses=error_responses(401, 404, 503))
     async def get_response(self, response_id: str, request: Request) -> dict:

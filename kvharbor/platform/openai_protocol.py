@@ -104,7 +104,7 @@ LogitBias = Annotated[
 
 
 TokenId = Annotated[int, Field(ge=0, json_schema_extra={"x-token-id": True})]
-"""A token id (``_prompt_shape`` refuses a negative one in a prompt first). The gateway sets the
+"""A token id (``prompt_shape`` refuses a negative one in a prompt first). The gateway sets the
 served model's bound in its schema (``bound_token_ids``)."""
 
 
@@ -276,8 +276,9 @@ PROMPT_SHAPES = ("a text, a list of token ids, or a batch (a list of texts, or a
                  "token-id lists)")
 
 
-def _prompt_shape(value):
-    """One message for a prompt of the wrong shape, instead of one per union member."""
+def prompt_shape(value, max_prompts: int = MAX_PROMPTS):
+    """One message for a prompt of the wrong shape, instead of one per union member; a batch
+    holds at most ``max_prompts``."""
     def kind(v):
         if isinstance(v, str):
             return str
@@ -289,8 +290,8 @@ def _prompt_shape(value):
     kinds = {kind(v) for v in value} if isinstance(value, list) else {None}
     if None in kinds or len(kinds) > 1:
         raise ValueError(f"must be {PROMPT_SHAPES}")
-    if kinds != {int} and len(value) > MAX_PROMPTS:
-        raise ValueError(f"a batch may hold at most {MAX_PROMPTS} prompts, got {len(value)}")
+    if kinds != {int} and len(value) > max_prompts:
+        raise ValueError(f"a batch may hold at most {max_prompts} prompts, got {len(value)}")
     for ids in [value] if kinds == {int} else value if kinds == {list} else []:
         if len(ids) > MAX_PROMPT_TOKEN_IDS:
             raise ValueError(f"a token-id prompt may have at most {MAX_PROMPT_TOKEN_IDS} ids, got {len(ids)}")
@@ -302,7 +303,7 @@ def _prompt_shape(value):
 Batch = Field(min_length=1, max_length=MAX_PROMPTS)
 class CompletionRequest(_Common):
     prompt: Annotated[Text | list[TokenId] | Annotated[list[Text], Batch] | Annotated[list[list[TokenId]], Batch],
-                      BeforeValidator(_prompt_shape)] = Field(
+                      BeforeValidator(prompt_shape)] = Field(
         description=f"Text, a list of token ids (each in [0, vocabulary size), at most "
                     f"{MAX_PROMPT_TOKEN_IDS}), or a batch: a list of up to {MAX_PROMPTS} texts or of "
                     f"token-id lists. A batch answers n choices per prompt, in the order of the "

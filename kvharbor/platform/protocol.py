@@ -33,6 +33,7 @@ class GenerateRequest:
     lora: str | None = None             # the LoRA adapter it generates with (None: the base model)
     caller: tuple[str, str] | None = None   # (namespace, actor name) reading the stream, if named
     stream_interval: int = 1            # tokens per event after the first; 0: the rest at the end
+    pooling: dict | None = None         # an embedding request: PoolingParams fields (None: it generates)
     metadata: dict = field(default_factory=dict)
 
 

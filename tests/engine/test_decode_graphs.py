@@ -64,9 +64,9 @@ def test_only_decode_steps_are_eligible():
                         capture=False).buckets[-1] == 256
 
     class Item:
-        def __init__(self, n, samples=True, lora=None):
+        def __init__(self, n, samples=True, lora=None, pooling=None):
             self.num_new_tokens, self.samples = n, samples
-            self.request = SimpleNamespace(lora=lora)
+            self.request = SimpleNamespace(lora=lora, pooling=pooling)
 
     assert graphs.eligible([Item(1)] * 4)
     assert not graphs.eligible([Item(1)] * 5)           # above the largest bucket
@@ -74,6 +74,7 @@ def test_only_decode_steps_are_eligible():
     assert not graphs.eligible([Item(1, samples=False)])
     assert not graphs.eligible([])
     assert not graphs.eligible([Item(1), Item(1, lora=object())])   # the graphs hold no adapter
+    assert not graphs.eligible([Item(1), Item(1, pooling=object())])   # nor keep hidden states
 
 
 def test_a_padded_step_writes_kv_only_at_its_requests_slots():

@@ -49,6 +49,7 @@ POSITIVE, NEGATIVE = GenerationMode.POSITIVE, GenerationMode.NEGATIVE
 CASES = [("POST", "/v1/completions", POSITIVE), ("POST", "/v1/completions", NEGATIVE),
          ("POST", "/v1/chat/completions", POSITIVE), ("POST", "/v1/chat/completions", NEGATIVE),
          ("POST", "/v1/responses", POSITIVE), ("POST", "/v1/responses", NEGATIVE),
+         ("POST", "/v1/embeddings", POSITIVE), ("POST", "/v1/embeddings", NEGATIVE),
          ("GET", "/v1/responses/{response_id}", POSITIVE), ("DELETE", "/v1/responses/{response_id}", POSITIVE),
          ("POST", "/tokenize", POSITIVE), ("POST", "/tokenize", NEGATIVE),
          ("POST", "/detokenize", POSITIVE), ("POST", "/detokenize", NEGATIVE),
