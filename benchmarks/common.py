@@ -133,9 +133,9 @@ def bar_panels(names: list[str], panels: list[tuple[list[float], str]], path: Pa
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(panels), figsize=(width, 3.9))
+    fig, axes = plt.subplots(1, len(panels), figsize=(width, 3.9), squeeze=False)   # one panel too
     colors = ["#2a9d8f", "#e9c46a", "#e76f51", "#264653"][:len(names)]
-    for ax, (values, title) in zip(axes, panels):
+    for ax, (values, title) in zip(axes[0], panels):
         ax.bar(names, values, color=colors)
         ax.set_title(title)
         ax.tick_params(axis="x", labelsize=8)

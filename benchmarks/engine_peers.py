@@ -237,8 +237,9 @@ class VllmPeer:
     def __init__(self, python: str, checkpoint: Path, prompts, out_tokens: int, limits: Limits,
                  block_size: int, ttft_prompts, structured: list[dict] | None = None,
                  loras: dict | None = None, speculative: dict | None = None,
-                 huge_pages: bool = False) -> None:
-        """``loras``: ``{"paths": [...], "of": [adapter index of each prompt], "rank": r}``
+                 huge_pages: bool = False, script: str = "vllm_peer.py") -> None:
+        """``script``: the peer's program in ``benchmarks/`` (``vllm_embed_peer.py``: vLLM as
+        an embedding model). ``loras``: ``{"paths": [...], "of": [adapter index of each prompt], "rank": r}``
         (vLLM then runs with ``enable_lora``; ``round`` with ``lora=True`` uses them).
         ``huge_pages``: vLLM's torch allocates in huge pages as kvharbor's does (see
         :func:`vllm_env`); its system name then says so."""
@@ -262,7 +263,7 @@ class VllmPeer:
         read_fd, write_fd = os.pipe()
         self.log = open(self.tmp / "vllm.log", "w")
         self.proc = subprocess.Popen(
-            [python, str(ROOT / "benchmarks" / "vllm_peer.py"), str(self.tmp / "spec.json"), str(write_fd)],
+            [python, str(ROOT / "benchmarks" / script), str(self.tmp / "spec.json"), str(write_fd)],
             env=env, cwd=str(self.tmp), stdin=subprocess.PIPE, stdout=self.log,
             stderr=subprocess.STDOUT, text=True, pass_fds=(write_fd,))
         os.close(write_fd)
