@@ -12,9 +12,10 @@ every vector; ``{"op": "quit"}`` ends it. Imports only the standard library and 
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
+
+from vllm_peer import channel      # this script's folder is first on sys.path
 
 
 def build(spec: dict):
@@ -40,15 +41,8 @@ def embed_round(llm, prompts: list[list[int]]) -> dict:
 
 
 def main(spec_path: str, fd: str) -> int:
-    with open(spec_path) as f:
-        spec = json.load(f)
+    spec, answer = channel(spec_path, fd)
     import vllm
-
-    out = os.fdopen(int(fd), "w")
-
-    def answer(obj) -> None:
-        out.write(json.dumps(obj) + "\n")
-        out.flush()
 
     llm, start_s = build(spec)
     embed_round(llm, spec["warmup_prompts"])                    # untimed warm-up

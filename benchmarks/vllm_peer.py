@@ -111,16 +111,23 @@ def cold_ttft(llm, prompts: list[list[int]]) -> list[float]:
     return out
 
 
-def main(spec_path: str, fd: str) -> int:
+def channel(spec_path: str, fd: str):
+    """``(spec, answer)``: the spec file's contents, and a function that writes one JSON line
+    to the file descriptor ``fd`` (the benchmark reads it; stdout is vLLM's log)."""
     with open(spec_path) as f:
         spec = json.load(f)
-    import vllm
-
     out = os.fdopen(int(fd), "w")
 
     def answer(obj) -> None:
         out.write(json.dumps(obj) + "\n")
         out.flush()
+
+    return spec, answer
+
+
+def main(spec_path: str, fd: str) -> int:
+    spec, answer = channel(spec_path, fd)
+    import vllm
 
     llm, start_s = build(spec)
     step_loop(llm, spec["warmup_prompts"], 4)                    # untimed warm-up

@@ -19,7 +19,7 @@ import uuid
 from array import array
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from kvharbor.engine.hashing import hash_prompt_blocks
 from kvharbor.engine.model_info import model_config
@@ -27,7 +27,7 @@ from kvharbor.engine.pooling import PoolingParams
 
 from .error_body import APIError, FieldError
 from .generation import GenerationRun
-from .openai_protocol import MAX_PROMPT_TOKEN_IDS, Text, TokenId, prompt_shape
+from .openai_protocol import MAX_PROMPT_TOKEN_IDS, Text, TokenId, TruncateTokens, prompt_shape
 from .protocol import GenerateRequest
 
 MAX_INPUTS = 2048
@@ -47,18 +47,11 @@ class EmbeddingRequest(BaseModel):
     encoding_format: Literal["float", "base64"] | None = Field("float", description="\"float\": each embedding a list of numbers; \"base64\": its float32 values (little-endian) in base64, as OpenAI's SDK asks by default.")
     dimensions: int | None = Field(None, ge=1, description="Keep the embedding's first this many values (then normalized): only a model trained for it (Matryoshka; its config sets is_matryoshka or matryoshka_dimensions), as vLLM.")
     user: str | None = Field(None, description="An end-user id; accepted and ignored.")
-    truncate_prompt_tokens: int | None = Field(None, ge=-1, description="Keep only each input's last this many tokens (vLLM's); -1: as many as the context holds. Not in OpenAI's API.")
+    truncate_prompt_tokens: TruncateTokens = Field(None, ge=-1, description="Keep only each input's last this many tokens (vLLM's); -1: as many as the context holds. Not in OpenAI's API.")
     add_special_tokens: bool = Field(True, description="Add the tokenizer's special tokens (e.g. BOS) to a text input (vLLM's). Not in OpenAI's API.")
     normalize: bool | None = Field(None, description="Scale each embedding to unit length (vLLM's; default true). Not in OpenAI's API.")
 
     truncation_side: ClassVar[None] = None      # what ``Prompts.truncate`` reads: the last tokens stay
-
-    @field_validator("truncate_prompt_tokens")
-    @classmethod
-    def _keeps_some(cls, value):
-        if value == 0:
-            raise ValueError("must be at least 1 (the tokens to keep), or -1 (as many as the context holds)")
-        return value
 
     @model_validator(mode="after")
     def _no_empty_text(self):
@@ -106,19 +99,12 @@ class EmbeddingRun(GenerationRun):
     async def vectors(self) -> list[bytes]:
         """Each input's embedding (float32 bytes), in input order."""
         found: list[bytes | None] = [None] * len(self.reqs)
-        try:
+        async with self.accounted():
             async for index, event in self.all_events():
                 found[index] = event.get("embedding", found[index])
             if None in found:
                 raise APIError(503, "a replica ended an input's request before its embedding; retry the request",
                                "replica_failed", headers={"Retry-After": "1"})
-            self.status = "ok"
-        except APIError:
-            self.status = "error" if self.status == "aborted" else self.status
-            raise
-        finally:
-            self.cancel()
-            await self.finish()
         return found
 
 

@@ -34,7 +34,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 
 from ray.exceptions import RayActorError, RayTaskError
@@ -484,16 +484,12 @@ class GenerationRun(ParsedAnswers):
             out["prompt_token_ids"], self._prompt_ids_sent = self.req.prompt_token_ids, True
         return out
 
-    async def complete(self) -> dict:
-        """Non-streaming: the whole answer as one OpenAI response."""
+    @asynccontextmanager
+    async def accounted(self):
+        """Around reading a whole answer: its status ("ok" unless an APIError, which passes),
+        then every sibling still running aborted and ``finish``."""
         try:
-            async for index, event in self.all_events():
-                choice = self.choices[index]
-                text, part = self._answer(index, event)
-                choice.text.append(text)
-                choice.finish_reason = self._finish_reason(event) or choice.finish_reason
-                if part is not None:
-                    choice.logprobs.append(part)
+            yield
             self.status = "ok"
         except APIError:
             self.status = "error" if self.status == "aborted" else self.status
@@ -501,6 +497,17 @@ class GenerationRun(ParsedAnswers):
         finally:
             self.cancel()
             await self.finish()
+
+    async def complete(self) -> dict:
+        """Non-streaming: the whole answer as one OpenAI response."""
+        async with self.accounted():
+            async for index, event in self.all_events():
+                choice = self.choices[index]
+                text, part = self._answer(index, event)
+                choice.text.append(text)
+                choice.finish_reason = self._finish_reason(event) or choice.finish_reason
+                if part is not None:
+                    choice.logprobs.append(part)
         choices = [self._final_choice(i, c) for i, c in enumerate(self.choices)]
         out = {**self._envelope(choices, chunk=False, final=True), "usage": self.usage()}
         if self.prompt_k is not None and self.chat:

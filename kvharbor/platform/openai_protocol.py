@@ -59,6 +59,16 @@ MAX_LOGIT_BIAS = 300
 """Most entries in ``logit_bias`` (OpenAI's limit)."""
 
 
+def _keeps_some(value: int | None) -> int | None:
+    if value == 0:
+        raise ValueError("must be at least 1 (the tokens to keep), or -1 (as many as the context holds)")
+    return value
+
+
+TruncateTokens = Annotated[int | None, AfterValidator(_keeps_some)]
+"""vLLM's ``truncate_prompt_tokens``: the prompt's last k tokens (>= 1), -1 as many as fit, or None."""
+
+
 def unsupported(tp, *neutral):
     """The type of a field of OpenAI's API that kvharbor does not implement.
 
@@ -175,7 +185,7 @@ class _Common(BaseModel):
     ignore_eos: bool = Field(False, description="Keep generating after the end-of-sequence token. Not in OpenAI's API.")
     allowed_token_ids: list[TokenId] | None = Field(None, min_length=1, max_length=MAX_PROMPT_TOKEN_IDS, description="Only these token ids may be generated (vLLM's). Not in OpenAI's API.")
     bad_words: list[Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]] | None = Field(None, max_length=MAX_BAD_WORDS, description=f"Words never generated, up to {MAX_BAD_WORDS} of up to {MAX_STOP_CHARS} characters (vLLM's: a word's last token is banned where the output ends with its other tokens, the word spelt alone and after a space). Not in OpenAI's API.")
-    truncate_prompt_tokens: int | None = Field(None, ge=-1, description="Keep only the prompt's last this many tokens (vLLM's; after the chat template on chat; usage counts what is kept); -1: as many as the context holds with room for one token to generate. Not in OpenAI's API.")
+    truncate_prompt_tokens: TruncateTokens = Field(None, ge=-1, description="Keep only the prompt's last this many tokens (vLLM's; after the chat template on chat; usage counts what is kept); -1: as many as the context holds with room for one token to generate. Not in OpenAI's API.")
     truncation_side: Literal["left", "right"] | None = Field(None, description="With truncate_prompt_tokens (vLLM's): \"left\" (the default) cuts the prompt's start, keeping its last tokens; \"right\" cuts its end, keeping its first tokens. Not in OpenAI's API.")
     skip_special_tokens: bool = Field(True, description="Leave special tokens (e.g. the end-of-sequence token) out of the text (vLLM's). Not in OpenAI's API.")
     include_stop_str_in_output: bool = Field(False, description="Keep the stop string or stop token (EOS included) that ended the answer at its end (vLLM's; text after it is still cut). Not in OpenAI's API.")
@@ -235,13 +245,6 @@ class _Common(BaseModel):
     def _null_is_the_default(cls, value, info):
         """An explicit null (SDKs send them) asks for the field's default."""
         return cls.model_fields[info.field_name].default if value is None else value
-
-    @field_validator("truncate_prompt_tokens")
-    @classmethod
-    def _keeps_some(cls, value):
-        if value == 0:
-            raise ValueError("must be at least 1 (the tokens to keep), or -1 (as many as the context holds)")
-        return value
 
     @field_validator("bad_words")
     @classmethod
