@@ -37,13 +37,14 @@ import time
 
 from kvharbor.platform.error_body import error_response
 
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings")
+SCORING_PATHS = ("/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", *SCORING_PATHS)
 """The routes that run the engine (Serve's proxy guard sheds only these)."""
 TOKEN_PATHS = ("/tokenize", "/detokenize")
 SHED_PATHS = GENERATION_PATHS + TOKEN_PATHS
 """The routes the gateway's overload guard sheds: a token route tokenizes on the gateway's
 event loop as a generation route does."""
-PROTECTED_PREFIXES = ("/v1/", "/admin/", *TOKEN_PATHS)
+PROTECTED_PREFIXES = ("/v1/", "/v2/", "/admin/", *TOKEN_PATHS, "/score", "/rerank")
 HINT_REQUEST = b"x-kvharbor-proxy-guard"
 """Request header of Serve's proxy guard (``proxy_guard``): answer with ``HINT_RESPONSE``."""
 HINT_RESPONSE = b"x-kvharbor-guard"

@@ -19,7 +19,7 @@ import uuid
 from array import array
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, model_validator
 
 from kvharbor.engine.hashing import hash_prompt_blocks
 from kvharbor.engine.model_info import model_config
@@ -52,6 +52,7 @@ class EmbeddingRequest(BaseModel):
     normalize: bool | None = Field(None, description="Scale each embedding to unit length (vLLM's; default true). Not in OpenAI's API.")
 
     truncation_side: ClassVar[None] = None      # what ``Prompts.truncate`` reads: the last tokens stay
+    _names: list[str] | None = PrivateAttr(None)    # see named_inputs
 
     @model_validator(mode="after")
     def _no_empty_text(self):
@@ -61,7 +62,10 @@ class EmbeddingRequest(BaseModel):
         return self
 
     def named_inputs(self) -> list[tuple[str, str | list[int]]]:
-        """Each input with the name a 400 gives it (``input``, or ``input.<i>`` in a batch)."""
+        """Each input with the name a 400 gives it (``input``, or ``input.<i>`` in a batch;
+        ``names`` where a route embeds fields of its own, see ``scoring``)."""
+        if self._names is not None:
+            return list(zip(self._names, self.input))
         if isinstance(self.input, list) and self.input and not isinstance(self.input[0], int):
             return [(f"input.{i}", x) for i, x in enumerate(self.input)]
         return [("input", self.input)]
@@ -141,8 +145,21 @@ def _encoded(vector: bytes, encoding: str | None) -> list[float] | str:
 
 async def serve_embeddings(gw, principal, body: EmbeddingRequest, marks: dict[str, float], size: int | None) -> dict:
     """The answer to ``body`` from ``principal``, through ``gw`` (a ``Gateway``)."""
+    rid, run, vectors = await embed(gw, principal, body, marks, size)
+    prompt = run.prompt_tokens
+    return {"id": rid, "object": "list", "created": run.created, "model": run.model,
+            "data": [{"object": "embedding", "index": i, "embedding": _encoded(v, body.encoding_format)}
+                     for i, v in enumerate(vectors)],
+            "usage": {"prompt_tokens": prompt, "total_tokens": prompt,
+                      "prompt_tokens_details": {"cached_tokens": run.cached_tokens}}}
+
+
+async def embed(gw, principal, body: EmbeddingRequest, marks: dict[str, float], size: int | None,
+                kind: str = "embd") -> tuple[str, EmbeddingRun, list[bytes]]:
+    """``(request id, its run, each input's vector as float32 bytes)``: ``body``'s inputs
+    embedded for ``principal`` (key, queue place, admission, routing) through ``gw``."""
     tenant, qos = principal.tenant, principal.qos_name
-    rid = f"embd-{uuid.uuid4().hex}"
+    rid = f"{kind}-{uuid.uuid4().hex}"
     await gw.admitter.early(principal, rid)
     marks["queued"] = time.perf_counter()
     try:
@@ -169,10 +186,4 @@ async def serve_embeddings(gw, principal, body: EmbeddingRequest, marks: dict[st
         stream_interval=0, pooling=body.pooling()) for i, ids in enumerate(prompts)]
     run = EmbeddingRun(gw, requests, principal, ticket, False, gw.served.answered_name(body.model),
                        marks=marks, choices_per_prompt=1, prompt_only=True)
-    vectors = await run.vectors()
-    prompt = run.prompt_tokens
-    return {"id": rid, "object": "list", "created": run.created, "model": run.model,
-            "data": [{"object": "embedding", "index": i, "embedding": _encoded(v, body.encoding_format)}
-                     for i, v in enumerate(vectors)],
-            "usage": {"prompt_tokens": prompt, "total_tokens": prompt,
-                      "prompt_tokens_details": {"cached_tokens": run.cached_tokens}}}
+    return rid, run, await run.vectors()

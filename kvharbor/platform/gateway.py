@@ -67,6 +67,7 @@ from kvharbor.platform.responses_api import ResponsesRequest, Turn, responses_er
 from kvharbor.platform.run_stream import RunStream
 from kvharbor.platform.structured_request import parse_problem
 from kvharbor.platform.served_models import ServedModels
+from kvharbor.platform.scoring import RerankRequest, ScoreRequest, serve_rerank, serve_score
 from kvharbor.platform.sessions_api import (SESSION_HEADER, ForkRequest, check_session_id,
                                             FlushRequest, end_session_everywhere,
                                             flush_everywhere, flush_filter, fork_session_everywhere, session_header)
@@ -346,6 +347,23 @@ class Gateway:
         self._check_model(principal, body.model)
         return await serve_embeddings(self, principal, body, marks_of(request, arrived),
                                       content_length(request.scope))
+
+    @api.post("/rerank", responses=GENERATE_ERRORS)
+    @api.post("/v1/rerank", responses=GENERATE_ERRORS)
+    @api.post("/v2/rerank", responses=GENERATE_ERRORS)
+    async def rerank(self, body: RerankRequest, request: Request) -> dict:
+        principal = self._authenticate(request)
+        self._check_model(principal, body.model)
+        return await serve_rerank(self, principal, body, marks_of(request, time.perf_counter()),
+                                  content_length(request.scope))
+
+    @api.post("/score", responses=GENERATE_ERRORS)
+    @api.post("/v1/score", responses=GENERATE_ERRORS)
+    async def score(self, body: ScoreRequest, request: Request) -> dict:
+        principal = self._authenticate(request)
+        self._check_model(principal, body.model)
+        return await serve_score(self, principal, body, marks_of(request, time.perf_counter()),
+                                 content_length(request.scope))
 
     @api.get("/v1/responses/{response_id}", responses=error_responses(401, 404, 503))
     async def get_response(self, response_id: str, request: Request) -> dict:

@@ -135,3 +135,45 @@ def test_dimensions_on_a_model_without_matryoshka_and_a_missing_key(kvharbor_app
     assert r.json()["error"]["param"] == "dimensions"
     with kvharbor_app.client("not-a-key") as c:
         assert c.post("/v1/embeddings", json={"model": kvharbor_app.model, "input": "hi"}).status_code == 401
+
+
+def test_rerank_orders_documents_by_the_cosine_of_their_embeddings(offline, kvharbor_app):
+    query, docs = "rivers of Europe", ["The Rhine and the Danube.", "A recipe for bread.", "rivers of Europe!",
+                                       "Mountains of Asia."]
+    vectors = [torch.tensor(o.outputs.embedding) for o in offline.embed([query] + docs)]
+    want = [float(vectors[0] @ v) for v in vectors[1:]]
+    with kvharbor_app.client(DEMO["standard"]) as c:
+        for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+            r = c.post(path, json={"model": kvharbor_app.model, "query": query, "documents": docs, "top_n": 3})
+            assert r.status_code == 200, r.text
+            got = r.json()["results"]
+            assert [x["index"] for x in got] == sorted(range(4), key=lambda i: -want[i])[:3]
+            assert [x["relevance_score"] for x in got] == pytest.approx(sorted(want, reverse=True)[:3], abs=ATOL)
+            assert [x["document"]["text"] for x in got] == [docs[x["index"]] for x in got]
+        bare = c.post("/rerank", json={"model": kvharbor_app.model, "query": query, "documents": docs,
+                                       "return_documents": False}).json()
+        assert len(bare["results"]) == 4 and {x["document"] for x in bare["results"]} == {None}
+        assert bare["usage"]["prompt_tokens"] == sum(len(offline.encode(t)) for t in [query] + docs)
+        again = c.post("/v1/score", json={"model": kvharbor_app.model, "text_1": query, "text_2": docs[:2]}).json()
+        assert [d["score"] for d in again["data"]] == pytest.approx(want[:2], abs=ATOL)
+        pairs = c.post("/score", json={"model": kvharbor_app.model, "queries": [query, docs[1]],
+                                       "documents": [docs[1], docs[1]]}).json()
+        assert [d["score"] for d in pairs["data"]] == pytest.approx([want[1], 1.0], abs=ATOL)
+        for path, body, param in [
+                ("/rerank", {"query": "", "documents": docs}, "query"),
+                ("/rerank", {"query": query, "documents": []}, "documents"),
+                ("/rerank", {"query": query, "documents": ["ok", ""]}, "documents.1"),
+                ("/rerank", {"query": query, "documents": docs, "top_n": -1}, "top_n"),
+                ("/score", {"text_1": [query, query], "text_2": docs}, "text_2"),
+                ("/score", {"text_1": query}, "text_2"),
+                ("/score", {"queries": query}, "documents"),
+                ("/score", {"text_1": query, "text_2": query, "documents": docs}, "queries"),
+                ("/score", {}, "text_1"),
+                ("/score", {"text_1": query, "text_2": "x" * 5000}, "text_2"),
+                ("/rerank", {"query": query, "documents": ["ok", "x" * 5000, "x" * 5000]}, "documents.1")]:
+            r = c.post(path, json={"model": kvharbor_app.model, **body})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+            if "text_2" in body and "documents" in body:
+                assert "not both" in r.json()["error"]["message"]
+    with kvharbor_app.client("not-a-key") as c:
+        assert c.post("/rerank", json={"model": kvharbor_app.model, "query": query, "documents": docs}).status_code == 401

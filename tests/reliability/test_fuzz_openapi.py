@@ -50,6 +50,8 @@ CASES = [("POST", "/v1/completions", POSITIVE), ("POST", "/v1/completions", NEGA
          ("POST", "/v1/chat/completions", POSITIVE), ("POST", "/v1/chat/completions", NEGATIVE),
          ("POST", "/v1/responses", POSITIVE), ("POST", "/v1/responses", NEGATIVE),
          ("POST", "/v1/embeddings", POSITIVE), ("POST", "/v1/embeddings", NEGATIVE),
+         ("POST", "/rerank", POSITIVE), ("POST", "/rerank", NEGATIVE),
+         ("POST", "/score", POSITIVE), ("POST", "/score", NEGATIVE),
          ("GET", "/v1/responses/{response_id}", POSITIVE), ("DELETE", "/v1/responses/{response_id}", POSITIVE),
          ("POST", "/tokenize", POSITIVE), ("POST", "/tokenize", NEGATIVE),
          ("POST", "/detokenize", POSITIVE), ("POST", "/detokenize", NEGATIVE),
