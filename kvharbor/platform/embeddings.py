@@ -75,6 +75,26 @@ class EmbeddingRequest(BaseModel):
         return {"dimensions": self.dimensions, "normalize": self.normalize is not False}
 
 
+def bound_dimensions(schema: dict, config) -> None:
+    """The ``dimensions`` the served model takes, in the OpenAPI ``schema`` of this route: only
+    null for a model not trained for Matryoshka embeddings, else its sizes (or 1 to its hidden
+    size), as ``PoolingParams.check`` enforces."""
+    field = schema.get("components", {}).get("schemas", {}).get("EmbeddingRequest", {}) \
+        .get("properties", {}).get("dimensions")
+    if field is None:
+        return
+    sizes = getattr(config, "matryoshka_dimensions", None)
+    if sizes:
+        taken = {"enum": sorted(sizes)}
+    elif getattr(config, "is_matryoshka", False):
+        taken = {"type": "integer", "minimum": 1, "maximum": config.hidden_size}
+    else:
+        field.pop("anyOf", None)
+        field["type"] = "null"
+        return
+    field["anyOf"] = [taken, {"type": "null"}]
+
+
 class Embedding(BaseModel):
     object: Literal["embedding"] = Field(description="Object type.")
     index: int = Field(description="The input's position in the request.")

@@ -38,18 +38,17 @@ from ray.exceptions import RayActorError
 from kvharbor.actors.calls import detached, on_event_loop, start_background
 from kvharbor.engine.hashing import hash_prompt_blocks, model_root
 from kvharbor.engine.model_identity import model_identity
-from kvharbor.engine.model_info import load_tokenizer, model_context_length
+from kvharbor.engine.model_info import load_tokenizer, model_config, model_context_length
 from kvharbor.engine.request import sibling_seed
 from kvharbor.observability.metrics import get_metrics
 from kvharbor.platform.admission_flow import Admitter, unavailable
 from kvharbor.platform.api_errors import install_error_handlers
-from kvharbor.platform.auth_gate import (GENERATION_PATHS, SHED_PATHS, AuthGateMiddleware, bearer_key,
-                                         encode_hint)
+from kvharbor.platform.auth_gate import GENERATION_PATHS, SHED_PATHS, AuthGateMiddleware, bearer_key, encode_hint
 from kvharbor.platform.body_limit import BodyLimitMiddleware, content_length
 from kvharbor.platform.class_queue import get_or_create_class_queue
 from kvharbor.platform.context_overflow import TRUNCATED_HEADER
 from kvharbor.platform.direct_stream import start_request_router
-from kvharbor.platform.embeddings import EmbeddingRequest, EmbeddingResponse, serve_embeddings
+from kvharbor.platform.embeddings import EmbeddingRequest, EmbeddingResponse, bound_dimensions, serve_embeddings
 from kvharbor.platform.error_body import APIError, error_responses
 from kvharbor.platform.generation import GenerationRun, sse
 from kvharbor.platform.health import RunningReplicas
@@ -172,7 +171,8 @@ class Gateway:
         self.registry = TenantRegistry(config["tenants"])
         self.tokenizer = load_tokenizer(self.model)
         self.tokenizer.chat_template = config.get("chat_template") or self.tokenizer.chat_template
-        bound_token_ids(api.openapi(), len(self.tokenizer))     # /openapi.json: ids < vocabulary
+        bound_token_ids(api.openapi(), len(self.tokenizer))     # /openapi.json: ids < vocabulary,
+        bound_dimensions(api.openapi(), model_config(self.model))   # the dimensions this model takes
         self.context = min(config.get("max_model_len") or 10**9, model_context_length(self.model))
         self.served = ServedModels(self.model, config.get("lora_modules"), self.registry, self.context,
                                    config.get("served_model_name"))

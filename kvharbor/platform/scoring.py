@@ -38,37 +38,25 @@ class RerankRequest(BaseModel):
 
 
 class ScoreRequest(BaseModel):
-    """``POST /score`` (also ``/v1/score``): a score per pair, 1:1, 1:N or N:N, as vLLM's."""
+    """``POST /score`` (also ``/v1/score``): a score per pair of ``text_1`` and ``text_2``, 1:1,
+    1:N or N:N, as vLLM's."""
 
     model_config = ConfigDict(extra="forbid")
     model: Text = Field(description="Model id, as listed by /v1/models.")
-    text_1: Passage | Passages | None = Field(None, description="The first texts (or queries).")
-    text_2: Passage | Passages | None = Field(None, description="The second texts: one per first text, or any number for one.")
-    queries: Passage | Passages | None = Field(None, description="vLLM's other name for text_1.")
-    documents: Passage | Passages | None = Field(None, description="vLLM's other name for text_2.")
+    text_1: Passage | Passages = Field(description="The first texts (or one, scored against each of text_2).")
+    text_2: Passage | Passages = Field(description="The second texts: one per first text, or any number for one.")
     truncate_prompt_tokens: TruncateTokens = Field(None, ge=-1, description=_TRUNCATE)
     user: str | None = Field(None, description="An end-user id; accepted and ignored.")
 
     @model_validator(mode="after")
-    def _one_pairing(self):
-        (first, a), (second, b) = self.sides()
-        if (self.text_1 is not None or self.text_2 is not None) and first == "queries":
-            raise FieldError("queries", "send text_1 and text_2, or queries and documents, not both pairs")
-        for name, side in ((first, a), (second, b)):
-            if side is None:
-                raise FieldError(name, f"{name} is missing: send text_1 and text_2, or queries and documents")
-        n_a, n_b = (len(x) if isinstance(x, list) else 1 for x in (a, b))
-        if n_a > 1 and n_a != n_b:
-            raise FieldError(second, f"{first} has {n_a} texts: {second} must have as many (pairs), "
-                             "or send one in first place (1:N)")
-        if n_a + n_b > MAX_INPUTS:
-            raise FieldError(second, f"{first} and {second} hold {n_a + n_b} texts; at most {MAX_INPUTS} in all")
+    def _pairs(self):
+        n_1, n_2 = (len(x) if isinstance(x, list) else 1 for x in (self.text_1, self.text_2))
+        if n_1 > 1 and n_1 != n_2:
+            raise FieldError("text_2", f"text_1 has {n_1} texts: text_2 must have as many (pairs), "
+                             "or send one text_1 (1:N)")
+        if n_1 + n_2 > MAX_INPUTS:
+            raise FieldError("text_2", f"text_1 and text_2 hold {n_1 + n_2} texts; at most {MAX_INPUTS} in all")
         return self
-
-    def sides(self) -> tuple[tuple[str, str | list[str] | None], tuple[str, str | list[str] | None]]:
-        if self.queries is not None or self.documents is not None:
-            return ("queries", self.queries), ("documents", self.documents)
-        return ("text_1", self.text_1), ("text_2", self.text_2)
 
 
 def _rows(vectors: list[bytes]) -> np.ndarray:
@@ -107,8 +95,7 @@ async def serve_rerank(gw, principal, body: RerankRequest, marks: dict[str, floa
 
 
 async def serve_score(gw, principal, body: ScoreRequest, marks: dict[str, float], size: int | None) -> dict:
-    (first, a), (second, b) = body.sides()
-    left, right = _named(first, a), _named(second, b)
+    left, right = _named("text_1", body.text_1), _named("text_2", body.text_2)
     rid, run, vector = await _embedded(gw, principal, body, left + right, marks, size)
     if len(left) == 1:
         left = left * len(right)

@@ -156,8 +156,8 @@ def test_rerank_orders_documents_by_the_cosine_of_their_embeddings(offline, kvha
         assert bare["usage"]["prompt_tokens"] == sum(len(offline.encode(t)) for t in [query] + docs)
         again = c.post("/v1/score", json={"model": kvharbor_app.model, "text_1": query, "text_2": docs[:2]}).json()
         assert [d["score"] for d in again["data"]] == pytest.approx(want[:2], abs=ATOL)
-        pairs = c.post("/score", json={"model": kvharbor_app.model, "queries": [query, docs[1]],
-                                       "documents": [docs[1], docs[1]]}).json()
+        pairs = c.post("/score", json={"model": kvharbor_app.model, "text_1": [query, docs[1]],
+                                       "text_2": [docs[1], docs[1]]}).json()
         assert [d["score"] for d in pairs["data"]] == pytest.approx([want[1], 1.0], abs=ATOL)
         for path, body, param in [
                 ("/rerank", {"query": "", "documents": docs}, "query"),
@@ -166,14 +166,31 @@ def test_rerank_orders_documents_by_the_cosine_of_their_embeddings(offline, kvha
                 ("/rerank", {"query": query, "documents": docs, "top_n": -1}, "top_n"),
                 ("/score", {"text_1": [query, query], "text_2": docs}, "text_2"),
                 ("/score", {"text_1": query}, "text_2"),
-                ("/score", {"queries": query}, "documents"),
-                ("/score", {"text_1": query, "text_2": query, "documents": docs}, "queries"),
+                ("/score", {"text_1": query, "text_2": query, "documents": docs}, "documents"),
                 ("/score", {}, "text_1"),
                 ("/score", {"text_1": query, "text_2": "x" * 5000}, "text_2"),
                 ("/rerank", {"query": query, "documents": ["ok", "x" * 5000, "x" * 5000]}, "documents.1")]:
             r = c.post(path, json={"model": kvharbor_app.model, **body})
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
-            if "text_2" in body and "documents" in body:
-                assert "not both" in r.json()["error"]["message"]
     with kvharbor_app.client("not-a-key") as c:
         assert c.post("/rerank", json={"model": kvharbor_app.model, "query": query, "documents": docs}).status_code == 401
+
+
+def test_the_schema_says_which_dimensions_the_served_model_takes(kvharbor_app):
+    from types import SimpleNamespace
+
+    from kvharbor.platform.embeddings import bound_dimensions
+
+    with kvharbor_app.client(DEMO["standard"]) as c:
+        served = c.get("/openapi.json").json()["components"]["schemas"]["EmbeddingRequest"]["properties"]
+    assert served["dimensions"]["type"] == "null" and "anyOf" not in served["dimensions"]   # tiny-llama: none
+
+    def bounded(**config) -> dict:
+        schema = {"components": {"schemas": {"EmbeddingRequest": {"properties": {
+            "dimensions": {"anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}]}}}}}}
+        bound_dimensions(schema, SimpleNamespace(hidden_size=64, **config))
+        return schema["components"]["schemas"]["EmbeddingRequest"]["properties"]["dimensions"]
+
+    assert bounded(matryoshka_dimensions=[32, 16])["anyOf"][0] == {"enum": [16, 32]}
+    assert bounded(is_matryoshka=True)["anyOf"][0] == {"type": "integer", "minimum": 1, "maximum": 64}
+    assert bounded() == {"type": "null"}
