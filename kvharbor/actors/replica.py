@@ -32,7 +32,6 @@ import asyncio
 import logging
 import os
 import time
-from array import array
 from collections import deque
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -437,7 +436,7 @@ class LLMReplica:
                           "num_prompt_tokens": len(out.prompt_token_ids),
                           "num_output_tokens": out.num_output_tokens, "replica_id": self.replica_id,
                           **({"stop_reason": out.stop_reason} if out.finish_reason else {}),
-                          **({"embedding": array("f", out.embedding).tobytes()}   # float32, as the wire's base64
+                          **({"embedding": out.embedding.numpy().tobytes()}   # float32, as the wire's base64
                              if type(out) is PooledOutput else {}),
                           **({"num_reasoning_tokens": out.num_reasoning_tokens}    # so far: continuous usage shows it
                              if out.num_reasoning_tokens or out.finish_reason else {}),

@@ -130,9 +130,7 @@ class LLM:
             total = sum(map(len, groups))
             bar = tqdm(total=total, desc="Processed prompts", disable=not use_tqdm)
             while len(final) < total:
-                outs = self.engine.step()
-                for rid, error in self.engine.take_failures().items():
-                    raise RuntimeError(f"request {rid} failed in an engine step: {error!r}") from error
+                outs = self._step()
                 for out in outs:
                     rid = out.request_id
                     if out.new_logprobs and rid in logprobs:
@@ -185,9 +183,7 @@ class LLM:
                                 dict(tenant=tenant, qos=qos, cache_salt=cache_salt, lora=lora,
                                      request_salt=salt, pooling=params)))
             while len(final) < len(ids):
-                outs = self.engine.step()
-                for rid, error in self.engine.take_failures().items():
-                    raise RuntimeError(f"request {rid} failed in an engine step: {error!r}") from error
+                outs = self._step()
                 for out in outs:
                     final[out.request_id] = out
                     bar.update(1)
@@ -198,8 +194,16 @@ class LLM:
             for rid in ids:
                 self.engine.abort(rid)
             raise
-        return [EmbeddingRequestOutput(rid, EmbeddingOutput(final[rid].embedding), final[rid].prompt_token_ids,
+        return [EmbeddingRequestOutput(rid, EmbeddingOutput(final[rid].embedding.tolist()), final[rid].prompt_token_ids,
                                        num_cached_tokens=final[rid].num_cached_tokens) for rid in ids]
+
+    def _step(self) -> list[RequestOutput]:
+        """One engine step's outputs; a request that failed in it is a RuntimeError (the caller
+        aborts the call's others)."""
+        outs = self.engine.step()
+        for rid, error in self.engine.take_failures().items():
+            raise RuntimeError(f"request {rid} failed in an engine step: {error!r}") from error
+        return outs
 
     def _add(self, ids: list[str], request: tuple) -> None:
         rid, prompt_ids, sampling, kwargs = request

@@ -53,10 +53,11 @@ class PoolingParams:
             raise ValueError(f"dimensions must be in [1, {config.hidden_size}] (the model's hidden size), "
                              f"got {self.dimensions}")
 
-    def embed(self, hidden) -> list[float]:
+    def embed(self, hidden):
         """The embedding of one prompt from its last token's final hidden state (a tensor
-        ``[hidden]``). (torch is imported here: this module is torch-free for the replica's
-        callers, as ``kvharbor.engine.request``.)"""
+        ``[hidden]``): a float32 tensor on the CPU (``LLM.embed`` lists it, the replica sends its
+        bytes). (torch is imported here: this module is torch-free for the replica's callers, as
+        ``kvharbor.engine.request``.)"""
         import torch  # noqa: PLC0415
 
         v = hidden.float()
@@ -64,7 +65,7 @@ class PoolingParams:
             v = v[:self.dimensions]
         if self.normalize:
             v = torch.nn.functional.normalize(v, dim=0)
-        return v.tolist()
+        return v.cpu()
 
 
 def check_pooling(pooling: PoolingParams, sampling, session_id: str | None, config) -> None:
@@ -80,12 +81,13 @@ def check_pooling(pooling: PoolingParams, sampling, session_id: str | None, conf
 
 
 class PooledOutput(RequestOutput):
-    """The engine's output for an embedding request: finished, no tokens, its ``embedding``."""
+    """The engine's output for an embedding request: finished, no tokens, its ``embedding`` (a
+    float32 tensor on the CPU, ``PoolingParams.embed``)."""
 
     __slots__ = ("embedding",)
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], num_cached_tokens: int,
-                 embedding: list[float]) -> None:
+                 embedding) -> None:
         super().__init__(request_id, prompt_token_ids, [], "", "stop", num_cached_tokens)
         self.embedding = embedding
 

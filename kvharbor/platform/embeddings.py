@@ -132,27 +132,6 @@ class EmbeddingRun(GenerationRun):
         return found
 
 
-def _token_ids(prompts, body: EmbeddingRequest) -> list[list[int]]:
-    """Each input's token ids (``prompts``: the gateway's ``Prompts``)."""
-    out = []
-    for name, given in body.named_inputs():
-        if isinstance(given, str):
-            out.append(prompts.text_ids(given, body.add_special_tokens))
-        else:
-            prompts.check_token_ids(given, name)
-            out.append(list(given))
-    return out
-
-
-def _checked(body: EmbeddingRequest, prompts: list[list[int]], context: int) -> None:
-    for (name, _), ids in zip(body.named_inputs(), prompts):
-        if not ids:
-            raise APIError(400, f"{name} must contain at least one token", param=name)
-        if len(ids) >= context:
-            raise APIError(400, f"{name} is {len(ids)} tokens; the model's context is {context} tokens: "
-                           "shorten it or set truncate_prompt_tokens", "context_length_exceeded", name)
-
-
 def _encoded(vector: bytes, encoding: str | None) -> list[float] | str:
     if encoding == "base64":
         if sys.byteorder != "little":
@@ -183,9 +162,10 @@ async def embed(gw, principal, body: EmbeddingRequest, marks: dict[str, float], 
     await gw.admitter.early(principal, rid)
     marks["queued"] = time.perf_counter()
     try:
-        prompts = await gw.prompts.off_loop(lambda: _token_ids(gw.prompts, body), size)
+        named = body.named_inputs()
+        prompts = await gw.prompts.off_loop(lambda: gw.prompts.ids_of(named, body.add_special_tokens), size)
         prompts = gw.prompts.truncate(body, prompts)
-        _checked(body, prompts, gw.prompts.context)
+        gw.prompts.check_lengths([name for name, _ in named], prompts, "shorten it or set truncate_prompt_tokens")
         try:                                # the engine checks them too; here the 400 names the field
             PoolingParams(**body.pooling()).check(model_config(gw.model))
         except ValueError as e:

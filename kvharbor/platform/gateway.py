@@ -342,28 +342,24 @@ class Gateway:
     @api.post("/v1/embeddings", response_model=EmbeddingResponse, responses=GENERATE_ERRORS)
     async def embeddings(self, body: EmbeddingRequest, request: Request) -> dict:
         """OpenAI's embeddings: each input pooled by the engine (``embeddings``)."""
-        arrived = time.perf_counter()
-        principal = self._authenticate(request)
-        self._check_model(principal, body.model)
-        return await serve_embeddings(self, principal, body, marks_of(request, arrived),
-                                      content_length(request.scope))
+        return await self._pooled(serve_embeddings, body, request, time.perf_counter())
 
     @api.post("/rerank", responses=GENERATE_ERRORS)
     @api.post("/v1/rerank", responses=GENERATE_ERRORS)
     @api.post("/v2/rerank", responses=GENERATE_ERRORS)
     async def rerank(self, body: RerankRequest, request: Request) -> dict:
-        principal = self._authenticate(request)
-        self._check_model(principal, body.model)
-        return await serve_rerank(self, principal, body, marks_of(request, time.perf_counter()),
-                                  content_length(request.scope))
+        return await self._pooled(serve_rerank, body, request, time.perf_counter())
 
     @api.post("/score", responses=GENERATE_ERRORS)
     @api.post("/v1/score", responses=GENERATE_ERRORS)
     async def score(self, body: ScoreRequest, request: Request) -> dict:
+        return await self._pooled(serve_score, body, request, time.perf_counter())
+
+    async def _pooled(self, serve_route, body, request: Request, arrived: float) -> dict:
+        """An embedding route (``embeddings``, ``scoring``) for the request's key and model."""
         principal = self._authenticate(request)
         self._check_model(principal, body.model)
-        return await serve_score(self, principal, body, marks_of(request, time.perf_counter()),
-                                 content_length(request.scope))
+        return await serve_route(self, principal, body, marks_of(request, arrived), content_length(request.scope))
 
     @api.get("/v1/responses/{response_id}", responses=error_responses(401, 404, 503))
     async def get_response(self, response_id: str, request: Request) -> dict:

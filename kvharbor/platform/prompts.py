@@ -50,14 +50,30 @@ class Prompts:
 
     def completion_ids(self, body: CompletionRequest) -> list[list[int]]:
         """The token ids of each prompt (one, or each of a batch)."""
+        names = [f"prompt.{p}" if body.batched else "prompt" for p in range(len(body.prompts()))]
+        return self.ids_of(list(zip(names, body.prompts())), body.add_special_tokens)
+
+    def ids_of(self, named: list[tuple[str, str | list[int]]], add_special_tokens: bool) -> list[list[int]]:
+        """The token ids of each ``(name, text or token ids)``; ids outside the vocabulary are a
+        400 naming their input."""
         out = []
-        for p, prompt in enumerate(body.prompts()):
-            if isinstance(prompt, str):
-                out.append(self.text_ids(prompt, body.add_special_tokens))
+        for name, given in named:
+            if isinstance(given, str):
+                out.append(self.text_ids(given, add_special_tokens))
             else:
-                self.check_token_ids(prompt, f"prompt.{p}" if body.batched else "prompt")
-                out.append(list(prompt))
+                self.check_token_ids(given, name)
+                out.append(list(given))
         return out
+
+    def check_lengths(self, names: list[str], prompts: list[list[int]], fix: str = "shorten the prompt") -> None:
+        """A 400 naming the first prompt with no token or no room in the context (``fix``: what
+        the message asks for)."""
+        for name, ids in zip(names, prompts):
+            if not ids:
+                raise APIError(400, f"{name} must contain at least one token", param=name)
+            if len(ids) >= self.context:
+                raise APIError(400, f"{name} is {len(ids)} tokens; the model's context is {self.context} "
+                               f"tokens: {fix}", "context_length_exceeded", name)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True,
                tools: list[dict] | None = None, continue_final_message: bool = False,
@@ -157,12 +173,7 @@ class Prompts:
         """``max_tokens`` (or its default), checked against the longest prompt's room; 1 for
         ``prompt_only``."""
         names = [f"prompt.{p}" if body.batched else "prompt" for p in range(len(prompts))]
-        for name, ids in zip(names, prompts):
-            if not ids:
-                raise APIError(400, f"{name} must contain at least one token", param=name)
-            if len(ids) >= self.context:
-                raise APIError(400, f"{name} is {len(ids)} tokens; the model's context is {self.context} "
-                               "tokens: shorten the prompt", "context_length_exceeded", name)
+        self.check_lengths(names, prompts)
         name, ids = max(zip(names, prompts), key=lambda pair: len(pair[1]))
         room = self.context - len(ids)
         if prompt_only:

@@ -100,7 +100,7 @@ def test_embeddings_batched_with_generation_change_neither(llm):
         out = outs[f"emb-{i}"]
         assert type(out) is PooledOutput and out.token_ids == [] and out.text == ""
         assert out.finish_reason == "stop"
-        torch.testing.assert_close(torch.tensor(out.embedding), unit(hidden_state(llm, ids)), atol=ATOL, rtol=0)
+        torch.testing.assert_close(out.embedding, unit(hidden_state(llm, ids)), atol=ATOL, rtol=0)
     llm.check_integrity()
 
 
@@ -114,7 +114,7 @@ def test_an_embedding_beside_a_prompt_scored_in_the_same_step(llm):
     engine.add_request("emb", doc, SamplingParams(max_tokens=1), pooling=PoolingParams())
     first = {out.request_id: out for out in engine.step()}      # both prompts in one step
     assert set(first) == {"gen", "emb"}
-    torch.testing.assert_close(torch.tensor(first["emb"].embedding), unit(hidden_state(llm, doc)),
+    torch.testing.assert_close(first["emb"].embedding, unit(hidden_state(llm, doc)),
                                atol=ATOL, rtol=0)
     while engine.has_unfinished():
         engine.step()
