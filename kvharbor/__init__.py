@@ -8,7 +8,7 @@ Names are resolved lazily (PEP 562), so ``import kvharbor.tenants`` does not loa
 from __future__ import annotations
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RepetitionDetectionParams", "LoRARequest",
-           "PoolingParams", "RequestOutput", "app", "build_app"]
+           "PoolingParams", "BeamSearchParams", "RequestOutput", "app", "build_app"]
 
 _LAZY = {"LLM": ("kvharbor.engine.llm", "LLM"),
          "SamplingParams": ("kvharbor.engine.request", "SamplingParams"),
@@ -17,6 +17,7 @@ _LAZY = {"LLM": ("kvharbor.engine.llm", "LLM"),
          "RepetitionDetectionParams": ("kvharbor.engine.repetition", "RepetitionDetectionParams"),
          "LoRARequest": ("kvharbor.engine.lora", "LoRARequest"),
          "PoolingParams": ("kvharbor.engine.pooling", "PoolingParams"),
+         "BeamSearchParams": ("kvharbor.engine.beam_search", "BeamSearchParams"),
          "build_app": ("kvharbor.platform.app", "build_app"),
          "app": ("kvharbor.platform.app", "app")}
 

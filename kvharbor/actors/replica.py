@@ -38,6 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ray import serve
 
+from kvharbor.actors.beam_runs import beam_events
 from kvharbor.actors.calls import start_background
 from kvharbor.actors.replica_sync import DirectorySync
 from kvharbor.actors.stream_events import coalesced, is_last
@@ -135,6 +136,10 @@ class LLMReplica:
         away (the stream is cancelled), the request is aborted and its blocks freed.
         """
         self._ensure_loop()
+        if request.beam is not None:        # its rounds come back through this method
+            async for event in beam_events(self.generate, request, self.engine, self.replica_id):
+                yield event
+            return
         queue: asyncio.Queue = asyncio.Queue()
         rid = request.request_id
         try:

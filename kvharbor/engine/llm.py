@@ -9,6 +9,7 @@ from tqdm import tqdm
 
 from kvharbor.config import EngineConfig
 
+from .beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from .engine import Engine
 from .lora import LoRARequest
 from .pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams
@@ -196,6 +197,48 @@ class LLM:
             raise
         return [EmbeddingRequestOutput(rid, EmbeddingOutput(final[rid].embedding.tolist()), final[rid].prompt_token_ids,
                                        num_cached_tokens=final[rid].num_cached_tokens) for rid in ids]
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
+                    lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                    use_tqdm: bool = False, concurrency_limit: int | None = None,
+                    tenant: str = "default", qos: str = "standard",
+                    cache_salt: str | None = None) -> list[BeamSearchOutput]:
+        """Beam search (vLLM's ``LLM.beam_search``; the rule is in ``beam_search``): each
+        round runs every live beam of every prompt together as one-token requests that read
+        the beams' prefixes from the prefix cache. One output per prompt, its
+        ``params.beam_width`` best sequences best first; a sequence's ``tokens`` and ``text``
+        hold the prompt's and the generated part (as vLLM's; special tokens left out of the
+        text). ``concurrency_limit``: at most this many prompts are searched at a time."""
+        prompts = _prompt_list(prompts)
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        if concurrency_limit is not None and not (is_index(concurrency_limit) and concurrency_limit >= 1):
+            raise ValueError(f"concurrency_limit must be an integer >= 1, got {concurrency_limit!r}")
+        self._loras(lora_request, len(prompts))         # checks them, loads the new ones
+        loras = lora_request if isinstance(lora_request, Sequence) else [lora_request] * len(prompts)
+        searches = [BeamSearch(self.encode(p), params, self.engine.eos_ids, self.engine.eos_id) for p in prompts]
+        salts = [p.get("cache_salt") if isinstance(p, dict) else None for p in prompts]
+        limit = concurrency_limit or max(1, len(prompts))
+        bar = tqdm(total=len(prompts), desc="Beam search", disable=not use_tqdm)
+        for start in range(0, len(prompts), limit):
+            batch = range(start, min(start + limit, len(prompts)))
+            while running := [i for i in batch if not searches[i].done]:
+                asked = [(i, ids) for i in running for ids in searches[i].prompts()]
+                outs = self.generate(
+                    [{"prompt_token_ids": ids, **({"cache_salt": salts[i]} if salts[i] else {})} for i, ids in asked],
+                    SamplingParams(max_tokens=1, temperature=0.0, logprobs=searches[running[0]].num_candidates),
+                    tenant=tenant, qos=qos, cache_salt=cache_salt, lora_request=[loras[i] for i, _ in asked])
+                tops = iter(out.logprobs[0].top for out in outs)
+                for i in running:
+                    searches[i].advance([next(tops) for _ in searches[i].beams])
+            bar.update(len(batch))
+        bar.close()
+        outputs = [BeamSearchOutput(search.best()) for search in searches]
+        for search, output in zip(searches, outputs):
+            for seq in output.sequences:
+                ids = seq.tokens[:search.num_prompt_tokens] + search.text_ids(seq)
+                seq.text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        return outputs
 
     def _step(self) -> list[RequestOutput]:
         """One engine step's outputs; a request that failed in it is a RuntimeError (the caller

@@ -493,6 +493,9 @@ class Gateway:
                 raise APIError(400, "thinking_token_budget needs a server started with reasoning_parser "
                                "(e.g. qwen3): without one nothing tells where the thought ends",
                                param="thinking_token_budget")
+            if session_id and body.use_beam_search:
+                raise APIError(400, f"use_beam_search cannot run a session's turn: send it without {SESSION_HEADER}",
+                               param="use_beam_search")
             prompts = await self.prompts.off_loop(tokenize, size)
             prompts = self.prompts.truncate(body, prompts)
             max_tokens, prompt_only = self.prompts.limits(body, prompts, chat, principal)
@@ -527,7 +530,7 @@ class Gateway:
         prompt_k = _prompt_logprobs(body, logprobs, echo, chat)
         asked = [k for k in (prompt_k, logprobs if echo else None) if k is not None]
         scored = max(asked) if asked else None       # each prompt's leader scores its tokens
-        siblings = []
+        siblings, beam = [], body.beam_params(max_tokens)     # a beam search: each prompt's leader runs it
         lora = self.served.adapter(body.model)
         salt = self.served.salt(principal.cache_salt, lora, body.cache_salt)
         for ids in prompts:
@@ -541,7 +544,8 @@ class Gateway:
                               "prompt_logprobs": scored if j == 0 else None},
                     cache_salt=principal.cache_salt, request_salt=body.cache_salt, priority=principal.qos.priority,
                     pinned=principal.qos.pinned, session_id=session_id if i == 0 else None, lora=lora,
-                    caller=self.caller, stream_interval=principal.qos.stream_interval if body.stream else 0))
+                    caller=self.caller, stream_interval=principal.qos.stream_interval if body.stream else 0,
+                    beam=None if j else beam))
         run = GenerationRun(self, siblings, principal, ticket, chat, self.served.answered_name(body.model),
                             logprobs, marks, choices_per_prompt=body.n, echo=echo or None, prompt_only=prompt_only,
                             tool_mode=tools, reasoning=thinking,

@@ -16,6 +16,8 @@ replica's prefix cache) and pinned to its replica, so they prefill only the last
 A batch of prompts (``/v1/completions`` with a list of prompts) is one group of ``n`` siblings
 per prompt, in the order of the prompts (choice ``p * n + j`` is prompt ``p``'s ``j``-th): each
 group's first request is routed on its own, at once, and leads its group as above.
+A beam search (``use_beam_search``) sends each group's leader alone, with ``beam`` set: its
+replica runs the search (``actors.beam_runs``) and answers the group's ``n`` choices.
 Each sibling's handle call carries its own Serve request id: calls made inside one HTTP
 request inherit that request's internal id, and Serve's request router matches a routed
 replica to a pending call by that id, so concurrent siblings sharing it were never routed.
@@ -221,7 +223,7 @@ class GenerationRun(ParsedAnswers):
                         direct = isinstance(stream, DirectStream) and stream.replica is not None
                         self.transport = "direct" if direct else "serve"
                     started = True
-                    self._observe(index, event)
+                    self._observe(index + event.get("beam", 0), event)
                     if index == lead:
                         self._prefilled[lead].set()    # its prompt is cached now: siblings go
                     finished = finished or event.get("finish_reason") is not None
@@ -255,12 +257,12 @@ class GenerationRun(ParsedAnswers):
         async def pump(index: int) -> None:
             try:
                 async for event in self.events(index):
-                    await queue.put((index, event, None))
+                    await queue.put((index + event.get("beam", 0), event, None))
             except BaseException as e:  # noqa: BLE001 - handed to the consumer
                 await queue.put((index, None, e))
             await queue.put((index, None, None))
 
-        tasks = [asyncio.create_task(pump(i)) for i in range(len(self.reqs))]
+        tasks = [asyncio.create_task(pump(i)) for i in self.called]
         try:
             open_ = len(tasks)
             while open_:
@@ -274,6 +276,12 @@ class GenerationRun(ParsedAnswers):
         finally:
             for task in tasks:
                 task.cancel()
+
+    @property
+    def called(self) -> list[int]:
+        """The siblings sent to a replica: all, but a beam search's leader alone answers its
+        group's choices (one event per beam, ``"beam": j`` for choice ``lead + j``)."""
+        return [i for i in range(len(self.reqs)) if self.reqs[self._lead(i)].beam is None or i == self._lead(i)]
 
     def cancel(self) -> None:
         """Abort every sibling still running on its replica (idempotent)."""

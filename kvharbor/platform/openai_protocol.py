@@ -162,6 +162,12 @@ class StreamOptions(BaseModel):
 
 
 _MODEL_DEFAULT = " Default: the model's generation config (see the generation_config option), else "
+BEAM_SEARCH_REFUSES = {"stop": (None, []), "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0),
+                       "repetition_penalty": (None, 1.0), "logit_bias": (None, {}), "bad_words": (None, []),
+                       "allowed_token_ids": (None,), "repetition_detection": (None,),
+                       "thinking_token_budget": (None, -1)}
+"""The fields a beam search cannot honour, with the values that ask for nothing."""
+
 SAMPLING_NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
                     "presence_penalty": 0.0, "frequency_penalty": 0.0}
 """The sampling fields a request may leave to the server's defaults, with their neutral values."""
@@ -203,8 +209,8 @@ class _Common(BaseModel):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=f"vLLM's: the answer also carries prompt_logprobs, each prompt token's log-probability given the tokens before it, with its rank in the vocabulary and the this many most likely tokens there (0 to {MAX_TOP_LOGPROBS}); the first token's entry is null. Not with stream (0 is accepted there and answers nothing, as vLLM). The prompt is computed in full, not read from the prefix cache. Not in OpenAI's API.")
     thinking_token_budget: int | None = Field(None, ge=-1, description="vLLM's: with a reasoning parser, after this many tokens of thought the answer's next tokens are forced to close it (</think>) and the model answers; -1 or null: no budget. Not in OpenAI's API.")
     repetition_detection: RepetitionDetection | None = Field(None, description="vLLM's: the answer ends (finish_reason \"repetition\", stop_reason \"repetition_detected\") as soon as its last tokens are one pattern of min_pattern_size to max_pattern_size tokens repeated min_count times in a row (a model caught in a loop). Not in OpenAI's API.")
-    use_beam_search: unsupported(bool | None, False) = Field(None, description="vLLM's; not supported: only false or null.")
-    length_penalty: unsupported(float | None, 1.0) = Field(None, description="vLLM's (beam search); not supported: only 1.0 or null.")
+    use_beam_search: bool | None = Field(False, description="vLLM's: beam search, n (1 to 8) the beam width; the n choices are the best sequences, best first, by cumulative log-probability divided by length ** length_penalty (the length counts the prompt). Beams rank by the model's raw log-probabilities: temperature, top_p, top_k, min_p and seed change nothing (as vLLM). A beam ends on EOS (unless ignore_eos), on stop_token_ids, or at max_tokens, never before min_tokens. Not with stop strings, penalties, logit_bias, bad_words, allowed_token_ids, a structured output (tool_choice required or named included), repetition_detection, thinking_token_budget or a session; a stream sends each choice whole when the search ends. Not in OpenAI's API.")
+    length_penalty: float | None = Field(None, allow_inf_nan=False, description="vLLM's, with use_beam_search: a sequence's score is its cumulative log-probability divided by its length to this power (default 1; 0 ranks by log-probability alone); without use_beam_search it does nothing (as vLLM). Not in OpenAI's API.")
     spaces_between_special_tokens: unsupported(bool | None, True) = Field(None, description="vLLM's; only true (its default) or null.")
     priority: unsupported(int | None, 0) = Field(None, description="vLLM's; only 0 or null: the scheduling priority comes from the API key's QoS class (tenants.yaml).")
     cache_salt: Text | None = Field(None, min_length=1, description="vLLM's: this request's KV blocks are cached under this string within the tenant's cache scope, reused only by requests that send the same string (a secret per end user keeps another user from probing its prompts through cache timing). Not in OpenAI's API.")
@@ -222,7 +228,29 @@ class _Common(BaseModel):
         if self.stream and self.prompt_logprobs:
             raise FieldError("prompt_logprobs", "prompt_logprobs are not available when stream is true: send the request "
                              "without stream")
+        if self.use_beam_search:
+            self._beam_search_fits()
         return self
+
+    def _beam_search_fits(self) -> None:
+        """A beam search ranks whole sequences by the model's own log-probabilities: fields that
+        change a token's score or forbid it are refused, named (temperature & co. change nothing)."""
+        for name, neutral in BEAM_SEARCH_REFUSES.items():
+            if getattr(self, name, None) not in neutral:
+                raise FieldError(name, f"{name} cannot be combined with use_beam_search (beam search ranks "
+                                 "whole sequences by the model's log-probabilities): leave it out")
+        if self.structured() is not None:
+            raise FieldError("use_beam_search", "use_beam_search cannot be combined with a structured output "
+                             "(response_format, structured_outputs, tool_choice required or a named function)")
+
+    def beam_params(self, max_tokens: int) -> dict | None:
+        """The engine's ``BeamSearchParams`` fields (None: no beam search)."""
+        if not self.use_beam_search:
+            return None
+        return {"beam_width": self.n, "max_tokens": max_tokens, "ignore_eos": self.ignore_eos,
+                "length_penalty": 1.0 if self.length_penalty is None else self.length_penalty,
+                "include_stop_str_in_output": self.include_stop_str_in_output,
+                "stop_token_ids": list(self.stop_token_ids or ()), "min_tokens": self.min_tokens}
 
     def structured(self) -> dict | None:
         """The engine's ``structured_outputs`` (None: the output is free text)."""
@@ -240,7 +268,7 @@ class _Common(BaseModel):
         return {name: value if (value := getattr(self, name)) is not None else defaults.get(name, neutral)
                 for name, neutral in SAMPLING_NEUTRAL.items()}
 
-    @field_validator("n", "stream", "min_tokens", mode="after")
+    @field_validator("n", "stream", "min_tokens", "use_beam_search", mode="after")
     @classmethod
     def _null_is_the_default(cls, value, info):
         """An explicit null (SDKs send them) asks for the field's default."""
@@ -285,7 +313,7 @@ def prompt_shape(value, max_prompts: int = MAX_PROMPTS):
     def kind(v):
         if isinstance(v, str):
             return str
-        if isinstance(v, int):
+        if isinstance(v, int) or isinstance(v, float) and v.is_integer():   # 5.0 is JSON Schema's integer too
             return int
         return list if isinstance(v, list) and all(kind(x) is int for x in v) else None
     if isinstance(value, str):

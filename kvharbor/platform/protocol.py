@@ -34,6 +34,7 @@ class GenerateRequest:
     caller: tuple[str, str] | None = None   # (namespace, actor name) reading the stream, if named
     stream_interval: int = 1            # tokens per event after the first; 0: the rest at the end
     pooling: dict | None = None         # an embedding request: PoolingParams fields (None: it generates)
+    beam: dict | None = None            # a beam search: BeamSearchParams fields (actors.beam_runs)
     metadata: dict = field(default_factory=dict)
 
 
