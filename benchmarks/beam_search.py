@@ -26,7 +26,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import RESULTS, bar_panels, median, table, write_json  # noqa: E402
-from benchmarks.engine_peers import MODELS, VllmPeer, add_peer_arguments, start, workload  # noqa: E402
+from benchmarks.engine_peers import (MODELS, VllmPeer, add_peer_arguments, alternate, peer_workload,  # noqa: E402
+                                     start, workload)
 from kvharbor.engine.beam_search import BeamSearchParams  # noqa: E402
 
 
@@ -76,17 +77,8 @@ def main(argv=None) -> int:
         peer = VllmPeer(args.vllm_python, ckpt, prompts, n, limits, args.vllm_block_size, [],
                         script="vllm_beam_peer.py")
     kvharbor_round(llm, prompts[:4], 2, 4)  # warm-up, untimed
-    ours, theirs = [], []
-    try:
-        for _ in range(args.rounds):        # alternate, so both see the same load
-            time.sleep(args.settle_s)
-            ours.append(kvharbor_round(llm, prompts, width, n))
-            if peer:
-                time.sleep(args.settle_s)
-                theirs.append(peer.call("round", beam_width=width, max_tokens=n))
-    finally:
-        if peer:
-            peer.close()
+    ours, theirs = alternate(args, lambda: kvharbor_round(llm, prompts, width, n), peer,
+                             beam_width=width, max_tokens=n)
     tokens = len(prompts) * width * n
     rows = [summary("kvharbor", ours, tokens)] + ([summary(peer.system, theirs, tokens)] if peer else [])
     for r in rows:
@@ -97,14 +89,7 @@ def main(argv=None) -> int:
     info["load_avg_at_end"] = os.getloadavg()
     name = f"beam_search_{args.model}{args.tag}"
     write_json(name, {"machine": info, "throughput": rows, "answers": checks,
-                      "workload": {"model": args.model, "describe": MODELS[args.model],
-                                   "requests": args.requests, "prompt_tokens": "64-512", "seed": args.seed,
-                                   "beam_width": width, "max_tokens": n, "ignore_eos": True,
-                                   "rounds": args.rounds, "dtype": "float32", "settle_s": args.settle_s,
-                                   "kv_tokens": limits.kv_tokens, "block_size": args.block_size,
-                                   "vllm_block_size": args.vllm_block_size,
-                                   "max_num_batched_tokens": limits.max_num_batched_tokens,
-                                   "max_num_seqs": limits.max_num_seqs}})
+                      "workload": peer_workload(args, limits, beam_width=width, max_tokens=n, ignore_eos=True)})
     bar_panels([r["system"] for r in rows],
                [([r["beam_tokens_per_s"] for r in rows],
                  f"beam tokens/s, {args.requests} prompts x {width} beams x {n} tokens")],

@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from benchmarks.common import RESULTS, bar_panels, median, table, write_json  # noqa: E402
-from benchmarks.engine_peers import MODELS, VllmPeer, add_peer_arguments, start, workload  # noqa: E402
+from benchmarks.engine_peers import (MODELS, VllmPeer, add_peer_arguments, alternate, peer_workload,  # noqa: E402
+                                     start, workload)
 
 
 def parse(argv):
@@ -79,17 +80,7 @@ def main(argv=None) -> int:
         peer = VllmPeer(args.vllm_python, ckpt, prompts, 0, limits, args.vllm_block_size, [],
                         script="vllm_embed_peer.py")
     kvharbor_round(llm, prompts[:4])        # warm-up, untimed
-    ours, theirs = [], []
-    try:
-        for _ in range(args.rounds):        # alternate, so both see the same load
-            time.sleep(args.settle_s)
-            ours.append(kvharbor_round(llm, prompts))
-            if peer:
-                time.sleep(args.settle_s)
-                theirs.append(peer.call("round"))
-    finally:
-        if peer:
-            peer.close()
+    ours, theirs = alternate(args, lambda: kvharbor_round(llm, prompts), peer)
     rows = [summary("kvharbor", ours)] + ([summary(peer.system, theirs)] if peer else [])
     for r in rows:
         r["kvharbor_speed_ratio"] = rows[0]["prompt_tokens_per_s"] / r["prompt_tokens_per_s"]
@@ -102,13 +93,7 @@ def main(argv=None) -> int:
     info["load_avg_at_end"] = os.getloadavg()
     name = f"embeddings_{args.model}{args.tag}"
     write_json(name, {"machine": info, "throughput": rows, "vectors": checks,
-                      "workload": {"model": args.model, "describe": MODELS[args.model],
-                                   "requests": args.requests, "prompt_tokens": "64-512", "seed": args.seed,
-                                   "rounds": args.rounds, "dtype": "float32", "settle_s": args.settle_s,
-                                   "kv_tokens": limits.kv_tokens, "block_size": args.block_size,
-                                   "vllm_block_size": args.vllm_block_size,
-                                   "max_num_batched_tokens": limits.max_num_batched_tokens,
-                                   "max_num_seqs": limits.max_num_seqs}})
+                      "workload": peer_workload(args, limits)})
     bar_panels([r["system"] for r in rows],
                [([r["prompt_tokens_per_s"] for r in rows], f"prompt tokens/s embedded, {args.requests} prompts")],
                RESULTS / f"{name}.png")

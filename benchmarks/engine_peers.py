@@ -109,6 +109,34 @@ def _llama_135m():
     return model, word_level_tokenizer(vocab)
 
 
+def alternate(args, ours, peer: "VllmPeer | None", **peer_round) -> tuple[list[dict], list[dict]]:
+    """``args.rounds`` timed rounds of ``ours()`` and, when there is a peer, of its ``round``
+    command (``peer_round``: the command's fields), alternating so both see the same load, each
+    after ``args.settle_s`` of rest; the peer is closed at the end."""
+    mine, theirs = [], []
+    try:
+        for _ in range(args.rounds):
+            time.sleep(args.settle_s)
+            mine.append(ours())
+            if peer:
+                time.sleep(args.settle_s)
+                theirs.append(peer.call("round", **peer_round))
+    finally:
+        if peer:
+            peer.close()
+    return mine, theirs
+
+
+def peer_workload(args, limits: Limits, **extra) -> dict:
+    """The ``workload`` of a kvharbor-vs-vLLM result: the options ``add_peer_arguments`` took,
+    the shared ``limits`` and the benchmark's own ``extra`` fields."""
+    return {"model": args.model, "describe": MODELS[args.model], "requests": args.requests,
+            "prompt_tokens": "64-512", "seed": args.seed, **extra, "rounds": args.rounds,
+            "dtype": "float32", "settle_s": args.settle_s, "kv_tokens": limits.kv_tokens,
+            "block_size": args.block_size, "vllm_block_size": args.vllm_block_size,
+            "max_num_batched_tokens": limits.max_num_batched_tokens, "max_num_seqs": limits.max_num_seqs}
+
+
 def workload(n: int, vocab: int, seed: int, lo: int = 64, hi: int = 512) -> list[list[int]]:
     """``n`` prompts of ``lo..hi`` token ids drawn from ``3..vocab`` (no special ids)."""
     rng = random.Random(seed)
