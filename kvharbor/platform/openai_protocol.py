@@ -162,15 +162,16 @@ class StreamOptions(BaseModel):
 
 
 _MODEL_DEFAULT = " Default: the model's generation config (see the generation_config option), else "
-BEAM_SEARCH_REFUSES = {"stop": (None, []), "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0),
-                       "repetition_penalty": (None, 1.0), "logit_bias": (None, {}), "bad_words": (None, []),
-                       "allowed_token_ids": (None,), "repetition_detection": (None,),
-                       "thinking_token_budget": (None, -1)}
-"""The fields a beam search cannot honour, with the values that ask for nothing."""
-
 SAMPLING_NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
                     "presence_penalty": 0.0, "frequency_penalty": 0.0}
 """The sampling fields a request may leave to the server's defaults, with their neutral values."""
+
+BEAM_SEARCH_REFUSES = {"stop": (None, []),
+                       **{name: (None, SAMPLING_NEUTRAL[name])
+                          for name in ("presence_penalty", "frequency_penalty", "repetition_penalty")},
+                       "logit_bias": (None, {}), "bad_words": (None, []), "allowed_token_ids": (None,),
+                       "repetition_detection": (None,), "thinking_token_budget": (None, -1)}
+"""The fields a beam search cannot honour, with the values that ask for nothing."""
 
 
 class _Common(BaseModel):
