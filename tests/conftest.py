@@ -150,7 +150,7 @@ TEST_KEYS = {"limited": "kvh-test-limited", "restricted": "kvh-test-restricted",
              "expired": "kvh-test-expired", "private2": "kvh-test-private2",
              "capped": "kvh-test-capped", "truncating": "kvh-test-truncating",
              "metered": "kvh-test-metered", "lora_only": "kvh-test-lora-only",
-             "limited_once": "kvh-test-limited-once"}
+             "limited_once": "kvh-test-limited-once", "two_at_once": "kvh-test-two-at-once"}
 LORA = "tiny-lora"
 """The LoRA adapter the session app serves beside tiny-llama (``write_test_adapter``)."""
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -198,6 +198,8 @@ def add_test_tenants(path) -> None:
                            "cache_scope": "private"}
     tenants["lora_only"] = {"qos": "standard", "keys": [{"hash": hash_key(TEST_KEYS["lora_only"])}],
                             "allowed_models": [LORA]}
+    tenants["two_at_once"] = {"qos": "batch", "keys": [{"hash": hash_key(TEST_KEYS["two_at_once"])}],
+                              "max_concurrent_requests": 2}
     path.write_text(yaml.safe_dump(data, sort_keys=False))
 
 

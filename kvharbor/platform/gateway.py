@@ -44,6 +44,7 @@ from kvharbor.observability.metrics import get_metrics
 from kvharbor.platform.admission_flow import Admitter, unavailable
 from kvharbor.platform.api_errors import install_error_handlers
 from kvharbor.platform.auth_gate import GENERATION_PATHS, SHED_PATHS, AuthGateMiddleware, bearer_key, encode_hint
+from kvharbor.platform.batches_api import router as batches_router
 from kvharbor.platform.body_limit import BodyLimitMiddleware, content_length
 from kvharbor.platform.class_queue import get_or_create_class_queue
 from kvharbor.platform.context_overflow import TRUNCATED_HEADER
@@ -81,13 +82,12 @@ api = FastAPI(title="kvharbor", version=VERSION,
               description="OpenAI-compatible, tenant-aware LLM serving on Ray Serve.")
 api.add_middleware(BodyLimitMiddleware)
 api.add_middleware(AuthGateMiddleware)     # added last: runs first, before the body limit
+api.include_router(batches_router)         # /v1/files, /v1/batches (plain routes: no gateway state)
 
 SSE = {"text/event-stream": {"schema": {
     "type": "object", "required": ["data"], "description": "with `stream: true`: one event per chunk",
     "properties": {"data": {"type": "string", "description": "a JSON chunk, or `[DONE]` last"}}}}}
 GENERATE_ERRORS = error_responses(400, 401, 403, 404, 413, 429, 500, 503)
-
-
 install_error_handlers(api)
 
 

@@ -56,6 +56,10 @@ CASES = [("POST", "/v1/completions", POSITIVE), ("POST", "/v1/completions", NEGA
          ("POST", "/tokenize", POSITIVE), ("POST", "/tokenize", NEGATIVE),
          ("POST", "/detokenize", POSITIVE), ("POST", "/detokenize", NEGATIVE),
          ("GET", "/v1/models", POSITIVE), ("GET", "/v1/models/{model_id}", POSITIVE),
+         ("POST", "/v1/files", POSITIVE), ("GET", "/v1/files", POSITIVE), ("GET", "/v1/files/{file_id}", POSITIVE),
+         ("GET", "/v1/files/{file_id}/content", POSITIVE), ("DELETE", "/v1/files/{file_id}", POSITIVE),
+         ("POST", "/v1/batches", NEGATIVE), ("GET", "/v1/batches", POSITIVE),
+         ("GET", "/v1/batches/{batch_id}", POSITIVE), ("POST", "/v1/batches/{batch_id}/cancel", POSITIVE),
          ("GET", "/healthz", POSITIVE),
          ("GET", "/admin/tenants", POSITIVE), ("GET", "/admin/tenants/status", POSITIVE)]
 """(method, path, mode); the GET routes take no input, so they have no invalid variant."""
@@ -108,7 +112,7 @@ def test_route_conforms_to_its_schema(gateway_schema, method, path, mode):
 
     run()
     print(f"{method} {path} {mode.value}: statuses {statuses}")
-    if mode is POSITIVE and method == "POST":
+    if mode is POSITIVE and method == "POST" and "{" not in path:   # (an id in the path: a random one is unknown)
         assert statuses.get(200, 0) > 0, statuses       # the route's work was reached
 
 
@@ -132,9 +136,26 @@ def _send(case, base_url: str, headers: dict) -> httpx.Response:
     if "json" in kw:
         content = json.dumps(kw["json"]).encode()
         kw["headers"].setdefault("Content-Type", "application/json")
+    if "files" in kw:                       # multipart: httpx builds the body and its boundary
+        kw["headers"].pop("Content-Type", None)
+        files = [(name, (filename, _raw(value))) for name, (filename, value) in kw["files"]]
+        request = httpx.Request(kw["method"], kw["url"], headers=kw["headers"], params=kw.get("params"),
+                                data=kw.get("data"), files=files)
+        request.read()                      # the checks read the sent body back
+        with httpx.Client(timeout=60) as client:
+            return client.send(request)
     return httpx.request(kw["method"], kw["url"], headers=kw["headers"], params=kw.get("params"),
                          content=content, timeout=60)
 
+
+
+def _raw(value) -> bytes:
+    """A generated multipart part's bytes (text or a number or object goes as JSON text;
+    lone surrogates as their escapes, as in the JSON bodies)."""
+    if isinstance(value, bytes):
+        return value
+    text = value if isinstance(value, str) else json.dumps(value)
+    return text.encode("utf-8", "backslashreplace")
 
 def test_schema_declares_the_openai_error_body(kvharbor_app):
     spec = httpx.get(kvharbor_app.base_url + "/openapi.json").json()

@@ -1,0 +1,167 @@
+"""OpenAI's Files and Batch APIs: a tenant uploads a JSONL file of requests, creates a batch,
+and collects the answers later as a file (``client.files.create(purpose="batch")``,
+``client.batches.create(...)``, ``client.batches.retrieve(...)``, ``client.files.content(...)``).
+
+    POST   /v1/files                  upload (multipart: ``file``, ``purpose="batch"``)
+    GET    /v1/files[?purpose=]       the tenant's files, newest first
+    GET    /v1/files/{id}             one file's object
+    GET    /v1/files/{id}/content     its bytes (an input file, or a batch's output / errors)
+    DELETE /v1/files/{id}
+    POST   /v1/batches                {input_file_id, endpoint, completion_window: "24h", metadata}
+    GET    /v1/batches[?after=&limit=]
+    GET    /v1/batches/{id}
+    POST   /v1/batches/{id}/cancel
+
+Endpoints a batch may target: ``BATCH_ENDPOINTS`` (generation, embeddings, scoring). Files and
+batches are kept by the store actor (``batch_store``); a batch runs in the gateway replica
+that created it (``batch_runner``), its lines at the tenant's class and limits beside its
+interactive traffic. An upload is bounded by the app's ``max_body_bytes`` (413 above it).
+
+The routes read the principal ``AuthGateMiddleware`` left for the request (``/v1/`` is a
+protected prefix), so the Gateway only includes ``router``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+import httpx
+from fastapi import APIRouter, File, Form, Query, Request, UploadFile
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvharbor.actors.calls import start_background
+from kvharbor.platform.auth_gate import bearer_key
+from kvharbor.platform.batch_runner import BatchRunner
+from kvharbor.platform.batch_store import StoredBatches, new_id
+from kvharbor.platform.error_body import APIError, error_responses
+
+BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
+                   "/v1/score", "/v1/rerank")
+COMPLETION_WINDOW_S = {"24h": 24 * 3600}
+
+router = APIRouter()
+stored = StoredBatches()
+_running: set = set()        # the runner tasks of this replica (a task must be referenced)
+
+
+class BatchCreateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    input_file_id: str = Field(description="A file uploaded with purpose \"batch\": one request per line.")
+    endpoint: Literal[BATCH_ENDPOINTS] = Field(description="The route every line of the file is sent to.")
+    completion_window: Literal["24h"] = Field("24h", description="Lines not started within it end expired.")
+    metadata: dict[str, str] | None = Field(None, max_length=16, description="Up to 16 key-value pairs kept "
+                                            "on the batch.")
+
+
+def _principal(request: Request):
+    principal = getattr(request.state, "principal", None)
+    if principal is None or isinstance(principal, str):
+        raise APIError(401, "send a tenant's API key as Authorization: Bearer <key>", "invalid_api_key")
+    return principal
+
+
+@router.post("/v1/files", responses=error_responses(400, 401, 413, 503))
+async def upload_file(request: Request, file: UploadFile = File(description="The JSONL file."),
+                      purpose: Literal["batch"] = Form(description="Only \"batch\" is served.")) -> dict:
+    principal = _principal(request)
+    content = await file.read()
+    meta = await stored.call("add_file", principal.tenant, file.filename or "upload.jsonl", purpose, content)
+    if meta is None:
+        used, most = await stored.call("room")
+        raise APIError(413, f"the file store is full ({used} of {most} bytes used): delete files you no "
+                       "longer need (DELETE /v1/files/{id}) and upload again", "file_store_full", "file")
+    return meta
+
+
+@router.get("/v1/files", responses=error_responses(401, 503))
+async def list_files(request: Request, purpose: str | None = None) -> dict:
+    files = await stored.call("files", _principal(request).tenant, purpose)
+    return {"object": "list", "data": files, "has_more": False}
+
+
+@router.get("/v1/files/{file_id}", responses=error_responses(401, 404, 503))
+async def get_file(file_id: str, request: Request) -> dict:
+    return await stored.found("file", _principal(request).tenant, file_id, "file", "file_id")
+
+
+@router.get("/v1/files/{file_id}/content", responses={200: {"content": {"application/jsonl": {}}},
+                                                       **error_responses(401, 404, 503)})
+async def file_content(file_id: str, request: Request) -> Response:
+    content = await stored.found("content", _principal(request).tenant, file_id, "file", "file_id")
+    return Response(content, media_type="application/jsonl")
+
+
+@router.delete("/v1/files/{file_id}", responses=error_responses(401, 404, 503))
+async def delete_file(file_id: str, request: Request) -> dict:
+    await stored.found("delete_file", _principal(request).tenant, file_id, "file", "file_id")
+    return {"id": file_id, "object": "file", "deleted": True}
+
+
+@router.post("/v1/batches", responses=error_responses(400, 401, 404, 429, 503))
+async def create_batch(body: BatchCreateRequest, request: Request) -> dict:
+    principal = _principal(request)
+    meta = await stored.found("file", principal.tenant, body.input_file_id, "file", "input_file_id")
+    if meta["purpose"] != "batch":
+        raise APIError(400, f"file {body.input_file_id!r} has purpose {meta['purpose']!r}: a batch reads a file "
+                       "uploaded with purpose \"batch\"", "invalid_input_file", "input_file_id")
+    content = await stored.found("content", principal.tenant, body.input_file_id, "file", "input_file_id")
+    now = int(time.time())
+    batch = {"id": new_id("batch_"), "object": "batch", "endpoint": body.endpoint, "errors": None,
+             "input_file_id": body.input_file_id, "completion_window": body.completion_window,
+             "status": "validating", "output_file_id": None, "error_file_id": None, "created_at": now,
+             "in_progress_at": None, "expires_at": now + COMPLETION_WINDOW_S[body.completion_window],
+             "finalizing_at": None, "completed_at": None, "failed_at": None, "expired_at": None,
+             "cancelling_at": None, "cancelled_at": None, "model": None,
+             "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": body.metadata}
+    if await stored.call("add_batch", principal.tenant, batch) is None:
+        raise APIError(429, "this tenant has too many batches running: wait for one to end or cancel one",
+                       "too_many_batches", headers={"Retry-After": "30"})
+    runner = BatchRunner(stored.call, in_process_sender(request.app, bearer_key(request.headers)),
+                         principal.tenant, batch, content)
+    task = start_background(runner.run())
+    _running.add(task)
+    task.add_done_callback(_running.discard)
+    return batch
+
+
+@router.get("/v1/batches", responses=error_responses(401, 503))
+async def list_batches(request: Request, after: str | None = None, limit: int = Query(20, ge=1, le=100)) -> dict:
+    page, more = await stored.call("batches", _principal(request).tenant, after, limit)
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": more}
+
+
+@router.get("/v1/batches/{batch_id}", responses=error_responses(401, 404, 503))
+async def get_batch(batch_id: str, request: Request) -> dict:
+    return await stored.found("batch", _principal(request).tenant, batch_id, "batch", "batch_id")
+
+
+@router.post("/v1/batches/{batch_id}/cancel", responses=error_responses(401, 404, 503))
+async def cancel_batch(batch_id: str, request: Request) -> dict:
+    return await stored.found("cancel", _principal(request).tenant, batch_id, "batch", "batch_id")
+
+
+def in_process_sender(app, key: str | None):
+    """``send(url, body)`` for a batch's lines: a POST to ``app`` in this process (httpx's ASGI
+    transport, no socket) with the tenant's key, answered as (status, JSON body, headers).
+    The key lives only in this runner's memory, for as long as the batch runs: a key revoked
+    meanwhile gets the remaining lines 401s, as it would over HTTP."""
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app, raise_app_exceptions=False),
+                               base_url="http://kvharbor-batch", timeout=None)
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+
+    async def send(url: str, body: dict) -> tuple[int, dict, dict]:
+        response = await client.post(url, json=body, headers=headers)
+        try:
+            answer = response.json()
+        except ValueError:
+            answer = {"error": {"message": response.text[:500] or "no body", "type": "server_error",
+                                "param": None, "code": "server_error"}}
+        return response.status_code, answer if isinstance(answer, dict) else {"data": answer}, response.headers
+
+    return send
+
+
+__all__ = ["router", "BatchCreateRequest", "BATCH_ENDPOINTS", "in_process_sender"]
