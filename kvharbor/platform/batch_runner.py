@@ -129,6 +129,10 @@ class BatchRunner:
         except Exception:
             logger.exception("batch %s failed", self.batch["id"])
             await self._fail("internal_error", "the batch stopped on an internal error: create it again")
+        finally:
+            close = getattr(self.send, "aclose", None)      # the sender's client, if it has one
+            if close is not None:
+                await asyncio.shield(close())
 
     async def _fail(self, code: str, message: str) -> None:
         try:

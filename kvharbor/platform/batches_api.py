@@ -161,6 +161,7 @@ def in_process_sender(app, key: str | None):
                                 "param": None, "code": "server_error"}}
         return response.status_code, answer if isinstance(answer, dict) else {"data": answer}, response.headers
 
+    send.aclose = client.aclose        # the runner closes it when the batch ends
     return send
 
 

@@ -277,3 +277,20 @@ def test_a_cancel_after_the_last_line_started_still_ends_cancelled(monkeypatch):
     run(store, batch, content, send, clock, concurrency=1)
     assert batch["status"] == "cancelled" and batch["cancelled_at"] and batch["completed_at"] is None
     assert batch["request_counts"]["completed"] == 2 and batch["output_file_id"]
+
+
+def test_the_senders_client_is_closed_when_the_batch_ends():
+    clock = Clock()
+    store = BatchStore(clock=clock)
+    content = jsonl(line("a"))
+    batch, closed = new_batch(store, clock, content), []
+
+    async def send(url, body):
+        return 200, {"id": "a"}, {}
+
+    async def aclose():
+        closed.append(True)
+
+    send.aclose = aclose
+    run(store, batch, content, send, clock)
+    assert batch["status"] == "completed" and closed == [True]
