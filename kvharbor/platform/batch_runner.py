@@ -31,6 +31,7 @@ import logging
 import time
 
 from kvharbor.platform.batch_store import HEARTBEAT_S, errors_list, new_id
+from kvharbor.platform.error_body import error_dict
 
 logger = logging.getLogger("kvharbor.batches")
 
@@ -85,13 +86,8 @@ def parse_lines(content: bytes, endpoint: str) -> tuple[list[tuple[str, dict]], 
     return lines, errors
 
 
-def _error_body(status: int, message: str, code: str, param: str | None = None) -> dict:
-    kind = "invalid_request_error" if status == 400 else "server_error"
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-STREAM_REFUSED = (400, _error_body(400, "stream is not supported in a batch: a batch result is one JSON body; "
-                                   "drop stream or set it to false", "stream_not_supported", "stream"), {})
+STREAM_REFUSED = (400, error_dict(400, "stream is not supported in a batch: a batch result is one JSON body; "
+                                  "drop stream or set it to false", "stream_not_supported", "stream"), {})
 
 
 def retry_after(headers) -> float:
@@ -223,7 +219,7 @@ class BatchRunner:
             return await self.send(self.batch["endpoint"], body)
         except Exception as e:                # noqa: BLE001 - one line's failure is that line's result
             logger.warning("batch %s: a request failed to run: %r", self.batch["id"], e)
-            return 500, _error_body(500, "internal error; the request was not completed", "server_error"), {}
+            return 500, error_dict(500, "internal error; the request was not completed", "server_error"), {}
 
 
 def _succeeded(record: dict) -> bool:

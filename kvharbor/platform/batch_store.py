@@ -11,22 +11,18 @@ for ``STALE_S`` (its gateway replica died) is read as ``failed`` with the error
 ``runner_lost``: the client learns it should create the batch again instead of waiting.
 
 The actor restarts when it dies (``max_restarts=-1``), empty: files and batches are then not
-found (404). A store that cannot be reached in ``CALL_TIMEOUT_S`` answers 503.
+found (404). A store that cannot be reached in time answers 503 (``store_calls``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 
 import ray
-from ray.exceptions import RayActorError
 
-from kvharbor.actors.calls import detached
-from kvharbor.platform.admission_flow import unavailable
 from kvharbor.platform.error_body import APIError
-from kvharbor.tenants.admission_actor import CALL_TIMEOUT_S
+from kvharbor.platform.store_calls import StoreCalls
 
 NAME = "kvharbor-batch-store"
 DEFAULT_MAX_BYTES = 512 * 2**20
@@ -182,20 +178,16 @@ def get_or_create_batch_store(name: str = NAME, namespace: str = "kvharbor"):
                                    get_if_exists=True).remote()
 
 
-class StoredBatches:
+class StoredBatches(StoreCalls):
     """A gateway's calls to the store (the actor is created at the first call), with the
     errors a client gets: 404 for a file or batch this tenant does not have, 503 for no answer."""
 
     def __init__(self) -> None:
-        self._actor = None
+        super().__init__(get_or_create_batch_store, "batch store", "batch_store_unavailable")
 
     async def call(self, method: str, *args):
-        if self._actor is None:
-            self._actor = detached(get_or_create_batch_store())
-        try:
-            return await asyncio.wait_for(self._actor.call.remote(method, *args), CALL_TIMEOUT_S)
-        except (TimeoutError, RayActorError):
-            raise unavailable("batch store", "batch_store_unavailable") from None
+        """``BatchStore.<method>(*args)`` in the actor."""
+        return await self._call("call", method, *args)
 
     async def found(self, method: str, tenant: str, some_id: str, what: str, param: str):
         """``method(tenant, id)``'s answer, or a 404 naming ``what`` was not found."""

@@ -35,7 +35,7 @@ from kvharbor.actors.calls import start_background
 from kvharbor.platform.auth_gate import bearer_key
 from kvharbor.platform.batch_runner import BatchRunner
 from kvharbor.platform.batch_store import StoredBatches, new_id
-from kvharbor.platform.error_body import APIError, error_responses
+from kvharbor.platform.error_body import APIError, error_dict, error_responses
 
 BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
                    "/v1/score", "/v1/rerank")
@@ -157,8 +157,7 @@ def in_process_sender(app, key: str | None):
         try:
             answer = response.json()
         except ValueError:
-            answer = {"error": {"message": response.text[:500] or "no body", "type": "server_error",
-                                "param": None, "code": "server_error"}}
+            answer = error_dict(500, response.text[:500] or "no body", "server_error")
         return response.status_code, answer if isinstance(answer, dict) else {"data": answer}, response.headers
 
     send.aclose = client.aclose        # the runner closes it when the batch ends

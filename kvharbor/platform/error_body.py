@@ -83,11 +83,15 @@ def error_type(status: int) -> str:
     return _TYPES.get(status, "error")
 
 
+def error_dict(status: int, message: str, code: str | None = None, param: str | None = None) -> dict:
+    """The OpenAI error body of a ``status`` answer (what ``error_response`` sends)."""
+    return {"error": {"message": message, "type": error_type(status), "param": param,
+                      "code": code or error_type(status)}}
+
+
 def error_response(status: int, message: str, code: str | None = None, param: str | None = None,
                    headers: dict | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": error_type(status),
-                      "param": param, "code": code or error_type(status)}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(error_dict(status, message, code, param), status_code=status, headers=headers)
 
 
 _ERROR_WHY = {400: "Invalid request (the message names the field to fix).",

@@ -14,18 +14,14 @@ found (404) and a conversation must resend its history. A store that cannot be r
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from collections import OrderedDict
 
 import ray
-from ray.exceptions import RayActorError
 
-from kvharbor.actors.calls import detached
-from kvharbor.platform.admission_flow import unavailable
 from kvharbor.platform.error_body import APIError
-from kvharbor.tenants.admission_actor import CALL_TIMEOUT_S
+from kvharbor.platform.store_calls import StoreCalls
 
 logger = logging.getLogger("kvharbor.responses")
 
@@ -98,20 +94,12 @@ def get_or_create_response_store(name: str = NAME, namespace: str = "kvharbor"):
                                       get_if_exists=True).remote()
 
 
-class StoredResponses:
+class StoredResponses(StoreCalls):
     """A gateway's calls to the store (the actor is created at the first call), with the
     errors a client gets: 404 for a response this tenant does not have, 503 for no answer."""
 
     def __init__(self) -> None:
-        self._actor = None
-
-    async def _call(self, method: str, *args):
-        if self._actor is None:
-            self._actor = detached(get_or_create_response_store())
-        try:
-            return await asyncio.wait_for(getattr(self._actor, method).remote(*args), CALL_TIMEOUT_S)
-        except (TimeoutError, RayActorError):
-            raise unavailable("response store", "response_store_unavailable") from None
+        super().__init__(get_or_create_response_store, "response store", "response_store_unavailable")
 
     async def get(self, tenant: str, response_id: str, param: str) -> tuple[dict, list[dict]]:
         found = await self._call("get", tenant, response_id)
