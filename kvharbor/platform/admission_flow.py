@@ -35,7 +35,7 @@ import time
 from ray.exceptions import RayActorError
 
 from kvharbor.actors.calls import await_or_undo
-from kvharbor.platform.error_body import APIError
+from kvharbor.platform.error_body import APIError, retry_headers
 from kvharbor.platform.fast_lane import RECALL_WAIT_S, FastLane, LocalTicket
 from kvharbor.platform.overload_guard import OverloadGuard
 from kvharbor.tenants.admission_actor import CALL_TIMEOUT_S
@@ -74,8 +74,7 @@ class Admitter:
             until, version, error = refused
             if time.time() < until and version == self.registry.version:
                 self.metrics.rate_limited(principal.tenant, error.code)
-                raise APIError(429, error.message, error.code,
-                               headers={"Retry-After": str(max(1, round(until - time.time())))})
+                raise APIError(429, error.message, error.code, headers=retry_headers(until - time.time()))
             self._refused.pop(principal.tenant, None)
         self.guard.enter(rid, principal.qos, self.registry.config.qos_classes, principal.tenant)
         try:
@@ -152,7 +151,7 @@ class Admitter:
         headers = {}
         if admission.status == 429:
             self.metrics.rate_limited(tenant, admission.limit or "other")
-            headers = {"Retry-After": str(max(1, round(admission.retry_after_s or 1)))}
+            headers = retry_headers(admission.retry_after_s if admission.retry_after_s is not None else 1.0)
         error = APIError(admission.status, admission.reason, admission.limit or "rate_limited", headers=headers)
         if admission.status == 429 and admission.limit in STICKY_LIMITS and admission.retry_after_s:
             self._refused[tenant] = (time.time() + admission.retry_after_s, self.registry.version, error)

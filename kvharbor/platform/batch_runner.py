@@ -11,8 +11,8 @@ no socket): it meets the same key check, limits, queue, validation and engine as
 request over HTTP, and its answer (status and body) is written as the client would have
 received it. At most ``concurrency`` lines are in flight, so a batch runs beside interactive
 traffic at its tenant's class, not in front of it; a 429 (the tenant's rate limits, a full
-class queue, an overloaded gateway) is waited out (``Retry-After``) and the line sent again,
-so a batch slows down under load instead of failing. A line asking to stream is answered 400:
+class queue, an overloaded gateway) is waited out (``retry-after-ms``, else ``Retry-After``)
+and the line sent again, so a batch slows down under load instead of failing. A line asking to stream is answered 400:
 a batch result is one JSON body.
 
 The runner reports progress to the store (``request_counts``) every ``HEARTBEAT_S`` and learns
@@ -91,10 +91,14 @@ STREAM_REFUSED = (400, error_dict(400, "stream is not supported in a batch: a ba
 
 
 def retry_after(headers) -> float:
-    try:
-        return min(max(float(headers.get("retry-after", 1)), 0.1), MAX_RETRY_WAIT_S)
-    except (TypeError, ValueError):
-        return 1.0
+    """Seconds to wait before sending a 429'd line again: ``retry-after-ms`` (the exact wait)
+    if given, else ``Retry-After``; at most ``MAX_RETRY_WAIT_S``."""
+    for name, scale, least in (("retry-after-ms", 1e-3, 0.001), ("retry-after", 1.0, 0.1)):
+        try:
+            return min(max(float(headers[name]) * scale, least), MAX_RETRY_WAIT_S)
+        except (KeyError, TypeError, ValueError):
+            continue
+    return 1.0
 
 
 class BatchRunner:

@@ -4,6 +4,8 @@ the error responses a route declares in /openapi.json."""
 
 from __future__ import annotations
 
+import math
+
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
@@ -94,12 +96,20 @@ def error_response(status: int, message: str, code: str | None = None, param: st
     return JSONResponse(error_dict(status, message, code, param), status_code=status, headers=headers)
 
 
+def retry_headers(wait_s: float) -> dict[str, str]:
+    """The headers telling a client when to retry: ``Retry-After`` in whole seconds (HTTP's
+    form: rounded up, at least 1) and ``retry-after-ms``, the wait itself, which OpenAI's
+    clients read first. A rate limit that clears in 40 ms then costs a client 40 ms, not 1 s."""
+    wait_s = max(0.0, wait_s)
+    return {"Retry-After": str(max(1, math.ceil(wait_s))), "retry-after-ms": str(max(1, math.ceil(wait_s * 1000)))}
+
+
 _ERROR_WHY = {400: "Invalid request (the message names the field to fix).",
               401: "Missing, unknown, expired or revoked API key.",
               403: "The key may not do this.", 404: "Unknown model or session.",
               409: "Conflict: the target already exists (e.g. a session id in use).",
               413: "Request body too large.",
-              429: "Rate limit, budget, concurrency or class queue full (see Retry-After).",
+              429: "Rate limit, budget, concurrency or class queue full (see Retry-After and retry-after-ms).",
               500: "Internal error.", 503: "No replica could serve it (see Retry-After)."}
 
 

@@ -40,6 +40,7 @@ Times are Unix seconds (``time.time()``), injectable through ``now=`` or ``clock
 from __future__ import annotations
 
 import itertools
+import math
 import secrets
 import threading
 import time
@@ -492,7 +493,8 @@ def _denial(st: _TenantState, lim: TenantLimits, cost: int, now: float) -> Admis
     if not waits:
         return None
     wait, name, reason = max(waits, key=lambda w: w[0])
-    return _reject(429, name, f"{reason}; retry in {wait:.1f} s", retry_after_s=wait)
+    when = f"{wait:.1f} s" if wait >= 1 else f"{math.ceil(wait * 1000)} ms"
+    return _reject(429, name, f"{reason}; retry in {when}", retry_after_s=wait)
 
 
 def _move(st: _TenantState, grant: Grant, requests: int, tokens: int, slots: int) -> None:

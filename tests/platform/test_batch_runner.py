@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 
@@ -107,6 +108,27 @@ def test_a_429_is_waited_out_and_sent_again(monkeypatch):
     run(store, batch, content, send, clock)
     assert len(calls) == 3 and batch["status"] == "completed"
     assert records(store, "acme", batch["output_file_id"])[0]["response"]["body"] == {"id": "ok"}
+
+
+@pytest.mark.parametrize("headers, least_s, most_s", [
+    ({"retry-after": "5", "retry-after-ms": "30"}, 0.03, 1.0),     # the exact wait is read first
+    ({"retry-after": "0.4"}, 0.4, 1.5),
+])
+def test_a_429_is_retried_after_the_wait_it_names(headers, least_s, most_s):
+    """A rate limit that clears in 30 ms costs the line about 30 ms, not Retry-After's whole
+    seconds; without ``retry-after-ms``, Retry-After is waited out."""
+    clock = Clock()
+    store = BatchStore(clock=clock)
+    content = jsonl(line("a"))
+    batch, sent_at = new_batch(store, clock, content), []
+
+    async def send(url, body):
+        sent_at.append(time.monotonic())
+        return (429, {"error": {"message": "slow down"}}, headers) if len(sent_at) == 1 else (200, {"id": "ok"}, {})
+
+    run(store, batch, content, send, clock)
+    assert len(sent_at) == 2 and batch["status"] == "completed"
+    assert least_s <= sent_at[1] - sent_at[0] < most_s, sent_at[1] - sent_at[0]
 
 
 def test_a_cancelled_batch_starts_no_new_line_and_keeps_finished_ones(monkeypatch):

@@ -8,9 +8,11 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+import pytest
+
 from kvharbor.platform import admission_flow
 from kvharbor.platform.class_queue import ClassQueue
-from kvharbor.platform.error_body import APIError
+from kvharbor.platform.error_body import APIError, retry_headers
 from kvharbor.platform.overload_guard import OverloadGuard
 from kvharbor.tenants.leases import LeaseTable
 from tests.tenants.fast_lane_harness import Cluster, finish, request, run
@@ -34,6 +36,41 @@ def test_a_concurrency_refusal_is_not_remembered():
         assert not isinstance(again, APIError), again
 
     run(scenario())
+
+
+def test_a_refusal_says_how_long_to_wait_to_the_millisecond():
+    """tokens_per_minute 6000 refills 100 tokens a second: a request 4 tokens short is told
+    to retry in 40 ms (``retry-after-ms``, which OpenAI's clients read first), with
+    ``Retry-After`` rounded up to the 1 s HTTP's whole seconds allow; after those 40 ms it
+    is admitted."""
+    cluster = Cluster()
+    gw = cluster.gateway()
+    globex = cluster.principal("globex", qos="standard", tokens_per_minute=6000)
+
+    async def scenario():
+        first = await request(gw, globex, "s0", prompt=5980, max_tokens=16)    # 4 tokens left
+        await finish(gw, globex, "s0", first, 5996)
+        refused = await request(gw, globex, "s1", prompt=4, max_tokens=4)
+        assert isinstance(refused, APIError) and refused.code == "tokens_per_minute", refused
+        assert refused.headers == {"Retry-After": "1", "retry-after-ms": "40"}, refused.headers
+        assert refused.message.endswith("retry in 40 ms"), refused.message
+        cluster.clock.t += 0.030
+        early = await request(gw, globex, "s2", prompt=4, max_tokens=4)
+        assert isinstance(early, APIError), early
+        assert abs(int(early.headers["retry-after-ms"]) - 10) <= 1, early.headers
+        cluster.clock.t += 0.011
+        admitted = await request(gw, globex, "s3", prompt=4, max_tokens=4)
+        assert not isinstance(admitted, APIError), admitted
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("wait_s", [0.0, 0.0004, 0.04, 1.0, 1.4, 59.99])
+def test_the_retry_headers_never_ask_for_a_retry_before_the_wait_is_over(wait_s):
+    headers = retry_headers(wait_s)
+    seconds, ms = int(headers["Retry-After"]), int(headers["retry-after-ms"])
+    assert seconds >= max(1.0, wait_s) and seconds - wait_s < 1 or wait_s < 1 and seconds == 1, headers
+    assert wait_s * 1000 <= ms < wait_s * 1000 + 1 or wait_s < 0.001 and ms == 1, headers
 
 
 def test_a_class_queue_refusal_leaves_the_overload_guards_count():
@@ -86,8 +123,8 @@ def test_a_requests_per_minute_refusal_is_answered_from_memory_until_its_retry_a
         await finish(gw, globex, "s0", first, 5)
         refused = await request(gw, globex, "s1")                  # the actor's refusal
         assert isinstance(refused, APIError) and refused.code == "requests_per_minute", refused
-        wait = int(refused.headers["Retry-After"])
-        assert 30 < wait <= 60, wait
+        wait, wait_ms = int(refused.headers["Retry-After"]), int(refused.headers["retry-after-ms"])
+        assert 30 < wait <= 60 and (wait - 1) * 1000 < wait_ms <= wait * 1000, refused.headers
         assert cluster.queue.snapshot() == {"standard": 0}          # its queue place is back
         calls = dict(cluster.calls)
         cluster.clock.t += 20
@@ -95,6 +132,7 @@ def test_a_requests_per_minute_refusal_is_answered_from_memory_until_its_retry_a
         assert isinstance(remembered, APIError) and remembered.code == "requests_per_minute"
         assert cluster.calls == calls, "a remembered refusal made an actor call"
         assert int(remembered.headers["Retry-After"]) == wait - 20
+        assert abs(int(remembered.headers["retry-after-ms"]) - (wait_ms - 20_000)) <= 1, remembered.headers
         cluster.registry.version += 1                             # a reload: ask the actor again
         asked = await request(gw, globex, "s3")
         assert isinstance(asked, APIError) and asked.code == "requests_per_minute", asked
