@@ -35,6 +35,7 @@ import time
 from ray.exceptions import RayActorError
 
 from kvharbor.actors.calls import await_or_undo
+from kvharbor.platform import rate_headers
 from kvharbor.platform.error_body import APIError, retry_headers
 from kvharbor.platform.fast_lane import RECALL_WAIT_S, FastLane, LocalTicket
 from kvharbor.platform.overload_guard import OverloadGuard
@@ -143,6 +144,7 @@ class Admitter:
         except BaseException:
             self.leave(qos, rid)
             raise
+        rate_headers.note(admission.rates)
         if admission.ok:
             self.metrics.admitted(tenant, qos, "actor")
             self.tickets.hold(admission.ticket.ticket_id)

@@ -26,6 +26,9 @@ request (``received``) and, for a request that Serve's proxy stamped (``PROXY_AT
 seconds, written by ``proxy_guard``), the same clock's instant the proxy received it
 (``proxied``). A stamp in the future or older than ``MAX_PROXY_STAMP_S`` is ignored.
 
+Every answer of a generation route carries the tenant's ``x-ratelimit-*`` headers
+(``rate_headers``: its limits, and what the admission service said of this request).
+
 This middleware sits outside ``BodyLimitMiddleware``: a wrong key gets 401 even for a body
 over the size limit. A 429 (the gateway's overload guard refusing the key's QoS class) drains
 a body within the size limit first, so the client keeps its connection.
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import time
 
+from kvharbor.platform import rate_headers
 from kvharbor.platform.error_body import error_response
 
 SCORING_PATHS = ("/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank")
@@ -186,13 +190,18 @@ class AuthGateMiddleware:
             await response(scope, receive, send)
             return
         state["principal"] = principal
-        if hint is None:
+        limits = getattr(principal, "limits", None) if path in GENERATION_PATHS else None
+        if hint is None and limits is None:
             await self.app(scope, receive, send)
             return
+        with rate_headers.opened() as rates:
 
-        async def hinted(message) -> None:
-            if message["type"] == "http.response.start":
-                message = dict(message, headers=[*message.get("headers", ()), (HINT_RESPONSE, hint)])
-            await send(message)
+            async def annotated(message) -> None:
+                if message["type"] == "http.response.start":
+                    extra = rate_headers.headers_for(limits, rates) if limits is not None else []
+                    if hint is not None:
+                        extra.append((HINT_RESPONSE, hint))
+                    message = dict(message, headers=[*message.get("headers", ()), *extra])
+                await send(message)
 
-        await self.app(scope, receive, hinted)
+            await self.app(scope, receive, annotated)

@@ -77,6 +77,8 @@ class Admission:
     limit: str | None = None     # which limit refused, e.g. "requests_per_minute"
     recalled: bool = False       # a 429 while gateways held idle grants, now called back:
                                  # a retry after their next sync may be admitted
+    rates: dict | None = None    # {"requests" / "tokens": (units left, s until full)} after
+                                 # this admission or refusal, for the limits the tenant has
 
 
 @dataclass(slots=True)
@@ -238,7 +240,7 @@ class AdmissionController:
                 if denial.status == 429 and self._recall(tenant, st, lim, cost):
                     st.top_up_after = now + RECALL_HOLD_S
                     denial = replace(denial, recalled=True)
-                return denial
+                return replace(denial, rates=_rates(st, lim)) if denial.status == 429 else denial
             st.in_flight += 1
             st.admitted_total += 1
             st.tokens_today += cost
@@ -250,7 +252,8 @@ class AdmissionController:
             self._active[ticket.ticket_id] = ticket
             if self._leases is not None:
                 self._leases.add(ticket.ticket_id, ticket, self._lease_clock())
-        return Admission(ok=True, status=200, reason="admitted", ticket=ticket)
+            rates = _rates(st, lim)
+        return Admission(ok=True, status=200, reason="admitted", ticket=ticket, rates=rates)
 
     def release(self, ticket: Ticket, tokens_used: int | None = None,
                 now: float | None = None) -> bool:
@@ -469,6 +472,17 @@ def too_big(lim: TenantLimits, prompt_tokens: int, max_tokens: int, n: int = 1) 
                            f"{asked}) but this tenant's {name} is {cap}; shorten the prompt or "
                            f"lower max_tokens{'' if n == 1 else ', n or the number of prompts'}")
     return None
+
+
+def _rates(st: _TenantState, lim: TenantLimits) -> dict:
+    """What the tenant's per-minute buckets hold now: units left (whole, not below 0) and
+    seconds until the bucket is full again at its refill rate."""
+    out = {}
+    for unit, bucket, cap in (("requests", st.requests, lim.requests_per_minute),
+                              ("tokens", st.tokens, lim.tokens_per_minute)):
+        if bucket is not None and cap:
+            out[unit] = (max(0, math.floor(bucket.level)), max(0.0, (cap - bucket.level) * 60 / cap))
+    return out
 
 
 def _denial(st: _TenantState, lim: TenantLimits, cost: int, now: float) -> Admission | None:

@@ -21,6 +21,20 @@ def _post(app, key: str, prompt: str = "hi", max_tokens: int = 2, **extra) -> ht
                                                 "max_tokens": max_tokens, **extra})
 
 
+def _seconds(duration: str) -> float:
+    """OpenAI's ``20ms`` / ``1.3s`` / ``6m0s`` / ``1h2m5s`` in seconds."""
+    if duration.endswith("ms"):
+        return float(duration[:-2]) / 1000
+    total, number = 0.0, ""
+    for ch in duration:
+        if ch in "hms":
+            total += float(number) * {"h": 3600, "m": 60, "s": 1}[ch]
+            number = ""
+        else:
+            number += ch
+    return total
+
+
 def _wait_until(predicate, timeout: float = 20.0, interval: float = 0.3):
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -54,14 +68,26 @@ def test_model_not_allowed_is_403(kvharbor_app):
 
 
 def test_rate_limit_holds_across_two_gateway_replicas(kvharbor_app):
-    statuses, retry_after = [], []
+    """Six of ten requests pass, whichever gateway each reaches, and every answer says so in
+    OpenAI's headers: the limit, and what is left (5, 4, ... 0 after the sixth) and when it is
+    full again, as the admission service counted it."""
+    statuses, retry_after, answers = [], [], []
     for _ in range(10):                       # requests_per_minute: 6, shared by both gateways
         r = _post(kvharbor_app, TEST_KEYS["limited_once"], max_tokens=1)
         statuses.append(r.status_code)
+        answers.append(r.headers)
         if r.status_code == 429:
             retry_after.append((int(r.headers["retry-after"]), int(r.headers["retry-after-ms"])))
     assert statuses.count(200) == 6, statuses
     assert statuses.count(429) == 4
+    assert all(h["x-ratelimit-limit-requests"] == "6" and h["x-ratelimit-limit-tokens"] == "200000"
+               for h in answers), answers
+    assert [h["x-ratelimit-remaining-requests"] for h in answers[:6]] == ["5", "4", "3", "2", "1", "0"], answers
+    resets = [_seconds(h["x-ratelimit-reset-requests"]) for h in answers[:6]]     # 10 s per request used
+    assert all(abs(r - 10 * (i + 1)) < 1.5 for i, r in enumerate(resets)), resets
+    assert all(199_900 < int(h["x-ratelimit-remaining-tokens"]) < 200_000 for h in answers[:6]), answers
+    refused_by_service = [h for h in answers[6:] if "x-ratelimit-remaining-requests" in h]
+    assert refused_by_service and all(h["x-ratelimit-remaining-requests"] == "0" for h in refused_by_service)
     # the next request unit comes in 10 s (6 a minute): whole seconds rounded up, and the ms
     assert all(1 <= s <= 10 and (s - 1) * 1000 < ms <= s * 1000 for s, ms in retry_after), retry_after
     # a refused request gave its class-queue place back: nothing of the class is left in flight
