@@ -12,8 +12,8 @@ request over HTTP, and its answer (status and body) is written as the client wou
 received it. At most ``concurrency`` lines are in flight, so a batch runs beside interactive
 traffic at its tenant's class, not in front of it; a 429 (the tenant's rate limits, a full
 class queue, an overloaded gateway) is waited out (``retry-after-ms``, else ``Retry-After``)
-and the line sent again, so a batch slows down under load instead of failing. A line asking to stream is answered 400:
-a batch result is one JSON body.
+and the line sent again, so a batch slows down under load instead of failing. A line asking to
+stream is answered 400: a batch result is one JSON body.
 
 The runner reports progress to the store (``request_counts``) every ``HEARTBEAT_S`` and learns
 there whether the client cancelled: then no new line starts, the lines under way finish and
