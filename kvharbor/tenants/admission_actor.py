@@ -15,8 +15,8 @@ From async code use :class:`ActorAdmission`, which awaits the actor's object ref
     admission = ActorAdmission(get_or_create_admission_actor())
     result = await admission.try_admit(p.tenant, p.limits, prompt_tokens, max_tokens)
     if not result.ok:
-        raise HTTPException(result.status, result.reason,
-                            headers={"Retry-After": str(math.ceil(result.retry_after_s or 1))})
+        raise APIError(result.status, result.reason, result.limit,
+                       headers=retry_headers(result.retry_after_s or 1.0))
     try:
         ...generate...
     finally:

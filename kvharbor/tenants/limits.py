@@ -481,7 +481,7 @@ def _rates(st: _TenantState, lim: TenantLimits) -> dict:
     for unit, bucket, cap in (("requests", st.requests, lim.requests_per_minute),
                               ("tokens", st.tokens, lim.tokens_per_minute)):
         if bucket is not None and cap:
-            out[unit] = (max(0, math.floor(bucket.level)), max(0.0, (cap - bucket.level) * 60 / cap))
+            out[unit] = (max(0, math.floor(bucket.level)), bucket.wait_s(cap, cap))
     return out
 
 
