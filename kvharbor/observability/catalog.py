@@ -2,7 +2,7 @@
 
 Overview (traffic, latency, tokens, SLO), KV cache (blocks, hit rate, evictions,
 preemptions, occupancy), Routing (decision time, predicted vs observed prefix hits, queues)
-and Tenants (one tenant's view: requests, tokens, hit rate, rate limits, TTFT).
+and Tenants (one tenant's view: requests, tokens, hit rate, rate limits, TTFT; its batches).
 """
 
 from __future__ import annotations
@@ -228,7 +228,32 @@ def _tenants() -> DashboardSpec:
     )
     return DashboardSpec("kvharbor-tenants", "kvharbor / Tenants",
                          "Per-tenant usage and experience; pick tenants above.",
-                         (("Tenants", panels),))
+                         (("Tenants", panels), ("Batch API", _batch_panels())))
+
+
+def _batch_panels() -> tuple:
+    """The Batch API row: batches running, batches ended by status, their lines by outcome."""
+    batches = series("kvharbor_batches")
+    created = f"sum by (tenant) ({batches}{T[:-1]},status=\"created\"}})"
+    ended = f"sum by (tenant) ({batches}{T[:-1]},status!=\"created\"}})"
+    return (
+        PanelSpec("Batches running", "Batches created and not yet ended, per tenant, as "
+                  "the gateway replicas running them count them (a batch runs in the replica "
+                  "that created it; one that stops fails its batches).", "short",
+                  (Query(f"{created} - ({ended} or 0 * {created})", "{{tenant}}"),),
+                  no_value="0"),
+        PanelSpec("Batches ended by status", "Batches per second that ended completed, "
+                  "failed, expired or cancelled.", "ops",
+                  (Query(rate_sum("kvharbor_batches", "tenant, status",
+                                  T[:-1] + ',status!="created"}'),
+                         "{{tenant}} {{status}}"),), no_value="0"),
+        PanelSpec("Batch requests by outcome", "Lines of batches finished per second: answered "
+                  "2xx (completed), answered otherwise (failed, in the error file) or never run "
+                  "before the batch's window ended (expired). They are also counted with the "
+                  "tenant's requests above: a line is one request to the gateway.", "reqps",
+                  (Query(rate_sum("kvharbor_batch_requests", "tenant, outcome", T),
+                         "{{tenant}} {{outcome}}"),), stacked=True, no_value="0"),
+    )
 
 
 DASHBOARDS: tuple[DashboardSpec, ...] = (_overview(), _kv_cache(), _routing(), _tenants())

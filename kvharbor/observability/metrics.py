@@ -28,11 +28,12 @@ label        values
              requests :data:`LORA_STATES` (``running``, ``waiting``)
 ``adapter``  LoRA adapters a replica loaded (build_app's ``lora_modules`` and tenants.yaml's
              ``lora_adapters``: set by the operator, tens)
-``status``   :data:`STATUSES`; anything else is recorded as ``other``
+``status``   :data:`STATUSES`; anything else is recorded as ``other``; for batches
+             :data:`BATCH_STATUSES`
 ``reason``   :data:`RATE_LIMIT_REASONS`; anything else is recorded as ``other``
 ``path``     :data:`ADMISSION_PATHS` (``fast_lane``, ``actor``)
 ``ingress``  :data:`INGRESSES` (``main``: the app's port; ``premium_lane``: ``premium_port``)
-``outcome``  ``met`` | ``missed``
+``outcome``  ``met`` | ``missed``; for a batch's requests :data:`BATCH_REQUEST_OUTCOMES`
 ``location`` :data:`MEMORY_LOCATIONS` (``device``, ``host``)
 ``kind``     :data:`MEMORY_KINDS` (``kv_cache``, ``model_weights``, ``lora_adapters``); for router metrics
              :data:`ROUTER_MODES` or :data:`DIRECTORY_SYNC_KINDS`; for speculative decoding
@@ -68,6 +69,10 @@ ADMISSION_PATHS = ("fast_lane", "actor")
 # Where a request entered: the app's HTTP port, or the premium lane (build_app premium_port).
 INGRESSES = ("main", "premium_lane")
 REGIONS = ("pinned", "shared")
+# A batch of the Batch API: created, then ended in one of OpenAI's final statuses; its lines
+# (requests) answered 2xx (completed), answered otherwise (failed) or never run (expired).
+BATCH_STATUSES = ("created", "completed", "failed", "expired", "cancelled")
+BATCH_REQUEST_OUTCOMES = ("completed", "failed", "expired")
 MEMORY_LOCATIONS = ("device", "host")
 MEMORY_KINDS = ("kv_cache", "model_weights", "lora_adapters")
 LORA_STATES = ("running", "waiting")
@@ -145,6 +150,13 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kvharbor_proxy_overload_in_flight", "gauge", (),
                "Requests of non-pinned classes in flight through Serve's proxy at the end of its "
                "overload guard's last window, the count its limit is compared with."),
+    MetricSpec("kvharbor_batches", "counter", ("tenant", "status"),
+               "Batches (Batch API) created and ended, by final status; created minus ended is "
+               "the batches running now (a batch runs and is counted in the gateway that "
+               "created it)."),
+    MetricSpec("kvharbor_batch_requests", "counter", ("tenant", "outcome"),
+               "Requests (lines) of batches by result: answered 2xx (completed), answered "
+               "otherwise (failed), never run before the batch expired (expired)."),
     MetricSpec("kvharbor_admissions", "counter", ("tenant", "qos", "path"),
                "Requests admitted, by path: fast_lane (from the gateway's grant, no actor "
                "call) or actor (the admission and class-queue calls)."),
@@ -336,6 +348,16 @@ class KvharborMetrics:
         """One request admitted; ``path`` in :data:`ADMISSION_PATHS`."""
         self._inc("kvharbor_admissions", 1,
                   {"tenant": tenant, "qos": qos, "path": _bounded(path, ADMISSION_PATHS)})
+
+    def batch(self, tenant: str, status: str) -> None:
+        """One batch created, or ended in ``status``; statuses in :data:`BATCH_STATUSES`."""
+        self._inc("kvharbor_batches", 1,
+                  {"tenant": tenant, "status": _bounded(status, BATCH_STATUSES)})
+
+    def batch_requests(self, tenant: str, outcome: str, n: int = 1) -> None:
+        """``n`` lines of a batch finished with ``outcome`` (:data:`BATCH_REQUEST_OUTCOMES`)."""
+        self._inc("kvharbor_batch_requests", n,
+                  {"tenant": tenant, "outcome": _bounded(outcome, BATCH_REQUEST_OUTCOMES)})
 
     # --- replica -------------------------------------------------------------------------
     def kv_blocks(self, replica: str, region: str, state: str, n: int) -> None:

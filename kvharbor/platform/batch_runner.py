@@ -21,6 +21,10 @@ the batch ends ``cancelled`` with their results. At ``expires_at`` no new line s
 the batch ends ``expired`` and the lines never run are in the error file
 (``batch_expired``). Results: the 2xx answers in the output file, the others in the error
 file, both in input order.
+
+Metrics (``metrics``, the gateway's recorder): the batch is counted as created when its runner
+starts and once more with the status it ends in (``kvharbor_batches``); each line once, as it
+finishes, by outcome (``kvharbor_batch_requests``: completed, failed, expired).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import json
 import logging
 import time
 
+from kvharbor.observability.metrics import KvharborMetrics, NullMetrics
 from kvharbor.platform.batch_store import HEARTBEAT_S, errors_list, new_id
 from kvharbor.platform.error_body import error_dict
 
@@ -106,12 +111,15 @@ class BatchRunner:
 
     ``store(method, *args)``: an awaitable call of the ``BatchStore``'s ``update`` / ``finish``.
     ``send(url, body)``: an awaitable (status, body dict, headers) of one request as the tenant.
+    ``metrics``: where the batch and its lines are counted (none: not counted).
     """
 
     def __init__(self, store, send, tenant: str, batch: dict, content: bytes,
-                 concurrency: int = DEFAULT_CONCURRENCY, clock=time.time) -> None:
+                 concurrency: int = DEFAULT_CONCURRENCY, clock=time.time,
+                 metrics: KvharborMetrics | None = None) -> None:
         self.store, self.send, self.tenant, self.batch, self.content = store, send, tenant, batch, content
         self.concurrency, self.clock = max(1, concurrency), clock
+        self.metrics = metrics if metrics is not None else NullMetrics()
         self.counts = {"total": 0, "completed": 0, "failed": 0}
         self.cancelled = self.lost = False
 
@@ -121,6 +129,7 @@ class BatchRunner:
 
     async def run(self) -> None:
         """The whole batch; never raises (what went wrong is the batch's ``failed`` status)."""
+        self.metrics.batch(self.tenant, "created")
         try:
             await self._run()
         except asyncio.CancelledError:        # the gateway replica is stopping
@@ -135,6 +144,7 @@ class BatchRunner:
                 await asyncio.shield(close())
 
     async def _fail(self, code: str, message: str) -> None:
+        self.metrics.batch(self.tenant, "failed")
         try:
             await self.store("update", self.batch["id"], {"status": "failed", "failed_at": int(self.clock()),
                                                          "errors": errors_list([{"code": code, "message": message}])})
@@ -150,6 +160,7 @@ class BatchRunner:
         lines, errors = parse_lines(self.content, self.batch["endpoint"])
         if errors:
             await self._report({"status": "failed", "failed_at": int(self.clock()), "errors": errors_list(errors)})
+            self.metrics.batch(self.tenant, "failed")
             return
         self.counts["total"] = len(lines)
         model = next((b["model"] for _, b in lines if isinstance(b.get("model"), str)), None)
@@ -160,11 +171,13 @@ class BatchRunner:
             await self._run_lines(lines, results)
         finally:
             heartbeat.cancel()
-        if self.lost:
+        if self.lost:                         # deleted from the store, or the store restarted
+            self.metrics.batch(self.tenant, "failed")
             return
         ended = "cancelled" if self.cancelled else "expired" if None in results else "completed"
         await self._report({"status": "finalizing", "finalizing_at": int(self.clock())})
         if ended == "expired":
+            self.metrics.batch_requests(self.tenant, "expired", results.count(None))
             for i, (cid, _) in enumerate(lines):
                 if results[i] is None:
                     self.counts["failed"] += 1
@@ -181,6 +194,7 @@ class BatchRunner:
         await self.store("finish", self.tenant, self.batch["id"],
                          {"status": ended, f"{ended}_at": int(self.clock()), "request_counts": dict(self.counts)},
                          files)
+        self.metrics.batch(self.tenant, ended)
 
     async def _heartbeat(self) -> None:
         while True:
@@ -214,7 +228,9 @@ class BatchRunner:
             request_id = answer.get("id") if isinstance(answer.get("id"), str) else new_id("req_")
             results[i] = {"id": new_id("batch_req_"), "custom_id": cid, "error": None,
                           "response": {"status_code": status, "request_id": request_id, "body": answer}}
-            self.counts["completed" if _succeeded(results[i]) else "failed"] += 1
+            outcome = "completed" if _succeeded(results[i]) else "failed"
+            self.counts[outcome] += 1
+            self.metrics.batch_requests(self.tenant, outcome)
         finally:
             slots.release()
 

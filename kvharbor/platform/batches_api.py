@@ -32,6 +32,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvharbor.actors.calls import start_background
+from kvharbor.observability.metrics import get_metrics
 from kvharbor.platform.auth_gate import bearer_key
 from kvharbor.platform.batch_runner import BatchRunner
 from kvharbor.platform.batch_store import StoredBatches, new_id
@@ -119,7 +120,7 @@ async def create_batch(body: BatchCreateRequest, request: Request) -> dict:
         raise APIError(429, "this tenant has too many batches running: wait for one to end or cancel one",
                        "too_many_batches", headers={"Retry-After": "30"})
     runner = BatchRunner(stored.call, in_process_sender(request.app, bearer_key(request.headers)),
-                         principal.tenant, batch, content)
+                         principal.tenant, batch, content, metrics=get_metrics())
     task = start_background(runner.run())
     _running.add(task)
     task.add_done_callback(_running.discard)

@@ -47,6 +47,10 @@ class Recorder:
             m.running(replica, qos, scale)
         m.rate_limited(tenant, "tokens_per_minute")
         m.admitted(tenant, "premium", "fast_lane")
+        for status in ("created", "created", "completed"):      # one more batch running a round
+            m.batch(tenant, status)
+        for outcome in ("completed", "completed", "completed", "failed"):
+            m.batch_requests(tenant, outcome)
         for region in ("pinned", "shared"):
             for state in ("used", "cached", "free", "reserved"):
                 m.kv_blocks(replica, region, state, 10 * scale)

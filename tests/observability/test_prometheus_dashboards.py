@@ -31,15 +31,20 @@ def _wait_value(prometheus, expr: str, want: float, timeout_s: float = 60) -> No
     raise TimeoutError(f"{expr} never reached {want}")
 
 
-def _dashboard_value(prometheus, models: dict, title: str, **values: str) -> float:
-    """Value of the first target of the panel titled ``title`` (variables substituted)."""
+def _panel_expr(models: dict, title: str) -> str:
+    """The first target's expression of the panel titled ``title``."""
     for model in models.values():
         for panel in model["panels"]:
             if panel.get("title") == title:
-                result = prometheus.query(substitute(panel["targets"][0]["expr"], **values))
-                assert len(result) == 1, result
-                return float(result[0]["value"][1])
+                return panel["targets"][0]["expr"]
     raise KeyError(title)
+
+
+def _dashboard_value(prometheus, models: dict, title: str, **values: str) -> float:
+    """Value of the first target of the panel titled ``title`` (variables substituted)."""
+    result = prometheus.query(substitute(_panel_expr(models, title), **values))
+    assert len(result) == 1, result
+    return float(result[0]["value"][1])
 
 
 def test_every_dashboard_query_returns_series_and_ratios_are_right(ray_cluster, prometheus):
@@ -69,6 +74,10 @@ def test_every_dashboard_query_returns_series_and_ratios_are_right(ray_cluster, 
                            replica=REPLICA)
     assert math.isclose(hit, 0.5, rel_tol=0.05), hit
     assert math.isclose(acc, 2 / 3, rel_tol=0.05), acc
+    # two rounds of two batches created and one ended: two running (counts, not rates)
+    assert _dashboard_value(prometheus, models, "Batches running", tenant=TENANT) == 2
+    lines = prometheus.query(substitute(_panel_expr(models, "Batch requests by outcome"), tenant=TENANT))
+    assert {r["metric"]["outcome"] for r in lines} == {"completed", "failed"}, lines
     p99 = _dashboard_value(prometheus, models, "Router decision time")
     assert 0.0001 <= p99 <= 0.00025, p99    # both observations were 0.2 ms
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import Counter
 
 import pytest
 
@@ -42,9 +43,22 @@ async def store_call(store, method, *args):
     return getattr(store, method)(*args)
 
 
-def run(store, batch, content, send, clock, concurrency=4, tenant="acme"):
+class CountedMetrics:
+    """The two recording methods a runner calls, counted by (tenant, status or outcome)."""
+
+    def __init__(self) -> None:
+        self.batches, self.lines = Counter(), Counter()
+
+    def batch(self, tenant, status):
+        self.batches[tenant, status] += 1
+
+    def batch_requests(self, tenant, outcome, n=1):
+        self.lines[tenant, outcome] += n
+
+
+def run(store, batch, content, send, clock, concurrency=4, tenant="acme", metrics=None):
     runner = BatchRunner(lambda m, *a: store_call(store, m, *a), send, tenant, batch, content,
-                         concurrency=concurrency, clock=clock)
+                         concurrency=concurrency, clock=clock, metrics=metrics)
     asyncio.run(runner.run())
     return runner
 
@@ -221,13 +235,14 @@ def test_a_runner_killed_midway_marks_its_batch_failed():
     clock = Clock()
     store = BatchStore(clock=clock)
     content = jsonl(line("a"))
-    batch = new_batch(store, clock, content)
+    batch, metrics = new_batch(store, clock, content), CountedMetrics()
 
     async def send(url, body):
         await asyncio.sleep(10)
 
     async def main():
-        runner = BatchRunner(lambda m, *a: store_call(store, m, *a), send, "acme", batch, content, clock=clock)
+        runner = BatchRunner(lambda m, *a: store_call(store, m, *a), send, "acme", batch, content, clock=clock,
+                             metrics=metrics)
         task = asyncio.create_task(runner.run())
         await asyncio.sleep(0.05)
         task.cancel()
@@ -236,6 +251,7 @@ def test_a_runner_killed_midway_marks_its_batch_failed():
 
     asyncio.run(main())
     assert batch["status"] == "failed" and batch["errors"]["data"][0]["code"] == "runner_stopped"
+    assert metrics.batches == Counter({("acme", "created"): 1, ("acme", "failed"): 1}) and not metrics.lines
 
 
 def test_the_store_keeps_tenants_apart_and_bounds_bytes():
@@ -316,3 +332,53 @@ def test_the_senders_client_is_closed_when_the_batch_ends():
     send.aclose = aclose
     run(store, batch, content, send, clock)
     assert batch["status"] == "completed" and closed == [True]
+
+
+def test_metrics_count_each_batch_created_and_ended_and_each_line_by_outcome(monkeypatch):
+    """What the Tenants dashboard's Batch API row plots: per tenant, a batch once created and
+    once with the status it ended in, and every line once with its outcome, equal to the
+    batch's own request_counts."""
+    monkeypatch.setattr(batch_runner, "HEARTBEAT_S", 0.01)
+    clock = Clock()
+    store = BatchStore(clock=clock)
+    metrics, to_cancel = CountedMetrics(), []
+
+    async def answer(url, body):
+        if body["prompt"] == "x":
+            clock.now = 2e9                              # past every batch's window
+        if body["prompt"] == "c":
+            store.cancel("globex", to_cancel[0])
+            await asyncio.sleep(0.05)
+        if body["prompt"] == "lost":                     # the store restarted: it forgot the batch
+            store._batches.clear()
+            await asyncio.sleep(0.05)
+        return (400, {"error": {"message": "bad"}}, {}) if body["prompt"] == "bad" else (200, {"id": "i"}, {})
+
+    done = jsonl(line("a"), line("bad"), line("b", stream=True), line("d"))
+    run(store, new_batch(store, clock, done), done, answer, clock, metrics=metrics)
+    assert metrics.batches == Counter({("acme", "created"): 1, ("acme", "completed"): 1})
+    assert metrics.lines == Counter({("acme", "completed"): 2, ("acme", "failed"): 2})
+
+    invalid = jsonl(line("a"), line("a"))
+    run(store, new_batch(store, clock, invalid, tenant="initech"), invalid, answer, clock,
+        tenant="initech", metrics=metrics)
+    cancelled = jsonl(*[line(p) for p in ("c", "e", "f", "g")])
+    cancel_batch = new_batch(store, clock, cancelled, tenant="globex")
+    to_cancel.append(cancel_batch["id"])
+    run(store, cancel_batch, cancelled, answer, clock, concurrency=1, tenant="globex", metrics=metrics)
+    expiring = jsonl(line("a"), line("x"), line("y"), line("z"))
+    expired = new_batch(store, clock, expiring)
+    run(store, expired, expiring, answer, clock, concurrency=1, metrics=metrics)
+    assert cancel_batch["status"] == "cancelled" and expired["status"] == "expired"
+    forgotten = jsonl(line("lost"))
+    run(store, new_batch(store, clock, forgotten, tenant="umbrella"), forgotten, answer, clock,
+        tenant="umbrella", metrics=metrics)
+    assert metrics.batches == Counter({
+        ("acme", "created"): 2, ("acme", "completed"): 1, ("acme", "expired"): 1,
+        ("initech", "created"): 1, ("initech", "failed"): 1,
+        ("globex", "created"): 1, ("globex", "cancelled"): 1, ("umbrella", "created"): 1, ("umbrella", "failed"): 1})
+    assert metrics.lines == Counter({("acme", "completed"): 4, ("acme", "failed"): 2, ("acme", "expired"): 2,
+                                     ("globex", "completed"): cancel_batch["request_counts"]["completed"],
+                                     ("umbrella", "completed"): 1})
+    assert expired["request_counts"] == {"total": 4, "completed": 2, "failed": 2}
+

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.conftest import DEMO, TEST_KEYS
+from tests.observability.recorder_actor import scrape_until
 
 FINAL = ("completed", "failed", "expired", "cancelled")
 MODEL = "kvharbor/tiny-llama"
@@ -84,6 +85,10 @@ def test_each_line_is_answered_as_over_http_in_input_order(client, kvharbor_app)
                            headers={"Authorization": f"Bearer {DEMO['standard']}"})
     assert errors[0]["response"]["body"] == over_http.json()
     assert errors[1]["response"]["body"]["error"]["param"] == "stream"
+    # the gateway counted the batch and its lines (the Tenants dashboard's Batch API row)
+    scrape_until([r'^ray_kvharbor_batches_total\{.*status="completed".*tenant="globex"',
+                  r'^ray_kvharbor_batch_requests_total\{.*outcome="completed".*tenant="globex"',
+                  r'^ray_kvharbor_batch_requests_total\{.*outcome="failed".*tenant="globex"'])
 
 
 def test_completions_and_embeddings_batches(client):
