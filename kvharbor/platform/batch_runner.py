@@ -9,11 +9,12 @@ before any line runs.
 Each line is sent, as its tenant, through the gateway's own HTTP app in process (``send``:
 no socket): it meets the same key check, limits, queue, validation and engine as the same
 request over HTTP, and its answer (status and body) is written as the client would have
-received it. At most ``concurrency`` lines are in flight, so a batch runs beside interactive
-traffic at its tenant's class, not in front of it; a 429 (the tenant's rate limits, a full
-class queue, an overloaded gateway) is waited out (``retry-after-ms``, else ``Retry-After``)
-and the line sent again, so a batch slows down under load instead of failing. A line asking to
-stream is answered 400: a batch result is one JSON body.
+received it, but as ``service_tier: "flex"`` unless the line names a tier: at the lowest QoS
+class, below every tenant's interactive traffic (``service_tier``). At most ``concurrency``
+lines are in flight; a 429 (the tenant's rate limits, a full class queue, an overloaded
+gateway) is waited out (``retry-after-ms``, else ``Retry-After``) and the line sent again, so
+a batch slows down under load instead of failing. A line asking to stream is answered 400: a
+batch result is one JSON body.
 
 The runner reports progress to the store (``request_counts``) every ``HEARTBEAT_S`` and learns
 there whether the client cancelled: then no new line starts, the lines under way finish and
@@ -37,6 +38,7 @@ import time
 from kvharbor.observability.metrics import KvharborMetrics, NullMetrics
 from kvharbor.platform.batch_store import HEARTBEAT_S, errors_list, new_id
 from kvharbor.platform.error_body import error_dict
+from kvharbor.platform.service_tier import FLEX
 
 logger = logging.getLogger("kvharbor.batches")
 
@@ -235,6 +237,8 @@ class BatchRunner:
             slots.release()
 
     async def _send(self, body: dict) -> tuple[int, dict, dict]:
+        if "service_tier" not in body:        # a batch can wait: below interactive work
+            body = {**body, "service_tier": FLEX}
         try:
             return await self.send(self.batch["endpoint"], body)
         except Exception as e:                # noqa: BLE001 - one line's failure is that line's result

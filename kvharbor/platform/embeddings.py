@@ -28,6 +28,7 @@ from kvharbor.engine.pooling import PoolingParams
 from .error_body import APIError, FieldError
 from .generation import GenerationRun
 from .openai_protocol import MAX_PROMPT_TOKEN_IDS, Text, TokenId, TruncateTokens, prompt_shape
+from .service_tier import DOC as SERVICE_TIER_DOC, ServiceTier
 from .protocol import GenerateRequest
 
 MAX_INPUTS = 2048
@@ -47,6 +48,7 @@ class EmbeddingRequest(BaseModel):
     encoding_format: Literal["float", "base64"] | None = Field("float", description="\"float\": each embedding a list of numbers; \"base64\": its float32 values (little-endian) in base64, as OpenAI's SDK asks by default.")
     dimensions: int | None = Field(None, ge=1, description="Keep the embedding's first this many values (then normalized): only a model trained for it (Matryoshka; its config sets is_matryoshka or matryoshka_dimensions), as vLLM.")
     user: str | None = Field(None, description="An end-user id; accepted and ignored.")
+    service_tier: ServiceTier | None = Field(None, description=SERVICE_TIER_DOC + " Not in OpenAI's embeddings API.")
     truncate_prompt_tokens: TruncateTokens = Field(None, ge=-1, description="Keep only each input's last this many tokens (vLLM's); -1: as many as the context holds. Not in OpenAI's API.")
     add_special_tokens: bool = Field(True, description="Add the tokenizer's special tokens (e.g. BOS) to a text input (vLLM's). Not in OpenAI's API.")
     normalize: bool | None = Field(None, description="Scale each embedding to unit length (vLLM's; default true). Not in OpenAI's API.")

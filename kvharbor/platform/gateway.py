@@ -3,12 +3,11 @@
 Per request: API key -> tenant (401, before any byte of the body is read; ``auth_gate``) ->
 body size (413, before parsing) -> JSON schema (400: unknown fields and OpenAI fields kvharbor
 does not implement are refused by name, ``openai_protocol``) -> model check (404/403) ->
-tenant refused earlier for a limit not yet cleared, overload guard, class queue (429; all
-before tokenizing, ``admission_flow``, ``overload_guard``; the guard is also asked with the
-key check, before the body is read) -> tokenize and length checks (400) -> tenant limits:
-rate limits, budgets, concurrency (429) -> block hashes salted by the tenant's cache scope ->
-``LLMReplica.generate`` through the KV-aware router -> JSON or SSE back, with
-``usage.prompt_tokens_details.cached_tokens``.
+``service_tier`` "flex": the lowest QoS class -> tenant refused earlier for a limit not yet
+cleared, overload guard, class queue (429; before tokenizing, ``admission_flow``; the guard is
+also asked with the key check) -> tokenize and length checks (400) -> tenant limits: rates,
+budgets, concurrency (429) -> block hashes salted by the tenant's cache scope ->
+``LLMReplica.generate`` through the KV-aware router -> JSON or SSE back.
 
 Every error, including malformed JSON, invalid UTF-8, unknown routes and internal failures,
 is an OpenAI-shaped JSON body (``openai_protocol.ErrorResponse``), never a stack trace
@@ -68,8 +67,8 @@ from kvharbor.platform.run_stream import RunStream
 from kvharbor.platform.structured_request import parse_problem
 from kvharbor.platform.served_models import ServedModels
 from kvharbor.platform.scoring import RerankRequest, ScoreRequest, serve_rerank, serve_score
-from kvharbor.platform.sessions_api import (SESSION_HEADER, ForkRequest, check_session_id,
-                                            FlushRequest, end_session_everywhere,
+from kvharbor.platform.service_tier import tiered
+from kvharbor.platform.sessions_api import (SESSION_HEADER, FlushRequest, ForkRequest, check_session_id, end_session_everywhere,
                                             flush_everywhere, flush_filter, fork_session_everywhere, session_header)
 from kvharbor.platform.tool_calls import AUTO_NEEDS_PARSER
 from kvharbor.tenants import ActorAdmission, TenantError, TenantRegistry, get_or_create_admission_actor
@@ -357,7 +356,7 @@ class Gateway:
 
     async def _pooled(self, serve_route, body, request: Request, arrived: float) -> dict:
         """An embedding route (``embeddings``, ``scoring``) for the request's key and model."""
-        principal = self._authenticate(request)
+        principal = tiered(self._authenticate(request), body.service_tier, self.registry.config.qos_classes, self.is_lane)
         self._check_model(principal, body.model)
         return await serve_route(self, principal, body, marks_of(request, arrived), content_length(request.scope))
 
@@ -481,6 +480,7 @@ class Gateway:
         ``body.n`` choices). ``marks``: the ``perf_counter()`` instants so far (``arrived`` at
         the handler, and ``received`` / ``proxied`` when known, see ``marks_of``). ``size``:
         the request body's bytes (where ``tokenize`` runs, see ``Prompts.off_loop``)."""
+        principal = tiered(principal, body.service_tier, self.registry.config.qos_classes, self.is_lane)
         tenant, qos = principal.tenant, principal.qos_name
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         await self.admitter.early(principal, rid)

@@ -48,6 +48,7 @@ from kvharbor.platform.direct_stream import DirectStream
 from kvharbor.platform.error_body import APIError, error_type
 from kvharbor.platform.parsed_answers import ParsedAnswers
 from kvharbor.platform.router import KVAwareRouter
+from kvharbor.platform.service_tier import answered_tier
 
 logger = logging.getLogger("kvharbor.gateway")
 
@@ -462,7 +463,7 @@ class GenerationRun(ParsedAnswers):
             extra["timings_ms"] = self.timings_ms()
             extra["transport"] = self.transport
         return {"id": self.req.request_id, "object": kind, "created": self.created, "model": self.model,
-                "choices": choices, "kvharbor": extra}
+                "choices": choices, "service_tier": answered_tier(self.principal), "kvharbor": extra}
 
     def _chunk(self, choices: list, with_usage: bool) -> dict:
         for c in choices:                       # vLLM's stop_reason, on each choice's last chunk

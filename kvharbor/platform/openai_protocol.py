@@ -18,6 +18,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
 from kvharbor.engine.tokenizer import template_kwargs
 
 from .error_body import FieldError
+from .service_tier import DOC as SERVICE_TIER_DOC, ServiceTier
 from .structured_request import ResponseFormat, StructuredOutputs, structured_spec
 from .tool_calls import (MAX_TOOLS, Tool, ToolCall, ToolChoice, constraint, template_calls, template_tools,
                          tool_mode)
@@ -197,6 +198,7 @@ class _Common(BaseModel):
     skip_special_tokens: bool = Field(True, description="Leave special tokens (e.g. the end-of-sequence token) out of the text (vLLM's). Not in OpenAI's API.")
     include_stop_str_in_output: bool = Field(False, description="Keep the stop string or stop token (EOS included) that ended the answer at its end (vLLM's; text after it is still cut). Not in OpenAI's API.")
     user: str | None = Field(None, description=_ignored("end-user id"))
+    service_tier: ServiceTier | None = Field(None, description=SERVICE_TIER_DOC)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, description=f"In [-2, 2]: subtracted from a token's logit once per time it occurs in the output so far (OpenAI's formula).{_MODEL_DEFAULT}0.")
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, description=f"In [-2, 2]: subtracted from a token's logit once it occurs in the output so far (OpenAI's formula).{_MODEL_DEFAULT}0.")
     repetition_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False, description=f"Above 0 (1: off): a token in the prompt or the output so far has its logit divided by it when positive, multiplied when not (as vLLM).{_MODEL_DEFAULT}1. Not in OpenAI's API.")
@@ -429,7 +431,6 @@ class ChatRequest(_Common):
     parallel_tool_calls: bool | None = Field(None, description='false: at most one tool call ("required" is constrained to one, "auto" answers its first), as vLLM\'s.')
     prompt_cache_key: str | None = Field(None, description=_ignored("prefix caching is automatic"))
     safety_identifier: str | None = Field(None, description=_ignored("end-user id"))
-    service_tier: unsupported(str | None, "auto", "default") = Field(None, description="Only auto, default or null: the QoS class comes from the API key.")
     store: unsupported(bool | None, False) = Field(None, description="Not supported: only false or null.")
     metadata: unsupported(dict[str, str] | None, {}) = Field(None, description="Not supported: only {} or null.")
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS, description=f"Functions the model may call (at most {MAX_TOOLS}); shown to the chat template.")

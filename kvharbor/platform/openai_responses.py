@@ -26,6 +26,10 @@ class Usage(BaseModel):
     completion_tokens_details: CompletionTokensDetails | None = Field(None, description="Chat, with a reasoning parser (vLLM's).")
 
 
+SERVICE_TIER = Field("default", description="\"flex\": the request ran below its key's QoS class "
+                     "(it asked service_tier \"flex\"); \"default\": at its key's class.")
+
+
 class KvharborInfo(BaseModel):
     replica_id: str | None = Field(description="The LLM replica that served the request.")
     timings_ms: dict[str, float] | None = Field(
@@ -78,6 +82,7 @@ class CompletionResponse(BaseModel):
     model: str = Field(description="Model id.")
     choices: list[CompletionChoice] = Field(description="n choices.")
     usage: Usage = Field(description="Token counts.")
+    service_tier: Literal["default", "flex"] = SERVICE_TIER
     kvharbor: KvharborInfo = Field(description="Serving details.")
 
 
@@ -118,6 +123,7 @@ class ChatResponse(BaseModel):
     model: str = Field(description="Model id.")
     choices: list[ChatChoice] = Field(description="n choices.")
     usage: Usage = Field(description="Token counts.")
+    service_tier: Literal["default", "flex"] = SERVICE_TIER
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(None, description=PROMPT_LOGPROBS)
     kvharbor: KvharborInfo = Field(description="Serving details.")
 

@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .error_body import APIError, invalid_body
 from .openai_protocol import MAX_MESSAGES, MAX_TOP_LOGPROBS, ChatRequest, LogitBias, NullOnlyDict, Text, unsupported
+from .service_tier import DOC as SERVICE_TIER_DOC, ServiceTier
 from .tool_calls import MAX_TOOLS, NAME
 
 ITEM_FIELDS = {"message": {"role", "content", "phase"}, "function_call": {"call_id", "name", "arguments"},
@@ -198,7 +199,7 @@ class ResponsesRequest(BaseModel):
     user: str | None = Field(None, description="Accepted and ignored.")
     safety_identifier: str | None = Field(None, description="Accepted and ignored.")
     prompt_cache_key: str | None = Field(None, description="Accepted and ignored: prefix caching is automatic.")
-    service_tier: unsupported(str | None, "auto", "default") = None
+    service_tier: ServiceTier | None = Field(None, description=SERVICE_TIER_DOC)
     truncation: Literal["auto", "disabled"] | None = Field(None, description="\"auto\": a conversation too "
                                                           "long for the context drops its oldest items (the "
                                                           "instructions stay), as a truncate_oldest tenant's chats.")
@@ -281,7 +282,7 @@ def chat_request(body: ResponsesRequest, model: str, history: list[dict]) -> tup
         "parallel_tool_calls": body.parallel_tool_calls, "include_reasoning": body.include_reasoning,
         "skip_special_tokens": body.skip_special_tokens, "include_stop_str_in_output": body.include_stop_str_in_output,
         "logprobs": want_logprobs, "top_logprobs": body.top_logprobs if want_logprobs else None,
-        "reasoning_effort": body.reasoning and body.reasoning.effort,
+        "reasoning_effort": body.reasoning and body.reasoning.effort, "service_tier": body.service_tier,
         "response_format": body.text and body.text.format and body.text.format.response_format(),
     }
     if body.tools:
@@ -330,6 +331,7 @@ class Turn:
         self.chat, self.conversation = chat_request(body, model, history)
         self.id, self.created = _id("resp"), int(time.time())
         self.output: list[dict] = []
+        self.service_tier = "default"         # as the chat answer reports it (service_tier.answered_tier)
         self.on_done = None
         """``async (turn, response) -> None``, awaited before the answer or the last event
         (the store); set by the gateway."""
@@ -347,7 +349,7 @@ class Turn:
                 "output": self.output, "parallel_tool_calls": body.parallel_tool_calls is not False,
                 "previous_response_id": body.previous_response_id,
                 "reasoning": body.reasoning.model_dump() if body.reasoning else None,
-                "service_tier": "default", "store": body.store, "temperature": body.temperature,
+                "service_tier": self.service_tier, "store": body.store, "temperature": body.temperature,
                 "text": {"format": body.text.format.model_dump(by_alias=True, exclude_none=True)
                          if body.text and body.text.format else {"type": "text"}},
                 "tool_choice": (body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedFunction)
@@ -378,6 +380,7 @@ class Turn:
     async def answer(self, chat: dict) -> dict:
         """The response of a whole chat answer."""
         self.model = chat.get("model", self.model)       # the name answers give (the base model's first)
+        self.service_tier = chat.get("service_tier", self.service_tier)
         choice = chat["choices"][0]
         message = choice["message"]
         if message.get("reasoning") and self.body.include_reasoning:
@@ -405,6 +408,7 @@ class Turn:
             raise responses_error(e) from None
         if isinstance(first, dict):
             self.model = first.get("model", self.model)
+            self.service_tier = first.get("service_tier", self.service_tier)
         stream = _Events(self)
         yield stream.event("response.created", response=self.response("in_progress"))
         yield stream.event("response.in_progress", response=self.response("in_progress"))

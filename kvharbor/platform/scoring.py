@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from .embeddings import MAX_INPUTS, EmbeddingRequest, embed
 from .error_body import FieldError
 from .openai_protocol import Text, TruncateTokens
+from .service_tier import DOC as SERVICE_TIER_DOC, ServiceTier
 
 Passage = Annotated[Text, Field(min_length=1)]
 Passages = Annotated[list[Passage], Field(min_length=1, max_length=MAX_INPUTS - 1)]
@@ -35,6 +36,7 @@ class RerankRequest(BaseModel):
     return_documents: bool = Field(True, description="Each result carries its document's text (Cohere's field).")
     truncate_prompt_tokens: TruncateTokens = Field(None, ge=-1, description=_TRUNCATE)
     user: str | None = Field(None, description="An end-user id; accepted and ignored.")
+    service_tier: ServiceTier | None = Field(None, description=SERVICE_TIER_DOC)
 
 
 class ScoreRequest(BaseModel):
@@ -47,6 +49,7 @@ class ScoreRequest(BaseModel):
     text_2: Passage | Passages = Field(description="The second texts: one per first text, or any number for one.")
     truncate_prompt_tokens: TruncateTokens = Field(None, ge=-1, description=_TRUNCATE)
     user: str | None = Field(None, description="An end-user id; accepted and ignored.")
+    service_tier: ServiceTier | None = Field(None, description=SERVICE_TIER_DOC)
 
     @model_validator(mode="after")
     def _pairs(self):

@@ -382,3 +382,19 @@ def test_metrics_count_each_batch_created_and_ended_and_each_line_by_outcome(mon
                                      ("umbrella", "completed"): 1})
     assert expired["request_counts"] == {"total": 4, "completed": 2, "failed": 2}
 
+
+
+def test_lines_are_sent_as_flex_unless_they_name_a_tier():
+    """A batch can wait: its lines run at the lowest QoS class (service_tier "flex"), below every
+    tenant's interactive requests, unless a line asks for a tier itself."""
+    clock = Clock()
+    store = BatchStore(clock=clock)
+    content = jsonl(line("a"), line("b", service_tier="default"), line("c", service_tier="flex"))
+    batch, sent = new_batch(store, clock, content), {}
+
+    async def send(url, body):
+        sent[body["prompt"]] = body.get("service_tier")
+        return 200, {"id": body["prompt"]}, {}
+
+    run(store, batch, content, send, clock)
+    assert sent == {"a": "flex", "b": "default", "c": "flex"}

@@ -43,9 +43,16 @@ def _run(stream_of, n: int = 1, principal=None, tool_mode: str | None = None, ch
     replicas.remote = lambda request, replica_id=None: stream_of(request)(replicas.log, request,
                                                                           replica_id or "replica-0")
     gw = SimpleNamespace(**{"llm": replicas, "metrics": NoMetrics(), **gateway})
+    principal = principal or _principal()
     return generation.GenerationRun(gw, _batch([[1, 2, 3]], n=n), principal, None, chat=chat or tool_mode is not None,
                                     model="m", logprobs=logprobs, tool_mode=tool_mode, reasoning=reasoning,
                                     one_call=one_call)
+
+
+def _principal(slo_ms: float | None = None) -> SimpleNamespace:
+    """A tenant of class standard, running at it (what a run reads of a principal)."""
+    return SimpleNamespace(qos=SimpleNamespace(ttft_slo_ms=slo_ms), qos_name="standard",
+                           config=SimpleNamespace(qos="standard"))
 
 
 def _answering_run(stream_of, slo_ms: float | None = None, **kw) -> generation.GenerationRun:
@@ -54,7 +61,7 @@ def _answering_run(stream_of, slo_ms: float | None = None, **kw) -> generation.G
     async def release(ticket, tokens):
         return None
 
-    return _run(stream_of, principal=SimpleNamespace(qos=SimpleNamespace(ttft_slo_ms=slo_ms)), ingress="main",
+    return _run(stream_of, principal=_principal(slo_ms), ingress="main",
                 request_done=lambda qos, rid: None, admitter=SimpleNamespace(release=release), **kw)
 
 

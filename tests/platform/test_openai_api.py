@@ -114,7 +114,7 @@ def test_unsupported_completion_fields_are_400_naming_the_field(client, kvharbor
     ("metadata", {"k": "v"}), ("audio", {"voice": "alloy", "format": "wav"}),
     ("modalities", ["text", "audio"]), ("prediction", {"type": "content", "content": "x"}),
     ("reasoning_effort", "extreme"), ("verbosity", "low"), ("web_search_options", {}),
-    ("service_tier", "flex"),
+    ("service_tier", "priority"),
 ])
 def test_unsupported_chat_fields_are_400_naming_the_field(client, kvharbor_app, field, value):
     with pytest.raises(openai.BadRequestError) as info:
