@@ -62,6 +62,7 @@ from kvharbor.platform.premium_lane import check_lane, listening_socket, start_s
 from kvharbor.platform.protocol import GenerateRequest
 from kvharbor.platform.prompts import Prompts
 from kvharbor.platform.response_store import StoredResponses
+from kvharbor.platform.responses_background import router as background_router, start as start_background_response
 from kvharbor.platform.responses_api import ResponsesRequest, Turn, responses_error
 from kvharbor.platform.run_stream import RunStream
 from kvharbor.platform.structured_request import parse_problem
@@ -82,6 +83,7 @@ api = FastAPI(title="kvharbor", version=VERSION,
 api.add_middleware(BodyLimitMiddleware)
 api.add_middleware(AuthGateMiddleware)     # added last: runs first, before the body limit
 api.include_router(batches_router)         # /v1/files, /v1/batches (plain routes: no gateway state)
+api.include_router(background_router)      # POST /v1/responses/{id}/cancel
 
 SSE = {"text/event-stream": {"schema": {
     "type": "object", "required": ["data"], "description": "with `stream: true`: one event per chunk",
@@ -163,8 +165,7 @@ class Gateway:
         self.config = config
         if config.get("direct_streams"):
             start_request_router(llm)
-        # The PremiumGateway's handle (main gateway, premium_port set): bound here so that Serve
-        # deploys the lane with the app; never called.
+        # The PremiumGateway's handle (premium_port set): bound so Serve deploys the lane; never called.
         self.lane = lane
         self.model = config["model"]
         self.registry = TenantRegistry(config["tenants"])
@@ -191,13 +192,10 @@ class Gateway:
         api.state.guard_hint = self._guard_hint                 # for Serve's proxy guard too
         self.admission = ActorAdmission(get_or_create_admission_actor())   # detaches its calls
         self.metrics = get_metrics()
-        # Control-plane calls are no request's children: a client that goes away must not
-        # cancel a leave (kvharbor.actors.calls).
+        # Control-plane calls are no request's children: a client leaving must not cancel a leave.
         self.class_queue = detached(get_or_create_class_queue())
-        self.guard = OverloadGuard(config.get("overload_lag_ms", DEFAULT_LAG_TARGET_MS),
-                                   metrics=self.metrics)
-        self.admitter = Admitter(self.admission, self.class_queue, self.registry, self.metrics,
-                                 guard=self.guard)
+        self.guard = OverloadGuard(config.get("overload_lag_ms", DEFAULT_LAG_TARGET_MS), metrics=self.metrics)
+        self.admitter = Admitter(self.admission, self.class_queue, self.registry, self.metrics, guard=self.guard)
         self._watcher: asyncio.Task | None = None
         self.llm_replicas = RunningReplicas(llm)              # for /healthz
         self.stored = StoredResponses()                       # the Responses API's store
@@ -331,6 +329,8 @@ class Gateway:
         if body.previous_response_id is not None:
             _, history = await self.stored.get(principal.tenant, body.previous_response_id, "previous_response_id")
         turn = Turn(body, model, history, self.block_size)
+        if body.background:                   # answered now, run here (responses_background)
+            return await start_background_response(self, principal, turn, request, arrived)
         if body.store:
             turn.on_done = lambda turn, response: self.stored.put(principal.tenant, response, turn.history())
         try:

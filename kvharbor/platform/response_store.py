@@ -7,6 +7,12 @@ Memory is bounded (``max_bytes`` of JSON): the least recently used responses go 
 conversation continued from a stored response is kept in full by each of its turns, so a
 turn's memory grows with its history (at most the context's worth of text).
 
+A background response (``background: true``, ``responses_background``) is kept while it runs,
+``queued`` or ``in_progress``: its runner reports every ``BEAT_S`` (``beat``, which tells it
+whether the client cancelled), ``cancel`` marks it ``cancelled`` (the runner stops at its next
+report, and its answer does not overwrite the cancel: ``finish``), and one whose runner has not
+reported for ``STALE_S`` (its gateway replica died) reads as ``failed`` (``runner_lost``).
+
 The actor restarts when it dies (``max_restarts=-1``), empty: stored responses are then not
 found (404) and a conversation must resend its history. A store that cannot be reached in
 ``CALL_TIMEOUT_S`` answers 503 (continuing) or logs (storing: the response is still given).
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections import OrderedDict
 
 import ray
@@ -27,16 +34,21 @@ logger = logging.getLogger("kvharbor.responses")
 
 DEFAULT_MAX_BYTES = 256 * 2**20
 NAME = "kvharbor-response-store"
+RUNNING = ("queued", "in_progress")
+BEAT_S = 1.0
+STALE_S = 30.0
 
 
 class ResponseStore:
     """Responses by id, LRU-bounded by their JSON size. Invariant: ``used`` = the sum of the
     kept entries' sizes <= ``max_bytes``."""
 
-    def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+    def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES, clock=time.monotonic) -> None:
         self.max_bytes = max_bytes
         self.used = 0
         self._entries: OrderedDict[str, tuple[str, dict, list[dict], int]] = OrderedDict()
+        self._beats: dict[str, float] = {}       # running background responses: last report
+        self._clock = clock
 
     def put(self, tenant: str, response: dict, history: list[dict]) -> bool:
         """Keep ``response`` and the conversation it ends (False: too large to keep at all)."""
@@ -45,10 +57,13 @@ class ResponseStore:
         if size > self.max_bytes:
             return False
         while self.used + size > self.max_bytes:
-            _, (_, _, _, dropped) = self._entries.popitem(last=False)
+            evicted, (_, _, _, dropped) = self._entries.popitem(last=False)
+            self._beats.pop(evicted, None)
             self.used -= dropped
         self._entries[response["id"]] = (tenant, response, history, size)
         self.used += size
+        if response.get("status") in RUNNING:
+            self._beats[response["id"]] = self._clock()
         return True
 
     def get(self, tenant: str, response_id: str) -> tuple[dict, list[dict]] | None:
@@ -57,13 +72,53 @@ class ResponseStore:
         if entry is None or entry[0] != tenant:
             return None
         self._entries.move_to_end(response_id)
-        return entry[1], entry[2]
+        response = entry[1]
+        if response.get("status") in RUNNING and self._clock() - self._beats.get(response_id, 0.0) > STALE_S:
+            response.update(status="failed", error={
+                "code": "runner_lost", "message": f"the gateway replica running this response stopped reporting "
+                f"for {STALE_S:g} s (it stopped or restarted): create the response again"})
+            self._beats.pop(response_id, None)
+        return response, entry[2]
+
+    def beat(self, tenant: str, response_id: str, status: str = "in_progress") -> str | None:
+        """A background runner's report: its response is ``status`` (``queued`` or
+        ``in_progress``) unless cancelled. Returns the response's status (``cancelled``: stop),
+        or None for one no longer kept (the store restarted, evicted, deleted, declared lost)."""
+        found = self.get(tenant, response_id)
+        if found is None or found[0]["status"] not in RUNNING + ("cancelled",):
+            return None
+        response = found[0]
+        if response["status"] in RUNNING:
+            response["status"] = status
+            self._beats[response_id] = self._clock()
+        return response["status"]
+
+    def cancel(self, tenant: str, response_id: str) -> dict | None:
+        """Mark a running background response ``cancelled`` (a finished one is left as it is);
+        the response, or None (not this tenant's)."""
+        found = self.get(tenant, response_id)
+        if found is None:
+            return None
+        if found[0]["status"] in RUNNING:
+            found[0]["status"] = "cancelled"
+            self._beats.pop(response_id, None)
+        return found[0]
+
+    def finish(self, tenant: str, response: dict, history: list[dict]) -> bool:
+        """A background runner's final response, kept unless the response was cancelled or is
+        gone meanwhile (False then)."""
+        found = self.get(tenant, response["id"])
+        if found is None or found[0]["status"] not in RUNNING:
+            return False
+        self._beats.pop(response["id"], None)
+        return self.put(tenant, response, history)
 
     def delete(self, tenant: str, response_id: str) -> bool:
         entry = self._entries.get(response_id)
         if entry is None or entry[0] != tenant:
             return False
         del self._entries[response_id]
+        self._beats.pop(response_id, None)
         self.used -= entry[3]
         return True
 
@@ -87,6 +142,15 @@ class ResponseStoreActor:
     def delete(self, tenant: str, response_id: str) -> bool:
         return self._store.delete(tenant, response_id)
 
+    def beat(self, tenant: str, response_id: str, status: str = "in_progress") -> str | None:
+        return self._store.beat(tenant, response_id, status)
+
+    def cancel(self, tenant: str, response_id: str) -> dict | None:
+        return self._store.cancel(tenant, response_id)
+
+    def finish(self, tenant: str, response: dict, history: list[dict]) -> bool:
+        return self._store.finish(tenant, response, history)
+
 
 def get_or_create_response_store(name: str = NAME, namespace: str = "kvharbor"):
     """The named actor, created on first use (detached: it outlives gateway replicas)."""
@@ -100,6 +164,10 @@ class StoredResponses(StoreCalls):
 
     def __init__(self) -> None:
         super().__init__(get_or_create_response_store, "response store", "response_store_unavailable")
+
+    async def call(self, method: str, *args):
+        """``ResponseStoreActor.<method>(*args)`` (503 when the store does not answer)."""
+        return await self._call(method, *args)
 
     async def get(self, tenant: str, response_id: str, param: str) -> tuple[dict, list[dict]]:
         found = await self._call("get", tenant, response_id)

@@ -13,7 +13,7 @@ sequence (``response.created`` ... ``response.completed``), every event numbered
 With ``store`` (the default, as OpenAI's) the response and its conversation are kept by the
 ``ResponseStore`` actor (``response_store``) for ``previous_response_id`` and
 ``GET /v1/responses/{id}``; a tenant reads only its own. As OpenAI's API, ``instructions`` are
-not carried to the next turn.
+not carried to the next turn. ``background`` runs it after the answer (``responses_background``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .error_body import APIError, invalid_body
+from .error_body import APIError, FieldError, invalid_body
 from .openai_protocol import MAX_MESSAGES, MAX_TOP_LOGPROBS, ChatRequest, LogitBias, NullOnlyDict, Text, unsupported
 from .service_tier import DOC as SERVICE_TIER_DOC, ServiceTier
 from .tool_calls import MAX_TOOLS, NAME
@@ -203,15 +203,27 @@ class ResponsesRequest(BaseModel):
     truncation: Literal["auto", "disabled"] | None = Field(None, description="\"auto\": a conversation too "
                                                           "long for the context drops its oldest items (the "
                                                           "instructions stay), as a truncate_oldest tenant's chats.")
-    background: unsupported(bool | None, False) = None
+    background: bool | None = Field(False, description="Answer at once with the response queued, run it in the "
+                                    "background; poll GET /v1/responses/{id}, cancel with POST .../cancel. Needs "
+                                    "store (the default); not with stream.")
     max_tool_calls: unsupported(int | None) = None
     prompt: NullOnlyDict = None
     conversation: unsupported(str | dict | None) = None
 
-    @field_validator("store", "stream", mode="after")
+    @field_validator("store", "stream", "background", mode="after")
     @classmethod
     def _null_is_the_default(cls, value, info):
         return cls.model_fields[info.field_name].default if value is None else value
+
+    @model_validator(mode="after")
+    def _background_is_stored_and_not_streamed(self):
+        if self.background and not self.store:
+            raise FieldError("background", "a background response is read back from the store: send store true "
+                             "(the default) with background, or leave background out")
+        if self.background and self.stream:
+            raise FieldError("background", "a background response is not streamed: poll GET /v1/responses/{id}, "
+                             "or send stream without background")
+        return self
 
     def wants_logprobs(self) -> bool:
         return "message.output_text.logprobs" in (self.include or ())
@@ -342,7 +354,7 @@ class Turn:
         if status == "completed" and finish == "length":
             status = "incomplete"
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
-                "background": False, "error": None,
+                "background": bool(body.background), "error": None,
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                 "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
                 "max_tool_calls": None, "metadata": body.metadata or {}, "model": self.model,

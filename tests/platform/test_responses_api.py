@@ -73,7 +73,7 @@ def test_request_fields_map_onto_chats():
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, None),     # no arguments
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x", "role": "user"}]}, None),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, None),
-    ({"background": True}, None), ({"store": True, "conversation": "conv_1"}, None),
+    ({"background": True, "stream": True}, None), ({"store": True, "conversation": "conv_1"}, None),
 ])
 def test_what_cannot_be_served_is_refused_before_any_work(fields, param):
     with pytest.raises((APIError, ValidationError)) as refused:

@@ -143,7 +143,7 @@ def test_a_json_schema_format_and_logprobs(client, kvharbor_app):
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"background": True}, "background"),
+    ({"background": True, "store": False}, "background"),
     ({"tools": [{"type": "web_search"}]}, "tools.0"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"input": []}, "input"),
