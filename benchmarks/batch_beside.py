@@ -30,7 +30,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.batches import ADMIN, MODEL, PORT, tagged, workload
+from benchmarks.batches import ADMIN, MODEL, PORT, run_on_app, tagged, workload
 from benchmarks.common import machine, pct, result_name, table, write_json
 
 INTERACTIVE_KEY = "kvh-demo-standard"
@@ -127,24 +127,11 @@ def main(argv=None) -> int:
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--name", type=result_name, default="batch_beside")
     args = p.parse_args(argv)
-    import ray
-    from ray import serve
-
     from benchmarks.qos import lifted_tenants
-    from kvharbor.platform.app import build_app, wait_until_healthy
 
     info = machine()
     tenants = lifted_tenants(Path(tempfile.mkdtemp(prefix="kvh-batch-beside-")))
-    ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", namespace="serve", log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-        serve.run(build_app({"replicas": args.replicas, "gateway_replicas": 2, "tenants": str(tenants)}),
-                  name="kvharbor", route_prefix="/", blocking=False)
-        wait_until_healthy(f"http://127.0.0.1:{PORT}", timeout_s=300)
-        results = asyncio.run(measure(args))
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    results = run_on_app(args.replicas, tenants, lambda: measure(args))
     rows = []
     for seed, arms in results.items():
         alone = arms["alone"]["ttft_ms"]["p99"]

@@ -121,6 +121,26 @@ async def measure(args) -> dict:
     return out
 
 
+def run_on_app(replicas: int, tenants: Path, coroutine_fn):
+    """Start the app (``replicas`` LLM replicas, 2 gateways, ``tenants``) on ``PORT``, run
+    ``coroutine_fn()`` against it, stop everything; returns what the coroutine returned."""
+    import ray
+    from ray import serve
+
+    from kvharbor.platform.app import build_app, wait_until_healthy
+
+    ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", namespace="serve", log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+        serve.run(build_app({"replicas": replicas, "gateway_replicas": 2, "tenants": str(tenants)}),
+                  name="kvharbor", route_prefix="/", blocking=False)
+        wait_until_healthy(f"http://127.0.0.1:{PORT}", timeout_s=300)
+        return asyncio.run(coroutine_fn())
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -134,25 +154,12 @@ def main(argv=None) -> int:
                    help="keep tenants.yaml's rate, token and concurrency limits (default: lifted)")
     p.add_argument("--name", type=result_name, default="batches")
     args = p.parse_args(argv)
-    import ray
-    from ray import serve
-
     from benchmarks.qos import ROOT, lifted_tenants
-    from kvharbor.platform.app import build_app, wait_until_healthy
 
     info = machine()
     folder = Path(tempfile.mkdtemp(prefix="kvh-batches-bench-"))
     tenants = ROOT / "tenants.yaml" if args.tenants_limits else lifted_tenants(folder)
-    ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", namespace="serve", log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-        serve.run(build_app({"replicas": args.replicas, "gateway_replicas": 2, "tenants": str(tenants)}),
-                  name="kvharbor", route_prefix="/", blocking=False)
-        wait_until_healthy(f"http://127.0.0.1:{PORT}", timeout_s=300)
-        results = asyncio.run(measure(args))
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    results = run_on_app(args.replicas, tenants, lambda: measure(args))
     rows = [{"seed": s, "batch tok/s": f"{r['batch']['tokens_per_s']:.0f}", "http tok/s": f"{r['http']['tokens_per_s']:.0f}",
              "batch/http": f"{r['batch_over_http']:.2f}x", "HTTP 429s": r["http_429s"]} for s, r in results.items()]
     print(table(rows, ["seed", "batch tok/s", "http tok/s", "batch/http", "HTTP 429s"]))
