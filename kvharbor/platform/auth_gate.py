@@ -39,7 +39,7 @@ from __future__ import annotations
 import time
 
 from kvharbor.platform import rate_headers
-from kvharbor.platform.error_body import error_response
+from kvharbor.platform.error_body import APIError, error_response
 
 SCORING_PATHS = ("/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank")
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", *SCORING_PATHS)
@@ -152,6 +152,15 @@ async def drained(receive, limit: int) -> bool:
             return seen <= limit
     return False
 
+
+
+def tenant_principal(request):
+    """The tenant principal this middleware left for ``request`` (a route under ``/v1/``), or the
+    401 for an admin key or none (plain routes that keep no gateway state read it this way)."""
+    principal = getattr(request.state, "principal", None)
+    if principal is None or isinstance(principal, str):
+        raise APIError(401, "send a tenant's API key as Authorization: Bearer <key>", "invalid_api_key")
+    return principal
 
 class AuthGateMiddleware:
     """Pure ASGI middleware; one call to ``authenticate`` per protected request."""

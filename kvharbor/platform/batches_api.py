@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvharbor.actors.calls import start_background
 from kvharbor.observability.metrics import get_metrics
-from kvharbor.platform.auth_gate import bearer_key
+from kvharbor.platform.auth_gate import bearer_key, tenant_principal
 from kvharbor.platform.batch_runner import BatchRunner
 from kvharbor.platform.batch_store import StoredBatches, new_id
 from kvharbor.platform.error_body import APIError, error_dict, error_responses
@@ -56,17 +56,10 @@ class BatchCreateRequest(BaseModel):
                                             "on the batch.")
 
 
-def _principal(request: Request):
-    principal = getattr(request.state, "principal", None)
-    if principal is None or isinstance(principal, str):
-        raise APIError(401, "send a tenant's API key as Authorization: Bearer <key>", "invalid_api_key")
-    return principal
-
-
 @router.post("/v1/files", responses=error_responses(400, 401, 413, 503))
 async def upload_file(request: Request, file: UploadFile = File(description="The JSONL file."),
                       purpose: Literal["batch"] = Form(description="Only \"batch\" is served.")) -> dict:
-    principal = _principal(request)
+    principal = tenant_principal(request)
     content = await file.read()
     meta = await stored.call("add_file", principal.tenant, file.filename or "upload.jsonl", purpose, content)
     if meta is None:
@@ -78,31 +71,31 @@ async def upload_file(request: Request, file: UploadFile = File(description="The
 
 @router.get("/v1/files", responses=error_responses(401, 503))
 async def list_files(request: Request, purpose: str | None = None) -> dict:
-    files = await stored.call("files", _principal(request).tenant, purpose)
+    files = await stored.call("files", tenant_principal(request).tenant, purpose)
     return {"object": "list", "data": files, "has_more": False}
 
 
 @router.get("/v1/files/{file_id}", responses=error_responses(401, 404, 503))
 async def get_file(file_id: str, request: Request) -> dict:
-    return await stored.found("file", _principal(request).tenant, file_id, "file", "file_id")
+    return await stored.found("file", tenant_principal(request).tenant, file_id, "file", "file_id")
 
 
 @router.get("/v1/files/{file_id}/content", responses={200: {"content": {"application/jsonl": {}}},
                                                        **error_responses(401, 404, 503)})
 async def file_content(file_id: str, request: Request) -> Response:
-    content = await stored.found("content", _principal(request).tenant, file_id, "file", "file_id")
+    content = await stored.found("content", tenant_principal(request).tenant, file_id, "file", "file_id")
     return Response(content, media_type="application/jsonl")
 
 
 @router.delete("/v1/files/{file_id}", responses=error_responses(401, 404, 503))
 async def delete_file(file_id: str, request: Request) -> dict:
-    await stored.found("delete_file", _principal(request).tenant, file_id, "file", "file_id")
+    await stored.found("delete_file", tenant_principal(request).tenant, file_id, "file", "file_id")
     return {"id": file_id, "object": "file", "deleted": True}
 
 
 @router.post("/v1/batches", responses=error_responses(400, 401, 404, 429, 503))
 async def create_batch(body: BatchCreateRequest, request: Request) -> dict:
-    principal = _principal(request)
+    principal = tenant_principal(request)
     meta = await stored.found("file", principal.tenant, body.input_file_id, "file", "input_file_id")
     if meta["purpose"] != "batch":
         raise APIError(400, f"file {body.input_file_id!r} has purpose {meta['purpose']!r}: a batch reads a file "
@@ -129,19 +122,19 @@ async def create_batch(body: BatchCreateRequest, request: Request) -> dict:
 
 @router.get("/v1/batches", responses=error_responses(401, 503))
 async def list_batches(request: Request, after: str | None = None, limit: int = Query(20, ge=1, le=100)) -> dict:
-    page, more = await stored.call("batches", _principal(request).tenant, after, limit)
+    page, more = await stored.call("batches", tenant_principal(request).tenant, after, limit)
     return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
             "last_id": page[-1]["id"] if page else None, "has_more": more}
 
 
 @router.get("/v1/batches/{batch_id}", responses=error_responses(401, 404, 503))
 async def get_batch(batch_id: str, request: Request) -> dict:
-    return await stored.found("batch", _principal(request).tenant, batch_id, "batch", "batch_id")
+    return await stored.found("batch", tenant_principal(request).tenant, batch_id, "batch", "batch_id")
 
 
 @router.post("/v1/batches/{batch_id}/cancel", responses=error_responses(401, 404, 503))
 async def cancel_batch(batch_id: str, request: Request) -> dict:
-    return await stored.found("cancel", _principal(request).tenant, batch_id, "batch", "batch_id")
+    return await stored.found("cancel", tenant_principal(request).tenant, batch_id, "batch", "batch_id")
 
 
 def in_process_sender(app, key: str | None):

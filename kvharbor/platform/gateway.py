@@ -332,7 +332,7 @@ class Gateway:
         if body.background:                   # answered now, run here (responses_background)
             return await start_background_response(self, principal, turn, request, arrived)
         if body.store:
-            turn.on_done = lambda turn, response: self.stored.put(principal.tenant, response, turn.history())
+            turn.on_done = lambda turn, response: self.stored.put(principal.tenant, response, turn.history(), turn.inputs)
         try:
             return await self._chat(principal, turn.chat, request, arrived, turn)
         except (APIError, TenantError) as e:

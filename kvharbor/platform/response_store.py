@@ -1,7 +1,8 @@
 """Stored responses of the Responses API (``store: true``), for every gateway replica.
 
 One named actor keeps, per response id, the tenant that made it, the response object
-(``GET /v1/responses/{id}``) and its conversation (what ``previous_response_id`` continues).
+(``GET /v1/responses/{id}``), its conversation (what ``previous_response_id`` continues) and
+its request's input items (``GET /v1/responses/{id}/input_items``).
 A tenant reads and deletes only its own: another tenant's id is "not found", as an unknown one.
 Memory is bounded (``max_bytes`` of JSON): the least recently used responses go first, and a
 conversation continued from a stored response is kept in full by each of its turns, so a
@@ -48,19 +49,24 @@ class ResponseStore:
         self.used = 0
         self._entries: OrderedDict[str, tuple[str, dict, list[dict], int]] = OrderedDict()
         self._beats: dict[str, float] = {}       # running background responses: last report
+        self._inputs: dict[str, list[dict]] = {}  # each kept response's input items
         self._clock = clock
 
-    def put(self, tenant: str, response: dict, history: list[dict]) -> bool:
-        """Keep ``response`` and the conversation it ends (False: too large to keep at all)."""
-        size = len(json.dumps(response)) + len(json.dumps(history))
+    def put(self, tenant: str, response: dict, history: list[dict], inputs: list[dict] | None = None) -> bool:
+        """Keep ``response``, the conversation it ends and its request's input items (False: too
+        large to keep at all)."""
+        inputs = inputs or []
+        size = len(json.dumps(response)) + len(json.dumps(history)) + len(json.dumps(inputs))
         self.delete(tenant, response["id"])
         if size > self.max_bytes:
             return False
         while self.used + size > self.max_bytes:
             evicted, (_, _, _, dropped) = self._entries.popitem(last=False)
             self._beats.pop(evicted, None)
+            self._inputs.pop(evicted, None)
             self.used -= dropped
         self._entries[response["id"]] = (tenant, response, history, size)
+        self._inputs[response["id"]] = inputs
         self.used += size
         if response.get("status") in RUNNING:
             self._beats[response["id"]] = self._clock()
@@ -104,14 +110,25 @@ class ResponseStore:
             self._beats.pop(response_id, None)
         return found[0]
 
-    def finish(self, tenant: str, response: dict, history: list[dict]) -> bool:
+    def finish(self, tenant: str, response: dict, history: list[dict], inputs: list[dict] | None = None) -> bool:
         """A background runner's final response, kept unless the response was cancelled or is
         gone meanwhile (False then)."""
         found = self.get(tenant, response["id"])
         if found is None or found[0]["status"] not in RUNNING:
             return False
         self._beats.pop(response["id"], None)
-        return self.put(tenant, response, history)
+        return self.put(tenant, response, history, inputs)
+
+    def input_items(self, tenant: str, response_id: str, after: str | None, limit: int,
+                    order: str) -> tuple[list[dict], bool] | None:
+        """A page of the response's input items (``order`` ``asc``: as sent, ``desc``: last
+        first), those after item ``after``; and whether more follow. None: not this tenant's."""
+        if self.get(tenant, response_id) is None:
+            return None
+        items = self._inputs.get(response_id, [])
+        items = items if order == "asc" else items[::-1]
+        start = next((i + 1 for i, item in enumerate(items) if item.get("id") == after), 0) if after else 0
+        return items[start:start + limit], start + limit < len(items)
 
     def delete(self, tenant: str, response_id: str) -> bool:
         entry = self._entries.get(response_id)
@@ -119,6 +136,7 @@ class ResponseStore:
             return False
         del self._entries[response_id]
         self._beats.pop(response_id, None)
+        self._inputs.pop(response_id, None)
         self.used -= entry[3]
         return True
 
@@ -133,8 +151,8 @@ class ResponseStoreActor:
     def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self._store = ResponseStore(max_bytes)
 
-    def put(self, tenant: str, response: dict, history: list[dict]) -> bool:
-        return self._store.put(tenant, response, history)
+    def put(self, tenant: str, response: dict, history: list[dict], inputs: list[dict] | None = None) -> bool:
+        return self._store.put(tenant, response, history, inputs)
 
     def get(self, tenant: str, response_id: str):
         return self._store.get(tenant, response_id)
@@ -148,8 +166,11 @@ class ResponseStoreActor:
     def cancel(self, tenant: str, response_id: str) -> dict | None:
         return self._store.cancel(tenant, response_id)
 
-    def finish(self, tenant: str, response: dict, history: list[dict]) -> bool:
-        return self._store.finish(tenant, response, history)
+    def finish(self, tenant: str, response: dict, history: list[dict], inputs: list[dict] | None = None) -> bool:
+        return self._store.finish(tenant, response, history, inputs)
+
+    def input_items(self, tenant: str, response_id: str, after: str | None, limit: int, order: str):
+        return self._store.input_items(tenant, response_id, after, limit, order)
 
 
 def get_or_create_response_store(name: str = NAME, namespace: str = "kvharbor"):
@@ -176,10 +197,10 @@ class StoredResponses(StoreCalls):
                            "false, or deleted, or evicted)", "response_not_found", param)
         return found
 
-    async def put(self, tenant: str, response: dict, history: list[dict]) -> None:
+    async def put(self, tenant: str, response: dict, history: list[dict], inputs: list[dict] | None = None) -> None:
         """Keep a response; one the store cannot take is logged, not failed (the answer stands)."""
         try:
-            if not await self._call("put", tenant, response, history):
+            if not await self._call("put", tenant, response, history, inputs):
                 logger.warning("response %s is larger than the response store; not stored", response["id"])
         except APIError:
             logger.warning("response %s not stored: the response store did not answer", response["id"])

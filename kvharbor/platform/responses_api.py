@@ -229,6 +229,25 @@ class ResponsesRequest(BaseModel):
         return "message.output_text.logprobs" in (self.include or ())
 
 
+_ITEM_IDS = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def input_items(items: str | list[InputItem]) -> list[dict]:
+    """``input`` as OpenAI lists a response's input items: each with an ``id`` (its own, else a
+    new one), a message's text as one ``input_text`` part (``output_text`` for an assistant's)."""
+    if isinstance(items, str):
+        items = [InputItem(role="user", content=items)]
+    out = []
+    for item in items:
+        listed = {"id": item.id or _id(_ITEM_IDS[item.type]), **item.model_dump(exclude_none=True, exclude={"id"})}
+        if item.type == "message":
+            kind = "output_text" if item.role == "assistant" else "input_text"
+            parts = [{"type": kind, "text": item.content}] if isinstance(item.content, str) else listed["content"]
+            listed.update(content=parts, status=item.status or "completed")
+        out.append(listed)
+    return out
+
+
 def input_messages(items: str | list[InputItem]) -> list[dict]:
     """Chat messages of ``input`` (``ChatMessage`` fields)."""
     if isinstance(items, str):
@@ -344,6 +363,7 @@ class Turn:
         self.id, self.created = _id("resp"), int(time.time())
         self.output: list[dict] = []
         self.service_tier = "default"         # as the chat answer reports it (service_tier.answered_tier)
+        self.inputs = input_items(body.input)  # kept with a stored response (GET .../input_items)
         self.on_done = None
         """``async (turn, response) -> None``, awaited before the answer or the last event
         (the store); set by the gateway."""

@@ -2,7 +2,8 @@
 once with the response ``queued``, and runs in the gateway replica that took it while the client
 polls ``GET /v1/responses/{id}`` (``queued`` -> ``in_progress`` -> ``completed`` | ``incomplete``
 | ``failed`` | ``cancelled``) or cancels it (``POST /v1/responses/{id}/cancel``, served by any
-gateway replica: ``router``).
+gateway replica: ``router``, which also lists a stored response's input items, ``GET
+/v1/responses/{id}/input_items``).
 
 The run is the same request served in the foreground (``Gateway._chat``: tenant limits, class,
 queue, engine), its answer stored in the ``ResponseStore`` under the id the client was given,
@@ -18,10 +19,13 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from fastapi import APIRouter, Request
+from typing import Literal
+
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 
 from kvharbor.actors.calls import start_background
+from kvharbor.platform.auth_gate import tenant_principal
 from kvharbor.platform.error_body import APIError, error_responses
 from kvharbor.platform.response_store import BEAT_S, StoredResponses
 from kvharbor.platform.responses_api import responses_error
@@ -37,7 +41,7 @@ _running: set = set()        # the runner tasks of this replica (a task must be 
 async def start(gateway, principal, turn, request: Request, arrived: float) -> JSONResponse:
     """Store ``turn``'s response as queued, start its run here, answer the queued response."""
     queued = turn.response("queued")
-    await gateway.stored.call("put", principal.tenant, queued, turn.conversation)
+    await gateway.stored.call("put", principal.tenant, queued, turn.conversation, turn.inputs)
     task = start_background(_run(gateway, principal, turn, request, arrived))
     _running.add(task)
     task.add_done_callback(_running.discard)
@@ -49,7 +53,7 @@ async def _run(gateway, principal, turn, request: Request, arrived: float) -> No
 
     async def finish(turn, response: dict) -> None:
         try:
-            await gateway.stored.call("finish", tenant, response, turn.history())
+            await gateway.stored.call("finish", tenant, response, turn.history(), turn.inputs)
         except APIError:
             logger.warning("background response %s: the store did not take its answer", response["id"])
 
@@ -85,10 +89,7 @@ async def _run(gateway, principal, turn, request: Request, arrived: float) -> No
 async def cancel_response(response_id: str, request: Request) -> dict:
     """Cancel a background response: ``cancelled`` now, its run stops within ``BEAT_S``; a
     finished one is answered as it is."""
-    principal = getattr(request.state, "principal", None)
-    if principal is None or isinstance(principal, str):
-        raise APIError(401, "send a tenant's API key as Authorization: Bearer <key>", "invalid_api_key")
-    response = await stored.call("cancel", principal.tenant, response_id)
+    response = await stored.call("cancel", tenant_principal(request).tenant, response_id)
     if response is None:
         raise APIError(404, f"no stored response {response_id!r} of this tenant", "response_not_found",
                        "response_id")
@@ -96,6 +97,19 @@ async def cancel_response(response_id: str, request: Request) -> dict:
         raise APIError(400, f"response {response_id!r} did not run in the background: only a background "
                        "response can be cancelled", "not_background", "response_id")
     return response
+
+
+@router.get("/v1/responses/{response_id}/input_items", responses=error_responses(401, 404, 503))
+async def input_items(response_id: str, request: Request, after: str | None = None,
+                      limit: int = Query(20, ge=1, le=100), order: Literal["asc", "desc"] = "desc") -> dict:
+    """A stored response's input items (OpenAI's list: newest first unless ``order=asc``)."""
+    page = await stored.call("input_items", tenant_principal(request).tenant, response_id, after, limit, order)
+    if page is None:
+        raise APIError(404, f"no stored response {response_id!r} of this tenant", "response_not_found",
+                       "response_id")
+    data, more = page
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": more}
 
 
 __all__ = ["router", "start"]

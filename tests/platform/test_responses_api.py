@@ -215,8 +215,8 @@ def test_the_store_keeps_each_tenants_own_within_its_bound():
     for i in range(3):
         small.put("a", {"id": f"s{i}"}, [])
     small.get("a", "s0")                                     # read: s1 is now the least recently used
-    assert small.used == 3 * 14                              # '{"id": "s0"}' and '[]'
-    small.put("a", {"id": "t", "text": "x" * 1940}, [])      # 1965 bytes: one small entry must go
+    assert small.used == 3 * 16                              # '{"id": "s0"}', '[]' and no input items '[]'
+    small.put("a", {"id": "t", "text": "x" * 1940}, [])      # 1967 bytes: one small entry must go
     assert [k for k in ("s0", "s1", "s2", "t") if small.get("a", k)] == ["s0", "s2", "t"]
     assert small.used == sum(e[3] for e in small._entries.values())
     assert store.delete("a", "r2") and store.used == 0 and store.get("a", "r2") is None

@@ -1,7 +1,8 @@
 """Background responses (``background: true``): answered at once as queued, run by the gateway,
 read back with GET until done: the same answer as in the foreground, continued with
 previous_response_id; cancelled by any gateway replica, never overwritten by the run's answer;
-lost runners and failures end ``failed``; bad combinations are 400s."""
+lost runners and failures end ``failed``; bad combinations are 400s. Also a stored response's
+input items (``GET /v1/responses/{id}/input_items``), served by the same router."""
 
 from __future__ import annotations
 
@@ -78,6 +79,7 @@ def test_a_background_response_is_the_foreground_answer_read_back_later(client, 
     foreground = client.responses.create(**ask, store=False)
     assert done.status == foreground.status and done.id == queued.id and done.background
     assert done.output_text == foreground.output_text and done.usage.output_tokens == foreground.usage.output_tokens
+    assert [i.content[0].text for i in client.responses.input_items.list(done.id).data] == ["Name three rivers."]
     follow = client.responses.create(model=kvharbor_app.model, input="And a lake?", max_output_tokens=4,
                                      previous_response_id=done.id, store=False)
     assert follow.usage.input_tokens > foreground.usage.input_tokens      # the stored conversation was used
@@ -143,3 +145,40 @@ def test_background_needs_store_and_no_stream(kvharbor_app, extra):
     with kvharbor_app.client(DEMO["standard"]) as http:
         r = http.post("/v1/responses", json={"model": kvharbor_app.model, "input": "hi", "background": True, **extra})
     assert r.status_code == 400 and r.json()["error"]["param"] == "background", r.text
+
+
+def test_the_store_pages_a_responses_input_items():
+    store = ResponseStore()
+    items = [{"id": f"msg_{i}", "type": "message"} for i in range(5)]
+    store.put("acme", _response("resp_i", "completed"), [], items)
+    assert store.input_items("acme", "resp_i", None, 2, "asc") == (items[:2], True)
+    assert store.input_items("acme", "resp_i", "msg_1", 10, "asc") == (items[2:], False)
+    assert store.input_items("acme", "resp_i", None, 2, "desc") == ([items[4], items[3]], True)
+    assert store.input_items("acme", "resp_i", "msg_3", 2, "desc") == ([items[2], items[1]], True)
+    assert store.input_items("globex", "resp_i", None, 2, "asc") is None
+    store.put("acme", _response("resp_i", "completed"), [], items[:1])    # stored again: its own items
+    assert store.input_items("acme", "resp_i", None, 10, "asc") == (items[:1], False)
+    assert store.delete("acme", "resp_i") and store.input_items("acme", "resp_i", None, 2, "asc") is None
+
+
+def test_a_stored_responses_input_items_are_listed_as_sent(client, kvharbor_app):
+    sent = [{"role": "user", "content": "Name a colour."},
+            {"role": "assistant", "content": "Blue."},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Another?"}], "id": "msg_mine"}]
+    done = client.responses.create(model=kvharbor_app.model, input=sent, max_output_tokens=2)
+    listed = client.responses.input_items.list(done.id, order="asc")
+    assert [(i.role, i.content[0].type, i.content[0].text) for i in listed.data] == [
+        ("user", "input_text", "Name a colour."), ("assistant", "output_text", "Blue."),
+        ("user", "input_text", "Another?")]
+    assert listed.data[2].id == "msg_mine" and all(i.id for i in listed.data) and not listed.has_more
+    newest_first = client.responses.input_items.list(done.id, limit=2)
+    assert [i.id for i in newest_first.data] == [listed.data[2].id, listed.data[1].id] and newest_first.has_more
+    rest = client.responses.input_items.list(done.id, limit=2, after=newest_first.data[-1].id)
+    assert [i.id for i in rest.data] == [listed.data[0].id] and not rest.has_more
+    plain = client.responses.create(model=kvharbor_app.model, input="hi", max_output_tokens=2)
+    assert [(i.role, i.content[0].text) for i in client.responses.input_items.list(plain.id).data] == [("user", "hi")]
+    other = openai.OpenAI(base_url=kvharbor_app.base_url + "/v1", api_key=DEMO["premium"], max_retries=0)
+    unstored = client.responses.create(model=kvharbor_app.model, input="hi", max_output_tokens=2, store=False)
+    for reader, rid in ((other, done.id), (client, unstored.id)):
+        with pytest.raises(openai.NotFoundError):
+            reader.responses.input_items.list(rid)
