@@ -22,6 +22,17 @@ RAY_METRICS_PORT = int(os.environ.get("KVHARBOR_TEST_METRICS_PORT") or free_port
 INGRESS: list[str] = []        # the HTTP ingress this session's cluster was started with
 
 
+def until_final(retrieve, final: tuple[str, ...], timeout_s: float, every_s: float):
+    """Call ``retrieve()`` every ``every_s`` until its answer's ``status`` is in ``final`` or
+    ``timeout_s`` passed; the last answer (a batch or background response being polled)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        answer = retrieve()
+        if answer.status in final or time.monotonic() > deadline:
+            return answer
+        time.sleep(every_s)
+
+
 def listeners_off_loopback(root_pid: int) -> list[tuple[str, int, str]]:
     """(address, port, process name) of every TCP port that ``root_pid`` or a process it
     started listens on at an address other than loopback (Ray's processes are its children:

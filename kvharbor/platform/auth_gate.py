@@ -153,7 +153,6 @@ async def drained(receive, limit: int) -> bool:
     return False
 
 
-
 def tenant_principal(request):
     """The tenant principal this middleware left for ``request`` (a route under ``/v1/``), or the
     401 for an admin key or none (plain routes that keep no gateway state read it this way)."""
@@ -161,6 +160,7 @@ def tenant_principal(request):
     if principal is None or isinstance(principal, str):
         raise APIError(401, "send a tenant's API key as Authorization: Bearer <key>", "invalid_api_key")
     return principal
+
 
 class AuthGateMiddleware:
     """Pure ASGI middleware; one call to ``authenticate`` per protected request."""

@@ -47,9 +47,9 @@ class ResponseStore:
     def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES, clock=time.monotonic) -> None:
         self.max_bytes = max_bytes
         self.used = 0
-        self._entries: OrderedDict[str, tuple[str, dict, list[dict], int]] = OrderedDict()
+        # id -> (tenant, response, conversation, size in bytes, input items)
+        self._entries: OrderedDict[str, tuple[str, dict, list[dict], int, list[dict]]] = OrderedDict()
         self._beats: dict[str, float] = {}       # running background responses: last report
-        self._inputs: dict[str, list[dict]] = {}  # each kept response's input items
         self._clock = clock
 
     def put(self, tenant: str, response: dict, history: list[dict], inputs: list[dict] | None = None) -> bool:
@@ -61,12 +61,10 @@ class ResponseStore:
         if size > self.max_bytes:
             return False
         while self.used + size > self.max_bytes:
-            evicted, (_, _, _, dropped) = self._entries.popitem(last=False)
+            evicted, (_, _, _, dropped, _) = self._entries.popitem(last=False)
             self._beats.pop(evicted, None)
-            self._inputs.pop(evicted, None)
             self.used -= dropped
-        self._entries[response["id"]] = (tenant, response, history, size)
-        self._inputs[response["id"]] = inputs
+        self._entries[response["id"]] = (tenant, response, history, size, inputs)
         self.used += size
         if response.get("status") in RUNNING:
             self._beats[response["id"]] = self._clock()
@@ -86,16 +84,16 @@ class ResponseStore:
             self._beats.pop(response_id, None)
         return response, entry[2]
 
-    def beat(self, tenant: str, response_id: str, status: str = "in_progress") -> str | None:
-        """A background runner's report: its response is ``status`` (``queued`` or
-        ``in_progress``) unless cancelled. Returns the response's status (``cancelled``: stop),
-        or None for one no longer kept (the store restarted, evicted, deleted, declared lost)."""
+    def beat(self, tenant: str, response_id: str) -> str | None:
+        """A background runner's report: its response is ``in_progress`` unless cancelled.
+        Returns the response's status (``cancelled``: stop), or None for one no longer kept
+        (the store restarted, evicted, deleted, declared lost)."""
         found = self.get(tenant, response_id)
         if found is None or found[0]["status"] not in RUNNING + ("cancelled",):
             return None
         response = found[0]
         if response["status"] in RUNNING:
-            response["status"] = status
+            response["status"] = "in_progress"
             self._beats[response_id] = self._clock()
         return response["status"]
 
@@ -125,7 +123,7 @@ class ResponseStore:
         first), those after item ``after``; and whether more follow. None: not this tenant's."""
         if self.get(tenant, response_id) is None:
             return None
-        items = self._inputs.get(response_id, [])
+        items = self._entries[response_id][4]
         items = items if order == "asc" else items[::-1]
         start = next((i + 1 for i, item in enumerate(items) if item.get("id") == after), 0) if after else 0
         return items[start:start + limit], start + limit < len(items)
@@ -136,7 +134,6 @@ class ResponseStore:
             return False
         del self._entries[response_id]
         self._beats.pop(response_id, None)
-        self._inputs.pop(response_id, None)
         self.used -= entry[3]
         return True
 
@@ -160,8 +157,8 @@ class ResponseStoreActor:
     def delete(self, tenant: str, response_id: str) -> bool:
         return self._store.delete(tenant, response_id)
 
-    def beat(self, tenant: str, response_id: str, status: str = "in_progress") -> str | None:
-        return self._store.beat(tenant, response_id, status)
+    def beat(self, tenant: str, response_id: str) -> str | None:
+        return self._store.beat(tenant, response_id)
 
     def cancel(self, tenant: str, response_id: str) -> dict | None:
         return self._store.cancel(tenant, response_id)
@@ -190,6 +187,15 @@ class StoredResponses(StoreCalls):
         """``ResponseStoreActor.<method>(*args)`` (503 when the store does not answer)."""
         return await self._call(method, *args)
 
+    async def found(self, method: str, tenant: str, response_id: str, *args):
+        """``method(tenant, response_id, *args)``'s answer, or the 404 of a response this tenant
+        does not have (None or False)."""
+        answer = await self._call(method, tenant, response_id, *args)
+        if answer is None or answer is False:
+            raise APIError(404, f"no stored response {response_id!r} of this tenant", "response_not_found",
+                           "response_id")
+        return answer
+
     async def get(self, tenant: str, response_id: str, param: str) -> tuple[dict, list[dict]]:
         found = await self._call("get", tenant, response_id)
         if found is None:
@@ -206,7 +212,5 @@ class StoredResponses(StoreCalls):
             logger.warning("response %s not stored: the response store did not answer", response["id"])
 
     async def delete(self, tenant: str, response_id: str) -> dict:
-        if not await self._call("delete", tenant, response_id):
-            raise APIError(404, f"no stored response {response_id!r} of this tenant", "response_not_found",
-                           "response_id")
+        await self.found("delete", tenant, response_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}

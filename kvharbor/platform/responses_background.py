@@ -41,7 +41,7 @@ _running: set = set()        # the runner tasks of this replica (a task must be 
 async def start(gateway, principal, turn, request: Request, arrived: float) -> JSONResponse:
     """Store ``turn``'s response as queued, start its run here, answer the queued response."""
     queued = turn.response("queued")
-    await gateway.stored.call("put", principal.tenant, queued, turn.conversation, turn.inputs)
+    await stored.call("put", principal.tenant, queued, turn.conversation, turn.inputs)
     task = start_background(_run(gateway, principal, turn, request, arrived))
     _running.add(task)
     task.add_done_callback(_running.discard)
@@ -53,7 +53,7 @@ async def _run(gateway, principal, turn, request: Request, arrived: float) -> No
 
     async def finish(turn, response: dict) -> None:
         try:
-            await gateway.stored.call("finish", tenant, response, turn.history(), turn.inputs)
+            await stored.call("finish", tenant, response, turn.history(), turn.inputs)
         except APIError:
             logger.warning("background response %s: the store did not take its answer", response["id"])
 
@@ -63,7 +63,7 @@ async def _run(gateway, principal, turn, request: Request, arrived: float) -> No
     try:
         while not work.done():
             try:
-                status = await gateway.stored.call("beat", tenant, turn.id)
+                status = await stored.call("beat", tenant, turn.id)
             except APIError:               # the store did not answer: try again at the next beat
                 status = "in_progress"
             if status is None or status == "cancelled":
@@ -89,10 +89,7 @@ async def _run(gateway, principal, turn, request: Request, arrived: float) -> No
 async def cancel_response(response_id: str, request: Request) -> dict:
     """Cancel a background response: ``cancelled`` now, its run stops within ``BEAT_S``; a
     finished one is answered as it is."""
-    response = await stored.call("cancel", tenant_principal(request).tenant, response_id)
-    if response is None:
-        raise APIError(404, f"no stored response {response_id!r} of this tenant", "response_not_found",
-                       "response_id")
+    response = await stored.found("cancel", tenant_principal(request).tenant, response_id)
     if not response.get("background"):
         raise APIError(400, f"response {response_id!r} did not run in the background: only a background "
                        "response can be cancelled", "not_background", "response_id")
@@ -103,11 +100,7 @@ async def cancel_response(response_id: str, request: Request) -> dict:
 async def input_items(response_id: str, request: Request, after: str | None = None,
                       limit: int = Query(20, ge=1, le=100), order: Literal["asc", "desc"] = "desc") -> dict:
     """A stored response's input items (OpenAI's list: newest first unless ``order=asc``)."""
-    page = await stored.call("input_items", tenant_principal(request).tenant, response_id, after, limit, order)
-    if page is None:
-        raise APIError(404, f"no stored response {response_id!r} of this tenant", "response_not_found",
-                       "response_id")
-    data, more = page
+    data, more = await stored.found("input_items", tenant_principal(request).tenant, response_id, after, limit, order)
     return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
             "last_id": data[-1]["id"] if data else None, "has_more": more}
 

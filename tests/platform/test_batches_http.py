@@ -8,14 +8,13 @@ a batch down without failing a line; tenants see only their own files and batche
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import openai
 import pytest
 import torch
 
-from tests.conftest import DEMO, TEST_KEYS
+from tests.conftest import DEMO, TEST_KEYS, until_final
 from tests.observability.recorder_actor import scrape_until
 
 FINAL = ("completed", "failed", "expired", "cancelled")
@@ -39,12 +38,7 @@ def request(cid: str, url: str, body: dict) -> dict:
 
 
 def finished(client, batch_id: str, timeout_s: float = 180.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        batch = client.batches.retrieve(batch_id)
-        if batch.status in FINAL or time.monotonic() > deadline:
-            return batch
-        time.sleep(0.2)
+    return until_final(lambda: client.batches.retrieve(batch_id), FINAL, timeout_s, 0.2)
 
 
 def results(client, file_id: str | None) -> list[dict]:

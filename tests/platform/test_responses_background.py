@@ -14,7 +14,7 @@ import pytest
 
 from kvharbor.engine.model_info import load_tokenizer
 from kvharbor.platform.response_store import STALE_S, ResponseStore
-from tests.conftest import DEMO, TEST_KEYS
+from tests.conftest import DEMO, TEST_KEYS, until_final
 
 FINAL = ("completed", "incomplete", "failed", "cancelled")
 
@@ -63,12 +63,7 @@ def client(kvharbor_app):
 
 
 def _done(client, rid: str, timeout_s: float = 120.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        r = client.responses.retrieve(rid)
-        if r.status in FINAL or time.monotonic() > deadline:
-            return r
-        time.sleep(0.1)
+    return until_final(lambda: client.responses.retrieve(rid), FINAL, timeout_s, 0.1)
 
 
 def test_a_background_response_is_the_foreground_answer_read_back_later(client, kvharbor_app):
