@@ -152,7 +152,6 @@ class GenerationRun(ParsedAnswers):
                  tokens_as_ids: bool = False, prompt_logprobs: int | None = None) -> None:
         self.gw, self.reqs, self.principal, self.ticket = gateway, requests, principal, ticket
         self.req = requests[0]
-        self.service_tier = answered_tier(principal)   # on the answer and every chunk
         self.per_prompt = choices_per_prompt or len(requests)
         self.leaders = range(0, len(requests), self.per_prompt)
         self.chat, self.model, self.top_k = chat, model, logprobs
@@ -464,7 +463,7 @@ class GenerationRun(ParsedAnswers):
             extra["timings_ms"] = self.timings_ms()
             extra["transport"] = self.transport
         return {"id": self.req.request_id, "object": kind, "created": self.created, "model": self.model,
-                "choices": choices, "service_tier": self.service_tier, "kvharbor": extra}
+                "choices": choices, "service_tier": answered_tier(self.principal), "kvharbor": extra}
 
     def _chunk(self, choices: list, with_usage: bool) -> dict:
         for c in choices:                       # vLLM's stop_reason, on each choice's last chunk
