@@ -121,9 +121,10 @@ async def measure(args) -> dict:
     return out
 
 
-def run_on_app(replicas: int, tenants: Path, coroutine_fn):
-    """Start the app (``replicas`` LLM replicas, 2 gateways, ``tenants``) on ``PORT``, run
-    ``coroutine_fn()`` against it, stop everything; returns what the coroutine returned."""
+def run_on_app(replicas: int, tenants: Path, coroutine_fn, config: dict | None = None):
+    """Start the app (``replicas`` LLM replicas, 2 gateways, ``tenants``, more ``build_app``
+    ``config``) on ``PORT``, run ``coroutine_fn()`` against it, stop everything; returns what
+    the coroutine returned."""
     import ray
     from ray import serve
 
@@ -132,7 +133,7 @@ def run_on_app(replicas: int, tenants: Path, coroutine_fn):
     ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", namespace="serve", log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-        serve.run(build_app({"replicas": replicas, "gateway_replicas": 2, "tenants": str(tenants)}),
+        serve.run(build_app({"replicas": replicas, "gateway_replicas": 2, "tenants": str(tenants), **(config or {})}),
                   name="kvharbor", route_prefix="/", blocking=False)
         wait_until_healthy(f"http://127.0.0.1:{PORT}", timeout_s=300)
         return asyncio.run(coroutine_fn())

@@ -545,7 +545,7 @@ class Gateway:
                     cache_salt=principal.cache_salt, request_salt=body.cache_salt, priority=principal.qos.priority,
                     pinned=principal.qos.pinned, session_id=session_id if i == 0 else None, lora=lora,
                     caller=self.caller, stream_interval=principal.qos.stream_interval if body.stream else 0,
-                    beam=None if j else beam))
+                    beam=None if j else beam, prompt_cache_key=body.prompt_cache_key))
         run = GenerationRun(self, siblings, principal, ticket, chat, self.served.answered_name(body.model),
                             logprobs, marks, choices_per_prompt=body.n, echo=echo or None, prompt_only=prompt_only,
                             tool_mode=tools, reasoning=thinking,

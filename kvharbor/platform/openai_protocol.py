@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 from typing import Annotated, Literal
 
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator,
-                      model_validator)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, WithJsonSchema,
+                      field_validator, model_validator)
 
 from kvharbor.engine.tokenizer import template_kwargs
 
@@ -131,6 +131,17 @@ def bound_token_ids(schema, vocab_size: int) -> None:
             bound_token_ids(value, vocab_size)
 
 
+CacheKey = Annotated[str, StringConstraints(min_length=1, max_length=1024), AfterValidator(_encodable)] | None
+CACHE_KEY_DOC = ("OpenAI's: requests of this tenant sending the same key (up to 1,024 characters) go to the same "
+                 "LLM replica, the key's home, unless it is overloaded or another replica already holds more of the "
+                 "prompt: send one key for requests that share a long prompt prefix (an agent's system prompt and "
+                 "tools, one user's conversation). A routing hint only: which requests may share cached blocks is "
+                 "set by the tenant's cache scope and cache_salt.")
+CacheRetention = unsupported(str | None, "in_memory")
+CACHE_RETENTION_DOC = ("OpenAI's: only \"in_memory\" or null: cached prefixes stay in the replicas' memory until "
+                       "other prompts evict them; kvharbor has no extended (24h) retention.")
+
+
 def _ignored(what: str) -> str:
     return f"Accepted and ignored: {what}."
 
@@ -198,6 +209,8 @@ class _Common(BaseModel):
     skip_special_tokens: bool = Field(True, description="Leave special tokens (e.g. the end-of-sequence token) out of the text (vLLM's). Not in OpenAI's API.")
     include_stop_str_in_output: bool = Field(False, description="Keep the stop string or stop token (EOS included) that ended the answer at its end (vLLM's; text after it is still cut). Not in OpenAI's API.")
     user: str | None = Field(None, description=_ignored("end-user id"))
+    prompt_cache_key: CacheKey = Field(None, description=CACHE_KEY_DOC)
+    prompt_cache_retention: CacheRetention = Field(None, description=CACHE_RETENTION_DOC)
     service_tier: ServiceTier | None = Field(None, description=SERVICE_TIER_DOC)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, description=f"In [-2, 2]: subtracted from a token's logit once per time it occurs in the output so far (OpenAI's formula).{_MODEL_DEFAULT}0.")
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, description=f"In [-2, 2]: subtracted from a token's logit once it occurs in the output so far (OpenAI's formula).{_MODEL_DEFAULT}0.")
@@ -429,7 +442,6 @@ class ChatRequest(_Common):
     logprobs: bool | None = Field(False, description="Return the log-probability of each generated token.")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=f"With logprobs: also the this many most likely tokens at each position (0 to {MAX_TOP_LOGPROBS}).")
     parallel_tool_calls: bool | None = Field(None, description='false: at most one tool call ("required" is constrained to one, "auto" answers its first), as vLLM\'s.')
-    prompt_cache_key: str | None = Field(None, description=_ignored("prefix caching is automatic"))
     safety_identifier: str | None = Field(None, description=_ignored("end-user id"))
     store: unsupported(bool | None, False) = Field(None, description="Not supported: only false or null.")
     metadata: unsupported(dict[str, str] | None, {}) = Field(None, description="Not supported: only {} or null.")

@@ -30,6 +30,7 @@ class GenerateRequest:
     pinned: bool = False                # QoS class reserves pinned KV blocks
     deadline_s: float | None = None     # absolute time.time() after which to give up
     session_id: str | None = None       # X-Session-ID: a turn of this session of ``tenant``
+    prompt_cache_key: str | None = None     # OpenAI's: a routing affinity (routing_policy's doc)
     lora: str | None = None             # the LoRA adapter it generates with (None: the base model)
     caller: tuple[str, str] | None = None   # (namespace, actor name) reading the stream, if named
     stream_interval: int = 1            # tokens per event after the first; 0: the rest at the end

@@ -27,7 +27,8 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .error_body import APIError, FieldError, invalid_body
-from .openai_protocol import MAX_MESSAGES, MAX_TOP_LOGPROBS, ChatRequest, LogitBias, NullOnlyDict, Text, unsupported
+from .openai_protocol import (CACHE_KEY_DOC, CACHE_RETENTION_DOC, MAX_MESSAGES, MAX_TOP_LOGPROBS, CacheKey,
+                              CacheRetention, ChatRequest, LogitBias, NullOnlyDict, Text, unsupported)
 from .service_tier import DOC as SERVICE_TIER_DOC, ServiceTier
 from .tool_calls import MAX_TOOLS, NAME
 
@@ -198,7 +199,8 @@ class ResponsesRequest(BaseModel):
     include_stop_str_in_output: bool = False
     user: str | None = Field(None, description="Accepted and ignored.")
     safety_identifier: str | None = Field(None, description="Accepted and ignored.")
-    prompt_cache_key: str | None = Field(None, description="Accepted and ignored: prefix caching is automatic.")
+    prompt_cache_key: CacheKey = Field(None, description=CACHE_KEY_DOC)
+    prompt_cache_retention: CacheRetention = Field(None, description=CACHE_RETENTION_DOC)
     service_tier: ServiceTier | None = Field(None, description=SERVICE_TIER_DOC)
     truncation: Literal["auto", "disabled"] | None = Field(None, description="\"auto\": a conversation too "
                                                           "long for the context drops its oldest items (the "
@@ -314,6 +316,7 @@ def chat_request(body: ResponsesRequest, model: str, history: list[dict]) -> tup
         "skip_special_tokens": body.skip_special_tokens, "include_stop_str_in_output": body.include_stop_str_in_output,
         "logprobs": want_logprobs, "top_logprobs": body.top_logprobs if want_logprobs else None,
         "reasoning_effort": body.reasoning and body.reasoning.effort, "service_tier": body.service_tier,
+        "prompt_cache_key": body.prompt_cache_key, "prompt_cache_retention": body.prompt_cache_retention,
         "response_format": body.text and body.text.format and body.text.format.response_format(),
     }
     if body.tools:
@@ -379,7 +382,8 @@ class Turn:
                 "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
                 "max_tool_calls": None, "metadata": body.metadata or {}, "model": self.model,
                 "output": self.output, "parallel_tool_calls": body.parallel_tool_calls is not False,
-                "previous_response_id": body.previous_response_id,
+                "previous_response_id": body.previous_response_id, "prompt_cache_key": body.prompt_cache_key,
+                "prompt_cache_retention": body.prompt_cache_retention,
                 "reasoning": body.reasoning.model_dump() if body.reasoning else None,
                 "service_tier": self.service_tier, "store": body.store, "temperature": body.temperature,
                 "text": {"format": body.text.format.model_dump(by_alias=True, exclude_none=True)

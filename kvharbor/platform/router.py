@@ -26,7 +26,10 @@ Session affinity: a request with ``session_id`` prefers the replica that holds t
 the one this router last sent the session to (``_sessions``, fresh) if still a candidate,
 else one whose routing stats list the session's key (reported by replicas, so turns routed
 by another gateway's router are found too). The policy keeps the load guard; when no live
-replica holds the session, the prefix index decides as for any request.
+replica holds the session, the prefix index decides as for any request. A request with
+``prompt_cache_key`` prefers that key's home (``routing_policy``: a rendezvous hash of the
+tenant and key over the live replicas, so every router picks the same one), also when it
+has no block hashes to match.
 
 The follower starts with the router; a router's first decision waits for its first poll (at
 most ``FIRST_POLL_WAIT_S``, once), so a gateway replica that has not routed yet still routes
@@ -46,6 +49,7 @@ replica can compare predicted and observed prefix hits:
     router_predicted_cached_tokens  cached tokens predicted on the top-ranked replica
     router_predicted_by_replica     {replica unique_id: predicted cached tokens} (hits only)
     router_session_affinity         True when the top choice was the replica holding the session
+    router_cache_key_affinity       True when the top choice was the home of its prompt_cache_key
     routed_to                       unique id of the replica that accepted the request
                                     (set after the send, in the caller's process)
 """
@@ -285,7 +289,7 @@ class KVAwareRouter(RequestRouter):
         holder = self._session_holder(request, candidate_replicas)
         candidates = [self._candidate(r, matches, request, holder) for r in candidate_replicas]
         route = self._route_request(request, candidates)
-        if mode != "pow2" or holder is not None:
+        if mode != "pow2" or holder is not None or route.cache_key:
             ranked = self.policy.rank(route, candidates)
             ranks = self._kv_ranks(ranked, candidate_replicas)
         else:
@@ -509,8 +513,9 @@ class KVAwareRouter(RequestRouter):
                            if c.stats.get("block_size")), self.default_block_size)
         if request is None:
             return RouteRequest(prompt_tokens=0, block_size=block_size)
+        key = request.prompt_cache_key and session_key(request.tenant, request.prompt_cache_key)
         return RouteRequest(len(request.prompt_token_ids), block_size, request.pinned,
-                            request.priority, request.qos, request.session_id)
+                            request.priority, request.qos, request.session_id, key or None)
 
     def _kv_ranks(self, ranked, replicas: list[RunningReplica]) -> list[list[RunningReplica]]:
         ordered = self._by_ids(ranked, replicas)
@@ -535,6 +540,7 @@ class KVAwareRouter(RequestRouter):
         md["router_predicted_by_replica"] = {x.replica_id: x.predicted_cached_tokens
                                              for x in ranked if x.predicted_cached_tokens}
         md["router_session_affinity"] = bool(ranked and ranked[0].session)
+        md["router_cache_key_affinity"] = bool(ranked and ranked[0].cache_key)
         md["router_decision_ms"] = (time.perf_counter() - start) * 1000.0
         md["router_decision_cpu_ms"] = (time.thread_time() - start_cpu) * 1000.0
 

@@ -31,15 +31,23 @@ sending a prefix it has not seen to the replica with the smallest tree.
 Session affinity: a request with a session id goes first to the replica holding that
 session (``Candidate.holds_session``) unless that replica is overloaded (the same guard);
 when no candidate holds it (the replica is gone), the score decides as for any request.
+Cache-key affinity (OpenAI's ``prompt_cache_key``, the client's word that its requests with
+one key share long prefixes): the key's home is the replica with the highest rendezvous
+weight (``key_weight``) among those not overloaded, the same replica in every router that
+sees the same replicas, with no state shared between them; it goes first unless another
+replica not overloaded already holds more of the prompt (then the score decides). A hot key
+spills to its next home when the load guard marks its home overloaded, and a replica
+leaving moves only the keys it was home to.
 Equal scores go to the less loaded replica, then to the one this policy ranked first least
 recently (so identical idle replicas take turns).
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -56,6 +64,7 @@ class RouteRequest:
     priority: int = 0           # higher is more important
     qos: str | None = None
     session_id: str | None = None   # set: candidates holding this session rank first (affinity)
+    cache_key: str | None = None    # tenant-scoped prompt_cache_key: its home ranks first (affinity)
 
 
 @dataclass(slots=True, frozen=True)
@@ -87,6 +96,7 @@ class Ranked:
     load: int
     overloaded: bool = False
     session: bool = False           # ranked first for session affinity
+    cache_key: bool = False         # ranked first as the home of the request's cache key
 
 
 class RoutingPolicy(Protocol):
@@ -113,6 +123,13 @@ def displaced_blocks(stats: Mapping, needed: int) -> float:
     if not region:
         return float(now)
     return max(float(now), needed * (1.0 - min(int(empty), int(region)) / int(region)))
+
+
+def key_weight(cache_key: str, replica_id: str) -> int:
+    """Rendezvous (highest random weight) hash of a cache key on a replica: the same number in
+    every process (not Python's salted ``hash``)."""
+    digest = hashlib.blake2b(f"{cache_key}\x00{replica_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
 
 
 def cached_tokens(request: RouteRequest, match: MatchInfo | None) -> int:
@@ -148,7 +165,10 @@ class KVAwarePolicy:
             affine = bool(request.session_id) and c.holds_session and not over
             ranked.append(Ranked(c.replica_id, self.score(request, c, load),
                                  cached_tokens(request, c.match), load, over, affine))
-        ranked.sort(key=lambda r: (r.overloaded, not r.session, r.load if r.overloaded else -r.score,
+        if request.cache_key:                   # a session holder still ranks first
+            ranked = _with_key_home(request.cache_key, ranked)
+        ranked.sort(key=lambda r: (r.overloaded, not r.session, not r.cache_key,
+                                   r.load if r.overloaded else -r.score,
                                    r.load, self._first_at.get(r.replica_id, -1)))
         self._turn += 1
         self._first_at[ranked[0].replica_id] = self._turn
@@ -189,6 +209,18 @@ class KVAwarePolicy:
             return load
         lower = sum(n for priority, n in queue.items() if int(priority) < request.priority)
         return max(0, load - int(lower))
+
+
+def _with_key_home(cache_key: str, ranked: list[Ranked]) -> list[Ranked]:
+    """``ranked`` with the key's home marked (see the module doc), if it holds at least as
+    much of the prompt as any other replica not overloaded."""
+    balanced = [r for r in ranked if not r.overloaded]
+    if not balanced:
+        return ranked
+    home = max(balanced, key=lambda r: key_weight(cache_key, r.replica_id))
+    if home.predicted_cached_tokens < max(r.predicted_cached_tokens for r in balanced):
+        return ranked
+    return [replace(r, cache_key=True) if r is home else r for r in ranked]
 
 
 @dataclass(slots=True)
