@@ -5,9 +5,10 @@
 
 Users (weights 1 : 2 : 2, so 20 % of users are premium):
   PremiumUser   acme / premium    short support chats and multi-turn chats that resend their
-                                  history, all on the pinned system prompt; streamed
-  StandardUser  globex / standard long-document questions (4 shared documents) and short chats;
-                                  streamed
+                                  history (one prompt_cache_key per conversation), all on the
+                                  pinned system prompt; streamed
+  StandardUser  globex / standard long-document questions (4 shared documents, each with its
+                                  prompt_cache_key) and short chats; streamed
   BatchUser     initech / batch   document summaries as raw completions, mostly not streamed
 Each user sends one of its profile's integrity canaries as it starts and then now and then
 (see ``loadtests.canaries``).
@@ -140,7 +141,11 @@ def _premium_chat(rng):
 
 
 def _document_question(rng):
-    return "document", "/v1/chat/completions", _stream(workload.document_question(rng), 24)
+    """A question about one of 4 documents; questions about one document send one
+    prompt_cache_key (OpenAI's advice for requests sharing a long prefix: they meet on a replica)."""
+    k = rng.randrange(4)
+    body = _stream(workload.document_question(rng, k=k), 24)
+    return "document", "/v1/chat/completions", {**body, "prompt_cache_key": f"document-{k}"}
 
 
 def _short_chat(rng):
@@ -170,9 +175,11 @@ class PremiumUser(ProfileUser):
     def multi_turn(self) -> None:
         if not self.history or len(self.history) >= 10:
             messages = workload.premium_messages(INFO, self.rng)
+            self.conversation = f"conversation-{self.rng.getrandbits(64):016x}"
         else:
             messages = workload.follow_up(self.history, self.last_answer, self.rng)
-        res = self.send("multi_turn", "/v1/chat/completions", _stream(messages, 16))
+        body = {**_stream(messages, 16), "prompt_cache_key": self.conversation}   # its turns meet
+        res = self.send("multi_turn", "/v1/chat/completions", body)
         self.history, self.last_answer = (messages, res.text) if res.ok else ([], "")
 
 

@@ -94,9 +94,10 @@ def follow_up(history: list[dict], answer: str, rng: random.Random) -> list[dict
             {"role": "user", "content": rng.choice(FOLLOW_UPS)}]
 
 
-def document_question(rng: random.Random, num_docs: int = 4, sentences: int = 24) -> list[dict]:
-    """globex: its system prompt, one of ``num_docs`` documents, a question about it."""
-    k = rng.randrange(num_docs)
+def document_question(rng: random.Random, num_docs: int = 4, sentences: int = 24,
+                      k: int | None = None) -> list[dict]:
+    """globex: its system prompt, document ``k`` (else one of ``num_docs``), a question about it."""
+    k = rng.randrange(num_docs) if k is None else k
     return [{"role": "system", "content": GLOBEX_PROMPT},
             {"role": "user", "content": f"{document(k, sentences)}\n\nQuestion: what moved most in "
                                         f"section {rng.randrange(sentences)}?"}]

@@ -157,6 +157,9 @@ def _routing() -> DashboardSpec:
                   "(kv_index | approx | pow2) and why it did not use its index.", "ops",
                   (Query(rate_sum("kvharbor_router_decisions", "kind, reason"),
                          "{{kind}} {{reason}}"),), stacked=True),
+        PanelSpec("Affinity decisions", "Decisions per second whose first choice was the "
+                  "replica holding the request's session or the home of its prompt_cache_key.", "ops",
+                  (Query(rate_sum("kvharbor_router_affinity", "kind"), "{{kind}}"),), stacked=True),
         PanelSpec("Router index lag", "Seconds since each router's index caught up with the "
                   "directory log (worst router).", "s",
                   (Query(f"max({series('kvharbor_router_index_lag_seconds')})", "lag"),)),

@@ -83,6 +83,7 @@ OTHER = "other"
 # How the KV-aware router decided: its event-fed index, its own routing history
 # (approximate), or power of two choices; and why it was not the index.
 ROUTER_MODES = ("kv_index", "approx", "pow2")
+ROUTER_AFFINITIES = ("session", "cache_key")
 ROUTER_FALLBACK_REASONS = ("none", "no_hashes", "stream_not_started", "stream_stale",
                            "no_history")
 DIRECTORY_SYNC_KINDS = ("replica_resync", "router_snapshot", "replay_mismatch")
@@ -211,6 +212,10 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kvharbor_router_decisions", "counter", ("kind", "reason"),
                "Routing decisions by how the router decided (kind: kv_index|approx|pow2) and "
                "why it did not use its event-fed index (reason; none when it did)."),
+    MetricSpec("kvharbor_router_affinity", "counter", ("kind",),
+               "Routing decisions whose first choice was set by affinity (kind: session, the "
+               "replica holding the request's X-Session-ID; cache_key, the home of its "
+               "prompt_cache_key)."),
     MetricSpec("kvharbor_router_index_lag_seconds", "gauge", (),
                "Seconds since this router's prefix index last caught up with the directory's "
                "event log (one series per router process)."),
@@ -465,6 +470,10 @@ class KvharborMetrics:
         self._inc("kvharbor_router_decisions", 1,
                   {"kind": _bounded(mode, ROUTER_MODES),
                    "reason": _bounded(reason or "none", ROUTER_FALLBACK_REASONS)})
+
+    def router_affinity(self, kind: str) -> None:
+        """One decision whose first choice an affinity set (:data:`ROUTER_AFFINITIES`)."""
+        self._inc("kvharbor_router_affinity", 1, {"kind": _bounded(kind, ROUTER_AFFINITIES)})
 
     def router_index_lag(self, seconds: float) -> None:
         """Seconds since the router's index last caught up with the directory log."""

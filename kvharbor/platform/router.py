@@ -299,6 +299,8 @@ class KVAwareRouter(RequestRouter):
             self._note_active(key, request, ranked, route.block_size, mode)
             self._record(request, ranked, mode, reason, start, start_cpu)
         self.metrics.router_mode(mode, reason)
+        if ranked and (ranked[0].session or ranked[0].cache_key):
+            self.metrics.router_affinity("session" if ranked[0].session else "cache_key")
         return ranks
 
     # ---- direct streams (kvharbor.platform.direct_stream) -----------------------------------

@@ -71,6 +71,7 @@ class Recorder:
         m.spec_decode_tokens(replica, draft=8 * scale, accepted=5 * scale)
         m.router_mode("kv_index", None)
         m.router_mode("pow2", "no_hashes")
+        m.router_affinity("cache_key")
         m.router_index_lag(0.02 * scale)
         m.overload_guard(0.003 * scale, 40 * scale, 12 * scale)
         m.overload_guard(0.004 * scale, 20 * scale, 6 * scale, where="proxy")

@@ -170,3 +170,25 @@ def test_what_kvharbor_cannot_do_is_a_400_naming_the_field(kvharbor_app, field, 
                           if path != "/v1/responses" else {"model": kvharbor_app.model, **body, field: value})
             assert r.status_code == 400, r.text
             assert r.json()["error"]["param"] == field
+
+
+def test_affinity_decisions_are_counted_by_kind():
+    """The routing dashboard's "Affinity decisions" reads these counts."""
+    router = make_router(FakeShard())
+    counted: list[str] = []
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(inner, name)
+
+        def router_affinity(self, kind: str) -> None:
+            counted.append(kind)
+
+    inner, router.metrics = router.metrics, Counting()
+    replicas = {x: FakeReplica(x) for x in "abc"}
+    route(router, list(replicas.values()), rid="k1", prompt_cache_key="agent-1")
+    ranks, pr = route(router, list(replicas.values()), rid="s1", session_id="chat-1")
+    routed(router, pr, replicas[uids(ranks)[0][0]])
+    route(router, list(replicas.values()), rid="s2", session_id="chat-1")
+    route(router, list(replicas.values()), rid="plain")
+    assert counted == ["cache_key", "session"]
