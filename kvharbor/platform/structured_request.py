@@ -25,6 +25,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvharbor.engine.structured_output import MAX_SPEC_CHARS, StructuredOutputsParams
+from kvharbor.platform.error_body import FieldError
 
 MAX_CHOICES = 256
 """Most strings in ``structured_outputs.choice``."""
@@ -97,10 +98,10 @@ class StructuredOutputs(BaseModel):
 
 def structured_spec(response_format: ResponseFormat | None, structured: StructuredOutputs | None) -> dict | None:
     """The engine's ``structured_outputs`` for a request (None: no constraint). Raises
-    ValueError when both fields ask for one."""
+    ``FieldError`` (a ValueError naming ``structured_outputs``) when both fields ask for one."""
     asked = response_format.spec() if response_format is not None else None
     if asked is not None and structured is not None:
-        raise ValueError("send either response_format or structured_outputs, not both")
+        raise FieldError("structured_outputs", "send either response_format or structured_outputs, not both")
     return asked if structured is None else structured.spec()
 
 

@@ -111,7 +111,8 @@ def _post(kvharbor_app, route: str, body: dict) -> httpx.Response:
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
      "response_format", ("json_schema.schema does not compile",)),
     ({"response_format": {"type": "xml"}}, "response_format.type", ("json_schema",)),
-    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, None, ("not both",)),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs",
+     ("not both",)),
     ({"response_format": {"type": "json_object"}, "min_tokens": 2}, "min_tokens", ("min_tokens cannot",)),
 ])
 def test_bad_specs_are_400_by_name(kvharbor_app, route, body, param, words):
