@@ -3,7 +3,10 @@
 One named actor keeps, per tenant, the uploaded files (their bytes) and the batch objects. A
 tenant sees only its own: another tenant's id is "not found", as an unknown one. File bytes
 are bounded (``max_bytes`` in all): an upload that does not fit is refused (413), nothing is
-evicted, so a running batch never loses its input or its results.
+evicted for room, so a running batch never loses its input or its results. A file goes when
+it is deleted or when its ``expires_at`` passes (as OpenAI's: an uploaded ``batch`` file 30
+days after upload unless its ``expires_after`` says otherwise; a batch's result files when
+the batch's ``output_expires_after`` says; a batch keeps its input's bytes while it runs).
 
 A batch runs in the gateway replica that created it (``batch_runner``); that replica reports
 its progress here at least every ``HEARTBEAT_S``. A batch still running whose reports stopped
@@ -32,6 +35,8 @@ RUNNING = ("validating", "in_progress", "finalizing", "cancelling")
 """A batch in one of these states still has a runner; the others are final."""
 MAX_ACTIVE_BATCHES = 16
 """Batches one tenant may have running at once (more: 429)."""
+BATCH_FILE_TTL_S = 30 * 24 * 3600
+"""An uploaded ``batch`` file's life when its upload names no ``expires_after`` (OpenAI's)."""
 
 
 def new_id(prefix: str) -> str:
@@ -46,28 +51,36 @@ class BatchStore:
         self._files: dict[str, tuple[str, dict, bytes]] = {}
         self._batches: dict[str, tuple[str, dict]] = {}
         self._beats: dict[str, float] = {}
+        self._output_ttl: dict[str, int | None] = {}      # batch -> its result files' life (s)
 
     # ---- files ---------------------------------------------------------------------------
-    def add_file(self, tenant: str, filename: str, purpose: str, content: bytes) -> dict | None:
-        """Keep ``content``; its file object, or None when the store has no room for it."""
+    def add_file(self, tenant: str, filename: str, purpose: str, content: bytes,
+                 expires_after_s: int | None = None) -> dict | None:
+        """Keep ``content`` (for ``expires_after_s`` seconds, else for good); its file object, or
+        None when the store has no room for it."""
+        self._expire()
         if self.used + len(content) > self.max_bytes:
             return None
-        meta = {"id": new_id("file-"), "object": "file", "bytes": len(content), "created_at": int(self.clock()),
-                "filename": filename, "purpose": purpose, "status": "processed", "expires_at": None,
-                "status_details": None}
+        now = int(self.clock())
+        meta = {"id": new_id("file-"), "object": "file", "bytes": len(content), "created_at": now,
+                "filename": filename, "purpose": purpose, "status": "processed",
+                "expires_at": None if expires_after_s is None else now + expires_after_s, "status_details": None}
         self._files[meta["id"]] = (tenant, meta, content)
         self.used += len(content)
         return meta
 
     def file(self, tenant: str, file_id: str) -> dict | None:
+        self._expire()
         entry = self._files.get(file_id)
         return entry[1] if entry and entry[0] == tenant else None
 
     def content(self, tenant: str, file_id: str) -> bytes | None:
+        self._expire()
         entry = self._files.get(file_id)
         return entry[2] if entry and entry[0] == tenant else None
 
     def delete_file(self, tenant: str, file_id: str) -> bool:
+        self._expire()
         entry = self._files.get(file_id)
         if entry is None or entry[0] != tenant:
             return False
@@ -75,20 +88,36 @@ class BatchStore:
         self.used -= len(entry[2])
         return True
 
-    def files(self, tenant: str, purpose: str | None = None) -> list[dict]:
-        """The tenant's files, newest first."""
+    def files(self, tenant: str, purpose: str | None = None, after: str | None = None,
+              limit: int | None = None, order: str = "desc") -> tuple[list[dict], bool]:
+        """The tenant's files (of ``purpose``) newest first (``order`` "asc": oldest first), those
+        after the file ``after`` in that order, at most ``limit``; and whether more follow."""
+        self._expire()
         found = [m for t, m, _ in self._files.values() if t == tenant and purpose in (None, m["purpose"])]
-        return found[::-1]
+        found = found[::-1] if order == "desc" else found
+        ids = [m["id"] for m in found]
+        start = ids.index(after) + 1 if after in ids else 0
+        end = len(found) if limit is None else start + limit
+        return found[start:end], end < len(found)
 
     def room(self) -> tuple[int, int]:
+        self._expire()
         return self.used, self.max_bytes
 
+    def _expire(self) -> None:
+        """Forget the files whose ``expires_at`` has passed."""
+        now = self.clock()
+        for file_id in [i for i, (_, m, _) in self._files.items() if m["expires_at"] is not None and m["expires_at"] <= now]:
+            self.used -= len(self._files.pop(file_id)[2])
+
     # ---- batches -------------------------------------------------------------------------
-    def add_batch(self, tenant: str, batch: dict) -> dict | None:
-        """Keep a new batch (status ``validating``); None when the tenant has too many running."""
+    def add_batch(self, tenant: str, batch: dict, output_expires_after_s: int | None = None) -> dict | None:
+        """Keep a new batch (status ``validating``), its result files to be kept for
+        ``output_expires_after_s`` seconds (None: for good); None when the tenant has too many running."""
         if sum(1 for t, b in self._batches.values() if t == tenant and b["status"] in RUNNING) >= MAX_ACTIVE_BATCHES:
             return None
         self._batches[batch["id"]] = (tenant, batch)
+        self._output_ttl[batch["id"]] = output_expires_after_s
         self._beats[batch["id"]] = self.clock()
         return batch
 
@@ -144,7 +173,8 @@ class BatchStore:
             changes.pop(f"{ended}_at", None)
             changes.update(status="cancelled", cancelled_at=int(self.clock()))
         for field, (filename, content) in files.items():
-            changes[field] = self.add_file(tenant, filename, "batch_output", content)["id"]
+            meta = self.add_file(tenant, filename, "batch_output", content, self._output_ttl.get(batch_id))
+            changes[field] = meta["id"]
         return self.update(batch_id, changes)
 
     def _checked(self, batch_id: str, batch: dict) -> dict:

@@ -2,12 +2,13 @@
 and collects the answers later as a file (``client.files.create(purpose="batch")``,
 ``client.batches.create(...)``, ``client.batches.retrieve(...)``, ``client.files.content(...)``).
 
-    POST   /v1/files                  upload (multipart: ``file``, ``purpose="batch"``)
-    GET    /v1/files[?purpose=]       the tenant's files, newest first
+    POST   /v1/files                  upload (multipart: ``file``, ``purpose="batch"``, ``expires_after``)
+    GET    /v1/files[?purpose=&after=&limit=&order=]   the tenant's files, newest first
     GET    /v1/files/{id}             one file's object
     GET    /v1/files/{id}/content     its bytes (an input file, or a batch's output / errors)
     DELETE /v1/files/{id}
-    POST   /v1/batches                {input_file_id, endpoint, completion_window: "24h", metadata}
+    POST   /v1/batches                {input_file_id, endpoint, completion_window: "24h", metadata,
+                                       output_expires_after}
     GET    /v1/batches[?after=&limit=]
     GET    /v1/batches/{id}
     POST   /v1/batches/{id}/cancel
@@ -35,16 +36,26 @@ from kvharbor.actors.calls import start_background
 from kvharbor.observability.metrics import get_metrics
 from kvharbor.platform.auth_gate import bearer_key, tenant_principal
 from kvharbor.platform.batch_runner import BatchRunner
-from kvharbor.platform.batch_store import StoredBatches, new_id
+from kvharbor.platform.batch_store import BATCH_FILE_TTL_S, StoredBatches, new_id
 from kvharbor.platform.error_body import APIError, error_dict, error_responses
 
 BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
                    "/v1/score", "/v1/rerank")
 COMPLETION_WINDOW_S = {"24h": 24 * 3600}
+TTL_S = (3600, 30 * 24 * 3600)
+"""Shortest and longest life a file's ``expires_after`` may ask (OpenAI's)."""
 
 router = APIRouter()
 stored = StoredBatches()
 _running: set = set()        # the runner tasks of this replica (a task must be referenced)
+
+
+class ExpiresAfter(BaseModel):
+    """OpenAI's expiration policy of a file: ``seconds`` after its creation."""
+
+    model_config = ConfigDict(extra="forbid")
+    anchor: Literal["created_at"] = Field(description="Only \"created_at\": the file's creation.")
+    seconds: int = Field(ge=TTL_S[0], le=TTL_S[1], description="3,600 (1 hour) to 2,592,000 (30 days).")
 
 
 class BatchCreateRequest(BaseModel):
@@ -54,14 +65,23 @@ class BatchCreateRequest(BaseModel):
     completion_window: Literal["24h"] = Field("24h", description="Lines not started within it end expired.")
     metadata: dict[str, str] | None = Field(None, max_length=16, description="Up to 16 key-value pairs kept "
                                             "on the batch.")
+    output_expires_after: ExpiresAfter | None = Field(None, description="The batch's output and error files "
+                                                      "are deleted this long after they are written (default: "
+                                                      "kept until deleted).")
 
 
 @router.post("/v1/files", responses=error_responses(400, 401, 413, 503))
 async def upload_file(request: Request, file: UploadFile = File(description="The JSONL file."),
-                      purpose: Literal["batch"] = Form(description="Only \"batch\" is served.")) -> dict:
+                      purpose: Literal["batch"] = Form(description="Only \"batch\" is served."),
+                      anchor: str | None = Form(None, alias="expires_after[anchor]", description=(
+                          "With expires_after[seconds]: only \"created_at\".")),
+                      seconds: str | None = Form(None, alias="expires_after[seconds]", description=(
+                          "The file is deleted this long after its upload: 3,600 to 2,592,000 seconds "
+                          "(default: 30 days, as OpenAI's)."))) -> dict:
     principal = tenant_principal(request)
+    ttl = _expires_after(anchor, seconds)
     content = await file.read()
-    meta = await stored.call("add_file", principal.tenant, file.filename or "upload.jsonl", purpose, content)
+    meta = await stored.call("add_file", principal.tenant, file.filename or "upload.jsonl", purpose, content, ttl)
     if meta is None:
         used, most = await stored.call("room")
         raise APIError(413, f"the file store is full ({used} of {most} bytes used): delete files you no "
@@ -70,9 +90,10 @@ async def upload_file(request: Request, file: UploadFile = File(description="The
 
 
 @router.get("/v1/files", responses=error_responses(401, 503))
-async def list_files(request: Request, purpose: str | None = None) -> dict:
-    files = await stored.call("files", tenant_principal(request).tenant, purpose)
-    return {"object": "list", "data": files, "has_more": False}
+async def list_files(request: Request, purpose: str | None = None, after: str | None = None,
+                     limit: int = Query(10_000, ge=1, le=10_000), order: Literal["asc", "desc"] = "desc") -> dict:
+    page, more = await stored.call("files", tenant_principal(request).tenant, purpose, after, limit, order)
+    return _page(page, more)
 
 
 @router.get("/v1/files/{file_id}", responses=error_responses(401, 404, 503))
@@ -93,6 +114,22 @@ async def delete_file(file_id: str, request: Request) -> dict:
     return {"id": file_id, "object": "file", "deleted": True}
 
 
+def _expires_after(anchor: str | None, seconds: str | None) -> int:
+    """An upload's life in seconds from its ``expires_after[...]`` form fields (checked here,
+    not by the form's schema, so that a 400 names the field as the client spelt it)."""
+    if anchor is None and seconds is None:
+        return BATCH_FILE_TTL_S
+    if anchor is None or seconds is None:
+        missing = "expires_after[anchor]" if anchor is None else "expires_after[seconds]"
+        raise APIError(400, f"expires_after needs both anchor and seconds: send {missing} too", param=missing)
+    if anchor != "created_at":
+        raise APIError(400, "expires_after[anchor] must be \"created_at\"", param="expires_after[anchor]")
+    if not seconds.isdigit() or not TTL_S[0] <= int(seconds) <= TTL_S[1]:
+        raise APIError(400, "expires_after[seconds] must be a whole number of seconds from 3600 (1 hour) to "
+                       "2592000 (30 days)", param="expires_after[seconds]")
+    return int(seconds)
+
+
 @router.post("/v1/batches", responses=error_responses(400, 401, 404, 429, 503))
 async def create_batch(body: BatchCreateRequest, request: Request) -> dict:
     principal = tenant_principal(request)
@@ -109,7 +146,8 @@ async def create_batch(body: BatchCreateRequest, request: Request) -> dict:
              "finalizing_at": None, "completed_at": None, "failed_at": None, "expired_at": None,
              "cancelling_at": None, "cancelled_at": None, "model": None,
              "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": body.metadata}
-    if await stored.call("add_batch", principal.tenant, batch) is None:
+    ttl = body.output_expires_after and body.output_expires_after.seconds
+    if await stored.call("add_batch", principal.tenant, batch, ttl) is None:
         raise APIError(429, "this tenant has too many batches running: wait for one to end or cancel one",
                        "too_many_batches", headers={"Retry-After": "30"})
     runner = BatchRunner(stored.call, in_process_sender(request.app, bearer_key(request.headers)),
@@ -123,6 +161,10 @@ async def create_batch(body: BatchCreateRequest, request: Request) -> dict:
 @router.get("/v1/batches", responses=error_responses(401, 503))
 async def list_batches(request: Request, after: str | None = None, limit: int = Query(20, ge=1, le=100)) -> dict:
     page, more = await stored.call("batches", tenant_principal(request).tenant, after, limit)
+    return _page(page, more)
+
+
+def _page(page: list[dict], more: bool) -> dict:
     return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
             "last_id": page[-1]["id"] if page else None, "has_more": more}
 

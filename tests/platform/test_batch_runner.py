@@ -260,7 +260,7 @@ def test_the_store_keeps_tenants_apart_and_bounds_bytes():
     meta = store.add_file("acme", "in.jsonl", "batch", b"123456")
     assert store.add_file("acme", "more.jsonl", "batch", b"12345") is None          # 11 > 10 bytes
     assert store.file("initech", meta["id"]) is None and store.content("initech", meta["id"]) is None
-    assert store.files("initech") == [] and store.delete_file("initech", meta["id"]) is False
+    assert store.files("initech") == ([], False) and store.delete_file("initech", meta["id"]) is False
     assert store.content("acme", meta["id"]) == b"123456" and store.used == 6
     assert store.delete_file("acme", meta["id"]) and store.used == 0
     assert store.add_file("acme", "more.jsonl", "batch", b"12345")["bytes"] == 5
