@@ -24,14 +24,12 @@ import asyncio
 import json
 import random
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import httpx
 
-from benchmarks.batches import ADMIN, MODEL, PORT, run_on_app, tagged, workload
-from benchmarks.common import machine, pct, result_name, table, write_json
+from benchmarks.batches import ADMIN, MODEL, PORT, report, run_lifted, tagged, workload
+from benchmarks.common import pct, result_name
 
 INTERACTIVE_KEY = "kvh-demo-standard"
 BATCH_KEY = "kvh-demo-premium"
@@ -127,11 +125,7 @@ def main(argv=None) -> int:
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--name", type=result_name, default="batch_beside")
     args = p.parse_args(argv)
-    from benchmarks.qos import lifted_tenants
-
-    info = machine()
-    tenants = lifted_tenants(Path(tempfile.mkdtemp(prefix="kvh-batch-beside-")))
-    results = run_on_app(args.replicas, tenants, lambda: measure(args))
+    info, results = run_lifted(args, measure, "kvh-batch-beside-")
     rows = []
     for seed, arms in results.items():
         alone = arms["alone"]["ttft_ms"]["p99"]
@@ -140,10 +134,8 @@ def main(argv=None) -> int:
             rows.append({"seed": seed, "arm": arm, "TTFT p50/p90/p99 ms": f"{t['p50']:.0f} / {t['p90']:.0f} / {t['p99']:.0f}",
                          "p99 / alone": f"{t['p99'] / alone:.2f}x", "429s": a["http_429s"],
                          "batch lines/s": " ".join(f"{x:.1f}" for x in a["batch_lines_per_s"]) or "-"})
-    print(table(rows, ["seed", "arm", "TTFT p50/p90/p99 ms", "p99 / alone", "429s", "batch lines/s"]))
-    path = write_json(args.name, {"machine": info, "args": vars(args), "model": MODEL, "results": results})
-    print(f"wrote {path}", file=sys.stderr)
-    return 0
+    return report(args, {"machine": info, "model": MODEL, "results": results}, rows,
+                  ["seed", "arm", "TTFT p50/p90/p99 ms", "p99 / alone", "429s", "batch lines/s"])
 
 
 if __name__ == "__main__":

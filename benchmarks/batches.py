@@ -142,6 +142,24 @@ def run_on_app(replicas: int, tenants: Path, coroutine_fn, config: dict | None =
         ray.shutdown()
 
 
+def run_lifted(args, measure, prefix: str, config: dict | None = None) -> tuple[dict, dict]:
+    """This machine's description and ``measure(args)``'s results, measured on an app of
+    ``args.replicas`` LLM replicas (and ``config``) whose tenants.yaml has its limits lifted."""
+    from benchmarks.qos import lifted_tenants
+
+    info = machine()
+    tenants = lifted_tenants(Path(tempfile.mkdtemp(prefix=prefix)))
+    return info, run_on_app(args.replicas, tenants, lambda: measure(args), config)
+
+
+def report(args, payload: dict, rows: list[dict], columns: list[str]) -> int:
+    """Print ``rows`` as a table and write ``payload`` (with ``args``) as ``args.name``'s JSON."""
+    print(table(rows, columns))
+    path = write_json(args.name, {**payload, "args": vars(args)})
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -163,10 +181,8 @@ def main(argv=None) -> int:
     results = run_on_app(args.replicas, tenants, lambda: measure(args))
     rows = [{"seed": s, "batch tok/s": f"{r['batch']['tokens_per_s']:.0f}", "http tok/s": f"{r['http']['tokens_per_s']:.0f}",
              "batch/http": f"{r['batch_over_http']:.2f}x", "HTTP 429s": r["http_429s"]} for s, r in results.items()]
-    print(table(rows, ["seed", "batch tok/s", "http tok/s", "batch/http", "HTTP 429s"]))
-    path = write_json(args.name, {"machine": info, "args": vars(args), "results": results})
-    print(f"wrote {path}", file=sys.stderr)
-    return 0
+    return report(args, {"machine": info, "results": results}, rows,
+                  ["seed", "batch tok/s", "http tok/s", "batch/http", "HTTP 429s"])
 
 
 if __name__ == "__main__":

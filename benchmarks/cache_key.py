@@ -23,15 +23,13 @@ import argparse
 import asyncio
 import random
 import sys
-import tempfile
 import time
 from collections import Counter
-from pathlib import Path
 
 import httpx
 
-from benchmarks.batches import ADMIN, MODEL, PORT, WORDS, run_on_app
-from benchmarks.common import machine, pct, result_name, table, write_json
+from benchmarks.batches import ADMIN, MODEL, PORT, WORDS, report, run_lifted
+from benchmarks.common import pct, result_name
 
 KEY = "kvh-demo-standard"
 ARMS = ("key", "none")
@@ -132,11 +130,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--name", type=result_name, default="cache_key")
     args = p.parse_args(argv)
-    from benchmarks.qos import lifted_tenants
-
-    info = machine()
-    tenants = lifted_tenants(Path(tempfile.mkdtemp(prefix="kvh-cache-key-bench-")))
-    results = run_on_app(args.replicas, tenants, lambda: measure(args), {"num_kv_blocks": args.kv_blocks, "replica_cpus": 0.25})
+    info, results = run_lifted(args, measure, "kvh-cache-key-bench-",
+                               {"num_kv_blocks": args.kv_blocks, "replica_cpus": 0.25})
     rows = []
     for seed, res in results.items():
         for arm in ARMS:
@@ -144,10 +139,8 @@ def main(argv=None) -> int:
             rows.append({"seed": seed, "arm": arm, "hit rate": f"{a['hit_rate']:.3f}",
                          "latency p50/p90/p99 ms": "/".join(f"{a['latency_ms'][q]:.0f}" for q in ("p50", "p90", "p99")),
                          "requests per replica": " ".join(map(str, a["per_replica"]))})
-    print(table(rows, ["seed", "arm", "hit rate", "latency p50/p90/p99 ms", "requests per replica"]))
-    path = write_json(args.name, {"machine": info, "args": vars(args), "results": results})
-    print(f"wrote {path}", file=sys.stderr)
-    return 0
+    return report(args, {"machine": info, "results": results}, rows,
+                  ["seed", "arm", "hit rate", "latency p50/p90/p99 ms", "requests per replica"])
 
 
 if __name__ == "__main__":
