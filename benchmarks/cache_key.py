@@ -1,18 +1,21 @@
 """Prompt cache keys through two gateways: prefix hits and latency of agents' request bursts
 with and without OpenAI's ``prompt_cache_key``.
 
-One app (``build_app``: ``--replicas`` LLM replicas of the builtin tiny-llama with
+One app per router (``build_app``: ``--replicas`` LLM replicas of the builtin tiny-llama with
 ``--kv-blocks`` KV blocks each, 2 gateway replicas, each with its own router) on a copy of
 tenants.yaml without rate, token or concurrency limits. Workload, from the seed: ``--agents``
-agents, each with a system prompt of its own (``--prompt-words`` words, ~6 tokens each: tiny-llama's tokenizer reads bytes); bursts of ``--burst``
-concurrent completions of one agent (its system prompt, then a question of its own;
-``--max-tokens`` tokens, greedy) arrive open loop, Poisson at ``--rate`` bursts a second, the
-agent drawn uniformly, ``--bursts`` bursts per arm. Two arms run the same requests: ``key``
-(each request sends ``prompt_cache_key`` = its agent's name) and ``none``; their order
-alternates per round and the prefix cache is flushed before each arm. Reported per arm, over
-all rounds: the prefix hit rate (cached prompt tokens / prompt tokens, from each answer's
-usage), latency (send to answer) p50 / p90 / p99, and how many requests each replica served;
-the two arms' answers are checked to be the same text.
+agents, each with a system prompt of its own (``--prompt-words`` words, ~6 tokens each:
+tiny-llama's tokenizer reads bytes); bursts of ``--burst`` concurrent completions of one agent
+(its system prompt, then a question of its own; ``--max-tokens`` tokens, greedy) arrive open
+loop, Poisson at ``--rate`` bursts a second, the agent drawn uniformly, ``--bursts`` bursts per
+arm. Arms, all on the same requests: on kvharbor's router ``key`` (each request sends
+``prompt_cache_key`` = its agent's name) and ``none``, their order alternating per round; on
+Ray Serve's ``PrefixCacheAffinityRouter`` (``router="ray_prefix"``: its tree of routed
+prompts lives in one actor that both gateways' routers share; it reads no key)
+``ray_prefix``. The prefix cache is flushed before each arm. Reported per arm, over all
+rounds: the prefix hit rate (cached prompt tokens / prompt tokens, from each answer's usage),
+latency (send to answer) p50 / p90 / p99, and how many requests each replica served; every
+arm's answers are checked to be the same text.
 
     python -m benchmarks.cache_key --seeds 0 1 2
 """
@@ -32,7 +35,9 @@ from benchmarks.batches import ADMIN, MODEL, PORT, WORDS, report, run_lifted
 from benchmarks.common import pct, result_name
 
 KEY = "kvh-demo-standard"
-ARMS = ("key", "none")
+ROUTER_ARMS = {"kv": ("key", "none"), "ray_prefix": ("ray_prefix",)}
+"""The arms run on each router's app: kvharbor's with and without keys; Ray Serve's
+``PrefixCacheAffinityRouter`` (it reads no key, so its requests send none)."""
 
 
 def workload(seed: int, args) -> list[list[dict]]:
@@ -89,7 +94,8 @@ def summary(records: list[dict]) -> dict:
             "per_replica": sorted(Counter(r["replica"] for r in records).values(), reverse=True)}
 
 
-async def measure(args) -> dict:
+async def measure(args, arms: tuple[str, ...]) -> dict:
+    """Each seed's ``arms`` on the running app: their summaries and their answers' texts."""
     admin = {"Authorization": f"Bearer {ADMIN}"}
     out = {}
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{PORT}", timeout=600,
@@ -98,22 +104,34 @@ async def measure(args) -> dict:
         await run_arm(client, warm, True, args.rate, 99)
         for seed in args.seeds:
             bursts = workload(seed, args)
-            arms: dict[str, list[dict]] = {arm: [] for arm in ARMS}
-            texts: dict[str, list[list[str]]] = {arm: [] for arm in ARMS}
+            records: dict[str, list[dict]] = {arm: [] for arm in arms}
             for r in range(args.rounds):
-                for arm in ARMS[r % 2:] + ARMS[:r % 2]:
+                for arm in arms[r % len(arms):] + arms[:r % len(arms)]:
                     (await client.post("/admin/cache/flush", headers=admin)).raise_for_status()
-                    records = await run_arm(client, bursts, arm == "key", args.rate, seed * 100 + r)
-                    arms[arm] += records
-                    texts[arm].append([x["text"] for x in records])
-                    print(f"seed {seed} round {r} {arm}: hit rate {summary(records)['hit_rate']:.3f}",
+                    got = await run_arm(client, bursts, arm == "key", args.rate, seed * 100 + r)
+                    records[arm] += got
+                    print(f"seed {seed} round {r} {arm}: hit rate {summary(got)['hit_rate']:.3f}",
                           file=sys.stderr, flush=True)
-            same = all(a == b for a, b in zip(texts["key"], texts["none"]))
-            if not same:
-                raise SystemExit(f"seed {seed}: the arms' answers differ")
-            out[seed] = {arm: summary(records) for arm, records in arms.items()}
-            out[seed]["same_answers"] = same
+            out[seed] = {arm: {**summary(got), "texts": [x["text"] for x in got]} for arm, got in records.items()}
     return out
+
+
+def measure_all(args) -> tuple[dict, dict]:
+    """Every router's arms, one app per router (started in turn); answers checked to be the same
+    text in every arm and round."""
+    info, results = {}, {seed: {} for seed in args.seeds}
+    for router in args.routers:          # the machine as each app started
+        config = {"num_kv_blocks": args.kv_blocks, "replica_cpus": 0.25, "router": router}
+        info[router], got = run_lifted(args, lambda a: measure(a, ROUTER_ARMS[router]), "kvh-cache-key-bench-",
+                                       config)
+        for seed, arms in got.items():
+            results[seed].update(arms)
+    for seed, arms in results.items():
+        texts = [a.pop("texts") for a in arms.values()]
+        if any(t != texts[0] for t in texts):
+            raise SystemExit(f"seed {seed}: the arms' answers differ")
+        arms["same_answers"] = True
+    return info, results
 
 
 def main(argv=None) -> int:
@@ -128,13 +146,13 @@ def main(argv=None) -> int:
     p.add_argument("--rate", type=float, default=1.0, help="bursts a second")
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--routers", nargs="+", choices=sorted(ROUTER_ARMS), default=["kv", "ray_prefix"])
     p.add_argument("--name", type=result_name, default="cache_key")
     args = p.parse_args(argv)
-    info, results = run_lifted(args, measure, "kvh-cache-key-bench-",
-                               {"num_kv_blocks": args.kv_blocks, "replica_cpus": 0.25})
+    info, results = measure_all(args)
     rows = []
     for seed, res in results.items():
-        for arm in ARMS:
+        for arm in (a for r in args.routers for a in ROUTER_ARMS[r]):
             a = res[arm]
             rows.append({"seed": seed, "arm": arm, "hit rate": f"{a['hit_rate']:.3f}",
                          "latency p50/p90/p99 ms": "/".join(f"{a['latency_ms'][q]:.0f}" for q in ("p50", "p90", "p99")),

@@ -260,6 +260,15 @@ class PlatformConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _ray_prefix_reads_bytes(self):
+        from kvharbor.engine.model_info import BUILTIN_NAMES  # noqa: PLC0415
+
+        if self.router == "ray_prefix" and self.model not in BUILTIN_NAMES:
+            raise ValueError(f"router 'ray_prefix' reads prompts as bytes: it routes the builtin models "
+                             f"({', '.join(BUILTIN_NAMES)}) only, not {self.model!r}")
+        return self
+
+    @model_validator(mode="after")
     def _names_distinct(self):
         names = self.served_model_name or []
         if any(not n for n in names) or len(set(names)) != len(names):
@@ -333,7 +342,7 @@ class PlatformConfig(BaseModel):
     enforce_eager: bool = Field(False, description="GPU replicas never replay CUDA graphs (see EngineConfig).")
     async_scheduling: bool = Field(True, description="GPU replicas launch a decode step before reading the "
                                    "previous one's tokens (see EngineConfig).")
-    router: str = Field("kv", pattern="^(kv|pow2|round_robin)$", description="Request router: 'kv' (KV-aware), 'pow2' (Serve default) or 'round_robin'.")
+    router: str = Field("kv", pattern="^(kv|pow2|round_robin|ray_prefix)$", description="Request router: 'kv' (KV-aware), 'pow2' (Serve default), 'round_robin', or 'ray_prefix' (Ray Serve's PrefixCacheAffinityRouter, a comparison peer: builtin models only, it reads their byte-tokenized prompts as text).")
     replica_cpus: float = Field(0.5, gt=0, description="num_cpus per LLM replica when on CPU.")
     cpu_threads: int | None = Field(1, ge=1, description="torch threads per CPU replica (None: torch default).")
     cpu_replica_nice: int = Field(10, ge=0, le=19, description="OS nice increment of the thread that runs a CPU "

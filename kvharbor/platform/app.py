@@ -32,7 +32,8 @@ logger = logging.getLogger("kvharbor")
 METRICS_PORT = int(os.environ.get("KVHARBOR_METRICS_PORT", "8080"))
 HTTP_PORT = int(os.environ.get("KVHARBOR_HTTP_PORT", "8000"))
 ROUTERS = {"kv": "kvharbor.platform.router:KVAwareRouter",
-           "round_robin": "kvharbor.platform.router:RoundRobinRouter", "pow2": None}
+           "round_robin": "kvharbor.platform.router:RoundRobinRouter", "pow2": None,
+           "ray_prefix": "kvharbor.platform.ray_prefix_router:RayPrefixRouter"}
 
 
 INGRESS_NAMES = {"haproxy": "HAProxy to the gateway replicas", "proxy": "Serve's proxy",

@@ -118,3 +118,19 @@ def test_token_counts_take_vllms_suffixes(value, want):
 def test_a_binary_suffix_takes_no_decimals():
     with pytest.raises(ValueError, match="no decimals with K, M or G .* did you mean 1.5k"):
         PlatformConfig(max_model_len="1.5K")
+
+
+def test_rays_prefix_router_is_a_peer_for_the_builtin_models_only():
+    """``router=ray_prefix`` puts Ray Serve's PrefixCacheAffinityRouter (reading the builtin
+    models' byte-tokenized prompts as text) in front of the replicas, for side-by-side runs."""
+    import importlib
+
+    from kvharbor.platform.app import ROUTERS
+
+    cfg = PlatformConfig(router="ray_prefix")
+    module, name = ROUTERS[cfg.router].split(":")
+    router = getattr(importlib.import_module(module), name)
+    assert router.__mro__[1].__name__ == "PrefixCacheAffinityRouter"
+    assert not cfg.uses_direct_streams
+    with pytest.raises(ValueError, match="builtin models"):
+        PlatformConfig(router="ray_prefix", model="/ckpt/qwen3")
