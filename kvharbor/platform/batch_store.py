@@ -25,7 +25,7 @@ import uuid
 import ray
 
 from kvharbor.platform.error_body import APIError
-from kvharbor.platform.store_calls import StoreCalls
+from kvharbor.platform.store_calls import StoreCalls, page_after
 
 NAME = "kvharbor-batch-store"
 DEFAULT_MAX_BYTES = 512 * 2**20
@@ -94,11 +94,7 @@ class BatchStore:
         after the file ``after`` in that order, at most ``limit``; and whether more follow."""
         self._expire()
         found = [m for t, m, _ in self._files.values() if t == tenant and purpose in (None, m["purpose"])]
-        found = found[::-1] if order == "desc" else found
-        ids = [m["id"] for m in found]
-        start = ids.index(after) + 1 if after in ids else 0
-        end = len(found) if limit is None else start + limit
-        return found[start:end], end < len(found)
+        return page_after(found[::-1] if order == "desc" else found, after, limit)
 
     def room(self) -> tuple[int, int]:
         self._expire()
@@ -129,11 +125,8 @@ class BatchStore:
 
     def batches(self, tenant: str, after: str | None, limit: int) -> tuple[list[dict], bool]:
         """The tenant's batches, newest first, those after ``after`` (an id); and whether more follow."""
-        mine = [b for t, b in self._batches.values() if t == tenant][::-1]
-        ids = [b["id"] for b in mine]
-        start = ids.index(after) + 1 if after in ids else 0
-        page = [self._checked(b["id"], b) for b in mine[start:start + limit]]
-        return page, start + limit < len(mine)
+        page, more = page_after([b for t, b in self._batches.values() if t == tenant][::-1], after, limit)
+        return [self._checked(b["id"], b) for b in page], more
 
     def cancel(self, tenant: str, batch_id: str) -> dict | None:
         """Ask a running batch to stop (its runner finishes the lines under way); a final one is

@@ -38,6 +38,7 @@ from kvharbor.platform.auth_gate import bearer_key, tenant_principal
 from kvharbor.platform.batch_runner import BatchRunner
 from kvharbor.platform.batch_store import BATCH_FILE_TTL_S, StoredBatches, new_id
 from kvharbor.platform.error_body import APIError, error_dict, error_responses
+from kvharbor.platform.store_calls import list_object
 
 BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
                    "/v1/score", "/v1/rerank")
@@ -93,7 +94,7 @@ async def upload_file(request: Request, file: UploadFile = File(description="The
 async def list_files(request: Request, purpose: str | None = None, after: str | None = None,
                      limit: int = Query(10_000, ge=1, le=10_000), order: Literal["asc", "desc"] = "desc") -> dict:
     page, more = await stored.call("files", tenant_principal(request).tenant, purpose, after, limit, order)
-    return _page(page, more)
+    return list_object(page, more)
 
 
 @router.get("/v1/files/{file_id}", responses=error_responses(401, 404, 503))
@@ -161,12 +162,7 @@ async def create_batch(body: BatchCreateRequest, request: Request) -> dict:
 @router.get("/v1/batches", responses=error_responses(401, 503))
 async def list_batches(request: Request, after: str | None = None, limit: int = Query(20, ge=1, le=100)) -> dict:
     page, more = await stored.call("batches", tenant_principal(request).tenant, after, limit)
-    return _page(page, more)
-
-
-def _page(page: list[dict], more: bool) -> dict:
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": more}
+    return list_object(page, more)
 
 
 @router.get("/v1/batches/{batch_id}", responses=error_responses(401, 404, 503))

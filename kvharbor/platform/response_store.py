@@ -29,7 +29,7 @@ from collections import OrderedDict
 import ray
 
 from kvharbor.platform.error_body import APIError
-from kvharbor.platform.store_calls import StoreCalls
+from kvharbor.platform.store_calls import StoreCalls, page_after
 
 logger = logging.getLogger("kvharbor.responses")
 
@@ -124,9 +124,7 @@ class ResponseStore:
         if self.get(tenant, response_id) is None:
             return None
         items = self._entries[response_id][4]
-        items = items if order == "asc" else items[::-1]
-        start = next((i + 1 for i, item in enumerate(items) if item.get("id") == after), 0) if after else 0
-        return items[start:start + limit], start + limit < len(items)
+        return page_after(items if order == "asc" else items[::-1], after, limit)
 
     def delete(self, tenant: str, response_id: str) -> bool:
         entry = self._entries.get(response_id)

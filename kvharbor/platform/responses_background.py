@@ -29,6 +29,7 @@ from kvharbor.platform.auth_gate import tenant_principal
 from kvharbor.platform.error_body import APIError, error_responses
 from kvharbor.platform.response_store import BEAT_S, StoredResponses
 from kvharbor.platform.responses_api import responses_error
+from kvharbor.platform.store_calls import list_object
 from kvharbor.tenants import TenantError
 
 logger = logging.getLogger("kvharbor.responses")
@@ -100,9 +101,8 @@ async def cancel_response(response_id: str, request: Request) -> dict:
 async def input_items(response_id: str, request: Request, after: str | None = None,
                       limit: int = Query(20, ge=1, le=100), order: Literal["asc", "desc"] = "desc") -> dict:
     """A stored response's input items (OpenAI's list: newest first unless ``order=asc``)."""
-    data, more = await stored.found("input_items", tenant_principal(request).tenant, response_id, after, limit, order)
-    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None, "has_more": more}
+    return list_object(*await stored.found("input_items", tenant_principal(request).tenant, response_id, after,
+                                           limit, order))
 
 
 __all__ = ["router", "start"]

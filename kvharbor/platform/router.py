@@ -515,9 +515,9 @@ class KVAwareRouter(RequestRouter):
                            if c.stats.get("block_size")), self.default_block_size)
         if request is None:
             return RouteRequest(prompt_tokens=0, block_size=block_size)
-        key = request.prompt_cache_key and session_key(request.tenant, request.prompt_cache_key)
+        key = session_key(request.tenant, request.prompt_cache_key) if request.prompt_cache_key else None
         return RouteRequest(len(request.prompt_token_ids), block_size, request.pinned,
-                            request.priority, request.qos, request.session_id, key or None)
+                            request.priority, request.qos, request.session_id, key)
 
     def _kv_ranks(self, ranked, replicas: list[RunningReplica]) -> list[list[RunningReplica]]:
         ordered = self._by_ids(ranked, replicas)

@@ -32,4 +32,18 @@ class StoreCalls:
             raise unavailable(self._what, self._code) from None
 
 
-__all__ = ["StoreCalls"]
+def page_after(items: list[dict], after: str | None, limit: int | None) -> tuple[list[dict], bool]:
+    """OpenAI's cursor paging: the ``items`` that follow the one whose ``id`` is ``after`` (all of
+    them when none is), at most ``limit`` (None: no limit); and whether more follow."""
+    start = next((i + 1 for i, item in enumerate(items) if item.get("id") == after), 0) if after else 0
+    end = len(items) if limit is None else start + limit
+    return items[start:end], end < len(items)
+
+
+def list_object(data: list[dict], more: bool) -> dict:
+    """A page as OpenAI's list object (``first_id`` / ``last_id`` name the ends for the next call)."""
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": more}
+
+
+__all__ = ["StoreCalls", "list_object", "page_after"]
