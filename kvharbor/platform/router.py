@@ -393,11 +393,12 @@ class KVAwareRouter(RequestRouter):
     def _candidate(self, replica: RunningReplica, matches: dict,
                    request: GenerateRequest | None, holder: str | None = None) -> Candidate:
         uid = replica.replica_id.unique_id
-        match = matches.get(uid)
+        match = indexed = matches.get(uid)
         if request is not None and request.block_hashes:
-            match = with_active(match, self.active, uid, request.block_hashes)
+            match = with_active(indexed, self.active, uid, request.block_hashes)
         return Candidate(uid, match, replica.routing_stats or {}, self._in_flight(replica),
-                         self.active.count(uid), holds_session=uid == holder)
+                         self.active.count(uid), holds_session=uid == holder,
+                         pending_hit=match is not indexed)
 
     def _session_holder(self, request: GenerateRequest | None,
                         replicas: list[RunningReplica]) -> str | None:

@@ -8,7 +8,8 @@ same objects.
 ``KVAwarePolicy`` scores, in prompt tokens::
 
     score = cached tokens (device hits + host_hit_weight * host hits)
-          - load_cost_tokens * requests ahead (running + waiting of equal or higher priority)
+          - load_cost_tokens * requests ahead (running + waiting of equal or higher priority,
+            less one computing this prompt's prefix there: see below)
           - block_size * blocks the request needs but the replica has no free block for
           - pinned_miss_cost * block_size * blocks a pinned request can't get from the region
           - active_token_cost * block_size * blocks sent there and not yet confirmed cached
@@ -28,6 +29,13 @@ empty while the other two evicted each other's tenants. Charging only the blocks
 beyond the empty ones fixed that but filled replicas one after the other (``--seed 6``:
 54/51/33/6 requests); charging by occupancy fills them evenly, as Ray's router does by
 sending a prefix it has not seen to the replica with the smallest tree.
+A request ahead that computes this prompt's prefix is not a queue to wait in but the hit
+on its way: when a candidate's match reaches blocks this router sent there and no KV event
+has confirmed (``Candidate.pending_hit``), one request fewer counts ahead. Before, the
+second copy of a burst of one ~400-token prefix scored 400 saved - 512 for the copy ahead
+- 100 for its pending blocks, below an idle replica that held nothing, so a burst sent
+through one gateway split after its first request and recomputed the prefix elsewhere
+(``benchmarks/cache_key.py``); the third copy still sees one request ahead and may spill.
 Session affinity: a request with a session id goes first to the replica holding that
 session (``Candidate.holds_session``) unless that replica is overloaded (the same guard);
 when no candidate holds it (the replica is gone), the score decides as for any request.
@@ -84,6 +92,7 @@ class Candidate:
     in_flight: int | None = None
     active_blocks: int = 0
     holds_session: bool = False     # the replica holds the request's session (its turns' KV)
+    pending_hit: bool = False       # the match reaches blocks this router sent there, unconfirmed
 
 
 @dataclass(slots=True, frozen=True)
@@ -199,16 +208,17 @@ class KVAwarePolicy:
         return saved - penalty
 
     def _requests_ahead(self, request: RouteRequest, c: Candidate, load: int) -> int:
-        """``load`` minus requests of lower priority (the replica schedules them after).
+        """``load`` minus requests of lower priority (the replica schedules them after), and
+        minus one when a request ahead is computing this prompt's prefix (``pending_hit``).
 
         Replicas report ``queue_by_priority`` with the priority each request carries, so a
         tenants.yaml reload that changes a class's priority needs nothing from the router.
         """
+        ahead = load - int(c.pending_hit)
         queue = c.stats.get("queue_by_priority")
-        if not queue:
-            return load
-        lower = sum(n for priority, n in queue.items() if int(priority) < request.priority)
-        return max(0, load - int(lower))
+        if queue:
+            ahead -= sum(n for priority, n in queue.items() if int(priority) < request.priority)
+        return max(0, ahead)
 
 
 def _with_key_home(cache_key: str, ranked: list[Ranked]) -> list[Ranked]:

@@ -65,9 +65,10 @@ def make_router(shard: FakeShard | None = None, synced: bool = True, **kwargs) -
     return router
 
 
-def pending(hashes=HASHES, as_kwarg: bool = False, rid: str = "r1", **fields) -> PendingRequest:
+def pending(hashes=HASHES, as_kwarg: bool = False, rid: str = "r1", prompt=PROMPT,
+            **fields) -> PendingRequest:
     fields = {"tenant": "acme", "qos": "standard", **fields}
-    req = GenerateRequest(request_id=rid, prompt_token_ids=PROMPT, block_hashes=list(hashes),
+    req = GenerateRequest(request_id=rid, prompt_token_ids=prompt, block_hashes=list(hashes),
                           sampling={}, **fields)
     args, kwargs = ([], {"request": req}) if as_kwarg else ([req], {})
     return PendingRequest(args=args, kwargs=kwargs,
@@ -297,6 +298,28 @@ def test_a_burst_of_a_new_prefix_follows_the_first_request_until_load_spreads_it
         loads[uids(ranks)[0][0]] += 1
     assert max(loads.values()) / (sum(loads.values()) / 4) <= 1.25
     assert loads[first] == max(loads.values())
+
+
+def test_a_bursts_second_copy_joins_the_replica_computing_its_prefix():
+    """Copies of one 400-token prompt sent through one router before any KV event: the
+    second goes where the first is computing the prefix although that replica has a request
+    more in flight (it is that request); the third, with two ahead, spills to the idle one."""
+    router = make_router(FakeShard())
+    replicas = {x: FakeReplica(x) for x in "ab"}
+    prompt = list(range(7_000, 7_400))
+    hashes = hash_prompt_blocks(prompt, 16)
+    ranks, pr = route(router, list(replicas.values()), rid="c0", hashes=hashes, prompt=prompt)
+    hot = uids(ranks)[0][0]
+    cold = next(x for x in replicas if x != hot)
+    routed(router, pr, replicas[hot])
+    router._replica_queue_len_cache.update(replicas[hot].replica_id, 1)
+    router._replica_queue_len_cache.update(replicas[cold].replica_id, 0)
+    ranks, pr = route(router, list(replicas.values()), rid="c1", hashes=hashes, prompt=prompt)
+    assert uids(ranks)[0] == [hot] and md(pr)["router_predicted_cached_tokens"] == 400
+    routed(router, pr, replicas[hot])
+    router._replica_queue_len_cache.update(replicas[hot].replica_id, 2)
+    ranks, _ = route(router, list(replicas.values()), rid="c2", hashes=hashes, prompt=prompt)
+    assert uids(ranks)[0] == [cold]
 
 
 def test_prefill_just_sent_to_a_replica_weighs_on_the_next_unrelated_request():

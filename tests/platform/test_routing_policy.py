@@ -222,3 +222,23 @@ def test_every_policy_ranks_each_candidate_once_and_handles_empty_input():
         assert sorted(r.replica_id for r in policy.rank(REQ, cands)) == sorted(
             c.replica_id for c in cands)
         assert policy.rank(REQ, []) == []
+
+
+def test_a_request_ahead_computing_the_prompts_prefix_is_not_a_queue():
+    """The second copy of a burst of one 400-token prompt: the replica computing the first
+    copy (one request ahead, its 25 blocks sent and unconfirmed) wins over an idle replica
+    holding nothing; the same replica with the same blocks *not* pending (another request
+    ahead) loses, and a third copy (two ahead) spills."""
+    burst = RouteRequest(prompt_tokens=400, block_size=BS)
+    idle = cand("idle")
+
+    def computing(ahead: int, pending: bool = True) -> Candidate:
+        return Candidate("hot", dev(25), {}, in_flight=ahead, active_blocks=25, pending_hit=pending)
+
+    policy = KVAwarePolicy()
+    assert first(policy, burst, [idle, computing(1)]) == "hot"          # 400 - 100 > 0
+    assert first(policy, burst, [idle, computing(1, pending=False)]) == "idle"   # 400 - 512 - 100
+    assert first(policy, burst, [idle, computing(2)]) == "idle"
+    # never fewer than no request ahead: an idle replica with the prefix cached beats one still
+    # computing it whose in-flight count has not caught up with the send yet (0)
+    assert first(policy, burst, [cand("cached", dev(25)), computing(0)]) == "cached"
