@@ -305,7 +305,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    from benchmarks.kernels import detect_peak_gbps
+    from benchmarks.attention_kernels import detect_peak_gbps
 
     args = parse_args(argv)
     if not torch.cuda.is_available():

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, as one call on a lent device machine: the Triton kernel,
-# fused-op and CUDA engine tests, then benchmarks/gpu_decode.py and benchmarks/kernels.py.
+# fused-op and CUDA engine tests, then benchmarks/gpu_decode.py and benchmarks/attention_kernels.py.
 # Each stage has its own time limit so a slow one cannot starve the rest; everything is logged
 # to $OUT/log.txt and the benchmarks write their JSON/PNG to $OUT.
 #   usage: bash scripts/gpu_checks.sh [stage ...]
@@ -72,12 +72,12 @@ GPU_TESTS=(tests/engine/test_greedy_exact.py::test_cuda_fp32_greedy_matches_tran
 HELD_OUT=(--batch 16 32 48 --context 4096 8192 16384)
 SWEEP=(--batch 16 64 --context 4096 16384 --sweep-splits 1 4 8 16 --sweep-block-n 64 128
        --sweep-warps 4 8)
-# sweep TAG LIMIT ARGS...: benchmarks/kernels.py with --tag TAG under a time limit; its PNG is
+# sweep TAG LIMIT ARGS...: benchmarks/attention_kernels.py with --tag TAG under a time limit; its PNG is
 # dropped (a device call brings back at most 8 files; the JSON holds every timing).
 sweep() {
   local tag=$1 limit=$2
   shift 2
-  timeout "$limit" python3 benchmarks/kernels.py --out "$OUT" --tag "$tag" "$@" \
+  timeout "$limit" python3 benchmarks/attention_kernels.py --out "$OUT" --tag "$tag" "$@" \
     && rm -f "$OUT/kernels_decode$tag.png"
 }
 {
@@ -104,7 +104,7 @@ sweep() {
             --out "$OUT" ${DECODE_ARGS:-} 2>&1 | grep -v "it/s\]"
         done ;;
       kernels)
-        timeout ${KERNELS_TIMEOUT:-50} python3 benchmarks/kernels.py --out "$OUT" "${SWEEP[@]}"
+        timeout ${KERNELS_TIMEOUT:-50} python3 benchmarks/attention_kernels.py --out "$OUT" "${SWEEP[@]}"
         sweep _hd64 ${KERNELS_TIMEOUT:-50} --head-dim 64 "${SWEEP[@]}" ;;
       # GPU time per kernel inside the replayed batch-64 decode graph (torch.profiler).
       profile)
@@ -149,7 +149,7 @@ sweep() {
             --sweep-block-n 64 128 "${G[@]}"
         done ;;
       rule)
-        timeout ${KERNELS_TIMEOUT:-50} python3 benchmarks/kernels.py --out "$OUT" --tag _rule \
+        timeout ${KERNELS_TIMEOUT:-50} python3 benchmarks/attention_kernels.py --out "$OUT" --tag _rule \
           "${HELD_OUT[@]}"
         sweep _rule_hd64 ${KERNELS_TIMEOUT:-50} --head-dim 64 "${HELD_OUT[@]}" ;;
     esac

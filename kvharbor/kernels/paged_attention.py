@@ -233,7 +233,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     empty sequence), so each program knows its sequence without searching for it;
     ``num_splits`` > 1 selects split-K (flash decoding) plus a reduce kernel;
     ``block_q``/``block_n`` override the tile (query tokens per tile, keys per step);
-    ``num_warps``/``num_stages`` Triton's launch defaults (benchmarks/kernels.py sweeps them).
+    ``num_warps``/``num_stages`` Triton's launch defaults (benchmarks/attention_kernels.py sweeps them).
     Returns ``[T, H, D]`` in ``query.dtype``.
     """
     quant = check_cache(key_cache, value_cache, k_scale, v_scale)

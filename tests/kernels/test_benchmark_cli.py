@@ -1,4 +1,4 @@
-"""benchmarks/kernels.py and gpu_decode.py without a GPU: a clear message, exit status 0,
+"""benchmarks/attention_kernels.py and gpu_decode.py without a GPU: a clear message, exit status 0,
 nothing written."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
 
 
-def _load(name: str = "kernels"):
+def _load(name: str = "attention_kernels"):
     spec = importlib.util.spec_from_file_location(f"kvharbor_bench_{name}", BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module              # dataclasses look their module up there
@@ -22,7 +22,7 @@ def _load(name: str = "kernels"):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: the benchmark runs")
-@pytest.mark.parametrize("name", ["kernels", "gpu_decode"])
+@pytest.mark.parametrize("name", ["attention_kernels", "gpu_decode"])
 def test_benchmark_without_gpu_writes_nothing(name, tmp_path, capsys):
     bench = _load(name)
     assert bench.main(["--out", str(tmp_path / "results")]) == 0

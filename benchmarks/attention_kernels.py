@@ -15,8 +15,8 @@ launch overhead; plain ``do_bench`` if graph capture fails). Prints a
 table and writes ``results/kernels_decode.json`` and ``results/kernels_decode.png``.
 Needs a CUDA GPU: without one it says so and exits (status 0) without writing anything.
 
-Run:  python benchmarks/kernels.py
-      python benchmarks/kernels.py --batch 1 8 --context 1024 16384 --peak-gbps 3350
+Run:  python benchmarks/attention_kernels.py
+      python benchmarks/attention_kernels.py --batch 1 8 --context 1024 16384 --peak-gbps 3350
 """
 
 from __future__ import annotations
@@ -207,7 +207,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        print("benchmarks/kernels.py: no CUDA GPU on this machine - the kernel benchmark "
+        print("benchmarks/attention_kernels.py: no CUDA GPU on this machine - the kernel benchmark "
               "measures GPU memory bandwidth and needs one. Nothing was measured or written.",
               file=sys.stderr)
         return 0
