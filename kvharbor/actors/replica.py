@@ -524,10 +524,11 @@ class LLMReplica:
         m.pinned_region(rid, {"size": e.pool.num_pinned, "target": sched.sizer.target(),
                               "floor": sched.sizer.floor, "ceiling": sched.sizer.ceiling,
                               "demand_peak": sched.sizer.peak})
-        m.step_budget_trims(rid, sched.num_trimmed - self._reported.get("trimmed", 0))
-        self._reported["trimmed"] = sched.num_trimmed
-        m.steps_interrupted(rid, e.interrupt.num_interrupted - self._reported.get("interrupted", 0))
-        self._reported["interrupted"] = e.interrupt.num_interrupted
+        for name, report, n in (("trimmed", m.step_budget_trims, sched.num_trimmed),
+                                ("interrupted", m.steps_interrupted, e.interrupt.num_interrupted),
+                                ("prefix_waits", m.prefix_waits, sched.num_prefix_waits)):
+            report(rid, n - self._reported.get(name, 0))
+            self._reported[name] = n
         if e.spec is not None:
             m.spec_decode_tokens(rid, e.spec.draft_tokens - self._reported.get("drafts", 0),
                                  e.spec.accepted_tokens - self._reported.get("accepted", 0))

@@ -85,14 +85,20 @@ class KVCacheManager:
         token's (one token is always computed); none with prefix caching off."""
         return (req.num_tokens - 1) // self.block_size if self.prefix_caching else 0
 
+    def max_hit_blocks(self, req: Request) -> int:
+        """Most leading blocks a prefix hit of ``req`` may cover now (``_hit_limit``, and not
+        the positions whose logits give its missing prompt logprobs)."""
+        max_blocks = self._hit_limit(req)
+        if req.prompt_lps_missing:          # the positions whose logits give the missing ones run
+            max_blocks = min(max_blocks, (len(req.prompt_lps) - 1) // self.block_size)
+        return max_blocks
+
     def get_computed_blocks(self, req: Request) -> PrefixHit:
         """Longest cached prefix of ``req`` (always leaving one token to compute): device
         blocks first, then host copies; a swapped-out request's own swap extends it."""
         bs = self.block_size
         req.update_block_hashes(bs)
-        max_blocks = self._hit_limit(req)
-        if req.prompt_lps_missing:          # the positions whose logits give the missing ones run
-            max_blocks = min(max_blocks, (len(req.prompt_lps) - 1) // bs)
+        max_blocks = self.max_hit_blocks(req)
         hits: list[KVCacheBlock] = []
         host: list[HostSlot] = []
         for block_hash in req.block_hashes[:max_blocks]:

@@ -33,6 +33,12 @@ admitted this step (they would take the blocks it waits for), unless it could ne
 whole length exceeds what its class may ever hold): then it is skipped, never blocking, and
 ``Engine.reject_unfittable`` fails it.
 
+One prefill per shared prefix in flight (SGLang's in-batch prefix caching does the same): a
+waiting request whose next block to compute is one a request scheduled ahead of it this step
+is filling sits the step out, without blocking those behind it, and takes the block as a prefix
+hit once it is computed. Without this, a burst of six copies of one 256-token prefix arriving
+together computed it five times in one step (``tests/engine/test_prefix_in_flight.py``).
+
 Cost: a step walks the running requests and, per class, at most ``max_num_seqs`` waiting
 requests that could ever fit (a step admits no more than that: each admission takes a seat),
 taken lazily in order from per-(class, tenant) queues kept in arrival order. So a backlog of
@@ -105,6 +111,7 @@ class Scheduler:
         self.cost = StepCostModel()
         self.sizer = PinnedSizer(floor=kv.pool.num_pinned)
         self.num_trimmed = 0            # lower-class items cut or skipped by the step budget
+        self.num_prefix_waits = 0       # a waiting request left for a step: its prefix is being computed
         self._priority_seen: dict[int, float] = {}      # priority -> last time unfinished
         self._last: tuple[float, int, int] | None = None   # (start, tokens, seqs) of last step
 
@@ -179,6 +186,7 @@ class Scheduler:
         pending = self._order()
         limits = self._limits(pending, now)
         admitting = True
+        computing: dict = {}    # block hash -> only pinned requests fill it (see _joins_computing)
         i = 0
         while i < len(pending) and budget > 0:
             req = pending[i]
@@ -194,6 +202,10 @@ class Scheduler:
                 continue
             hit = self.kv.get_computed_blocks(req) if waiting else None
             computed = req.num_computed_tokens + (hit.num_tokens if hit else 0)
+            if waiting and computing and self._joins_computing(req, computed, computing):
+                self.num_prefix_waits += 1      # its next blocks are a hit from the next step on
+                i += 1
+                continue
             want = req.num_tokens - computed
             if req.spec_token_ids and not waiting:
                 want += self._drafts_that_fit(req, want)
@@ -211,6 +223,7 @@ class Scheduler:
                 out.scheduled.append(ScheduledRequest(req, num_new))
                 budget -= num_new
                 self._charge(req, num_new, computed, limits)
+                self._note_computing(req, computed, computing)
                 i += 1
             elif waiting:
                 # Head of line, unless it can never fit: then it must not block the rest.
@@ -221,6 +234,31 @@ class Scheduler:
                 pending.pop(i)
         self._last = (now, out.num_tokens, len(out.scheduled)) if out.scheduled else None
         return out
+
+    # ---- one prefill per shared prefix in flight ------------------------------------------
+    def _note_computing(self, req: Request, computed: int, computing: dict) -> None:
+        """``req``, scheduled this step with ``computed`` tokens done, fills the full blocks
+        from there to the end of its prompt (this step's chunk and the chunks after it; none
+        for a decode, at most the block its token completes)."""
+        bs = self.kv.block_size
+        for h in req.block_hashes[computed // bs:req.num_tokens // bs]:
+            computing[h] = computing.get(h, True) and req.pinned
+
+    def _joins_computing(self, req: Request, computed: int, computing: dict) -> bool:
+        """Should waiting ``req`` sit this step out? Yes when the next block it would compute
+        is one a request scheduled ahead of it this step is filling, and the hit on it is
+        usable (a block only pinned requests fill may sit in the pinned region): from the next
+        step on ``get_computed_blocks`` returns it, and the shared prefix is computed once,
+        not once per copy of a burst. Only requests ahead in this step's order fill
+        ``computing`` (higher classes and running requests of its own class first), so a
+        request never waits on a lower class's trimmed prefill, and once the computing
+        request stops being scheduled (finished its prompt, preempted, aborted) nothing holds
+        ``req`` back."""
+        nxt = computed // self.kv.block_size
+        if nxt >= self.kv.max_hit_blocks(req):
+            return False
+        only_pinned = computing.get(req.block_hashes[nxt])
+        return only_pinned is not None and (req.pinned or not only_pinned)
 
     def _drafts_that_fit(self, req: Request, want: int) -> int:
         """Draft tokens of running ``req`` to verify this step: all of them when they need no

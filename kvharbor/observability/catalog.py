@@ -98,6 +98,11 @@ def _kv_cache() -> DashboardSpec:
         PanelSpec("Evictions", "Cached blocks evicted per second.", "short",
                   (Query(rate_sum("kvharbor_kv_evictions", "replica", R),
                          "{{replica}}"),), no_value="0"),
+        PanelSpec("Prefix waits", "Steps per second a waiting request sat out while a request "
+                  "ahead computed its prompt's next blocks (a burst of one prefix computes it "
+                  "once; the others take it as a hit the step after).", "short",
+                  (Query(rate_sum("kvharbor_prefix_waits", "replica", R),
+                         "{{replica}}"),), no_value="0"),
         PanelSpec("Preemptions by QoS", "Requests preempted per second (recomputed later).",
                   "short", (Query(rate_sum("kvharbor_preemptions", "qos", RQ),
                                   "{{qos}}"),), no_value="0"),

@@ -188,6 +188,10 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kvharbor_step_budget_trims", "counter", ("replica",),
                "Lower-class prefill chunks cut or decodes deferred to keep an engine step under "
                "a higher class's step target."),
+    MetricSpec("kvharbor_prefix_waits", "counter", ("replica",),
+               "Engine steps a waiting request sat out because a request scheduled ahead of it "
+               "was computing its next prompt blocks (it takes them as a prefix hit the step "
+               "after): a burst of one prefix computes it once."),
     MetricSpec("kvharbor_spec_decode_tokens", "counter", ("replica", "kind"),
                "Speculative decoding: draft tokens verified (kind draft) and those accepted (kind "
                "accepted), as vLLM's spec_decode_num_draft_tokens / num_accepted_tokens."),
@@ -423,6 +427,10 @@ class KvharborMetrics:
     def step_budget_trims(self, replica: str, n: int) -> None:
         """Count lower-class items trimmed by the step budget since the last call."""
         self._inc("kvharbor_step_budget_trims", n, {"replica": replica})
+
+    def prefix_waits(self, replica: str, n: int) -> None:
+        """Count steps waiting requests sat out for a prefix in flight since the last call."""
+        self._inc("kvharbor_prefix_waits", n, {"replica": replica})
 
     def spec_decode_tokens(self, replica: str, draft: int, accepted: int) -> None:
         """Count draft tokens verified and accepted since the last call."""

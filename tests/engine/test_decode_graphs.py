@@ -88,7 +88,8 @@ def test_a_padded_step_writes_kv_only_at_its_requests_slots():
     llm = LLM(device="cpu", num_kv_blocks=64)
     engine, runner = llm.engine, llm.engine.runner
     for i, n in enumerate((5, 20, 37)):
-        engine.add_request(f"r{i}", list(range(1, n + 1)), SamplingParams(max_tokens=8, temperature=0.0))
+        engine.add_request(f"r{i}", list(range(60 * i + 1, 60 * i + n + 1)),  # no shared block
+                           SamplingParams(max_tokens=8, temperature=0.0))
     engine.step()                                         # every prompt prefilled in one step
     batch = [ScheduledRequest(r, 1) for r in engine.requests.values()]
     assert all(item.samples for item in batch)

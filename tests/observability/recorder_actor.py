@@ -67,6 +67,7 @@ class Recorder:
         m.pinned_region(replica, {"size": 16 * scale, "target": 16 * scale, "floor": 8,
                                   "ceiling": 64, "demand_peak": 12 * scale})
         m.step_budget_trims(replica, 2 * scale)
+        m.prefix_waits(replica, 3 * scale)
         m.steps_interrupted(replica, scale)
         m.spec_decode_tokens(replica, draft=8 * scale, accepted=5 * scale)
         m.router_mode("kv_index", None)

@@ -106,6 +106,7 @@ def test_no_query_hides_a_missing_metric_and_rare_panels_show_0():
             if no_value is not None:
                 rare[panel["title"]] = no_value
     assert rare == {"Errors by status": "0", "Evictions": "0", "Preemptions by QoS": "0",
+                    "Prefix waits": "0",
                     "Rate-limited requests": "0", "Step budget trims and cut steps": "0",
                     "Session expirations": "0", "Session hit tokens": "0", "Batches running": "0",
                     "Batches ended by status": "0", "Batch requests by outcome": "0"}, rare
