@@ -8,7 +8,8 @@ directory, the token-id prompts and the engine limits. It builds ``LLM`` (vLLM's
 of the model) and runs a warm-up before any timer, writes ``{"ready": ...}`` as one JSON line to
 the file descriptor ``FD``, then serves commands, one JSON line each on stdin, answering one
 JSON line each on ``FD`` (stdout is left to vLLM's logs): ``{"op": "round"}`` times one step
-loop over the spec's prompts from an empty prefix cache (``"structured": true``: request ``i``
+loop over the spec's prompts from an empty prefix cache (its answer also counts the prompt
+tokens read from the prefix cache, ``cached_tokens``) (``"structured": true``: request ``i``
 follows the spec's ``structured[i]``, vLLM's ``StructuredOutputsParams`` fields, and ends with
 its grammar; else EOS is ignored; ``"caps"``: each request's ``max_tokens``; ``"lora": true``:
 request ``i`` with the LoRA adapter ``loras["of"][i]`` of the spec, vLLM built with
@@ -80,14 +81,16 @@ def step_loop(llm, prompts: list[list[int]], max_tokens: int | list[int], struct
                            lora_request=loras[i] if loras else None)
     first: dict[str, float] = {}
     tokens: dict[str, list[int]] = {}
+    cached = 0
     while engine.has_unfinished_requests():
         for out in engine.step():
             first.setdefault(out.request_id, time.perf_counter())
             if out.finished:
                 tokens[out.request_id] = list(out.outputs[0].token_ids)
+                cached += out.num_cached_tokens or 0
     elapsed = time.perf_counter() - start
     outputs = [tokens[str(i)] for i in range(len(prompts))]
-    return {"elapsed_s": elapsed, "output_tokens": sum(map(len, outputs)),
+    return {"elapsed_s": elapsed, "output_tokens": sum(map(len, outputs)), "cached_tokens": cached,
             "ttft_s": sorted(first[k] - start for k in first), "outputs": outputs}
 
 
