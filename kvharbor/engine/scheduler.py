@@ -34,9 +34,10 @@ whole length exceeds what its class may ever hold): then it is skipped, never bl
 ``Engine.reject_unfittable`` fails it.
 
 One prefill per shared prefix in flight (SGLang's in-batch prefix caching does the same): a
-waiting request whose next block to compute is one a request scheduled ahead of it this step
-is filling sits the step out, without blocking those behind it, and takes the block as a prefix
-hit once it is computed. Without this, a burst of six copies of one 256-token prefix arriving
+waiting request whose next blocks to compute (``MIN_SHARED_PREFIX_TOKENS`` of them, all of
+which it could read from the cache) are ones a request scheduled ahead of it this step is
+filling sits the step out, without blocking those behind it, and takes them as a prefix hit
+once they are computed. Without this, a burst of six copies of one 256-token prefix arriving
 together computed it five times in one step (``tests/engine/test_prefix_in_flight.py``).
 
 Cost: a step walks the running requests and, per class, at most ``max_num_seqs`` waiting
@@ -64,6 +65,7 @@ from .request import Request, Status
 from .step_budget import StepBudget, StepCostModel, in_prefill
 
 MAX_SAMPLE_GAP_S = 1.0          # a longer gap between two schedule() calls is idle time
+MIN_SHARED_PREFIX_TOKENS = 32   # a shorter prefix in flight is computed again, not waited for
 _ARRIVAL = attrgetter("arrival_seq")
 
 
@@ -245,20 +247,28 @@ class Scheduler:
             computing[h] = computing.get(h, True) and req.pinned
 
     def _joins_computing(self, req: Request, computed: int, computing: dict) -> bool:
-        """Should waiting ``req`` sit this step out? Yes when the next block it would compute
-        is one a request scheduled ahead of it this step is filling, and the hit on it is
-        usable (a block only pinned requests fill may sit in the pinned region): from the next
-        step on ``get_computed_blocks`` returns it, and the shared prefix is computed once,
-        not once per copy of a burst. Only requests ahead in this step's order fill
+        """Should waiting ``req`` sit this step out? Yes when the next blocks it would
+        compute, ``MIN_SHARED_PREFIX_TOKENS`` worth (a chat template's first block shared by
+        different prompts is not worth a step's wait; SGLang's in-batch check has the same
+        32-token threshold), are all ones requests scheduled ahead of it this step are
+        filling, each a hit it may take (a block only pinned requests fill may sit in the
+        pinned region) and within what a hit may cover: from the next step on
+        ``get_computed_blocks`` returns them, and the shared prefix is computed once, not once
+        per copy of a burst. Only requests ahead in this step's order fill
         ``computing`` (higher classes and running requests of its own class first), so a
         request never waits on a lower class's trimmed prefill, and once the computing
         request stops being scheduled (finished its prompt, preempted, aborted) nothing holds
         ``req`` back."""
-        nxt = computed // self.kv.block_size
-        if nxt >= self.kv.max_hit_blocks(req):
+        bs = self.kv.block_size
+        start = computed // bs
+        end = start + -(-MIN_SHARED_PREFIX_TOKENS // bs)
+        if end > self.kv.max_hit_blocks(req):
             return False
-        only_pinned = computing.get(req.block_hashes[nxt])
-        return only_pinned is not None and (req.pinned or not only_pinned)
+        for h in req.block_hashes[start:end]:
+            only_pinned = computing.get(h)
+            if only_pinned is None or (only_pinned and not req.pinned):
+                return False
+        return True
 
     def _drafts_that_fit(self, req: Request, want: int) -> int:
         """Draft tokens of running ``req`` to verify this step: all of them when they need no

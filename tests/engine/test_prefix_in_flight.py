@@ -50,53 +50,75 @@ def test_a_burst_of_one_prefix_computes_it_once_and_answers_the_same():
 
 
 def test_the_copy_waits_one_step_and_others_are_not_held_back():
-    sched = _sched()
-    shared = list(range(1, 21))                         # 5 full blocks
-    a, b = _req("a", shared + [30], 0), _req("b", shared + [31], 1)
-    other = _req("c", list(range(40, 61)), 2)
+    sched = _sched(budget=128)
+    shared = list(range(1, 41))                         # 10 full blocks
+    a, b = _req("a", shared + [50], 0), _req("b", shared + [51], 1)
+    other = _req("c", list(range(60, 101)), 2)
     for r in (a, b, other):
         sched.add(r)
-    assert dict(_step(sched)) == {"a": 21, "c": 21}     # b sat out; c, behind it, did not
+    assert dict(_step(sched)) == {"a": 41, "c": 41}     # b sat out; c, behind it, did not
     assert sched.num_prefix_waits == 1
-    assert _step(sched)[-1] == ("b", 1)                 # then: 20 of its 21 tokens a hit
-    assert b.num_cached_tokens == 20
+    assert _step(sched)[-1] == ("b", 1)                 # then: 40 of its 41 tokens a hit
+    assert b.num_cached_tokens == 40
 
 
-def test_a_copy_waits_through_every_chunk_of_a_long_prefill():
-    """A 41-token prompt prefilled 12 tokens a step (4 steps, the last fills block 9): its copy
-    does not start while it is filling them (in the last step, with budget left, it sits out),
-    then starts with 40 of its 41 tokens cached."""
-    sched = _sched(budget=12)
+def test_a_copy_waits_for_the_chunk_that_fills_its_prefix():
+    """An 81-token prompt prefilled 48 tokens a step: in the second step its last chunk leaves
+    budget over, and its copy (12 blocks a hit by then) waits for the 8 blocks that chunk
+    fills instead of computing them beside it; it starts with 80 of its 81 tokens cached."""
+    sched = _sched(budget=48)
+    shared = list(range(1, 81))
+    a, b = _req("a", shared + [90], 0), _req("b", shared + [91], 1)
+    sched.add(a)
+    sched.add(b)
+    steps = [_step(sched) for _ in range(3)]
+    assert steps[:2] == [[("a", 48)], [("a", 33)]], steps
+    assert ("b", 1) in steps[2] and b.num_cached_tokens == 80
+    assert sched.num_prefix_waits == 1
+
+
+def test_prompts_sharing_less_than_32_tokens_do_not_wait():
+    """A shared opening shorter than ``MIN_SHARED_PREFIX_TOKENS`` (a chat template's first
+    block) is computed again rather than waited for; so is the rest of a copy's prompt when
+    less than that is left to share."""
+    sched = _sched(budget=128)
+    template = list(range(1, 25))                       # 6 blocks = 24 tokens
+    a, b = _req("a", template + list(range(30, 50)), 0), _req("b", template + list(range(60, 80)), 1)
+    sched.add(a)
+    sched.add(b)
+    assert dict(_step(sched)) == {"a": 44, "b": 44}
+    assert sched.num_prefix_waits == 0
+
+    sched = _sched(budget=36)
     shared = list(range(1, 41))
     a, b = _req("a", shared + [50], 0), _req("b", shared + [51], 1)
     sched.add(a)
     sched.add(b)
-    steps = [_step(sched) for _ in range(5)]
-    assert steps[:4] == [[("a", 12)], [("a", 12)], [("a", 12)], [("a", 5)]], steps
-    assert ("b", 1) in steps[4] and b.num_cached_tokens == 40
-    assert sched.num_prefix_waits == 1     # steps 1-3: a's chunk spent the budget before b
+    assert _step(sched) == [("a", 36)]
+    assert dict(_step(sched)) == {"a": 5, "b": 5}       # b: 36 a hit, one block left to share
+    assert sched.num_prefix_waits == 0 and b.num_cached_tokens == 36
 
 
 def test_a_pinned_prefill_does_not_hold_back_a_class_that_cannot_use_its_blocks():
     """Blocks only a pinned class computes may land in the pinned region, which an unpinned
     request cannot hold: it computes the prefix itself. A pinned copy of an unpinned request's
     prompt waits (the shared blocks are usable by any class)."""
-    shared = list(range(1, 21))
+    shared = list(range(1, 41))
     sched = _sched(pinned=16)
-    gold = _req("g", shared + [30], 0, priority=3, qos="premium", pinned=True)
-    std = _req("s", shared + [31], 1)
+    gold = _req("g", shared + [50], 0, priority=3, qos="premium", pinned=True)
+    std = _req("s", shared + [51], 1)
     sched.add(gold)
     sched.add(std)
-    assert dict(_step(sched)) == {"g": 21, "s": 21}
+    assert dict(_step(sched)) == {"g": 41, "s": 23}     # s computes it too (the budget's rest)
     assert sched.num_prefix_waits == 0
 
     sched = _sched(pinned=16)
-    first = _req("s1", shared + [30], 0, priority=3, qos="premium")   # unpinned, ahead
-    gold = _req("g", shared + [31], 1, priority=3, qos="premium", pinned=True)
+    first = _req("s1", shared + [50], 0, priority=3, qos="premium")   # unpinned, ahead
+    gold = _req("g", shared + [51], 1, priority=3, qos="premium", pinned=True)
     sched.add(first)
     sched.add(gold)
-    assert dict(_step(sched)) == {"s1": 21}
-    assert dict(_step(sched))["g"] == 1 and gold.num_cached_tokens == 20
+    assert dict(_step(sched)) == {"s1": 41}
+    assert dict(_step(sched))["g"] == 1 and gold.num_cached_tokens == 40
 
 
 def test_a_higher_class_never_waits_for_a_lower_class_computing_its_prefix():
@@ -116,20 +138,20 @@ def test_a_higher_class_never_waits_for_a_lower_class_computing_its_prefix():
 def test_a_request_that_must_compute_its_prompt_itself_does_not_wait():
     """A copy asking for prompt logprobs must run its prompt (no hit can cover it): it starts
     beside the first at once instead of waiting for blocks it would not read."""
-    sched = _sched()
-    shared = list(range(1, 22))
+    sched = _sched(budget=128)
+    shared = list(range(1, 42))
     a, b = _req("a", shared, 0), _req("b", list(shared), 1)
     b.prompt_lps = [None]                   # what the engine sets when prompt_logprobs is asked
     sched.add(a)
     sched.add(b)
-    assert dict(_step(sched)) == {"a": 21, "b": 21}
+    assert dict(_step(sched)) == {"a": 41, "b": 41}
     assert sched.num_prefix_waits == 0
 
 
 def test_without_prefix_caching_nothing_waits():
-    sched = _sched(prefix_caching=False)
-    shared = list(range(1, 21))
-    sched.add(_req("a", shared + [30], 0))
-    sched.add(_req("b", shared + [31], 1))
-    assert dict(_step(sched)) == {"a": 21, "b": 21}
+    sched = _sched(budget=128, prefix_caching=False)
+    shared = list(range(1, 41))
+    sched.add(_req("a", shared + [50], 0))
+    sched.add(_req("b", shared + [51], 1))
+    assert dict(_step(sched)) == {"a": 41, "b": 41}
     assert sched.num_prefix_waits == 0
