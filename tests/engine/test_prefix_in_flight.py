@@ -155,3 +155,17 @@ def test_without_prefix_caching_nothing_waits():
     sched.add(_req("b", shared + [51], 1))
     assert dict(_step(sched)) == {"a": 41, "b": 41}
     assert sched.num_prefix_waits == 0
+
+
+def test_a_block_an_unpinned_request_fills_counts_as_shared_whoever_noted_it_first():
+    """Two requests filling the same blocks in one step (both running mid-prefill): if either
+    is unpinned the blocks go to the shared region, usable by every class, in either order."""
+    sched = _sched()
+    shared = list(range(1, 41))
+    for order in ((True, False), (False, True)):
+        computing: dict = {}
+        for i, pinned in enumerate(order):
+            req = _req(f"r{i}", shared + [50 + i], i, pinned=pinned)
+            sched.kv.get_computed_blocks(req)            # hashes its blocks
+            sched._note_computing(req, 0, computing)
+        assert len(computing) == 10 and not any(computing.values()), order
