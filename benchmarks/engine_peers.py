@@ -187,7 +187,8 @@ def start(args):
 
 def kvharbor_round(llm, prompts, out_tokens: int | list[int], structured: list[dict] | None = None,
                    loras: list[str | None] | None = None) -> dict:
-    """One timed step loop over ``prompts`` from an empty prefix cache; EOS ignored, or with
+    """One timed step loop over ``prompts`` from an empty prefix cache (also counting the prompt
+    tokens read from the prefix cache, ``cached_tokens``, as vLLM's peer does); EOS ignored, or with
     ``structured`` request ``i`` follows ``structured[i]`` (``structured_outputs`` fields) and
     ends with its grammar. ``out_tokens``: the cap of every request, or of each. ``loras``:
     request ``i`` generates with the loaded LoRA adapter ``loras[i]``."""
@@ -203,14 +204,16 @@ def kvharbor_round(llm, prompts, out_tokens: int | list[int], structured: list[d
             structured_outputs=structured[i] if structured else None), lora=loras[i] if loras else None)
     first: dict[str, float] = {}
     tokens: dict[str, list[int]] = {}
+    cached = 0
     while engine.has_unfinished():
         for out in engine.step():
             first.setdefault(out.request_id, time.perf_counter())
             if out.finished:
                 tokens[out.request_id] = out.token_ids
+                cached += out.num_cached_tokens
     elapsed = time.perf_counter() - start
     outputs = [tokens[f"bench-{i}"] for i in range(len(prompts))]
-    return {"elapsed_s": elapsed, "output_tokens": sum(map(len, outputs)),
+    return {"elapsed_s": elapsed, "output_tokens": sum(map(len, outputs)), "cached_tokens": cached,
             "ttft_s": sorted(v - start for v in first.values()), "outputs": outputs}
 
 

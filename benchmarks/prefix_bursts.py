@@ -47,30 +47,23 @@ def workload(args, vocab: int) -> list[list[int]]:
 
 
 def ours_round(llm, prompts, out_tokens: int, sharing: bool) -> dict:
-    """One kvharbor round with the rule on or off; also the prefix-hit share of its prompts."""
+    """One kvharbor round (``kvharbor_round``) with the rule on or off."""
     from kvharbor.engine.scheduler import Scheduler
 
-    engine, rule = llm.engine, Scheduler._joins_computing
-    hits: dict[str, int] = {}
+    scheduler = llm.engine.scheduler
     if not sharing:
-        engine.scheduler._joins_computing = lambda *unused: False
-    step = engine.step
-
-    def counting_step():
-        outs = step()
-        for out in outs:
-            hits.setdefault(out.request_id, out.num_cached_tokens)
-        return outs
-    engine.step = counting_step
+        scheduler._joins_computing = lambda *unused: False
     try:
-        result = kvharbor_round(llm, prompts, out_tokens)
+        return kvharbor_round(llm, prompts, out_tokens)
     finally:
-        engine.step = step
         if not sharing:
-            del engine.scheduler._joins_computing
-    assert engine.scheduler._joins_computing.__func__ is rule
-    result["hit_share"] = sum(hits.values()) / sum(map(len, prompts))
-    return result
+            del scheduler._joins_computing
+        assert scheduler._joins_computing.__func__ is Scheduler._joins_computing
+
+
+def hit_share(round_: dict, prompts) -> float:
+    """Prompt tokens a round read from the prefix cache over all its prompt tokens."""
+    return round_["cached_tokens"] / sum(map(len, prompts))
 
 
 def main(argv=None) -> int:
@@ -104,9 +97,7 @@ def main(argv=None) -> int:
     rows = []
     for system, rounds in runs.items():
         row = _summary(system, rounds, rounds[-1]["outputs"], peer.start_s if peer and system == peer.system else None)
-        shares = [x["hit_share"] if "hit_share" in x else x["cached_tokens"] / sum(map(len, prompts))
-                  for x in rounds]            # (the peer reports its cached prompt tokens)
-        row["prefix_hit_share"] = median(shares)
+        row["prefix_hit_share"] = median([hit_share(x, prompts) for x in rounds])
         rows.append(row)
     mine = rows[0]["outputs"]
     for row in rows:

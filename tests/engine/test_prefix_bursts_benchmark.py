@@ -8,7 +8,7 @@ import argparse
 from kvharbor import LLM
 from kvharbor.engine.scheduler import Scheduler
 
-from benchmarks.prefix_bursts import ours_round, workload
+from benchmarks.prefix_bursts import hit_share, ours_round, workload
 
 
 def test_each_groups_copies_share_exactly_the_system_prompt_and_arrive_interleaved():
@@ -29,6 +29,6 @@ def test_the_rule_off_arm_recomputes_the_prefix_and_puts_the_rule_back():
     off = ours_round(llm, prompts, 2, sharing=False)
     assert on["outputs"] == off["outputs"]
     bound = 6 * 128 / sum(map(len, prompts))
-    assert abs(on["hit_share"] - bound) < 1e-9 and off["hit_share"] < bound - 0.2
+    assert abs(hit_share(on, prompts) - bound) < 1e-9 and hit_share(off, prompts) < bound - 0.2
     assert "_joins_computing" not in vars(llm.engine.scheduler)
     assert llm.engine.scheduler._joins_computing.__func__ is Scheduler._joins_computing
