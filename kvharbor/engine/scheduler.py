@@ -113,7 +113,7 @@ class Scheduler:
         self.cost = StepCostModel()
         self.sizer = PinnedSizer(floor=kv.pool.num_pinned)
         self.num_trimmed = 0            # lower-class items cut or skipped by the step budget
-        self.num_prefix_waits = 0       # a waiting request left for a step: its prefix is being computed
+        self.num_prefix_waits = 0       # steps a waiting request sat out for its prefix in flight
         self._priority_seen: dict[int, float] = {}      # priority -> last time unfinished
         self._last: tuple[float, int, int] | None = None   # (start, tokens, seqs) of last step
 
@@ -225,7 +225,8 @@ class Scheduler:
                 out.scheduled.append(ScheduledRequest(req, num_new))
                 budget -= num_new
                 self._charge(req, num_new, computed, limits)
-                self._note_computing(req, computed, computing)
+                if self.waiting:            # only waiting requests read it (none: decode-only)
+                    self._note_computing(req, computed, computing)
                 i += 1
             elif waiting:
                 # Head of line, unless it can never fit: then it must not block the rest.
