@@ -350,6 +350,8 @@ class FastCausalLM:
                 o, h = _sampled_rows(o, h, logit_rows)
                 hook = lora.hook(i, sampled=True) if lora else None
             h = h + p.o(o, hook)
+            if ctx.interrupt is not None:
+                ctx.interrupt.check(i, before_mlp=True)      # may abandon the step (StepInterrupt)
             h = h + p.mlp(layer.post_attention_layernorm(h), hook)
         return self._head(self.norm(h), kept)
 
@@ -378,6 +380,8 @@ class FastCausalLM:
                 o, h = _sampled_rows(o, h, logit_rows)
                 hook = lora.hook(i, sampled=True) if lora else None
             x = ops.add_rms_norm(p.o(o, hook), h, *args[2 * i + 1])
+            if ctx.interrupt is not None:
+                ctx.interrupt.check(i, before_mlp=True)      # may abandon the step (StepInterrupt)
             m = p.mlp(x, hook)
             if i < last:
                 x = ops.add_rms_norm(m, h, *args[2 * i + 2])

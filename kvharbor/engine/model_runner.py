@@ -85,7 +85,7 @@ class ModelRunner:
         self.last_logprobs: list = []     # TokenLogprobs | None per sampled row of the last step
         self._prompt_rows: list = []      # (request, first position, rows) scored by the last build
         self._sampling: list = []         # the request of each sampling row of the last build
-        self.interrupt = None             # the engine's StepInterrupt (checked before each layer)
+        self.interrupt = None             # the engine's StepInterrupt (checked in the forward)
         self._hidden = None               # the last forward's sampling rows' final hidden states, when kept
         self.pooled: dict = {}            # the last step's embedding requests -> their hidden state
         self.graphs = None                # DecodeGraphs: decode steps replayed from CUDA graphs

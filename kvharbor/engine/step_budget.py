@@ -141,7 +141,8 @@ class StepInterrupt:
     The step budget bounds how long a step runs while a higher class is about, but a premium
     request arriving mid-step still waits for the rest of it. So another thread (the replica's
     event loop) ``announce``s the priority of each request it queues for the engine, and the
-    forward calls ``check(layer)`` before each layer's attention: the step is abandoned
+    forward calls ``check(layer)`` before each layer's attention, and ``check(layer, True)``
+    before its MLP where the forward is kvharbor's own (``fast_model``): the step is abandoned
     (``StepInterrupted``) when an announced priority
 
     - belongs to the highest class with a step target (``interruptible``, set by the engine:
@@ -153,11 +154,14 @@ class StepInterrupt:
     An abandoned step keeps nothing: the engine advances ``num_computed_tokens`` and caches
     blocks only after a forward returns, and the K/V the cut forward wrote went only to the
     requests' own uncomputed slots, which the next step computes again. Its cost is the work
-    done so far, so a step is only cut before ``cutoff`` of its layers: with ``fraction`` 0.75
-    a cut never throws away more than three times the wait it saves. (On the builtin 4-layer
-    model, qos_engine seed 0 at 2x load, two rounds: premium p99 TTFT 19.3 / 20.7 ms cutting
-    before 3 of 4 layers, 16.3 / 22.5 ms before all 4, 43.3 / 50.2 ms never; throughput the
-    same within noise.)
+    done so far, so a step is only cut in its first ``fraction`` of half-layers (attention,
+    MLP; ``cutoff`` counts them): with 0.75 a cut never throws away more than three times the
+    wait it saves. (On the builtin 4-layer model, qos_engine seed 0 at 2x load, two rounds:
+    premium p99 TTFT 19.3 / 20.7 ms cutting before 3 of 4 layers, 16.3 / 22.5 ms before all 4,
+    43.3 / 50.2 ms never; throughput the same within noise. Checking before attention only, the
+    last chance to cut came before the third layer's attention, so an arrival just after it
+    waited for half the step's layers; the check before the MLP moves that to before the
+    third layer's MLP.)
 
     Protocol: the consumer calls ``clear()`` *before* it drains the queue the announcements
     refer to (an announcement made after the drain then survives for the next step).
@@ -169,7 +173,7 @@ class StepInterrupt:
     def __init__(self, num_layers: int, fraction: float = 0.75) -> None:
         self.announced = NO_PRIORITY
         self.protected = float("inf")           # no step armed: nothing to cut
-        self.cutoff = max(1, int(num_layers * fraction))
+        self.cutoff = max(1, int(2 * num_layers * fraction))    # in half-layers
         self.interruptible: frozenset = frozenset()   # priorities that may cut a step
         self.num_interrupted = 0
 
@@ -192,8 +196,9 @@ class StepInterrupt:
     def disarm(self) -> None:
         self.protected = float("inf")
 
-    def check(self, layer: int) -> None:
-        """Raise ``StepInterrupted`` when the step in flight should yield (see class doc)."""
-        if self.announced > self.protected and layer < self.cutoff:
+    def check(self, layer: int, before_mlp: bool = False) -> None:
+        """Raise ``StepInterrupted`` when the step in flight should yield (see class doc);
+        called before ``layer``'s attention, or before its MLP (``before_mlp``)."""
+        if self.announced > self.protected and 2 * layer + before_mlp < self.cutoff:
             self.num_interrupted += 1
             raise StepInterrupted(layer)

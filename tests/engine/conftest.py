@@ -41,9 +41,9 @@ def greedy(n: int) -> SamplingParams:
 
 
 class AnnounceAt(StepInterrupt):
-    """The engine's step interrupt, announcing each ``(qos, layer)`` in ``due`` from inside the
-    forward just before that layer (as the replica's event loop does while the step thread
-    runs), once each."""
+    """The engine's step interrupt, announcing each ``(qos, at)`` in ``due`` from inside the
+    forward (as the replica's event loop does while the step thread runs), once each: ``at`` a
+    layer (just before its attention) or ``(layer, "mlp")`` (just before its MLP)."""
 
     __slots__ = ("engine", "due")
 
@@ -52,12 +52,13 @@ class AnnounceAt(StepInterrupt):
         self.interruptible = engine.interrupt.interruptible
         self.engine, self.due = engine, []
 
-    def check(self, layer: int) -> None:
+    def check(self, layer: int, before_mlp: bool = False) -> None:
+        here = (layer, "mlp") if before_mlp else layer
         for qos, at in list(self.due):
-            if layer == at:
+            if here == at:
                 self.engine.announce(qos)
                 self.due.remove((qos, at))
-        super().check(layer)
+        super().check(layer, before_mlp)
 
 
 def install_announcer(engine) -> AnnounceAt:

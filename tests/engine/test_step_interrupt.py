@@ -67,16 +67,18 @@ def test_a_premium_arrival_cuts_a_batch_prefill_step_and_every_token_stays_exact
     engine = _engine(model_path=model_path)
     assert (engine.runner.fast is None) == (model_path == "transformers")
     want = _run(engine, steps_before_premium=1, cut_at=None)
-    for layer in (0, 2):
-        got = _run(_engine(model_path=model_path), steps_before_premium=1, cut_at=layer)
-        assert got == want, f"cut before layer {layer}: tokens differ from the uncut run"
+    # kvharbor's own forward may also be cut before a layer's MLP (transformers' only at attention)
+    points = (0, 2, (1, "mlp"), (2, "mlp")) if model_path == "kvharbor" else (0, 2)
+    for at in points:
+        got = _run(_engine(model_path=model_path), steps_before_premium=1, cut_at=at)
+        assert got == want, f"cut at {at}: tokens differ from the uncut run"
     assert want["b0"] == want["b2"]
 
 
 def test_a_premium_arrival_cuts_a_decode_step_and_every_token_stays_exact():
     want = _run(_engine(), steps_before_premium=5, cut_at=None)
-    got = _run(_engine(), steps_before_premium=5, cut_at=1)
-    assert got == want
+    for at in (1, (2, "mlp")):
+        assert _run(_engine(), steps_before_premium=5, cut_at=at) == want, f"cut at {at}"
 
 
 def _one_step_with_announcement(engine, qos: str) -> int:
@@ -111,14 +113,18 @@ def test_no_cut_for_a_peer_prefill_a_lower_class_or_fcfs():
     assert _one_step_with_announcement(e, "premium") == 0, "a class without a step target cut a step"
 
 
-def test_a_cut_comes_only_in_the_first_three_quarters_of_the_layers():
+@pytest.mark.parametrize(("at", "cuts"), [((2, "mlp"), True), (3, False), ((3, "mlp"), False)])
+def test_a_cut_comes_only_in_the_first_three_quarters_of_the_half_layers(at, cuts):
+    """Cut points come before each layer's attention and before its MLP; a step is cut only
+    before the first 6 of the builtin model's 8 half-layers (the last at the third layer's
+    MLP: an arrival there used to wait for half the step)."""
     e = _engine()
-    last = e.runner.num_layers - 1
-    assert e.interrupt.cutoff == int(0.75 * e.runner.num_layers) <= last
+    assert e.runner.num_layers == 4 and e.interrupt.cutoff == 6
     e.add_request("b0", _p(60, 6), _sp(4), qos="batch")
-    install_announcer(e).due = [("premium", last)]
+    install_announcer(e).due = [("premium", at)]
     e.step()
-    assert e.interrupt.num_interrupted == 0, "cut a step in its last layer"
+    assert e.interrupt.num_interrupted == int(cuts), \
+        f"announced at {at}: {'not cut' if cuts else 'cut in its last quarter'}"
 
 
 def test_a_spent_step_budget_stops_the_walk_over_a_lower_class_backlog():

@@ -187,11 +187,11 @@ def test_a_premium_arrival_cuts_the_lower_class_step_in_flight():
 
         __slots__ = ()
 
-        def check(self, layer: int) -> None:
-            if layer == 1 and not in_layer.is_set():
+        def check(self, layer: int, before_mlp: bool = False) -> None:
+            if layer == 1 and not before_mlp and not in_layer.is_set():
                 in_layer.set()
                 go.wait(30)
-            super().check(layer)
+            super().check(layer, before_mlp)
 
     held = Held(engine.runner.num_layers)
     held.interruptible = engine.interrupt.interruptible
