@@ -185,7 +185,8 @@ def proxy_lag(overload_lag_ms: str | None, proxy_guard: str = "on"):
 
 def deploy(mode: str, tenants: Path, replicas: int, step_tokens: int | None,
            replica_nice: int | None = None, overload_lag_ms: str | None = None,
-           premium_port: int | None = None, direct_streams: bool = True) -> None:
+           premium_port: int | None = None, direct_streams: bool = True,
+           main_gateway_nice: int | None = None) -> None:
     from ray import serve  # noqa: PLC0415
 
     from kvharbor.platform.app import build_app  # noqa: PLC0415
@@ -201,6 +202,8 @@ def deploy(mode: str, tenants: Path, replicas: int, step_tokens: int | None,
         config["cpu_replica_nice"] = replica_nice
     if premium_port is not None:
         config["premium_port"] = premium_port
+    if main_gateway_nice is not None:
+        config["main_gateway_nice"] = main_gateway_nice
     app = build_app({**config, **guard_config(overload_lag_ms)})
     serve.run(app, name=f"qos-{mode}", route_prefix=f"/{mode}", blocking=False)
 
@@ -331,7 +334,7 @@ def run_all(args, info, tenants: Path) -> tuple[dict, float, dict]:
     t0 = time.perf_counter()
     for mode in args.modes:
         deploy(mode, tenants, args.replicas, args.step_tokens, args.replica_nice, args.overload_lag_ms,
-               lane_port(args, mode), args.direct_streams == "on")
+               lane_port(args, mode), args.direct_streams == "on", args.main_gateway_nice)
     stats = {m: {"ready_s": round(asyncio.run(warm_up(base_url(m), info, premium_bases(args, m))), 1)}
              for m in args.modes}
     print(f"deployed and warmed up {args.modes} in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -493,6 +496,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the gateway's overload_lag_ms (a number, or 'off'; default: the platform's)")
     p.add_argument("--replica-nice", type=int, default=None,
                    help="cpu_replica_nice of the app (default: the platform's, 10)")
+    p.add_argument("--main-gateway-nice", type=int, default=None,
+                   help="main_gateway_nice of the app (default: the platform's, 4; applies with a "
+                        "premium lane only, --premium-lane main|lane)")
     p.add_argument("--proxy-guard", choices=("on", "off"), default="on",
                    help="the overload guard in Serve's proxy (kvharbor.platform.proxy_guard; "
                         "--ingress proxy only): on follows --overload-lag-ms, off turns it off")

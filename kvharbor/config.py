@@ -355,6 +355,11 @@ class PlatformConfig(BaseModel):
                                      "(PremiumGateway) on KVHARBOR_PREMIUM_HOST (default 127.0.0.1), so "
                                      "their requests never wait in the main gateway's event loop behind "
                                      "other tenants' traffic (None: off). See kvharbor.platform.premium_lane.")
+    main_gateway_nice: int = Field(19, ge=0, le=19, description="With a premium lane (premium_port), the OS nice "
+                                   "value every thread of the main port's gateway processes runs at, at least "
+                                   "(Ray starts their Python threads at 15, their RPC threads at 0): where the "
+                                   "flood's request path fills the host's cores, the lane's gateway and the "
+                                   "replicas' event loops get them first (0: unchanged; docs/benchmarks.md, 'QoS').")
     direct_streams: bool = Field(True, description="Requests of pinned QoS classes go from the gateway to "
                                  "their replica over a TCP connection of their own instead of a Serve handle "
                                  "call (routed by the same KV-aware router; other classes keep Serve's path). "

@@ -123,7 +123,8 @@ def build_app(args: dict | None = None):
               "reasoning_parser": cfg.reasoning_parser,
               "tenants": tenants, "block_size": cfg.block_size,
               "max_body_bytes": cfg.max_body_bytes, "overload_lag_ms": cfg.overload_lag_ms,
-              "premium_port": cfg.premium_port, "direct_streams": cfg.uses_direct_streams}
+              "premium_port": cfg.premium_port, "direct_streams": cfg.uses_direct_streams,
+              "main_gateway_nice": cfg.main_gateway_nice}
     lane = None
     if cfg.premium_port is not None:           # a gateway of its own for pinned classes
         lane = serve.deployment(PremiumGateway).options(

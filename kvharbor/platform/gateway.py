@@ -21,7 +21,6 @@ Queue places and admission tickets are leased and renewed by this replica, so a 
 dies gives them back within the lease time; every control-plane call has a timeout (503).
 """
 
-
 import asyncio
 import importlib.metadata
 import logging
@@ -58,7 +57,7 @@ from kvharbor.platform.openai_protocol import (ChatRequest, CompletionRequest, D
                                                TokenizeRequest, TokenizeResponse, bound_token_ids)
 from kvharbor.platform.openai_responses import ChatResponse, CompletionResponse, ModelCard, ModelList
 from kvharbor.platform.overload_guard import DEFAULT_LAG_TARGET_MS, OverloadGuard
-from kvharbor.platform.premium_lane import check_lane, listening_socket, start_server
+from kvharbor.platform.premium_lane import check_lane, listening_socket, lower_process_priority, start_server
 from kvharbor.platform.protocol import GenerateRequest
 from kvharbor.platform.prompts import Prompts
 from kvharbor.platform.response_store import StoredResponses
@@ -165,8 +164,9 @@ class Gateway:
         self.config = config
         if config.get("direct_streams"):
             start_request_router(llm)
-        # The PremiumGateway's handle (premium_port set): bound so Serve deploys the lane; never called.
-        self.lane = lane
+        self.lane = lane        # the PremiumGateway's handle: bound so Serve deploys the lane; never called
+        if config.get("premium_port") is not None and not self.is_lane:     # the lane goes first
+            lower_process_priority(config.get("main_gateway_nice", 0))
         self.model = config["model"]
         self.registry = TenantRegistry(config["tenants"])
         self.tokenizer = load_tokenizer(self.model)

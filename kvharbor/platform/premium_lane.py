@@ -32,7 +32,11 @@ Measured (``benchmarks/qos.py --premium-lane lane|main``, 2x flood, four ABBA pa
 VM, ``docs/benchmarks.md``): premium p99 TTFT 273-377 ms through the lane against 440-808 ms
 through the main port; the wait before the gateway and on the way back fell from 110-133 to
 7-30 ms over the slowest 10 %. What is left is mostly inside the replicas, which the lane
-shares with the flood.
+shares with the flood, and the main port's gateway competes with both for the cores (the
+process that takes the most CPU under a flood). So with a lane the main port's gateways run
+every thread at nice 19 (``main_gateway_nice``; ``lower_process_priority``): in quick 2x
+floods through the lane on a 2-core VM, premium p99 TTFT 131-184 ms against 235-381 ms, at
+up to 11 % fewer tokens/s (``docs/benchmarks.md``, 2026-12-06).
 """
 
 from __future__ import annotations
@@ -67,6 +71,31 @@ def check_lane(qos, qos_name: str) -> None:
     raise APIError(403, f"this port is the premium lane: it serves pinned QoS classes only, and "
                         f"this key's class {qos_name!r} is not pinned; send the request to the "
                         "app's main port", "wrong_endpoint")
+
+
+def lower_process_priority(nice: int) -> list[int]:
+    """Run every thread of this process at OS nice value ``nice`` or lower priority (a thread
+    already above it keeps its own; raising a priority needs a privilege). On Linux a nice
+    value belongs to a thread and threads started later inherit their starter's; Ray's worker
+    processes start their Python threads at 15 and their C++ threads (RPC, I/O) at 0. The main
+    port's gateways call it when the app has a lane (``PlatformConfig.main_gateway_nice``): on
+    a host whose cores the flood's request path fills, the lane's gateway and the replicas'
+    event loops then get them first. -> the nice values of the threads, as set."""
+    if nice <= 0:
+        return []
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:                             # no procfs: this thread only
+        return [os.nice(max(0, nice - os.nice(0)))]
+    done = []
+    for tid in tids:
+        try:
+            value = max(nice, os.getpriority(os.PRIO_PROCESS, tid))
+            os.setpriority(os.PRIO_PROCESS, tid, value)
+            done.append(value)
+        except OSError:                         # the thread ended meanwhile
+            continue
+    return done
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -99,3 +102,56 @@ def test_the_lane_binds_an_ipv6_host_and_a_busy_port_fails_its_start_by_name():
     v6 = listening_socket("::1", 0)
     assert v6.family == socket.AF_INET6
     v6.close()
+
+
+def _thread_nices(title: str) -> dict[int, list[int]]:
+    """pid -> the nice value of each of its threads, for the processes whose title is ``title``."""
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if open(f"/proc/{pid}/cmdline").read().split("\0")[0].strip() != title:
+                continue
+            nices = []
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                stat = open(f"/proc/{pid}/task/{tid}/stat").read()
+                nices.append(int(stat[stat.rindex(")") + 2:].split()[16]))
+        except OSError:                                  # the process or a thread ended
+            continue
+        found[int(pid)] = nices
+    return found
+
+
+def test_the_main_port_gateways_run_below_the_lane(kvharbor_app):
+    """With a lane, every thread of the main port's gateways runs at nice 19 (``main_gateway_nice``),
+    so the flood's request path leaves the cores to premium's; the lane's keep Ray's values."""
+    main = _thread_nices("ray::ServeReplica:kvharbor:Gateway")
+    lane = _thread_nices("ray::ServeReplica:kvharbor:PremiumGateway")
+    assert len(main) == 2 and len(lane) == 1, (main, lane)
+    (lane_nices,) = lane.values()
+    assert min(lane_nices) < 19                          # Ray's own: 15 and 0
+    for nices in main.values():
+        assert set(nices) == {19}, nices
+
+
+def test_lower_process_priority_lowers_every_thread_of_the_process_only():
+    code = """
+import os, threading
+from kvharbor.platform.premium_lane import lower_process_priority
+started, stop = threading.Event(), threading.Event()
+def other():
+    started.set(); stop.wait()
+t = threading.Thread(target=other); t.start(); started.wait()
+os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 7)       # one thread above the target
+print(sorted(lower_process_priority(5)), lower_process_priority(0))
+print(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()), os.getpriority(os.PRIO_PROCESS, t.native_id))
+late = []
+t2 = threading.Thread(target=lambda: late.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+t2.start(); t2.join(); print(late[0])
+stop.set(); t.join()
+"""
+    assert os.getpriority(os.PRIO_PROCESS, 0) < 5
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
+    assert out[0] == "[5, 7] []"                       # each thread at 5 at least; 0: nothing
+    assert out[1] == "7 5"
+    assert out[2] == "7"                                # a later thread inherits its starter's
+    assert os.getpriority(os.PRIO_PROCESS, 0) < 5       # this process is untouched
