@@ -109,7 +109,8 @@ def _thread_nices(title: str) -> dict[int, list[int]]:
     found = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            if open(f"/proc/{pid}/cmdline").read().split("\0")[0].strip() != title:
+            first = open(f"/proc/{pid}/cmdline").read().split("\0")[0].strip()
+            if first != title and not first.startswith(title + "."):     # ".method" while busy
                 continue
             nices = []
             for tid in os.listdir(f"/proc/{pid}/task"):
