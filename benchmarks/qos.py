@@ -497,7 +497,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--replica-nice", type=int, default=None,
                    help="cpu_replica_nice of the app (default: the platform's, 10)")
     p.add_argument("--main-gateway-nice", type=int, default=None,
-                   help="main_gateway_nice of the app (default: the platform's, 4; applies with a "
+                   help="main_gateway_nice of the app (default: the platform's, 19; applies with a "
                         "premium lane only, --premium-lane main|lane)")
     p.add_argument("--proxy-guard", choices=("on", "off"), default="on",
                    help="the overload guard in Serve's proxy (kvharbor.platform.proxy_guard; "

@@ -36,7 +36,7 @@ shares with the flood, and the main port's gateway competes with both for the co
 process that takes the most CPU under a flood). So with a lane the main port's gateways run
 every thread at nice 19 (``main_gateway_nice``; ``lower_process_priority``): in quick 2x
 floods through the lane on a 2-core VM, premium p99 TTFT 131-184 ms against 235-381 ms, at
-up to 11 % fewer tokens/s (``docs/benchmarks.md``, 2026-12-06).
+up to 11 % fewer tokens/s (19 % through the direct ingress; ``docs/benchmarks.md``, 2026-12-06).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def check_lane(qos, qos_name: str) -> None:
 
 def lower_process_priority(nice: int) -> list[int]:
     """Run every thread of this process at OS nice value ``nice`` or lower priority (a thread
-    already above it keeps its own; raising a priority needs a privilege). On Linux a nice
+    already at a higher nice value keeps it; raising a priority needs a privilege). On Linux a nice
     value belongs to a thread and threads started later inherit their starter's; Ray's worker
     processes start their Python threads at 15 and their C++ threads (RPC, I/O) at 0. The main
     port's gateways call it when the app has a lane (``PlatformConfig.main_gateway_nice``): on
