@@ -112,10 +112,7 @@ def _thread_nices(title: str) -> dict[int, list[int]]:
             first = open(f"/proc/{pid}/cmdline").read().split("\0")[0].strip()
             if first != title and not first.startswith(title + "."):     # ".method" while busy
                 continue
-            nices = []
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                stat = open(f"/proc/{pid}/task/{tid}/stat").read()
-                nices.append(int(stat[stat.rindex(")") + 2:].split()[16]))
+            nices = [os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir(f"/proc/{pid}/task")]
         except OSError:                                  # the process or a thread ended
             continue
         found[int(pid)] = nices
