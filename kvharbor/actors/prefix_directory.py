@@ -50,12 +50,12 @@ from __future__ import annotations
 
 import threading
 import zlib
+from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from itertools import compress, count, repeat
 from operator import not_
-from typing import NewType
+from typing import NamedTuple, NewType
 
 import ray
 
@@ -72,11 +72,11 @@ DEFAULT_MAX_BLOCKS = 4_000_000
 DEFAULT_DIRECTORY_NAME = "kvharbor-prefix-directory"
 
 
-@dataclass(slots=True, frozen=True)
-class MatchInfo:
+class MatchInfo(NamedTuple):
     """Leading blocks of one prompt that one replica holds.
 
     ``blocks == device_blocks + host_blocks``; a block held in both tiers counts as device.
+    A NamedTuple: matches are built per replica in every routing decision.
     """
 
     blocks: int
@@ -291,23 +291,19 @@ class PrefixIndex:
 
     def _bisect_ends(self, block_hashes: Sequence[BlockHash],
                      first: dict[ReplicaId, int]) -> dict[ReplicaId, MatchInfo]:
-        """Per replica in ``first`` (all closed), how many leading blocks it holds: the
-        largest k with ``block_hashes[k - 1]`` held, by bisection (holds are a prefix of the
-        chain). Lookups are shared between replicas. Caller holds the lock."""
-        get, probed = self._holders.get, {}
-        out = {}
+        """Per replica in ``first`` (all closed), how many leading blocks it holds, by
+        bisection: its holds are a prefix of the chain, so in the chain reversed they are a
+        suffix, where ``bisect_left`` keyed by the replica's hash set finds their start in C
+        (``log2(len)`` set lookups, no Python loop)::
+
+            chain     h0 h1 h2 h3 h4        replica holds h0 h1 h2
+            reversed  h4 h3 h2 h1 h0   key  F F T T T  -> bisect_left(.., True) = 2,  5 - 2 = 3
+
+        Caller holds the lock."""
+        reverse, n, out = block_hashes[::-1], len(block_hashes), {}
         for r in first:
-            lo, hi = 1, len(block_hashes)            # block_hashes[lo - 1] is held by r
-            while lo < hi:
-                mid = (lo + hi + 1) >> 1
-                holders = probed.get(mid, probed)
-                if holders is probed:
-                    holders = probed[mid] = get(block_hashes[mid - 1])
-                if holders is not None and r in holders:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            out[r] = MatchInfo(lo, lo, 0)
+            k = n - bisect_left(reverse, True, key=self._by_replica[r].__contains__)
+            out[r] = MatchInfo(k, k, 0)
         return out
 
     def is_closed(self, replica_id: ReplicaId) -> bool:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from itertools import repeat
 
 from kvharbor.actors.prefix_directory import MatchInfo, PrefixIndex
 from kvharbor.engine.hashing import BlockHash
@@ -41,10 +42,9 @@ class ActiveBlocks:
         if not hashes:
             return
         mine = self._pending.setdefault(replica, OrderedDict())
-        expiry = self.clock() + self.ttl_s
-        for h in hashes:
-            mine[h] = expiry
-            mine.move_to_end(h)
+        for h in mine.keys() & hashes:       # re-sent: moves to the end with the new expiry
+            del mine[h]
+        mine.update(zip(hashes, repeat(self.clock() + self.ttl_s)))   # one C-level loop
         while len(mine) > self.max_per_replica:
             mine.popitem(last=False)
 

@@ -165,12 +165,13 @@ class IndexFollower:
     # ---- health ------------------------------------------------------------------------
     def status(self) -> str | None:
         """None when the index can be trusted; else why not (a metric label)."""
-        now = self.clock()
-        if any(s.synced_at is None for s in self.state):
-            return "stream_not_started"
-        if any(now - s.synced_at > self.stale_after_s for s in self.state):
-            return "stream_stale"
-        return None
+        now, stale = self.clock(), None
+        for s in self.state:                  # a loop, not any(): on every routing decision
+            if s.synced_at is None:
+                return "stream_not_started"
+            if now - s.synced_at > self.stale_after_s:
+                stale = "stream_stale"
+        return stale
 
     def lag_s(self) -> float:
         """Seconds since the shard heard from least recently last answered (inf: never)."""

@@ -76,8 +76,8 @@ from kvharbor.observability.metrics import get_metrics
 from kvharbor.platform.active_blocks import ActiveBlocks, RoutingHistory, with_active
 from kvharbor.platform.index_follower import ActorShard, IndexFollower
 from kvharbor.platform.protocol import GenerateRequest, session_key
-from kvharbor.platform.routing_policy import (Candidate, KVAwarePolicy, PowerOfTwoPolicy,
-                                              RouteRequest, RoutingPolicy)
+from kvharbor.platform.routing_policy import (NO_STATS, Candidate, KVAwarePolicy,
+                                              PowerOfTwoPolicy, RouteRequest, RoutingPolicy)
 
 logger = logging.getLogger(__name__)
 
@@ -287,7 +287,7 @@ class KVAwareRouter(RequestRouter):
         candidate_replicas = _without_excluded(request, candidate_replicas)
         mode, reason, matches = self._matches(request)
         holder = self._session_holder(request, candidate_replicas)
-        candidates = [self._candidate(r, matches, request, holder) for r in candidate_replicas]
+        candidates = self._candidates(candidate_replicas, matches, request, holder)
         route = self._route_request(request, candidates)
         if mode != "pow2" or holder is not None or route.cache_key:
             ranked = self.policy.rank(route, candidates)
@@ -390,15 +390,21 @@ class KVAwareRouter(RequestRouter):
             return "pow2", "no_history", {}
         return "approx", reason, self.history.index.match(request.block_hashes, touch=False)
 
-    def _candidate(self, replica: RunningReplica, matches: dict,
-                   request: GenerateRequest | None, holder: str | None = None) -> Candidate:
-        uid = replica.replica_id.unique_id
-        match = indexed = matches.get(uid)
-        if request is not None and request.block_hashes:
-            match = with_active(indexed, self.active, uid, request.block_hashes)
-        return Candidate(uid, match, replica.routing_stats or {}, self._in_flight(replica),
-                         self.active.count(uid), holds_session=uid == holder,
-                         pending_hit=match is not indexed)
+    def _candidates(self, replicas: list[RunningReplica], matches: dict,
+                    request: GenerateRequest | None, holder: str | None) -> list[Candidate]:
+        """Each replica as the policy sees it (one pass: this is the decision's hot loop)."""
+        hashes = request.block_hashes if request is not None else None
+        active, now = self.active, time.time()
+        out = []
+        for replica in replicas:
+            uid = replica.replica_id.unique_id
+            match = indexed = matches.get(uid)
+            if hashes:
+                match = with_active(indexed, active, uid, hashes)
+            out.append(Candidate(uid, match, replica.routing_stats or NO_STATS,
+                                 self._in_flight(replica, now), active.count(uid),
+                                 uid == holder, match is not indexed))
+        return out
 
     def _session_holder(self, request: GenerateRequest | None,
                         replicas: list[RunningReplica]) -> str | None:
@@ -486,7 +492,7 @@ class KVAwareRouter(RequestRouter):
             except Exception as exc:  # noqa: BLE001 - a replica resync or restart fixes it
                 logger.info("could not remove replica %s from the directory: %r", uid, exc)
 
-    def _in_flight(self, replica: RunningReplica) -> int | None:
+    def _in_flight(self, replica: RunningReplica, now: float | None = None) -> int | None:
         """Requests at the replica: Serve's count of ongoing requests, but never more than its
         fresh routing stats allow (what it held when it reported, plus what this router sent
         it since); None when neither is known.
@@ -495,25 +501,29 @@ class KVAwareRouter(RequestRouter):
         ends, corrected when the replica accepts a request); streams cancelled by their
         clients can leave it high until it expires (10 s), and an idle replica that holds a
         prefix then loses every request to one that does not. The stats bound alone would
-        count requests that ended since the report.
+        count requests that ended since the report. ``now``: ``time.time()``.
         """
         cache = getattr(self, "_replica_queue_len_cache", None)
         serve = cache.get(replica.replica_id) if cache is not None else None
+        uid = replica.replica_id.unique_id
         if serve is not None:                 # Serve does not see the direct streams
-            serve += self._direct.get(replica.replica_id.unique_id, 0)
-        stats = replica.routing_stats or {}
-        at = stats.get("at")
-        if not at or time.time() - at > STATS_FRESH_S:
+            serve += self._direct.get(uid, 0)
+        stats = replica.routing_stats
+        at = stats.get("at") if stats else None
+        if not at or (time.time() if now is None else now) - at > STATS_FRESH_S:
             return serve
-        sent = self._sent.get(replica.replica_id.unique_id, ())            # send times, in order
+        sent = self._sent.get(uid, ())                                    # send times, in order
         bound = (int(stats.get("num_running", 0)) + int(stats.get("num_waiting", 0))
                  + len(sent) - bisect.bisect_right(sent, at))
         return bound if serve is None else min(serve, bound)
 
     def _route_request(self, request: GenerateRequest | None,
                        candidates: Sequence[Candidate]) -> RouteRequest:
-        block_size = next((int(c.stats["block_size"]) for c in candidates
-                           if c.stats.get("block_size")), self.default_block_size)
+        block_size = self.default_block_size
+        for c in candidates:
+            if c.stats.get("block_size"):
+                block_size = int(c.stats["block_size"])
+                break
         if request is None:
             return RouteRequest(prompt_tokens=0, block_size=block_size)
         key = session_key(request.tenant, request.prompt_cache_key) if request.prompt_cache_key else None

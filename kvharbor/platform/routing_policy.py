@@ -55,15 +55,19 @@ from __future__ import annotations
 import hashlib
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 if TYPE_CHECKING:
     from kvharbor.actors.prefix_directory import MatchInfo
 
+# The value types below are built several times per routing decision, on its measured path:
+# immutable NamedTuples, which build about five times faster than frozen slots dataclasses.
+NO_STATS: Mapping = MappingProxyType({})     # a replica that has not reported yet
 
-@dataclass(slots=True, frozen=True)
-class RouteRequest:
+
+class RouteRequest(NamedTuple):
     """What a policy knows about the request being routed."""
 
     prompt_tokens: int
@@ -75,8 +79,7 @@ class RouteRequest:
     cache_key: str | None = None    # tenant-scoped prompt_cache_key: its home ranks first (affinity)
 
 
-@dataclass(slots=True, frozen=True)
-class Candidate:
+class Candidate(NamedTuple):
     """One replica as the policy sees it.
 
     ``stats`` is the dict the replica last returned from ``record_routing_stats`` (keys of
@@ -88,15 +91,14 @@ class Candidate:
 
     replica_id: str
     match: MatchInfo | None = None
-    stats: Mapping = field(default_factory=dict)
+    stats: Mapping = NO_STATS
     in_flight: int | None = None
     active_blocks: int = 0
     holds_session: bool = False     # the replica holds the request's session (its turns' KV)
     pending_hit: bool = False       # the match reaches blocks this router sent there, unconfirmed
 
 
-@dataclass(slots=True, frozen=True)
-class Ranked:
+class Ranked(NamedTuple):
     """A candidate with its score; ``predicted_cached_tokens`` counts device and host hits."""
 
     replica_id: str
@@ -166,14 +168,16 @@ class KVAwarePolicy:
         """Candidates best first: balanced ones by score, then overloaded ones by load."""
         if not candidates:
             return []
-        loads = [replica_load(c) for c in candidates]
-        mean, low = sum(loads) / len(loads), min(loads)
+        loads = [c.in_flight if c.in_flight is not None else replica_load(c) for c in candidates]
+        limit = sum(loads) / len(loads) * (1 + self.imbalance_tolerance)
+        slack = min(loads) + self.balance_slack
+        session, score = bool(request.session_id), self.score
         ranked = []
         for c, load in zip(candidates, loads):
-            over = load > mean * (1 + self.imbalance_tolerance) and load - low > self.balance_slack
-            affine = bool(request.session_id) and c.holds_session and not over
-            ranked.append(Ranked(c.replica_id, self.score(request, c, load),
-                                 cached_tokens(request, c.match), load, over, affine))
+            over = load > limit and load > slack
+            ranked.append(Ranked(c.replica_id, score(request, c, load),
+                                 cached_tokens(request, c.match), load, over,
+                                 session and c.holds_session and not over))
         if request.cache_key:                   # a session holder still ranks first
             ranked = _with_key_home(request.cache_key, ranked)
         ranked.sort(key=lambda r: (r.overloaded, not r.session, not r.cache_key,
@@ -230,7 +234,7 @@ def _with_key_home(cache_key: str, ranked: list[Ranked]) -> list[Ranked]:
     home = max(balanced, key=lambda r: key_weight(cache_key, r.replica_id))
     if home.predicted_cached_tokens < max(r.predicted_cached_tokens for r in balanced):
         return ranked
-    return [replace(r, cache_key=True) if r is home else r for r in ranked]
+    return [r._replace(cache_key=True) if r is home else r for r in ranked]
 
 
 @dataclass(slots=True)

@@ -383,9 +383,24 @@ class _CountingHolders(OrderedDict):
         return super().get(key, default)
 
 
+class _CountingSet(set):
+    """A replica's hash set in the index, counting membership tests into ``counter``."""
+
+    def __init__(self, items, counter: _CountingHolders) -> None:
+        super().__init__(items)
+        self.counter = counter
+
+    def __contains__(self, key) -> bool:
+        self.counter.lookups += 1
+        return super().__contains__(key)
+
+
 def _count_lookups(idx: PrefixIndex) -> _CountingHolders:
-    idx._holders = _CountingHolders(idx._holders)
-    return idx._holders
+    """Count the index's lookups from now on: in its hash -> holders map and in the replicas'
+    hash sets (a closed replica's bisection probes its set)."""
+    idx._holders = counter = _CountingHolders(idx._holders)
+    idx._by_replica = {r: _CountingSet(hs, counter) for r, hs in idx._by_replica.items()}
+    return counter
 
 
 def test_closed_replicas_are_matched_by_bisection_in_a_few_lookups():
