@@ -62,11 +62,11 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 if TYPE_CHECKING:
     from kvharbor.actors.prefix_directory import MatchInfo
 
+NO_STATS: Mapping = MappingProxyType({})     # the stats of a replica that has not reported yet
+
+
 # The value types below are built several times per routing decision, on its measured path:
 # immutable NamedTuples, which build about five times faster than frozen slots dataclasses.
-NO_STATS: Mapping = MappingProxyType({})     # a replica that has not reported yet
-
-
 class RouteRequest(NamedTuple):
     """What a policy knows about the request being routed."""
 
@@ -168,7 +168,7 @@ class KVAwarePolicy:
         """Candidates best first: balanced ones by score, then overloaded ones by load."""
         if not candidates:
             return []
-        loads = [c.in_flight if c.in_flight is not None else replica_load(c) for c in candidates]
+        loads = [replica_load(c) for c in candidates]
         limit = sum(loads) / len(loads) * (1 + self.imbalance_tolerance)
         slack = min(loads) + self.balance_slack
         session, score = bool(request.session_id), self.score
