@@ -18,7 +18,10 @@ Policies, each run on the same arrivals:
               arrival also cuts a lower-class step in flight short (``StepInterrupt``)
 
 Arrivals come from a producer thread that queues them and announces their class, as the
-replica's event loop does; the stepping thread drains them at each step boundary.
+replica's event loop does; the stepping thread drains them at each step boundary. The engine
+runs on torch's default threads (one per core), or ``--threads`` (``--threads 1``: as a CPU
+replica runs its engine, ``PlatformConfig.cpu_threads``, leaving the other cores to its
+request path; lower premium tails, fewer tokens/s here, see docs/benchmarks.md).
 
 Phases: ``idle`` (the premium arrivals alone) and ``overload`` (all arrivals at ``load`` x the
 engine's measured capacity). TTFT is from arrival to the step that returns the first token.
@@ -46,11 +49,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import RESULTS, bar_panels, machine, noise_floor, pct, result_name, table, write_json  # noqa: E402
+from kvharbor.config import PlatformConfig  # noqa: E402
 from loadtests import workload  # noqa: E402
 
 MIX = (("premium", 0.2), ("standard", 0.4), ("batch", 0.4))
 MAX_TOKENS = {"premium": 16, "standard": 24, "batch": 32}
 POLICIES = ("fcfs", "priority+cap", "budget")
+# A CPU replica steps its engine on this many torch threads and leaves the other cores to its
+# request path (its event loop; here the producer thread models it).
+REPLICA_THREADS = PlatformConfig.model_fields["cpu_threads"].default
 
 
 def make_engine(policy: str, prefill_cap: int, blocks: int, max_num_seqs: int,
@@ -228,10 +235,17 @@ def main() -> None:
     p.add_argument("--burst-pinned", type=int, default=32, help="pinned region of the burst check")
     p.add_argument("--burst-blocks", type=int, default=192, help="KV blocks of the burst check "
                    "(small, so the flood fills the shared region)")
+    p.add_argument("--threads", type=int, default=None,
+                   help=f"torch threads of the engine (default: torch's; a CPU replica runs "
+                        f"{REPLICA_THREADS}, PlatformConfig.cpu_threads)")
     p.add_argument("--skip-burst", action="store_true")
     p.add_argument("--name", type=result_name, default="qos_engine",
                    help="results file name (without extension)")
     args = p.parse_args()
+    import torch  # noqa: PLC0415
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
     info = workload.read_tenants(ROOT / "tenants.yaml")
     engines = {pol: make_engine(pol, args.prefill_cap, args.blocks, args.max_num_seqs,
                                 args.step_target_ms) for pol in POLICIES}
