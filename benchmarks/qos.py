@@ -147,10 +147,12 @@ def phase_stats(chunks: list[tuple[list[Outcome], float, float]]) -> dict:
 
 
 # ---- deployment ----------------------------------------------------------------------------
-def lifted_tenants(folder: Path, stream_interval: int | None = None, max_queue: int = 100_000) -> Path:
+def lifted_tenants(folder: Path, stream_interval: int | None = None, max_queue: int = 100_000,
+                   premium_step_target_ms: float | None = None) -> Path:
     """A copy of tenants.yaml without rate, token or concurrency limits, every class's
-    ``max_queue`` set to ``max_queue`` (default: no shedding), and every class's
-    ``stream_interval`` set to the given one, if any."""
+    ``max_queue`` set to ``max_queue`` (default: no shedding), every class's
+    ``stream_interval`` set to the given one, if any, and premium's ``step_target_ms``, if
+    given."""
     data = yaml.safe_load((ROOT / "tenants.yaml").read_text())
     limits = ("requests_per_minute", "tokens_per_minute", "max_concurrent_requests", "daily_token_budget")
     data["defaults"].update({k: 10**9 for k in limits})
@@ -161,6 +163,8 @@ def lifted_tenants(folder: Path, stream_interval: int | None = None, max_queue: 
         spec["max_queue"] = max_queue
         if stream_interval is not None:
             spec["stream_interval"] = stream_interval
+    if premium_step_target_ms is not None:
+        data["qos_classes"]["premium"]["step_target_ms"] = premium_step_target_ms
     path = folder / "tenants.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
@@ -490,6 +494,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "default) or HAProxy to the gateway replicas")
     p.add_argument("--stream-interval", type=int, default=None,
                    help="every class's stream_interval (default: tenants.yaml's; 1 streams every token)")
+    p.add_argument("--premium-step-target-ms", type=float, default=None,
+                   help="premium's step_target_ms (default: tenants.yaml's, half its ttft_slo_ms)")
     p.add_argument("--name", type=result_name, default=None,
                    help="results file stem (default: qos[_step<N>][_nice<N>])")
     p.add_argument("--overload-lag-ms", default=None,
@@ -545,7 +551,8 @@ def main(argv=None) -> int:
         serve.start(http_options=http_options(mode, PORT))
         with tempfile.TemporaryDirectory() as tmp:
             modes, rate, series = run_all(args, info, lifted_tenants(Path(tmp), args.stream_interval,
-                                                                     args.max_queue))
+                                                                     args.max_queue,
+                                                                     args.premium_step_target_ms))
     finally:
         serve.shutdown()
         ray.shutdown()

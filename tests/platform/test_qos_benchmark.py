@@ -94,3 +94,19 @@ def test_a_premium_rate_of_its_own_leaves_the_other_classes_arrivals_as_they_wer
     assert [j.at_s for j in sparse] == sorted(j.at_s for j in sparse)
     only = qos_load.poisson_jobs(20.0, 60.0, 3, info, "premium", premium_rate=0.5)
     assert [j.at_s for j in only] == premium
+
+
+def test_the_benchmarks_tenants_copy_lifts_limits_and_sets_premiums_step_target(tmp_path):
+    """``qos.py --premium-step-target-ms`` reaches the deployed (lifted) tenants file, which
+    still validates; without it premium keeps tenants.yaml's default (half its SLO)."""
+    from benchmarks.qos import lifted_tenants, parse_args
+    from kvharbor.tenants.loader import load_tenants_file
+
+    args = parse_args(["--premium-step-target-ms", "30"])
+    shorter = load_tenants_file(lifted_tenants(tmp_path, None, 100, args.premium_step_target_ms))
+    assert shorter.qos_classes["premium"].step_target_ms == 30
+    assert all(c.max_queue == 100 for c in shorter.qos_classes.values())
+    (tmp_path / "default").mkdir()
+    default = load_tenants_file(lifted_tenants(tmp_path / "default"))
+    assert default.qos_classes["premium"].step_target_ms is None
+    assert parse_args([]).premium_step_target_ms is None
