@@ -229,10 +229,11 @@ class BlockPool:
         pinned classes and pinned prefixes take them) plus the borrowed shared ones. O(1)."""
         return self.total[PINNED] - self.free[PINNED].num_free + self.borrowed
 
-    def pin(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Hold ``blocks`` forever (a pinned prefix): a reference each, counted as permanent."""
+    def pin(self, blocks: Iterable[KVCacheBlock], pinned: bool = False) -> None:
+        """Hold ``blocks`` forever (a pinned prefix): a reference each, counted as permanent
+        (``pinned``: for a pinned class, whose shared blocks count as borrowed)."""
         for block in blocks:
-            self.touch((block,))
+            self.touch((block,), pinned)
             if block.pin_cnt == 0:
                 self.permanent[block.region] += 1
             block.pin_cnt += 1

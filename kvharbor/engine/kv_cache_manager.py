@@ -295,5 +295,5 @@ class KVCacheManager:
         for block in req.blocks[:req.num_computed_tokens // self.block_size]:
             cached = self.pool.lookup(block.copy_of) if block.copy_of is not None else None
             keep.append(cached if cached is not None and usable_by(cached, req) else block)
-        self.pool.pin(keep)
+        self.pool.pin(keep, req.pinned)
         return keep
