@@ -40,12 +40,13 @@ filling sits the step out, without blocking those behind it, and takes them as a
 once they are computed. Without this, a burst of six copies of one 256-token prefix arriving
 together computed it five times in one step (``tests/engine/test_prefix_in_flight.py``).
 
-Cost: a step walks the running requests and, per class, at most ``max_num_seqs`` waiting
-requests that could ever fit (a step admits no more than that: each admission takes a seat),
-taken lazily in order from per-(class, tenant) queues kept in arrival order. So a backlog of
-thousands under overload costs a step little; sorting it every step did (``qos_engine.py``
-at 2x overload, ~1,700 waiting: 2.2 ms mean, up to 63 ms per ``schedule()``, where now
-1.2 ms and 24 ms).
+Cost: a step walks the running requests and, per class, the waiting requests it reaches, at
+most ``max_num_seqs`` that could ever fit (a step admits no more than that: each admission
+takes a seat), merged lazily in order from per-(class, tenant) queues kept in arrival order,
+and none once the step can admit no more (no seat, no memory, no prefill left for the class).
+So a backlog of thousands under overload costs a step little; sorting it every step did
+(``qos_engine.py`` at 2x overload, ~1,700 waiting: 2.2 ms mean, up to 63 ms per
+``schedule()``), and so did merging ``max_num_seqs`` of it for a step that admitted one.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from __future__ import annotations
 import heapq
 import time
 from bisect import insort
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from operator import attrgetter
 
@@ -86,6 +88,46 @@ class StepLimits:
     top: float = float("-inf")
     prefill_left: int = 0                 # lower classes' prefill tokens still allowed
     budget: StepBudget | None = None
+
+
+class StepOrder:
+    """One step's walk over the scheduling order, front to back: per class (highest first) its
+    running requests, then its waiting ones, pulled from ``waiting[priority]`` only as the
+    walk reaches them; then the running requests of classes with none waiting. A running
+    request preempted earlier in the step is passed over; after ``stop_waiting`` no waiting
+    request is pulled (the step admits no more), so a backlog's rest is never merged."""
+
+    def __init__(self, running: list[Request], waiting: dict[int, Iterator[Request]]) -> None:
+        self._running = running         # running at the step's start, in scheduling order
+        self._waiting = waiting
+        self._next = 0                  # index in _running of the first one not walked yet
+        self._admitting = True
+        self.priorities = {r.priority for r in running} | set(waiting)
+
+    def stop_waiting(self) -> None:
+        self._admitting = False
+
+    def running_ahead(self) -> list[Request]:
+        """Running requests the walk has not reached (the victims a step may preempt)."""
+        return [r for r in self._running[self._next:] if r.status == Status.RUNNING]
+
+    def __iter__(self) -> Iterator[Request]:
+        running = self._running
+        for priority in [*sorted(self._waiting, reverse=True), None]:
+            while self._next < len(running) and (priority is None
+                                                 or running[self._next].priority >= priority):
+                req = running[self._next]
+                self._next += 1
+                if req.status == Status.RUNNING:        # not preempted earlier this step
+                    yield req
+            if priority is None:
+                return
+            waiting = self._waiting[priority]
+            while self._admitting:
+                req = next(waiting, None)
+                if req is None:
+                    break
+                yield req
 
 
 class Scheduler:
@@ -145,39 +187,36 @@ class Scheduler:
         self.kv.free(req)
         self.kv.drop_swap(req)
 
-    def _order(self) -> list[Request]:
-        """Running requests and the waiting ones a step may reach, in scheduling order (module
-        doc): per class, running first, then waiting by tenant counter and arrival, at most
-        ``max_num_seqs`` of those that could ever fit."""
+    def _order(self) -> StepOrder:
+        """This step's walk over the scheduling order (module doc): per class, running requests
+        first, then waiting ones by tenant counter and arrival, at most ``max_num_seqs`` of
+        those that could ever fit, merged only as the walk reaches them."""
         running = sorted(self.running, key=lambda r: (-r.priority, r.arrival_seq))
         classes: dict[int, list[list[Request]]] = {}
         for (priority, _, _), queue in self.queues.items():
             classes.setdefault(priority, []).append(queue)
-        out, j = [], 0
-        for priority in sorted(classes, reverse=True):
-            while j < len(running) and running[j].priority >= priority:
-                out.append(running[j])
-                j += 1
-            out.extend(self._waiting_order(classes[priority]))
-        out.extend(running[j:])
-        return out
+        return StepOrder(running, {p: self._waiting_order(qs) for p, qs in classes.items()})
 
-    def _waiting_order(self, queues: list[list[Request]]) -> list[Request]:
-        """One class's waiting requests in order, merged lazily from its tenants' queues (by
-        tenant counter, then arrival), until ``max_num_seqs`` that could ever fit are taken."""
+    def _waiting_order(self, queues: list[list[Request]]) -> Iterator[Request]:
+        """One class's waiting requests in order, merged lazily from snapshots of its tenants'
+        queues (by tenant counter, then arrival; admissions and preemptions during the step
+        leave the walk alone), until ``max_num_seqs`` that could ever fit were given."""
+        queues = [list(q) for q in queues]
         if len(queues) == 1:
             merged = iter(queues[0])
         elif self.fcfs:
             merged = heapq.merge(*queues, key=_ARRIVAL)
         else:       # a tenant's requests share its counter: one lookup per queue
             merged = (t[2] for t in heapq.merge(*(_keyed(self.fair.key(q[0]), q) for q in queues)))
-        out, fitting = [], 0
+        return self._fitting(merged)
+
+    def _fitting(self, merged: Iterator[Request]) -> Iterator[Request]:
+        fitting = 0
         for req in merged:
-            out.append(req)
             fitting += not self._never_fits(req)
+            yield req
             if fitting >= self.max_num_seqs:
-                break
-        return out
+                return
 
     def schedule(self) -> SchedulerOutput:
         now = self.clock()
@@ -185,28 +224,24 @@ class Scheduler:
         self.size_pinned_region(now)
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        pending = self._order()
-        limits = self._limits(pending, now)
-        admitting = True
+        order = self._order()
+        limits = self._limits(order.priorities, now)
         computing: dict = {}    # block hash -> only pinned requests fill it (see _joins_computing)
-        i = 0
-        while i < len(pending) and budget > 0:
-            req = pending[i]
+        for req in order:
+            if budget <= 0:
+                break
             waiting = req.status != Status.RUNNING
-            if waiting and not admitting:
-                i += 1
-                continue
             if waiting and req.priority < limits.top and limits.prefill_left <= 0:
-                # lower classes have no prefill tokens left this step: no prefix lookup
+                # lower classes have no prefill tokens left this step: no waiting request of
+                # theirs is walked (nor looked up)
                 if limits.budget.room(1) == 0:
                     break
-                i += 1
+                order.stop_waiting()
                 continue
             hit = self.kv.get_computed_blocks(req) if waiting else None
             computed = req.num_computed_tokens + (hit.num_tokens if hit else 0)
             if waiting and computing and self._joins_computing(req, computed, computing):
                 self.num_prefix_waits += 1      # its next blocks are a hit from the next step on
-                i += 1
                 continue
             want = req.num_tokens - computed
             if req.spec_token_ids and not waiting:
@@ -215,26 +250,22 @@ class Scheduler:
             if num_new <= 0:
                 if req.priority < limits.top and limits.budget.room(1) == 0:
                     break           # the time budget is spent: no later (lower) item fits
-                i += 1
                 continue
-            if waiting and not self._take_seat(req, num_new, hit, pending, i, out):
-                admitting = False
-                i += 1
-            elif self._make_room(req, num_new, hit, pending, i, out):
+            if waiting and not self._take_seat(req, num_new, hit, order, out):
+                order.stop_waiting()
+            elif self._make_room(req, num_new, hit, order, out):
                 self._admit(req, num_new, hit, waiting)
                 out.scheduled.append(ScheduledRequest(req, num_new))
                 budget -= num_new
                 self._charge(req, num_new, computed, limits)
                 if self.waiting:            # only waiting requests read it (none: decode-only)
                     self._note_computing(req, computed, computing)
-                i += 1
             elif waiting:
                 # Head of line, unless it can never fit: then it must not block the rest.
-                admitting = admitting and self._never_fits(req)
-                i += 1
+                if not self._never_fits(req):
+                    order.stop_waiting()
             else:
                 self._preempt(req, out)
-                pending.pop(i)
         self._last = (now, out.num_tokens, len(out.scheduled)) if out.scheduled else None
         return out
 
@@ -288,7 +319,7 @@ class Scheduler:
         one token) for a lower class's step budget? The same limits and budget ``schedule``
         applies, without scheduling (the engine asks before it runs a decode step ahead)."""
         pending = sorted(reqs, key=lambda r: (-r.priority, r.arrival_seq))
-        limits = self._limits(pending, self.clock())
+        limits = self._limits({r.priority for r in reqs}, self.clock())
         for req in pending:
             if self._trim(req, 1, req.num_computed_tokens, limits, count=False) < 1:
                 return True
@@ -309,19 +340,20 @@ class Scheduler:
         self._last = None
 
     # ---- trimming lower classes (prefill cap, step time budget) ----------------------------
-    def _limits(self, pending: list[Request], now: float) -> StepLimits:
-        """Trimming for this step: the top priority is the highest with an unfinished request
-        now or within ``prefill_cap_hold_s`` (premium traffic arrives in gaps, and a step
-        planned in a gap would otherwise be a long one the next premium arrival waits behind).
-        No trimming when every pending request is of the top class, or in FCFS mode."""
+    def _limits(self, priorities: set[int], now: float) -> StepLimits:
+        """Trimming for this step (``priorities``: of the requests it may walk): the top
+        priority is the highest with an unfinished request now or within
+        ``prefill_cap_hold_s`` (premium traffic arrives in gaps, and a step planned in a gap
+        would otherwise be a long one the next premium arrival waits behind). No trimming
+        when every pending request is of the top class, or in FCFS mode."""
         if self.fcfs:
             return StepLimits()
-        for r in pending:
-            self._priority_seen[r.priority] = now
+        for p in priorities:
+            self._priority_seen[p] = now
         horizon = now - self.prefill_cap_hold_s
         self._priority_seen = {p: t for p, t in self._priority_seen.items() if t >= horizon}
         top = max(self._priority_seen, default=None)
-        if top is None or all(r.priority == top for r in pending):
+        if top is None or priorities <= {top}:
             return StepLimits()
         cap = self.low_priority_prefill_cap
         target = min((t for p, t in self.step_target_s.items() if p in self._priority_seen
@@ -375,30 +407,28 @@ class Scheduler:
         return pool.num_pinned, target
 
     # ---- seats and memory -----------------------------------------------------------------
-    def _take_seat(self, req, num_new, hit: PrefixHit | None, pending, i, out) -> bool:
+    def _take_seat(self, req, num_new, hit: PrefixHit | None, order: StepOrder, out) -> bool:
         """A seat for waiting ``req`` (hard ``max_num_seqs``), preempting a strictly lower,
         preemptible running request not yet scheduled when all are taken and ``req`` would
         then fit in memory. False: no seat this step."""
         if len(self.running) < self.max_num_seqs:
             return True
-        victims = [v for v in pending[i + 1:] if v.status == Status.RUNNING and
+        victims = [v for v in order.running_ahead() if
                    v.priority < req.priority and self.preemptible.get(v.qos, True)]
         if not victims:
             return False
         needed = self.kv.blocks_needed(req, num_new, hit) + _free_hits(hit)
         if needed > self.kv.pool.num_free(req.pinned) + self._reclaimable(req, victims, hit):
             return False
-        victim = self.policy.choose_victim(victims)
-        pending.remove(victim)
-        self._preempt(victim, out)
+        self._preempt(self.policy.choose_victim(victims), out)
         return True
 
-    def _make_room(self, req, num_new, hit: PrefixHit | None, pending, i, out) -> bool:
-        """Preempt victims after position ``i`` until ``req`` fits. False if it cannot."""
+    def _make_room(self, req, num_new, hit: PrefixHit | None, order: StepOrder, out) -> bool:
+        """Preempt victims the walk has not reached until ``req`` fits. False if it cannot."""
         if self.kv.can_allocate(req, num_new, hit):
             return True
         waiting = req.status != Status.RUNNING
-        victims = [v for v in pending[i + 1:] if v.status == Status.RUNNING and
+        victims = [v for v in order.running_ahead() if
                    (v.priority < req.priority if waiting else v.priority <= req.priority) and
                    (not waiting or self.preemptible.get(v.qos, True))]
         needed = self.kv.blocks_needed(req, num_new, hit) + _free_hits(hit)
@@ -408,7 +438,6 @@ class Scheduler:
             useful = [v for v in victims if self._reclaimable(req, [v], hit)] or victims
             victim = self.policy.choose_victim(useful)
             victims.remove(victim)
-            pending.remove(victim)
             self._preempt(victim, out)
         return self.kv.can_allocate(req, num_new, hit)
 
