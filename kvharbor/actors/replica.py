@@ -417,10 +417,13 @@ class LLMReplica:
         return rejected
 
     def _take_snapshot(self) -> dict:
-        """Stats at a step boundary (O(requests) for the queue by priority, O(1) otherwise)."""
+        """Stats at a step boundary (O(running requests + waiting tenants) for the queue by
+        priority: a backlog's requests are counted by their tenants' queues, O(1) otherwise)."""
         sched = self.engine.scheduler
         queue: dict[int, int] = {}
-        for req in sched.waiting + sched.running:
+        for (priority, _, _), waiting in sched.queues.items():
+            queue[priority] = queue.get(priority, 0) + len(waiting)
+        for req in sched.running:
             queue[req.priority] = queue.get(req.priority, 0) + 1
         return {"stats": self.engine.stats(), "queue_by_priority": queue}
 

@@ -359,6 +359,27 @@ def test_routing_stats_count_running_requests_by_priority():
     assert sum(stats["queue_by_priority"].values()) == 1, stats["queue_by_priority"]
 
 
+
+def test_routing_stats_count_waiting_requests_by_priority():
+    """One seat, one batch request running and two waiting: ``queue_by_priority`` counts all
+    three at batch's priority (the waiting ones from the scheduler's per-tenant queues)."""
+    replica = LLMReplica({"device": "cpu", "num_kv_blocks": 64, "max_num_seqs": 1})
+
+    async def scenario():
+        tasks = [asyncio.create_task(_collect(replica, _req(rid, 10, "batch", max_tokens=200)))
+                 for rid in ("a", "b", "c")]
+        await until(lambda: replica._snapshot["stats"]["num_waiting"] == 2, 30)
+        stats = await replica.record_routing_stats()
+        for rid in ("a", "b", "c"):
+            await replica.abort(rid)
+        await asyncio.gather(*tasks)
+        return stats
+
+    stats = asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert (stats["num_running"], stats["num_waiting"]) == (1, 2)
+    batch = replica.engine.config.qos_classes["batch"].priority
+    assert stats["queue_by_priority"] == {batch: 3}, stats["queue_by_priority"]
+
 def test_an_engine_loop_that_dies_ends_every_stream_with_an_error():
     """A failure outside a step (here: publishing KV events) kills the engine loop: every
     open stream gets a 500 event at once instead of waiting forever, and health turns red."""
