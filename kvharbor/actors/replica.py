@@ -418,14 +418,9 @@ class LLMReplica:
 
     def _take_snapshot(self) -> dict:
         """Stats at a step boundary (O(running requests + waiting tenants) for the queue by
-        priority: a backlog's requests are counted by their tenants' queues, O(1) otherwise)."""
-        sched = self.engine.scheduler
-        queue: dict[int, int] = {}
-        for (priority, _, _), waiting in sched.queues.items():
-            queue[priority] = queue.get(priority, 0) + len(waiting)
-        for req in sched.running:
-            queue[req.priority] = queue.get(req.priority, 0) + 1
-        return {"stats": self.engine.stats(), "queue_by_priority": queue}
+        priority, O(1) otherwise)."""
+        return {"stats": self.engine.stats(),
+                "queue_by_priority": self.engine.scheduler.requests_by_priority()}
 
     def _dispatch(self, out) -> None:
         queue = self._streams.get(out.request_id)

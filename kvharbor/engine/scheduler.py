@@ -112,21 +112,21 @@ class StepOrder:
         return [r for r in self._running[self._next:] if r.status == Status.RUNNING]
 
     def __iter__(self) -> Iterator[Request]:
-        running = self._running
-        for priority in [*sorted(self._waiting, reverse=True), None]:
-            while self._next < len(running) and (priority is None
-                                                 or running[self._next].priority >= priority):
-                req = running[self._next]
-                self._next += 1
-                if req.status == Status.RUNNING:        # not preempted earlier this step
-                    yield req
-            if priority is None:
-                return
+        for priority in sorted(self._waiting, reverse=True):
+            yield from self._running_down_to(priority)
             waiting = self._waiting[priority]
-            while self._admitting:
-                req = next(waiting, None)
-                if req is None:
-                    break
+            while self._admitting and (req := next(waiting, None)) is not None:
+                yield req
+        yield from self._running_down_to(float("-inf"))
+
+    def _running_down_to(self, priority: float) -> Iterator[Request]:
+        """Running requests of ``priority`` or higher not walked yet, passing over those
+        preempted earlier in this step."""
+        running = self._running
+        while self._next < len(running) and running[self._next].priority >= priority:
+            req = running[self._next]
+            self._next += 1
+            if req.status == Status.RUNNING:
                 yield req
 
 
@@ -175,6 +175,16 @@ class Scheduler:
         if not queue:
             del self.queues[key]
 
+    def requests_by_priority(self) -> dict[int, int]:
+        """Running and waiting requests per priority (O(running + waiting tenants): a backlog
+        is counted by its per-tenant queues)."""
+        counts: dict[int, int] = {}
+        for (priority, _, _), queue in self.queues.items():
+            counts[priority] = counts.get(priority, 0) + len(queue)
+        for req in self.running:
+            counts[req.priority] = counts.get(req.priority, 0) + 1
+        return counts
+
     def remove(self, req: Request) -> None:
         """Drop a finished or aborted request and free its blocks."""
         if req in self.running:
@@ -211,6 +221,8 @@ class Scheduler:
         return self._fitting(merged)
 
     def _fitting(self, merged: Iterator[Request]) -> Iterator[Request]:
+        """``merged`` until ``max_num_seqs`` that could ever fit were given (a generator of its
+        own: ``_waiting_order`` must snapshot the queues and read the counters when called)."""
         fitting = 0
         for req in merged:
             fitting += not self._never_fits(req)

@@ -359,7 +359,6 @@ def test_routing_stats_count_running_requests_by_priority():
     assert sum(stats["queue_by_priority"].values()) == 1, stats["queue_by_priority"]
 
 
-
 def test_routing_stats_count_waiting_requests_by_priority():
     """One seat, one batch request running and two waiting: ``queue_by_priority`` counts all
     three at batch's priority (the waiting ones from the scheduler's per-tenant queues)."""
@@ -379,6 +378,7 @@ def test_routing_stats_count_waiting_requests_by_priority():
     assert (stats["num_running"], stats["num_waiting"]) == (1, 2)
     batch = replica.engine.config.qos_classes["batch"].priority
     assert stats["queue_by_priority"] == {batch: 3}, stats["queue_by_priority"]
+
 
 def test_an_engine_loop_that_dies_ends_every_stream_with_an_error():
     """A failure outside a step (here: publishing KV events) kills the engine loop: every
