@@ -30,7 +30,7 @@ from typing import Literal
 import httpx
 from fastapi import APIRouter, File, Form, Query, Request, UploadFile
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from kvharbor.actors.calls import start_background
 from kvharbor.observability.metrics import get_metrics
@@ -38,6 +38,7 @@ from kvharbor.platform.auth_gate import bearer_key, tenant_principal
 from kvharbor.platform.batch_runner import BatchRunner
 from kvharbor.platform.batch_store import BATCH_FILE_TTL_S, StoredBatches, new_id
 from kvharbor.platform.error_body import APIError, error_dict, error_responses
+from kvharbor.platform.json_types import REQUEST_FIELDS
 from kvharbor.platform.store_calls import list_object
 
 BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
@@ -54,13 +55,13 @@ _running: set = set()        # the runner tasks of this replica (a task must be 
 class ExpiresAfter(BaseModel):
     """OpenAI's expiration policy of a file: ``seconds`` after its creation."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = REQUEST_FIELDS
     anchor: Literal["created_at"] = Field(description="Only \"created_at\": the file's creation.")
     seconds: int = Field(ge=TTL_S[0], le=TTL_S[1], description="3,600 (1 hour) to 2,592,000 (30 days).")
 
 
 class BatchCreateRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = REQUEST_FIELDS
     input_file_id: str = Field(description="A file uploaded with purpose \"batch\": one request per line.")
     endpoint: Literal[BATCH_ENDPOINTS] = Field(description="The route every line of the file is sent to.")
     completion_window: Literal["24h"] = Field("24h", description="Lines not started within it end expired.")

@@ -19,7 +19,7 @@ import uuid
 from array import array
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, BeforeValidator, Field, PrivateAttr, model_validator
 
 from kvharbor.engine.hashing import hash_prompt_blocks
 from kvharbor.engine.model_info import model_config
@@ -27,6 +27,7 @@ from kvharbor.engine.pooling import PoolingParams
 
 from .error_body import APIError, FieldError
 from .generation import GenerationRun
+from .json_types import REQUEST_FIELDS
 from .openai_protocol import MAX_PROMPT_TOKEN_IDS, Text, TokenId, TruncateTokens, prompt_shape
 from .service_tier import DOC as SERVICE_TIER_DOC, ServiceTier
 from .protocol import GenerateRequest
@@ -38,7 +39,7 @@ MAX_INPUTS = 2048
 class EmbeddingRequest(BaseModel):
     """OpenAI's embeddings request, with vLLM's fields. Unknown fields are a 400."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = REQUEST_FIELDS
     model: Text = Field(description="Model id, as listed by /v1/models.")
     input: Annotated[Text | list[TokenId] | Annotated[list[Text], Field(min_length=1, max_length=MAX_INPUTS)]
                      | Annotated[list[list[TokenId]], Field(min_length=1, max_length=MAX_INPUTS)],

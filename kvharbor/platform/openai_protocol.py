@@ -12,12 +12,13 @@ from __future__ import annotations
 import json
 from typing import Annotated, Literal
 
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, WithJsonSchema,
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, Field, StringConstraints, WithJsonSchema,
                       field_validator, model_validator)
 
 from kvharbor.engine.tokenizer import template_kwargs
 
 from .error_body import FieldError
+from .json_types import REQUEST_FIELDS
 from .service_tier import DOC as SERVICE_TIER_DOC, ServiceTier
 from .structured_request import ResponseFormat, StructuredOutputs, structured_spec
 from .tool_calls import (MAX_TOOLS, Tool, ToolCall, ToolChoice, constraint, template_calls, template_tools,
@@ -149,7 +150,7 @@ def _ignored(what: str) -> str:
 class RepetitionDetection(BaseModel):
     """vLLM's ``repetition_detection`` (``kvharbor.engine.repetition``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = REQUEST_FIELDS
     max_pattern_size: int = Field(0, ge=0, le=1024, description="Longest pattern looked for, in tokens (0: off).")
     min_pattern_size: int = Field(0, ge=0, le=1024, description="Shortest pattern looked for (0: 1).")
     min_count: int = Field(0, ge=0, le=1024, description="Times in a row a pattern must occur (>= 2 when on).")
@@ -164,7 +165,7 @@ class RepetitionDetection(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = REQUEST_FIELDS
     include_usage: bool | None = Field(False, description="Send a final chunk with token usage.")
     continuous_usage_stats: bool | None = Field(False, description="With include_usage, every chunk also "
                                                 "carries the usage so far (as in vLLM). A chunk may hold "
@@ -189,7 +190,7 @@ BEAM_SEARCH_REFUSES = {"stop": (None, []),
 class _Common(BaseModel):
     """Fields both generation routes share. Unknown fields are a 400 (``extra="forbid"``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = REQUEST_FIELDS
     model: Text = Field(description="Model id, as listed by /v1/models.")
     max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate (>= 1). Default: the generation config's max_new_tokens (see the generation_config option), else the tenant's max_tokens_per_request (256 when it sets none); at most that and the rest of the context.")
     temperature: float | None = Field(None, ge=0.0, le=2.0, description=f"Sampling temperature in [0, 2]; 0 (or below {GREEDY_BELOW}) is greedy.{_MODEL_DEFAULT}1.")
@@ -384,7 +385,7 @@ class CompletionRequest(_Common):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = REQUEST_FIELDS
     type: Literal["text"] = Field(description="Only text parts are supported.")
     text: Text = Field(description="The text of this part.")
 
@@ -395,7 +396,7 @@ class ChatMessage(BaseModel):
     assistant message may carry the ``tool_calls`` an answer returned (its content then may be
     null), a ``tool`` message the ``tool_call_id`` it answers."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = REQUEST_FIELDS
     role: Literal["system", "user", "assistant", "tool", "developer"] = Field(description="Author role.")
     content: Text | list[TextPart] | None = Field(None, description="Text, or a list of {type: text, text} parts; null only on an assistant message with tool_calls or reasoning.")
     name: NullOnlyStr = Field(None, description="Not supported: only null.")
@@ -515,7 +516,7 @@ class ChatRequest(_Common):
 class TokenizeRequest(BaseModel):
     """``POST /tokenize`` (vLLM's route): the token ids a generation route would compute."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = REQUEST_FIELDS
     model: Text = Field(description="Model id, as listed by /v1/models.")
     prompt: Text | None = Field(None, description="A completions prompt (text).")
     messages: list[ChatMessage] | None = Field(
@@ -558,7 +559,7 @@ class TokenizeResponse(BaseModel):
 class DetokenizeRequest(BaseModel):
     """``POST /detokenize`` (vLLM's route): the text of token ids."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = REQUEST_FIELDS
     model: Text = Field(description="Model id, as listed by /v1/models.")
     tokens: list[TokenId] = Field(max_length=MAX_PROMPT_TOKEN_IDS,
                               description=f"Token ids (each in [0, vocabulary size), at most {MAX_PROMPT_TOKEN_IDS}).")

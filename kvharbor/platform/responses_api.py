@@ -27,6 +27,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .error_body import APIError, FieldError, invalid_body
+from .json_types import REQUEST_FIELDS
 from .openai_protocol import (CACHE_KEY_DOC, CACHE_RETENTION_DOC, MAX_MESSAGES, MAX_TOP_LOGPROBS, CacheKey,
                               CacheRetention, ChatRequest, LogitBias, NullOnlyDict, Text, unsupported)
 from .service_tier import DOC as SERVICE_TIER_DOC, ServiceTier
@@ -50,7 +51,7 @@ class Part(BaseModel):
     """A text part of an input item (``output_text`` / ``reasoning_text`` when an earlier
     response's output is sent back as input)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = REQUEST_FIELDS
     type: Literal["input_text", "output_text", "text", "reasoning_text", "summary_text"] = Field(
         description="Text parts only (no images or files).")
     text: Text
@@ -68,7 +69,7 @@ class InputItem(BaseModel):
     response made, a call's output, or a reasoning item. ``id`` and ``status`` are accepted
     (items of an earlier response's ``output``) and not used."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = REQUEST_FIELDS
     type: Literal["message", "function_call", "function_call_output", "reasoning"] = "message"
     id: str | None = Field(None, max_length=256)
     status: Literal["in_progress", "completed", "incomplete"] | None = None
@@ -105,7 +106,7 @@ def _text(value: str | list[Part] | None) -> str:
 
 
 class FunctionTool(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = REQUEST_FIELDS
     type: Literal["function"] = Field(description="Only function tools (no built-in tools).")
     name: str = Field(pattern=NAME)
     description: str | None = None
@@ -122,13 +123,13 @@ class FunctionTool(BaseModel):
 
 
 class NamedFunction(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = REQUEST_FIELDS
     type: Literal["function"]
     name: str
 
 
 class TextFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(**REQUEST_FIELDS, populate_by_name=True)
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = Field(None, max_length=64, description="json_schema: a name for the schema (not used).")
     description: str | None = None
@@ -145,13 +146,13 @@ class TextFormat(BaseModel):
 
 
 class TextConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = REQUEST_FIELDS
     format: TextFormat | None = None
     verbosity: unsupported(str | None, "medium") = None
 
 
 class ReasoningConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = REQUEST_FIELDS
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = Field(
         None, description="Given to the chat template as reasoning_effort (\"none\" turns thinking off).")
     summary: Literal["auto", "concise", "detailed"] | None = Field(
@@ -159,11 +160,16 @@ class ReasoningConfig(BaseModel):
     generate_summary: Literal["auto", "concise", "detailed"] | None = Field(None, description="summary's old name.")
 
 
+class ResponseStreamOptions(BaseModel):
+    model_config = REQUEST_FIELDS
+    include_obfuscation: bool | None = Field(None, description="Accepted: no obfuscation padding is sent.")
+
+
 class ResponsesRequest(BaseModel):
     """``POST /v1/responses``. Unknown fields, and OpenAI's that kvharbor does not implement
     (built-in tools, background, prompt templates, conversations), are a 400 naming them."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = REQUEST_FIELDS
     model: Text | None = Field(None, description="Model id, as listed by /v1/models (default: the served model).")
     input: Text | Annotated[list[InputItem], Field(min_length=1, max_length=MAX_MESSAGES)] = Field(
         description="A user message's text, or a list of items (messages, function calls and their outputs, "
@@ -194,7 +200,7 @@ class ResponsesRequest(BaseModel):
                           "(with top_logprobs alternatives); reasoning.encrypted_content: accepted, nothing is encrypted.")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     stream: bool | None = False
-    stream_options: dict[str, bool | None] | None = Field(None, description="Accepted and ignored (include_obfuscation).")
+    stream_options: ResponseStreamOptions | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: str | None = Field(None, description="Accepted and ignored.")

@@ -13,10 +13,11 @@ from __future__ import annotations
 from typing import Annotated
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from .embeddings import MAX_INPUTS, EmbeddingRequest, embed
 from .error_body import FieldError
+from .json_types import REQUEST_FIELDS
 from .openai_protocol import Text, TruncateTokens
 from .service_tier import DOC as SERVICE_TIER_DOC, ServiceTier
 
@@ -28,7 +29,7 @@ _TRUNCATE = "Keep only each text's last this many tokens (vLLM's); -1: as many a
 class RerankRequest(BaseModel):
     """``POST /rerank`` (also ``/v1/rerank``, ``/v2/rerank``): documents ordered by relevance to a query."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = REQUEST_FIELDS
     model: Text = Field(description="Model id, as listed by /v1/models.")
     query: Passage = Field(description="The query.")
     documents: Passages = Field(description=f"The texts to rank (1 to {MAX_INPUTS - 1}).")
@@ -43,7 +44,7 @@ class ScoreRequest(BaseModel):
     """``POST /score`` (also ``/v1/score``): a score per pair of ``text_1`` and ``text_2``, 1:1,
     1:N or N:N, as vLLM's."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = REQUEST_FIELDS
     model: Text = Field(description="Model id, as listed by /v1/models.")
     text_1: Passage | Passages = Field(description="The first texts (or one, scored against each of text_2).")
     text_2: Passage | Passages = Field(description="The second texts: one per first text, or any number for one.")

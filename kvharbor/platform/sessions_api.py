@@ -17,9 +17,10 @@ import pickle
 import re
 import uuid
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from kvharbor.platform.error_body import APIError
+from kvharbor.platform.json_types import REQUEST_FIELDS
 
 SESSION_HEADER = "X-Session-ID"
 SESSION_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
@@ -51,7 +52,7 @@ def session_header(headers) -> str | None:
 class ForkRequest(BaseModel):
     """Body of ``POST /v1/sessions/{id}/fork``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = REQUEST_FIELDS
     session_id: str = Field(description="Id of the new session (same rules as X-Session-ID); it "
                                         "starts from the forked session's cached state.")
 
@@ -127,7 +128,7 @@ class FlushRequest(BaseModel):
     whole scope's blocks) and ends that tenant's sessions; ``scope`` (``shared:<group>`` or
     ``public``) flushes that scope and ends its members' sessions."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = REQUEST_FIELDS
     tenant: str | None = Field(None, min_length=1, max_length=128)
     scope: str | None = Field(None, pattern=r"^(public|shared:[A-Za-z0-9][A-Za-z0-9_.-]{0,63})$")
 

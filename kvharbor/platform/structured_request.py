@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvharbor.engine.structured_output import MAX_SPEC_CHARS, StructuredOutputsParams
 from kvharbor.platform.error_body import FieldError
+from kvharbor.platform.json_types import REQUEST_FIELDS
 
 MAX_CHOICES = 256
 """Most strings in ``structured_outputs.choice``."""
@@ -43,7 +44,7 @@ _OVERDUE_LOCK = threading.Lock()
 
 
 class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(**REQUEST_FIELDS, populate_by_name=True)
     name: str = Field(max_length=64, description="A name for the schema (as OpenAI's API asks; not used).")
     description: str | None = Field(None, description="What the output is for (not used).")
     schema_: dict | None = Field(None, alias="schema", description="The JSON schema the output follows.")
@@ -53,7 +54,7 @@ class JsonSchemaFormat(BaseModel):
 class ResponseFormat(BaseModel):
     """OpenAI's ``response_format``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = REQUEST_FIELDS
     type: Literal["text", "json_object", "json_schema"] = Field(
         description="text (no constraint), json_object (any JSON object) or json_schema.")
     json_schema: JsonSchemaFormat | None = Field(None, description="With type json_schema: the schema.")
@@ -76,7 +77,7 @@ class ResponseFormat(BaseModel):
 class StructuredOutputs(BaseModel):
     """vLLM's ``structured_outputs``."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(**REQUEST_FIELDS, populate_by_name=True)
     json_: dict | str | None = Field(None, alias="json", description="A JSON schema (an object or its JSON text) the output follows.")
     regex: str | None = Field(None, max_length=MAX_SPEC_CHARS, description="A regular expression the whole output matches.")
     choice: list[str] | None = Field(None, min_length=1, max_length=MAX_CHOICES, description=f"The output is one of these strings (1 to {MAX_CHOICES}).")

@@ -17,14 +17,16 @@ import json
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
+
+from .json_types import REQUEST_FIELDS
 
 MAX_TOOLS = 128
 NAME = r"^[a-zA-Z0-9_-]{1,64}$"
 
 
 class FunctionDef(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = REQUEST_FIELDS
     name: str = Field(pattern=NAME, description="The function's name (letters, digits, _ and -, at most 64).")
     description: str | None = Field(None, description="What it does (shown to the chat template).")
     parameters: dict | None = Field(None, description="A JSON schema of its arguments (an object); none: any object.")
@@ -32,24 +34,24 @@ class FunctionDef(BaseModel):
 
 
 class Tool(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = REQUEST_FIELDS
     type: Literal["function"] = Field(description="Only function tools.")
     function: FunctionDef
 
 
 class NamedFunction(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = REQUEST_FIELDS
     name: str = Field(description="One of the tools' names.")
 
 
 class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = REQUEST_FIELDS
     type: Literal["function"] = Field(description="Only functions.")
     function: NamedFunction
 
 
 class CalledFunction(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = REQUEST_FIELDS
     name: str = Field(description="The function called.")
     arguments: str = Field(description="Its arguments as JSON text.")
 
@@ -57,7 +59,7 @@ class CalledFunction(BaseModel):
 class ToolCall(BaseModel):
     """A call in an assistant message of the history (as an answer returned it)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = REQUEST_FIELDS
     id: str = Field(description="The call's id (a tool message answers it by tool_call_id).")
     type: Literal["function"] = Field(description="Only functions.")
     function: CalledFunction

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+import typing
 
 import pytest
-from pydantic import ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from kvharbor.platform.error_body import error_response
 from kvharbor.platform.openai_protocol import (GREEDY_BELOW, MAX_CHOICES, MAX_PROMPT_TOKEN_IDS, MAX_STOP_CHARS,
@@ -207,3 +208,76 @@ def test_a_tool_call_id_and_a_chat_to_tokenize_have_bounds():
     assert ChatRequest(model="m", messages=[{"role": "tool", "content": "42", "tool_call_id": "c" * 256}])
     with pytest.raises(ValidationError, match="messages"):
         TokenizeRequest(model="m", messages=[])
+
+
+def _request_models() -> list[type[BaseModel]]:
+    """Every model a route's body is read into, with the models nested in their fields."""
+    from kvharbor.platform.batches_api import BatchCreateRequest
+    from kvharbor.platform.embeddings import EmbeddingRequest
+    from kvharbor.platform.responses_api import ResponsesRequest
+    from kvharbor.platform.scoring import RerankRequest, ScoreRequest
+    from kvharbor.platform.sessions_api import FlushRequest, ForkRequest
+
+    todo = [ChatRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest, ResponsesRequest,
+            EmbeddingRequest, RerankRequest, ScoreRequest, BatchCreateRequest, ForkRequest, FlushRequest]
+    seen: list[type[BaseModel]] = []
+
+    def nested(tp):
+        if isinstance(tp, type) and issubclass(tp, BaseModel):
+            yield tp
+        for arg in typing.get_args(tp):
+            yield from nested(arg)
+
+    while todo:
+        model = todo.pop()
+        if model not in seen:
+            seen.append(model)
+            todo += [m for f in model.model_fields.values() for m in nested(f.annotation)]
+    return seen
+
+
+def _json_types(schema: dict) -> set[str]:
+    return {schema.get("type")} | {s.get("type") for s in schema.get("anyOf", ())}
+
+
+def _field_reader(model: type[BaseModel], field) -> TypeAdapter:
+    """What ``model`` does with one field's value (its type, its validators, the model's config;
+    not the model's validators, which want a whole body)."""
+    tp = typing.Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation
+    return TypeAdapter(tp, config=model.model_config)
+
+
+def _refuses(reader: TypeAdapter, value) -> bool:
+    try:
+        reader.validate_python(value)
+    except ValidationError:
+        return True
+    return False
+
+
+WRONG = {"boolean": (0, 1.0, "true", "no"), "integer": ("5", 2.0, True), "number": ("0.5", True)}
+"""Values of another JSON type that pydantic's lax mode would read as the declared one."""
+
+
+def test_every_request_field_takes_values_of_its_declared_json_type_only():
+    """A field the OpenAPI schema declares boolean, integer or number refuses the values of
+    other JSON types that read as one (pydantic's default reads ``"5"`` as 5 and ``0.0`` as false:
+    a fuzzer's ``stream_options: {"k": 0.0}`` on /v1/responses was answered 200), and a boolean
+    field takes true or false (an unsupported one at least its neutral value)."""
+    checked = []
+    for model in _request_models():
+        properties = model.model_json_schema()["properties"]
+        for name, field in model.model_fields.items():
+            declared = _json_types(properties[field.alias or name])
+            reader = None
+            for kind, wrong in WRONG.items():
+                if kind not in declared or (kind == "integer" and "number" in declared):
+                    continue
+                reader = reader or _field_reader(model, field)
+                checked.append(f"{model.__name__}.{name}")
+                for value in wrong:
+                    if not (kind == "number" and type(value) is int):
+                        assert _refuses(reader, value), (model.__name__, name, value)
+            if "boolean" in declared:
+                assert not all(_refuses(reader, v) for v in (True, False)), (model.__name__, name)
+    assert len(checked) >= 80 and "ResponseStreamOptions.include_obfuscation" in checked, checked

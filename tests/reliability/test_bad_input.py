@@ -36,6 +36,8 @@ def test_max_tokens_beyond_the_context_names_the_largest_allowed(client, kvharbo
 @pytest.mark.parametrize("field,value", [
     ("max_tokens", "ten"), ("temperature", "hot"), ("stream", "sometimes"), ("prompt", 42),
     ("prompt", [1, "two"]), ("stop", 7), ("seed", 2**70), ("n", 9), ("n", 0),
+    ("stream", "true"), ("echo", 1), ("ignore_eos", 0.0), ("max_tokens", "5"), ("max_tokens", 5.0),
+    ("temperature", "0.5"), ("logit_bias", {"7": "5"}),
 ])
 def test_wrong_types_and_values_are_400_naming_the_field(client, kvharbor_app, field, value):
     body = {"model": kvharbor_app.model, "prompt": "hi", field: value}
@@ -222,6 +224,7 @@ def test_too_many_prompt_token_ids_is_400_with_the_limit(client, kvharbor_app):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "name": "ann"}]}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream_options": {"x": 1}}),
+    ("/v1/responses", {"input": "hi", "stream_options": {"k": 0.0}}),
 ])
 def test_fields_kvharbor_does_not_implement_are_400_by_name(client, kvharbor_app, route, body):
     r = client.post(route, json={"model": kvharbor_app.model, **body})
