@@ -261,3 +261,47 @@ def test_a_limit_added_while_a_gateway_holds_tokens_counts_them_as_taken():
     over = ctl.try_admit("acme", lim, 71, 0)                         # 70 are not held by g1
     assert over.status == 429 and over.limit == "tokens_per_minute"
     assert ctl.try_admit("acme", lim, 70, 0).ok
+
+
+def test_a_grant_kept_in_part_through_a_recall_is_still_known_and_comes_back_whole():
+    """A gateway called back gives back its idle tokens but keeps its request units: the
+    controller keeps that grant, so the gateway's next sync (held) is known, and once it gives
+    the rest back the tenant's buckets are full again (no unit lost with a dropped grant)."""
+    from kvharbor.tenants.limits import AdmissionController, GrantReport, TenantLimits
+
+    ctl = AdmissionController(clock=lambda: 1000.0)
+    lim = TenantLimits(requests_per_minute=100, tokens_per_minute=1000)
+    got = ctl.sync_grants("g1", [GrantReport("acme", lim, want_requests=10, want_tokens=100)], seq=1)
+    assert (got[0].requests, got[0].tokens) == (10, 100)
+    assert ctl.try_admit("acme", lim, 950, 0).recalled               # 900 left; g1 idles on 100
+    back = ctl.sync_grants("g1", [GrantReport("acme", lim, back_tokens=100, held=True,
+                                              idle=(10, 0, 0))], seq=2)
+    assert back[0].recall and back[0].known
+    rest = ctl.sync_grants("g1", [GrantReport("acme", lim, back_requests=10, held=True)], seq=3)
+    assert rest[0].known
+    usage = ctl.usage("acme")
+    assert (usage["requests_available"], usage["tokens_available"]) == (100, 1000)
+
+
+def test_a_gateway_whose_grant_the_controller_lost_is_told_to_start_over():
+    """A gateway that holds a grant from before the controller restarted (or its lease ran
+    out) is answered ``known=False`` and given nothing, so it voids what it holds instead of
+    admitting from units no bucket counts as taken."""
+    from kvharbor.tenants.limits import AdmissionController, GrantReport, TenantLimits
+
+    lim = TenantLimits(tokens_per_minute=100)
+    ctl = AdmissionController(clock=lambda: 1000.0)                  # a fresh (restarted) one
+    answer = ctl.sync_grants("g1", [GrantReport("acme", lim, want_tokens=50, held=True)], seq=7)
+    assert (answer[0].known, answer[0].tokens) == (False, 0)
+    assert ctl.usage("acme")["tokens_available"] == 100
+
+
+def test_usage_names_the_utc_day_and_a_request_without_max_tokens_reserves_the_tenants_cap():
+    from kvharbor.tenants.limits import AdmissionController, TenantLimits
+
+    ctl = AdmissionController()
+    noon = 1_796_515_200.0 + 12 * 3600                              # 2026-12-06 12:00 UTC
+    capped = ctl.try_admit("acme", TenantLimits(max_tokens_per_request=64), 10, None, now=noon)
+    assert capped.ticket.reserved_tokens == 10 + 64
+    assert ctl.try_admit("acme", TenantLimits(), 10, None, now=noon).ticket.reserved_tokens == 10
+    assert ctl.usage("acme", now=noon)["utc_day"] == "2026-12-06"
