@@ -305,3 +305,22 @@ def test_usage_names_the_utc_day_and_a_request_without_max_tokens_reserves_the_t
     assert capped.ticket.reserved_tokens == 10 + 64
     assert ctl.try_admit("acme", TenantLimits(), 10, None, now=noon).ticket.reserved_tokens == 10
     assert ctl.usage("acme", now=noon)["utc_day"] == "2026-12-06"
+
+
+def test_a_refusal_recalls_idle_slots_only_when_they_would_admit_it():
+    """max_concurrent_requests lowered (a reload) below what is in flight: giving back a
+    gateway's idle slot would still leave the tenant at its limit, so the refusal does not call
+    the slot back (no gateway gives it up for nothing, and the client is not told to retry
+    soon); with the old limit the same refusal would have been admitted after the recall."""
+    from kvharbor.tenants.limits import AdmissionController, GrantReport, TenantLimits
+
+    ctl = AdmissionController(clock=lambda: 1000.0)
+    wide = TenantLimits(max_concurrent_requests=4)
+    assert ctl.sync_grants("g1", [GrantReport("acme", wide, want_slots=1)], seq=1)[0].slots == 1
+    assert ctl.try_admit("acme", wide, 1, 1).ok and ctl.try_admit("acme", wide, 1, 1).ok
+    narrow = TenantLimits(max_concurrent_requests=2)                # 3 taken: 2 running, 1 idle
+    refused = ctl.try_admit("acme", narrow, 1, 1)
+    assert refused.status == 429 and refused.limit == "max_concurrent_requests"
+    assert not refused.recalled
+    three = TenantLimits(max_concurrent_requests=3)                 # the idle slot is the one left
+    assert ctl.try_admit("acme", three, 1, 1).recalled
