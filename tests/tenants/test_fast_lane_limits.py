@@ -324,3 +324,22 @@ def test_a_refusal_recalls_idle_slots_only_when_they_would_admit_it():
     assert not refused.recalled
     three = TenantLimits(max_concurrent_requests=3)                 # the idle slot is the one left
     assert ctl.try_admit("acme", three, 1, 1).recalled
+
+
+def test_a_recall_calls_back_only_the_gateways_that_sat_on_idle_units():
+    """g1 holds idle tokens, g2's grant is all in use, g3 holds a grant of another tenant
+    only: a refusal that g1's units would admit calls back g1, not g2 (whose next sync is
+    answered without a recall), and g3 is not looked at for this tenant."""
+    from kvharbor.tenants.limits import AdmissionController, GrantReport, TenantLimits
+
+    ctl = AdmissionController(clock=lambda: 1000.0)
+    lim = TenantLimits(tokens_per_minute=1000)
+    assert ctl.sync_grants("g3", [GrantReport("globex", lim, want_tokens=100)], seq=1)[0].tokens == 100
+    assert ctl.sync_grants("g1", [GrantReport("acme", lim, want_tokens=100)], seq=1)[0].tokens == 100
+    assert ctl.sync_grants("g2", [GrantReport("acme", lim, want_tokens=100)], seq=1)[0].tokens == 100
+    ctl.sync_grants("g2", [GrantReport("acme", lim, held=True, idle=(0, 0, 0))], seq=2)   # all in use
+    refused = ctl.try_admit("acme", lim, 850, 0)                     # 800 left; g1 idles on 100
+    assert refused.status == 429 and refused.recalled
+    g1 = ctl.sync_grants("g1", [GrantReport("acme", lim, back_tokens=100, held=True)], seq=2)
+    g2 = ctl.sync_grants("g2", [GrantReport("acme", lim, held=True)], seq=3)
+    assert g1[0].recall and not g2[0].recall
