@@ -311,7 +311,8 @@ def test_a_refusal_recalls_idle_slots_only_when_they_would_admit_it():
     """max_concurrent_requests lowered (a reload) below what is in flight: giving back a
     gateway's idle slot would still leave the tenant at its limit, so the refusal does not call
     the slot back (no gateway gives it up for nothing, and the client is not told to retry
-    soon); with the old limit the same refusal would have been admitted after the recall."""
+    soon). With the limit at 3 the idle slot is the one that would admit it: that refusal
+    recalls it."""
     from kvharbor.tenants.limits import AdmissionController, GrantReport, TenantLimits
 
     ctl = AdmissionController(clock=lambda: 1000.0)
