@@ -191,4 +191,7 @@ def test_affinity_decisions_are_counted_by_kind():
     routed(router, pr, replicas[uids(ranks)[0][0]])
     route(router, list(replicas.values()), rid="s2", session_id="chat-1")
     route(router, list(replicas.values()), rid="plain")
+    _, pr = route(router, list(replicas.values()), rid="no-hashes", hashes=[])
+    assert md(pr)["router_policy"] == "pow2_fallback"
+    assert md(pr)["router_session_affinity"] is False and md(pr)["router_cache_key_affinity"] is False
     assert counted == ["cache_key", "session"]

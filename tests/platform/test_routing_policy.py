@@ -6,7 +6,7 @@ import random
 
 from kvharbor.actors.prefix_directory import MatchInfo
 from kvharbor.platform.routing_policy import (Candidate, KVAwarePolicy, PowerOfTwoPolicy,
-                                              RoundRobinPolicy, RouteRequest)
+                                              RoundRobinPolicy, RouteRequest, displaced_blocks)
 
 BS = 16
 REQ = RouteRequest(prompt_tokens=6016, block_size=BS)       # 376 blocks
@@ -82,6 +82,25 @@ def test_a_replica_is_overloaded_only_when_above_the_mean_and_the_slack_both():
     assert ranked[0].replica_id == "hot" and not any(r.overloaded for r in ranked)
 
 
+def test_a_replica_exactly_at_either_bound_of_the_guard_is_not_overloaded():
+    """Overloaded means *above* (1 + tolerance) x the mean load and *more than*
+    ``balance_slack`` above the least loaded: a replica exactly at either bound keeps its
+    cached prefix; one request more and it is ranked last."""
+    policy = KVAwarePolicy(imbalance_tolerance=0.25, balance_slack=2, load_cost_tokens=0)
+
+    def rank(hot_load: int, others: list[int]):
+        cands = [cand("hot", dev(375), load=hot_load)]
+        cands += [cand(f"r{i}", load=n) for i, n in enumerate(others)]
+        return policy.rank(REQ, cands)
+
+    at_slack = rank(2, [0, 0])              # mean 0.67: above the tolerance, at the slack
+    assert at_slack[0].replica_id == "hot" and not any(r.overloaded for r in at_slack)
+    at_limit = rank(5, [5, 5, 1])           # mean 4, limit exactly 5.0; 4 above the least
+    assert at_limit[0].replica_id == "hot" and not any(r.overloaded for r in at_limit)
+    for over in (rank(3, [0, 0]), rank(6, [5, 5, 1])):
+        assert over[-1].replica_id == "hot" and over[-1].overloaded
+
+
 def test_session_affinity_yields_to_the_balance_guard():
     """A session's replica ranks first, unless it is overloaded: then the guard wins."""
     policy = KVAwarePolicy(imbalance_tolerance=0.1, balance_slack=2)
@@ -155,6 +174,20 @@ def test_new_prefixes_fill_the_replicas_evenly_not_one_after_the_other():
     assert sorted(tenants.values()) == [6, 6, 6, 6], tenants
 
 
+def test_displaced_blocks_are_those_beyond_the_empty_ones_or_the_occupied_share():
+    """What a request evicts at a replica: the blocks it needs beyond the empty ones, or its
+    needed blocks x the occupied share of the shared region when that is more; a replica
+    reporting no shared region (every block pinned) displaces the blocks beyond its empty
+    ones; one that does not report its empty blocks, nothing."""
+    assert displaced_blocks({"empty_shared_blocks": 500, "shared_blocks": 800}, 376) == 141.0
+    assert displaced_blocks({"empty_shared_blocks": 10, "shared_blocks": 100}, 376) == 366.0
+    assert displaced_blocks({"empty_shared_blocks": 10, "shared_blocks": 0}, 376) == 366.0
+    assert displaced_blocks({"empty_shared_blocks": 10}, 376) == 366.0
+    assert displaced_blocks({"empty_shared_blocks": 400}, 376) == 0.0
+    assert displaced_blocks({"shared_blocks": 800}, 376) == 0.0
+    assert displaced_blocks({"empty_shared_blocks": 0, "shared_blocks": 800}, 0) == 0.0
+
+
 def test_pinned_requests_prefer_free_pinned_blocks():
     policy = KVAwarePolicy()
     no_pin = cand("no_pin", free_shared_blocks=2000, free_pinned_blocks=0)
@@ -197,6 +230,19 @@ def test_stats_are_the_load_when_the_router_has_no_in_flight_count():
     a = Candidate("a", None, {"num_running": 4, "num_waiting": 3})
     b = Candidate("b", None, {"num_running": 2, "num_waiting": 0})
     assert first(KVAwarePolicy(), REQ, [a, b]) == "b"
+
+
+def test_equal_replicas_keep_taking_turns_while_replicas_come_and_go():
+    """Who was ranked first when is remembered per replica and forgotten for replicas that
+    left (bounded however many come and go); the live ones' turns survive the forgetting."""
+    policy = KVAwarePolicy()
+    live = [cand("a"), cand("b"), cand("c")]
+    turns = [first(policy, REQ, live) for _ in range(2)]
+    for i in range(300):                     # each new replica wins once with its prefix
+        assert first(policy, REQ, live + [cand(f"gone{i}", dev(10))]) == f"gone{i}"
+    assert len(policy._first_at) <= 4 * 4 + 64
+    never_first = [x for x in "abc" if x not in turns]
+    assert [first(policy, REQ, live) for _ in range(3)] == never_first + turns
 
 
 def test_power_of_two_never_puts_the_most_loaded_first():
