@@ -41,7 +41,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvharbor.actors.prefix_directory import DEFAULT_MAX_BLOCKS, PrefixIndex, shard_of
@@ -66,7 +66,6 @@ class FollowerCounters:
     entries: int = 0
     snapshots: int = 0
     mismatches: int = 0
-    by_kind: dict = field(default_factory=dict)
 
 
 class ActorShard:
@@ -264,7 +263,6 @@ class IndexFollower:
     # ---- internals ---------------------------------------------------------------------
     def _replay(self, shard: int, entry: tuple) -> bool:
         kind = entry[0]
-        self.counters.by_kind[kind] = self.counters.by_kind.get(kind, 0) + 1
         if kind == "events":
             replica, seq_no, stored, removed, tier = entry[1:6]
             closed = entry[6] if len(entry) > 6 else None

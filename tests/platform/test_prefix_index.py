@@ -114,7 +114,8 @@ def test_gap_marks_resync_and_ignores_batches_until_resync(make_index):
     assert idx.replica_hashes("a") == {h[0]}                    # view replaced, not merged
     assert idx.apply_events("a", 9, removed=h[:1])
     assert idx.match(h) == {}
-    assert idx.stats()["gaps"] == 2
+    counts = {k: idx.stats()[k] for k in ("batches_applied", "batches_ignored", "gaps", "resyncs")}
+    assert counts == {"batches_applied": 2, "batches_ignored": 1, "gaps": 2, "resyncs": 2}
     idx.check_integrity()
 
 
@@ -129,6 +130,8 @@ def test_first_batch_must_be_zero_and_duplicates_are_ignored(make_index):
     assert idx.next_seq_no("a") == 2
     assert idx.match(h)["a"].blocks == 2
     assert not idx.needs_resync("a")
+    counts = {k: idx.stats()[k] for k in ("batches_applied", "batches_ignored", "gaps")}
+    assert counts == {"batches_applied": 2, "batches_ignored": 1, "gaps": 1}
 
 
 def test_remove_replica_forgets_it_and_restarts_its_sequence(make_index):
@@ -197,11 +200,19 @@ def test_a_hash_stored_again_becomes_the_most_recent(make_index):
 
 
 def test_clear_forgets_everything(make_index):
+    """Also a replica that was awaiting a resync: after a clear its batch 0 is applied."""
     idx = make_index()
     assert idx.apply_events("a", 0, stored=chain(2))
+    assert idx.apply_events("h", 0, stored=chain(3), tier="host")
+    assert not idx.apply_events("b", 4, stored=chain(1))         # a gap: awaiting a resync
     idx.clear()
     assert idx.match(chain(2)) == {} and idx.replicas() == []
     assert idx.stats()["batches_applied"] == 0 and idx.next_seq_no("a") == 0
+    assert idx.stats()["num_entries"] == 0 and not idx.needs_resync("b")
+    idx.check_integrity()
+    assert idx.apply_events("b", 0, stored=chain(1))
+    assert idx.match(chain(1))["b"].blocks == 1
+    idx.check_integrity()
 
 
 def test_unknown_tier_is_rejected_with_a_clear_message():
@@ -418,6 +429,7 @@ def test_closed_replicas_are_matched_by_bisection_in_a_few_lookups():
     assert fast.lookups <= 1 + 4 * 7, fast.lookups
     assert slow.lookups >= 110
     assert closed.stats()["bisected_matches"] == 1 and unknown.stats()["bisected_matches"] == 0
+    assert closed.stats()["matches"] == 1 == unknown.stats()["matches"]
     assert closed.match(h[:60], touch=False) == {"a": MatchInfo(60, 60, 0),
                                                  "b": MatchInfo(60, 60, 0),
                                                  "c": MatchInfo(40, 40, 0),
