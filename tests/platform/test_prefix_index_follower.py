@@ -328,6 +328,22 @@ def test_an_actor_shard_looks_the_directory_up_again_after_a_failed_poll():
     assert asyncio.run(shard.poll(None, 0, 16))["epoch"] == "e2"
 
 
+def test_an_actor_shard_looks_the_directory_up_for_a_control_call_and_returns_its_answer():
+    """A control-plane call (the router telling the directory a replica is gone) made
+    before any poll finds the actor by name first, and hands back what the actor answered."""
+    from types import SimpleNamespace
+
+    from kvharbor.platform.index_follower import ActorShard
+
+    async def remove_replica(uid):
+        return ("removed", uid)
+
+    shard = ActorShard("kvh-test", None, timeout_s=1.0, retry_s=0.0)
+    shard._get_actor = lambda: SimpleNamespace(remove_replica=SimpleNamespace(remote=remove_replica))
+    assert asyncio.run(shard.call("remove_replica", "r1")) == ("removed", "r1")
+    assert asyncio.run(shard.call("remove_replica", "r2")) == ("removed", "r2")
+
+
 def test_event_log_counts_every_hash_an_entry_carries_and_keeps_the_newest_entry():
     log = EventLog(max_entries=100, max_hashes=10)
     assert [log.append(("events", "a", i, [], [b"h"] * 4, "device")) for i in range(3)] == [0, 1, 2]
