@@ -83,8 +83,10 @@ def test_a_follower_behind_the_bounded_log_takes_a_snapshot():
 
 
 def test_replay_mismatch_forces_a_snapshot_and_recovers():
-    shard = DirectoryShard()
-    follower = IndexFollower([LocalShard(shard)])
+    """Each snapshot and each mismatch is reported (the router counts them as
+    ``directory_resync`` on the routing dashboard)."""
+    shard, reported = DirectoryShard(), []
+    follower = IndexFollower([LocalShard(shard)], on_resync=reported.append)
     shard.apply_events("a", 0, chain(3, "p"))
     asyncio.run(follower.poll_once())
     follower.index.remove_replica("a")               # the follower lost state somehow
@@ -94,6 +96,7 @@ def test_replay_mismatch_forces_a_snapshot_and_recovers():
     asyncio.run(follower.poll_once())
     assert views(follower.index) == views(shard._index)
     assert follower.index.match(chain(4, "p"))["a"].blocks == 4
+    assert reported == ["router_snapshot", "replay_mismatch", "router_snapshot"]
 
 
 def test_directory_restart_keeps_unsynced_views_until_replicas_resync():
