@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from kvharbor import LLM
 
 from .conftest import random_prompt as _p
@@ -178,6 +180,19 @@ def test_the_room_of_one_more_request_pays_its_own_sequence_cost():
     budget.add(1, trimmed=False)
     budget.add(1, trimmed=True)
     assert budget.room(100) == 6
+
+
+def test_the_cost_models_solver_is_exact_also_where_it_must_swap_rows():
+    """The 3x3 solve behind the fit: exact on a system whose first pivot is zero (it must
+    swap rows) and on a dense one; a singular system leaves the prior."""
+    from kvharbor.engine.step_budget import PRIOR, _solve3
+
+    want = [0.5, -2.0, 3.0]
+    for m in ([[0.0, 2.0, 1.0], [1.0, 0.0, 0.0], [0.0, 1.0, 4.0]],
+              [[4.0, 1.0, 2.0], [1.0, 5.0, 1.0], [2.0, 1.0, 6.0]]):
+        v = [sum(m[i][j] * want[j] for j in range(3)) for i in range(3)]
+        assert _solve3(m, v) == pytest.approx(want, abs=1e-12)
+    assert _solve3([[1.0, 2.0, 3.0], [2.0, 4.0, 6.0], [0.0, 0.0, 0.0]], [1.0, 2.0, 0.0]) == list(PRIOR)
 
 
 def test_the_learned_cost_model_never_has_a_negative_coefficient():
