@@ -195,6 +195,27 @@ def test_the_cost_models_solver_is_exact_also_where_it_must_swap_rows():
     assert _solve3([[1.0, 2.0, 3.0], [2.0, 4.0, 6.0], [0.0, 0.0, 0.0]], [1.0, 2.0, 0.0]) == list(PRIOR)
 
 
+def test_steps_that_cost_what_the_prior_says_leave_the_prior_unchanged():
+    """The fit is pulled toward the prior, not elsewhere: a few measured steps that cost
+    exactly what the prior predicts leave its coefficients as they were."""
+    from kvharbor.engine.step_budget import PRIOR
+
+    model = StepCostModel()
+    for tokens, seqs in ((1, 1), (300, 4), (2048, 64)):
+        model.observe(tokens, seqs, PRIOR[0] + PRIOR[1] * tokens + PRIOR[2] * seqs)
+    assert model.coef == pytest.approx(list(PRIOR), rel=1e-9)
+
+
+def test_a_step_whose_tokens_cost_nothing_has_room_for_any_number_of_them():
+    """A learned token cost of 0 (the fit clamps a negative one there): the room is bounded
+    by sequences only, so every token of the next request fits while a sequence does."""
+    model = StepCostModel()
+    model.coef = [0.001, 0.0, 0.002]
+    budget = StepBudget(model, 0.010)
+    budget.add(1, trimmed=False)
+    assert budget.room(5000) == 5000
+
+
 def test_the_learned_cost_model_never_has_a_negative_coefficient():
     """Steps that got faster with more sequences (noise, a warming cache) must not teach a
     negative cost per sequence: a large batch would then look free."""
