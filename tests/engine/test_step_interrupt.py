@@ -127,6 +127,22 @@ def test_a_cut_comes_only_in_the_first_three_quarters_of_the_half_layers(at, cut
         f"announced at {at}: {'not cut' if cuts else 'cut in its last quarter'}"
 
 
+def test_an_attention_check_is_the_first_half_of_its_layer_on_an_odd_cutoff():
+    """A model of 5 layers has 10 half-layers and cuts before the first 7: before layer 3's
+    attention (half-layer 6) a step may still be cut, before its MLP (7) no longer."""
+    from kvharbor.engine.step_budget import StepInterrupt, StepInterrupted
+
+    cut = StepInterrupt(num_layers=5)
+    cut.interruptible = frozenset({2})
+    cut.protected = 0                        # a step of priority-0 work is armed
+    cut.announce(2)                          # a priority-2 request arrived
+    assert cut.cutoff == 7
+    cut.check(3, before_mlp=True)            # too late: nothing raised
+    with pytest.raises(StepInterrupted):
+        cut.check(3)
+    assert cut.num_interrupted == 1
+
+
 def test_a_spent_step_budget_stops_the_walk_over_a_lower_class_backlog():
     """Scheduling cost under a flood: once the premium step budget is spent, the scheduler
     stops instead of looking up the prefix of every waiting lower-class request."""
