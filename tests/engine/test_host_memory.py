@@ -46,15 +46,26 @@ def _probe(mode: str) -> dict:
 @pytest.mark.skipif(not sys.platform.startswith("linux") or os.environ.get("LD_PRELOAD"),
                     reason="glibc's malloc only (a preloaded allocator replaces it)")
 def test_cpu_engine_stops_page_faulting_its_step_buffers():
-    tuned, system = _probe("keep"), _probe("system")
-    assert tuned["tuned"] is True and system["tuned"] is False
-    steady_tuned, steady_system = sum(tuned["faults"][4:]), sum(system["faults"][4:])
-    # Both arms fault in bursts (the tuned one 500-2,500 pages in a few rounds, glibc's own
-    # as few as 5 pages in some), so the sums run over 24 rounds after warm-up. Over eight
-    # the ratio read 2.6-11.6x on this code and 3.5-47x on the code before it (CI runs failed
-    # at 4x twice). Over 24 (2026-11-30, Intel Xeon VM): 5.8-13.2x in seven probes, and
-    # 0.7-1.0x with glibc's allocator on both arms (what the test must catch).
-    assert steady_tuned < steady_system / 3, (tuned, system)
+    """Steady-state page faults with glibc tuned are under a third of glibc's own, in one of
+    up to three probe pairs.
+
+    Both arms fault in bursts (the tuned one 500-2,500 pages in a few rounds, glibc's own as
+    few as 5 pages in some), so the sums run over 24 rounds after warm-up. Over 24 rounds
+    (2026-11-30, Intel Xeon VM) one pair read 5.8-13.2x in seven probes, and 0.7-1.0x with
+    glibc's allocator on both arms (what the test must catch); on 2026-12-07 a clean-clone CI
+    read 2.6x (2,265 against 5,897 pages) and three pairs right after it 4.9x, 8.4x and 8.7x on
+    the same VM, and with glibc's allocator on both arms (``mallopt`` skipped) 1.1x, 1.0x and
+    1.8x. One pair can fall under 3x; glibc on both arms reaches it in none.
+    """
+    ratios = []
+    for _ in range(3):
+        tuned, system = _probe("keep"), _probe("system")
+        assert tuned["tuned"] is True and system["tuned"] is False
+        steady_tuned, steady_system = sum(tuned["faults"][4:]), sum(system["faults"][4:])
+        if steady_tuned < steady_system / 3:
+            return
+        ratios.append((steady_tuned, steady_system))
+    pytest.fail(f"steady-state page faults (tuned, glibc's own) in three probe pairs: {ratios}")
 
 
 def test_opt_out_leaves_glibc_alone(monkeypatch):
