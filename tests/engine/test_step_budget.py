@@ -13,7 +13,8 @@ from kvharbor import LLM
 from .conftest import random_prompt as _p
 from .conftest import greedy as _sp
 from kvharbor.config import DEFAULT_QOS
-from kvharbor.engine.step_budget import MIN_PROGRESS_TOKENS, StepBudget, StepCostModel
+from kvharbor.engine.step_budget import (MIN_PROGRESS_TOKENS, PRIOR, StepBudget, StepCostModel,
+                                         _solve3)
 
 
 def _llm(target_ms: float | None) -> LLM:
@@ -185,8 +186,6 @@ def test_the_room_of_one_more_request_pays_its_own_sequence_cost():
 def test_the_cost_models_solver_is_exact_also_where_it_must_swap_rows():
     """The 3x3 solve behind the fit: exact on a system whose first pivot is zero (it must
     swap rows) and on a dense one; a singular system leaves the prior."""
-    from kvharbor.engine.step_budget import PRIOR, _solve3
-
     want = [0.5, -2.0, 3.0]
     for m in ([[0.0, 2.0, 1.0], [1.0, 0.0, 0.0], [0.0, 1.0, 4.0]],
               [[4.0, 1.0, 2.0], [1.0, 5.0, 1.0], [2.0, 1.0, 6.0]]):
@@ -198,8 +197,6 @@ def test_the_cost_models_solver_is_exact_also_where_it_must_swap_rows():
 def test_steps_that_cost_what_the_prior_says_leave_the_prior_unchanged():
     """The fit is pulled toward the prior, not elsewhere: a few measured steps that cost
     exactly what the prior predicts leave its coefficients as they were."""
-    from kvharbor.engine.step_budget import PRIOR
-
     model = StepCostModel()
     for tokens, seqs in ((1, 1), (300, 4), (2048, 64)):
         model.observe(tokens, seqs, PRIOR[0] + PRIOR[1] * tokens + PRIOR[2] * seqs)

@@ -7,6 +7,7 @@ import pytest
 
 from kvharbor import LLM, SamplingParams
 from kvharbor.config import DEFAULT_QOS
+from kvharbor.engine.step_budget import StepInterrupt, StepInterrupted
 
 from .conftest import greedy as _sp
 from .conftest import install_announcer
@@ -130,8 +131,6 @@ def test_a_cut_comes_only_in_the_first_three_quarters_of_the_half_layers(at, cut
 def test_an_attention_check_is_the_first_half_of_its_layer_on_an_odd_cutoff():
     """A model of 5 layers has 10 half-layers and cuts before the first 7: before layer 3's
     attention (half-layer 6) a step may still be cut, before its MLP (7) no longer."""
-    from kvharbor.engine.step_budget import StepInterrupt, StepInterrupted
-
     cut = StepInterrupt(num_layers=5)
     cut.interruptible = frozenset({2})
     cut.protected = 0                        # a step of priority-0 work is armed

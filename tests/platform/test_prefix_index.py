@@ -114,7 +114,8 @@ def test_gap_marks_resync_and_ignores_batches_until_resync(make_index):
     assert idx.replica_hashes("a") == {h[0]}                    # view replaced, not merged
     assert idx.apply_events("a", 9, removed=h[:1])
     assert idx.match(h) == {}
-    counts = {k: idx.stats()[k] for k in ("batches_applied", "batches_ignored", "gaps", "resyncs")}
+    stats = idx.stats()
+    counts = {k: stats[k] for k in ("batches_applied", "batches_ignored", "gaps", "resyncs")}
     assert counts == {"batches_applied": 2, "batches_ignored": 1, "gaps": 2, "resyncs": 2}
     idx.check_integrity()
 
@@ -130,7 +131,8 @@ def test_first_batch_must_be_zero_and_duplicates_are_ignored(make_index):
     assert idx.next_seq_no("a") == 2
     assert idx.match(h)["a"].blocks == 2
     assert not idx.needs_resync("a")
-    counts = {k: idx.stats()[k] for k in ("batches_applied", "batches_ignored", "gaps")}
+    stats = idx.stats()
+    counts = {k: stats[k] for k in ("batches_applied", "batches_ignored", "gaps")}
     assert counts == {"batches_applied": 2, "batches_ignored": 1, "gaps": 1}
 
 
@@ -207,8 +209,9 @@ def test_clear_forgets_everything(make_index):
     assert not idx.apply_events("b", 4, stored=chain(1))         # a gap: awaiting a resync
     idx.clear()
     assert idx.match(chain(2)) == {} and idx.replicas() == []
-    assert idx.stats()["batches_applied"] == 0 and idx.next_seq_no("a") == 0
-    assert idx.stats()["num_entries"] == 0 and not idx.needs_resync("b")
+    stats = idx.stats()
+    assert stats["batches_applied"] == 0 and stats["num_entries"] == 0
+    assert idx.next_seq_no("a") == 0 and not idx.needs_resync("b")
     idx.check_integrity()
     assert idx.apply_events("b", 0, stored=chain(1))
     assert idx.match(chain(1))["b"].blocks == 1
