@@ -170,3 +170,22 @@ def test_a_step_merges_no_more_of_the_backlog_than_it_walks():
         admitted = len(sched.running) - admitted
         assert 1 <= admitted <= 3
         assert checks[0] - before <= admitted + 1, checks
+
+
+def test_a_burst_of_one_prompt_walks_no_more_of_it_than_a_step_could_admit():
+    """500 copies of one 40-token prompt arrive together for 8 seats: the first computes the
+    prompt and the others sit the step out for it (one prefill per prefix in flight), and the
+    step looks up no more of them than the 8 it could admit (walking on, it looked up all
+    500, each hashing its prompt, although none of them could run this step)."""
+    sched = _scheduler(4096, 8)
+    for i in range(500):
+        sched.add(Request(f"c{i}", list(range(40)), SamplingParams(max_tokens=4), qos="batch",
+                          priority=1, arrival_seq=i))
+    lookups, lookup = [0], sched.kv.get_computed_blocks
+
+    def counted(req):
+        lookups[0] += 1
+        return lookup(req)
+    sched.kv.get_computed_blocks = counted
+    assert _step(sched) == [("c0", 40)]
+    assert sched.num_prefix_waits == 7 and lookups[0] == 8, (sched.num_prefix_waits, lookups)
