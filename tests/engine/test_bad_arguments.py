@@ -256,3 +256,16 @@ def test_a_request_whose_token_cannot_be_appended_fails_alone(monkeypatch):
     with pytest.raises(RuntimeError, match="failed in an engine step: UnicodeDecodeError"):
         llm.generate([prompts["a"], prompts["bad"]], sp)
     assert not engine.has_unfinished()
+
+
+def test_every_block_pinned_is_a_premium_only_engine():
+    """``pinned_kv_blocks`` may equal ``num_kv_blocks`` (a replica kept for pinned classes):
+    a premium request runs, and a standard one gets the clear error that no block exists for
+    its class, not a queue it would wait in forever."""
+    llm = LLM(device="cpu", num_kv_blocks=16, pinned_kv_blocks=16)
+    sp = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    assert len(llm.generate([[1, 2, 3, 4, 5]], sp, qos="premium")[0].token_ids) == 3
+    with pytest.raises(ValueError, match="needs 1 KV blocks but only 0 exist for QoS class 'standard'"):
+        llm.generate([[1, 2, 3]], sp)
+    assert not llm.engine.has_unfinished()
+    llm.check_integrity()
