@@ -255,3 +255,27 @@ def test_a_classs_ttft_slo_budgets_its_steps_at_half_unless_step_target_ms_says_
         classes["premium"] = classes["premium"].model_copy(update=fields)
         llm = LLM(device="cpu", num_kv_blocks=64, qos_classes=classes)
         assert llm.engine.scheduler.step_target_s == {DEFAULT_QOS["premium"].priority: want_s}, fields
+
+
+@pytest.mark.parametrize("settle", ["untimed", "abandon"])
+def test_a_step_run_ahead_or_abandoned_is_no_step_cost_sample(settle):
+    """``untimed`` (the step runs ahead of the next, ``async_scheduling``) and ``abandon``
+    (a premium arrival cut it short) both mean the time to the next ``schedule`` is not the
+    step's duration: it is not learned, and the step after is again. ``abandon`` also
+    refunds the step's fairness charge: a cut step costs its tenant nothing."""
+    e = _llm(target_ms=None).engine
+    sched = e.scheduler
+    now = [0.0]
+    sched.clock = lambda: now[0]
+    e.add_request("a", _p(20, 1), _sp(8))
+    req = sched.waiting[0]
+    plan = sched.schedule()
+    assert sched.fair.key(req) == 20
+    getattr(sched, settle)(*([plan] if settle == "abandon" else []))
+    assert sched.fair.key(req) == (0 if settle == "abandon" else 20)
+    now[0] += 0.01
+    sched.schedule()                                 # plans the same 20 tokens again
+    assert sched.cost.samples == 0
+    now[0] += 0.01
+    sched.schedule()
+    assert sched.cost.samples == 1
