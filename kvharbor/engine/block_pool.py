@@ -8,8 +8,8 @@ Every block is in exactly one of three states::
 
 and in one of two regions, ``pinned`` (reserved for pinned QoS classes) or ``shared``. Each
 region has its own free queue. A free queue is an intrusive doubly-linked list threaded
-through the blocks with sentinel head and tail, so pop, append and remove-from-middle are O(1)
-and allocate nothing. It is the order blocks were freed::
+through the blocks with sentinel head and tail, so reading the head, appending and removing
+from the middle are O(1) and allocate nothing. It is the order blocks were freed::
 
     head <-> b7 <-> b2 <-> b9 <-> tail
              ^ freed first         ^ freed last
@@ -105,13 +105,6 @@ class FreeBlockQueue:
         block.prev = block.next = None
         self.num_free -= 1
         self.num_cached -= block.block_hash is not None
-
-    def popleft(self) -> KVCacheBlock:
-        block = self.head.next
-        if block is self.tail:
-            raise IndexError("free queue is empty")
-        self.remove(block)
-        return block
 
     def __iter__(self):
         node = self.head.next
