@@ -188,3 +188,30 @@ def test_stats_count_prompt_and_generated_tokens_and_how_requests_ended():
     s = llm.stats()
     assert (s["prompt_tokens"], s["generated_tokens"]) == (3 + 5 + 6 + 300, 3 + 3 + 1)
     assert (s["requests_finished"], s["requests_aborted"]) == (2, 2)
+
+
+def test_check_integrity_catches_a_stray_borrowed_flag_and_a_used_null_block():
+    """The pool's own check: ``borrowed`` marks only shared blocks a pinned-class request
+    holds (one on a free or pinned-region block is a counting bug), and the null block is
+    never referenced, cached or queued."""
+    pool = BlockPool(num_blocks=8, num_pinned=3)
+    free_pinned, held_pinned, _, held_shared = pool.allocate(4, pinned=True)
+    pool.release([free_pinned])
+    pool.check_integrity()
+    assert pool.borrowed == 1 and held_shared.borrowed and held_shared.region == "shared"
+    strays = (held_pinned, pool.blocks[7], free_pinned)           # pinned; free; free and pinned
+    assert [(b.region, b.ref_cnt) for b in strays] == [("pinned", 1), ("shared", 0), ("pinned", 0)]
+    for stray in strays:
+        stray.borrowed, pool.borrowed = True, 2
+        with pytest.raises(AssertionError, match="borrowed block that is free or pinned"):
+            pool.check_integrity()
+        stray.borrowed, pool.borrowed = False, 1
+    pool.check_integrity()
+    null, used = pool.null_block, {"ref_cnt": 1, "block_hash": b"h", "prev": pool.blocks[0]}
+    for fields in [[name] for name in used] + [list(used)]:      # each alone, then all three
+        for name in fields:
+            setattr(null, name, used[name])
+        with pytest.raises(AssertionError, match="null block used"):
+            pool.check_integrity()
+        null.ref_cnt, null.block_hash, null.prev = 0, None, None
+    pool.check_integrity()
