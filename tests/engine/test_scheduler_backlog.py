@@ -68,6 +68,17 @@ def _step(sched: Scheduler) -> list[tuple[str, int]]:
         [("preempted " + r.request_id, 0) for r in out.preempted]
 
 
+def _count_lookups(sched: Scheduler) -> list[int]:
+    """Count ``sched``'s prefix lookups from now on, in the returned one-item list."""
+    lookups, lookup = [0], sched.kv.get_computed_blocks
+
+    def counted(req):
+        lookups[0] += 1
+        return lookup(req)
+    sched.kv.get_computed_blocks = counted
+    return lookups
+
+
 def test_bounded_walk_schedules_exactly_what_the_full_sort_did():
     """Twin schedulers on the same random arrivals (three classes, three tenants each, a
     small pool, 4 seats, backlogs of dozens, some requests that can never fit and are
@@ -135,12 +146,7 @@ def test_waiting_lower_classes_are_not_looked_up_once_their_prefill_cap_is_spent
     for i in range(300):
         sched.add(Request(f"b{i}", [i % 3] * 20, SamplingParams(max_tokens=4), qos="batch",
                           priority=1, arrival_seq=i + 1))
-    lookups, lookup = [0], sched.kv.get_computed_blocks
-
-    def counted(req):
-        lookups[0] += 1
-        return lookup(req)
-    sched.kv.get_computed_blocks = counted
+    lookups = _count_lookups(sched)
     _step(sched)
     for _ in range(10):
         lookups[0] = 0
@@ -181,11 +187,6 @@ def test_a_burst_of_one_prompt_walks_no_more_of_it_than_a_step_could_admit():
     for i in range(500):
         sched.add(Request(f"c{i}", list(range(40)), SamplingParams(max_tokens=4), qos="batch",
                           priority=1, arrival_seq=i))
-    lookups, lookup = [0], sched.kv.get_computed_blocks
-
-    def counted(req):
-        lookups[0] += 1
-        return lookup(req)
-    sched.kv.get_computed_blocks = counted
+    lookups = _count_lookups(sched)
     assert _step(sched) == [("c0", 40)]
     assert sched.num_prefix_waits == 7 and lookups[0] == 8, (sched.num_prefix_waits, lookups)
