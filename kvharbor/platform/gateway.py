@@ -503,7 +503,7 @@ class Gateway:
             if unparsed:
                 status, field, message = unparsed
                 if status == 429:
-                    raise APIError(429, message, "spec_parse_overdue", field, headers={"Retry-After": "5"})
+                    raise APIError(429, message, "spec_parse_busy", field, headers={"Retry-After": "5"})
                 raise APIError(400, message, param=field)
         except BaseException:
             self.admitter.leave(qos, rid)

@@ -9,13 +9,18 @@ The request models check each spec's shape; ``parse_problem`` then parses it in 
 thread (xgrammar releases the GIL: a schema that takes seconds does not stall the gateway's
 event loop) with a time limit, before the request is admitted or routed: a bad schema, regex or
 grammar is a 400 naming the field. A spec that overran the limit is refused at once for a
-while, and its tenant's structured requests are refused (429) until its parse ends. The engine
-compiles the spec against the tokenizer (:mod:`kvharbor.engine.structured_output`).
+while, and its tenant's structured requests are refused (429) until its parse ends. The limit
+is the spec's, not the machine's: xgrammar's import (seconds, once) runs before the clock
+starts; a spec that waited past the limit for a parsing thread never ran and is a 429 (retry);
+and a spec whose overrun parse ended having used less CPU than the limit (the machine stalled,
+not the spec) is forgotten, not refused for ``SLOW_FOR_S``. The engine compiles the spec
+against the tokenizer (:mod:`kvharbor.engine.structured_output`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib
 import threading
 import time
 from collections import OrderedDict
@@ -31,7 +36,8 @@ from kvharbor.platform.json_types import REQUEST_FIELDS
 MAX_CHOICES = 256
 """Most strings in ``structured_outputs.choice``."""
 PARSE_TIMEOUT_S = 5.0
-"""Longest a spec may take to parse (its wait for a parsing thread included)."""
+"""Longest a spec may take to parse (its wait for a parsing thread included, xgrammar's
+first import not)."""
 _PARSERS = ThreadPoolExecutor(2, thread_name_prefix="kvh-spec-parse")
 _SLOW: OrderedDict[tuple[str, str], float] = OrderedDict()
 """Specs that did not parse in time (the latest 1,024, by when): refused again without a thread
@@ -40,7 +46,8 @@ SLOW_FOR_S = 600.0
 _OVERDUE: dict[str, int] = {}
 """Per tenant, its parses still running after their limit: while it has one, its structured
 requests are refused (429), so one tenant's slow specs hold one parsing thread at a time."""
-_OVERDUE_LOCK = threading.Lock()
+_STATE_LOCK = threading.Lock()
+"""Guards ``_SLOW`` and ``_OVERDUE``: an overrun parse ends in its parsing thread."""
 
 
 class JsonSchemaFormat(BaseModel):
@@ -109,7 +116,8 @@ def structured_spec(response_format: ResponseFormat | None, structured: Structur
 async def parse_problem(body, tenant: str = "") -> tuple[int, str, str] | None:
     """``(status, field, message)`` when the structured output ``body`` asks for does not parse,
     or not within ``PARSE_TIMEOUT_S`` (400), or ``tenant`` has a parse still running after its
-    limit (429); None when it parses or none is asked."""
+    limit or this spec waited that long for a parsing thread (429); None when it parses or none
+    is asked."""
     spec = body.structured()
     if spec is None:
         return None
@@ -124,20 +132,37 @@ async def parse_problem(body, tenant: str = "") -> tuple[int, str, str] | None:
     if _OVERDUE.get(tenant):
         return 429, field, ("a structured-output spec of this tenant is still being parsed after its "
                             f"{PARSE_TIMEOUT_S:g} s limit: retry once it ends (send simpler specs)")
-    job = _PARSERS.submit(params.grammar_of)
+    await asyncio.to_thread(_import_parser)        # seconds the first time: not the spec's time
+    cpu: list[float] = []
+    job = _PARSERS.submit(_parse, params, cpu)
     try:
         await asyncio.wait_for(asyncio.wrap_future(job), PARSE_TIMEOUT_S)
     except ValueError as e:
         message = str(e)
         return 400, field, message.replace("structured_outputs.json", "json_schema.schema", 1) if by_format else message
     except TimeoutError:
-        _remember_slow(key)
-        if not job.done():                 # still running (a queued one was cancelled)
-            with _OVERDUE_LOCK:
-                _OVERDUE[tenant] = _OVERDUE.get(tenant, 0) + 1
-            job.add_done_callback(lambda _: _overdue_ended(tenant))     # in the parsing thread
+        if job.cancelled():                # still queued behind other specs: this one never ran
+            return 429, field, (f"the structured-output parsers are busy with other specs for over "
+                                f"{PARSE_TIMEOUT_S:g} s: retry shortly")
+        with _STATE_LOCK:                  # refused at once while it runs (and after, if its fault)
+            _remember_slow(key)
+            _OVERDUE[tenant] = _OVERDUE.get(tenant, 0) + 1
+        job.add_done_callback(lambda _: _overrun_ended(tenant, key, cpu))    # in the parsing thread
         return 400, field, too_slow
     return None
+
+
+def _import_parser() -> None:
+    importlib.import_module("xgrammar")    # imports torch: only once a structured request comes
+
+
+def _parse(params: StructuredOutputsParams, cpu: list[float]) -> None:
+    """Parse ``params`` (ValueError when it does not); its CPU seconds go to ``cpu``."""
+    start = time.thread_time()
+    try:
+        params.grammar_of()
+    finally:
+        cpu.append(time.thread_time() - start)
 
 
 def _remember_slow(key: tuple[str, str]) -> None:
@@ -147,8 +172,12 @@ def _remember_slow(key: tuple[str, str]) -> None:
         _SLOW.popitem(last=False)
 
 
-def _overdue_ended(tenant: str) -> None:
-    with _OVERDUE_LOCK:
+def _overrun_ended(tenant: str, key: tuple[str, str], cpu: list[float]) -> None:
+    """A parse that overran its limit ended: its tenant may send specs again, and the spec is
+    forgotten when the parse used less CPU than the limit (it waited on the machine)."""
+    with _STATE_LOCK:
         left = _OVERDUE.pop(tenant, 1) - 1
         if left:
             _OVERDUE[tenant] = left
+        if cpu and cpu[0] < PARSE_TIMEOUT_S:
+            _SLOW.pop(key, None)

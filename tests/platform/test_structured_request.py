@@ -141,7 +141,68 @@ def test_the_latest_1024_slow_specs_are_remembered():
 
 def test_a_tenant_with_two_overrun_parses_waits_for_both():
     structured_request._OVERDUE["acme"] = 2
-    structured_request._overdue_ended("acme")
+    structured_request._overrun_ended("acme", ("regex", "a"), [9.0])
     assert structured_request._OVERDUE == {"acme": 1}
-    structured_request._overdue_ended("acme")
+    structured_request._overrun_ended("acme", ("regex", "b"), [9.0])
     assert structured_request._OVERDUE == {}
+
+
+def _until_parsed(deadline_s: float = 10.0):
+    """Wait (in the loop) until no overrun parse is running."""
+    async def wait():
+        deadline = time.perf_counter() + deadline_s
+        while structured_request._OVERDUE and time.perf_counter() < deadline:
+            await asyncio.sleep(0.05)
+        assert not structured_request._OVERDUE, "the overrun parse did not end"
+    return wait()
+
+
+def test_a_parse_the_machine_stalled_is_forgotten_a_slow_spec_is_not(monkeypatch):
+    """Past the limit both are refused (400) and, while they run, refused at once. Once they
+    end, the spec whose parse used less CPU than the limit (it slept: a stalled machine) parses
+    again; the one that computed past the limit stays refused."""
+    monkeypatch.setattr(structured_request, "PARSE_TIMEOUT_S", 0.1)
+    real = StructuredOutputsParams.grammar_of
+
+    def stalled(self):
+        if self.kind == "regex":
+            time.sleep(0.4)
+        return real(self)
+    monkeypatch.setattr(StructuredOutputsParams, "grammar_of", stalled)
+    cheap = CompletionRequest(model="m", prompt="x", structured_outputs={"regex": "[0-9]+"})
+    slow = CompletionRequest(model="m", prompt="x", structured_outputs={"json": SLOW})
+
+    async def run():
+        first = [await structured_request.parse_problem(b, t) for b, t in ((cheap, "acme"), (slow, "globex"))]
+        during = [await structured_request.parse_problem(b, "initech") for b in (cheap, slow)]
+        await _until_parsed()
+        remembered = [kind for kind, _ in structured_request._SLOW]
+        monkeypatch.setattr(StructuredOutputsParams, "grammar_of", real)
+        return first, during, remembered, [await structured_request.parse_problem(b, "initech") for b in (cheap, slow)]
+    first, during, remembered, after = asyncio.run(run())
+    assert [p[:2] for p in first + during] == [(400, "structured_outputs")] * 4
+    assert remembered == ["json"]                                  # refused without a new parse
+    assert after[0] is None and after[1] == first[1]
+
+
+def test_a_spec_queued_past_the_limit_is_a_retry_not_a_slow_spec(monkeypatch):
+    """Both parsing threads busy for longer than the limit: the spec never ran, so it is a 429
+    to retry, and it parses once a thread is free."""
+    monkeypatch.setattr(structured_request, "PARSE_TIMEOUT_S", 0.1)
+    busy = [structured_request._PARSERS.submit(time.sleep, 0.4) for _ in range(2)]
+    body = CompletionRequest(model="m", prompt="x", structured_outputs={"regex": "[0-9]+"})
+    status, field, message = asyncio.run(structured_request.parse_problem(body, "acme"))
+    assert (status, field) == (429, "structured_outputs") and "busy" in message and "retry" in message
+    assert not structured_request._SLOW and not structured_request._OVERDUE
+    for job in busy:
+        job.result()
+    assert asyncio.run(structured_request.parse_problem(body, "acme")) is None
+
+
+def test_the_parsers_first_import_does_not_count_against_the_limit(monkeypatch):
+    """xgrammar's import takes seconds the first time (more on a loaded machine): it runs
+    before the clock starts, so the first json_object request is not refused as too slow."""
+    monkeypatch.setattr(structured_request, "PARSE_TIMEOUT_S", 0.1)
+    monkeypatch.setattr(structured_request, "_import_parser", lambda: time.sleep(0.3))
+    body = CompletionRequest(model="m", prompt="x", response_format={"type": "json_object"})
+    assert asyncio.run(structured_request.parse_problem(body, "acme")) is None
