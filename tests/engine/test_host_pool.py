@@ -8,6 +8,7 @@ import torch
 from kvharbor.engine.block_pool import BlockPool
 from kvharbor.engine.hashing import BlockHash
 from kvharbor.engine.host_pool import HostKVPool
+from kvharbor.engine.kv_cache_manager import KVCacheManager
 from kvharbor.engine.kv_transfer import KVTransfer
 from kvharbor.engine.preemption import PreemptionPolicy
 from kvharbor.engine.request import Request, SamplingParams
@@ -179,3 +180,26 @@ def test_victim_loses_least_work_within_its_class():
     assert PreemptionPolicy("swap", 16).should_swap(a)
     d = _running("d", pool.allocate(5, False), 70, seq=3)               # loses 70, came last
     assert policy.choose_victim([b, d]) is d and policy.choose_victim([d, b]) is d
+
+
+def test_a_host_hit_dropped_before_it_is_loaded_is_cut_there():
+    """A swap-out while the scheduler makes room (after the lookup) can drop a host copy the
+    hit counted on: the hit ends before that block, so the request computes it again instead
+    of loading whatever the slot holds by then."""
+    host = HostKVPool(4, (1, 2, 2, 1, 1), torch.float32)
+    transfer = KVTransfer(host, _caches())
+    kv = KVCacheManager(BlockPool(4), 2, host, transfer)
+    req = Request("r", list(range(1, 8)), SamplingParams())         # 3 full blocks may hit
+    req.update_block_hashes(2)
+    slots = [host.reserve(h) for h in req.block_hashes[:3]]
+    host.reserve(req.block_hashes[0])             # block 0 most recent: LRU is 1, 2, 0
+    hit = kv.get_computed_blocks(req)
+    assert hit.host_slots == slots and hit.num_tokens == 6
+    owned = host.take_owned(2)                    # a victim's swap-out: the free slot and block 1's
+    assert owned is not None and host.lookup(req.block_hashes[1]) is None
+    kv.allocate(req, 1, hit)
+    assert req.num_computed_tokens == 2 and len(req.blocks) == 2     # block 0 loaded; 1 to compute
+    assert [slot for slot, _ in transfer.loads] == [slots[0]] and host.locks == {slots[0]: 1}
+    host.release_owned(owned)
+    transfer.flush()
+    host.check_integrity()
