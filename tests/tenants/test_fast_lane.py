@@ -233,6 +233,7 @@ def test_everything_granted_comes_back_when_the_tenant_goes_quiet():
         assert gw.lane.admitted > 0
         for _ in range(QUIET_SYNCS + 1):
             await gw.lane.sync()
+            assert_books_balance(cluster, [gw])        # what goes back leaves the gateway
         state = cluster.controller._tenants["acme"]
         assert (state.in_flight, state.granted_requests, state.granted_tokens) == (0, 0, 0)
         assert state.tokens_today == 9 * 12                # exactly what was used, nothing held

@@ -79,6 +79,7 @@ def test_limits_hold_across_two_gateways(script):
         for _ in range(QUIET_SYNCS + 1):
             for gw in gws:
                 await gw.lane.sync()
+                assert_books_balance(cluster, gws)
         state = cluster.controller._tenants.get("acme")
         if state is not None:
             assert (state.in_flight, state.granted_requests, state.granted_tokens) == (0, 0, 0)
