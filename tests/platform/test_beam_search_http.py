@@ -109,7 +109,8 @@ def test_a_chat_stream_sends_the_beams_the_answer_has(client, kvharbor_app):
     ({"response_format": {"type": "json_object"}}, "use_beam_search"),
     ({"structured_outputs": {"regex": "[ab]+"}}, "use_beam_search")])
 def test_what_a_beam_search_cannot_honour_is_refused(kvharbor_app, extra, param):
-    with httpx.Client(base_url=kvharbor_app.base_url, headers={"Authorization": f"Bearer {DEMO['standard']}"}) as c:
+    with httpx.Client(base_url=kvharbor_app.base_url, headers={"Authorization": f"Bearer {DEMO['standard']}"},
+                      timeout=30) as c:          # the first structured request imports xgrammar
         r = c.post("/v1/completions", json={"model": kvharbor_app.model, "prompt": "hi", "max_tokens": 2,
                                             "use_beam_search": True, **extra})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
