@@ -194,6 +194,7 @@ def test_tenant_cap_releases_oldest_idle_session_first(llm):
     # another tenant's sessions do not count against acme's cap
     llm.generate([_tokens(70, 20)], _greedy(1), tenant="other", session_id="o")
     assert sessions.describe("acme", "mid") is not None
+    assert sessions.blocks_by_tenant() == {"acme": 8, "other": 4}      # the per-tenant KV gauge
     llm.check_integrity()
 
 
