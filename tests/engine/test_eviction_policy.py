@@ -6,6 +6,7 @@ that ignores its rule (or a config that does not reach the pool) fails.
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -69,6 +70,34 @@ def test_lfu_orders_a_reused_block_by_its_latest_free():
     pool.release([a])                              # now the newest free block
     assert pool.allocate(1, False)[0] is b         # b was freed before a's second free
     assert HOT not in pool.cached and FRESH in pool.cached
+    pool.check_integrity()
+
+
+def test_lfu_keeps_its_order_and_its_bound_through_compactions():
+    """Prefix hits on free cached blocks, round after round (a hit takes the block off its
+    queue, its release queues it again): each leaves a stale heap entry behind. LFU compacts
+    its heap again and again, keeping it within 4 x free + 64 entries, and still evicts by
+    (uses, latest free)."""
+    rng = random.Random(5)
+    policy = LFUPolicy()
+    pool = BlockPool(64, policy=policy)
+    blocks = pool.allocate(pool.num_free(False), False)
+    for i, block in enumerate(blocks):
+        pool.cache_block(block, BlockHash(i.to_bytes(16, "little")))
+    freed = itertools.count()
+    last_free = {}
+    for block in blocks:
+        last_free[block.block_id] = next(freed)
+    pool.release(blocks)
+    for _ in range(300):
+        hits = rng.sample(blocks, 3)
+        pool.touch(hits)
+        pool.release(hits)
+        for block in hits:
+            last_free[block.block_id] = next(freed)
+        assert max(len(h) for h in policy._heaps.values()) <= 4 * len(blocks) + 64
+    order = sorted(blocks, key=lambda b: (b.uses, last_free[b.block_id]))
+    assert [b.block_id for b in pool.allocate(len(blocks), False)] == [b.block_id for b in order]
     pool.check_integrity()
 
 
