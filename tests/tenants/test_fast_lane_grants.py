@@ -12,18 +12,27 @@ from tests.tenants.fast_lane_harness import Cluster, assert_books_balance, finis
 WIDE = dict(requests_per_minute=1200, tokens_per_minute=200_000, max_concurrent_requests=64)
 
 
+def _one_gateway(**limits):
+    """A cluster, its one gateway and premium tenant acme (``WIDE`` limits unless given)."""
+    cluster = Cluster()
+    return cluster, cluster.gateway(), cluster.principal("acme", **(limits or WIDE))
+
+
+async def _served(gw, principal, n: int) -> None:
+    """``n`` requests (10 + 10 tokens) admitted and finished in one period, then a sync."""
+    for i in range(n):
+        await finish(gw, principal, f"w{i}", await request(gw, principal, f"w{i}"), 20)
+    await gw.lane.sync()
+
+
 def test_a_burst_grows_the_next_grant_to_cover_it():
     """20 arrivals in one period: the next grant is sized HEADROOM x 20 (within half of what
     the limits have left), so a second burst of 20 running at once is admitted here, not just
     the minimum grant's 8."""
-    cluster = Cluster()
-    gw = cluster.gateway()
-    acme = cluster.principal("acme", **WIDE)
+    cluster, gw, acme = _one_gateway()
 
     async def scenario():
-        for i in range(20):
-            await finish(gw, acme, f"a{i}", await request(gw, acme, f"a{i}"), 20)
-        await gw.lane.sync()
+        await _served(gw, acme, 20)
         second = [await request(gw, acme, f"b{i}") for i in range(20)]
         assert all(isinstance(t, LocalTicket) for t in second), second
         assert_books_balance(cluster, [gw])
@@ -35,13 +44,11 @@ def test_a_burst_grows_the_next_grant_to_cover_it():
 def test_an_unused_grant_stays_at_its_target():
     """One arrival, then quiet syncs (fewer than QUIET_SYNCS): each sync tops the grant up to
     its target, never past it, so an idle gateway does not pile up a tenant's limit."""
-    cluster = Cluster()
-    gw = cluster.gateway()
-    acme = cluster.principal("acme", **WIDE)
+    cluster, gw, acme = _one_gateway()
 
     async def scenario():
-        await finish(gw, acme, "r0", await request(gw, acme, "r0", 10, 10), 20)
-        for _ in range(5):
+        await _served(gw, acme, 1)
+        for _ in range(4):
             await gw.lane.sync()
             grant = cluster.controller._grants[gw.lane.holder]["acme"]
             assert (grant.requests, grant.tokens, grant.slots) == (MIN_TARGET, MIN_TARGET * 20, MIN_TARGET)
@@ -55,13 +62,10 @@ def test_a_long_request_keeps_its_place_through_a_quiet_spell():
     """A request admitted here runs longer than QUIET_SYNCS periods with no other arrival:
     its class's grant is not forgotten under it (the class queue still counts its place), and
     once it ends the place goes back."""
-    cluster = Cluster()
-    gw = cluster.gateway()
-    acme = cluster.principal("acme", **WIDE)
+    cluster, gw, acme = _one_gateway()
 
     async def scenario():
-        await finish(gw, acme, "r0", await request(gw, acme, "r0"), 20)
-        await gw.lane.sync()
+        await _served(gw, acme, 1)
         long = await request(gw, acme, "long")
         assert isinstance(long, LocalTicket)
         for _ in range(QUIET_SYNCS + 2):
@@ -83,13 +87,10 @@ def test_a_grants_last_unit_of_each_kind_is_used_here():
     """After one sync the grant holds MIN_TARGET requests, slots and request-sized token
     units: that many requests running at once are all admitted here, the last one taking the
     last unit of each (the next goes to the actor)."""
-    cluster = Cluster()
-    gw = cluster.gateway()
-    acme = cluster.principal("acme", **WIDE)
+    cluster, gw, acme = _one_gateway()
 
     async def scenario():
-        await finish(gw, acme, "r0", await request(gw, acme, "r0", 10, 10), 20)
-        await gw.lane.sync()
+        await _served(gw, acme, 1)
         running = [await request(gw, acme, f"r{i}", 10, 10) for i in range(1, MIN_TARGET + 1)]
         assert all(isinstance(t, LocalTicket) for t in running), running
         a = gw.lane.tenants["acme"]
@@ -102,14 +103,10 @@ def test_a_grants_last_unit_of_each_kind_is_used_here():
 def test_a_reload_gives_back_every_free_unit_of_the_old_limits():
     """All three limits lowered: the old grant's free requests, tokens and slots go back at
     the next sync, and the books balance after it."""
-    cluster = Cluster()
-    gw = cluster.gateway()
-    wide = cluster.principal("acme", **WIDE)
+    cluster, gw, wide = _one_gateway()
 
     async def scenario():
-        for i in range(4):
-            await finish(gw, wide, f"r{i}", await request(gw, wide, f"r{i}"), 20)
-        await gw.lane.sync()
+        await _served(gw, wide, 4)
         assert_books_balance(cluster, [gw])
         cluster.registry.version += 1
         narrow = cluster.principal("acme", requests_per_minute=600, tokens_per_minute=100_000,
@@ -125,14 +122,10 @@ def test_a_reload_gives_back_every_free_unit_of_the_old_limits():
 def test_a_reload_that_adds_a_token_limit_is_kept_by_local_admissions():
     """A tenant limited only in concurrency gets a tokens_per_minute limit: the grants after
     the reload carry tokens, so the fast lane stops where the new limit does."""
-    cluster = Cluster()
-    gw = cluster.gateway()
-    acme = cluster.principal("acme", max_concurrent_requests=64)
+    cluster, gw, acme = _one_gateway(max_concurrent_requests=64)
 
     async def scenario():
-        for i in range(4):
-            await finish(gw, acme, f"r{i}", await request(gw, acme, f"r{i}"), 20)
-        await gw.lane.sync()
+        await _served(gw, acme, 4)
         cluster.registry.version += 1
         metered = cluster.principal("acme", max_concurrent_requests=64, tokens_per_minute=200)
         admitted = 0
@@ -150,13 +143,10 @@ def test_a_reload_that_adds_a_token_limit_is_kept_by_local_admissions():
 def test_after_the_actor_forgot_the_grant_the_fast_lane_comes_back():
     """The admission actor restarts: the gateway voids its free units, then asks for a new
     grant as a newcomer, and premium requests are admitted here again."""
-    cluster = Cluster()
-    gw = cluster.gateway()
-    acme = cluster.principal("acme", **WIDE)
+    cluster, gw, acme = _one_gateway()
 
     async def scenario():
-        await finish(gw, acme, "r0", await request(gw, acme, "r0"), 20)
-        await gw.lane.sync()
+        await _served(gw, acme, 1)
         assert isinstance(await request(gw, acme, "r1"), LocalTicket)
         cluster.controller = AdmissionController(clock=cluster.clock, lease_s=10,
                                                  lease_clock=cluster.lease_clock)
