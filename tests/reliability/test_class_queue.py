@@ -130,3 +130,15 @@ def test_a_grant_of_places_leaves_room_for_the_classes_above():
     assert [q.enter("critical", priorities, 10) for _ in range(8)] == [None] * 8
     assert q.sync_places("gw-a", priorities, [("premium", 10, 0, 4, False, 0)], seq=1) == \
         [("premium", 1, True, False)]
+
+
+def test_a_sync_sent_again_after_the_gateways_lease_ran_out_is_answered_afresh():
+    """Gateway A's answer was lost and it could not reach the queue for longer than its lease:
+    its grant was given back meanwhile. Its resend (same seq) is settled again, so the places
+    the answer tells it it holds are counted, not a stored answer's places that nobody counts."""
+    q = ClassQueue(leases=LeaseTable(10), holders=LeaseTable(10))
+    report = [("premium", 10, 0, 4, False, 0)]
+    assert q.sync_places("gw-a", PRIORITIES, report, seq=1, now=0.0) == [("premium", 4, True, False)]
+    assert q.expire(now=11.0) == 1 and q.snapshot() == {"premium": 0}
+    again = q.sync_places("gw-a", PRIORITIES, report, seq=1, now=11.0)
+    assert again == [("premium", 4, True, False)] and q.snapshot() == {"premium": 4}

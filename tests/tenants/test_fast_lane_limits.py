@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from kvharbor.platform.error_body import APIError
 from kvharbor.platform.fast_lane import QUIET_SYNCS, LocalTicket
-from tests.tenants.fast_lane_harness import Cluster, assert_books_balance, finish, request, run
+from tests.tenants.fast_lane_harness import Clock, Cluster, assert_books_balance, finish, request, run
 
 # ---- limits hold exactly across gateways, whatever the interleaving ---------------------------
 LIMITS = dict(requests_per_minute=30, tokens_per_minute=900, max_concurrent_requests=5,
@@ -295,6 +295,22 @@ def test_a_gateway_whose_grant_the_controller_lost_is_told_to_start_over():
     answer = ctl.sync_grants("g1", [GrantReport("acme", lim, want_tokens=50, held=True)], seq=7)
     assert (answer[0].known, answer[0].tokens) == (False, 0)
     assert ctl.usage("acme")["tokens_available"] == 100
+
+
+def test_a_sync_sent_again_after_the_gateways_lease_ran_out_is_answered_afresh():
+    """The gateway's answer was lost and it could not reach the controller for longer than its
+    lease: its grant was dropped meanwhile. Its resend (same seq) is settled again, so the
+    slots the answer tells it it holds are counted, not a stored answer's that nobody counts."""
+    from kvharbor.tenants.limits import AdmissionController, GrantReport, TenantLimits
+
+    lease_clock = Clock()
+    ctl = AdmissionController(clock=lambda: 1000.0, lease_s=10, lease_clock=lease_clock)
+    report = [GrantReport("acme", TenantLimits(max_concurrent_requests=8), want_slots=4)]
+    assert ctl.sync_grants("g1", report, seq=1)[0].slots == 4
+    lease_clock.t += 11
+    assert ctl.usage("acme")["in_flight"] == 0                         # the grant expired
+    again = ctl.sync_grants("g1", report, seq=1)
+    assert again[0].known and ctl._tenants["acme"].in_flight == again[0].slots == 4
 
 
 def test_usage_names_the_utc_day_and_a_request_without_max_tokens_reserves_the_tenants_cap():
