@@ -60,6 +60,7 @@ def test_a_refusal_recalls_idle_places_only_when_they_would_have_admitted_it():
         [("premium", 4, True, False)]
     assert [q.enter("premium", PRIORITIES, 10) for _ in range(7)] == [None] * 6 + [10]
     assert q.enter_or_recall("premium", PRIORITIES, 5) == (10, False)      # 6 in flight > 5
+    assert q.enter_or_recall("premium", PRIORITIES, 6) == (10, False)      # 6 in flight: full
     assert not q.recall
     assert q.enter_or_recall("premium", PRIORITIES, 10) == (10, True)      # 6 < 10 without them
     assert q.recall == {("gw-a", "premium")}
