@@ -46,6 +46,8 @@ SLOW_FOR_S = 600.0
 _OVERDUE: dict[str, int] = {}
 """Per tenant, its parses still running after their limit: while it has one, its structured
 requests are refused (429), so one tenant's slow specs hold one parsing thread at a time."""
+_parser_imported = False
+"""Whether ``_import_parser`` ran: later requests skip the thread hop to import it."""
 _STATE_LOCK = threading.Lock()
 """Guards ``_SLOW`` and ``_OVERDUE``: an overrun parse ends in its parsing thread."""
 
@@ -132,7 +134,8 @@ async def parse_problem(body, tenant: str = "") -> tuple[int, str, str] | None:
     if _OVERDUE.get(tenant):
         return 429, field, ("a structured-output spec of this tenant is still being parsed after its "
                             f"{PARSE_TIMEOUT_S:g} s limit: retry once it ends (send simpler specs)")
-    await asyncio.to_thread(_import_parser)        # seconds the first time: not the spec's time
+    if not _parser_imported:                       # seconds, once: not the spec's time
+        await asyncio.to_thread(_import_parser)
     cpu: list[float] = []
     job = _PARSERS.submit(_parse, params, cpu)
     try:
@@ -153,7 +156,10 @@ async def parse_problem(body, tenant: str = "") -> tuple[int, str, str] | None:
 
 
 def _import_parser() -> None:
-    importlib.import_module("xgrammar")    # imports torch: only once a structured request comes
+    """xgrammar's import (it imports torch: only once a structured request comes)."""
+    global _parser_imported
+    importlib.import_module("xgrammar")
+    _parser_imported = True
 
 
 def _parse(params: StructuredOutputsParams, cpu: list[float]) -> None:

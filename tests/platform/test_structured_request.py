@@ -203,6 +203,7 @@ def test_the_parsers_first_import_does_not_count_against_the_limit(monkeypatch):
     """xgrammar's import takes seconds the first time (more on a loaded machine): it runs
     before the clock starts, so the first json_object request is not refused as too slow."""
     monkeypatch.setattr(structured_request, "PARSE_TIMEOUT_S", 0.1)
+    monkeypatch.setattr(structured_request, "_parser_imported", False)
     monkeypatch.setattr(structured_request, "_import_parser", lambda: time.sleep(0.3))
     body = CompletionRequest(model="m", prompt="x", response_format={"type": "json_object"})
     assert asyncio.run(structured_request.parse_problem(body, "acme")) is None
