@@ -84,10 +84,8 @@ def test_lfu_keeps_its_order_and_its_bound_through_compactions():
     blocks = pool.allocate(pool.num_free(False), False)
     for i, block in enumerate(blocks):
         pool.cache_block(block, BlockHash(i.to_bytes(16, "little")))
-    freed = itertools.count()
-    last_free = {}
-    for block in blocks:
-        last_free[block.block_id] = next(freed)
+    last_free = {block.block_id: i for i, block in enumerate(blocks)}
+    freed = itertools.count(len(blocks))
     pool.release(blocks)
     for _ in range(300):
         hits = rng.sample(blocks, 3)

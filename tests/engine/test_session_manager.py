@@ -8,18 +8,11 @@ import pytest
 from kvharbor.engine.block_pool import BlockPool
 from kvharbor.engine.request import Request, SamplingParams
 from kvharbor.engine.sessions import SessionLimits, SessionManager
+from tests.engine.test_sessions import FakeClock
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def _manager(limits: SessionLimits | None = None) -> tuple[SessionManager, Clock]:
-    clock = Clock()
+def _manager(limits: SessionLimits | None = None) -> tuple[SessionManager, FakeClock]:
+    clock = FakeClock()
     return SessionManager(BlockPool(8), 16, limits, clock=clock), clock
 
 
@@ -32,10 +25,11 @@ def _turn(sessions: SessionManager, session_id: str, tenant: str = "acme") -> No
 
 def test_a_session_expires_when_its_ttl_has_passed_not_before():
     sessions, clock = _manager(SessionLimits(ttl_s=10.0))
+    t0 = clock.now
     _turn(sessions, "s")
-    clock.now = 9.99
+    clock.now = t0 + 9.99
     assert sessions.expire(force=True) == 0
-    clock.now = 10.0
+    clock.now = t0 + 10.0
     assert sessions.expire(force=True) == 1 and sessions.describe("acme", "s") is None
     sessions.check_integrity()
 
@@ -44,14 +38,15 @@ def test_expiry_looks_at_most_every_quarter_second():
     """``expire`` runs at every engine step: it scans the idle sessions only when 0.25 s have
     passed since its last scan (``force`` scans now)."""
     sessions, clock = _manager(SessionLimits(ttl_s=0.1))
-    assert sessions.expire() == 0                 # scans at 0: nothing to expire; next at 0.25
+    t0 = clock.now
+    assert sessions.expire() == 0                 # scans at t0: nothing to expire; next at t0 + 0.25
     _turn(sessions, "s")
-    clock.now = 0.2                               # past the ttl, but within the quarter second
+    clock.now = t0 + 0.2                          # past the ttl, but within the quarter second
     assert sessions.expire() == 0 and sessions.describe("acme", "s") is not None
-    clock.now = 0.25
+    clock.now = t0 + 0.25
     assert sessions.expire() == 1
     _turn(sessions, "t")
-    clock.now = 0.4
+    clock.now = t0 + 0.4
     assert sessions.expire() == 0 and sessions.expire(force=True) == 1
 
 
