@@ -64,6 +64,14 @@ def test_parse_errors_name_the_field_the_client_sent():
     assert asyncio.run(structured_request.parse_problem(good)) is None
 
 
+async def _until_parsed(deadline_s: float = 10.0) -> None:
+    """Wait (in the loop) until no overrun parse is running."""
+    deadline = time.perf_counter() + deadline_s
+    while structured_request._OVERDUE and time.perf_counter() < deadline:
+        await asyncio.sleep(0.05)
+    assert not structured_request._OVERDUE, "the overrun parse did not end"
+
+
 def test_a_tenant_whose_parse_overran_waits_for_it_others_do_not(monkeypatch):
     """One tenant's slow specs hold one parsing thread at a time: until its overrun parse ends,
     its structured requests are 429s; another tenant's parse as usual."""
@@ -74,9 +82,7 @@ def test_a_tenant_whose_parse_overran_waits_for_it_others_do_not(monkeypatch):
     async def run():
         first = await structured_request.parse_problem(slow, "acme")
         during = [await structured_request.parse_problem(fast, t) for t in ("acme", "globex")]
-        deadline = time.perf_counter() + 10
-        while structured_request._OVERDUE and time.perf_counter() < deadline:
-            await asyncio.sleep(0.05)                       # the overrun parse ends (~0.7 s)
+        await _until_parsed()                               # the overrun parse ends (~0.7 s)
         return first, during, await structured_request.parse_problem(fast, "acme")
     first, (acme, globex), after = asyncio.run(run())
     assert first[0] == 400 and acme[0] == 429 and "still being parsed" in acme[2]
@@ -145,16 +151,6 @@ def test_a_tenant_with_two_overrun_parses_waits_for_both():
     assert structured_request._OVERDUE == {"acme": 1}
     structured_request._overrun_ended("acme", ("regex", "b"), [9.0])
     assert structured_request._OVERDUE == {}
-
-
-def _until_parsed(deadline_s: float = 10.0):
-    """Wait (in the loop) until no overrun parse is running."""
-    async def wait():
-        deadline = time.perf_counter() + deadline_s
-        while structured_request._OVERDUE and time.perf_counter() < deadline:
-            await asyncio.sleep(0.05)
-        assert not structured_request._OVERDUE, "the overrun parse did not end"
-    return wait()
 
 
 def test_a_parse_the_machine_stalled_is_forgotten_a_slow_spec_is_not(monkeypatch):
