@@ -70,6 +70,12 @@ def test_check_integrity_catches_each_broken_invariant(how, says):
         _corrupt(how).check_integrity()
 
 
+@pytest.mark.parametrize("slots", [0, -1])
+def test_a_host_tier_of_no_slots_is_refused_naming_the_setting(slots):
+    with pytest.raises(ValueError, match="host_kv_blocks must be positive"):
+        _pool(slots)
+
+
 def test_locked_and_owned_slots_are_never_reused():
     host = _pool(3)
     slots = [host.reserve(_h(i)) for i in range(3)]
@@ -77,6 +83,7 @@ def test_locked_and_owned_slots_are_never_reused():
     owned = host.take_owned(2)                    # drops h1, h2; h0 is locked
     assert owned is not None and host.lookup(_h(0)) == slots[0]
     assert host.take_owned(1) is None and host.reserve(_h(9)) is None
+    host.check_integrity()                        # owned slots are counted, not lost
     host.unlock(slots[0])
     host.release_owned(owned)
     assert host.num_available() == 3
