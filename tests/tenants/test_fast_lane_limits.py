@@ -313,6 +313,85 @@ def test_a_sync_sent_again_after_the_gateways_lease_ran_out_is_answered_afresh()
     assert again[0].known and ctl._tenants["acme"].in_flight == again[0].slots == 4
 
 
+@pytest.mark.parametrize("recalled", [False, True], ids=["quiet", "recalled"])
+@pytest.mark.parametrize("want", [(10, 0, 0), (10, 10, 0), (3, 3, 3)])
+def test_a_grant_of_any_mix_of_units_is_kept_until_given_back(want, recalled):
+    """Whatever a grant holds (requests only; as many tokens as requests; one of each kind
+    alike), the controller keeps it, also through a sync that answers a recall while all of it
+    is still in use: the gateway's next syncs are known, and what it gives back restores the
+    limits in full."""
+    from kvharbor.tenants.limits import AdmissionController, GrantReport, TenantLimits
+
+    lim = TenantLimits(requests_per_minute=30, tokens_per_minute=600, max_concurrent_requests=8)
+    ctl = AdmissionController(clock=lambda: 1000.0)
+    wants = dict(zip(("want_requests", "want_tokens", "want_slots"), want))
+    got = ctl.sync_grants("g1", [GrantReport("acme", lim, **wants)], seq=1)[0]
+    assert (got.requests, got.tokens, got.slots) == want
+    if recalled:                           # the bucket runs dry while g1 sits on its units
+        for _ in range(30 - want[0]):
+            ctl.release(ctl.try_admit("acme", lim, 1, 0).ticket)
+        assert ctl.try_admit("acme", lim, 1, 0).recalled
+    kept = ctl.sync_grants("g1", [GrantReport("acme", lim, held=True)], seq=2)[0]
+    assert kept.known and kept.recall == recalled
+    back = dict(zip(("back_requests", "back_tokens", "back_slots"), want))
+    assert ctl.sync_grants("g1", [GrantReport("acme", lim, held=True, **back)], seq=3)[0].known
+    usage = ctl.usage("acme", now=1060.0)                             # a minute: buckets full
+    assert (usage["requests_available"], usage["tokens_available"], usage["in_flight"]) == (30, 600, 0)
+
+
+def test_tokens_a_grant_still_holds_at_utc_midnight_count_against_the_new_day():
+    from kvharbor.tenants.limits import AdmissionController, GrantReport, TenantLimits
+
+    lim = TenantLimits(daily_token_budget=1000)
+    ctl = AdmissionController()
+    day = 1_796_515_200.0                                           # 2026-12-06 00:00 UTC
+    got = ctl.sync_grants("g1", [GrantReport("acme", lim, want_tokens=200)], now=day + 3600)
+    assert got[0].tokens == 200 and ctl.usage("acme", now=day + 3600)["tokens_today"] == 200
+    ctl.sync_grants("g1", [GrantReport("acme", lim, held=True)], now=day + 86_400 + 60)
+    assert ctl.usage("acme", now=day + 86_400 + 60)["tokens_today"] == 200
+
+
+def test_a_sync_sweeps_a_dead_gateways_grant_before_it_shares_out():
+    """g1 died holding half the slots; once its lease ran out, g2's sync counts them free."""
+    from kvharbor.tenants.limits import AdmissionController, GrantReport, TenantLimits
+
+    lim = TenantLimits(max_concurrent_requests=8)
+    lease_clock = Clock()
+    ctl = AdmissionController(clock=lambda: 1000.0, lease_s=10, lease_clock=lease_clock)
+    assert ctl.sync_grants("g1", [GrantReport("acme", lim, want_slots=4)])[0].slots == 4
+    lease_clock.t += 11
+    assert ctl.sync_grants("g2", [GrantReport("acme", lim, want_slots=4)])[0].slots == 4
+
+
+def test_a_refusal_by_the_daily_budget_recalls_idle_tokens_only_when_they_would_admit_it():
+    from kvharbor.tenants.limits import AdmissionController, GrantReport, TenantLimits
+
+    lim = TenantLimits(daily_token_budget=1000)
+    ctl = AdmissionController(clock=lambda: 1000.0)
+    assert ctl.sync_grants("g1", [GrantReport("acme", lim, want_tokens=200)])[0].tokens == 200
+    assert ctl.try_admit("acme", lim, 700, 0).ok                    # 900 of 1000 charged today
+    too_much = ctl.try_admit("acme", lim, 400, 0)                   # 700 + 400 > 1000 even so
+    assert too_much.limit == "daily_token_budget" and not too_much.recalled
+    fits_then = ctl.try_admit("acme", lim, 250, 0)                  # 700 + 250 <= 1000
+    assert fits_then.limit == "daily_token_budget" and fits_then.recalled
+
+
+def test_a_dead_gateways_grant_gives_the_tenant_its_whole_rate_back():
+    """A gateway died holding request and token units: once its lease runs out the buckets
+    refill to their full capacity again, not to capacity less what the dead grant held."""
+    from kvharbor.tenants.limits import AdmissionController, GrantReport, TenantLimits
+
+    lim = TenantLimits(requests_per_minute=30, tokens_per_minute=600)
+    lease_clock = Clock()
+    ctl = AdmissionController(clock=lambda: 1000.0, lease_s=10, lease_clock=lease_clock)
+    got = ctl.sync_grants("g1", [GrantReport("acme", lim, want_requests=10, want_tokens=200)])
+    assert (got[0].requests, got[0].tokens) == (10, 200)
+    lease_clock.t += 11
+    usage = ctl.usage("acme", now=1060.0)                             # a minute: buckets full
+    assert (usage["requests_available"], usage["tokens_available"]) == (30, 600)
+    assert ctl.expired_total == 1
+
+
 def test_usage_names_the_utc_day_and_a_request_without_max_tokens_reserves_the_tenants_cap():
     from kvharbor.tenants.limits import AdmissionController, TenantLimits
 
@@ -361,3 +440,14 @@ def test_a_recall_calls_back_only_the_gateways_that_sat_on_idle_units():
     g1 = ctl.sync_grants("g1", [GrantReport("acme", lim, back_tokens=100, held=True)], seq=2)
     g2 = ctl.sync_grants("g2", [GrantReport("acme", lim, held=True)], seq=3)
     assert g1[0].recall and not g2[0].recall
+
+
+def test_a_refusal_recalls_a_grants_last_idle_request():
+    from kvharbor.tenants.limits import AdmissionController, GrantReport, TenantLimits
+
+    lim = TenantLimits(requests_per_minute=2)
+    ctl = AdmissionController(clock=lambda: 1000.0)
+    assert ctl.sync_grants("g1", [GrantReport("acme", lim, want_requests=1)])[0].requests == 1
+    assert ctl.try_admit("acme", lim, 1, 1).ok                      # the bucket's last unit
+    refused = ctl.try_admit("acme", lim, 1, 1)
+    assert refused.limit == "requests_per_minute" and refused.recalled

@@ -182,6 +182,49 @@ def test_tenants_are_independent(adm):
     assert set(run(client.usage_all(now=T0))) >= {tenant, tenant + "-other"}
 
 
+def test_usage_counts_each_refusal_under_the_limit_that_refused_it(adm):
+    client, tenant = adm
+    lim = TenantLimits(requests_per_minute=1, max_tokens_per_request=10)
+    assert run(client.try_admit(tenant, lim, 1, 1, now=T0)).ok
+    for _ in range(2):
+        assert run(client.try_admit(tenant, lim, 1, 1, now=T0)).limit == "requests_per_minute"
+    assert run(client.try_admit(tenant, lim, 1, 11, now=T0)).limit == "max_tokens_per_request"
+    usage = run(client.usage(tenant, now=T0))
+    assert usage["rejected"] == {"requests_per_minute": 2, "max_tokens_per_request": 1}
+    assert usage["admitted_total"] == 1
+
+
+def test_usage_shows_the_buckets_refilled_to_the_time_asked(adm):
+    client, tenant = adm
+    lim = TenantLimits(requests_per_minute=3, daily_token_budget=100)
+    for _ in range(3):
+        assert run(client.try_admit(tenant, lim, 10, 10, now=T0)).ok
+    assert run(client.usage(tenant, now=T0 + 40))["requests_available"] == pytest.approx(2.0)
+    assert run(client.usage(tenant, now=T0 + 57_600))["tokens_today"] == 0   # a new UTC day
+
+
+def test_usage_after_a_reload_shows_the_new_limits_and_caps_refunds_at_them(adm):
+    client, tenant = adm
+    big = run(client.try_admit(tenant, TenantLimits(tokens_per_minute=1000), 200, 300, now=T0))
+    assert big.ok                                                       # 500 of 1000 left
+    smaller = TenantLimits(tokens_per_minute=400)
+    assert run(client.try_admit(tenant, smaller, 50, 50, now=T0)).ok     # 400 - 100 left
+    run(client.release(big.ticket, tokens_used=0, now=T0))              # 500 back: capped at 400
+    usage = run(client.usage(tenant, now=T0))
+    assert usage["limits"]["tokens_per_minute"] == 400
+    assert usage["tokens_available"] == 400
+
+
+def test_renew_names_the_tickets_that_are_no_longer_held(adm):
+    """The gateway's lease keeper renews its tickets and forgets those the controller no
+    longer holds (released, or expired while the gateway could not reach it)."""
+    client, tenant = adm
+    ticket = run(client.try_admit(tenant, TenantLimits(), 1, 1, now=T0)).ticket
+    assert run(client.renew([ticket.ticket_id, "never-issued"])) == ["never-issued"]
+    run(client.release(ticket, now=T0))
+    assert run(client.renew([ticket.ticket_id])) == [ticket.ticket_id]
+
+
 def test_actor_shares_limits_between_gateway_replicas(actor_admission):
     """Two caller actors (stand-ins for gateway replicas) admit against one named actor."""
     import ray
