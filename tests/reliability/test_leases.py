@@ -140,6 +140,38 @@ def test_an_unrenewed_admission_ticket_gives_its_slot_back():
     assert ctl.release(dead, 0) is False and ctl.usage("t")["in_flight"] == 1   # not twice
     assert ctl.try_admit("t", lim, 5, 5).ok
     assert ctl.release(alive, 10) is True and ctl.usage("t")["in_flight"] == 1
+    assert ctl.renew([alive.ticket_id]) == [alive.ticket_id]           # released: no lease left
+
+
+def test_an_admission_is_what_finds_a_dead_tickets_slot_free():
+    from kvharbor.tenants.limits import AdmissionController
+    from kvharbor.tenants.schema import TenantLimits
+
+    clock = FakeClock()
+    ctl = AdmissionController(lease_s=10, lease_clock=clock)
+    lim = TenantLimits(max_concurrent_requests=1)
+    assert ctl.try_admit("t", lim, 1, 1).ok and not ctl.try_admit("t", lim, 1, 1).ok
+    clock.t += 11                                                      # its holder died
+    assert ctl.try_admit("t", lim, 1, 1).ok
+
+
+def test_a_renewal_is_what_finds_another_tickets_lease_ran_out():
+    """The first call after a ticket's lease ran out may be another ticket's renewal: it
+    releases the dead one (its tokens charged in full) and renews the live one."""
+    from kvharbor.tenants.limits import AdmissionController
+    from kvharbor.tenants.schema import TenantLimits
+
+    clock = FakeClock()
+    ctl = AdmissionController(clock=lambda: 5000.0, lease_s=10, lease_clock=clock)
+    lim = TenantLimits(tokens_per_minute=100, max_concurrent_requests=2)
+    alive, dead = ctl.try_admit("t", lim, 10, 10).ticket, ctl.try_admit("t", lim, 10, 10).ticket
+    clock.t += 6
+    assert ctl.renew([alive.ticket_id]) == []
+    clock.t += 5                                                       # dead: 11 s unrenewed
+    assert ctl.renew([alive.ticket_id]) == [] and ctl.expired_total == 1
+    assert ctl.release(dead) is False                                  # released already
+    usage = ctl.usage("t")
+    assert usage["in_flight"] == 1 and usage["tokens_available"] == 60  # 2 x 20 still charged
 
 
 def test_an_unrenewed_class_queue_place_is_given_back():

@@ -333,6 +333,8 @@ def test_a_grant_of_any_mix_of_units_is_kept_until_given_back(want, recalled):
         assert ctl.try_admit("acme", lim, 1, 0).recalled
     kept = ctl.sync_grants("g1", [GrantReport("acme", lim, held=True)], seq=2)[0]
     assert kept.known and kept.recall == recalled
+    if recalled:                           # all of it in use now: nothing idle to call back
+        assert not ctl.try_admit("acme", lim, 1, 0).recalled
     back = dict(zip(("back_requests", "back_tokens", "back_slots"), want))
     assert ctl.sync_grants("g1", [GrantReport("acme", lim, held=True, **back)], seq=3)[0].known
     usage = ctl.usage("acme", now=1060.0)                             # a minute: buckets full
@@ -347,8 +349,18 @@ def test_tokens_a_grant_still_holds_at_utc_midnight_count_against_the_new_day():
     day = 1_796_515_200.0                                           # 2026-12-06 00:00 UTC
     got = ctl.sync_grants("g1", [GrantReport("acme", lim, want_tokens=200)], now=day + 3600)
     assert got[0].tokens == 200 and ctl.usage("acme", now=day + 3600)["tokens_today"] == 200
-    ctl.sync_grants("g1", [GrantReport("acme", lim, held=True)], now=day + 86_400 + 60)
-    assert ctl.usage("acme", now=day + 86_400 + 60)["tokens_today"] == 200
+    for later in (60, 120):                                         # charged once, not per sync
+        ctl.sync_grants("g1", [GrantReport("acme", lim, held=True)], now=day + 86_400 + later)
+        assert ctl.usage("acme", now=day + 86_400 + later)["tokens_today"] == 200
+
+
+def test_a_token_grant_takes_at_most_half_of_what_the_daily_budget_has_left():
+    from kvharbor.tenants.limits import AdmissionController, GrantReport, TenantLimits
+
+    lim = TenantLimits(daily_token_budget=1000)
+    ctl = AdmissionController(clock=lambda: 1000.0)
+    assert ctl.try_admit("acme", lim, 900, 0).ok
+    assert ctl.sync_grants("g1", [GrantReport("acme", lim, want_tokens=200)])[0].tokens == 50
 
 
 def test_a_sync_sweeps_a_dead_gateways_grant_before_it_shares_out():
@@ -372,7 +384,7 @@ def test_a_refusal_by_the_daily_budget_recalls_idle_tokens_only_when_they_would_
     assert ctl.try_admit("acme", lim, 700, 0).ok                    # 900 of 1000 charged today
     too_much = ctl.try_admit("acme", lim, 400, 0)                   # 700 + 400 > 1000 even so
     assert too_much.limit == "daily_token_budget" and not too_much.recalled
-    fits_then = ctl.try_admit("acme", lim, 250, 0)                  # 700 + 250 <= 1000
+    fits_then = ctl.try_admit("acme", lim, 300, 0)                  # 700 + 300 == 1000: fits
     assert fits_then.limit == "daily_token_budget" and fits_then.recalled
 
 

@@ -194,6 +194,25 @@ def test_usage_counts_each_refusal_under_the_limit_that_refused_it(adm):
     assert usage["admitted_total"] == 1
 
 
+def test_admissions_and_429s_carry_what_the_buckets_hold_and_a_400_does_not(adm):
+    """``rates`` feed the x-ratelimit headers: units left and seconds until full."""
+    client, tenant = adm
+    lim = TenantLimits(requests_per_minute=120, max_tokens_per_request=10)
+    first = run(client.try_admit(tenant, lim, 1, 1, now=T0))
+    assert first.rates["requests"] == (119, pytest.approx(0.5))
+    for _ in range(119):
+        run(client.try_admit(tenant, lim, 1, 1, now=T0))
+    refused = run(client.try_admit(tenant, lim, 1, 1, now=T0))
+    assert refused.status == 429 and refused.rates["requests"] == (0, pytest.approx(60.0))
+    assert refused.reason.endswith("retry in 500 ms")                   # waits under 1 s in ms
+    per_second = TenantLimits(requests_per_minute=60)
+    for _ in range(60):
+        run(client.try_admit(tenant + "-b", per_second, 1, 1, now=T0))
+    one_s = run(client.try_admit(tenant + "-b", per_second, 1, 1, now=T0))
+    assert one_s.reason.endswith("retry in 1.0 s")
+    assert run(client.try_admit(tenant, lim, 1, 11, now=T0)).rates is None
+
+
 def test_usage_shows_the_buckets_refilled_to_the_time_asked(adm):
     client, tenant = adm
     lim = TenantLimits(requests_per_minute=3, daily_token_budget=100)
