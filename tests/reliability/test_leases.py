@@ -6,6 +6,8 @@ import asyncio
 import gc
 
 from kvharbor.tenants.leases import LeaseKeeper, LeaseTable
+from kvharbor.tenants.limits import AdmissionController
+from kvharbor.tenants.schema import TenantLimits
 
 
 def test_a_lease_expires_only_without_renewal():
@@ -124,9 +126,6 @@ class FakeClock:
 
 
 def test_an_unrenewed_admission_ticket_gives_its_slot_back():
-    from kvharbor.tenants.limits import AdmissionController
-    from kvharbor.tenants.schema import TenantLimits
-
     clock = FakeClock()
     ctl = AdmissionController(lease_s=10, lease_clock=clock)
     lim = TenantLimits(max_concurrent_requests=2)
@@ -144,9 +143,6 @@ def test_an_unrenewed_admission_ticket_gives_its_slot_back():
 
 
 def test_an_admission_is_what_finds_a_dead_tickets_slot_free():
-    from kvharbor.tenants.limits import AdmissionController
-    from kvharbor.tenants.schema import TenantLimits
-
     clock = FakeClock()
     ctl = AdmissionController(lease_s=10, lease_clock=clock)
     lim = TenantLimits(max_concurrent_requests=1)
@@ -158,9 +154,6 @@ def test_an_admission_is_what_finds_a_dead_tickets_slot_free():
 def test_a_renewal_is_what_finds_another_tickets_lease_ran_out():
     """The first call after a ticket's lease ran out may be another ticket's renewal: it
     releases the dead one (its tokens charged in full) and renews the live one."""
-    from kvharbor.tenants.limits import AdmissionController
-    from kvharbor.tenants.schema import TenantLimits
-
     clock = FakeClock()
     ctl = AdmissionController(clock=lambda: 5000.0, lease_s=10, lease_clock=clock)
     lim = TenantLimits(tokens_per_minute=100, max_concurrent_requests=2)

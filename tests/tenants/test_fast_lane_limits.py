@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from kvharbor.platform.error_body import APIError
 from kvharbor.platform.fast_lane import QUIET_SYNCS, LocalTicket
+from kvharbor.tenants.limits import RECALL_HOLD_S, AdmissionController, GrantReport, TenantLimits
 from tests.tenants.fast_lane_harness import Clock, Cluster, assert_books_balance, finish, request, run
 
 # ---- limits hold exactly across gateways, whatever the interleaving ---------------------------
@@ -229,8 +230,6 @@ def test_units_a_recall_brought_back_wait_for_the_refused_request():
     """A refusal that recalls a gateway's idle grant holds that tenant's top-ups for
     RECALL_HOLD_S: the gateway's give-back and its next ask come in one sync round, and the
     ask must not take back half of what the refused request's retry needs."""
-    from kvharbor.tenants.limits import RECALL_HOLD_S, AdmissionController, GrantReport, TenantLimits
-
     clock = [1000.0]
     ctl = AdmissionController(clock=lambda: clock[0])
     lim = TenantLimits(tokens_per_minute=100)
@@ -253,8 +252,6 @@ def test_units_a_recall_brought_back_wait_for_the_refused_request():
 def test_a_limit_added_while_a_gateway_holds_tokens_counts_them_as_taken():
     """A tokens_per_minute limit added to a tenant (a tenants.yaml reload) while a gateway
     holds tokens granted when there was none: its bucket starts with those tokens taken."""
-    from kvharbor.tenants.limits import AdmissionController, GrantReport, TenantLimits
-
     ctl = AdmissionController(clock=lambda: 1000.0)
     held = ctl.sync_grants("g1", [GrantReport("acme", TenantLimits(), want_tokens=30)], seq=1)
     assert held[0].tokens == 30
@@ -268,8 +265,6 @@ def test_a_grant_kept_in_part_through_a_recall_is_still_known_and_comes_back_who
     """A gateway called back gives back its idle tokens but keeps its request units: the
     controller keeps that grant, so the gateway's next sync (held) is known, and once it gives
     the rest back the tenant's buckets are full again (no unit lost with a dropped grant)."""
-    from kvharbor.tenants.limits import AdmissionController, GrantReport, TenantLimits
-
     ctl = AdmissionController(clock=lambda: 1000.0)
     lim = TenantLimits(requests_per_minute=100, tokens_per_minute=1000)
     got = ctl.sync_grants("g1", [GrantReport("acme", lim, want_requests=10, want_tokens=100)], seq=1)
@@ -288,8 +283,6 @@ def test_a_gateway_whose_grant_the_controller_lost_is_told_to_start_over():
     """A gateway that holds a grant from before the controller restarted (or its lease ran
     out) is answered ``known=False`` and given nothing, so it voids what it holds instead of
     admitting from units no bucket counts as taken."""
-    from kvharbor.tenants.limits import AdmissionController, GrantReport, TenantLimits
-
     lim = TenantLimits(tokens_per_minute=100)
     ctl = AdmissionController(clock=lambda: 1000.0)                  # a fresh (restarted) one
     answer = ctl.sync_grants("g1", [GrantReport("acme", lim, want_tokens=50, held=True)], seq=7)
@@ -301,8 +294,6 @@ def test_a_sync_sent_again_after_the_gateways_lease_ran_out_is_answered_afresh()
     """The gateway's answer was lost and it could not reach the controller for longer than its
     lease: its grant was dropped meanwhile. Its resend (same seq) is settled again, so the
     slots the answer tells it it holds are counted, not a stored answer's that nobody counts."""
-    from kvharbor.tenants.limits import AdmissionController, GrantReport, TenantLimits
-
     lease_clock = Clock()
     ctl = AdmissionController(clock=lambda: 1000.0, lease_s=10, lease_clock=lease_clock)
     report = [GrantReport("acme", TenantLimits(max_concurrent_requests=8), want_slots=4)]
@@ -320,8 +311,6 @@ def test_a_grant_of_any_mix_of_units_is_kept_until_given_back(want, recalled):
     alike), the controller keeps it, also through a sync that answers a recall while all of it
     is still in use: the gateway's next syncs are known, and what it gives back restores the
     limits in full."""
-    from kvharbor.tenants.limits import AdmissionController, GrantReport, TenantLimits
-
     lim = TenantLimits(requests_per_minute=30, tokens_per_minute=600, max_concurrent_requests=8)
     ctl = AdmissionController(clock=lambda: 1000.0)
     wants = dict(zip(("want_requests", "want_tokens", "want_slots"), want))
@@ -342,8 +331,6 @@ def test_a_grant_of_any_mix_of_units_is_kept_until_given_back(want, recalled):
 
 
 def test_tokens_a_grant_still_holds_at_utc_midnight_count_against_the_new_day():
-    from kvharbor.tenants.limits import AdmissionController, GrantReport, TenantLimits
-
     lim = TenantLimits(daily_token_budget=1000)
     ctl = AdmissionController()
     day = 1_796_515_200.0                                           # 2026-12-06 00:00 UTC
@@ -355,8 +342,6 @@ def test_tokens_a_grant_still_holds_at_utc_midnight_count_against_the_new_day():
 
 
 def test_a_token_grant_takes_at_most_half_of_what_the_daily_budget_has_left():
-    from kvharbor.tenants.limits import AdmissionController, GrantReport, TenantLimits
-
     lim = TenantLimits(daily_token_budget=1000)
     ctl = AdmissionController(clock=lambda: 1000.0)
     assert ctl.try_admit("acme", lim, 900, 0).ok
@@ -365,8 +350,6 @@ def test_a_token_grant_takes_at_most_half_of_what_the_daily_budget_has_left():
 
 def test_a_sync_sweeps_a_dead_gateways_grant_before_it_shares_out():
     """g1 died holding half the slots; once its lease ran out, g2's sync counts them free."""
-    from kvharbor.tenants.limits import AdmissionController, GrantReport, TenantLimits
-
     lim = TenantLimits(max_concurrent_requests=8)
     lease_clock = Clock()
     ctl = AdmissionController(clock=lambda: 1000.0, lease_s=10, lease_clock=lease_clock)
@@ -376,8 +359,6 @@ def test_a_sync_sweeps_a_dead_gateways_grant_before_it_shares_out():
 
 
 def test_a_refusal_by_the_daily_budget_recalls_idle_tokens_only_when_they_would_admit_it():
-    from kvharbor.tenants.limits import AdmissionController, GrantReport, TenantLimits
-
     lim = TenantLimits(daily_token_budget=1000)
     ctl = AdmissionController(clock=lambda: 1000.0)
     assert ctl.sync_grants("g1", [GrantReport("acme", lim, want_tokens=200)])[0].tokens == 200
@@ -391,8 +372,6 @@ def test_a_refusal_by_the_daily_budget_recalls_idle_tokens_only_when_they_would_
 def test_a_dead_gateways_grant_gives_the_tenant_its_whole_rate_back():
     """A gateway died holding request and token units: once its lease runs out the buckets
     refill to their full capacity again, not to capacity less what the dead grant held."""
-    from kvharbor.tenants.limits import AdmissionController, GrantReport, TenantLimits
-
     lim = TenantLimits(requests_per_minute=30, tokens_per_minute=600)
     lease_clock = Clock()
     ctl = AdmissionController(clock=lambda: 1000.0, lease_s=10, lease_clock=lease_clock)
@@ -405,8 +384,6 @@ def test_a_dead_gateways_grant_gives_the_tenant_its_whole_rate_back():
 
 
 def test_usage_names_the_utc_day_and_a_request_without_max_tokens_reserves_the_tenants_cap():
-    from kvharbor.tenants.limits import AdmissionController, TenantLimits
-
     ctl = AdmissionController()
     noon = 1_796_515_200.0 + 12 * 3600                              # 2026-12-06 12:00 UTC
     capped = ctl.try_admit("acme", TenantLimits(max_tokens_per_request=64), 10, None, now=noon)
@@ -421,8 +398,6 @@ def test_a_refusal_recalls_idle_slots_only_when_they_would_admit_it():
     the slot back (no gateway gives it up for nothing, and the client is not told to retry
     soon). With the limit at 3 the idle slot is the one that would admit it: that refusal
     recalls it."""
-    from kvharbor.tenants.limits import AdmissionController, GrantReport, TenantLimits
-
     ctl = AdmissionController(clock=lambda: 1000.0)
     wide = TenantLimits(max_concurrent_requests=4)
     assert ctl.sync_grants("g1", [GrantReport("acme", wide, want_slots=1)], seq=1)[0].slots == 1
@@ -439,8 +414,6 @@ def test_a_recall_calls_back_only_the_gateways_that_sat_on_idle_units():
     """g1 holds idle tokens, g2's grant is all in use, g3 holds a grant of another tenant
     only: a refusal that g1's units would admit calls back g1, not g2 (whose next sync is
     answered without a recall), and g3 is not looked at for this tenant."""
-    from kvharbor.tenants.limits import AdmissionController, GrantReport, TenantLimits
-
     ctl = AdmissionController(clock=lambda: 1000.0)
     lim = TenantLimits(tokens_per_minute=1000)
     assert ctl.sync_grants("g3", [GrantReport("globex", lim, want_tokens=100)], seq=1)[0].tokens == 100
@@ -455,8 +428,6 @@ def test_a_recall_calls_back_only_the_gateways_that_sat_on_idle_units():
 
 
 def test_a_refusal_recalls_a_grants_last_idle_request():
-    from kvharbor.tenants.limits import AdmissionController, GrantReport, TenantLimits
-
     lim = TenantLimits(requests_per_minute=2)
     ctl = AdmissionController(clock=lambda: 1000.0)
     assert ctl.sync_grants("g1", [GrantReport("acme", lim, want_requests=1)])[0].requests == 1
