@@ -29,6 +29,7 @@ def test_a_note_outside_a_request_is_dropped_and_inside_one_is_kept():
     rate_headers.note({"requests": (1, 1.0)})            # no request: nothing to fill, no error
     with rate_headers.opened() as record:
         rate_headers.note({"requests": (3, 2.0)})
+    rate_headers.note({"requests": (2, 1.0)})            # after the request: not its answer
     assert record == {"requests": (3, 2.0)}
     with rate_headers.opened() as fresh:
         pass

@@ -121,6 +121,19 @@ def assert_books_balance(cluster: Cluster, gws: list[Admitter]) -> None:
                 assert p.in_use == sum(e == p.epoch for e in gw._lane_places.values()), qos
 
 
+def count_grant_syncs(gw: Admitter) -> dict:
+    """Counts the grant syncs the gateway sends, in the returned ``{"n": ...}`` (the lane holds
+    the admission service's ``sync_grants`` bound once, so ``Cluster.calls`` misses them)."""
+    count, original = {"n": 0}, gw.lane._sync_grants
+
+    async def counted(holder, reports, seq=0):
+        count["n"] += 1
+        return await original(holder, reports, seq)
+
+    gw.lane._sync_grants = counted
+    return count
+
+
 async def request(gw: Admitter, principal, rid: str, prompt: int = 10, max_tokens: int = 10,
                   n: int = 1):
     """early + admit, as the gateway does; the ticket, or the APIError."""

@@ -18,7 +18,8 @@ from kvharbor.platform.fast_lane import QUIET_SYNCS, LocalTicket
 from kvharbor.tenants.leases import LeaseTable
 from kvharbor.tenants.limits import AdmissionController
 from tests.tenants.fast_lane_harness import (Cluster, Counted, CountedAdmission, Metrics,
-                                             assert_books_balance, finish, request, run)
+                                             assert_books_balance, count_grant_syncs, finish,
+                                             request, run)
 
 
 def held_grant_sync(gw: Admitter):
@@ -223,6 +224,7 @@ def test_everything_granted_comes_back_when_the_tenant_goes_quiet():
     gw = cluster.gateway()
     acme = cluster.principal("acme", requests_per_minute=600, tokens_per_minute=10_000,
                              max_concurrent_requests=8, daily_token_budget=100_000)
+    grant_syncs = count_grant_syncs(gw)
 
     async def scenario():
         for round_ in range(3):
@@ -240,6 +242,9 @@ def test_everything_granted_comes_back_when_the_tenant_goes_quiet():
         assert state.admitted_total == 9
         assert cluster.queue.snapshot().get("premium", 0) == 0
         assert not gw.lane.holding() and not gw.lane.tenants and not gw.lane.places
+        before, sent = dict(cluster.calls), grant_syncs["n"]
+        await gw.lane.sync()                           # nothing to settle: no call at all
+        assert cluster.calls == before and grant_syncs["n"] == sent, (before, cluster.calls)
 
     run(scenario())
 
@@ -409,9 +414,10 @@ def test_a_sync_whose_caller_is_cancelled_still_settles():
 
 
 @pytest.mark.parametrize("lost", ["grants", "places"])
-def test_a_sync_whose_answer_is_lost_is_applied_once(lost):
-    """The actor applied a sync but its answer never came back (a timeout): the gateway sends
-    the same sync again and gets the same answer; nothing is counted twice or dropped."""
+def test_a_sync_whose_answer_is_lost_is_applied_once(lost, caplog):
+    """The actor applied a sync but its answer never came back (a timeout): the gateway logs
+    which sync failed, sends it again and gets the same answer; nothing is counted twice or
+    dropped."""
     cluster = Cluster()
     gw = cluster.gateway()
     acme = cluster.principal("acme", requests_per_minute=600, max_concurrent_requests=16)
@@ -446,6 +452,7 @@ def test_a_sync_whose_answer_is_lost_is_applied_once(lost):
         assert sum(isinstance(t, LocalTicket) for t in tickets) == 3
         lose["armed"] = True
         await gw.lane.sync()                                # applied, answer lost
+        assert f"{lost[:-1]} sync failed (TimeoutError('answer lost'))" in caplog.text
         await gw.lane.sync()                                # sent again: same answer
         assert_books_balance(cluster, [gw])
         for i, t in enumerate(tickets):

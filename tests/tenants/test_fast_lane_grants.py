@@ -1,13 +1,19 @@
-"""How much a gateway's grant holds and for how long: sized by the last period's arrivals,
-kept at that size while unused, kept while a request still holds a place, given back whole
-on a reload, and asked again after the actor forgot it. Harness: ``fast_lane_harness.py``."""
+"""How much a gateway's grant holds and for how long: sized by the last period's arrivals
+(grown by a burst, shrunk when arrivals slow), kept at that size while unused, kept while a
+request still holds a place, given back whole on a reload, and asked again after the actor
+forgot it; and how often the gateway's own loop syncs. Harness: ``fast_lane_harness.py``."""
 
 from __future__ import annotations
 
+import asyncio
+
+from kvharbor.platform.admission_flow import Admitter
 from kvharbor.platform.error_body import APIError
 from kvharbor.platform.fast_lane import HEADROOM, MIN_TARGET, QUIET_SYNCS, LocalTicket
 from kvharbor.tenants.limits import AdmissionController
-from tests.tenants.fast_lane_harness import Cluster, assert_books_balance, finish, request, run
+from tests.tenants.fast_lane_harness import (Cluster, Counted, CountedAdmission, Metrics,
+                                             assert_books_balance, count_grant_syncs, finish,
+                                             request, run)
 
 WIDE = dict(requests_per_minute=1200, tokens_per_minute=200_000, max_concurrent_requests=64)
 
@@ -38,6 +44,28 @@ def test_a_burst_grows_the_next_grant_to_cover_it():
         assert_books_balance(cluster, [gw])
 
     assert HEADROOM * 20 > 20 > MIN_TARGET
+    run(scenario())
+
+
+def test_a_burst_grant_shrinks_back_to_its_target_when_arrivals_slow():
+    """After a burst of 20 the grant holds far more than the minimum of each unit; a period
+    with one arrival gives back all but MIN_TARGET of each (request-sized tokens), so the
+    gateway does not sit on a burst's share of the limits, and the actors count as granted
+    exactly what it keeps."""
+    cluster, gw, acme = _one_gateway()
+
+    async def scenario():
+        await _served(gw, acme, 20)
+        a, places = gw.lane.tenants["acme"], gw.lane.places["premium"]
+        assert min(a.requests, a.slots, a.tokens // 20, places.free) > 2 * MIN_TARGET
+        await _served(gw, acme, 1)
+        assert (a.requests, a.tokens, a.slots, places.free) == \
+            (MIN_TARGET, MIN_TARGET * 20, MIN_TARGET, MIN_TARGET)
+        grant = cluster.controller._grants[gw.lane.holder]["acme"]
+        assert (grant.requests, grant.tokens, grant.slots) == (MIN_TARGET, MIN_TARGET * 20, MIN_TARGET)
+        assert cluster.queue.grants[gw.lane.holder]["premium"] == MIN_TARGET
+        assert_books_balance(cluster, [gw])
+
     run(scenario())
 
 
@@ -155,5 +183,34 @@ def test_after_the_actor_forgot_the_grant_the_fast_lane_comes_back():
         await finish(gw, acme, "r2", await request(gw, acme, "r2"), 20)
         await gw.lane.sync()
         assert isinstance(await request(gw, acme, "r3"), LocalTicket)
+
+    run(scenario())
+
+
+def test_a_busy_gateway_syncs_once_a_period_not_back_to_back():
+    """The gateway's own sync loop at a 50 ms period. A second tenant arriving while the loop
+    runs hurries one sync; after it the loop goes back to one sync a period while its request
+    runs: about ten in 0.5 s, not one after another."""
+    cluster = Cluster()
+    gw = Admitter(CountedAdmission(cluster.controller, cluster.calls), Counted(cluster.queue, cluster.calls),
+                  cluster.registry, Metrics())
+    gw.lane.period_s = 0.05
+    acme, initech = cluster.principal("acme", **WIDE), cluster.principal("initech", **WIDE)
+    syncs = count_grant_syncs(gw)
+
+    async def scenario():
+        try:
+            await finish(gw, acme, "a0", await request(gw, acme, "a0"), 20)
+            await asyncio.sleep(0.1)
+            await finish(gw, initech, "i0", await request(gw, initech, "i0"), 20)
+            running = await request(gw, acme, "a1")      # from the grant, runs on: the
+            assert isinstance(running, LocalTicket)      # loop has work all along
+            await asyncio.sleep(0.05)
+            before = syncs["n"]
+            await asyncio.sleep(0.5)
+            assert 3 <= syncs["n"] - before <= 14, syncs["n"] - before
+            await finish(gw, acme, "a1", running, 20)
+        finally:
+            gw.lane._task.cancel()
 
     run(scenario())
