@@ -321,3 +321,28 @@ def test_check_integrity_catches_a_wrong_pin_count_a_waiting_holder_and_a_double
     next(q for q in sched.queues.values() if waiting in q).append(waiting)
     with pytest.raises(AssertionError, match="queued twice"):
         e.check_integrity()
+
+
+def test_the_engines_check_includes_the_pools_the_host_tiers_and_the_sessions_own():
+    """``Engine.check_integrity`` runs the block pool's, the host tier's and the session
+    manager's own checks: a null block in use, a host slot lost or a broken session fails the
+    engine's check, not only theirs."""
+    llm = LLM(device="cpu", num_kv_blocks=32, host_kv_blocks=8)
+    e = llm.engine
+    e.add_request("a", _p(40, 0), _sp(4), tenant="acme", session_id="s")
+    assert _run(e) == {"a": 4}
+    e.check_integrity()
+    session = e.sessions.sessions[("acme", "s")]
+    session.active = -1
+    with pytest.raises(AssertionError, match="broken"):
+        e.check_integrity()
+    session.active = 0
+    e.check_integrity()
+    e.pool.null_block.block_hash = b"h"
+    with pytest.raises(AssertionError, match="null block used"):
+        e.check_integrity()
+    e.pool.null_block.block_hash = None
+    e.check_integrity()
+    e.host.free.pop()
+    with pytest.raises(AssertionError, match="host slot lost"):
+        e.check_integrity()
