@@ -3,6 +3,7 @@ released, is retried until complete, and the region follows premium demand withi
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 
@@ -66,7 +67,23 @@ def test_reload_releases_removed_prefixes_before_shrinking(tenants_file):
     engine.check_integrity()
 
 
-def test_a_resize_that_stops_short_is_retried_until_complete(tenants_file):
+def test_a_prefix_that_finds_no_room_is_logged_and_the_others_stay_pinned(tenants_file, caplog):
+    """Two pinned prompts, a region that holds only the first: the replica starts, serves the
+    first from the region and logs why the second is not pinned (and what to raise)."""
+    long, short = " ".join(["word"] * 300), "You are a helpful assistant."
+    _write(tenants_file, _reserve(2, prefixes=[long, short]))
+    sync = TenantSync(str(tenants_file))
+    with caplog.at_level(logging.ERROR, logger="kvharbor.replica"):
+        engine = _engine(sync)
+    assert [text for _, text, _, _ in sync.pinned] == [long] and len(engine.pinned_prefixes) == 1
+    assert "cannot pin prefix of tenant acme: no room to pin" in caplog.text, caplog.text
+    assert "raise pinned_kv_blocks" in caplog.text
+    engine.check_integrity()
+
+
+def test_a_resize_that_stops_short_is_retried_until_complete(tenants_file, caplog):
+    """The region's resize moves only free blocks; the replica's tick retries it (logging how
+    far it got) until the region has its target size. An unchanged file is not applied again."""
     _write(tenants_file, _reserve(8, prefixes=[]))
     sync = TenantSync(str(tenants_file))
     engine = _engine(sync)
@@ -75,8 +92,11 @@ def test_a_resize_that_stops_short_is_retried_until_complete(tenants_file):
                        qos="standard")
     engine.step()                                            # holds 60 of the 88 shared blocks
     _write(tenants_file, _reserve(40, prefixes=[]))
-    assert sync.maybe_reload(engine)
+    with caplog.at_level(logging.INFO, logger="kvharbor.replica"):
+        assert sync.maybe_reload(engine)
     assert engine.pool.num_pinned < 40                       # only free blocks move
+    assert f"pinned region is {engine.pool.num_pinned} blocks, target 40 (blocks busy; retrying)" \
+        in caplog.text, caplog.text
     for _ in range(10):
         if not engine.has_unfinished():
             break
@@ -85,7 +105,7 @@ def test_a_resize_that_stops_short_is_retried_until_complete(tenants_file):
     # The step that finished hog freed its blocks after that step's resize: the engine is idle
     # now and no step will come, so only the replica's once-a-second tick can finish the job.
     assert engine.pool.num_pinned < 40
-    sync.maybe_reload(engine)                                # no change in the file: a retry tick
+    assert not sync.maybe_reload(engine)                     # no change in the file: a retry tick
     assert engine.pool.num_pinned == 40
     engine.check_integrity()
 
@@ -283,7 +303,7 @@ def _answer(engine: Engine, rid: str, lora: str) -> list[int]:
     return outs[-1].token_ids
 
 
-def test_tenants_yaml_adapters_are_loaded_replaced_and_removed(tenants_file, tmp_path):
+def test_tenants_yaml_adapters_are_loaded_replaced_and_removed(tenants_file, tmp_path, caplog):
     """lora_adapters in tenants.yaml (a relative path read from the file's directory): loaded
     at start; a new path under the same name serves the new checkpoint (in a new cache scope);
     removed, no longer served; build_app's lora_modules stay whatever the file says."""
@@ -295,8 +315,13 @@ def test_tenants_yaml_adapters_are_loaded_replaced_and_removed(tenants_file, tmp
     sync = TenantSync(str(tenants_file))
     engine = Engine(sync.apply_to_config(EngineConfig(device="cpu", num_kv_blocks=96,
                                                       lora_modules={"static": two})))
-    sync.sync_adapters(engine)
+    with caplog.at_level(logging.INFO, logger="kvharbor.replica"):
+        sync.sync_adapters(engine)
     assert {n: a.path for n, a in engine.loras.adapters.items()} == {"static": two, "hot": one}
+    assert f"LoRA adapter hot loaded from {one}" in caplog.text, caplog.text
+    loaded = engine.loras.adapters["hot"]
+    sync.sync_adapters(engine)                               # nothing changed: not loaded again
+    assert engine.loras.adapters["hot"] is loaded
     first = _answer(engine, "a", "hot")
     assert first != _answer(engine, "b", "static")
     _write(tenants_file, _adapters({"hot": two, "static": one}))  # hot -> two's weights
@@ -310,12 +335,15 @@ def test_tenants_yaml_adapters_are_loaded_replaced_and_removed(tenants_file, tmp
     assert out[-1].token_ids == _answer(engine, "d", "static") != first
     _write(tenants_file, _adapters({}))
     assert sync.maybe_reload(engine)
-    sync.sync_adapters(engine)
+    with caplog.at_level(logging.INFO, logger="kvharbor.replica"):
+        sync.sync_adapters(engine)
     assert list(engine.loras.adapters) == ["static"]
+    assert "LoRA adapter hot is no longer served (removed from tenants.yaml)" in caplog.text
     engine.check_integrity()
 
 
-def test_a_request_for_a_just_added_adapter_loads_it_and_a_broken_one_says_why(tenants_file, tmp_path):
+def test_a_request_for_a_just_added_adapter_loads_it_and_a_broken_one_says_why(tenants_file, tmp_path, caplog):
+    """The request, and the replica's log, say why an adapter could not be loaded."""
     from tests.conftest import write_test_adapter
 
     sync = TenantSync(str(tenants_file))
@@ -328,11 +356,16 @@ def test_a_request_for_a_just_added_adapter_loads_it_and_a_broken_one_says_why(t
     sync.ensure_adapter(engine, "new")                  # before the registry's own reload
     assert engine.loras.adapters["new"].path == good and sync.registry.lora_adapters() == {}
     assert sync.maybe_reload(engine)                    # the reload still applies the edit
-    sync.sync_adapters(engine)
+    with caplog.at_level(logging.ERROR, logger="kvharbor.replica"):
+        sync.sync_adapters(engine)
     assert "bad" not in engine.loras.adapters
+    assert "cannot load LoRA adapter bad:" in caplog.text, caplog.text
     try:
         engine.add_request("x", [1, 2, 3], SamplingParams(max_tokens=2), lora="bad")
     except ValueError as e:
         assert "LoRA adapter 'bad' could not be loaded" in str(e)
     else:
         raise AssertionError("a request for an adapter that failed to load was accepted")
+    tenants_file.write_text("tenants: [half saved")          # an edit caught mid-write
+    sync.ensure_adapter(engine, "later")                     # nothing to read: not loaded, no error
+    assert "later" not in engine.loras.adapters
