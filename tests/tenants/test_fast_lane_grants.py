@@ -189,8 +189,8 @@ def test_after_the_actor_forgot_the_grant_the_fast_lane_comes_back():
 
 def test_a_busy_gateway_syncs_once_a_period_not_back_to_back():
     """The gateway's own sync loop at a 50 ms period. A second tenant arriving while the loop
-    runs hurries one sync; after it the loop goes back to one sync a period while its request
-    runs: about ten in 0.5 s, not one after another."""
+    runs hurries one sync; after it the loop goes back to one sync a period while a request
+    admitted from the grant runs: about ten in 0.5 s, not one after another."""
     cluster = Cluster()
     gw = Admitter(CountedAdmission(cluster.controller, cluster.calls), Counted(cluster.queue, cluster.calls),
                   cluster.registry, Metrics())
