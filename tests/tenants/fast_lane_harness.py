@@ -84,12 +84,16 @@ class Cluster:
         self.registry = Registry(max_queue)
         self.calls: dict[str, int] = {}
 
-    def gateway(self, **options) -> Admitter:
+    def gateway(self, sync_period_s: float | None = None, **options) -> Admitter:
         """A gateway's ``Admitter`` over this cluster's actors (``options``: its keyword
-        arguments, e.g. ``guard`` or ``lease_s``)."""
+        arguments, e.g. ``guard`` or ``lease_s``). Its syncs are driven by the test, unless
+        ``sync_period_s`` is given: then its own sync loop runs, at that period."""
         admitter = Admitter(CountedAdmission(self.controller, self.calls),
                             Counted(self.queue, self.calls), self.registry, Metrics(), **options)
-        admitter.lane._wake = lambda: None          # syncs are driven by the test
+        if sync_period_s is None:
+            admitter.lane._wake = lambda: None
+        else:
+            admitter.lane.period_s = sync_period_s
         return admitter
 
     def principal(self, tenant: str, qos: str = "premium", **limits) -> SimpleNamespace:

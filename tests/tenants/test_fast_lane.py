@@ -17,9 +17,8 @@ from kvharbor.platform.error_body import APIError
 from kvharbor.platform.fast_lane import QUIET_SYNCS, LocalTicket
 from kvharbor.tenants.leases import LeaseTable
 from kvharbor.tenants.limits import AdmissionController
-from tests.tenants.fast_lane_harness import (Cluster, Counted, CountedAdmission, Metrics,
-                                             assert_books_balance, count_grant_syncs, finish,
-                                             request, run)
+from tests.tenants.fast_lane_harness import (Cluster, assert_books_balance, count_grant_syncs,
+                                             finish, request, run)
 
 
 def held_grant_sync(gw: Admitter):
@@ -69,9 +68,7 @@ def test_a_first_arrival_gets_its_grant_without_waiting_a_period():
     the tenant's limits. A tenant that goes quiet and comes back is hurried the same way, and
     so is a second tenant of a class whose places the gateway already holds."""
     cluster = Cluster()
-    gw = Admitter(CountedAdmission(cluster.controller, cluster.calls), Counted(cluster.queue, cluster.calls),
-                  cluster.registry, Metrics())
-    gw.lane.period_s = 30.0
+    gw = cluster.gateway(sync_period_s=30.0)
     limits = dict(requests_per_minute=1200, tokens_per_minute=200_000, max_concurrent_requests=64)
     acme, initech = cluster.principal("acme", **limits), cluster.principal("initech", **limits)
 

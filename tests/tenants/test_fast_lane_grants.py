@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import asyncio
 
-from kvharbor.platform.admission_flow import Admitter
 from kvharbor.platform.error_body import APIError
 from kvharbor.platform.fast_lane import HEADROOM, MIN_TARGET, QUIET_SYNCS, LocalTicket
 from kvharbor.tenants.limits import AdmissionController
-from tests.tenants.fast_lane_harness import (Cluster, Counted, CountedAdmission, Metrics,
-                                             assert_books_balance, count_grant_syncs, finish,
-                                             request, run)
+from tests.tenants.fast_lane_harness import (Cluster, assert_books_balance, count_grant_syncs,
+                                             finish, request, run)
 
 WIDE = dict(requests_per_minute=1200, tokens_per_minute=200_000, max_concurrent_requests=64)
 
@@ -192,9 +190,7 @@ def test_a_busy_gateway_syncs_once_a_period_not_back_to_back():
     runs hurries one sync; after it the loop goes back to one sync a period while a request
     admitted from the grant runs: about ten in 0.5 s, not one after another."""
     cluster = Cluster()
-    gw = Admitter(CountedAdmission(cluster.controller, cluster.calls), Counted(cluster.queue, cluster.calls),
-                  cluster.registry, Metrics())
-    gw.lane.period_s = 0.05
+    gw = cluster.gateway(sync_period_s=0.05)
     acme, initech = cluster.principal("acme", **WIDE), cluster.principal("initech", **WIDE)
     syncs = count_grant_syncs(gw)
 
