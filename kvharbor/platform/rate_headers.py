@@ -55,12 +55,17 @@ def note(rates: dict | None) -> None:
 
 
 def duration(seconds: float) -> str:
-    """OpenAI's form: ``20ms``, ``1.3s``, ``6m0s``, ``1h2m5s``."""
-    if seconds < 1:
-        return f"{max(0, round(seconds * 1000))}ms"
-    if seconds < 60:
-        return f"{seconds:.3g}s" if seconds < 10 else f"{round(seconds)}s"
+    """OpenAI's form: ``20ms``, ``1.3s``, ``6m0s``, ``1h2m5s``. Each range rounds to its own
+    precision first, so a value that rounds up reads in the next range (59.6 s is ``1m0s``)."""
+    millis = max(0, round(seconds * 1000))
+    if millis < 1000:
+        return f"{millis}ms"
+    short = float(f"{seconds:.3g}")
+    if short < 10:
+        return f"{short:g}s"
     minutes, secs = divmod(round(seconds), 60)
+    if not minutes:
+        return f"{secs}s"
     hours, minutes = divmod(minutes, 60)
     return f"{hours}h{minutes}m{secs}s" if hours else f"{minutes}m{secs}s"
 

@@ -13,7 +13,10 @@ from kvharbor.tenants.schema import TenantLimits
 
 @pytest.mark.parametrize("seconds, text", [(0.0, "0ms"), (0.0204, "20ms"), (1.0, "1s"), (1.25, "1.25s"),
                                            (12.4, "12s"), (60.0, "1m0s"), (360.0, "6m0s"),
-                                           (3725.0, "1h2m5s")])
+                                           (3725.0, "1h2m5s"),
+                                           # a value that rounds up reads in the next range
+                                           (0.9996, "1s"), (9.996, "10s"), (59.6, "1m0s"),
+                                           (3599.6, "1h0m0s")])
 def test_durations_read_as_openais(seconds, text):
     assert rate_headers.duration(seconds) == text
 
