@@ -57,6 +57,56 @@ def test_the_store_runs_cancels_finishes_and_declares_lost_runners():
     assert store.beat("acme", "resp_c") is None                          # a late runner is told so
 
 
+def _books_balance(store: ResponseStore) -> None:
+    """``used`` is the kept entries' sizes, and only kept running responses have a heartbeat
+    (an evicted, deleted, cancelled or lost one leaves none behind: memory stays bounded)."""
+    assert store.used == sum(entry[3] for entry in store._entries.values()) <= store.max_bytes
+    assert all(store._entries[rid][1]["status"] in ("queued", "in_progress") for rid in store._beats)
+
+
+def test_a_runner_that_keeps_reporting_is_never_declared_lost():
+    clock = Clock()
+    store = ResponseStore(clock=clock)
+    store.put("acme", _response("resp_long", "queued"), [])
+    for _ in range(3):                                   # a 90 s run, one report a STALE_S - 1
+        clock.now += STALE_S - 1
+        assert store.beat("acme", "resp_long") == "in_progress"
+    clock.now += STALE_S - 1
+    assert store.get("acme", "resp_long")[0]["status"] == "in_progress"
+    clock.now += 2                                       # now it stopped reporting
+    assert store.get("acme", "resp_long")[0]["status"] == "failed"
+    _books_balance(store)
+
+
+def test_the_stores_books_balance_through_every_way_an_entry_ends():
+    clock = Clock()
+    store = ResponseStore(max_bytes=1000, clock=clock)
+    store.put("acme", _response("r_again", "completed"), [{"content": "x" * 100}])
+    store.put("acme", _response("r_again", "completed"), [])          # stored again: one entry
+    assert len(store) == 1
+    _books_balance(store)
+    for rid in ("r_cancel", "r_delete", "r_lost", "r_evict"):
+        store.put("acme", _response(rid, "queued"), [])
+    assert store.cancel("acme", "r_cancel")["status"] == "cancelled"
+    assert store.delete("acme", "r_delete")
+    clock.now += STALE_S + 1
+    assert store.get("acme", "r_lost")[0]["status"] == "failed"
+    _books_balance(store)
+    store.put("acme", {"id": "big", "text": "x" * 700}, [])           # evicts the oldest
+    assert store.get("acme", "r_again") is None
+    _books_balance(store)
+
+
+def test_an_entry_that_fits_exactly_is_kept_with_the_others():
+    one = len('{"id": "a"}') + len("[]") * 2                         # 15 bytes
+    store = ResponseStore(max_bytes=3 * one)
+    for rid in "abc":
+        assert store.put("acme", {"id": rid}, [])
+    assert len(store) == 3 and store.used == store.max_bytes          # full, none evicted
+    exact = ResponseStore(max_bytes=one)
+    assert exact.put("acme", {"id": "a"}, []) and exact.get("acme", "a") is not None
+
+
 @pytest.fixture(scope="module")
 def client(kvharbor_app):
     return openai.OpenAI(base_url=kvharbor_app.base_url + "/v1", api_key=DEMO["standard"], max_retries=0)
