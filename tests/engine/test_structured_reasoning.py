@@ -87,6 +87,22 @@ def test_a_request_waiting_for_its_grammar_is_not_run_ahead(monkeypatch):
     assert req.matcher is not None and req.grammar_wait is None and not req.reasoning
 
 
+def test_only_a_thinking_budget_holds_a_thinking_request_back_from_running_ahead(monkeypatch):
+    """A request that is thinking with no budget reads nothing of its output to pick its next
+    token: it runs ahead and drafts like any other. One with a budget counts its thought, until
+    the reasoning closes."""
+    llm = LLM(device="cpu", num_kv_blocks=64, reasoning_parser="deepseek_r1")
+    _scripted(llm, THOUGHT, monkeypatch)
+    prompt = random_prompt(12, seed=5)
+    free = llm.engine.add_request("free", prompt, SamplingParams(max_tokens=30))
+    budgeted = llm.engine.add_request("budgeted", prompt, SamplingParams(max_tokens=30, thinking_token_budget=20))
+    assert free.reasoning and budgeted.reasoning
+    assert not depends_on_outputs(free) and depends_on_outputs(budgeted)
+    while budgeted.num_output_tokens < len(THOUGHT):
+        llm.engine.step()
+    assert not budgeted.reasoning and not depends_on_outputs(budgeted)
+
+
 END = list(b"</think>")
 
 
