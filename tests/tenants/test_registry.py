@@ -182,6 +182,19 @@ def test_deleted_file_keeps_config(registry, caplog):
     assert caplog.text.count("tenants file rejected") == 1          # once, not at every poll
 
 
+def test_a_file_that_cannot_be_read_keeps_config_and_says_why(registry, monkeypatch, caplog):
+    write(registry.path, bob_rpm=46)                                 # changed, but unreadable
+
+    def unreadable() -> str:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(registry, "_read", unreadable)
+    with caplog.at_level(logging.ERROR):
+        assert registry.reload_if_changed() is False
+    assert registry.version == 1 and registry.authenticate(KEYS["bob"]).limits.requests_per_minute == 30
+    assert "cannot read" in registry.status()["last_error"] and "Permission denied" in caplog.text
+
+
 def test_an_unchanged_stat_costs_no_read_and_a_rejected_text_no_parse(registry, clock, monkeypatch):
     import kvharbor.tenants.registry as module
 
@@ -207,8 +220,8 @@ def test_a_file_restored_after_an_error_clears_it_and_the_error_counts_again_lat
     write(registry.path)                                             # the applied text again
     assert registry.reload_if_changed() is False and registry.version == 1
     assert registry.status()["last_error"] is None
-    write(registry.path, extra=bad)
-    assert registry.reload_if_changed() is False
+    write(registry.path, extra=bad)                                  # broken again: reported again
+    assert registry.reload_if_changed() is False and "platinum" in registry.status()["last_error"]
     write(registry.path, bob_rpm=45)                                 # a new text: applied
     assert registry.reload_if_changed() is True
     with caplog.at_level(logging.ERROR):
@@ -299,6 +312,22 @@ def test_watch_task_reloads_in_the_background(registry):
         return registry.authenticate(KEYS["bob"]).limits.requests_per_minute
 
     assert asyncio.run(scenario()) == 77
+
+
+def test_watch_polls_once_an_interval(registry, monkeypatch):
+    """Not one poll after another: a poll is a stat in a worker thread, every interval."""
+    import asyncio
+
+    polls = []
+    monkeypatch.setattr(registry, "reload_if_changed", lambda: polls.append(1) or False)
+
+    async def scenario() -> None:
+        task = asyncio.create_task(registry.watch(interval_s=0.05))
+        await asyncio.sleep(0.3)
+        task.cancel()
+
+    asyncio.run(scenario())
+    assert 2 <= len(polls) <= 6, len(polls)
 
 
 def test_watch_stops_quietly_once_the_thread_pool_is_shut_down(registry, caplog):
