@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from kvharbor.engine.model_info import load_tokenizer
-from kvharbor.platform.response_store import STALE_S, ResponseStore
+from kvharbor.platform.response_store import RUNNING, STALE_S, ResponseStore
 from tests.conftest import DEMO, TEST_KEYS, until_final
 
 FINAL = ("completed", "incomplete", "failed", "cancelled")
@@ -61,7 +61,7 @@ def _books_balance(store: ResponseStore) -> None:
     """``used`` is the kept entries' sizes, and only kept running responses have a heartbeat
     (an evicted, deleted, cancelled or lost one leaves none behind: memory stays bounded)."""
     assert store.used == sum(entry[3] for entry in store._entries.values()) <= store.max_bytes
-    assert all(store._entries[rid][1]["status"] in ("queued", "in_progress") for rid in store._beats)
+    assert all(store._entries[rid][1]["status"] in RUNNING for rid in store._beats)
 
 
 def test_a_runner_that_keeps_reporting_is_never_declared_lost():
