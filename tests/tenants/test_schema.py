@@ -278,3 +278,18 @@ def test_a_key_expiry_without_a_zone_is_utc_whatever_the_servers_zone(monkeypatc
     finally:
         monkeypatch.delenv("TZ")
         time.tzset()
+
+
+def test_a_key_expiry_with_a_zone_keeps_its_zone():
+    from datetime import datetime, timezone
+
+    text = good_replace(f'      - hash: "{"2" * 64}"\n',
+                        f'      - hash: "{"2" * 64}"\n        expires: 2030-01-01T02:00:00+02:00\n')
+    entry = parse_tenants_text(text).tenants["b"].keys[0]
+    at = datetime(2030, 1, 1, tzinfo=timezone.utc).timestamp()      # 02:00 at +02:00 is 00:00 UTC
+    assert entry.is_expired(at) and not entry.is_expired(at - 1)
+
+
+def test_a_class_that_does_not_say_pinned_is_not_pinned():
+    config = parse_tenants_text(good())
+    assert config.qos_classes["gold"].pinned and not config.qos_classes["bronze"].pinned
