@@ -80,3 +80,47 @@ def test_a_body_that_crosses_the_limit_after_the_answer_started_is_not_answered_
     with pytest.raises(BodyTooLarge):
         asyncio.run(BodyLimitMiddleware(streaming_first)(scope, receive, send))
     assert sent == ["http.response.start"]
+
+
+def _reading_app():
+    """A bare ASGI app with no error handler of its own: it reads the whole body and answers
+    200 with its length (the gateway's auth gate reads bodies like this, outside FastAPI)."""
+    async def app(scope, receive, send):
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": str(len(body)).encode()})
+    return app
+
+
+def test_a_body_over_the_default_limit_read_by_a_bare_app_gets_the_openai_413():
+    """No ``max_body_bytes`` on the app: the limit is 4 MiB. A streamed body that crosses it
+    inside an app that has no handler for the error still gets the 413 in OpenAI's shape."""
+    import json
+
+    app = BodyLimitMiddleware(_reading_app())
+    mib4 = 4 * 1024 * 1024
+    chunk = [(b"content-type", b"application/json")]
+    assert asgi_post(app, "/v1/completions", [b"x" * (mib4 // 2)] * 2, chunk)[:2] == (200, str(mib4))
+    status, body, headers, _ = asgi_post(app, "/v1/completions", [b"x" * (mib4 // 2)] * 2 + [b"x"], chunk)
+    assert status == 413 and headers[b"connection"] == b"close", body
+    assert json.loads(body)["error"]["code"] == "request_too_large", body
+
+
+def test_lifespan_and_other_scopes_reach_the_app_untouched():
+    import asyncio
+
+    seen = []
+
+    async def app(scope, receive, send):
+        seen.append((scope["type"], await receive()))
+
+    async def receive():
+        return {"type": "lifespan.startup"}
+
+    asyncio.run(BodyLimitMiddleware(app)({"type": "lifespan"}, receive, lambda m: None))
+    assert seen == [("lifespan", {"type": "lifespan.startup"})]
