@@ -281,3 +281,19 @@ def test_every_request_field_takes_values_of_its_declared_json_type_only():
             if "boolean" in declared:
                 assert not all(_refuses(reader, v) for v in (True, False)), (model.__name__, name)
     assert len(checked) >= 80 and "ResponseStreamOptions.include_obfuscation" in checked, checked
+
+
+def test_every_request_model_names_a_field_it_does_not_have():
+    """Down to the models nested in a body (a tool, a named tool choice, a history message's
+    call), a field the model lacks is refused by name, not dropped: a client's typo
+    (``"fucntion"``, ``"argument"``) must not be answered as if it were not there."""
+    models = _request_models()
+    for model in models:
+        body = {name: typing.get_args(f.annotation)[0] for name, f in model.model_fields.items()
+                if typing.get_origin(f.annotation) is typing.Literal}     # past a check of `type`
+        with pytest.raises(ValidationError) as info:
+            model.model_validate({**body, "zz_not_a_field": 1})
+        assert any(e["type"] == "extra_forbidden" and e["loc"] == ("zz_not_a_field",)
+                   for e in info.value.errors()), model.__name__
+    names = {m.__name__ for m in models}
+    assert {"Tool", "FunctionDef", "NamedToolChoice", "NamedFunction", "ToolCall", "CalledFunction"} <= names
