@@ -92,6 +92,16 @@ def test_a_stream_holds_back_only_what_could_begin_a_call():
     assert sent == ["Hi ", "", "", "", ""] and functions(calls) == [{"name": "now", "arguments": "{}"}]
 
 
+@pytest.mark.parametrize("cut", [None, len(NOW), len(NOW) + 5])
+def test_a_stray_closing_tag_between_calls_is_dropped_as_parse_drops_it(cut):
+    text = NOW + "</tool_call>" + WEATHER
+    pieces = [text] if cut is None else [text[:cut], text[cut:]]
+    content, calls, _ = streamed(pieces)
+    assert parse(text)[0] is None and content == ""
+    assert [f["name"] for f in functions(calls)] == [f["name"] for f in functions(parse(text)[1])] == [
+        "now", "get_weather"]
+
+
 def test_a_streamed_block_that_is_no_call_is_sent_as_text():
     """A stream cannot take back calls it sent, so a bad block after them goes out as the
     text it is (the whole answer, unstreamed, is then all content)."""
