@@ -293,3 +293,10 @@ def test_a_key_expiry_with_a_zone_keeps_its_zone():
 def test_a_class_that_does_not_say_pinned_is_not_pinned():
     config = parse_tenants_text(good())
     assert config.qos_classes["gold"].pinned and not config.qos_classes["bronze"].pinned
+
+
+def test_a_missing_section_is_reported_where_the_document_begins():
+    """Past the file's opening comments: the line a reader looks at to add the section."""
+    issue = only_issue("# our tenants\n\ntenants: {}\n")
+    assert (issue.line, issue.path, issue.message) == (3, "qos_classes", "Field required")
+    assert str(issue) == "t.yaml:3: qos_classes: Field required"
