@@ -52,7 +52,7 @@ def test_token_ids_must_be_in_the_vocabulary(prompts):
     vocab = len(prompts.tokenizer)
     prompts.check_token_ids([0, vocab - 1], "x")
     prompts.check_token_ids([], "x")
-    for bad in ([vocab], [-1], [3, vocab + 5]):
+    for bad in ([vocab], [-1], [3, vocab + 5], [5, -1]):      # a negative id among good ones too
         assert refused(prompts.check_token_ids, bad, "stop_token_ids").param == "stop_token_ids"
     error = refused(prompts.completion_ids, completion(prompt=[[1, 2], [3, vocab]]))
     assert error.param == "prompt.1" and f"[0, {vocab})" in error.message
