@@ -205,3 +205,19 @@ def test_add_special_tokens_as_vllm_a_text_prompt_gets_them_a_chat_only_when_ask
     assert own.tokenize_ids(TokenizeRequest(model="m", prompt="ab", add_special_tokens=False)) == [97, 98]
     assert own.tokenize_ids(TokenizeRequest(model="m", messages=messages)) == templated
     assert own.tokenize_ids(TokenizeRequest(model="m", messages=messages, add_special_tokens=True)) == with_bos
+
+
+def test_truncate_prompt_tokens_keeps_the_last_k_the_first_k_on_the_right_and_minus_one_fits_the_context(prompts):
+    ids = [list(range(1, 71)), [7, 8]]                   # 70 tokens: over the context of 64
+    assert prompts.truncate(completion(), ids) == ids
+    assert prompts.truncate(completion(truncate_prompt_tokens=3), ids) == [[68, 69, 70], [7, 8]]
+    assert prompts.truncate(completion(truncate_prompt_tokens=3, truncation_side="left"), ids)[0] == [68, 69, 70]
+    assert prompts.truncate(completion(truncate_prompt_tokens=3, truncation_side="right"), ids)[0] == [1, 2, 3]
+    kept = prompts.truncate(completion(truncate_prompt_tokens=-1), ids)[0]
+    assert kept == list(range(8, 71)) and len(kept) == CONTEXT - 1      # room for one token
+
+
+def test_bad_words_that_ban_every_allowed_token_are_refused_at_the_gateway(prompts):
+    error = refused(limits, prompts, completion(bad_words=["a"], allowed_token_ids=[97]))
+    assert error.param == "bad_words" and "nothing could be generated" in error.message
+    assert limits(prompts, completion(bad_words=["a"], allowed_token_ids=[97, 98]))[0] == 16
