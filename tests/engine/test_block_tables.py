@@ -53,6 +53,22 @@ def test_a_new_list_another_request_or_a_moved_window_rewrites_the_row():
     assert row(rows, 1, 2) == [99, 6]
 
 
+def test_forgetting_padded_rows_rewrites_those_rows_only():
+    """Graph padding wrote rows 1 and 2: those are rewritten at the next write, rows 0 and 3
+    still hold their requests' blocks and cost nothing."""
+    rows = BlockTableRows(np.zeros((4, 8), dtype=np.int32))
+    requests = [fake_request([10 * i + j for j in range(3)]) for i in range(4)]
+    for i, r in enumerate(requests):
+        rows.write(i, r)
+    rows.table[1:3, :3] = 0
+    rows.forget(1, 3)
+    before = rows.entries_written
+    for i, r in enumerate(requests):
+        rows.write(i, r)
+    assert rows.entries_written - before == 6 and len(rows.written) == 4
+    assert [row(rows, i, 3) for i in range(4)] == [[0, 1, 2], [10, 11, 12], [20, 21, 22], [30, 31, 32]]
+
+
 def test_every_step_table_holds_its_requests_blocks_and_costs_its_new_blocks():
     """A decode run through the engine: each eager step's table rows equal the block ids of the
     request at that row, and over the whole run the table wrote about one entry per block a

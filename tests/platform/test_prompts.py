@@ -59,7 +59,7 @@ def test_token_ids_must_be_in_the_vocabulary(prompts):
     assert refused(prompts.completion_ids, completion(prompt=[vocab])).param == "prompt"
     assert prompts.completion_ids(completion(prompt=["ab", "c"])) == [[97, 98], [99]]
     assert prompts.completion_ids(completion(prompt=[[5, 6]])) == [[5, 6]]
-    for field, value in (("stop_token_ids", [vocab]), ("logit_bias", {str(vocab): 1})):
+    for field, value in (("stop_token_ids", [vocab]), ("logit_bias", {str(vocab): 1}), ("allowed_token_ids", [vocab])):
         assert refused(limits, prompts, completion(**{field: value})).param == field
 
 
