@@ -169,9 +169,19 @@ def test_revoke_admin_key(tenants_file, capsys):
     prefix = hash_key("kvh-demo-admin")[:6]
     assert main(["revoke-key", "--admin", "--hash-prefix", prefix, "--reason", "go live",
                  "--file", str(tenants_file)]) == 0
+    assert capsys.readouterr().out == (f"revoked key {hash_key('kvh-demo-admin')[:8]} of admin_keys in "
+                                       f"{tenants_file}\n")            # the id `show` lists
     reg = TenantRegistry(tenants_file)
     assert not reg.is_admin("kvh-demo-admin")
     assert reg.config.admin_keys[0].revoked == "go live"
+
+
+def test_the_first_admin_key_of_a_file_without_any(tmp_path, capsys):
+    path = tmp_path / "tenants.yaml"
+    path.write_text("qos_classes:\n  gold: {priority: 1}\ntenants: {}\n")
+    assert main(["add-admin-key", "--file", str(path)]) == 0
+    key = capsys.readouterr().out.split("store it now): ")[1].split()[0]
+    assert TenantRegistry(path).is_admin(key)
 
 
 def test_keys_are_never_logged(tenants_file, capsys, caplog):
