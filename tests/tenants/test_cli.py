@@ -177,6 +177,15 @@ def test_revoke_admin_key(tenants_file, capsys):
     assert reg.config.admin_keys[0].revoked == "go live"
 
 
+@pytest.mark.parametrize("section", ["", "tenants: {}\n"])
+def test_the_first_tenant_of_a_file_without_any(tmp_path, capsys, section):
+    path = tmp_path / "tenants.yaml"
+    path.write_text("qos_classes:\n  gold: {priority: 1}\n" + section)
+    assert main(["add", "acme", "--qos", "gold", "--file", str(path)]) == 0
+    key = capsys.readouterr().out.split("store it now): ")[1].split()[0]
+    assert TenantRegistry(path).authenticate(key).tenant == "acme"
+
+
 def test_the_first_admin_key_of_a_file_without_any(tmp_path, capsys):
     path = tmp_path / "tenants.yaml"
     path.write_text("qos_classes:\n  gold: {priority: 1}\ntenants: {}\n")
