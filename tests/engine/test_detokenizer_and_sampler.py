@@ -116,6 +116,21 @@ def test_a_delta_never_ends_in_half_a_character():
     assert "".join(deltas) == "aé€b" and not any("\ufffd" in d for d in deltas), deltas
 
 
+def test_a_stream_holds_back_what_could_begin_a_stop_string_and_the_last_delta_sends_it():
+    """Stop "xyz": every delta but the last keeps back 2 characters (they could begin it); the
+    last sends them, so the deltas join into the whole text, and the request is forgotten."""
+    tokenizer = byte_tokenizer()
+    detok = Detokenizer(tokenizer)
+    req = Request("r", [1], SamplingParams(max_tokens=8, stop=["xyz"]))
+    deltas = []
+    for t in b"harbor":
+        req.all_token_ids.append(t)
+        detok.update(req)
+        deltas.append(detok.delta(req, final=False))
+    assert "".join(deltas) == "harb"
+    assert detok.delta(req, final=True) == "or" and "r" not in detok._sent
+
+
 @pytest.mark.parametrize("stop", ["é€", "☕ 数", "a", "r — c", "\ufffd"])
 def test_stop_strings_are_found_where_the_text_changed_as_in_a_full_search(stop):
     """``truncate_at_stop`` reads only the text a token changed (and ``len(stop) - 1``
@@ -147,6 +162,9 @@ def test_of_several_stop_strings_the_text_is_cut_at_the_earliest():
     detok.update(req)
     assert req.output_text == "xaxb"
     assert detok.truncate_at_stop(req, ["b", "a"], 0) == "a" and req.output_text == "x"
+    req = Request("r2", [1], SamplingParams(max_tokens=8, stop=["xa", "xax"], include_stop_str_in_output=True))
+    req.output_text = "xaxb"                # two stops at the same place: the one listed first
+    assert detok.truncate_at_stop(req, req.sampling.stop, 0) == "xa" and req.output_text == "xa"
 
 
 def test_a_re_spelled_window_searches_the_whole_text_for_stops():
