@@ -117,11 +117,12 @@ def test_a_delta_never_ends_in_half_a_character():
 
 
 def test_a_stream_holds_back_what_could_begin_a_stop_string_and_the_last_delta_sends_it():
-    """Stop "xyz": every delta but the last keeps back 2 characters (they could begin it); the
-    last sends them, so the deltas join into the whole text, and the request is forgotten."""
+    """Stops "q" and "xyz": every delta but the last keeps back 2 characters (they could begin
+    the longer one); the last sends them, so the deltas join into the whole text, and the
+    request is forgotten."""
     tokenizer = byte_tokenizer()
     detok = Detokenizer(tokenizer)
-    req = Request("r", [1], SamplingParams(max_tokens=8, stop=["xyz"]))
+    req = Request("r", [1], SamplingParams(max_tokens=8, stop=["q", "xyz"]))
     deltas = []
     for t in b"harbor":
         req.all_token_ids.append(t)
