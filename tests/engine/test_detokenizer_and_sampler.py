@@ -166,6 +166,9 @@ def test_of_several_stop_strings_the_text_is_cut_at_the_earliest():
     req = Request("r2", [1], SamplingParams(max_tokens=8, stop=["xa", "xax"], include_stop_str_in_output=True))
     req.output_text = "xaxb"                # two stops at the same place: the one listed first
     assert detok.truncate_at_stop(req, req.sampling.stop, 0) == "xa" and req.output_text == "xa"
+    req = Request("r3", [1], SamplingParams(max_tokens=8, stop=["x", "b"]))
+    req.output_text = "xaxb"                # a stop at the very start: nothing is answered
+    assert detok.truncate_at_stop(req, req.sampling.stop, 0) == "x" and req.output_text == ""
 
 
 def test_a_re_spelled_window_searches_the_whole_text_for_stops():
