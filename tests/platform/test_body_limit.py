@@ -83,8 +83,8 @@ def test_a_body_that_crosses_the_limit_after_the_answer_started_is_not_answered_
 
 
 def _reading_app():
-    """A bare ASGI app with no error handler of its own: it reads the whole body and answers
-    200 with its length (the gateway's auth gate reads bodies like this, outside FastAPI)."""
+    """A bare ASGI app with no error handler of its own (nothing inside turns the middleware's
+    error into a response): it reads the whole body and answers 200 with its length."""
     async def app(scope, receive, send):
         body = b""
         while True:
