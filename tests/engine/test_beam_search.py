@@ -94,6 +94,17 @@ def test_end_tokens_complete_a_beam_after_min_tokens():
     assert search.text_ids(search.completed[1]) == [3]              # the stop token is not text
     with pytest.raises(ValueError, match="2 live beams"):
         search.advance([((3, -0.1),)])
+    with pytest.raises(ValueError):                                 # done: no further round
+        search.advance([((3, -0.1),), ((3, -0.2),)])
+    live = BeamSearch([1, 2], BeamSearchParams(beam_width=2, max_tokens=3), eos_ids={eos}, eos_id=eos)
+    with pytest.raises(ValueError, match="1 live beams, got 2"):      # live: one set per beam
+        live.advance([((3, -0.1),), ((4, -0.2),)])
+
+
+def test_token_id_0_may_end_a_beam():
+    search = BeamSearch([1], BeamSearchParams(beam_width=1, max_tokens=2, stop_token_ids=[0]), eos_ids=set())
+    search.advance(candidates((0, -0.1), (5, -0.2)))
+    assert [(s.tokens, s.stop_reason) for s in search.completed] == [([1, 0], 0)]
 
 
 @pytest.mark.parametrize("penalty,best", [(0.0, [1, 2, 3, 9]), (2.0, [1, 2, 3, 4, 5])])
