@@ -149,3 +149,7 @@ def test_bad_parameters_are_refused(llm, kwargs, match):
     with pytest.raises(ValueError, match="BeamSearchParams"):
         llm.beam_search(["hi"], SamplingParams(max_tokens=4))
     assert not llm.engine.has_unfinished()
+
+
+def test_each_bound_itself_is_accepted():
+    BeamSearchParams(beam_width=10, max_tokens=4, min_tokens=4, temperature=0.0, stop_token_ids=[0]).validate()
