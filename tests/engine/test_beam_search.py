@@ -140,7 +140,8 @@ def test_stop_token_ids_end_beams_and_the_text_leaves_them_out(llm):
     (dict(beam_width=0, max_tokens=4), r"beam_width must be an integer in \[1, 10\], got 0"),
     (dict(beam_width=11, max_tokens=4), "beam_width"),
     (dict(beam_width=2, max_tokens=0), "max_tokens must be an integer >= 1, got 0"),
-    (dict(beam_width=2, max_tokens=4, temperature=-1.0), "temperature must be >= 0"), (dict(beam_width=2, max_tokens=4, min_tokens=5), "min_tokens"),
+    (dict(beam_width=2, max_tokens=4, temperature=-1.0), "temperature must be >= 0"),
+    (dict(beam_width=2, max_tokens=4, min_tokens=5), "min_tokens"),
     (dict(beam_width=2, max_tokens=4, length_penalty=float("nan")), "length_penalty"),
     (dict(beam_width=2, max_tokens=4, stop_token_ids=[-1]), "stop_token_ids")])
 def test_bad_parameters_are_refused(llm, kwargs, match):

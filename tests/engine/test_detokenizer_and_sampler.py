@@ -155,7 +155,9 @@ def test_stop_strings_are_found_where_the_text_changed_as_in_a_full_search(stop)
 
 
 def test_of_several_stop_strings_the_text_is_cut_at_the_earliest():
-    """Stops ["b", "a"] on "xaxb": "a" comes first in the text though listed second."""
+    """Stops ["b", "a"] on "xaxb": "a" comes first in the text though listed second; of two
+    stops at the same place, the one listed first (vLLM's order); a stop at the very start
+    leaves nothing."""
     tok = byte_tokenizer()
     detok = Detokenizer(tok)
     req = Request("r", [1], SamplingParams(max_tokens=8, stop=["b", "a"]))

@@ -182,7 +182,7 @@ def test_the_first_tenant_of_a_file_without_any(tmp_path, capsys, section):
     path = tmp_path / "tenants.yaml"
     path.write_text("qos_classes:\n  gold: {priority: 1}\n" + section)
     assert main(["add", "acme", "--qos", "gold", "--file", str(path)]) == 0
-    key = capsys.readouterr().out.split("store it now): ")[1].split()[0]
+    key = new_key(capsys.readouterr().out)
     assert TenantRegistry(path).authenticate(key).tenant == "acme"
 
 
@@ -190,7 +190,7 @@ def test_the_first_admin_key_of_a_file_without_any(tmp_path, capsys):
     path = tmp_path / "tenants.yaml"
     path.write_text("qos_classes:\n  gold: {priority: 1}\ntenants: {}\n")
     assert main(["add-admin-key", "--file", str(path)]) == 0
-    key = capsys.readouterr().out.split("store it now): ")[1].split()[0]
+    key = new_key(capsys.readouterr().out)
     assert TenantRegistry(path).is_admin(key)
 
 
