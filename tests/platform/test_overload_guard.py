@@ -131,6 +131,24 @@ def test_the_limit_grows_by_an_eighth_and_one_slow_tick_does_not_cut_it(guard):
     assert guard.limit > 36                           # the median tick was on time
 
 
+def test_a_window_exactly_at_the_target_is_on_time_and_half_the_limit_binds(guard):
+    """The guard cuts only on a lag *above* its target: a window whose median equals the target
+    neither cuts the limit nor stops the count toward lifting it. And in flight at exactly half
+    the limit counts as binding: the limit grows."""
+    held = fill(guard, "standard", 40, "s")
+    window(guard, LAGGING)
+    assert guard.limit == 32
+    for rid in held[16:]:                             # 16 in flight: exactly half of 32
+        guard.leave(rid)
+    window(guard, guard.target_s)
+    assert guard.limit == 36                          # not cut: grown by an eighth
+    for rid in held[:16]:
+        guard.leave(rid)
+    for _ in range(RELAX_WINDOWS):                    # nothing in flight, lag at the target
+        window(guard, guard.target_s)
+    assert guard.limit == math.inf
+
+
 def test_shares_follow_the_classes_of_a_reloaded_tenants_file(guard):
     """The top non-pinned priority is recomputed when tenants.yaml's classes change: a new
     higher class halves standard's share of the limit."""
@@ -173,6 +191,23 @@ def test_the_monitor_measures_a_blocked_loop_and_sets_the_limit():
 
     run(scenario())
     assert guard.last_lag_s > 0.01 and MIN_LIMIT <= guard.limit <= 16   # 20 in flight x 0.8
+
+
+def test_a_pause_as_the_monitor_starts_does_not_cut_the_limit():
+    """The first window is as long as every other: a gateway that stalls once just after its
+    first request (a cold import, a first connection) keeps serving all classes, since the
+    median of that window's ticks is on time."""
+    guard = OverloadGuard(10.0)
+
+    async def scenario():
+        fill(guard, "standard", 40, "s")              # starts the monitor on this loop
+        await asyncio.sleep(0)                        # its first tick is armed
+        time.sleep(0.06)                              # one stall, then an idle loop
+        await asyncio.sleep(0.4)                      # more than one window
+        assert guard.limit == math.inf and len(fill(guard, "batch", 10, "b")) == 10
+        guard._task.cancel()
+
+    run(scenario())
 
 
 def test_the_tick_stops_when_the_gateway_is_idle_and_the_next_request_restarts_it(monkeypatch):
