@@ -96,6 +96,7 @@ def test_the_proxy_learns_classes_and_sheds_lower_ones_before_the_gateway_never_
     async def scenario(client):
         first = await learn_all(client, gateway)
         assert all(HINT_RESPONSE.decode() not in r.headers for r in first)   # removed
+        assert all(r.headers["content-type"] == "application/json" for r in first)   # the rest kept
         assert all(asked for _, asked in gateway.reached)
         assert mw.guard.in_flight == 0
         gateway.release.clear()
@@ -402,6 +403,8 @@ def test_the_proxy_reads_a_whole_small_body_and_passes_a_partial_or_large_one_on
     disconnect, empty = {"type": "http.disconnect"}, part(b"", False)
     assert _in_scope([part(b"01234", True), part(b"56789", False)], 10) == \
         (b"0123456789", [empty, disconnect], 2)
+    whole = {"type": "http.request", "body": b"0123456789"}            # ASGI: more_body False
+    assert _in_scope([whole], 10) == (b"0123456789", [empty, disconnect], 1)
     assert _in_scope([part(b"01234", True), disconnect], 10) == (None, [disconnect, disconnect], 2)
     big = [part(b"0123456789X", False)]
     assert _in_scope(big, 11) == (None, [big[0], disconnect], 1)
@@ -544,6 +547,29 @@ def test_a_refusal_reads_only_a_load_refusals_body_within_the_limit(refusal, chu
     status, _, headers, reads = asgi_post(app, "/v1/completions", [b"x" * 1000] * chunks,
                                           [(b"authorization", b"Bearer k")])
     assert status == refusal.status and reads == read
+    assert (headers.get(b"connection") == b"close") == closes, headers
+
+
+@pytest.mark.parametrize(("chunks", "read", "closes"), [(8, 8, False), (40, 17, True)],
+                         ids=["within-drain-limit", "over-drain-limit"])
+def test_a_request_the_proxy_sheds_keeps_its_connection_only_when_its_body_was_drained(
+        chunks, read, closes):
+    """The proxy's own 429, at the ASGI level: a body of up to ``MAX_DRAIN_BYTES`` (1 MiB) is
+    read and dropped, so the client keeps its connection; reading a bigger one stops one chunk
+    past the limit and the answer closes the connection (else the unread bytes would be read
+    as the client's next request)."""
+    gateway = Gateway()
+    gateway.release.set()
+    mw = proxy(gateway)
+    auth = [(b"authorization", b"Bearer batch-key")]
+    assert asgi_post(mw, "/v1/completions", [b"{}"], auth)[0] == 200         # class learned
+    gateway.shedding.add("batch-key")
+    assert asgi_post(mw, "/v1/completions", [b"{}"], auth)[0] == 429         # the gateway sheds
+    mw.echo_until = time.monotonic() + 60                                    # the echo holds
+    reached = len(gateway.reached)
+    status, body, headers, reads = asgi_post(mw, "/v1/completions", [b"x" * 65536] * chunks, auth)
+    assert status == 429 and "overloaded" in body and len(gateway.reached) == reached
+    assert reads == read
     assert (headers.get(b"connection") == b"close") == closes, headers
 
 
