@@ -40,6 +40,7 @@ def test_validate_reports_file_line_and_field(tenants_file, capsys):
     assert main(["validate", str(tenants_file)]) == 1
     err = capsys.readouterr().err
     assert f"{tenants_file}:{line}: tenants.initech.qos: unknown QoS class 'bulk'" in err
+    assert err.rstrip().endswith(f"{tenants_file}: INVALID (1 problem(s))")
 
 
 def test_add_rotate_revoke_round_trip_keeps_comments(tenants_file, capsys):
@@ -107,6 +108,18 @@ def test_revoke_needs_a_tenant_or_admin_but_not_both(tenants_file, capsys, argv)
     before = tenants_file.read_text()
     assert main([*argv, "--file", str(tenants_file)]) == 2
     assert "give a tenant NAME, or --admin" in capsys.readouterr().err
+    assert tenants_file.read_text() == before
+
+
+@pytest.mark.parametrize(("argv", "option"), [(["add", "hooli"], "--qos"),
+                                               (["revoke-key", "acme"], "--hash-prefix")])
+def test_an_edit_without_its_required_option_is_a_usage_error_naming_it(tenants_file, capsys,
+                                                                       argv, option):
+    before = tenants_file.read_text()
+    with pytest.raises(SystemExit) as exited:
+        main([*argv, "--file", str(tenants_file)])
+    assert exited.value.code == 2
+    assert f"the following arguments are required: {option}" in capsys.readouterr().err
     assert tenants_file.read_text() == before
 
 
@@ -265,13 +278,13 @@ def test_show_says_when_a_server_answers_no_usage(tenants_file, capsys, usage_se
 
 
 def test_show_needs_an_admin_key_a_reachable_server_and_a_known_tenant(tenants_file, capsys,
-                                                                      monkeypatch):
+                                                                      monkeypatch, usage_server):
     from tests.observability.promql import free_port
 
     monkeypatch.delenv("KVHARBOR_ADMIN_KEY", raising=False)
     f = ["--file", str(tenants_file)]
-    assert main(["show", *f, "--usage-url", "http://127.0.0.1:9"]) == 1
-    assert "--usage-url needs --admin-key" in capsys.readouterr().err
+    assert main(["show", *f, "--usage-url", usage_server[0]]) == 1
+    assert capsys.readouterr().err == "error: --usage-url needs --admin-key (or $KVHARBOR_ADMIN_KEY)\n"
     closed = f"http://127.0.0.1:{free_port()}"          # a port nothing listens on
     assert main(["show", *f, "--usage-url", closed, "--admin-key", "k"]) == 1
     assert f"cannot reach {closed}" in capsys.readouterr().err
@@ -342,6 +355,35 @@ def test_rotate_keeps_old_keys_for_the_grace_period_given(tenants_file, capsys):
     assert main(["rotate-key", "acme", "--grace-hours", "2", "--file", str(tenants_file)]) == 0
     expires = TenantRegistry(tenants_file).config.tenants["acme"].keys[0].expires
     assert before + timedelta(hours=2) <= expires <= datetime.now(timezone.utc) + timedelta(hours=2)
+
+
+def test_show_prints_each_tenant_and_its_fields_or_says_why_the_file_is_invalid(tenants_file,
+                                                                                capsys):
+    assert main(["show", "acme", "--file", str(tenants_file)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "acme:" and '  qos: "premium"' in out
+    text = tenants_file.read_text().replace("qos: batch", "qos: bulk")
+    tenants_file.write_text(text)
+    line = text.splitlines().index("    qos: bulk") + 1
+    assert main(["show", "--file", str(tenants_file)]) == 1
+    captured = capsys.readouterr()
+    assert f"{tenants_file}:{line}: tenants.initech.qos: unknown QoS class 'bulk'" in captured.err
+    assert captured.out == "" and "Traceback" not in captured.err
+
+
+def test_the_module_runs_standalone(tenants_file):
+    """``python -m kvharbor.tenants.cli`` (the module docstring's form) runs a command and
+    exits with its code."""
+    import subprocess
+    import sys
+
+    ok = subprocess.run([sys.executable, "-m", "kvharbor.tenants.cli", "validate", str(tenants_file)],
+                        capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0 and f"{tenants_file}: OK" in ok.stdout
+    tenants_file.write_text(tenants_file.read_text().replace("qos: batch", "qos: bulk"))
+    bad = subprocess.run([sys.executable, "-m", "kvharbor.tenants.cli", "validate", str(tenants_file)],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "INVALID" in bad.stderr
 
 
 def test_editing_a_missing_file_is_an_error_not_a_traceback(tmp_path, capsys):
