@@ -31,6 +31,7 @@ def test_validate_ok_prints_summary(tenants_file, capsys):
     assert main(["validate", str(tenants_file)]) == 0
     out = capsys.readouterr().out
     assert "OK" in out and "tenants: 3" in out and "demo keys" in out
+    assert "    acme: qos=premium keys=1 cache_scope=private" in out.splitlines()
 
 
 def test_validate_reports_file_line_and_field(tenants_file, capsys):
@@ -100,6 +101,17 @@ def test_bad_edits_change_nothing(tenants_file, capsys, argv, words):
     assert main([*argv, "--file", str(tenants_file)]) == 1
     assert words in capsys.readouterr().err
     assert tenants_file.read_text() == before
+
+
+def test_an_edit_of_an_invalid_file_says_where_and_that_nothing_changed(tenants_file, capsys):
+    text = tenants_file.read_text().replace("qos: batch", "qos: bulk")
+    tenants_file.write_text(text)
+    line = text.splitlines().index("    qos: bulk") + 1
+    assert main(["add", "hooli", "--qos", "batch", "--file", str(tenants_file)]) == 1
+    err = capsys.readouterr().err
+    assert f"{tenants_file}:{line}: tenants.initech.qos: unknown QoS class 'bulk'" in err
+    assert err.rstrip().endswith(f"{tenants_file}: not changed")
+    assert tenants_file.read_text() == text
 
 
 @pytest.mark.parametrize("argv", [["revoke-key", "--hash-prefix", "9cf0"],
