@@ -46,6 +46,28 @@ def test_ngram_index_drafts_what_followed_the_latest_longest_match():
     assert NgramIndex(1, 3).drafts([5, 6, 7, 5], 2) == ([6, 7], 1)
 
 
+def test_ngram_index_reads_each_token_once_so_a_lookup_costs_the_same_at_any_length():
+    """Tokens are indexed as they arrive: a lookup after one more token reads only the new
+    n-grams and the suffix, not the whole history again (reads of slices, counted)."""
+
+    class Counted(list):
+        reads = 0
+
+        def __getitem__(self, index):
+            if isinstance(index, slice):
+                Counted.reads += 1
+            return super().__getitem__(index)
+
+    idx = NgramIndex(1, 3)
+    tokens = Counted(range(2000))
+    assert idx.drafts(tokens, 2) == ([], 0)
+    assert Counted.reads > 3 * 1990                   # the first call indexes everything
+    tokens.append(1000)                               # (1000) occurred before, then 1001 1002
+    Counted.reads = 0
+    assert idx.drafts(tokens, 2) == ([1001, 1002], 1)
+    assert Counted.reads <= 2 * 3                     # 3 new n-grams and up to 3 suffixes
+
+
 class _Drafted:
     """A running request with 4 drafts from a ``match_len``-token match (what the proposer
     reads of one)."""
@@ -163,17 +185,19 @@ def test_acceptance_counts_rejections_and_forgets_old_verifications():
     assert (proposer.draft_tokens, proposer.accepted_tokens) == (5, 3)
 
 
-@pytest.mark.parametrize("left_by", ["max_tokens", "context"])
+@pytest.mark.parametrize("left_by", ["max_tokens", "max_tokens after 2 outputs", "context"])
 def test_drafts_never_reach_past_max_tokens_or_the_context(left_by):
-    """A step keeps at most drafts + 1 tokens: with 3 tokens left (by max_tokens or by the
-    context), a request drafts at most 2, though it could draft 4."""
+    """A step keeps at most drafts + 1 tokens: with 3 tokens left (by max_tokens, counting the
+    tokens generated so far, or by the context), a request drafts at most 2, though it could
+    draft 4."""
     proposer = NgramProposer(4, 1, 4, adaptive=False)
-    prompt = [5, 6, 7, 8] * 4
-    max_tokens, max_len = (3, 100) if left_by == "max_tokens" else (50, len(prompt) + 3)
+    prompt, outputs = [5, 6, 7, 8] * 4, [5, 6] if "outputs" in left_by else []
+    max_tokens, max_len = (3 + len(outputs), 100) if left_by != "context" else (50, len(prompt) + 3)
     req = Request("r", prompt, SamplingParams(max_tokens=max_tokens, temperature=0))
+    req.all_token_ids.extend(outputs)
     req.num_computed_tokens = req.num_tokens - 1
     proposer.propose([req], max_len)
-    assert req.spec_token_ids == [5, 6]
+    assert req.spec_token_ids == ([7, 8] if outputs else [5, 6])
 
 
 def test_greedy_tokens_equal_transformers_with_drafts():
