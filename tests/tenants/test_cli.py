@@ -27,6 +27,13 @@ def new_key(out: str) -> str:
     return keys[0]
 
 
+def break_initech_qos(tenants_file) -> tuple[str, int]:
+    """Give initech an unknown QoS class ('bulk'): the file's new text and that line's number."""
+    text = tenants_file.read_text().replace("qos: batch", "qos: bulk")
+    tenants_file.write_text(text)
+    return text, text.splitlines().index("    qos: bulk") + 1
+
+
 def test_validate_ok_prints_summary(tenants_file, capsys):
     assert main(["validate", str(tenants_file)]) == 0
     out = capsys.readouterr().out
@@ -35,9 +42,7 @@ def test_validate_ok_prints_summary(tenants_file, capsys):
 
 
 def test_validate_reports_file_line_and_field(tenants_file, capsys):
-    text = tenants_file.read_text().replace("qos: batch", "qos: bulk")
-    tenants_file.write_text(text)
-    line = text.splitlines().index("    qos: bulk") + 1
+    _, line = break_initech_qos(tenants_file)
     assert main(["validate", str(tenants_file)]) == 1
     err = capsys.readouterr().err
     assert f"{tenants_file}:{line}: tenants.initech.qos: unknown QoS class 'bulk'" in err
@@ -104,9 +109,7 @@ def test_bad_edits_change_nothing(tenants_file, capsys, argv, words):
 
 
 def test_an_edit_of_an_invalid_file_says_where_and_that_nothing_changed(tenants_file, capsys):
-    text = tenants_file.read_text().replace("qos: batch", "qos: bulk")
-    tenants_file.write_text(text)
-    line = text.splitlines().index("    qos: bulk") + 1
+    text, line = break_initech_qos(tenants_file)
     assert main(["add", "hooli", "--qos", "batch", "--file", str(tenants_file)]) == 1
     err = capsys.readouterr().err
     assert f"{tenants_file}:{line}: tenants.initech.qos: unknown QoS class 'bulk'" in err
@@ -374,9 +377,7 @@ def test_show_prints_each_tenant_and_its_fields_or_says_why_the_file_is_invalid(
     assert main(["show", "acme", "--file", str(tenants_file)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "acme:" and '  qos: "premium"' in out
-    text = tenants_file.read_text().replace("qos: batch", "qos: bulk")
-    tenants_file.write_text(text)
-    line = text.splitlines().index("    qos: bulk") + 1
+    _, line = break_initech_qos(tenants_file)
     assert main(["show", "--file", str(tenants_file)]) == 1
     captured = capsys.readouterr()
     assert f"{tenants_file}:{line}: tenants.initech.qos: unknown QoS class 'bulk'" in captured.err
@@ -392,7 +393,7 @@ def test_the_module_runs_standalone(tenants_file):
     ok = subprocess.run([sys.executable, "-m", "kvharbor.tenants.cli", "validate", str(tenants_file)],
                         capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0 and f"{tenants_file}: OK" in ok.stdout
-    tenants_file.write_text(tenants_file.read_text().replace("qos: batch", "qos: bulk"))
+    break_initech_qos(tenants_file)
     bad = subprocess.run([sys.executable, "-m", "kvharbor.tenants.cli", "validate", str(tenants_file)],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and "INVALID" in bad.stderr
